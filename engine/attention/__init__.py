@@ -1,0 +1,23 @@
+"""Attention backends: ``torch`` (reference, CPU default) and ``triton`` (fused kernels, CUDA)."""
+
+from lazyattn_rag.engine.attention.base import AttentionBackend
+from lazyattn_rag.engine.attention.metadata import AttentionMetadata, SequenceInput, build_attention_metadata
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "SequenceInput", "build_attention_metadata", "get_backend_class"]
+
+
+def get_backend_class(name: str) -> type[AttentionBackend]:
+    """Return the backend class for ``name`` (``torch`` or ``triton``).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name == "torch":
+        from lazyattn_rag.engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend
+    if name == "triton":
+        from lazyattn_rag.engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend
+    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")

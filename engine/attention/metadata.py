@@ -1,0 +1,131 @@
+"""Attention metadata: the batch layout every layer's attention reads, built once per forward.
+
+One forward pass runs a batch of *sequences*. Each sequence has ``query_len`` new tokens
+(a chunk being encoded, a query being prefilled, or one decode token) and a key context of
+``seq_len`` tokens described by a block table. Context keys are numbered ``0 .. seq_len-1``
+in block-table order over valid slots; that index equals the key's global position (the
+prompt plan is contiguous). The new tokens are the last ``query_len`` keys of their
+sequence: their K/V are written to ``slot_mapping`` before attention, and new token ``i``
+attends key ``j`` iff ``j <= seq_len - query_len + i``.
+
+Each block-table entry is one packed int64 (``lazyattn_rag.kernels.block_table``):
+block id, the RoPE offset ``delta`` of the chunk that owns the block, and valid slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lazyattn_rag.kernels.block_table import pack_entries
+
+
+@dataclass
+class SequenceInput:
+    """One sequence of a forward batch, in plain Python (the runner's input).
+
+    Attributes:
+        token_ids: the ``query_len`` new token ids.
+        positions: their global RoPE positions (``query_len`` ints).
+        block_table: ``(block_id, delta, valid_slots)`` per context block, in order; covers the
+            new tokens' blocks too (those have ``delta = 0``).
+        slot_mapping: flat slot (``block_id * block_size + offset``) per new token.
+    """
+
+    token_ids: list[int]
+    positions: list[int]
+    block_table: list[tuple[int, int, int]]
+    slot_mapping: list[int]
+
+    @property
+    def query_len(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return sum(e[2] for e in self.block_table)
+
+
+@dataclass
+class AttentionMetadata:
+    """Batch layout shared by all layers of one forward pass.
+
+    Attributes:
+        block_size: slots per KV block.
+        cu_seqlens_q: ``[num_seqs + 1]`` int32, start of each sequence's rows in the flat batch.
+        seq_lens: ``[num_seqs]`` int32, valid context keys per sequence (new tokens included).
+        num_blocks_per_seq: ``[num_seqs]`` int32, used entries of each block-table row.
+        block_tables: ``[num_seqs, max_num_blocks]`` int64 packed words (padding entries are 0,
+            never read past ``num_blocks_per_seq``).
+        slot_mapping: ``[num_tokens]`` int64, where each new token's K/V is written.
+        max_query_len: largest ``query_len`` in the batch.
+        max_seq_len: largest ``seq_len`` in the batch.
+        query_lens, seq_lens_list: the same counts as Python lists (no device sync needed).
+        backend_state: per-backend derived data (e.g. gather indices), built lazily once.
+    """
+
+    block_size: int
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    num_blocks_per_seq: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    query_lens: list[int]
+    seq_lens_list: list[int]
+    backend_state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every sequence has exactly one new token."""
+        return self.max_query_len == 1
+
+
+def build_attention_metadata(
+    seqs: list[SequenceInput], block_size: int, device: torch.device | str
+) -> AttentionMetadata:
+    """Build :class:`AttentionMetadata` for a batch (the one builder every backend uses).
+
+    Raises:
+        ValueError: a sequence has no new tokens, a slot list of the wrong length, or a block
+            table that holds fewer keys than new tokens.
+    """
+    if not seqs:
+        raise ValueError("empty batch")
+    query_lens, seq_lens, rows = [], [], []
+    for i, s in enumerate(seqs):
+        if s.query_len == 0 or len(s.positions) != s.query_len or len(s.slot_mapping) != s.query_len:
+            raise ValueError(f"sequence {i}: {s.query_len} tokens, {len(s.positions)} positions, "
+                             f"{len(s.slot_mapping)} slots")
+        if s.seq_len < s.query_len:
+            raise ValueError(f"sequence {i}: block table holds {s.seq_len} keys < {s.query_len} new tokens")
+        query_lens.append(s.query_len)
+        seq_lens.append(s.seq_len)
+        rows.append(pack_entries(s.block_table))
+    max_blocks = max(r.numel() for r in rows)
+    block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        block_tables[i, : r.numel()] = r
+    cu = [0]
+    for q in query_lens:
+        cu.append(cu[-1] + q)
+    slots = [x for s in seqs for x in s.slot_mapping]
+    return AttentionMetadata(
+        block_size=block_size,
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        num_blocks_per_seq=torch.tensor([r.numel() for r in rows], dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens=query_lens,
+        seq_lens_list=seq_lens,
+    )

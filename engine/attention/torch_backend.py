@@ -1,0 +1,110 @@
+"""The pure-PyTorch deferred-RoPE paged attention backend: the CPU path and the oracle.
+
+Every Triton kernel is checked against this backend. It is written for clarity first:
+per sequence it gathers the valid slots of the block table, moves cached keys to their
+global positions and runs a masked softmax in float32.
+
+* Prefill rows (``query_len > 1``): each cached key is rotated once by its block's
+  ``delta`` (``R_delta (R_j k) = R_(j+delta) k``), then a causal mask over key indices.
+* Decode rows (``query_len == 1``): the query is rotated by ``-delta`` once per run of
+  blocks that share a ``delta`` (once per chunk), keys are read as stored:
+  ``(R_m q) . (R_(j+delta) k) = (R_(-delta) R_m q) . (R_j k)``.
+
+Source: LazyAttention (ICML 2026, arXiv 2606.04302), Sec. 3 "deferred RoPE".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lazyattn_rag.engine.attention.base import AttentionBackend, write_kv
+from lazyattn_rag.engine.attention.metadata import AttentionMetadata
+from lazyattn_rag.kernels.block_table import unpack_block_table
+
+
+@dataclass
+class _SeqGather:
+    slots: torch.Tensor  # [seq_len] int64 flat slot of each context key, in key order
+    deltas: torch.Tensor  # [seq_len] int64 delta of each key's block
+    runs: list[tuple[int, int, int]]  # (start, end, delta) of key runs sharing one delta
+    any_delta: bool
+
+
+def _gather_plan(metadata: AttentionMetadata, device: torch.device) -> list[_SeqGather]:
+    cached = metadata.backend_state.get("torch")
+    if cached is not None:
+        return cached
+    plans = []
+    bs = metadata.block_size
+    for i in range(metadata.num_seqs):
+        n = int(metadata.num_blocks_per_seq[i])
+        block_ids, deltas, valid = unpack_block_table(metadata.block_tables[i, :n].cpu())
+        offsets = torch.arange(bs, dtype=torch.int64)
+        keep = offsets[None, :] < valid[:, None]  # [n, bs]
+        slots = (block_ids[:, None] * bs + offsets[None, :])[keep]
+        key_deltas = deltas[:, None].expand(n, bs)[keep]
+        runs, start = [], 0
+        for b in range(n):
+            v, d = int(valid[b]), int(deltas[b])
+            if runs and runs[-1][2] == d:
+                runs[-1] = (runs[-1][0], runs[-1][1] + v, d)
+            else:
+                runs.append((start, start + v, d))
+            start += v
+        plans.append(_SeqGather(slots.to(device), key_deltas.to(device), runs, bool((deltas != 0).any())))
+    metadata.backend_state["torch"] = plans
+    return plans
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference backend (float32 math, any device). See the module docstring."""
+
+    name = "torch"
+
+    def forward(self, query, key, value, key_cache, value_cache, metadata):
+        write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+        flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+        flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+        out = torch.empty_like(query)
+        plans = _gather_plan(metadata, query.device)
+        starts = metadata.cu_seqlens_q.tolist()
+        for i, plan in enumerate(plans):
+            q = query[starts[i] : starts[i + 1]].to(torch.float32)  # [q_len, num_heads, head_dim]
+            k = flat_k[plan.slots]  # [seq_len, num_kv_heads, head_dim]
+            v = flat_v[plan.slots].to(torch.float32)
+            if q.shape[0] == 1:
+                o = self._decode_one(q, k, v, plan)
+            else:
+                if plan.any_delta:
+                    k = self.rotary.rotate_by(k.to(torch.float32), plan.deltas)
+                o = self._attend(q, k.to(torch.float32), v, metadata.seq_lens_list[i])
+            out[starts[i] : starts[i + 1]] = o.to(out.dtype)
+        return out
+
+    def _expand_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """[seq_len, num_kv_heads, d] -> [num_heads, seq_len, d] (GQA: each KV head serves a group)."""
+        group = self.num_heads // self.num_kv_heads
+        return t.transpose(0, 1).repeat_interleave(group, dim=0)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int) -> torch.Tensor:
+        q_len = q.shape[0]
+        scores = torch.einsum("qhd,hkd->hqk", q, self._expand_kv(k)) * self.scale
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        k_pos = torch.arange(seq_len)[None, :]
+        scores = scores.masked_fill((k_pos > q_pos).to(scores.device)[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return torch.einsum("hqk,hkd->qhd", probs, self._expand_kv(v))
+
+    def _decode_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _SeqGather) -> torch.Tensor:
+        k_exp = self._expand_kv(k.to(torch.float32))  # [num_heads, seq_len, d]
+        scores = torch.empty(self.num_heads, k.shape[0], dtype=torch.float32, device=q.device)
+        for start, end, delta in plan.runs:
+            q_run = q
+            if delta != 0:
+                q_run = self.rotary.rotate_by(q, torch.tensor([-delta], device=q.device))
+            scores[:, start:end] = torch.einsum("hd,hkd->hk", q_run[0], k_exp[:, start:end])
+        probs = torch.softmax(scores * self.scale, dim=-1)
+        return torch.einsum("hk,hkd->hd", probs, self._expand_kv(v))[None]

@@ -1,0 +1,1 @@
+"""Framework integrations (LlamaIndex, LangChain, FAISS). Each module imports its framework lazily."""

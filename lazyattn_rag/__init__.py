@@ -1,0 +1,1 @@
+"""lazyattn-rag."""
