@@ -1,0 +1,210 @@
+"""Llama-family decoder (Llama, SmolLM2, Llama-3.x, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Parameter names follow Hugging Face's ``*ForCausalLM`` so their state dicts load as they are.
+Attention goes through an :class:`~lazyattn_rag.engine.attention.AttentionBackend`; this
+module applies RoPE to q and k at their global positions (float32 angles) and leaves the
+deferred rotation of cached chunks to the backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lazyattn_rag.engine.attention import AttentionBackend, AttentionMetadata
+from lazyattn_rag.kernels.rope import RotaryEmbedding
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or an option of it is not implemented."""
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """The architecture facts the engine needs, read from a transformers config.
+
+    Attributes:
+        model_type: one of :data:`SUPPORTED_MODEL_TYPES`.
+        vocab_size, hidden_size, intermediate_size, num_layers: usual sizes.
+        num_heads, num_kv_heads, head_dim: attention shape (GQA when ``num_kv_heads < num_heads``).
+        rms_norm_eps: RMSNorm epsilon.
+        qkv_bias: q/k/v projections have a bias (Qwen2, ``attention_bias`` Llama).
+        o_bias: output projection has a bias (``attention_bias`` Llama).
+        mlp_bias: MLP projections have a bias.
+        qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
+        tie_word_embeddings: ``lm_head`` shares the embedding matrix.
+        max_position_embeddings: the model's context length in tokens.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any) -> "ModelArchConfig":
+        """Raises :class:`UnsupportedModelError` for other architectures or activations."""
+        model_type = getattr(cfg, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        num_heads = cfg.num_attention_heads
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads,
+            rms_norm_eps=float(cfg.rms_norm_eps),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=attention_bias and model_type != "qwen2",
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 2048)),
+        )
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as transformers' ``LlamaRMSNorm``."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, backend, key_cache, value_cache, metadata):
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [n, num_heads, head_dim]
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [n, num_kv_heads, head_dim]
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary.encode(q, positions), rotary.encode(k, positions)
+        out = backend.forward(q, k, v, key_cache, value_cache, metadata)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, backend, key_cache, value_cache, metadata):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, key_cache, value_cache, metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: ModelArchConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Llama-family causal LM over a paged KV cache (HF parameter names: ``model.*``, ``lm_head``)."""
+
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.config = cfg
+        self.rotary = rotary
+        self.model = _Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64, all sequences' new tokens, flattened
+        positions: torch.Tensor,  # [num_tokens] int64 global positions
+        backend: AttentionBackend,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (key_cache, value_cache)
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor | None = None,  # [num_out] rows whose logits are wanted
+    ) -> torch.Tensor:  # [num_out or num_tokens, vocab_size] float32
+        x = self.model.embed_tokens(input_ids)
+        for layer, (kc, vc) in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, self.rotary, backend, kc, vc, metadata)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        return self.lm_head(self.model.norm(x)).to(torch.float32)
+
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a transformers ``*ForCausalLM`` state dict (strict; rotary buffers ignored).
+
+        Raises:
+            UnsupportedModelError: missing or unexpected weights (names listed).
+        """
+        state = {k: v for k, v in state_dict.items() if "rotary_emb" not in k}
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        expected = {k for k in self.state_dict() if not (self.config.tie_word_embeddings and k == "lm_head.weight")}
+        missing, unexpected = expected - state.keys(), state.keys() - expected
+        if missing or unexpected:
+            raise UnsupportedModelError(
+                f"weights do not match the architecture: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+        self.load_state_dict(state, strict=False)

@@ -1,0 +1,51 @@
+"""The model runner: owns the paged KV tensors and runs one forward pass for a batch."""
+
+from __future__ import annotations
+
+import torch
+
+from lazyattn_rag.engine.attention import AttentionBackend, SequenceInput, build_attention_metadata
+from lazyattn_rag.engine.model import CausalLM
+
+
+def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V of one block over all layers."""
+    cfg = model.config
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    """Runs :class:`CausalLM` over batches of :class:`SequenceInput` against a paged KV cache.
+
+    Args:
+        model: the model (already on ``device`` in ``dtype``).
+        backend: the attention backend.
+        num_blocks: KV blocks to allocate per layer.
+        block_size: slots per block.
+        device, dtype: where and in what the K/V live.
+    """
+
+    def __init__(self, model: CausalLM, backend: AttentionBackend, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype):
+        cfg = model.config
+        self.model, self.backend = model, backend
+        self.block_size, self.device = block_size, device
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[SequenceInput]) -> torch.Tensor:
+        """Write the batch's new K/V and return the logits of each sequence's last new token.
+
+        Returns:
+            ``[len(seqs), vocab_size]`` float32.
+        """
+        metadata = build_attention_metadata(seqs, self.block_size, self.device)
+        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64, device=self.device)
+        positions = torch.tensor([p for s in seqs for p in s.positions], dtype=torch.int64, device=self.device)
+        last_rows = (metadata.cu_seqlens_q[1:] - 1).to(torch.int64)
+        return self.model(input_ids, positions, self.backend, self.kv_caches, metadata, last_rows)

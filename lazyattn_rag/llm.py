@@ -1,0 +1,232 @@
+"""``LazyAttention``: the public facade (load a model, register documents, ask questions)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lazyattn_rag.config import EngineConfig
+from lazyattn_rag.documents import Document
+from lazyattn_rag.engine.attention import get_backend_class
+from lazyattn_rag.engine.block_pool import BlockPool
+from lazyattn_rag.engine.chunk_cache import ChunkCache
+from lazyattn_rag.engine.engine import LLMEngine
+from lazyattn_rag.engine.model import CausalLM, ModelArchConfig
+from lazyattn_rag.engine.runner import ModelRunner, kv_bytes_per_block
+from lazyattn_rag.fingerprint import ModelFingerprint, tensors_sha256
+from lazyattn_rag.kernels.rope import RotaryEmbedding
+from lazyattn_rag.outputs import Completion, StreamDelta
+from lazyattn_rag.sampling import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DEFAULT_KV_BYTES = 512 * 2**20
+
+
+def _tokenizer_sha256(tokenizer: Any) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    extra = json.dumps([tokenizer.bos_token_id, tokenizer.eos_token_id, getattr(tokenizer, "chat_template", None)])
+    return hashlib.sha256((text + extra).encode()).hexdigest()
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LazyAttention:
+    """Retrieval-augmented generation with position-agnostic KV reuse of documents.
+
+    Each registered document's K/V is computed once, stored position-agnostic in the chunk
+    cache, and placed at any offset of any later prompt with its RoPE applied at attention
+    time (LazyAttention, ICML 2026, arXiv 2606.04302).
+
+    Args:
+        config: :class:`EngineConfig`; ``None`` loads the offline default SmolLM2 on the CPU
+            (or CUDA when available).
+
+    Example::
+
+        llm = LazyAttention()
+        llm.add_document("py-for", "The for statement iterates over the items of a sequence...")
+        out = llm.generate("What does a for loop iterate over?", doc_ids=["py-for"])
+        print(out.text, out.stats.docs_hit, out.stats.ttft_ms)
+
+    Thread safety: every public method may be called from several threads; requests run one
+    at a time.
+    """
+
+    def __init__(self, config: EngineConfig | None = None):
+        from transformers import AutoConfig, AutoTokenizer
+
+        from lazyattn_rag.model_loading import load_state_dict, resolve_model
+
+        config = config or EngineConfig()
+        source = resolve_model(config.model, config.resolved_cache_dir())
+        hf_config = AutoConfig.from_pretrained(str(source.path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(source.path), local_files_only=True)
+        model = CausalLM(ModelArchConfig.from_hf_config(hf_config), RotaryEmbedding.from_hf_config(hf_config))
+        model.load_hf_state_dict(load_state_dict(source.path))
+        eos = _generation_eos_ids(source.path)
+        self._setup(model, tokenizer, config, source.weights_sha256, source.name, eos, hf_config)
+
+    @classmethod
+    def from_model(cls, model: CausalLM, tokenizer: Any, config: EngineConfig | None = None,
+                   name: str = "in-memory", hf_config: Any = None) -> "LazyAttention":
+        """Wrap an already-built :class:`CausalLM` (tests, custom loading). Weights are hashed."""
+        self = cls.__new__(cls)
+        self._setup(model, tokenizer, config or EngineConfig(), tensors_sha256(model.state_dict()), name,
+                    set(), hf_config)
+        return self
+
+    def _setup(self, model, tokenizer, config, weights_sha256, name, eos_ids, hf_config) -> None:
+        self.config = config
+        self.device = _resolve_device(config.device)
+        dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
+        self.dtype = _DTYPES[dtype_name]
+        backend_name = config.attention_backend
+        if backend_name == "auto":
+            backend_name = "triton" if self.device.type == "cuda" else "torch"
+        self.model_name = name
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.tokenizer = tokenizer
+        arch = model.config
+        window = getattr(hf_config, "sliding_window", None) if hf_config is not None else None
+        limit = arch.max_position_embeddings if not window else min(window, arch.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        block_size = config.cache.block_size
+        backend = get_backend_class(backend_name)(model.rotary, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                                                  arch.head_dim**-0.5)
+        self.block_bytes = kv_bytes_per_block(model, block_size, self.dtype)
+        num_blocks = config.cache.num_blocks or max(1, self._kv_budget() // self.block_bytes)
+        runner = ModelRunner(self.model, backend, num_blocks, block_size, self.device, self.dtype)
+        self.fingerprint = ModelFingerprint(weights_sha256, dtype_name, json.dumps(model.rotary.fingerprint(),
+                                            sort_keys=True), _tokenizer_sha256(tokenizer), block_size)
+        cache = ChunkCache(BlockPool(num_blocks), block_size)
+        self.engine = LLMEngine(runner, cache, tokenizer, self.fingerprint.digest(), config, self.max_model_len, eos_ids)
+        self._lock = threading.RLock()
+
+    def _kv_budget(self) -> int:
+        if self.config.cache.kv_cache_bytes is not None:
+            return self.config.cache.kv_cache_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.4)
+        return CPU_DEFAULT_KV_BYTES
+
+    # --- documents ------------------------------------------------------------------------
+    def add_document(self, doc_id: str, text: str) -> bool:
+        """Register or update a document (K/V is encoded on first use or by :meth:`warm`).
+
+        Returns:
+            ``True`` if the document is new or its text changed.
+        Raises:
+            EmptyInputError, DocumentTooLongError: see :meth:`LLMEngine.add_document`.
+        """
+        with self._lock:
+            return self.engine.add_document(doc_id, text)
+
+    def add_documents(self, documents: Iterable[Document | tuple[str, str]]) -> int:
+        """Register many documents; returns how many were new or changed."""
+        n = 0
+        for d in documents:
+            doc_id, text = (d.id, d.text) if isinstance(d, Document) else d
+            n += self.add_document(doc_id, text)
+        return n
+
+    def remove_document(self, doc_id: str) -> None:
+        """Forget a document and its cached K/V. Raises ``UnknownDocumentError``."""
+        with self._lock:
+            self.engine.remove_document(doc_id)
+
+    def has_document(self, doc_id: str) -> bool:
+        return doc_id in self.engine.documents
+
+    def document_ids(self) -> list[str]:
+        return list(self.engine.documents)
+
+    def warm(self, doc_ids: Iterable[str]) -> list[str]:
+        """Encode documents' K/V ahead of queries; returns the ids that were encoded now."""
+        with self._lock:
+            return self.engine.warm(list(doc_ids))
+
+    # --- generation -----------------------------------------------------------------------
+    def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
+               sampling: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Stream the answer to ``question`` over documents, in the order given.
+
+        Args:
+            question: the user's question (non-empty).
+            doc_ids: ids of registered documents.
+            documents: inline documents, registered (or updated) first and placed after ``doc_ids``.
+            sampling: :class:`SamplingParams` (greedy, 256 tokens by default).
+        Yields:
+            :class:`StreamDelta` pieces; the last has ``finished=True`` and the stats.
+        Raises:
+            UnknownDocumentError, EmptyInputError, PromptTooLongError, DocumentTooLongError,
+            CacheCapacityError: before anything is yielded; the cache stays usable.
+        """
+        t0 = time.perf_counter()
+        ids = list(doc_ids)
+        with self._lock:
+            for d in documents:
+                self.engine.add_document(d.id, d.text)
+                ids.append(d.id)
+            gen = self.engine.generate(question, ids, sampling or SamplingParams())
+        return self._locked(gen, t0)
+
+    def _locked(self, gen: Iterator[StreamDelta], t0: float) -> Iterator[StreamDelta]:
+        with self._lock:
+            try:
+                yield from gen
+            finally:
+                gen.close()
+
+    def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
+                 sampling: SamplingParams | None = None) -> Completion:
+        """Answer ``question``; same arguments and errors as :meth:`stream`."""
+        text, token_ids, last = [], [], None
+        for delta in self.stream(question, doc_ids, documents, sampling):
+            text.append(delta.text)
+            if delta.token_id is not None:
+                token_ids.append(delta.token_id)
+            last = delta
+        return Completion("".join(text), token_ids, last.finish_reason, last.stats)
+
+    def info(self) -> dict:
+        """Model, backend and cache configuration as a JSON-able dict."""
+        cache = self.engine.cache
+        return {
+            "model": self.model_name,
+            "model_type": self.model.config.model_type,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "attention_backend": self.engine.runner.backend.name,
+            "max_model_len": self.max_model_len,
+            "block_size": cache.block_size,
+            "num_blocks": cache.pool.num_blocks,
+            "kv_cache_bytes": cache.pool.num_blocks * self.block_bytes,
+            "anchor": self.config.cache.anchor,
+            "num_documents": len(self.engine.documents),
+            "num_cached_chunks": cache.num_entries,
+            "num_free_blocks": cache.pool.num_free,
+            "num_evictions": cache.num_evictions,
+        }
+
+
+def _generation_eos_ids(path: Path) -> set[int]:
+    f = Path(path) / "generation_config.json"
+    if not f.is_file():
+        return set()
+    eos = json.loads(f.read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {eos}

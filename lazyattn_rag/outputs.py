@@ -1,0 +1,75 @@
+"""What a request returns: text, token ids, finish reason and per-request cache stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestStats:
+    """Per-request accounting.
+
+    Attributes:
+        request_id: the engine's id for the request.
+        num_prompt_tokens: prompt length (head + documents + query tail).
+        num_cached_tokens: prompt tokens whose K/V came from the chunk cache.
+        num_computed_tokens: prompt tokens whose K/V this request computed (documents encoded on
+            a miss, plus the query tail).
+        num_output_tokens: tokens generated.
+        docs_hit: document ids served from the cache, in prompt order.
+        docs_missed: document ids encoded for this request, in prompt order.
+        ttft_ms: time to first token, from submission, in milliseconds.
+        tpot_ms: mean time per output token after the first, in milliseconds.
+        e2e_ms: submission to finish, in milliseconds.
+    """
+
+    request_id: str
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    docs_hit: list[str] = field(default_factory=list)
+    docs_missed: list[str] = field(default_factory=list)
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class StreamDelta:
+    """One piece of a streamed answer.
+
+    Attributes:
+        text: new text (may be empty when a token completes no character yet).
+        token_id: the token that produced it, or ``None`` for the final flush.
+        finished: this is the last delta.
+        finish_reason: ``"stop"`` (EOS, stop string or stop token), ``"length"`` (max_tokens or
+            the context limit) once finished.
+        stats: the request's stats once finished.
+    """
+
+    text: str
+    token_id: int | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: RequestStats | None = None
+
+
+@dataclass
+class Completion:
+    """A finished answer.
+
+    Attributes:
+        text: the generated text (stop strings cut off).
+        token_ids: generated token ids (stop tokens and EOS excluded).
+        finish_reason: ``"stop"`` or ``"length"``.
+        stats: :class:`RequestStats`.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: RequestStats

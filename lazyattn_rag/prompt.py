@@ -1,0 +1,121 @@
+"""The RAG prompt plan: head, document chunks and query as separately tokenized segments.
+
+::
+
+    global pos: 0 ..... P | g1 ...... g1+L1 | g2 ...... g2+L2 | ... | gq ..... gq+Lq | generated
+    segments:   [ head   ][ chunk doc A      ][ chunk doc B      ]     [ query tail    ][ decode ...
+    delta:        0        g1 - l             g2 - l                   0                0
+
+The head is the chat template's opening (system turn, start of the user turn) plus the
+instruction; each document is its text plus a separator; the tail is the question and the
+template's closing (end of the user turn, start of the assistant turn). Segments are
+tokenized separately and concatenated as token ids; the joined string is never
+re-tokenized, so a boundary tokenizes the same way on a cache hit as on a miss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lazyattn_rag.config import PromptConfig
+
+_SENTINEL = "\u2063LAZYATTN_CONTENT\u2063"
+
+
+@dataclass(frozen=True)
+class ChunkSegment:
+    """A cached chunk placed in a request.
+
+    Attributes:
+        key: the chunk's cache key.
+        token_ids: its tokens.
+        local_start: ``l``, the position its first token was encoded at.
+        global_start: ``g``, where it sits in this request.
+        doc_id: the document id, or ``None`` for the head.
+    """
+
+    key: str
+    token_ids: tuple[int, ...]
+    local_start: int
+    global_start: int
+    doc_id: str | None
+
+    @property
+    def delta(self) -> int:
+        """RoPE offset of this placement (``g - l``)."""
+        return self.global_start - self.local_start
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    """One request's prompt: cached chunks (head first) then the new query tokens.
+
+    Attributes:
+        chunks: head and documents in prompt order, contiguous from position 0.
+        query_token_ids: the tail (question and template closing), computed per request.
+    """
+
+    chunks: tuple[ChunkSegment, ...]
+    query_token_ids: tuple[int, ...]
+
+    @property
+    def num_cached_prompt_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.num_cached_prompt_tokens + len(self.query_token_ids)
+
+    def token_ids(self) -> list[int]:
+        """The whole prompt as one id list (what a full prefill would see)."""
+        ids = [t for c in self.chunks for t in c.token_ids]
+        return ids + list(self.query_token_ids)
+
+
+class PromptTemplate:
+    """Renders the head, document and tail segments from a tokenizer's chat template.
+
+    Args:
+        tokenizer: a transformers tokenizer; its chat template (if any) frames the user turn.
+        config: :class:`PromptConfig`.
+    """
+
+    def __init__(self, tokenizer: Any, config: PromptConfig):
+        self.tokenizer = tokenizer
+        self.config = config
+        self.opening, self.closing = self._split_template()
+
+    def _split_template(self) -> tuple[str, str]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            return "", "\nAnswer:"
+        messages = []
+        if self.config.system_prompt is not None:
+            messages.append({"role": "system", "content": self.config.system_prompt})
+        messages.append({"role": "user", "content": _SENTINEL})
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if rendered.count(_SENTINEL) != 1:
+            raise ValueError("the chat template does not render the user content exactly once")
+        opening, closing = rendered.split(_SENTINEL)
+        return opening, closing
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def head_text(self) -> str:
+        return self.opening + self.config.instruction
+
+    def document_text(self, text: str) -> str:
+        return text.strip() + self.config.document_separator
+
+    def tail_text(self, question: str) -> str:
+        return self.config.question_prefix + question.strip() + self.closing
+
+    def head_token_ids(self) -> list[int]:
+        return self.encode(self.head_text())
+
+    def document_token_ids(self, text: str) -> list[int]:
+        return self.encode(self.document_text(text))
+
+    def tail_token_ids(self, question: str) -> list[int]:
+        return self.encode(self.tail_text(question))
