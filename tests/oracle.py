@@ -1,0 +1,88 @@
+"""An independent eager oracle for chunk reuse, written with transformers only.
+
+Each cached chunk is encoded alone by the HF model (after its anchor, positions
+``0 .. l+L-1``), its K rotated to its offset ``delta = g - l`` with HF's own
+``rotate_half`` formula, all chunks' K/V concatenated into a ``DynamicCache``, then the
+query tail is run and decoded greedily by the HF model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _encode_alone(hf, anchor_ids: list[int], ids: list[int]):
+    """Per-layer (K, V) ``[1, kv_heads, len(ids), d]`` of ``ids`` encoded after ``anchor_ids``."""
+    from transformers import DynamicCache
+
+    full = list(anchor_ids) + list(ids)
+    cache = DynamicCache()
+    with torch.no_grad():
+        hf(input_ids=torch.tensor([full]), position_ids=torch.arange(len(full))[None], past_key_values=cache,
+           use_cache=True)
+    n = len(anchor_ids)
+    return [(layer.keys[:, :, n:], layer.values[:, :, n:]) for layer in cache.layers]
+
+
+def _shift_keys(hf, k: torch.Tensor, delta: int) -> torch.Tensor:
+    rotary = hf.model.rotary_emb
+    pos = torch.full((1, k.shape[2]), delta, dtype=torch.int64)
+    cos, sin = rotary(k, pos)  # [1, n, d], multiplied by attention_scaling
+    cos, sin = cos / rotary.attention_scaling, sin / rotary.attention_scaling
+    return k * cos[:, None] + _rotate_half(k) * sin[:, None]
+
+
+def oracle_generate(hf, chunks, query_ids: list[int], num_tokens: int):
+    """Greedy tokens and first-token logits of the reuse semantics.
+
+    Args:
+        hf: a transformers ``*ForCausalLM`` (float32, eval, eager attention).
+        chunks: ``[(anchor_ids, token_ids, global_start)]`` in prompt order; contiguous.
+        query_ids: the new tokens after the chunks.
+        num_tokens: how many tokens to decode greedily.
+    Returns:
+        (token ids, logits of the first generated token ``[vocab]``).
+    """
+    from transformers import DynamicCache
+
+    per_layer = None
+    pos = 0
+    for anchor_ids, ids, g in chunks:
+        assert g == pos, "chunks must be contiguous"
+        kv = _encode_alone(hf, anchor_ids, ids)
+        delta = g - len(anchor_ids)
+        kv = [(_shift_keys(hf, k, delta) if delta else k, v) for k, v in kv]
+        per_layer = kv if per_layer is None else [
+            (torch.cat((a, k), dim=2), torch.cat((b, v), dim=2)) for (a, b), (k, v) in zip(per_layer, kv)]
+        pos += len(ids)
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(per_layer):
+        cache.update(k, v, i)
+    tokens, first_logits, ids = [], None, list(query_ids)
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            out = hf(input_ids=torch.tensor([ids]), position_ids=torch.arange(pos, pos + len(ids))[None],
+                     past_key_values=cache, use_cache=True)
+            logits = out.logits[0, -1]
+            first_logits = logits if first_logits is None else first_logits
+            pos += len(ids)
+            ids = [int(logits.argmax())]
+            tokens.append(ids[0])
+    return tokens, first_logits
+
+
+def full_prefill_generate(hf, prompt_ids: list[int], num_tokens: int):
+    """Greedy tokens and first logits of a plain full forward over the prompt (no reuse)."""
+    ids, tokens, first = list(prompt_ids), [], None
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            logits = hf(input_ids=torch.tensor([ids])).logits[0, -1]
+            first = logits if first is None else first
+            ids.append(int(logits.argmax()))
+            tokens.append(ids[-1])
+    return tokens, first

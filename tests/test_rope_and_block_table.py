@@ -1,0 +1,74 @@
+"""RoPE rotation identities (float32) and the packed block-table word."""
+
+import pytest
+import torch
+
+from lazyattn_rag.kernels.block_table import (
+    MAX_BLOCK_ID,
+    BlockTableOverflowError,
+    pack_block_table,
+    pack_entries,
+    unpack_block_table,
+)
+from lazyattn_rag.kernels.rope import RotaryEmbedding
+from tests.tiny import hf_config
+
+
+def _rotary(rope=None, interleaved=False, partial=1.0):
+    params = dict(rope or {"rope_type": "default", "rope_theta": 10000.0})
+    params["partial_rotary_factor"] = partial
+    return RotaryEmbedding.from_hf_config(hf_config("llama", params), interleaved=interleaved)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+@pytest.mark.parametrize("rope", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                                         "rope_theta": 10000.0}])
+def test_relative_rotation_equals_encoding_at_shifted_position(interleaved, partial, rope):
+    """R_delta (encode at j) == encode at j + delta, for deltas of both signs.
+
+    Angles are float32 (as in transformers), so both sides round ``position * inv_freq`` to
+    float32: at positions ~2e4 that is ~1e-3 rad, hence the tolerance.
+    """
+    rot = _rotary(rope, interleaved, partial)
+    torch.manual_seed(0)
+    x = torch.randn(6, 2, rot.head_dim, dtype=torch.float64).float()
+    local = torch.tensor([0, 1, 5, 100, 3000, 7])
+    delta = torch.tensor([0, 3, -5, 20000, -2000, 12345])
+    moved = rot.rotate_by(rot.encode(x, local), delta)
+    direct = rot.encode(x, local + delta)
+    torch.testing.assert_close(moved, direct, atol=1e-2, rtol=0)
+    small = rot.rotate_by(rot.encode(x[:3], local[:3]), delta[:3])
+    torch.testing.assert_close(small, rot.encode(x[:3], local[:3] + delta[:3]), atol=1e-5, rtol=0)
+    assert rot.rotary_dim == int(rot.head_dim * partial)
+    torch.testing.assert_close(moved[..., rot.rotary_dim:], x[..., rot.rotary_dim:])
+
+
+def test_rotation_preserves_scores_relative_position():
+    rot = _rotary()
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 16), torch.randn(1, 1, 16)
+    s1 = (rot.encode(q, torch.tensor([50])) * rot.encode(k, torch.tensor([20]))).sum()
+    s2 = (rot.encode(q, torch.tensor([1030])) * rot.encode(k, torch.tensor([1000]))).sum()
+    assert s1.item() == pytest.approx(s2.item(), abs=1e-4)
+
+
+def test_pack_roundtrip_at_field_limits():
+    entries = [(0, 0, 1), (MAX_BLOCK_ID, 2**24, 128), (7, -(2**24), 16), (123, 2**25 - 1, 5), (9, -(2**25), 77)]
+    words = pack_entries(entries)
+    assert words.dtype == torch.int64
+    ids, deltas, valid = unpack_block_table(words)
+    assert ids.tolist() == [e[0] for e in entries]
+    assert deltas.tolist() == [e[1] for e in entries]
+    assert valid.tolist() == [e[2] for e in entries]
+
+
+@pytest.mark.parametrize("bad", [(2**31, 0, 1), (-1, 0, 1), (0, 2**25, 1), (0, -(2**25) - 1, 1), (0, 0, 0), (0, 0, 129)])
+def test_pack_rejects_out_of_range(bad):
+    with pytest.raises(BlockTableOverflowError):
+        pack_entries([bad])
+
+
+def test_pack_rejects_shape_mismatch():
+    with pytest.raises(ValueError, match="shapes differ"):
+        pack_block_table(torch.zeros(2), torch.zeros(3), torch.ones(2))
