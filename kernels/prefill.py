@@ -1,0 +1,432 @@
+"""Deferred-RoPE paged prefill: a Triton kernel, its launcher and a pure-PyTorch reference.
+
+A batch of sequences (varlen, ``cu_seqlens_q``) attends its paged KV context. Context keys are
+numbered ``0 .. seq_len-1`` over the valid slots of the block table, in table order; a sequence's
+``query_len`` new tokens are its last ``query_len`` keys and new token ``i`` attends key ``j`` iff
+``j <= seq_len - query_len + i``. Keys are stored rotated at their *local* positions; each
+block-table word carries the block's offset ``delta`` and the kernel moves every K tile to its
+global position with one relative rotation ``R_delta`` in registers before the dot product
+(LazyAttention, arXiv 2606.04302, Sec. 3: ``R_delta (R_j k) = R_(j+delta) k``).
+
+Kernel structure (one program = one query head x ``BLOCK_M`` new tokens of one sequence):
+
+* The head dimension is read in up to three parts: ``x1`` and ``x2``, the two halves of every
+  rotary pair (half-split: columns ``i`` and ``i + rotary_dim/2``; interleaved: ``2i`` and
+  ``2i+1``), and ``rest``, the columns past ``rotary_dim`` that do not rotate. A score is
+  ``q1.k1 + q2.k2 + q3.k3``, so the rotation ``k1' = k1 c - k2 s``, ``k2' = k2 c + k1 s`` needs no
+  register shuffles.
+* A K tile is ``BLOCK_N // block_size`` consecutive blocks. When all its valid keys share one
+  ``delta`` (every tile inside a chunk), ``cos``/``sin`` are computed once per tile
+  (``rotary_dim/2`` values); a tile with ``delta == 0`` (prefix, the request's own tokens) is not
+  rotated at all. Only a tile that straddles two chunks computes per-key angles.
+* The loop stops at the last block holding a key the tile's last row can see (found by a binary
+  search over each block's first key index, ``key_starts``); the causal/valid-slot mask is
+  applied only to tiles that need it. Online softmax in float32 (``exp2``, scale folded in).
+* Offsets into the cache are int64 (``block_id * block_size * stride`` overflows int32).
+
+Angles are ``float32(delta) * inv_freq`` in float32 exactly as :meth:`RotaryEmbedding.cos_sin`
+computes them; on the GPU ``cos``/``sin`` come from libdevice (full range reduction: offsets reach
+2**24 tokens, where the fast approximate instructions are wrong).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from lazyattn_rag.kernels.block_table import unpack_block_table
+from lazyattn_rag.kernels.rope import apply_rotation
+
+
+
+@dataclass(frozen=True)
+class RopeLayout:
+    """Which head-dimension columns pair up, as the kernels' constexpr arguments.
+
+    Attributes:
+        half: ``rotary_dim // 2`` (a power of two).
+        rest: ``head_dim - rotary_dim`` (0 or a power of two).
+        pair_stride: column step between consecutive pairs (1 half-split, 2 interleaved).
+        x2_offset: column of a pair's second element relative to its first (``half`` or 1).
+    """
+
+    half: int
+    rest: int
+    pair_stride: int
+    x2_offset: int
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def rope_layout(head_dim: int, rotary_dim: int, interleaved: bool) -> RopeLayout:
+    """Column layout for the kernels; raises ``NotImplementedError`` for shapes they do not cover."""
+    half, rest = rotary_dim // 2, head_dim - rotary_dim
+    if not _is_pow2(head_dim) or head_dim < 16:
+        raise NotImplementedError(f"Triton kernels need a power-of-two head_dim >= 16, got {head_dim}")
+    if rotary_dim % 2 or not _is_pow2(half) or not (rest == 0 or _is_pow2(rest)):
+        raise NotImplementedError(
+            f"Triton kernels need rotary_dim/2 and head_dim - rotary_dim to be powers of two "
+            f"(or 0 for the latter); got head_dim {head_dim}, rotary_dim {rotary_dim}"
+        )
+    if interleaved:
+        return RopeLayout(half, rest, 2, 1)
+    return RopeLayout(half, rest, 1, half)
+
+
+def on_interpreter(t: torch.Tensor) -> bool:
+    """True when kernels run under ``TRITON_INTERPRET=1`` (tensors on the CPU)."""
+    return t.device.type != "cuda"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs use exact float32 dots (tests); half types use the tensor cores' default."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def block_key_starts(block_tables: torch.Tensor, num_blocks_per_seq: torch.Tensor) -> torch.Tensor:
+    """Index of each block's first key (exclusive prefix sum of valid slots along each row).
+
+    Args:
+        block_tables: ``[num_seqs, max_blocks]`` int64 packed words.
+        num_blocks_per_seq: ``[num_seqs]`` int32 used entries per row.
+    Returns:
+        ``[num_seqs, max_blocks]`` int32 (entries past a row's blocks hold that row's key count).
+    """
+    _, _, valid = unpack_block_table(block_tables)
+    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < num_blocks_per_seq[:, None]
+    valid = torch.where(used, valid, torch.zeros_like(valid))
+    return (torch.cumsum(valid, dim=1) - valid).to(torch.int32)
+
+
+@triton.jit
+def cos_sin(angle, ACCURATE_TRIG: tl.constexpr):
+    """cos and sin of float32 angles; libdevice on the GPU, numpy under the interpreter."""
+    if ACCURATE_TRIG:
+        return libdevice.cos(angle), libdevice.sin(angle)
+    else:
+        return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b``; ``UPCAST`` computes in float32 (the interpreter's half-type dot is wrong)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def prefill_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks] int64 packed (id | valid-1 | delta)
+    key_starts_ptr,  # [num_seqs, max_blocks] int32 index of each block's first key
+    num_blocks_ptr,  # [num_seqs] int32 used block-table entries
+    seq_lens_ptr,  # [num_seqs] int32 keys per sequence (new tokens included)
+    cu_seqlens_q_ptr,  # [num_seqs + 1] int32 first row of each sequence in q/out
+    seq_ids_ptr,  # [num_work] int32 sequences this launch handles (grid axis 2)
+    inv_freq_ptr,  # [HALF] float32 RoPE frequencies
+    sm_scale_log2,  # float: softmax scale * log2(e)
+    stride_qt, stride_qh,  # q strides (tokens, heads); head_dim is contiguous
+    stride_kb, stride_ks, stride_kh,  # key-cache strides (block, slot, head)
+    stride_vb, stride_vs, stride_vh,  # value-cache strides (block, slot, head)
+    stride_ot, stride_oh,  # out strides (tokens, heads)
+    stride_bt,  # block_tables row stride
+    stride_ksr,  # key_starts row stride
+    search_steps,  # int: ceil(log2(max_blocks + 1)), binary-search iterations
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,  # rotary_dim // 2
+    REST: tl.constexpr,  # head_dim - rotary_dim (0: every column rotates)
+    PAIR_STRIDE: tl.constexpr,  # 1 half-split, 2 interleaved
+    X2_OFF: tl.constexpr,  # column offset of a pair's second element
+    BLOCK_SIZE: tl.constexpr,  # slots per cache block
+    BLOCK_M: tl.constexpr,  # new tokens per program
+    BLOCK_N: tl.constexpr,  # keys per tile (a multiple of BLOCK_SIZE)
+    ROTATE: tl.constexpr,  # False compiles the rotation out (benchmark of its cost only)
+    ACCURATE_TRIG: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, "tf32" (ignored) for half types
+    DOT_UPCAST: tl.constexpr,  # interpreter only: dots in float32
+):
+    head = tl.program_id(0)
+    m_tile = tl.program_id(1)
+    seq = tl.load(seq_ids_ptr + tl.program_id(2))
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    m_start = m_tile * BLOCK_M
+    if m_start >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    n_blocks = tl.load(num_blocks_ptr + seq)
+    ctx_len = seq_len - q_len  # keys before the first new token
+    kv_head = head // GROUP
+    dtype = q_ptr.dtype.element_ty
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] row within the sequence
+    row_ok = offs_m < q_len
+    row_limit = ctx_len + offs_m  # [BLOCK_M] last key each row may see
+    limit_min = ctx_len + m_start
+    limit_max = ctx_len + tl.minimum(m_start + BLOCK_M, q_len) - 1
+    offs_n = tl.arange(0, BLOCK_N)
+    slot = offs_n % BLOCK_SIZE  # [BLOCK_N] slot within its block
+    blk_in_tile = offs_n // BLOCK_SIZE
+    offs_d = tl.arange(0, HEAD_DIM)
+    c1 = tl.arange(0, HALF) * PAIR_STRIDE  # [HALF] first element of each pair
+    c2 = c1 + X2_OFF  # [HALF] second element
+
+    # Queries, split into the pair halves (and the non-rotating rest).
+    q_rows = (q_start + offs_m).to(tl.int64) * stride_qt + head * stride_qh  # [BLOCK_M]
+    q1 = tl.load(q_ptr + q_rows[:, None] + c1[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF]
+    q2 = tl.load(q_ptr + q_rows[:, None] + c2[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF]
+    if REST > 0:
+        c3 = 2 * HALF + tl.arange(0, REST)  # [REST] columns that do not rotate
+        q3 = tl.load(q_ptr + q_rows[:, None] + c3[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, REST]
+    inv_freq = tl.load(inv_freq_ptr + tl.arange(0, HALF))  # [HALF] float32
+
+    # Blocks to visit: those whose first key is <= limit_max (key_starts rises along a row).
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    ks_row = key_starts_ptr + seq.to(tl.int64) * stride_ksr
+    lo = 0
+    hi = n_blocks
+    for _ in range(search_steps):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        first_key = tl.load(ks_row + mid, mask=active, other=0)
+        right = active & (first_key <= limit_max)
+        hi = tl.where(active & (first_key > limit_max), mid, hi)
+        lo = tl.where(right, mid + 1, lo)
+    n_visit = lo
+    n_tiles = tl.cdiv(n_visit, BLOCK_N // BLOCK_SIZE)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: fully masked rows stay NaN-free
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for tile in range(0, n_tiles):
+        blk = tile * (BLOCK_N // BLOCK_SIZE) + blk_in_tile  # [BLOCK_N] block-table index per key
+        blk_ok = blk < n_visit
+        word = tl.load(bt_row + blk, mask=blk_ok, other=0)  # [BLOCK_N] int64
+        first_key = tl.load(ks_row + blk, mask=blk_ok, other=0)  # [BLOCK_N] int32
+        block_id = word & 0x7FFFFFFF
+        valid = ((word >> 31) & 0x7F) + 1
+        delta = word >> 38  # arithmetic shift keeps the sign
+        key_ok = blk_ok & (slot < valid)  # [BLOCK_N]
+        key_idx = first_key + slot  # [BLOCK_N] global key index
+        k_rows = block_id * stride_kb + slot * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
+        v_rows = block_id * stride_vb + slot * stride_vs + kv_head * stride_vh
+        k1 = tl.load(k_cache_ptr + k_rows[:, None] + c1[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HALF]
+        k2 = tl.load(k_cache_ptr + k_rows[:, None] + c2[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HALF]
+        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+
+        if ROTATE:
+            d_min = tl.min(tl.where(key_ok, delta, 1 << 40), axis=0)
+            d_max = tl.max(tl.where(key_ok, delta, -(1 << 40)), axis=0)
+            if d_min == d_max:
+                if d_min != 0:  # one delta for the whole tile: rotation angles once per tile
+                    cos, sin = cos_sin(d_min.to(tl.float32) * inv_freq, ACCURATE_TRIG)  # [HALF]
+                    k1f = k1.to(tl.float32)
+                    k2f = k2.to(tl.float32)
+                    k1 = (k1f * cos[None, :] - k2f * sin[None, :]).to(dtype)
+                    k2 = (k2f * cos[None, :] + k1f * sin[None, :]).to(dtype)
+            elif d_min < d_max:  # the tile straddles chunks: per-key angles
+                cos, sin = cos_sin(delta.to(tl.float32)[:, None] * inv_freq[None, :], ACCURATE_TRIG)
+                k1f = k1.to(tl.float32)
+                k2f = k2.to(tl.float32)
+                k1 = (k1f * cos - k2f * sin).to(dtype)
+                k2 = (k2f * cos + k1f * sin).to(dtype)
+
+        s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        s = mma(q1, tl.trans(k1), s, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N]
+        s = mma(q2, tl.trans(k2), s, DOT_PRECISION, DOT_UPCAST)
+        if REST > 0:
+            k3 = tl.load(k_cache_ptr + k_rows[:, None] + c3[None, :], mask=key_ok[:, None], other=0.0)
+            s = mma(q3, tl.trans(k3), s, DOT_PRECISION, DOT_UPCAST)
+        s = s * sm_scale_log2
+        tile_last_key = tl.max(tl.where(key_ok, key_idx, -1), axis=0)
+        n_ok = tl.sum(key_ok.to(tl.int32), axis=0)
+        if (tile_last_key > limit_min) | (n_ok < BLOCK_N):
+            keep = key_ok[None, :] & (key_idx[None, :] <= row_limit[:, None])
+            s = tl.where(keep, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = mma(p.to(dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no keys (padding): zeros
+    o_rows = (q_start + offs_m).to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+
+def _default_config(head_dim: int, block_size: int, interpreter: bool) -> dict:
+    """Tile shapes: large on the GPU (tensor cores), small under the interpreter (fast tests)."""
+    if interpreter:
+        return {"block_m": 16, "block_n": max(block_size, 32), "num_warps": 4, "num_stages": 1}
+    if head_dim <= 64:
+        return {"block_m": 128, "block_n": max(block_size, 64), "num_warps": 4, "num_stages": 3}
+    return {"block_m": 128, "block_n": max(block_size, 64), "num_warps": 8, "num_stages": 2}
+
+
+def paged_prefill(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated at global positions
+    key_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64 packed
+    num_blocks_per_seq: torch.Tensor,  # [num_seqs] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    inv_freq: torch.Tensor,  # [rotary_dim // 2] float32
+    scale: float,
+    *,
+    interleaved: bool = False,
+    key_starts: torch.Tensor | None = None,  # [num_seqs, max_blocks] int32, from block_key_starts
+    seq_ids: torch.Tensor | None = None,  # [num_work] int32, default all sequences
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    rotate: bool = True,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Deferred-RoPE paged attention of every new token of the listed sequences (see module doc).
+
+    Only the rows of the sequences in ``seq_ids`` are written to ``out``; a sequence with no keys
+    (padding) gets zeros. ``rotate=False`` skips the delta rotation (only for measuring its cost).
+
+    Returns:
+        ``out`` (allocated like ``query`` when not given).
+
+    Example:
+        >>> out = paged_prefill(q, kc, vc, md.block_tables, md.num_blocks_per_seq, md.seq_lens,
+        ...                     md.cu_seqlens_q, md.max_query_len, rotary.inv_freq.to(q.device), scale)
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    layout = rope_layout(head_dim, 2 * inv_freq.numel(), interleaved)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    for t, name in ((query, "query"), (key_cache, "key_cache"), (value_cache, "value_cache")):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim")
+    interpreter = on_interpreter(query)
+    cfg = _default_config(head_dim, block_size, interpreter)
+    block_m = block_m or cfg["block_m"]
+    block_n = max(block_n or cfg["block_n"], block_size)
+    if block_n % block_size:
+        raise ValueError(f"block_n {block_n} must be a multiple of block_size {block_size}")
+    if out is None:
+        out = torch.empty_like(query)
+    if key_starts is None:
+        key_starts = block_key_starts(block_tables, num_blocks_per_seq)
+    if seq_ids is None:
+        seq_ids = torch.arange(block_tables.shape[0], dtype=torch.int32, device=query.device)
+    if seq_ids.numel() == 0 or max_query_len == 0:
+        return out
+    max_blocks = block_tables.shape[1]
+    grid = (num_heads, triton_cdiv(max_query_len, block_m), seq_ids.numel())
+    prefill_kernel[grid](
+        query, key_cache, value_cache, out,
+        block_tables, key_starts, num_blocks_per_seq, seq_lens, cu_seqlens_q, seq_ids,
+        inv_freq.to(device=query.device, dtype=torch.float32).contiguous(),
+        scale * math.log2(math.e),
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0), key_starts.stride(0),
+        max(1, max_blocks + 1).bit_length(),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        HALF=layout.half,
+        REST=layout.rest,
+        PAIR_STRIDE=layout.pair_stride,
+        X2_OFF=layout.x2_offset,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        ROTATE=rotate,
+        ACCURATE_TRIG=not interpreter,
+        DOT_PRECISION=dot_precision(query.dtype),
+        DOT_UPCAST=interpreter,
+        num_warps=num_warps or cfg["num_warps"],
+        num_stages=num_stages or cfg["num_stages"],
+    )
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------------------------
+# Pure-PyTorch reference: written for clarity, one sequence and one key at a time.
+# --------------------------------------------------------------------------------------------
+
+
+def gather_keys(
+    cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    words: torch.Tensor,  # [n] int64 packed words of one sequence
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid slots of a sequence in key order: ``([seq_len, num_kv_heads, head_dim], [seq_len] deltas)``."""
+    block_ids, deltas, valid = unpack_block_table(words.cpu())
+    rows, row_deltas = [], []
+    for b, d, v in zip(block_ids.tolist(), deltas.tolist(), valid.tolist()):
+        rows.append(cache[b, :v])
+        row_deltas += [d] * v
+    if not rows:
+        return cache.new_zeros(0, *cache.shape[2:]), torch.zeros(0, dtype=torch.int64)
+    return torch.cat(rows), torch.tensor(row_deltas, dtype=torch.int64)
+
+
+def rotate(x: torch.Tensor, deltas: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``R_delta x`` in float32: ``x`` ``[n, heads, head_dim]``, ``deltas`` ``[n]``."""
+    angles = deltas.to(torch.float32)[:, None] * inv_freq.float().cpu()[None, :]  # [n, rotary_dim/2]
+    return apply_rotation(x.float().cpu(), angles.cos(), angles.sin(), 2 * inv_freq.numel(), interleaved)
+
+
+def prefill_reference(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64 packed
+    num_blocks_per_seq: torch.Tensor,  # [num_seqs] int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    inv_freq: torch.Tensor,  # [rotary_dim // 2] float32
+    scale: float,
+    interleaved: bool = False,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] float32 on the CPU
+    """Float32 reference of :func:`paged_prefill`: rotate every cached key by its block's delta,
+    then causal softmax attention per sequence. Rows of sequences without keys are zeros."""
+    num_tokens, num_heads, head_dim = query.shape
+    group = num_heads // key_cache.shape[2]
+    out = torch.zeros(num_tokens, num_heads, head_dim)
+    cu = cu_seqlens_q.tolist()
+    for s in range(len(cu) - 1):
+        words = block_tables[s, : int(num_blocks_per_seq[s])]
+        k, deltas = gather_keys(key_cache, words)
+        v, _ = gather_keys(value_cache, words)
+        q = query[cu[s] : cu[s + 1]].float().cpu()  # [q_len, H, D]
+        q_len, seq_len = q.shape[0], k.shape[0]
+        if seq_len == 0 or q_len == 0:
+            continue
+        k = rotate(k, deltas, inv_freq, interleaved).repeat_interleave(group, dim=1)  # [seq_len, H, D]
+        v = v.float().cpu().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        allowed = torch.arange(seq_len)[None, :] <= (seq_len - q_len + torch.arange(q_len))[:, None]
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        out[cu[s] : cu[s + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+    return out

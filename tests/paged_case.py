@@ -1,0 +1,109 @@
+"""Random paged-attention batches for kernel tests: chunks at offsets, partial blocks, padding.
+
+A sequence is described by :class:`SeqSpec`: cached chunks (each ``(length, delta)``, each owning
+whole blocks from a block boundary, its last block partly filled), then the request's own tokens
+(``own_len`` tokens with ``delta = 0``, in private blocks), of which the last ``query_len`` are the
+new tokens. ``own_len = 0`` with ``query_len = 0`` and no chunks is a padding sequence (no keys).
+Unused cache slots hold NaN so that any read past a valid slot shows up in the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lazyattn_rag.kernels.block_table import pack_entries
+from lazyattn_rag.kernels.rope import RotaryEmbedding
+
+
+@dataclass
+class SeqSpec:
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # (length, delta) per cached chunk
+    own_len: int = 1  # request-owned tokens (delta 0); the last query_len are new
+    query_len: int = 1
+
+
+@dataclass
+class PagedCase:
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
+    num_blocks_per_seq: torch.Tensor  # [num_seqs] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
+    max_query_len: int
+    inv_freq: torch.Tensor  # [rotary_dim // 2] float32
+    scale: float
+    interleaved: bool
+
+
+def make_rotary(head_dim: int, rotary_dim: int | None = None, interleaved: bool = False, theta: float = 1e4) -> RotaryEmbedding:
+    rotary_dim = rotary_dim or head_dim
+    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+    return RotaryEmbedding(inv_freq, 1.0, head_dim, rotary_dim, interleaved, "default")
+
+
+def make_case(
+    specs: list[SeqSpec],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    rotary_dim: int | None = None,
+    interleaved: bool = False,
+    seed: int = 0,
+    spare_blocks: int = 3,
+    min_block_id: int = 0,
+    num_cache_blocks: int | None = None,
+) -> PagedCase:
+    g = torch.Generator().manual_seed(seed)
+    tables: list[list[tuple[int, int, int]]] = []
+    for spec in specs:
+        entries = []
+        for length, delta in spec.chunks + ([(spec.own_len, 0)] if spec.own_len else []):
+            for start in range(0, length, block_size):
+                entries.append((-1, delta, min(block_size, length - start)))
+        tables.append(entries)
+    n_used = sum(len(t) for t in tables)
+    total = num_cache_blocks or (min_block_id + n_used + spare_blocks)
+    ids = (min_block_id + torch.randperm(total - min_block_id, generator=g)[:n_used]).tolist()
+    key_cache = torch.full((total, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    value_cache = torch.full_like(key_cache, float("nan"))
+    it = iter(ids)
+    for entries in tables:
+        for i, (_, delta, valid) in enumerate(entries):
+            b = next(it)
+            entries[i] = (b, delta, valid)
+            shape = (valid, num_kv_heads, head_dim)
+            key_cache[b, :valid] = torch.randn(shape, generator=g).to(dtype=dtype, device=device)
+            value_cache[b, :valid] = torch.randn(shape, generator=g).to(dtype=dtype, device=device)
+    max_blocks = max(1, max(len(t) for t in tables))
+    block_tables = torch.zeros(len(specs), max_blocks, dtype=torch.int64)
+    for i, entries in enumerate(tables):
+        if entries:
+            block_tables[i, : len(entries)] = pack_entries(entries)
+    q_lens = [s.query_len for s in specs]
+    cu = [0]
+    for q in q_lens:
+        cu.append(cu[-1] + q)
+    rotary = make_rotary(head_dim, rotary_dim, interleaved)
+    query = torch.randn(cu[-1], num_heads, head_dim, generator=g).to(dtype=dtype, device=device)
+    i32 = dict(dtype=torch.int32, device=device)
+    return PagedCase(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables.to(device),
+        num_blocks_per_seq=torch.tensor([len(t) for t in tables], **i32),
+        seq_lens=torch.tensor([sum(e[2] for e in t) for t in tables], **i32),
+        cu_seqlens_q=torch.tensor(cu, **i32),
+        max_query_len=max(q_lens),
+        inv_freq=rotary.inv_freq.to(device),
+        scale=head_dim**-0.5,
+        interleaved=interleaved,
+    )
