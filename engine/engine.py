@@ -181,6 +181,27 @@ class LLMEngine:
             )
         return plan
 
+    def plan_plain(self, prompt_ids: list[int]) -> PromptPlan:
+        """A plan without cached chunks: the whole prompt is computed (a standard prefill).
+
+        Raises:
+            EmptyInputError: empty prompt.
+            PromptTooLongError: the prompt reaches ``max_model_len``.
+        """
+        if not prompt_ids:
+            raise EmptyInputError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_model_len} tokens and at "
+                "least one must remain for the answer"
+            )
+        return PromptPlan((), tuple(int(t) for t in prompt_ids))
+
+    def generate_plan(self, plan: PromptPlan, params: SamplingParams) -> Iterator[StreamDelta]:
+        """Run a prepared plan (from :meth:`plan` or :meth:`plan_plain`), streaming."""
+        stats = RequestStats(uuid.uuid4().hex[:12], num_prompt_tokens=plan.num_prompt_tokens)
+        return self._generate(plan, params, stats, time.perf_counter())
+
     # --- cache acquisition ----------------------------------------------------------------
     def _acquire(self, plan: PromptPlan) -> tuple[list[str], list[str]]:
         """Pin every chunk of ``plan``, encoding misses.
@@ -189,6 +210,8 @@ class LLMEngine:
             (pinned keys, missed document ids in prompt order, keys encoded for this plan).
         """
         pinned: list[str] = []
+        if not plan.chunks:
+            return pinned, [], set()
         try:
             if self.anchor_key is not None:
                 self._ensure([(self.anchor_key, self.anchor_ids, 0)], [], pinned)

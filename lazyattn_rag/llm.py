@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -174,16 +173,15 @@ class LazyAttention:
             UnknownDocumentError, EmptyInputError, PromptTooLongError, DocumentTooLongError,
             CacheCapacityError: before anything is yielded; the cache stays usable.
         """
-        t0 = time.perf_counter()
         ids = list(doc_ids)
         with self._lock:
             for d in documents:
                 self.engine.add_document(d.id, d.text)
                 ids.append(d.id)
             gen = self.engine.generate(question, ids, sampling or SamplingParams())
-        return self._locked(gen, t0)
+        return self._locked(gen)
 
-    def _locked(self, gen: Iterator[StreamDelta], t0: float) -> Iterator[StreamDelta]:
+    def _locked(self, gen: Iterator[StreamDelta]) -> Iterator[StreamDelta]:
         with self._lock:
             try:
                 yield from gen
@@ -193,13 +191,25 @@ class LazyAttention:
     def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                  sampling: SamplingParams | None = None) -> Completion:
         """Answer ``question``; same arguments and errors as :meth:`stream`."""
-        text, token_ids, last = [], [], None
-        for delta in self.stream(question, doc_ids, documents, sampling):
-            text.append(delta.text)
-            if delta.token_id is not None:
-                token_ids.append(delta.token_id)
-            last = delta
-        return Completion("".join(text), token_ids, last.finish_reason, last.stats)
+        return _collect(self.stream(question, doc_ids, documents, sampling))
+
+    def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Stream a completion of a plain prompt, with no chunk reuse (a standard full prefill).
+
+        Args:
+            prompt: text (tokenized with the tokenizer's special tokens, e.g. BOS) or token ids.
+            sampling: :class:`SamplingParams`.
+        Raises:
+            EmptyInputError, PromptTooLongError: before anything is yielded.
+        """
+        ids = prompt if isinstance(prompt, list) else list(self.tokenizer(prompt)["input_ids"])
+        with self._lock:
+            gen = self.engine.generate_plan(self.engine.plan_plain(ids), sampling or SamplingParams())
+        return self._locked(gen)
+
+    def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Completion:
+        """Complete a plain prompt (no chunk reuse); see :meth:`stream_prompt`."""
+        return _collect(self.stream_prompt(prompt, sampling))
 
     def info(self) -> dict:
         """Model, backend and cache configuration as a JSON-able dict."""
@@ -220,6 +230,16 @@ class LazyAttention:
             "num_free_blocks": cache.pool.num_free,
             "num_evictions": cache.num_evictions,
         }
+
+
+def _collect(deltas: Iterator[StreamDelta]) -> Completion:
+    text, token_ids, last = [], [], None
+    for delta in deltas:
+        text.append(delta.text)
+        if delta.token_id is not None:
+            token_ids.append(delta.token_id)
+        last = delta
+    return Completion("".join(text), token_ids, last.finish_reason, last.stats)
 
 
 def _generation_eos_ids(path: Path) -> set[int]:

@@ -219,3 +219,15 @@ def test_stop_strings_and_seeded_sampling():
     top1 = llm.generate("w3", ["a"], sampling=SamplingParams(max_tokens=8, temperature=0.7, top_k=1, seed=3,
                                                               ignore_eos=True))
     assert top1.token_ids == base.token_ids
+
+
+def test_plain_prompt_completion_equals_full_prefill():
+    hf, llm = make_llm("none")
+    prompt_ids = llm.tokenizer(words(25, start=11))["input_ids"]
+    out = llm.complete(prompt_ids, SamplingParams(max_tokens=6, ignore_eos=True))
+    tokens, _ = full_prefill_generate(hf, prompt_ids, 6)
+    assert out.token_ids == tokens
+    assert out.stats.num_computed_tokens == len(prompt_ids) and out.stats.num_cached_tokens == 0
+    assert llm.engine.cache.num_entries == 0  # nothing cached for a plain prompt
+    with pytest.raises(EmptyInputError):
+        llm.complete([])
