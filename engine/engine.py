@@ -350,8 +350,7 @@ class LLMEngine:
                     reason = "stop"
                 elif len(out_ids) >= params.max_tokens or pos + 1 >= self.max_model_len:
                     reason = "length"
-                if delta:
-                    yield StreamDelta(delta, token)
+                yield StreamDelta(delta, token)  # one delta per token, text possibly empty
             if reason is not None:
                 break
             new_ids = [token]

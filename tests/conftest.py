@@ -7,3 +7,25 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """The default SmolLM2 converted to safetensors (once per session; uses the user cache dir)."""
+    from lazyattn_rag.config import EngineConfig
+    from lazyattn_rag.model_loading import resolve_model
+
+    return resolve_model(None, EngineConfig().resolved_cache_dir()).path
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    """One shared LazyAttention over the default model (CPU, float32, torch backend)."""
+    from lazyattn_rag import EngineConfig
+    from lazyattn_rag.config import CacheConfig
+    from lazyattn_rag.llm import LazyAttention
+
+    return LazyAttention(EngineConfig(device="cpu", attention_backend="torch", cache=CacheConfig(num_blocks=512)))
