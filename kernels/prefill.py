@@ -15,7 +15,7 @@ Kernel structure (one program = one query head x ``BLOCK_M`` new tokens of one s
   ``2i+1``), and ``rest``, the columns past ``rotary_dim`` that do not rotate. A score is
   ``q1.k1 + q2.k2 + q3.k3``, so the rotation ``k1' = k1 c - k2 s``, ``k2' = k2 c + k1 s`` needs no
   register shuffles.
-* A K tile is ``BLOCK_N // block_size`` consecutive blocks. When all its valid keys share one
+* A K tile is ``BLOCK_N // block_size`` consecutive blocks (``BLOCK_N`` a power of two). When all its valid keys share one
   ``delta`` (every tile inside a chunk), ``cos``/``sin`` are computed once per tile
   (``rotary_dim/2`` values); a tile with ``delta == 0`` (prefix, the request's own tokens) is not
   rotated at all. Only a tile that straddles two chunks computes per-key angles.
@@ -152,7 +152,8 @@ def prefill_kernel(
     X2_OFF: tl.constexpr,  # column offset of a pair's second element
     BLOCK_SIZE: tl.constexpr,  # slots per cache block
     BLOCK_M: tl.constexpr,  # new tokens per program
-    BLOCK_N: tl.constexpr,  # keys per tile (a multiple of BLOCK_SIZE)
+    BLOCK_N: tl.constexpr,  # key lanes per tile (a power of two >= BLOCK_SIZE)
+    TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
     ROTATE: tl.constexpr,  # False compiles the rotation out (benchmark of its cost only)
     ACCURATE_TRIG: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, "tf32" (ignored) for half types
@@ -180,6 +181,7 @@ def prefill_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     slot = offs_n % BLOCK_SIZE  # [BLOCK_N] slot within its block
     blk_in_tile = offs_n // BLOCK_SIZE
+    lane_ok = offs_n < TILE_BLOCKS * BLOCK_SIZE  # all True when BLOCK_SIZE is a power of two
     offs_d = tl.arange(0, HEAD_DIM)
     c1 = tl.arange(0, HALF) * PAIR_STRIDE  # [HALF] first element of each pair
     c2 = c1 + X2_OFF  # [HALF] second element
@@ -206,14 +208,14 @@ def prefill_kernel(
         hi = tl.where(active & (first_key > limit_max), mid, hi)
         lo = tl.where(right, mid + 1, lo)
     n_visit = lo
-    n_tiles = tl.cdiv(n_visit, BLOCK_N // BLOCK_SIZE)
+    n_tiles = tl.cdiv(n_visit, TILE_BLOCKS)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: fully masked rows stay NaN-free
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for tile in range(0, n_tiles):
-        blk = tile * (BLOCK_N // BLOCK_SIZE) + blk_in_tile  # [BLOCK_N] block-table index per key
-        blk_ok = blk < n_visit
+        blk = tile * TILE_BLOCKS + blk_in_tile  # [BLOCK_N] block-table index per key
+        blk_ok = lane_ok & (blk < n_visit)
         word = tl.load(bt_row + blk, mask=blk_ok, other=0)  # [BLOCK_N] int64
         first_key = tl.load(ks_row + blk, mask=blk_ok, other=0)  # [BLOCK_N] int32
         block_id = word & 0x7FFFFFFF
@@ -298,7 +300,7 @@ def paged_prefill(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     rotate: bool = True,
     block_m: int | None = None,
-    block_n: int | None = None,
+    block_n: int | None = None,  # key lanes per tile (rounded up to a power of two >= block_size)
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
@@ -325,9 +327,7 @@ def paged_prefill(
     interpreter = on_interpreter(query)
     cfg = _default_config(head_dim, block_size, interpreter)
     block_m = block_m or cfg["block_m"]
-    block_n = max(block_n or cfg["block_n"], block_size)
-    if block_n % block_size:
-        raise ValueError(f"block_n {block_n} must be a multiple of block_size {block_size}")
+    block_n = triton.next_power_of_2(max(block_n or cfg["block_n"], block_size))
     if out is None:
         out = torch.empty_like(query)
     if key_starts is None:
@@ -358,6 +358,7 @@ def paged_prefill(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        TILE_BLOCKS=block_n // block_size,
         ROTATE=rotate,
         ACCURATE_TRIG=not interpreter,
         DOT_PRECISION=dot_precision(query.dtype),

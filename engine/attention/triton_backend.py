@@ -1,0 +1,106 @@
+"""The fused Triton deferred-RoPE attention backend (CUDA; or the interpreter for tests).
+
+Per forward call: :func:`write_kv` scatters the new tokens' K/V, then the batch is split by
+sequence kind and each kind runs its own kernel, both writing into one output tensor:
+
+* sequences with one new token run :func:`~lazyattn_rag.kernels.decode.paged_decode` (the query
+  is rotated by ``-delta`` once per chunk; split-KV for long contexts);
+* the others run :func:`~lazyattn_rag.kernels.prefill.paged_prefill` (each K tile rotated by
+  its block's ``delta`` in registers; causal over the new tokens).
+
+The split (sequence ids per kernel) and each block's first key index are derived once per batch
+from the metadata and kept in ``metadata.backend_state["triton"]``, so every layer reuses them.
+There is no fallback: without CUDA this backend runs only under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from lazyattn_rag.engine.attention.base import AttentionBackend, write_kv
+from lazyattn_rag.engine.attention.metadata import AttentionMetadata
+from lazyattn_rag.kernels.decode import paged_decode
+from lazyattn_rag.kernels.prefill import block_key_starts, paged_prefill, rope_layout
+
+
+@dataclass
+class _TritonPlan:
+    decode_ids: torch.Tensor | None  # [n_decode] int32 sequences with one new token
+    prefill_ids: torch.Tensor | None  # [n_prefill] int32 the others
+    key_starts: torch.Tensor | None  # [num_seqs, max_blocks] int32 first key index of each block
+    max_decode_seq_len: int
+    max_prefill_query_len: int
+    num_rows: int  # rows of the batch that belong to a sequence
+
+
+def _plan(metadata: AttentionMetadata, device: torch.device) -> _TritonPlan:
+    cached = metadata.backend_state.get("triton")
+    if cached is not None:
+        return cached
+    decode = [i for i, q in enumerate(metadata.query_lens) if q == 1]
+    prefill = [i for i, q in enumerate(metadata.query_lens) if q > 1]
+
+    def ids(seq_list: list[int]) -> torch.Tensor | None:
+        return torch.tensor(seq_list, dtype=torch.int32, device=device) if seq_list else None
+
+    plan = _TritonPlan(
+        decode_ids=ids(decode),
+        prefill_ids=ids(prefill),
+        key_starts=block_key_starts(metadata.block_tables, metadata.num_blocks_per_seq) if prefill else None,
+        max_decode_seq_len=max((metadata.seq_lens_list[i] for i in decode), default=0),
+        max_prefill_query_len=max((metadata.query_lens[i] for i in prefill), default=0),
+        num_rows=sum(metadata.query_lens),
+    )
+    metadata.backend_state["triton"] = plan
+    return plan
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Fused deferred-RoPE paged attention; see the module docstring.
+
+    Raises:
+        NotImplementedError: (at construction) a head layout the kernels do not cover
+            (head_dim not a power of two >= 16, or rotary halves not powers of two).
+    """
+
+    name = "triton"
+
+    def __init__(self, rotary, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__(rotary, num_heads, num_kv_heads, head_dim, scale)
+        rope_layout(head_dim, rotary.rotary_dim, rotary.interleaved)  # fail early on unsupported shapes
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            self._inv_freq[device] = self.rotary.inv_freq.to(device=device, dtype=torch.float32).contiguous()
+        return self._inv_freq[device]
+
+    def forward(self, query, key, value, key_cache, value_cache, metadata):
+        if query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                "the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 for tests); "
+                "use the torch backend on the CPU"
+            )
+        write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+        plan = _plan(metadata, query.device)
+        q = query if query.dtype == key_cache.dtype else query.to(key_cache.dtype)
+        out = torch.empty_like(q)
+        if plan.num_rows < q.shape[0]:
+            out[plan.num_rows :].zero_()  # padding rows past the last sequence
+        inv_freq = self._inv_freq_on(query.device)
+        if plan.decode_ids is not None:
+            paged_decode(
+                q, key_cache, value_cache, metadata.block_tables, metadata.num_blocks_per_seq,
+                metadata.cu_seqlens_q, plan.max_decode_seq_len, inv_freq, self.scale,
+                interleaved=self.rotary.interleaved, seq_ids=plan.decode_ids, out=out,
+            )
+        if plan.prefill_ids is not None:
+            paged_prefill(
+                q, key_cache, value_cache, metadata.block_tables, metadata.num_blocks_per_seq,
+                metadata.seq_lens, metadata.cu_seqlens_q, plan.max_prefill_query_len, inv_freq, self.scale,
+                interleaved=self.rotary.interleaved, key_starts=plan.key_starts, seq_ids=plan.prefill_ids, out=out,
+            )
+        return out if out.dtype == query.dtype else out.to(query.dtype)

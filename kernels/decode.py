@@ -1,0 +1,355 @@
+"""Deferred-RoPE paged decode (one new token per sequence): Triton kernels, launcher, reference.
+
+Decode is bandwidth-bound: every K/V byte of the context is read once per step, so the kernel
+rotates the *query* instead of the keys (LazyAttention, arXiv 2606.04302, Sec. 3):
+``(R_m q) . (R_(j+delta) k) = (R_(-delta) R_m q) . (R_j k)``. Keys are read exactly as stored.
+
+Kernel structure (one program = one KV head of one sequence x one split of its blocks):
+
+* The ``GROUP`` query heads that share the KV head are processed together (rows of one
+  ``tl.dot``, padded to 16), so each K/V byte is loaded once for the whole group.
+* The loop walks tiles of ``BLOCK_N // block_size`` blocks, one packed int64 word per block
+  (id | valid-1 | delta). The rotated query is recomputed from the ORIGINAL query (never from the
+  previous rotated one, so rounding does not accumulate) only when the tile's ``delta`` differs
+  from the one it was last rotated for: once per chunk.
+* A tile that straddles two chunks (a chunk boundary inside a tile: possible when ``BLOCK_N`` spans
+  several blocks) rotates its keys by their own deltas instead, with the unrotated query; the
+  scores are the same, and the query stays valid for the next tile.
+* Split-KV (flash-decoding): with few sequences and long contexts, each (sequence, KV head) is
+  split into ``num_splits`` ranges of tiles processed by separate programs; each writes a
+  normalized partial output and its log-sum-exp, and a small reduction kernel combines them.
+  With one split the main kernel writes the output directly.
+* Offsets into the cache are int64; a sequence with no blocks (padding) gets zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from lazyattn_rag.kernels.block_table import unpack_block_table
+from lazyattn_rag.kernels.prefill import cos_sin, dot_precision, mma, on_interpreter, rope_layout, rotate
+
+
+@triton.jit
+def decode_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    out_ptr,  # [num_tokens, num_heads, head_dim] (written when NUM_SPLITS == 1)
+    part_out_ptr,  # [num_work, num_heads, NUM_SPLITS, head_dim] float32 (NUM_SPLITS > 1)
+    part_lse_ptr,  # [num_work, num_heads, NUM_SPLITS] float32 log2-sum-exp2 (NUM_SPLITS > 1)
+    block_tables_ptr,  # [num_seqs, max_blocks] int64 packed (id | valid-1 | delta)
+    num_blocks_ptr,  # [num_seqs] int32 used block-table entries
+    cu_seqlens_q_ptr,  # [num_seqs + 1] int32: the sequence's query row is cu_seqlens_q[seq]
+    seq_ids_ptr,  # [num_work] int32 sequences this launch handles (grid axis 0)
+    inv_freq_ptr,  # [HALF] float32 RoPE frequencies
+    sm_scale_log2,  # float: softmax scale * log2(e)
+    tiles_per_split,  # int: tiles of BLOCK_N keys per split
+    stride_qt, stride_qh,  # q strides (tokens, heads); head_dim is contiguous
+    stride_kb, stride_ks, stride_kh,  # key-cache strides (block, slot, head)
+    stride_vb, stride_vs, stride_vh,  # value-cache strides (block, slot, head)
+    stride_ot, stride_oh,  # out strides (tokens, heads)
+    stride_bt,  # block_tables row stride
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_G: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot rows)
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,  # rotary_dim // 2
+    REST: tl.constexpr,  # head_dim - rotary_dim
+    PAIR_STRIDE: tl.constexpr,  # 1 half-split, 2 interleaved
+    X2_OFF: tl.constexpr,  # column offset of a pair's second element
+    BLOCK_SIZE: tl.constexpr,  # slots per cache block
+    BLOCK_N: tl.constexpr,  # key lanes per tile (a power of two >= BLOCK_SIZE)
+    TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
+    NUM_SPLITS: tl.constexpr,
+    ROTATE: tl.constexpr,  # False compiles the rotation out (benchmark of its cost only)
+    ACCURATE_TRIG: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    work = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(seq_ids_ptr + work)
+    q_row = tl.load(cu_seqlens_q_ptr + seq)
+    n_blocks = tl.load(num_blocks_ptr + seq)
+    n_tiles = tl.cdiv(n_blocks, TILE_BLOCKS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, n_tiles)
+    dtype = q_ptr.dtype.element_ty
+
+    offs_g = tl.arange(0, BLOCK_G)
+    g_ok = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g  # [BLOCK_G] query heads of this KV head
+    offs_n = tl.arange(0, BLOCK_N)
+    slot = offs_n % BLOCK_SIZE
+    blk_in_tile = offs_n // BLOCK_SIZE
+    lane_ok = offs_n < TILE_BLOCKS * BLOCK_SIZE  # all True when BLOCK_SIZE is a power of two
+    offs_d = tl.arange(0, HEAD_DIM)
+    c1 = tl.arange(0, HALF) * PAIR_STRIDE  # [HALF] first element of each rotary pair
+    c2 = c1 + X2_OFF  # [HALF] second element
+
+    q_rows = q_row.to(tl.int64) * stride_qt + heads * stride_qh  # [BLOCK_G]
+    q1 = tl.load(q_ptr + q_rows[:, None] + c1[None, :], mask=g_ok[:, None], other=0.0)  # [BLOCK_G, HALF]
+    q2 = tl.load(q_ptr + q_rows[:, None] + c2[None, :], mask=g_ok[:, None], other=0.0)  # [BLOCK_G, HALF]
+    if REST > 0:
+        c3 = 2 * HALF + tl.arange(0, REST)  # [REST] columns that do not rotate
+        q3 = tl.load(q_ptr + q_rows[:, None] + c3[None, :], mask=g_ok[:, None], other=0.0)  # [BLOCK_G, REST]
+    inv_freq = tl.load(inv_freq_ptr + tl.arange(0, HALF))  # [HALF] float32
+    q1f = q1.to(tl.float32)
+    q2f = q2.to(tl.float32)
+    qr1 = q1  # query rotated by -cur_delta (starts unrotated: delta 0)
+    qr2 = q2
+    cur_delta = tl.full([], 0, tl.int64)
+
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite: a split without keys stays NaN-free
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for tile in range(tile_lo, tile_hi):
+        blk = tile * TILE_BLOCKS + blk_in_tile  # [BLOCK_N] block-table index per key
+        blk_ok = lane_ok & (blk < n_blocks)
+        word = tl.load(bt_row + blk, mask=blk_ok, other=0)  # [BLOCK_N] int64
+        block_id = word & 0x7FFFFFFF
+        valid = ((word >> 31) & 0x7F) + 1
+        delta = word >> 38  # arithmetic shift keeps the sign
+        key_ok = blk_ok & (slot < valid)
+        k_rows = block_id * stride_kb + slot * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
+        v_rows = block_id * stride_vb + slot * stride_vs + kv_head * stride_vh
+        k1 = tl.load(k_cache_ptr + k_rows[:, None] + c1[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HALF]
+        k2 = tl.load(k_cache_ptr + k_rows[:, None] + c2[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HALF]
+        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+
+        s = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+        if ROTATE:
+            d_min = tl.min(tl.where(key_ok, delta, 1 << 40), axis=0)
+            d_max = tl.max(tl.where(key_ok, delta, -(1 << 40)), axis=0)
+            if d_min == d_max:
+                if d_min != cur_delta:  # a new chunk: rotate the ORIGINAL query by -delta
+                    cos, sin = cos_sin((-d_min).to(tl.float32) * inv_freq, ACCURATE_TRIG)  # [HALF]
+                    qr1 = (q1f * cos[None, :] - q2f * sin[None, :]).to(dtype)
+                    qr2 = (q2f * cos[None, :] + q1f * sin[None, :]).to(dtype)
+                    cur_delta = d_min
+                s = mma(qr1, tl.trans(k1), s, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_G, BLOCK_N]
+                s = mma(qr2, tl.trans(k2), s, DOT_PRECISION, DOT_UPCAST)
+            else:  # the tile straddles chunks: rotate its keys instead (rare)
+                cos, sin = cos_sin(delta.to(tl.float32)[:, None] * inv_freq[None, :], ACCURATE_TRIG)
+                k1f = k1.to(tl.float32)
+                k2f = k2.to(tl.float32)
+                k1r = (k1f * cos - k2f * sin).to(dtype)
+                k2r = (k2f * cos + k1f * sin).to(dtype)
+                s = mma(q1, tl.trans(k1r), s, DOT_PRECISION, DOT_UPCAST)
+                s = mma(q2, tl.trans(k2r), s, DOT_PRECISION, DOT_UPCAST)
+        else:
+            s = mma(q1, tl.trans(k1), s, DOT_PRECISION, DOT_UPCAST)
+            s = mma(q2, tl.trans(k2), s, DOT_PRECISION, DOT_UPCAST)
+        if REST > 0:
+            k3 = tl.load(k_cache_ptr + k_rows[:, None] + c3[None, :], mask=key_ok[:, None], other=0.0)
+            s = mma(q3, tl.trans(k3), s, DOT_PRECISION, DOT_UPCAST)
+        s = tl.where(key_ok[None, :], s * sm_scale_log2, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = mma(p.to(dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # [BLOCK_G, HEAD_DIM]
+    if NUM_SPLITS == 1:
+        o_rows = q_row.to(tl.int64) * stride_ot + heads * stride_oh
+        tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+    else:
+        part = (work.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_ok[:, None])
+        lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=g_ok)
+
+
+@triton.jit
+def decode_reduce_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_out_ptr,  # [num_work, num_heads, NUM_SPLITS, head_dim] float32
+    part_lse_ptr,  # [num_work, num_heads, NUM_SPLITS] float32
+    cu_seqlens_q_ptr,  # [num_seqs + 1] int32
+    seq_ids_ptr,  # [num_work] int32
+    stride_ot, stride_oh,  # out strides (tokens, heads)
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # a power of two
+):
+    work = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(cu_seqlens_q_ptr + tl.load(seq_ids_ptr + work))
+    base = work.to(tl.int64) * tl.num_programs(1) + head
+    splits = tl.arange(0, NUM_SPLITS)
+    lse = tl.load(part_lse_ptr + base * NUM_SPLITS + splits)  # [NUM_SPLITS]
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, output 0
+    w = tl.math.exp2(lse - m)  # [NUM_SPLITS], 0 for empty splits
+    parts = tl.load(part_out_ptr + (base * NUM_SPLITS + splits)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :])
+    total = tl.sum(w, axis=0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)  # [HEAD_DIM]
+    o = q_row.to(tl.int64) * stride_ot + head * stride_oh + tl.arange(0, HEAD_DIM)
+    tl.store(out_ptr + o, out.to(out_ptr.dtype.element_ty))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_work: int, num_kv_heads: int, max_tiles: int, num_sms: int) -> int:
+    """Splits per (sequence, KV head): enough programs for ~2 waves on the GPU, a power of two,
+    and at least 4 tiles per split so the partial-output traffic stays small."""
+    programs = max(1, num_work * num_kv_heads)
+    want = max(1, (2 * num_sms) // programs)
+    cap = max(1, max_tiles // 4)
+    splits = 1
+    while splits * 2 <= min(want, cap, 64):
+        splits *= 2
+    return splits
+
+
+def paged_decode(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated at global positions
+    key_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64 packed
+    num_blocks_per_seq: torch.Tensor,  # [num_seqs] int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    max_seq_len: int,
+    inv_freq: torch.Tensor,  # [rotary_dim // 2] float32
+    scale: float,
+    *,
+    interleaved: bool = False,
+    seq_ids: torch.Tensor | None = None,  # [num_work] int32 decode sequences, default all
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    num_splits: int | None = None,  # power of two; default from choose_num_splits
+    rotate: bool = True,
+    block_n: int | None = None,  # key lanes per tile (rounded up to a power of two >= block_size)
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Attention of each listed sequence's single new token (row ``cu_seqlens_q[seq]``) over its
+    paged context, with the query rotated by ``-delta`` once per chunk (see module doc).
+
+    ``max_seq_len`` (a host int) bounds the split count; a sequence with no blocks gets zeros.
+
+    Returns:
+        ``out`` (allocated like ``query`` when not given).
+
+    Example:
+        >>> out = paged_decode(q, kc, vc, md.block_tables, md.num_blocks_per_seq, md.cu_seqlens_q,
+        ...                    md.max_seq_len, rotary.inv_freq.to(q.device), scale)
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    layout = rope_layout(head_dim, 2 * inv_freq.numel(), interleaved)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    for t, name in ((query, "query"), (key_cache, "key_cache"), (value_cache, "value_cache")):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim")
+    interpreter = on_interpreter(query)
+    if out is None:
+        out = torch.empty_like(query)
+    if seq_ids is None:
+        seq_ids = torch.arange(block_tables.shape[0], dtype=torch.int32, device=query.device)
+    num_work = seq_ids.numel()
+    if num_work == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_n = triton.next_power_of_2(max(block_n or (32 if interpreter else 64), block_size))
+    tile_blocks = block_n // block_size
+    # Every block holds >= 1 key, so a sequence has at most min(max_blocks, max_seq_len) blocks.
+    max_blocks = max(1, min(block_tables.shape[1], max_seq_len))
+    max_tiles = -(-max_blocks // tile_blocks)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_work, num_kv_heads, max_tiles, _num_sms(query.device))
+    if num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    tiles_per_split = -(-max_tiles // num_splits)
+    if num_splits > 1:
+        part_out = torch.empty(num_work, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(num_work, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # unused
+    decode_kernel[(num_work, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, out, part_out, part_lse,
+        block_tables, num_blocks_per_seq, cu_seqlens_q, seq_ids,
+        inv_freq.to(device=query.device, dtype=torch.float32).contiguous(),
+        scale * math.log2(math.e),
+        tiles_per_split,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        HALF=layout.half,
+        REST=layout.rest,
+        PAIR_STRIDE=layout.pair_stride,
+        X2_OFF=layout.x2_offset,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        TILE_BLOCKS=tile_blocks,
+        NUM_SPLITS=num_splits,
+        ROTATE=rotate,
+        ACCURATE_TRIG=not interpreter,
+        DOT_PRECISION=dot_precision(query.dtype),
+        DOT_UPCAST=interpreter,
+        num_warps=num_warps or 4,
+        num_stages=num_stages or (1 if interpreter else 3),
+    )
+    if num_splits > 1:
+        decode_reduce_kernel[(num_work, num_heads)](
+            out, part_out, part_lse, cu_seqlens_q, seq_ids,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            num_warps=4,
+        )
+    return out
+
+
+def decode_reference(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64 packed
+    num_blocks_per_seq: torch.Tensor,  # [num_seqs] int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    inv_freq: torch.Tensor,  # [rotary_dim // 2] float32
+    scale: float,
+    interleaved: bool = False,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] float32 on the CPU
+    """Float32 reference of :func:`paged_decode`, one block at a time: the query row of each
+    sequence is rotated by ``-delta`` of every block and scored against the block's keys as
+    stored; then one softmax. Rows of sequences without blocks are zeros."""
+    num_tokens, num_heads, head_dim = query.shape
+    group = num_heads // key_cache.shape[2]
+    out = torch.zeros(num_tokens, num_heads, head_dim)
+    for s in range(block_tables.shape[0]):
+        row = int(cu_seqlens_q[s])
+        q = query[row].float().cpu()  # [H, D]
+        n = int(num_blocks_per_seq[s])
+        if n == 0:
+            continue
+        block_ids, deltas, valid = unpack_block_table(block_tables[s, :n].cpu())
+        scores, values = [], []
+        for b, d, v in zip(block_ids.tolist(), deltas.tolist(), valid.tolist()):
+            q_b = rotate(q[None], torch.tensor([-d]), inv_freq, interleaved)[0]  # [H, D]
+            k = key_cache[b, :v].float().cpu().repeat_interleave(group, dim=1)  # [v, H, D]
+            scores.append(torch.einsum("hd,khd->hk", q_b, k))
+            values.append(value_cache[b, :v].float().cpu().repeat_interleave(group, dim=1))
+        probs = torch.softmax(torch.cat(scores, dim=1) * scale, dim=1)  # [H, seq_len]
+        out[row] = torch.einsum("hk,khd->hd", probs, torch.cat(values))
+    return out

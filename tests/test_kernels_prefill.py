@@ -1,0 +1,127 @@
+"""Paged deferred-RoPE prefill kernel vs its float32 PyTorch reference.
+
+On the CPU these run under TRITON_INTERPRET=1 (tests/conftest.py) on small shapes; on a GPU the
+same tests run compiled, plus ``gpu``-marked ones with block ids whose offsets overflow int32.
+"""
+
+import pytest
+import torch
+from kernel_tolerances import assert_close
+from paged_case import SeqSpec, make_case
+
+from lazyattn_rag.kernels.prefill import block_key_starts, paged_prefill, prefill_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# Chunk lengths around a 16-slot block boundary, at assorted offsets (one straddles 2**24).
+MIXED = [
+    SeqSpec(chunks=[(1, 7), (15, -4), (16, 40), (17, 2**24 - 9), (37, 300)], own_len=21, query_len=19),
+    SeqSpec(chunks=[], own_len=6, query_len=6),  # no chunk at all (its only chunk was empty)
+    SeqSpec(chunks=[(17, 5)], own_len=3, query_len=1),  # a decode row inside a prefill batch
+    SeqSpec(chunks=[(16, -(2**24) + 1)], own_len=40, query_len=33),  # new tokens span 3 blocks
+]
+
+
+def run(case, **kw):
+    out = paged_prefill(case.query, case.key_cache, case.value_cache, case.block_tables, case.num_blocks_per_seq,
+                        case.seq_lens, case.cu_seqlens_q, case.max_query_len, case.inv_freq, case.scale,
+                        interleaved=case.interleaved, **kw)
+    ref = prefill_reference(case.query, case.key_cache, case.value_cache, case.block_tables,
+                            case.num_blocks_per_seq, case.cu_seqlens_q, case.inv_freq, case.scale, case.interleaved)
+    return out, ref
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
+    (32, 8, 128), (9, 3, 64), (28, 4, 64), (8, 1, 128), (32, 32, 64), (9, 3, 128),
+])
+def test_gqa_ratios_and_head_dims(num_heads, num_kv_heads, head_dim):
+    specs = [MIXED[0], MIXED[1]] if num_heads <= 9 else [SeqSpec([(17, 2**24 - 9), (15, 3)], own_len=9, query_len=9)]
+    case = make_case(specs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, device=DEVICE,
+                     seed=num_heads * 7 + head_dim)
+    out, ref = run(case)
+    assert_close(out, ref, torch.float32, f"{num_heads}/{num_kv_heads} d{head_dim}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_mixed_batch_dtypes(dtype):
+    case = make_case(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype, device=DEVICE, seed=1)
+    out, ref = run(case)
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("block_size", [8, 24, 64])
+def test_block_sizes(block_size):
+    """A non-power-of-two block size leaves idle lanes in each tile; 64 makes one block per tile."""
+    case = make_case(MIXED[:2], num_heads=4, num_kv_heads=1, head_dim=64, block_size=block_size, device=DEVICE,
+                     seed=block_size)
+    out, ref = run(case)
+    assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("interleaved,rotary_dim", [(True, 64), (False, 32), (True, 32)])
+def test_interleaved_and_partial_rotary(interleaved, rotary_dim):
+    case = make_case(MIXED[:1], num_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=rotary_dim,
+                     interleaved=interleaved, device=DEVICE, seed=3)
+    out, ref = run(case)
+    assert_close(out, ref, torch.float32)
+
+
+def test_padding_sequence_gives_zeros_and_no_nan():
+    """A sequence without blocks (a padding row of a fixed-size batch) attends nothing: zeros out."""
+    specs = [SeqSpec([(15, 11)], own_len=5, query_len=5), SeqSpec([], own_len=0, query_len=3)]
+    case = make_case(specs, num_heads=4, num_kv_heads=2, head_dim=64, device=DEVICE, seed=4)
+    out, ref = run(case, out=torch.full_like(case.query, float("nan")))
+    assert_close(out, ref, torch.float32)
+    assert torch.count_nonzero(out[5:]) == 0
+
+
+def test_seq_ids_writes_only_listed_sequences():
+    case = make_case(MIXED[:2], num_heads=4, num_kv_heads=2, head_dim=64, device=DEVICE, seed=5)
+    poison = torch.full_like(case.query, 7.0)
+    out, ref = run(case, seq_ids=torch.tensor([1], dtype=torch.int32, device=DEVICE), out=poison)
+    n0 = MIXED[0].query_len
+    assert torch.all(out[:n0] == 7.0)
+    assert_close(out[n0:], ref[n0:], torch.float32)
+
+
+def test_rotation_compiled_out_matches_when_all_deltas_are_zero():
+    specs = [SeqSpec([(37, 0), (17, 0)], own_len=9, query_len=9)]
+    case = make_case(specs, num_heads=4, num_kv_heads=2, head_dim=64, device=DEVICE, seed=6)
+    out, ref = run(case, rotate=False)
+    assert_close(out, ref, torch.float32)
+
+
+def test_block_key_starts():
+    case = make_case(MIXED[:2], num_heads=2, num_kv_heads=1, head_dim=16, device="cpu", seed=7)
+    ks = block_key_starts(case.block_tables, case.num_blocks_per_seq)
+    # chunks 1, 15, 16, 17 (2 blocks), 37 (3 blocks), own 21 (2 blocks)
+    assert ks[0, :10].tolist() == [0, 1, 16, 32, 48, 49, 65, 81, 86, 102]
+    assert ks[1, :1].tolist() == [0]
+
+
+@pytest.mark.gpu
+@gpu
+def test_block_ids_past_int32_offsets():
+    """block_id * block_size * num_kv_heads * head_dim > 2**31: offsets must be int64."""
+    num_kv_heads, head_dim, block_size = 8, 128, 16
+    min_block = 2**31 // (block_size * num_kv_heads * head_dim) + 10  # 16394 blocks in: 2**31 elements
+    specs = [SeqSpec([(37, 1000), (17, -5)], own_len=70, query_len=70), SeqSpec([(15, 2**24)], own_len=3, query_len=2)]
+    case = make_case(specs, num_heads=32, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                     dtype=torch.bfloat16, device="cuda", min_block_id=min_block, spare_blocks=4)
+    assert case.key_cache.numel() > 2**31
+    out, ref = run(case)
+    assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 8, 128), (9, 3, 64)])
+def test_long_prefill_with_chunks_gpu(num_heads, num_kv_heads, head_dim):
+    specs = [SeqSpec([(1000, 12), (777, 5000), (1, 2**24 - 1)], own_len=600, query_len=600),
+             SeqSpec([(300, -7)], own_len=1, query_len=1), SeqSpec([], own_len=257, query_len=257)]
+    case = make_case(specs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     dtype=torch.bfloat16, device="cuda", seed=11)
+    out, ref = run(case)
+    assert_close(out, ref, torch.bfloat16)
