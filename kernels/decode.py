@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from lazyattn_rag.kernels.block_table import unpack_block_table
-from lazyattn_rag.kernels.prefill import cos_sin, dot_precision, mma, on_interpreter, rope_layout, rotate
+from lazyattn_rag.kernels.prefill import check_gpu_shapes, cos_sin, dot_precision, mma, on_interpreter, rope_layout, rotate
 
 
 @triton.jit
@@ -257,6 +257,8 @@ def paged_decode(
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim")
     interpreter = on_interpreter(query)
+    if not interpreter:
+        check_gpu_shapes(layout)
     if out is None:
         out = torch.empty_like(query)
     if seq_ids is None:

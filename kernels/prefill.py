@@ -85,9 +85,18 @@ def on_interpreter(t: torch.Tensor) -> bool:
     return t.device.type != "cuda"
 
 
-def dot_precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str | None:
     """float32 inputs use exact float32 dots (tests); half types use the tensor cores' default."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return "ieee" if dtype == torch.float32 else None
+
+
+def check_gpu_shapes(layout: RopeLayout) -> None:
+    """Compiled ``tl.dot`` needs an inner dimension of at least 16 for each head-dim part."""
+    if layout.half < 16 or 0 < layout.rest < 16:
+        raise NotImplementedError(
+            f"compiled kernels need rotary_dim/2 >= 16 and head_dim - rotary_dim in {{0}} or >= 16; got "
+            f"rotary_dim/2 = {layout.half}, rest = {layout.rest} (the interpreter takes any power of two)"
+        )
 
 
 def block_key_starts(block_tables: torch.Tensor, num_blocks_per_seq: torch.Tensor) -> torch.Tensor:
@@ -156,7 +165,7 @@ def prefill_kernel(
     TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
     ROTATE: tl.constexpr,  # False compiles the rotation out (benchmark of its cost only)
     ACCURATE_TRIG: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, "tf32" (ignored) for half types
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, None (default) for half types
     DOT_UPCAST: tl.constexpr,  # interpreter only: dots in float32
 ):
     head = tl.program_id(0)
@@ -325,6 +334,8 @@ def paged_prefill(
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim")
     interpreter = on_interpreter(query)
+    if not interpreter:
+        check_gpu_shapes(layout)
     cfg = _default_config(head_dim, block_size, interpreter)
     block_m = block_m or cfg["block_m"]
     block_n = triton.next_power_of_2(max(block_n or cfg["block_n"], block_size))

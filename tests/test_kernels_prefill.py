@@ -106,7 +106,7 @@ def test_block_key_starts():
 def test_block_ids_past_int32_offsets():
     """block_id * block_size * num_kv_heads * head_dim > 2**31: offsets must be int64."""
     num_kv_heads, head_dim, block_size = 8, 128, 16
-    min_block = 2**31 // (block_size * num_kv_heads * head_dim) + 10  # 16394 blocks in: 2**31 elements
+    min_block = 2**31 // (block_size * num_kv_heads * head_dim) + 10  # past 2**31 elements (4.3 GB)
     specs = [SeqSpec([(37, 1000), (17, -5)], own_len=70, query_len=70), SeqSpec([(15, 2**24)], own_len=3, query_len=2)]
     case = make_case(specs, num_heads=32, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                      dtype=torch.bfloat16, device="cuda", min_block_id=min_block, spare_blocks=4)
