@@ -3,27 +3,29 @@
 A *chunk* is a token sequence encoded alone (a document, the prompt head, an anchor)
 whose K/V blocks are stored once, position-agnostic, and shared by every request that
 places it, at any offset. The cache maps a content key (see
-:mod:`lazyattn_rag.fingerprint`) to its blocks and maps document ids to their current
-key.
+:mod:`lazyattn_rag.fingerprint`) to its blocks and maps document ids to their current key.
 
 Locking contract:
     * The cache holds one pool reference on each block of every entry.
+    * An entry is inserted *pending* (``ready=False``) when a request schedules its encode,
+      and marked ready once the forward pass that writes it has run. Nobody reads a
+      pending entry; a request that needs it pins it and waits.
     * A request that will read an entry pins it (:meth:`pin`) and unpins it when it
-      finishes; pinned entries are never evicted or dropped.
+      finishes or is preempted; pinned or pending entries are never evicted or dropped.
     * Rebinding a document id to a new key (its text changed) or removing it marks the old
       entry dead once no other document id uses that key; a dead entry is dropped as soon
       as it is unpinned and is never returned by :meth:`lookup`.
-    * :meth:`allocate` evicts unpinned entries, least recently used first, until the pool
-      can serve the request; a freed block's key is cleared before reuse (the entry is
-      removed from the key map before its blocks return to the pool).
+    * :meth:`allocate` evicts unpinned ready entries in the eviction policy's order until
+      the pool can serve the request. An entry leaves the key map *before* its blocks
+      return to the pool, so a reused block can never be found under its old key.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from lazyattn_rag.engine.block_pool import BlockPool, NoFreeBlocksError
+from lazyattn_rag.engine.eviction import EvictionPolicy, LRUPolicy
 
 
 @dataclass
@@ -35,47 +37,59 @@ class ChunkEntry:
         block_ids: physical blocks, in order; the last may be partly filled.
         num_tokens: tokens stored (valid slots over all blocks).
         local_start: position of the chunk's first token when it was encoded (``l``).
-        pin_count: requests currently reading the entry.
+        ready: its K/V has been written.
+        pin_count: requests currently holding it.
         dead: no document id refers to it any more; dropped when unpinned.
+        doc_ids: document ids bound to this key.
     """
 
     key: str
     block_ids: list[int]
     num_tokens: int
     local_start: int
+    ready: bool = False
     pin_count: int = 0
     dead: bool = False
     doc_ids: set[str] = field(default_factory=set)
+    listed_evictable: bool = False  # what the policy and the evictable count were last told
+
+    @property
+    def evictable(self) -> bool:
+        return self.ready and self.pin_count == 0 and not self.dead
 
 
 class ChunkCache:
-    """Content-keyed chunk entries over a :class:`BlockPool` with LRU eviction.
+    """Content-keyed chunk entries over a :class:`BlockPool`.
 
     Args:
         pool: the block pool the entries' blocks come from.
         block_size: slots per block.
+        policy: eviction order (default :class:`~lazyattn_rag.engine.eviction.LRUPolicy`).
     """
 
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(self, pool: BlockPool, block_size: int, policy: EvictionPolicy | None = None):
         self.pool = pool
         self.block_size = block_size
+        self.policy = policy or LRUPolicy()
         self._entries: dict[str, ChunkEntry] = {}
-        self._lru: OrderedDict[str, None] = OrderedDict()  # unpinned live entries, oldest first
         self._doc_keys: dict[str, str] = {}
+        self._num_evictable_blocks = 0
         self.num_evictions = 0
 
     # --- lookup and insertion -------------------------------------------------------------
-    def lookup(self, key: str) -> ChunkEntry | None:
-        """The live entry for ``key`` (marked most recently used), or ``None``."""
+    def lookup(self, key: str, touch: bool = True) -> ChunkEntry | None:
+        """The live entry for ``key`` (ready or pending), or ``None``; ``touch`` counts a hit."""
         entry = self._entries.get(key)
         if entry is None or entry.dead:
             return None
-        if key in self._lru:
-            self._lru.move_to_end(key)
+        if touch:
+            self.policy.on_hit(key)
         return entry
 
-    def insert(self, key: str, block_ids: list[int], num_tokens: int, local_start: int) -> ChunkEntry:
-        """Add an entry; the cache takes over the caller's one reference on each block.
+    def insert_pending(self, key: str, block_ids: list[int], num_tokens: int, local_start: int) -> ChunkEntry:
+        """Add a pending entry (its encode is scheduled), pinned once for the encoder.
+
+        The cache takes over the caller's one pool reference on each block.
 
         Raises:
             KeyError: ``key`` is already cached.
@@ -83,12 +97,35 @@ class ChunkCache:
         """
         if key in self._entries:
             raise KeyError(f"chunk {key[:12]} is already cached")
-        if len(block_ids) != -(-num_tokens // self.block_size):
-            raise ValueError(f"{num_tokens} tokens need {-(-num_tokens // self.block_size)} blocks, got {len(block_ids)}")
-        entry = ChunkEntry(key, list(block_ids), num_tokens, local_start)
+        need = -(-num_tokens // self.block_size)
+        if len(block_ids) != need:
+            raise ValueError(f"{num_tokens} tokens need {need} blocks, got {len(block_ids)}")
+        entry = ChunkEntry(key, list(block_ids), num_tokens, local_start, pin_count=1)
+        entry.doc_ids.update(d for d, k in self._doc_keys.items() if k == key)
         self._entries[key] = entry
-        self._lru[key] = None
+        self.policy.on_insert(key, num_tokens, len(block_ids))
         return entry
+
+    def mark_ready(self, key: str) -> None:
+        """The entry's K/V is written; it may now be read (and evicted once unpinned)."""
+        entry = self._entries[key]
+        entry.ready = True
+        self._sync_evictable(entry)
+
+    def insert(self, key: str, block_ids: list[int], num_tokens: int, local_start: int) -> ChunkEntry:
+        """Insert an already-written entry, unpinned (``insert_pending`` + ``mark_ready`` + ``unpin``)."""
+        entry = self.insert_pending(key, block_ids, num_tokens, local_start)
+        self.mark_ready(key)
+        self.unpin(key)
+        return entry
+
+    def discard_pending(self, key: str) -> None:
+        """Drop a pending entry whose encode failed (its pins are void)."""
+        entry = self._entries[key]
+        if entry.ready:
+            raise RuntimeError(f"chunk {key[:12]} is ready, not pending")
+        entry.pin_count = 0
+        self._drop(entry, evicted=False)
 
     # --- pinning --------------------------------------------------------------------------
     def pin(self, key: str) -> ChunkEntry:
@@ -97,7 +134,7 @@ class ChunkCache:
         if entry is None or entry.dead:
             raise KeyError(f"chunk {key[:12]} is not cached")
         entry.pin_count += 1
-        self._lru.pop(key, None)
+        self._sync_evictable(entry)
         return entry
 
     def unpin(self, key: str) -> None:
@@ -105,11 +142,17 @@ class ChunkCache:
         if entry.pin_count <= 0:
             raise RuntimeError(f"unpin of unpinned chunk {key[:12]}")
         entry.pin_count -= 1
-        if entry.pin_count == 0:
-            if entry.dead:
-                self._drop(entry)
-            else:
-                self._lru[key] = None
+        if entry.pin_count == 0 and entry.dead:
+            self._drop(entry, evicted=False)
+        else:
+            self._sync_evictable(entry)
+
+    def _sync_evictable(self, entry: ChunkEntry) -> None:
+        now = entry.evictable
+        if entry.listed_evictable != now:
+            self._num_evictable_blocks += len(entry.block_ids) if now else -len(entry.block_ids)
+            entry.listed_evictable = now
+            self.policy.set_evictable(entry.key, now)
 
     # --- document ids ---------------------------------------------------------------------
     def document_key(self, doc_id: str) -> str | None:
@@ -136,10 +179,6 @@ class ChunkCache:
         key = self._doc_keys.pop(doc_id)
         self._release_doc(doc_id, key)
 
-    def attach_documents(self, entry: ChunkEntry) -> None:
-        """Record which bound document ids point at a freshly inserted entry."""
-        entry.doc_ids.update(d for d, k in self._doc_keys.items() if k == entry.key)
-
     def _release_doc(self, doc_id: str, key: str) -> None:
         entry = self._entries.get(key)
         if entry is None:
@@ -148,38 +187,49 @@ class ChunkCache:
         if entry.doc_ids:
             return
         entry.dead = True
-        self._lru.pop(key, None)
+        self._sync_evictable(entry)
         if entry.pin_count == 0:
-            self._drop(entry)
+            self._drop(entry, evicted=False)
 
     # --- allocation and eviction ----------------------------------------------------------
+    @property
+    def num_evictable_blocks(self) -> int:
+        return self._num_evictable_blocks
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether :meth:`allocate` would succeed (free plus evictable blocks suffice)."""
+        return self.pool.num_free + self._num_evictable_blocks >= num_blocks
+
     def allocate(self, num_blocks: int) -> list[int]:
-        """Allocate blocks from the pool, evicting unpinned entries (LRU first) if needed.
+        """Allocate blocks from the pool, evicting in policy order if needed.
 
         Raises:
-            NoFreeBlocksError: even evicting every unpinned entry would not free enough.
+            NoFreeBlocksError: even evicting every evictable entry would not free enough
+                (nothing is evicted then).
         """
-        evictable = sum(len(self._entries[k].block_ids) for k in self._lru)
-        if self.pool.num_free + evictable < num_blocks:
+        if not self.can_allocate(num_blocks):
             raise NoFreeBlocksError(
-                f"need {num_blocks} KV blocks: {self.pool.num_free} free and {evictable} evictable of "
-                f"{self.pool.num_blocks}; the rest are pinned by running requests"
+                f"need {num_blocks} KV blocks: {self.pool.num_free} free and {self._num_evictable_blocks} "
+                f"evictable of {self.pool.num_blocks}; the rest are pinned by running requests"
             )
         while self.pool.num_free < num_blocks:
-            self.evict(next(iter(self._lru)))
+            self.evict(self.policy.victim())
         return self.pool.allocate(num_blocks)
 
     def evict(self, key: str) -> None:
-        """Drop an unpinned entry now. Raises ``RuntimeError`` if it is pinned."""
+        """Drop an evictable entry now. Raises ``RuntimeError`` if it is pinned or pending."""
         entry = self._entries[key]
-        if entry.pin_count:
-            raise RuntimeError(f"cannot evict pinned chunk {key[:12]}")
+        if not entry.evictable:
+            raise RuntimeError(f"cannot evict chunk {key[:12]}: pinned or pending")
         self.num_evictions += 1
-        self._drop(entry)
+        self._drop(entry, evicted=True)
 
-    def _drop(self, entry: ChunkEntry) -> None:
-        del self._entries[entry.key]
-        self._lru.pop(entry.key, None)
+    def _drop(self, entry: ChunkEntry, evicted: bool) -> None:
+        entry.pin_count = 0
+        entry.dead = True  # not evictable any more: updates the evictable count
+        self._sync_evictable(entry)
+        del self._entries[entry.key]  # the key goes first, then the blocks
+        self.policy.on_remove(entry.key, evicted)
         self.pool.decref(entry.block_ids)
 
     # --- introspection --------------------------------------------------------------------
@@ -194,21 +244,24 @@ class ChunkCache:
     def entries(self) -> list[ChunkEntry]:
         return list(self._entries.values())
 
-    def lru_order(self) -> list[str]:
+    def eviction_order(self) -> list[str]:
         """Keys of evictable entries, next victim first."""
-        return list(self._lru)
+        return self.policy.eviction_order()
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` on any broken invariant of the cache or the pool."""
         self.pool.check_integrity()
         seen: set[int] = set()
+        evictable_blocks = 0
         for key, e in self._entries.items():
             assert e.key == key
-            assert (key in self._lru) == (e.pin_count == 0 and not e.dead), f"{key[:12]} LRU membership"
             assert not (e.dead and e.pin_count == 0), f"dead unpinned entry {key[:12]} not dropped"
+            assert e.ready or e.pin_count > 0, f"pending entry {key[:12]} has no holder"
+            evictable_blocks += len(e.block_ids) if e.evictable else 0
             for b in e.block_ids:
                 assert b not in seen, f"block {b} owned by two entries"
                 assert self.pool.ref_count(b) >= 1, f"entry {key[:12]} holds free block {b}"
                 seen.add(b)
-        for k in self._lru:
-            assert k in self._entries
+        assert evictable_blocks == self._num_evictable_blocks, "evictable block count drifted"
+        order = self.policy.eviction_order()
+        assert sorted(order) == sorted(k for k, e in self._entries.items() if e.evictable), "policy disagrees"

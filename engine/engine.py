@@ -1,25 +1,24 @@
-"""The engine: documents, prompt plans, chunk encoding on a miss, prefill and decode.
+"""The engine: documents, prompt plans, and ``step()`` = schedule -> run -> postprocess.
 
 Request lifecycle (``docs/architecture.md`` has the picture):
 
-1. ``plan``: the head, each document's chunk and the query tail as token segments; each
-   chunk gets its content key and its global start ``g``.
-2. ``acquire``: pin the anchor, the head and every document chunk that is cached (hits);
-   encode the misses in one batched forward pass, each alone after the anchor (local
-   positions ``l .. l+L-1``), insert and pin them. Hits are pinned *before* any block is
-   allocated, so encoding a miss can never evict a chunk this request is about to read.
-3. ``prefill``: the request's block table is its chunks' blocks (each with ``delta = g - l``)
-   followed by private blocks for the query tail; one forward computes only the tail.
-4. ``decode``: one token per step into the private blocks until a stop condition.
-5. ``release``: free the private blocks, unpin the chunks (always, also on error or when the
-   caller stops iterating).
+1. ``submit``: the prompt plan (head, document chunks with content keys and global starts,
+   query tail) is built and validated at once; bad input raises here, touching nothing.
+2. ``step``: the :class:`~lazyattn_rag.engine.scheduler.Scheduler` picks encodes of missing
+   chunks, query prefills and decodes under a token budget; the runner computes them in one
+   forward pass; encoded chunks are marked ready; sampled tokens are detokenized and handed
+   to each request's sink as :class:`~lazyattn_rag.outputs.StreamDelta`.
+3. ``finish`` / ``abort``: private blocks are freed and pins dropped; the chunks stay cached.
+
+The engine is single-threaded: :mod:`lazyattn_rag.engine.loop` drives it from one thread
+and serializes every call into it.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,22 +26,18 @@ import torch
 from lazyattn_rag.config import EngineConfig
 from lazyattn_rag.detokenizer import IncrementalDetokenizer
 from lazyattn_rag.engine.attention import SequenceInput
-from lazyattn_rag.engine.block_pool import NoFreeBlocksError
-from lazyattn_rag.engine.chunk_cache import ChunkCache, ChunkEntry
+from lazyattn_rag.engine.chunk_cache import ChunkCache
+from lazyattn_rag.engine.request import Request, RequestStatus
 from lazyattn_rag.engine.runner import ModelRunner
-from lazyattn_rag.errors import (
-    CacheCapacityError,
-    DocumentTooLongError,
-    EmptyInputError,
-    PromptTooLongError,
-    UnknownDocumentError,
-)
+from lazyattn_rag.engine.scheduler import ComputeJob, EncodeJob, Scheduler, SchedulerOutput
+from lazyattn_rag.errors import DocumentTooLongError, EmptyInputError, PromptTooLongError, UnknownDocumentError
 from lazyattn_rag.fingerprint import anchor_fingerprint, chunk_key
 from lazyattn_rag.outputs import RequestStats, StreamDelta
 from lazyattn_rag.prompt import ChunkSegment, PromptPlan, PromptTemplate
 from lazyattn_rag.sampling import SamplingParams, sample
 
 _NO_ANCHOR = anchor_fingerprint("none", [])
+Sink = Callable[[StreamDelta | BaseException], None]
 
 
 @dataclass
@@ -52,18 +47,32 @@ class _Document:
     key: str
 
 
+@dataclass
+class EngineCounters:
+    """Engine-wide counters since start (prompt tokens and documents of finished acquisitions)."""
+
+    num_requests_finished: int = 0
+    num_requests_failed: int = 0
+    num_requests_aborted: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_doc_lookups: int = 0
+    num_doc_hits: int = 0
+    num_output_tokens: int = 0
+    num_steps: int = 0
+
+
 class LLMEngine:
-    """Position-agnostic chunk reuse over a paged KV cache (one request at a time).
+    """Position-agnostic chunk reuse over a paged KV cache with continuous batching.
 
     Args:
         runner: the model runner (model, backend, KV tensors).
         cache: the chunk cache over the runner's block pool.
         tokenizer: the model's tokenizer.
         model_digest: :meth:`ModelFingerprint.digest` of the loaded model.
-        config: engine configuration (anchor mode, prompt, limits).
+        config: engine configuration (anchor mode, prompt, scheduler limits).
         max_model_len: context limit in tokens.
-        eos_token_ids: end-of-sequence ids besides the tokenizer's own (e.g. from
-            ``generation_config.json``).
+        eos_token_ids: end-of-sequence ids besides the tokenizer's own.
     """
 
     def __init__(self, runner: ModelRunner, cache: ChunkCache, tokenizer, model_digest: str,
@@ -84,6 +93,10 @@ class LLMEngine:
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.generator = torch.Generator().manual_seed(config.seed)
+        self.counters = EngineCounters()
+        self.requests: dict[str, Request] = {}
+        self.scheduler = Scheduler(cache, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
+                                   self._encode_anchor(), self.anchor_key)
 
     def _anchor_token_ids(self) -> tuple[int, ...]:
         mode = self.config.cache.anchor
@@ -96,6 +109,17 @@ class LLMEngine:
             raise ValueError("anchor='bos' needs a tokenizer with a BOS token")
         return (bos,)
 
+    def _encode_anchor(self) -> list[tuple[int, int, int]]:
+        """Encode the anchor once and pin it for the engine's lifetime; its block-table entries."""
+        if self.anchor_key is None:
+            return []
+        n = len(self.anchor_ids)
+        blocks = self.cache.allocate(-(-n // self.block_size))
+        entry = self.cache.insert_pending(self.anchor_key, blocks, n, 0)
+        self.runner.execute([self._sequence(EncodeJob(self.anchor_key, self.anchor_ids, 0, blocks, []))])
+        self.cache.mark_ready(self.anchor_key)
+        return [(b, 0, min(self.block_size, n - i * self.block_size)) for i, b in enumerate(entry.block_ids)]
+
     # --- documents ------------------------------------------------------------------------
     def add_document(self, doc_id: str, text: str) -> bool:
         """Register (or update) a document; returns ``True`` if its content key changed.
@@ -107,12 +131,11 @@ class LLMEngine:
         """
         if not isinstance(doc_id, str) or not doc_id:
             raise EmptyInputError(f"document id must be a non-empty string, got {doc_id!r}")
-        if not text or not text.strip():
+        if not isinstance(text, str) or not text.strip():
             raise EmptyInputError(f"document {doc_id!r} is empty")
         ids = tuple(self.template.document_token_ids(text))
-        local_start = len(self.anchor_ids)
         budget = self.max_model_len - len(self.head_ids) - 2
-        if len(ids) > budget or local_start + len(ids) > self.max_model_len:
+        if len(ids) > budget or len(self.anchor_ids) + len(ids) > self.max_model_len:
             raise DocumentTooLongError(
                 f"document {doc_id!r} has {len(ids)} tokens; with the {len(self.head_ids)}-token prompt head "
                 f"at most {budget} fit the context limit of {self.max_model_len} tokens"
@@ -134,24 +157,21 @@ class LLMEngine:
         del self.documents[doc_id]
         self.cache.unbind_document(doc_id)
 
-    def warm(self, doc_ids: list[str]) -> list[str]:
-        """Encode the given documents' K/V now; returns the ids that were encoded (misses).
-
-        Raises:
-            UnknownDocumentError: an id that is not registered.
-        """
+    # --- planning -------------------------------------------------------------------------
+    def _check_ids(self, doc_ids: list[str]) -> None:
         for d in doc_ids:
             if d not in self.documents:
                 raise UnknownDocumentError(f"unknown document id {d!r}: register it first (add_document)")
-        local = len(self.anchor_ids)
-        chunks = [ChunkSegment(self.head_key, self.head_ids, 0, 0, None)]
-        chunks += [ChunkSegment(self.documents[d].key, self.documents[d].token_ids, local, local, d) for d in doc_ids]
-        plan = PromptPlan(tuple(chunks), ())
-        pinned, missed, _ = self._acquire(plan)
-        self._release(pinned, [])
-        return missed
 
-    # --- planning -------------------------------------------------------------------------
+    def _chunks(self, doc_ids: list[str]) -> list[ChunkSegment]:
+        chunks = [ChunkSegment(self.head_key, self.head_ids, 0, 0, None)]
+        pos, local = len(self.head_ids), len(self.anchor_ids)
+        for d in doc_ids:
+            doc = self.documents[d]
+            chunks.append(ChunkSegment(doc.key, doc.token_ids, local, pos, d))
+            pos += len(doc.token_ids)
+        return chunks
+
     def plan(self, question: str, doc_ids: list[str]) -> PromptPlan:
         """Build the prompt plan of a question over registered documents.
 
@@ -162,23 +182,9 @@ class LLMEngine:
         """
         if not isinstance(question, str) or not question.strip():
             raise EmptyInputError("the question is empty")
-        for d in doc_ids:
-            if d not in self.documents:
-                raise UnknownDocumentError(f"unknown document id {d!r}: register it first (add_document)")
-        chunks = [ChunkSegment(self.head_key, self.head_ids, 0, 0, None)]
-        pos = len(self.head_ids)
-        local = len(self.anchor_ids)
-        for d in doc_ids:
-            doc = self.documents[d]
-            chunks.append(ChunkSegment(doc.key, doc.token_ids, local, pos, d))
-            pos += len(doc.token_ids)
-        tail = tuple(self.template.tail_token_ids(question))
-        plan = PromptPlan(tuple(chunks), tail)
-        if plan.num_prompt_tokens >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {plan.num_prompt_tokens} tokens ({len(doc_ids)} documents); the context limit "
-                f"is {self.max_model_len} tokens and at least one must remain for the answer"
-            )
+        self._check_ids(doc_ids)
+        plan = PromptPlan(tuple(self._chunks(doc_ids)), tuple(self.template.tail_token_ids(question)))
+        self._check_length(plan, f"{len(doc_ids)} documents")
         return plan
 
     def plan_plain(self, prompt_ids: list[int]) -> PromptPlan:
@@ -190,173 +196,191 @@ class LLMEngine:
         """
         if not prompt_ids:
             raise EmptyInputError("the prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
+        plan = PromptPlan((), tuple(int(t) for t in prompt_ids))
+        self._check_length(plan, "plain prompt")
+        return plan
+
+    def _check_length(self, plan: PromptPlan, what: str) -> None:
+        if plan.num_prompt_tokens >= self.max_model_len:
             raise PromptTooLongError(
-                f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_model_len} tokens and at "
-                "least one must remain for the answer"
+                f"prompt has {plan.num_prompt_tokens} tokens ({what}); the context limit is {self.max_model_len} "
+                "tokens and at least one must remain for the answer"
             )
-        return PromptPlan((), tuple(int(t) for t in prompt_ids))
 
-    def generate_plan(self, plan: PromptPlan, params: SamplingParams) -> Iterator[StreamDelta]:
-        """Run a prepared plan (from :meth:`plan` or :meth:`plan_plain`), streaming."""
-        stats = RequestStats(uuid.uuid4().hex[:12], num_prompt_tokens=plan.num_prompt_tokens)
-        return self._generate(plan, params, stats, time.perf_counter())
+    # --- submission -----------------------------------------------------------------------
+    def submit(self, plan: PromptPlan, params: SamplingParams, sink: Sink, warm_only: bool = False) -> Request:
+        """Queue a planned request; deltas (or an exception) go to ``sink`` from :meth:`step`."""
+        rid = uuid.uuid4().hex[:16]
+        stats = RequestStats(rid, num_prompt_tokens=plan.num_prompt_tokens)
+        stats.num_computed_tokens = len(plan.query_token_ids)
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else self.generator
+        request = Request(rid, plan, params, sink, stats, IncrementalDetokenizer(self.tokenizer, params.stop), gen,
+                          warm_only=warm_only)
+        self.requests[rid] = request
+        self.scheduler.add(request)
+        return request
 
-    # --- cache acquisition ----------------------------------------------------------------
-    def _acquire(self, plan: PromptPlan) -> tuple[list[str], list[str]]:
-        """Pin every chunk of ``plan``, encoding misses.
+    def submit_warm(self, doc_ids: list[str], sink: Sink) -> Request:
+        """Queue a warm-up: encode the documents' chunks (no question). Raises ``UnknownDocumentError``."""
+        self._check_ids(doc_ids)
+        chunks = self._chunks(doc_ids)
+        plan = PromptPlan(tuple(chunks), ())
+        return self.submit(plan, SamplingParams(max_tokens=1), sink, warm_only=True)
 
-        Returns:
-            (pinned keys, missed document ids in prompt order, keys encoded for this plan).
-        """
-        pinned: list[str] = []
-        if not plan.chunks:
-            return pinned, [], set()
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; frees everything it holds. Returns ``False`` if it already finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self.scheduler.remove(request)
+        self.counters.num_requests_aborted += 1
+        self._finish(request, "abort", release=False)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- one step ---------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Schedule, run one forward pass, postprocess. Returns ``False`` if there was nothing to do."""
+        out = self.scheduler.schedule()
+        for request, error in out.failed:
+            self._fail(request, error)
+        for request in out.warmed:
+            self._finish(request, "warm")
+        if out.is_empty:
+            return bool(out.failed or out.warmed)
+        self.counters.num_steps += 1
         try:
-            if self.anchor_key is not None:
-                self._ensure([(self.anchor_key, self.anchor_ids, 0)], [], pinned)
-            todo: dict[str, tuple[tuple[int, ...], int]] = {}
-            for c in plan.chunks:
-                if c.key in todo or c.key in pinned:
-                    continue
-                if self.cache.lookup(c.key) is not None:
-                    self.cache.pin(c.key)
-                    pinned.append(c.key)
-                else:
-                    todo[c.key] = (c.token_ids, c.local_start)
-            head = [(k, ids, l) for k, (ids, l) in todo.items() if k == self.head_key]
-            docs = [(k, ids, l) for k, (ids, l) in todo.items() if k != self.head_key]
-            anchor_entry = self.cache.lookup(self.anchor_key) if self.anchor_key else None
-            self._ensure(head, [], pinned)
-            self._ensure(docs, self._entries_of(anchor_entry, 0), pinned)
-        except BaseException:
-            self._release(pinned, [])
-            raise
-        missed = [c.doc_id for c in plan.chunks if c.doc_id is not None and c.key in todo]
-        return pinned, missed, set(todo)
+            logits = self.runner.execute([self._sequence(j) for j in out.encodes + out.computes])
+        except Exception as error:  # a broken batch fails its requests, never the cache
+            self._abandon_step(out, error)
+            return True
+        for job in out.encodes:
+            self.cache.mark_ready(job.key)
+        rows = logits[len(out.encodes):]
+        for job, row in zip(out.computes, rows):
+            self._postprocess(job, row)
+        return True
 
-    def _ensure(self, chunks: list[tuple[str, tuple[int, ...], int]],
-                anchor_entries: list[tuple[int, int, int]], pinned: list[str]) -> None:
-        """Encode and pin chunks that are not cached (one batched forward)."""
-        need = [(k, ids, l) for k, ids, l in chunks if self.cache.lookup(k) is None]
-        for k, ids, l in chunks:
-            if self.cache.lookup(k) is not None and k not in pinned:
-                self.cache.pin(k)
-                pinned.append(k)
-        if not need:
-            return
-        seqs, allocated = [], []
-        try:
-            for key, ids, local_start in need:
-                blocks = self._allocate(-(-len(ids) // self.block_size))
-                allocated.append((key, blocks, ids, local_start))
-                seqs.append(self._sequence(ids, local_start, anchor_entries, blocks, 0))
-            self.runner.execute(seqs)
-        except BaseException:
-            for _, blocks, _, _ in allocated:
-                self.cache.pool.decref(blocks)
-            raise
-        for key, blocks, ids, local_start in allocated:
-            entry = self.cache.insert(key, blocks, len(ids), local_start)
-            self.cache.attach_documents(entry)
-            self.cache.pin(key)
-            pinned.append(key)
+    def _sequence(self, job: EncodeJob | ComputeJob) -> SequenceInput:
+        if isinstance(job, EncodeJob):
+            return self._build(job.token_ids, job.local_start, job.context, job.block_ids, 0)
+        r = job.request
+        ids = r.private_token_ids[job.start: job.start + job.num_tokens]
+        return self._build(ids, r.first_private_position + job.start, r.context, r.private_blocks, job.start)
 
-    def _allocate(self, num_blocks: int) -> list[int]:
-        try:
-            return self.cache.allocate(num_blocks)
-        except NoFreeBlocksError as e:
-            raise CacheCapacityError(str(e)) from e
-
-    def _release(self, pinned: list[str], private_blocks: list[int]) -> None:
-        if private_blocks:
-            self.cache.pool.decref(private_blocks)
-        for key in pinned:
-            self.cache.unpin(key)
-
-    def _entries_of(self, entry: ChunkEntry | None, delta: int) -> list[tuple[int, int, int]]:
-        """Block-table entries ``(block id, delta, valid)`` of a cached chunk placed with ``delta``."""
-        if entry is None:
-            return []
-        out, left = [], entry.num_tokens
-        for b in entry.block_ids:
-            out.append((b, delta, min(left, self.block_size)))
-            left -= self.block_size
-        return out
-
-    def _sequence(self, token_ids, first_pos, context, own_blocks, own_filled) -> SequenceInput:
-        """New tokens appended after ``own_filled`` slots of ``own_blocks`` (delta 0), after ``context``."""
+    def _build(self, token_ids, first_pos, context, own_blocks, own_filled) -> SequenceInput:
+        """New tokens after ``own_filled`` slots of ``own_blocks`` (delta 0), after ``context``."""
         n, bs = len(token_ids), self.block_size
         total = own_filled + n
         own = [(b, 0, min(bs, total - i * bs)) for i, b in enumerate(own_blocks) if total - i * bs > 0]
         slots = [own_blocks[(own_filled + i) // bs] * bs + (own_filled + i) % bs for i in range(n)]
-        positions = list(range(first_pos, first_pos + n))
-        return SequenceInput(list(token_ids), positions, list(context) + own, slots)
+        return SequenceInput(list(token_ids), list(range(first_pos, first_pos + n)), list(context) + own, slots)
 
-    # --- generation -----------------------------------------------------------------------
-    def generate(self, question: str, doc_ids: list[str], params: SamplingParams) -> Iterator[StreamDelta]:
-        """Answer ``question`` over the documents ``doc_ids`` (in prompt order), streaming.
+    def _abandon_step(self, out: SchedulerOutput, error: Exception) -> None:
+        victims = {id(j.request): j.request for j in out.computes}
+        for r in list(self.scheduler.acquired):
+            if r.encoded_keys & {e.key for e in out.encodes}:
+                victims[id(r)] = r
+        for r in victims.values():
+            self.scheduler.remove(r)
+        for job in out.encodes:
+            entry = self.cache.lookup(job.key, touch=False)
+            if entry is not None and not entry.ready:
+                for r in list(self.scheduler.acquired):  # others waiting on it lose their pin too
+                    if job.key in r.pinned:
+                        self.scheduler.remove(r)
+                        victims[id(r)] = r
+                if self.cache.lookup(job.key, touch=False) is not None:
+                    self.cache.discard_pending(job.key)
+        for r in victims.values():
+            self._fail(r, error, release=False)
 
-        Raises (before the first delta): see :meth:`plan`; :class:`CacheCapacityError` when the
-        KV cache cannot hold the request even after evicting every unpinned chunk.
-        """
-        t0 = time.perf_counter()
-        plan = self.plan(question, doc_ids)
-        stats = RequestStats(uuid.uuid4().hex[:12], num_prompt_tokens=plan.num_prompt_tokens)
-        return self._generate(plan, params, stats, t0)
-
-    def _generate(self, plan: PromptPlan, params: SamplingParams, stats: RequestStats, t0: float):
-        pinned, missed, encoded = self._acquire(plan)
-        private: list[int] = []
-        try:
-            missed_set = set(missed)
-            for c in plan.chunks[1:]:
-                (stats.docs_missed if c.doc_id in missed_set else stats.docs_hit).append(c.doc_id)
-            encoded_tokens = sum(len(c.token_ids) for c in {c.key: c for c in plan.chunks if c.key in encoded}.values())
-            stats.num_computed_tokens = encoded_tokens + len(plan.query_token_ids)
-            stats.num_cached_tokens = plan.num_prompt_tokens - stats.num_computed_tokens
-            yield from self._decode_loop(plan, params, stats, t0, private)
-        finally:
-            self._release(pinned, private)
-
-    def _decode_loop(self, plan, params, stats, t0, private):
-        context = []
-        for c in plan.chunks:
-            context += self._entries_of(self.cache.lookup(c.key), c.delta)
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else self.generator
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        pos = plan.num_cached_prompt_tokens
-        new_ids, filled = list(plan.query_token_ids), 0
-        t_first, reason, out_ids = None, None, []
-        while True:
-            need = -(-(filled + len(new_ids)) // self.block_size) - len(private)
-            if need > 0:
-                private += self._allocate(need)
-            seq = self._sequence(new_ids, pos, context, private, filled)
-            logits = self.runner.execute([seq])[0]
-            filled += len(new_ids)
-            pos += len(new_ids)
-            token = sample(logits, params, gen)
-            if t_first is None:
-                t_first = time.perf_counter()
-                stats.ttft_ms = (t_first - t0) * 1e3
-            if token in stop_ids:
-                reason = "stop"
-            else:
-                out_ids.append(token)
-                delta = detok.add(token)
-                if detok.stopped:
-                    reason = "stop"
-                elif len(out_ids) >= params.max_tokens or pos + 1 >= self.max_model_len:
-                    reason = "length"
-                yield StreamDelta(delta, token)  # one delta per token, text possibly empty
-            if reason is not None:
-                break
-            new_ids = [token]
+    # --- postprocessing -------------------------------------------------------------------
+    def _postprocess(self, job: ComputeJob, logits: torch.Tensor) -> None:
+        r = job.request
+        r.num_computed += job.num_tokens
+        if not job.sample:
+            return
+        token = sample(logits, r.params, r.generator)
         now = time.perf_counter()
-        stats.num_output_tokens = len(out_ids)
-        stats.e2e_ms = (now - t0) * 1e3
-        if len(out_ids) > 1:
-            stats.tpot_ms = (now - t_first) * 1e3 / (len(out_ids) - 1)
-        yield StreamDelta(detok.flush(), None, True, reason, stats)
+        if r.first_token_time is None:
+            r.first_token_time = now
+            r.stats.ttft_ms = (now - r.arrival_time) * 1e3
+        stop_ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else self.eos_token_ids)
+        if token in stop_ids:
+            self._finish(r, "stop")
+            return
+        r.output_ids.append(token)
+        text = r.detokenizer.add(token)
+        reason = None
+        if r.detokenizer.stopped:
+            reason = "stop"
+        elif len(r.output_ids) >= r.params.max_tokens or (
+                r.first_private_position + len(r.private_token_ids) >= self.max_model_len):
+            reason = "length"
+        r.sink(StreamDelta(text, token))
+        if reason is not None:
+            self._finish(r, reason)
+
+    def _finish(self, r: Request, reason: str, release: bool = True) -> None:
+        if release:
+            self.scheduler.remove(r)
+        r.status = RequestStatus.FINISHED
+        r.finish_reason = reason
+        self.requests.pop(r.request_id, None)
+        now = time.perf_counter()
+        s = r.stats
+        s.num_output_tokens = len(r.output_ids)
+        s.e2e_ms = (now - r.arrival_time) * 1e3
+        s.queue_ms = ((r.first_scheduled_time or now) - r.arrival_time) * 1e3
+        s.num_preemptions = r.num_preemptions
+        if r.first_token_time is not None and len(r.output_ids) > 1:
+            s.tpot_ms = (now - r.first_token_time) * 1e3 / (len(r.output_ids) - 1)
+        s.num_cached_tokens = max(0, s.num_prompt_tokens - s.num_computed_tokens)
+        if reason != "abort":
+            c = self.counters
+            c.num_requests_finished += 1
+            c.num_prompt_tokens += s.num_prompt_tokens
+            c.num_cached_prompt_tokens += s.num_cached_tokens
+            c.num_doc_lookups += len(s.docs_hit) + len(s.docs_missed)
+            c.num_doc_hits += len(s.docs_hit)
+            c.num_output_tokens += s.num_output_tokens
+        r.sink(StreamDelta(r.detokenizer.flush(), None, True, reason, s))
+
+    def _fail(self, r: Request, error: Exception, release: bool = True) -> None:
+        if release:
+            self.scheduler.remove(r)
+        r.status = RequestStatus.FINISHED
+        self.requests.pop(r.request_id, None)
+        self.counters.num_requests_failed += 1
+        r.sink(error)
+
+    # --- introspection --------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Engine-wide stats: hit ratios (tokens, documents), blocks, evictions, preemptions, queues."""
+        c, cache, pool = self.counters, self.cache, self.cache.pool
+        cached_blocks = cache.num_cached_blocks
+        return {
+            "num_requests_finished": c.num_requests_finished,
+            "num_requests_failed": c.num_requests_failed,
+            "num_requests_aborted": c.num_requests_aborted,
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "num_requests_running": len(self.scheduler.running) + len(self.scheduler.acquired),
+            "token_hit_ratio": c.num_cached_prompt_tokens / c.num_prompt_tokens if c.num_prompt_tokens else 0.0,
+            "doc_hit_ratio": c.num_doc_hits / c.num_doc_lookups if c.num_doc_lookups else 0.0,
+            "num_prompt_tokens": c.num_prompt_tokens,
+            "num_cached_prompt_tokens": c.num_cached_prompt_tokens,
+            "num_output_tokens": c.num_output_tokens,
+            "num_blocks_total": pool.num_blocks,
+            "num_blocks_free": pool.num_free,
+            "num_blocks_cached": cached_blocks,
+            "num_blocks_in_use": pool.num_blocks - pool.num_free - cached_blocks,
+            "num_blocks_evictable": cache.num_evictable_blocks,
+            "num_cached_chunks": cache.num_entries,
+            "num_documents": len(self.documents),
+            "num_evictions": cache.num_evictions,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": c.num_steps,
+        }

@@ -4,7 +4,7 @@ Documents' K/V are cached once and placed at any offset of any prompt; their rot
 position encoding is applied at attention time (LazyAttention, ICML 2026).
 """
 
-from lazyattn_rag.config import CacheConfig, EngineConfig, PromptConfig
+from lazyattn_rag.config import CacheConfig, EngineConfig, PromptConfig, SchedulerConfig
 from lazyattn_rag.documents import Document
 from lazyattn_rag.errors import (
     CacheCapacityError,
@@ -20,15 +20,19 @@ from lazyattn_rag.sampling import SamplingParams
 __version__ = "0.1.0"
 
 __all__ = [
-    "CacheCapacityError", "CacheConfig", "Completion", "Document", "DocumentTooLongError", "EmptyInputError",
+    "AsyncLazyAttention", "CacheCapacityError", "CacheConfig", "Completion", "Document", "DocumentTooLongError", "EmptyInputError",
     "EngineConfig", "LazyAttention", "LazyAttentionError", "PromptConfig", "PromptTooLongError", "RequestStats",
-    "SamplingParams", "StreamDelta", "UnknownDocumentError",
+    "SamplingParams", "SchedulerConfig", "StreamDelta", "UnknownDocumentError",
 ]
 
 
-def __getattr__(name: str):
-    if name == "LazyAttention":  # keeps `import lazyattn_rag` light
+def __getattr__(name: str):  # keeps `import lazyattn_rag` light (no model code until used)
+    if name == "LazyAttention":
         from lazyattn_rag.llm import LazyAttention
 
         return LazyAttention
+    if name == "AsyncLazyAttention":
+        from lazyattn_rag.async_llm import AsyncLazyAttention
+
+        return AsyncLazyAttention
     raise AttributeError(name)

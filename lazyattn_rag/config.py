@@ -15,18 +15,24 @@ class CacheConfig:
     Attributes:
         block_size: token slots per KV block (1..128; 16 by default).
         kv_cache_bytes: memory for K and V of all layers; ``None`` means 512 MiB on the CPU and
-            40% of free device memory on CUDA. Ignored when ``num_blocks`` is set.
+            ``kv_cache_fraction`` of free device memory on CUDA. Ignored when ``num_blocks`` is set.
+        kv_cache_fraction: fraction of free device memory for the KV cache (CUDA; default 0.4).
         num_blocks: exact number of KV blocks (overrides ``kv_cache_bytes``).
         anchor: what a document chunk is encoded after (LazyAttention encodes chunks alone):
             ``"none"``: local positions from 0, no context (the LazyAttention / Block-Attention
             setting); ``"bos"``: after the BOS token; ``"head"``: after the prompt's fixed head
             (system turn and the opening of the user turn). Part of every chunk's cache key.
+        eviction_policy: order in which unpinned chunks are evicted: ``"lru"``, ``"lfu"`` (LFU
+            with dynamic aging; keeps a Zipf-popular working set) or ``"gdsf"``
+            (Greedy-Dual-Size-Frequency). See ``engine/eviction.py``.
     """
 
     block_size: int = 16
     kv_cache_bytes: int | None = None
+    kv_cache_fraction: float | None = None
     num_blocks: int | None = None
     anchor: str = "none"
+    eviction_policy: str = "lfu"
 
     def __post_init__(self):
         if not 1 <= self.block_size <= 128:
@@ -37,6 +43,30 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction < 1:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1), got {self.kv_cache_fraction}")
+        if self.eviction_policy not in ("lru", "lfu", "gdsf"):
+            raise ValueError(f"eviction_policy must be lru, lfu or gdsf, got {self.eviction_policy!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    Attributes:
+        max_num_batched_tokens: tokens computed in one step (chunk encodes, prefills and decodes
+            together); a single larger chunk or prompt piece runs alone in its step.
+        max_num_seqs: requests holding KV resources at once; more wait in the queue.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+
+    def __post_init__(self):
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
 @dataclass(frozen=True)
@@ -71,6 +101,7 @@ class EngineConfig:
             (``platformdirs.user_cache_dir("lazyattn-rag")``).
         seed: seed of the default random generator for sampling without a per-request seed.
         cache: :class:`CacheConfig`.
+        scheduler: :class:`SchedulerConfig`.
         prompt: :class:`PromptConfig`.
     """
 
@@ -82,6 +113,7 @@ class EngineConfig:
     cache_dir: Path | str | None = None
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
 
     def __post_init__(self):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
+import queue
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,8 @@ from lazyattn_rag.engine.attention import get_backend_class
 from lazyattn_rag.engine.block_pool import BlockPool
 from lazyattn_rag.engine.chunk_cache import ChunkCache
 from lazyattn_rag.engine.engine import LLMEngine
+from lazyattn_rag.engine.eviction import make_policy
+from lazyattn_rag.engine.loop import EngineLoop
 from lazyattn_rag.engine.model import CausalLM, ModelArchConfig
 from lazyattn_rag.engine.runner import ModelRunner, kv_bytes_per_block
 from lazyattn_rag.fingerprint import ModelFingerprint, tensors_sha256
@@ -59,8 +61,9 @@ class LazyAttention:
         out = llm.generate("What does a for loop iterate over?", doc_ids=["py-for"])
         print(out.text, out.stats.docs_hit, out.stats.ttft_ms)
 
-    Thread safety: every public method may be called from several threads; requests run one
-    at a time.
+    Thread safety: every public method may be called from several threads; one background
+    engine thread batches all their requests (continuous batching). See
+    :class:`lazyattn_rag.AsyncLazyAttention` for asyncio.
     """
 
     def __init__(self, config: EngineConfig | None = None):
@@ -109,16 +112,16 @@ class LazyAttention:
         runner = ModelRunner(self.model, backend, num_blocks, block_size, self.device, self.dtype)
         self.fingerprint = ModelFingerprint(weights_sha256, dtype_name, json.dumps(model.rotary.fingerprint(),
                                             sort_keys=True), _tokenizer_sha256(tokenizer), block_size)
-        cache = ChunkCache(BlockPool(num_blocks), block_size)
+        cache = ChunkCache(BlockPool(num_blocks), block_size, make_policy(config.cache.eviction_policy))
         self.engine = LLMEngine(runner, cache, tokenizer, self.fingerprint.digest(), config, self.max_model_len, eos_ids)
-        self._lock = threading.RLock()
+        self.loop = EngineLoop(self.engine)
 
     def _kv_budget(self) -> int:
         if self.config.cache.kv_cache_bytes is not None:
             return self.config.cache.kv_cache_bytes
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * 0.4)
+            return int(free * (self.config.cache.kv_cache_fraction or 0.4))
         return CPU_DEFAULT_KV_BYTES
 
     # --- documents ------------------------------------------------------------------------
@@ -130,34 +133,61 @@ class LazyAttention:
         Raises:
             EmptyInputError, DocumentTooLongError: see :meth:`LLMEngine.add_document`.
         """
-        with self._lock:
-            return self.engine.add_document(doc_id, text)
+        return self.loop.call(self.engine.add_document, doc_id, text)
 
     def add_documents(self, documents: Iterable[Document | tuple[str, str]]) -> int:
         """Register many documents; returns how many were new or changed."""
-        n = 0
-        for d in documents:
-            doc_id, text = (d.id, d.text) if isinstance(d, Document) else d
-            n += self.add_document(doc_id, text)
-        return n
+        pairs = [(d.id, d.text) if isinstance(d, Document) else tuple(d) for d in documents]
+        return self.loop.call(lambda: sum(self.engine.add_document(i, t) for i, t in pairs))
 
     def remove_document(self, doc_id: str) -> None:
         """Forget a document and its cached K/V. Raises ``UnknownDocumentError``."""
-        with self._lock:
-            self.engine.remove_document(doc_id)
+        self.loop.call(self.engine.remove_document, doc_id)
 
     def has_document(self, doc_id: str) -> bool:
         return doc_id in self.engine.documents
 
     def document_ids(self) -> list[str]:
-        return list(self.engine.documents)
+        return self.loop.call(lambda: list(self.engine.documents))
 
     def warm(self, doc_ids: Iterable[str]) -> list[str]:
-        """Encode documents' K/V ahead of queries; returns the ids that were encoded now."""
-        with self._lock:
-            return self.engine.warm(list(doc_ids))
+        """Encode documents' K/V ahead of queries (blocking); returns the ids encoded now (misses).
+
+        Raises:
+            UnknownDocumentError: an id that is not registered.
+        """
+        final = _collect_deltas(self._submit(lambda sink: self.engine.submit_warm(list(doc_ids), sink)))
+        return final.stats.docs_missed
 
     # --- generation -----------------------------------------------------------------------
+    def _submit(self, make_request) -> Iterator[StreamDelta]:
+        """Submit on the engine thread (errors raise here) and return the delta stream."""
+        deltas: queue.SimpleQueue = queue.SimpleQueue()
+        request = self.loop.call(make_request, deltas.put)
+        return self._drain(request.request_id, deltas)
+
+    def _drain(self, request_id: str, deltas: queue.SimpleQueue) -> Iterator[StreamDelta]:
+        finished = False
+        try:
+            while True:
+                item = deltas.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # the caller stopped early: cancel and free everything
+                self.loop.call(self.engine.abort, request_id)
+
+    def _documents_then(self, documents: Iterable[Document], doc_ids: list[str]) -> list[str]:
+        for d in documents:
+            self.engine.add_document(d.id, d.text)
+            doc_ids.append(d.id)
+        return doc_ids
+
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                sampling: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Stream the answer to ``question`` over documents, in the order given.
@@ -168,25 +198,21 @@ class LazyAttention:
             documents: inline documents, registered (or updated) first and placed after ``doc_ids``.
             sampling: :class:`SamplingParams` (greedy, 256 tokens by default).
         Yields:
-            :class:`StreamDelta` pieces; the last has ``finished=True`` and the stats.
+            :class:`StreamDelta` pieces, one per generated token (text may be empty while a
+            character is incomplete); the last has ``finished=True`` and the stats.
         Raises:
-            UnknownDocumentError, EmptyInputError, PromptTooLongError, DocumentTooLongError,
-            CacheCapacityError: before anything is yielded; the cache stays usable.
+            UnknownDocumentError, EmptyInputError, PromptTooLongError, DocumentTooLongError:
+            at the call, before anything is queued. CacheCapacityError: from the iterator, when
+            the request could not fit even in an empty cache. Other requests are unaffected.
         """
-        ids = list(doc_ids)
-        with self._lock:
-            for d in documents:
-                self.engine.add_document(d.id, d.text)
-                ids.append(d.id)
-            gen = self.engine.generate(question, ids, sampling or SamplingParams())
-        return self._locked(gen)
+        params = sampling or SamplingParams()
+        ids, docs = list(doc_ids), list(documents)
 
-    def _locked(self, gen: Iterator[StreamDelta]) -> Iterator[StreamDelta]:
-        with self._lock:
-            try:
-                yield from gen
-            finally:
-                gen.close()
+        def make(sink):
+            plan = self.engine.plan(question, self._documents_then(docs, ids))
+            return self.engine.submit(plan, params, sink)
+
+        return self._submit(make)
 
     def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                  sampling: SamplingParams | None = None) -> Completion:
@@ -200,19 +226,33 @@ class LazyAttention:
             prompt: text (tokenized with the tokenizer's special tokens, e.g. BOS) or token ids.
             sampling: :class:`SamplingParams`.
         Raises:
-            EmptyInputError, PromptTooLongError: before anything is yielded.
+            EmptyInputError, PromptTooLongError: at the call.
         """
         ids = prompt if isinstance(prompt, list) else list(self.tokenizer(prompt)["input_ids"])
-        with self._lock:
-            gen = self.engine.generate_plan(self.engine.plan_plain(ids), sampling or SamplingParams())
-        return self._locked(gen)
+        params = sampling or SamplingParams()
+        return self._submit(lambda sink: self.engine.submit(self.engine.plan_plain(ids), params, sink))
 
     def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Completion:
         """Complete a plain prompt (no chunk reuse); see :meth:`stream_prompt`."""
         return _collect(self.stream_prompt(prompt, sampling))
 
+    def plan(self, question: str, doc_ids: Iterable[str]):
+        """The prompt plan a question over registered documents would run (for inspection)."""
+        return self.loop.call(self.engine.plan, question, list(doc_ids))
+
+    def stats(self) -> dict:
+        """Engine-wide stats (see :meth:`LLMEngine.stats`)."""
+        return self.loop.call(self.engine.stats)
+
+    def shutdown(self) -> None:
+        """Stop the engine thread."""
+        self.loop.shutdown()
+
     def info(self) -> dict:
         """Model, backend and cache configuration as a JSON-able dict."""
+        return self.loop.call(self._info)
+
+    def _info(self) -> dict:
         cache = self.engine.cache
         return {
             "model": self.model_name,
@@ -225,11 +265,21 @@ class LazyAttention:
             "num_blocks": cache.pool.num_blocks,
             "kv_cache_bytes": cache.pool.num_blocks * self.block_bytes,
             "anchor": self.config.cache.anchor,
+            "eviction_policy": self.config.cache.eviction_policy,
+            "max_num_batched_tokens": self.config.scheduler.max_num_batched_tokens,
+            "max_num_seqs": self.config.scheduler.max_num_seqs,
             "num_documents": len(self.engine.documents),
             "num_cached_chunks": cache.num_entries,
             "num_free_blocks": cache.pool.num_free,
             "num_evictions": cache.num_evictions,
         }
+
+
+def _collect_deltas(deltas: Iterator[StreamDelta]) -> StreamDelta:
+    last = None
+    for last in deltas:
+        pass
+    return last
 
 
 def _collect(deltas: Iterator[StreamDelta]) -> Completion:

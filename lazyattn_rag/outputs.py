@@ -21,6 +21,8 @@ class RequestStats:
         ttft_ms: time to first token, from submission, in milliseconds.
         tpot_ms: mean time per output token after the first, in milliseconds.
         e2e_ms: submission to finish, in milliseconds.
+        queue_ms: submission to first scheduling, in milliseconds.
+        num_preemptions: times the request's blocks were taken back and it was recomputed.
     """
 
     request_id: str
@@ -33,6 +35,8 @@ class RequestStats:
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2e_ms: float | None = None
+    queue_ms: float | None = None
+    num_preemptions: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -47,7 +51,7 @@ class StreamDelta:
         token_id: the token that produced it, or ``None`` for the final flush.
         finished: this is the last delta.
         finish_reason: ``"stop"`` (EOS, stop string or stop token), ``"length"`` (max_tokens or
-            the context limit) once finished.
+            the context limit), ``"abort"`` (cancelled) or ``"warm"`` (a warm-up) once finished.
         stats: the request's stats once finished.
     """
 

@@ -51,9 +51,9 @@ def test_lru_eviction_order_and_pinning():
     _put(c, "b", 4)  # block 1
     _put(c, "c", 4)  # block 2
     c.lookup("a")  # a becomes most recent: order b, c, a
-    assert c.lru_order() == ["b", "c", "a"]
+    assert c.eviction_order() == ["b", "c", "a"]
     c.pin("c")
-    assert c.lru_order() == ["b", "a"]
+    assert c.eviction_order() == ["b", "a"]
     blocks = c.allocate(2)  # 1 free (3) + evict b (1)
     assert blocks == [3, 1]
     assert c.lookup("b") is None and c.num_evictions == 1
@@ -61,7 +61,7 @@ def test_lru_eviction_order_and_pinning():
         c.allocate(2)  # only a is evictable (c pinned), and nothing is free
     assert c.lookup("a") is not None  # the failed allocation evicted nothing
     c.unpin("c")
-    assert c.lru_order() == ["a", "c"]
+    assert c.eviction_order() == ["c", "a"]  # order of last access (a was just looked up)
     c.pool.decref(blocks)
     c.check_integrity()
 
@@ -70,7 +70,7 @@ def test_document_rebind_drops_stale_entry_when_unpinned():
     c = _cache()
     c.bind_document("doc", "k1")
     e1 = _put(c, "k1", 4)
-    c.attach_documents(e1)
+    assert e1.doc_ids == {"doc"}
     c.pin("k1")
     c.bind_document("doc", "k2")  # text changed while a request reads k1
     assert c.lookup("k1") is None  # never served stale
@@ -85,7 +85,6 @@ def test_shared_key_survives_other_document_removal():
     c.bind_document("x", "k")
     c.bind_document("y", "k")
     e = _put(c, "k", 3)
-    c.attach_documents(e)
     c.unbind_document("x")
     assert c.lookup("k") is e
     c.unbind_document("y")
@@ -99,7 +98,7 @@ def test_evict_pinned_refused():
     c = _cache()
     _put(c, "a", 1)
     c.pin("a")
-    with pytest.raises(RuntimeError, match="pinned"):
+    with pytest.raises(RuntimeError, match="pinned or pending"):
         c.evict("a")
     with pytest.raises(RuntimeError, match="unpin of unpinned"):
         c.unpin("a") or c.unpin("a")

@@ -1,0 +1,87 @@
+"""One background thread that drives the engine; every other thread talks to it through here.
+
+All calls into :class:`~lazyattn_rag.engine.engine.LLMEngine` (submitting, aborting,
+registering documents, reading stats) are queued as commands and run *on the engine
+thread* between steps, so the engine stays single-threaded and no caller can starve. Requests from many threads, or many asyncio
+tasks, land in the same scheduler and share batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from lazyattn_rag.engine.engine import LLMEngine
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` on a daemon thread while there is work.
+
+    Args:
+        engine: the engine to drive.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="lazyattn-engine", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` on the engine thread between steps; return its result.
+
+        Raises:
+            whatever ``fn`` raises; ``RuntimeError`` once the loop is shut down.
+        """
+        if threading.current_thread() is self._thread:
+            return fn(*args, **kwargs)
+        future: Future = Future()
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError("the engine loop is shut down")
+            self._commands.put((fn, args, kwargs, future))
+            self._cond.notify_all()
+        return future.result()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                fn, args, kwargs, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # handed to the caller
+                future.set_exception(e)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and self._commands.empty() and not self.engine.has_unfinished():
+                    self._cond.wait()
+                stopped = self._stopped
+            self._drain_commands()
+            if stopped:
+                return
+            if self.engine.has_unfinished():
+                try:
+                    self.engine.step()
+                except Exception:  # the engine fails requests itself; this is a last resort
+                    logger.exception("engine step failed")
+
+    def shutdown(self) -> None:
+        """Stop the thread after the current step (requests in flight are not finished)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=60)

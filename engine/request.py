@@ -1,0 +1,79 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lazyattn_rag.detokenizer import IncrementalDetokenizer
+from lazyattn_rag.outputs import RequestStats, StreamDelta
+from lazyattn_rag.prompt import PromptPlan
+from lazyattn_rag.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # holds nothing; (re)acquires its chunks when scheduled
+    ACQUIRED = "acquired"  # chunks pinned, some still being encoded
+    RUNNING = "running"  # chunks ready; private tokens being computed / decoded
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request.
+
+    Attributes:
+        request_id: engine-wide id.
+        plan: the prompt plan (chunks and query tail).
+        params: sampling parameters.
+        sink: called with each :class:`StreamDelta` (from the engine thread), or with an
+            exception that ends the request.
+        stats: per-request stats.
+        arrival_time: ``time.perf_counter()`` at submission.
+        pinned: chunk keys this request holds pins on.
+        encoded_keys: chunk keys this request encoded (its misses).
+        context: block-table entries of its chunks ``(block id, delta, valid)``, set once ready.
+        private_blocks: blocks of the query tail and generated tokens (delta 0).
+        num_computed: private tokens whose K/V is written.
+        output_ids: generated tokens (EOS and stop tokens excluded).
+        num_preemptions: times its blocks were taken back for others.
+        warm_only: a warm-up request (acquire chunks, then finish; no query).
+    """
+
+    request_id: str
+    plan: PromptPlan
+    params: SamplingParams
+    sink: Callable[[StreamDelta | BaseException], None]
+    stats: RequestStats
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    status: RequestStatus = RequestStatus.WAITING
+    pinned: list[str] = field(default_factory=list)
+    encoded_keys: set[str] = field(default_factory=set)
+    context: list[tuple[int, int, int]] = field(default_factory=list)
+    private_blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    warm_only: bool = False
+    finish_reason: str | None = None
+
+    @property
+    def private_token_ids(self) -> list[int]:
+        """Query tail then generated tokens (the last one's K/V is written by the next step)."""
+        return list(self.plan.query_token_ids) + self.output_ids
+
+    @property
+    def first_private_position(self) -> int:
+        return self.plan.num_cached_prompt_tokens
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return len(self.private_token_ids) - self.num_computed

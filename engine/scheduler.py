@@ -1,0 +1,270 @@
+"""The scheduler: decides what one engine step computes and hands the runner one typed plan.
+
+Each step mixes, under a token budget (``max_num_batched_tokens``):
+
+1. running requests, oldest first: one decode token each, or the next piece of a query
+   prefill (long plain prompts are prefilled in pieces);
+2. requests whose chunks became ready: their query prefill;
+3. waiting requests, first come first served: acquire their chunks. Hits are pinned
+   (re-validated now: a chunk evicted while the request waited is simply a miss), misses
+   get blocks and a *pending* cache entry plus an encode job in this step. A request that
+   needs a chunk another request is encoding pins the pending entry and waits: a chunk is
+   encoded once and nobody reads it before the step that writes it has run.
+
+When a running request needs a block and the cache cannot free one (everything else is
+pinned), the newest request is preempted: its private blocks are freed and its pins
+dropped, and it is recomputed later from its query and the tokens it already produced. A
+request that could not fit even in an empty cache fails alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from lazyattn_rag.engine.chunk_cache import ChunkCache
+from lazyattn_rag.engine.request import Request, RequestStatus
+from lazyattn_rag.errors import CacheCapacityError
+
+
+@dataclass
+class EncodeJob:
+    """Encode one chunk alone: ``token_ids`` at positions ``local_start ..``, after ``context``."""
+
+    key: str
+    token_ids: tuple[int, ...]
+    local_start: int
+    block_ids: list[int]
+    context: list[tuple[int, int, int]]
+
+
+@dataclass
+class ComputeJob:
+    """Compute ``num_tokens`` private tokens of ``request`` from index ``start``; sample if ``sample``."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything one step runs; the only contract between the scheduler and the engine."""
+
+    encodes: list[EncodeJob] = field(default_factory=list)
+    computes: list[ComputeJob] = field(default_factory=list)
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
+    warmed: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(e.token_ids) for e in self.encodes) + sum(c.num_tokens for c in self.computes)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.encodes or self.computes)
+
+
+class Scheduler:
+    """Continuous batching over the chunk cache.
+
+    Args:
+        cache: the chunk cache (and through it the block pool).
+        max_num_batched_tokens: token budget of one step (a single larger item runs alone).
+        max_num_seqs: most requests holding resources at once.
+        anchor_context: block-table entries of the anchor documents are encoded after
+            (permanently pinned by the engine; empty without an anchor).
+        anchor_key: the anchor's chunk key (its blocks are not counted against requests).
+    """
+
+    def __init__(self, cache: ChunkCache, max_num_batched_tokens: int, max_num_seqs: int,
+                 anchor_context: list[tuple[int, int, int]], anchor_key: str | None = None):
+        self.cache = cache
+        self.block_size = cache.block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.anchor_context = anchor_context
+        self.anchor_key = anchor_key
+        self.waiting: deque[Request] = deque()
+        self.acquired: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # --- queue management -----------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.acquired or self.running)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of every queue and release what it holds."""
+        for queue in (self.acquired, self.running):
+            if request in queue:
+                queue.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.release(request)
+
+    def release(self, request: Request) -> None:
+        if request.private_blocks:
+            self.cache.pool.decref(request.private_blocks)
+            request.private_blocks = []
+        for key in request.pinned:
+            self.cache.unpin(key)
+        request.pinned = []
+        request.context = []
+        request.num_computed = 0
+
+    # --- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        budget = self._promote_ready(out, budget)
+        self._schedule_waiting(out, budget)
+        return out
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING or budget <= 0:
+                continue
+            budget -= self._schedule_compute(out, request, budget, may_preempt=True)
+        return budget
+
+    def _schedule_compute(self, out: SchedulerOutput, request: Request, budget: int, may_preempt: bool) -> int:
+        """Schedule the next private tokens of ``request``; returns the tokens scheduled."""
+        todo = request.num_tokens_to_compute
+        n = todo if out.is_empty and todo > budget else min(todo, budget)
+        if n <= 0:
+            return 0
+        need = self._blocks_for(request.num_computed + n) - len(request.private_blocks)
+        while need > 0 and not self.cache.can_allocate(need):
+            if not may_preempt:
+                return 0
+            victim = self._newest_preemptible(out)
+            if victim is None:
+                return 0
+            self.preempt(victim)
+            if victim is request:
+                return 0
+        if need > 0:
+            request.private_blocks += self.cache.allocate(need)
+        total = len(request.private_token_ids)
+        out.computes.append(ComputeJob(request, request.num_computed, n, request.num_computed + n == total))
+        return n
+
+    def _newest_preemptible(self, out: SchedulerOutput) -> Request | None:
+        scheduled = {id(c.request) for c in out.computes}
+        candidates = [r for r in self.running + self.acquired if id(r) not in scheduled]
+        return max(candidates, key=lambda r: r.arrival_time, default=None)
+
+    def preempt(self, request: Request) -> None:
+        """Free a request's blocks and pins; it is recomputed later (kept first in line)."""
+        for queue in (self.acquired, self.running):
+            if request in queue:
+                queue.remove(request)
+        self.release(request)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _promote_ready(self, out: SchedulerOutput, budget: int) -> int:
+        for request in list(self.acquired):
+            budget -= self._promote(out, request, budget)
+        return budget
+
+    def _promote(self, out: SchedulerOutput, request: Request, budget: int) -> int:
+        """Move an acquired request whose chunks are all written to running; schedule its prefill."""
+        if not all(self.cache.lookup(k, touch=False).ready for k in request.pinned):
+            return 0
+        self.acquired.remove(request)
+        if request.warm_only:
+            out.warmed.append(request)
+            return 0
+        request.context = self._context_of(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        if budget <= 0:
+            return 0
+        return self._schedule_compute(out, request, budget, may_preempt=False)
+
+    def _context_of(self, request: Request) -> list[tuple[int, int, int]]:
+        entries = []
+        for chunk in request.plan.chunks:
+            entry = self.cache.lookup(chunk.key, touch=False)
+            left = entry.num_tokens
+            delta = chunk.global_start - entry.local_start
+            for b in entry.block_ids:
+                entries.append((b, delta, min(left, self.block_size)))
+                left -= self.block_size
+        return entries
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and len(self.acquired) + len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_encodes = len(out.encodes)
+            status = self._acquire(request, out, budget)
+            if status == "wait":
+                return
+            self.waiting.popleft()
+            if status == "failed":
+                continue
+            budget -= sum(len(e.token_ids) for e in out.encodes[num_encodes:])
+            self.acquired.append(request)
+            request.status = RequestStatus.ACQUIRED
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.perf_counter()
+            budget -= self._promote(out, request, budget)  # all hits: prefill in this step
+
+    def _acquire(self, request: Request, out: SchedulerOutput, budget: int) -> str:
+        """Pin hits and schedule encodes of misses: ``"ok"``, ``"wait"`` (no room now) or ``"failed"``."""
+        chunks = {c.key: c for c in request.plan.chunks}  # unique, in prompt order
+        total_blocks = sum(self._blocks_for(len(c.token_ids)) for k, c in chunks.items() if k != self.anchor_key)
+        total_blocks += self._blocks_for(len(request.private_token_ids) + 1)
+        if total_blocks > self.cache.pool.num_blocks - len(self.anchor_context):
+            out.failed.append((request, CacheCapacityError(
+                f"request needs {total_blocks} KV blocks ({request.plan.num_prompt_tokens} prompt tokens) but "
+                f"the cache has {self.cache.pool.num_blocks} blocks of {self.block_size} tokens")))
+            return "failed"
+        hits, misses = [], []
+        for key, chunk in chunks.items():
+            (hits if self.cache.lookup(key, touch=False) is not None else misses).append(chunk)
+        miss_tokens = sum(len(c.token_ids) for c in misses)
+        if misses and miss_tokens > budget and not out.is_empty:
+            return "wait"
+        for chunk in hits:
+            self.cache.lookup(chunk.key)  # counts as a hit for the eviction policy
+            self.cache.pin(chunk.key)
+            request.pinned.append(chunk.key)
+        need = sum(self._blocks_for(len(c.token_ids)) for c in misses)
+        if not self.cache.can_allocate(need):
+            self.release(request)
+            return "wait"
+        for chunk in misses:
+            blocks = self.cache.allocate(self._blocks_for(len(chunk.token_ids)))
+            self.cache.insert_pending(chunk.key, blocks, len(chunk.token_ids), chunk.local_start)
+            request.pinned.append(chunk.key)
+            request.encoded_keys.add(chunk.key)
+            out.encodes.append(EncodeJob(chunk.key, chunk.token_ids, chunk.local_start, blocks,
+                                         self.anchor_context if chunk.doc_id is not None else []))
+        self._account(request, {c.key for c in misses})
+        return "ok"
+
+    @staticmethod
+    def _account(request: Request, missed_keys: set[str]) -> None:
+        """Per-request stats: documents hit/missed (first acquisition), prompt tokens computed."""
+        stats = request.stats
+        encoded = sum(len(c.token_ids) for c in {c.key: c for c in request.plan.chunks}.values()
+                      if c.key in missed_keys)
+        stats.num_computed_tokens += encoded
+        if request.num_preemptions == 0:
+            for c in request.plan.chunks:
+                if c.doc_id is not None:
+                    (stats.docs_missed if c.key in missed_keys else stats.docs_hit).append(c.doc_id)

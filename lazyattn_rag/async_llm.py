@@ -1,0 +1,108 @@
+"""``AsyncLazyAttention``: the asyncio front over the same background engine loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+
+from lazyattn_rag.documents import Document
+from lazyattn_rag.llm import LazyAttention
+from lazyattn_rag.outputs import Completion, StreamDelta
+from lazyattn_rag.sampling import SamplingParams
+
+
+class AsyncLazyAttention:
+    """Asyncio API: many tasks submit concurrently and share the engine's batches.
+
+    Nothing here blocks the event loop: submissions run on the engine thread (awaited through
+    a worker thread), and deltas come back through an ``asyncio.Queue`` fed thread-safely.
+    Cancelling a task that iterates a stream aborts its request and frees its blocks.
+
+    Args:
+        llm: the :class:`LazyAttention` whose engine to share (the sync API keeps working).
+
+    Example::
+
+        allm = AsyncLazyAttention(LazyAttention())
+        await allm.add_document("eiffel", "The Eiffel Tower ... completed in 1889.")
+        answer = await allm.generate("When was it completed?", doc_ids=["eiffel"])
+    """
+
+    def __init__(self, llm: LazyAttention):
+        self.llm = llm
+
+    async def add_document(self, doc_id: str, text: str) -> bool:
+        return await asyncio.to_thread(self.llm.add_document, doc_id, text)
+
+    async def remove_document(self, doc_id: str) -> None:
+        await asyncio.to_thread(self.llm.remove_document, doc_id)
+
+    async def warm(self, doc_ids: Iterable[str]) -> list[str]:
+        return await asyncio.to_thread(self.llm.warm, list(doc_ids))
+
+    async def stats(self) -> dict:
+        return await asyncio.to_thread(self.llm.stats)
+
+    async def _submit(self, make_request) -> AsyncIterator[StreamDelta]:
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue = asyncio.Queue()
+
+        def sink(item):  # called on the engine thread
+            loop.call_soon_threadsafe(deltas.put_nowait, item)
+
+        engine, call = self.llm.engine, self.llm.loop.call
+        request = await asyncio.to_thread(call, make_request, sink)
+        finished = False
+        try:
+            while True:
+                item = await deltas.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                await asyncio.shield(asyncio.to_thread(call, engine.abort, request.request_id))
+
+    def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
+               sampling: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
+        """Async version of :meth:`LazyAttention.stream` (errors raise on the first ``__anext__``)."""
+        params = sampling or SamplingParams()
+        ids, docs = list(doc_ids), list(documents)
+        engine = self.llm.engine
+
+        def make(sink):
+            for d in docs:
+                engine.add_document(d.id, d.text)
+                ids.append(d.id)
+            return engine.submit(engine.plan(question, ids), params, sink)
+
+        return self._submit(make)
+
+    def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None
+                      ) -> AsyncIterator[StreamDelta]:
+        """Async version of :meth:`LazyAttention.stream_prompt` (no chunk reuse)."""
+        ids = prompt if isinstance(prompt, list) else list(self.llm.tokenizer(prompt)["input_ids"])
+        params = sampling or SamplingParams()
+        engine = self.llm.engine
+        return self._submit(lambda sink: engine.submit(engine.plan_plain(ids), params, sink))
+
+    async def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
+                       sampling: SamplingParams | None = None) -> Completion:
+        return await _collect(self.stream(question, doc_ids, documents, sampling))
+
+    async def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Completion:
+        return await _collect(self.stream_prompt(prompt, sampling))
+
+
+async def _collect(deltas: AsyncIterator[StreamDelta]) -> Completion:
+    text, token_ids, last = [], [], None
+    async for delta in deltas:
+        text.append(delta.text)
+        if delta.token_id is not None:
+            token_ids.append(delta.token_id)
+        last = delta
+    return Completion("".join(text), token_ids, last.finish_reason, last.stats)
