@@ -1,0 +1,225 @@
+"""Continuous batching, concurrency, memory pressure, preemption, soak and bad input in flight."""
+
+import asyncio
+import random
+
+import pytest
+
+from lazyattn_rag import (
+    AsyncLazyAttention,
+    CacheConfig,
+    DocumentTooLongError,
+    EngineConfig,
+    PromptTooLongError,
+    SamplingParams,
+    SchedulerConfig,
+    UnknownDocumentError,
+)
+from lazyattn_rag.llm import LazyAttention
+from tests.oracle import oracle_generate
+from tests.test_chunk_reuse import PROMPT
+from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def make_llm(num_blocks=256, max_num_seqs=64, max_num_batched_tokens=512, policy="lfu", max_pos=16384):
+    hf, ours = hf_and_ours(hf_config("llama", max_position_embeddings=max_pos))
+    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
+                          cache=CacheConfig(num_blocks=num_blocks, eviction_policy=policy),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                                    max_num_seqs=max_num_seqs))
+    return hf, LazyAttention.from_model(ours, word_tokenizer(), config)
+
+
+def record_batches(llm):
+    sizes = []
+    execute = llm.engine.runner.execute
+
+    def wrapped(seqs):
+        sizes.append(len(seqs))
+        return execute(seqs)
+
+    llm.engine.runner.execute = wrapped
+    return sizes
+
+
+def assert_no_leak(llm):
+    engine = llm.engine
+    llm.loop.call(lambda: None)  # let the engine thread settle
+    engine.cache.check_integrity()
+    assert not engine.has_unfinished() and not engine.requests
+    assert all(e.pin_count == 0 for e in engine.cache.entries())
+    pool = engine.cache.pool
+    assert pool.num_free + engine.cache.num_cached_blocks == pool.num_blocks  # no private block left
+
+
+def test_32_concurrent_async_requests_equal_sequential_outputs():
+    hf, llm = make_llm()
+    for i in range(8):
+        llm.add_document(f"d{i}", words(9 + 5 * i, start=11 * i))
+    rng = random.Random(0)
+    requests = []
+    for i in range(32):
+        ids = rng.sample([f"d{j}" for j in range(8)], k=rng.randint(1, 4))
+        if i % 5 == 0:
+            ids.append(ids[0])  # a document twice in one prompt
+        requests.append((words(rng.randint(1, 4), start=100 + i), ids))
+    sequential = [llm.generate(q, ids, sampling=GREEDY).token_ids for q, ids in requests]
+    for i in range(8):  # start cold again so the concurrent run also shares encodes
+        llm.remove_document(f"d{i}")
+        llm.add_document(f"d{i}", words(9 + 5 * i, start=11 * i))
+    sizes = record_batches(llm)
+    allm = AsyncLazyAttention(llm)
+
+    async def run_all():
+        return await asyncio.gather(*(allm.generate(q, ids, sampling=GREEDY) for q, ids in requests))
+
+    concurrent = asyncio.run(run_all())
+    assert [c.token_ids for c in concurrent] == sequential
+    assert max(sizes) > 8  # requests really shared steps
+    assert llm.stats()["num_cached_chunks"] == 9  # 8 documents + the head, each encoded once
+    q, ids = requests[3]
+    plan = llm.plan(q, ids)
+    tokens, _ = oracle_generate(hf, [([], list(c.token_ids), c.global_start) for c in plan.chunks],
+                                list(plan.query_token_ids), GREEDY.max_tokens)
+    assert sequential[3] == tokens
+    assert_no_leak(llm)
+
+
+def test_same_unseen_document_in_one_step_is_encoded_once():
+    hf, llm = make_llm()
+    llm.add_document("shared", words(40))
+    encodes = []
+    schedule = llm.engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        encodes.extend(e.key for e in out.encodes)
+        return out
+
+    llm.engine.scheduler.schedule = spy
+    allm = AsyncLazyAttention(llm)
+
+    async def run():
+        return await asyncio.gather(*(allm.generate(f"w{i}", ["shared"], sampling=GREEDY) for i in range(6)))
+
+    outs = asyncio.run(run())
+    key = llm.engine.documents["shared"].key
+    assert encodes.count(key) == 1
+    assert sum(o.stats.docs_missed == ["shared"] for o in outs) == 1
+    assert_no_leak(llm)
+
+
+def test_oldest_request_survives_memory_pressure_and_preempted_ones_recompute_correctly():
+    hf, llm = make_llm(num_blocks=14, max_num_batched_tokens=64)
+    for i in range(6):
+        llm.add_document(f"d{i}", words(30, start=7 * i))  # 2 blocks each
+    long = SamplingParams(max_tokens=40, ignore_eos=True)
+    solo = {i: llm.generate("w1 w2", [f"d{i}"], sampling=long).token_ids for i in range(6)}
+    streams = [llm.stream("w1 w2", [f"d{i}"], sampling=long) for i in range(6)]  # all queued at once
+    finals = [list(s) for s in streams]
+    for i, deltas in enumerate(finals):
+        assert [d.token_id for d in deltas if d.token_id is not None] == solo[i]
+    assert finals[0][-1].stats.num_preemptions == 0
+    assert llm.stats()["num_preemptions"] > 0  # 6 x (2 + 3) blocks cannot all fit in 14
+    assert_no_leak(llm)
+
+
+def test_waiting_request_whose_document_was_evicted_reencodes_it():
+    hf, llm = make_llm(num_blocks=8, max_num_seqs=1)
+    llm.add_document("victim", words(20, start=3))
+    for i in range(2):
+        llm.add_document(f"big{i}", words(40, start=50 + i))
+    llm.warm(["victim"])
+    solo = llm.generate("w9", ["victim"], sampling=GREEDY).token_ids
+    first = llm.stream("w8", ["big0", "big1"], sampling=GREEDY)  # needs 6 blocks: evicts victim
+    waiting = llm.stream("w9", ["victim"], sampling=GREEDY)  # queued behind (max_num_seqs=1)
+    assert list(first)[-1].stats.docs_missed == ["big0", "big1"]
+    deltas = list(waiting)
+    assert deltas[-1].stats.docs_missed == ["victim"]
+    assert [d.token_id for d in deltas if d.token_id is not None] == solo
+    assert llm.stats()["num_evictions"] >= 1
+    assert_no_leak(llm)
+
+
+def test_soak_1000_queries_under_small_budget():
+    import resource
+
+    hf, llm = make_llm(num_blocks=40, max_num_batched_tokens=256, policy="lfu")
+    docs = [f"doc{i}" for i in range(30)]
+    rng = random.Random(1)
+    for i, d in enumerate(docs):
+        llm.add_document(d, words(rng.randint(8, 30), start=i * 5))
+    weights = [1 / (i + 1) ** 1.1 for i in range(len(docs))]
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    rss, hit_ratios = [], []
+    for wave in range(20):
+        before = llm.stats()
+        streams = [llm.stream("w1 w2", rng.choices(docs, weights, k=3), sampling=params) for _ in range(50)]
+        for s in streams:
+            assert list(s)[-1].finished
+        after = llm.stats()
+        looked = after["num_prompt_tokens"] - before["num_prompt_tokens"]
+        hit_ratios.append((after["num_cached_prompt_tokens"] - before["num_cached_prompt_tokens"]) / looked)
+        rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    stats = llm.stats()
+    assert stats["num_requests_finished"] >= 1000
+    print(f"soak token hit ratio per wave: {[round(h, 2) for h in hit_ratios]}; doc hit ratio "
+          f"{stats['doc_hit_ratio']:.3f}; evictions {stats['num_evictions']}")
+    steady = hit_ratios[5:]
+    assert min(steady) > 0.75 and max(steady) - min(steady) < 0.1  # measured 0.85-0.89
+    assert stats["num_evictions"] > 0
+    assert (rss[-1] - rss[4]) < 64 * 1024  # KiB: no growth beyond noise after warm-up
+    assert_no_leak(llm)
+
+
+def test_bad_input_and_cancellation_leave_other_requests_correct():
+    hf, llm = make_llm(max_pos=256)
+    llm.add_document("ok", words(20))
+    long = SamplingParams(max_tokens=30, ignore_eos=True)
+    solo = llm.generate("w1", ["ok"], sampling=long).token_ids
+    running = llm.stream("w1", ["ok"], sampling=long)
+    cancelled = llm.stream("w2", ["ok"], sampling=long)
+    with pytest.raises(UnknownDocumentError, match="'nope'"):
+        llm.stream("w1", ["ok", "nope"])
+    with pytest.raises(DocumentTooLongError, match="'long'"):
+        llm.add_document("long", words(400))
+    for i in range(5):
+        llm.add_document(f"f{i}", words(60, start=i))
+    with pytest.raises(PromptTooLongError, match="context limit is 256"):
+        llm.stream("w1", [f"f{i}" for i in range(5)])
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    got = []
+    for d in cancelled:
+        got.append(d)
+        if len(got) == 2:
+            break
+    cancelled.close()  # cancel mid-decode
+    deltas = list(running)
+    assert [d.token_id for d in deltas if d.token_id is not None] == solo
+    assert llm.stats()["num_requests_aborted"] == 1
+    assert_no_leak(llm)
+
+
+def test_async_cancellation_frees_blocks():
+    hf, llm = make_llm()
+    llm.add_document("ok", words(20))
+    allm = AsyncLazyAttention(llm)
+
+    async def run():
+        async def consume():
+            async for _ in allm.stream("w1", ["ok"], sampling=SamplingParams(max_tokens=200, ignore_eos=True)):
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await allm.generate("w1", ["ok"], sampling=GREEDY)
+
+    out = asyncio.run(run())
+    assert out.finish_reason == "length"
+    assert_no_leak(llm)
