@@ -223,3 +223,23 @@ def test_async_cancellation_frees_blocks():
     out = asyncio.run(run())
     assert out.finish_reason == "length"
     assert_no_leak(llm)
+
+
+def test_prometheus_metrics_match_stats():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from lazyattn_rag.metrics import register_metrics
+
+    hf, llm = make_llm()
+    llm.add_document("a", words(20))
+    llm.generate("w1", ["a"], sampling=GREEDY)
+    out = llm.generate("w2", ["a"], sampling=GREEDY)
+    registry = CollectorRegistry()
+    register_metrics(llm, registry)
+    text = generate_latest(registry).decode()
+    stats = llm.stats()
+    assert "lazyattn_requests_finished_total 2.0" in text
+    assert f"lazyattn_doc_hit_ratio {stats['doc_hit_ratio']}" in text and stats["doc_hit_ratio"] == 0.5
+    assert f"lazyattn_cached_prompt_tokens_total {float(stats['num_cached_prompt_tokens'])}" in text
+    assert stats["num_cached_prompt_tokens"] == out.stats.num_cached_tokens  # the first request hit nothing
+    assert out.stats.queue_ms is not None and out.stats.tpot_ms is not None
