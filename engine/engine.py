@@ -259,8 +259,9 @@ class LLMEngine:
         for job in out.encodes:
             self.cache.mark_ready(job.key)
         rows = logits[len(out.encodes):]
-        for job, row in zip(out.computes, rows):
-            self._postprocess(job, row)
+        greedy = rows.argmax(dim=-1).tolist()  # one device sync for every greedy request of the step
+        for job, row, token in zip(out.computes, rows, greedy):
+            self._postprocess(job, row, token)
         return True
 
     def _sequence(self, job: EncodeJob | ComputeJob) -> SequenceInput:
@@ -298,12 +299,12 @@ class LLMEngine:
             self._fail(r, error, release=False)
 
     # --- postprocessing -------------------------------------------------------------------
-    def _postprocess(self, job: ComputeJob, logits: torch.Tensor) -> None:
+    def _postprocess(self, job: ComputeJob, logits: torch.Tensor, greedy_token: int) -> None:
         r = job.request
         r.num_computed += job.num_tokens
         if not job.sample:
             return
-        token = sample(logits, r.params, r.generator)
+        token = greedy_token if r.params.greedy else sample(logits, r.params, r.generator)
         now = time.perf_counter()
         if r.first_token_time is None:
             r.first_token_time = now
