@@ -13,8 +13,9 @@ Kernel structure (one program = one KV head of one sequence x one split of its b
   previous rotated one, so rounding does not accumulate) only when the tile's ``delta`` differs
   from the one it was last rotated for: once per chunk.
 * A tile that straddles two chunks (a chunk boundary inside a tile: possible when ``BLOCK_N`` spans
-  several blocks) rotates its keys by their own deltas instead, with the unrotated query; the
-  scores are the same, and the query stays valid for the next tile.
+  several blocks) is scored once per block, each block with the query rotated for its own delta
+  (still re-rotated only when the delta changes); K is never modified, so its loads feed the dot
+  directly.
 * Split-KV (flash-decoding): with few sequences and long contexts, each (sequence, KV head) is
   split into ``num_splits`` ranges of tiles processed by separate programs; each writes a
   normalized partial output and its log-sum-exp, and a small reduction kernel combines them.
@@ -135,14 +136,19 @@ def decode_kernel(
                     cur_delta = d_min
                 s = mma(qr1, tl.trans(k1), s, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_G, BLOCK_N]
                 s = mma(qr2, tl.trans(k2), s, DOT_PRECISION, DOT_UPCAST)
-            else:  # the tile straddles chunks: rotate its keys instead (rare)
-                cos, sin = cos_sin(delta.to(tl.float32)[:, None] * inv_freq[None, :], ACCURATE_TRIG)
-                k1f = k1.to(tl.float32)
-                k2f = k2.to(tl.float32)
-                k1r = (k1f * cos - k2f * sin).to(dtype)
-                k2r = (k2f * cos + k1f * sin).to(dtype)
-                s = mma(q1, tl.trans(k1r), s, DOT_PRECISION, DOT_UPCAST)
-                s = mma(q2, tl.trans(k2r), s, DOT_PRECISION, DOT_UPCAST)
+            else:  # the tile straddles chunks (rare): score it once per block, each with its own query
+                for b in tl.static_range(TILE_BLOCKS):
+                    blk_b = tile * TILE_BLOCKS + b
+                    d_b = tl.load(bt_row + blk_b, mask=blk_b < n_blocks, other=0) >> 38
+                    if (blk_b < n_blocks) & (d_b != cur_delta):
+                        cos, sin = cos_sin((-d_b).to(tl.float32) * inv_freq, ACCURATE_TRIG)
+                        qr1 = (q1f * cos[None, :] - q2f * sin[None, :]).to(dtype)
+                        qr2 = (q2f * cos[None, :] + q1f * sin[None, :]).to(dtype)
+                        cur_delta = d_b
+                    s_b = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+                    s_b = mma(qr1, tl.trans(k1), s_b, DOT_PRECISION, DOT_UPCAST)
+                    s_b = mma(qr2, tl.trans(k2), s_b, DOT_PRECISION, DOT_UPCAST)
+                    s = tl.where((blk_in_tile == b)[None, :], s_b, s)
         else:
             s = mma(q1, tl.trans(k1), s, DOT_PRECISION, DOT_UPCAST)
             s = mma(q2, tl.trans(k2), s, DOT_PRECISION, DOT_UPCAST)
@@ -205,10 +211,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(num_work: int, num_kv_heads: int, max_tiles: int, num_sms: int) -> int:
-    """Splits per (sequence, KV head): enough programs for ~2 waves on the GPU, a power of two,
-    and at least 4 tiles per split so the partial-output traffic stays small."""
+    """Splits per (sequence, KV head): about 6 programs per multiprocessor (H200 sweep, see
+    docs/benchmarks.md), a power of two, and at least 4 tiles per split so the partial-output
+    traffic stays small."""
     programs = max(1, num_work * num_kv_heads)
-    want = max(1, (2 * num_sms) // programs)
+    want = max(1, (6 * num_sms) // programs)
     cap = max(1, max_tiles // 4)
     splits = 1
     while splits * 2 <= min(want, cap, 64):
@@ -267,7 +274,9 @@ def paged_decode(
     if num_work == 0:
         return out
     group = num_heads // num_kv_heads
-    block_n = triton.next_power_of_2(max(block_n or (32 if interpreter else 64), block_size))
+    # ~16 KB of K per tile on the GPU (H200 sweep): 64 keys at d128, 128 keys at d64.
+    default_block_n = 32 if interpreter else max(64, 8192 // head_dim)
+    block_n = triton.next_power_of_2(max(block_n or default_block_n, block_size))
     tile_blocks = block_n // block_size
     # Every block holds >= 1 key, so a sequence has at most min(max_blocks, max_seq_len) blocks.
     max_blocks = max(1, min(block_tables.shape[1], max_seq_len))

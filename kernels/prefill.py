@@ -18,7 +18,7 @@ Kernel structure (one program = one query head x ``BLOCK_M`` new tokens of one s
 * A K tile is ``BLOCK_N // block_size`` consecutive blocks (``BLOCK_N`` a power of two). When all its valid keys share one
   ``delta`` (every tile inside a chunk), ``cos``/``sin`` are computed once per tile
   (``rotary_dim/2`` values); a tile with ``delta == 0`` (prefix, the request's own tokens) is not
-  rotated at all. Only a tile that straddles two chunks computes per-key angles.
+  rotated at all. A tile that straddles two chunks computes angles once per block.
 * The loop stops at the last block holding a key the tile's last row can see (found by a binary
   search over each block's first key index, ``key_starts``); the causal/valid-slot mask is
   applied only to tiles that need it. Online softmax in float32 (``exp2``, scale folded in).
@@ -248,8 +248,15 @@ def prefill_kernel(
                     k2f = k2.to(tl.float32)
                     k1 = (k1f * cos[None, :] - k2f * sin[None, :]).to(dtype)
                     k2 = (k2f * cos[None, :] + k1f * sin[None, :]).to(dtype)
-            elif d_min < d_max:  # the tile straddles chunks: per-key angles
-                cos, sin = cos_sin(delta.to(tl.float32)[:, None] * inv_freq[None, :], ACCURATE_TRIG)
+            elif d_min < d_max:  # the tile straddles chunks: angles per block, broadcast to its keys
+                if TILE_BLOCKS * BLOCK_SIZE == BLOCK_N:
+                    blk_t = tile * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)  # [TILE_BLOCKS]
+                    d_t = tl.load(bt_row + blk_t, mask=blk_t < n_visit, other=0) >> 38
+                    cos_t, sin_t = cos_sin(d_t.to(tl.float32)[:, None] * inv_freq[None, :], ACCURATE_TRIG)
+                    cos = tl.reshape(tl.broadcast_to(cos_t[:, None, :], [TILE_BLOCKS, BLOCK_SIZE, HALF]), [BLOCK_N, HALF])
+                    sin = tl.reshape(tl.broadcast_to(sin_t[:, None, :], [TILE_BLOCKS, BLOCK_SIZE, HALF]), [BLOCK_N, HALF])
+                else:  # idle lanes in the tile (block size not a power of two): per-key angles
+                    cos, sin = cos_sin(delta.to(tl.float32)[:, None] * inv_freq[None, :], ACCURATE_TRIG)
                 k1f = k1.to(tl.float32)
                 k2f = k2.to(tl.float32)
                 k1 = (k1f * cos - k2f * sin).to(dtype)
