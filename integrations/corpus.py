@@ -137,4 +137,4 @@ def chunk_sources(sources: Iterable[Source], count_tokens: Callable[[str], int],
 
 def embedder_token_counter(tokenizer) -> Callable[[str], int]:
     """``count_tokens`` for a transformers tokenizer (special tokens excluded)."""
-    return lambda text: len(tokenizer(text, add_special_tokens=False, truncation=False)["input_ids"])
+    return lambda text: len(tokenizer(text, add_special_tokens=False, truncation=False, verbose=False)["input_ids"])

@@ -91,5 +91,13 @@ def info(
     typer.echo(json.dumps(llm.info(), indent=2))
 
 
+def _register_chat() -> None:  # the chatbot's options live with it; its extras load only when it runs
+    from lazyattn_rag.cli_chat import chat as chat_command
+
+    app.command("chat")(chat_command)
+
+
+_register_chat()
+
 if __name__ == "__main__":
     app()

