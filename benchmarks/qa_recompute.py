@@ -1,0 +1,141 @@
+"""EPIC-style remedy for chunk reuse, composed with transformers (a reference, not the engine).
+
+Chunk reuse encodes every passage alone, so each passage's first tokens act as an attention
+sink and never see the passages before them. EPIC (Hu et al., "Epic: Efficient
+Position-Independent Context Caching for Serving LLMs", 2024, "LegoLink") recomputes the
+first ``k`` tokens of every chunk in the request, attending to everything before them, and
+keeps the cached K/V of the rest. Our engine cannot yet place request-private tokens between
+cached chunks, so this module composes the prompt with the Hugging Face model directly:
+
+1. the prompt head is prefilled normally (positions ``0 .. P-1``);
+2. all passages are encoded alone in one right-padded batch (local positions ``0 .. L-1``,
+   no anchor, as the engine's ``anchor="none"`` does);
+3. in prompt order, for each passage at global start ``g``: its first ``k`` tokens are run
+   through the model at positions ``g .. g+k-1`` on top of the cache built so far (full
+   attention to the head, the earlier passages and each other), then the cached K of its
+   remaining tokens is rotated by ``g`` (``R_g R_j k = R_(g+j) k``) and appended with its V;
+4. the question tail is prefilled and the answer decoded greedily.
+
+With ``k = 0`` this is exactly the engine's ``anchor="none"`` reuse (a control for the
+reference itself); with ``k >= `` every passage's length it is a full prefill.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def generation_eos_ids(model_dir: Path, tokenizer) -> set[int]:
+    """End-of-sequence ids: ``generation_config.json``'s plus the tokenizer's (as the engine uses)."""
+    ids = set()
+    f = Path(model_dir) / "generation_config.json"
+    if f.is_file():
+        eos = json.loads(f.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class RecomputeReference:
+    """Greedy answers of chunk reuse with each chunk's first ``k`` tokens recomputed.
+
+    Args:
+        model_dir: a local Hugging Face model directory (Llama family, half-split RoPE).
+        device: torch device string (``"cpu"``, ``"cuda"``).
+        dtype: torch dtype of weights and K/V.
+        eos_ids: token ids that end an answer.
+    """
+
+    def __init__(self, model_dir: Path | str, device: str, dtype: torch.dtype, eos_ids: set[int]):
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        self.hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True,
+                                                       attn_implementation="sdpa").to(self.device).eval()
+        self.eos_ids = set(eos_ids)
+
+    def _forward(self, ids: list[int], start: int, cache) -> torch.Tensor:
+        """Run ``ids`` at positions ``start ..`` on top of ``cache``; logits of the last token."""
+        x = torch.tensor([ids], device=self.device)
+        pos = torch.arange(start, start + len(ids), device=self.device)[None]
+        return self.hf(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True).logits[0, -1]
+
+    def _encode_alone(self, chunks: list[list[int]]):
+        """Per-layer (K, V) ``[num_chunks, kv_heads, max_len, head_dim]``, each chunk from position 0."""
+        from transformers import DynamicCache
+
+        longest = max(len(c) for c in chunks)
+        ids = torch.zeros((len(chunks), longest), dtype=torch.long)
+        mask = torch.zeros((len(chunks), longest), dtype=torch.long)
+        for i, c in enumerate(chunks):  # right padding: real tokens never attend to the pads after them
+            ids[i, : len(c)] = torch.tensor(c)
+            mask[i, : len(c)] = 1
+        cache = DynamicCache()
+        pos = torch.arange(longest)[None].expand(len(chunks), -1)
+        self.hf(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), position_ids=pos.to(self.device),
+                past_key_values=cache, use_cache=True)
+        return [(layer.keys, layer.values) for layer in cache.layers]
+
+    def _shift_keys(self, k: torch.Tensor, delta: int) -> torch.Tensor:
+        """Rotate K ``[1, kv_heads, n, d]`` (already at local positions) by ``delta`` positions, in float32."""
+        rotary = self.hf.model.rotary_emb
+        kf = k.float()
+        pos = torch.full((1, k.shape[2]), delta, dtype=torch.int64, device=k.device)
+        cos, sin = rotary(kf, pos)  # [1, n, d], multiplied by attention_scaling
+        cos, sin = cos / rotary.attention_scaling, sin / rotary.attention_scaling
+        return (kf * cos[:, None] + _rotate_half(kf) * sin[:, None]).to(k.dtype)
+
+    @torch.no_grad()
+    def generate(self, head_ids: list[int], chunk_ids: list[list[int]], tail_ids: list[int],
+                 recompute_tokens: int, max_tokens: int) -> list[int]:
+        """Greedy answer token ids (without the EOS) for one prompt.
+
+        Args:
+            head_ids: the prompt head (chat-template opening and instruction).
+            chunk_ids: each passage's token ids (text plus separator), in prompt order.
+            tail_ids: the question and the template's closing.
+            recompute_tokens: ``k``, tokens recomputed at the start of each chunk (>= 0).
+            max_tokens: most tokens to generate (>= 1).
+        Raises:
+            ValueError: ``recompute_tokens < 0``, ``max_tokens < 1`` or no chunks.
+        """
+        from transformers import DynamicCache
+
+        if recompute_tokens < 0 or max_tokens < 1 or not chunk_ids:
+            raise ValueError(f"need recompute_tokens >= 0, max_tokens >= 1 and chunks; got {recompute_tokens}, "
+                             f"{max_tokens}, {len(chunk_ids)} chunks")
+        alone = self._encode_alone(chunk_ids)
+        cache = DynamicCache()
+        self._forward(head_ids, 0, cache)
+        pos = len(head_ids)
+        for c, ids in enumerate(chunk_ids):
+            r = min(recompute_tokens, len(ids))
+            if r:
+                self._forward(ids[:r], pos, cache)
+            if r < len(ids):
+                for layer, (k, v) in enumerate(alone):
+                    cache.update(self._shift_keys(k[c : c + 1, :, r : len(ids)], pos), v[c : c + 1, :, r : len(ids)],
+                                 layer)
+            pos += len(ids)
+        logits = self._forward(tail_ids, pos, cache)
+        pos += len(tail_ids)
+        tokens: list[int] = []
+        while True:
+            token = int(logits.argmax())
+            if token in self.eos_ids:
+                break
+            tokens.append(token)
+            if len(tokens) >= max_tokens:
+                break
+            logits = self._forward([token], pos, cache)
+            pos += 1
+        return tokens

@@ -1,0 +1,318 @@
+"""Answer quality of chunk reuse vs full attention on public multi-document QA sets.
+
+Same prompt, same passages in the same order, greedy decoding; only the attention differs:
+
+* ``full``: a standard prefill of the whole prompt (``LazyAttention.complete`` on the token
+  ids of the reuse plan, so the tokens are identical to the reuse modes).
+* ``full-shuffled``: ``full`` with the passages in a random order (sizes the effect of
+  order alone; the seed is per question).
+* ``reuse``: chunk reuse, each passage encoded alone from local position 0 (``anchor="none"``,
+  the LazyAttention and Block-Attention setting).
+* ``reuse-head``: chunk reuse, each passage encoded after the prompt head (``anchor="head"``).
+* ``reuse-bos``: chunk reuse, each passage encoded after the BOS token (``anchor="bos"``).
+* ``recompute-k<k>``: EPIC-style remedy, reuse with the first ``k`` tokens of every passage
+  recomputed in the request; composed with transformers (``benchmarks/qa_recompute.py``)
+  because the engine cannot place request-private tokens between chunks yet.
+  ``recompute-k0`` is the reference's own control (it should agree with ``reuse``).
+
+Metrics per dataset and mode (``benchmarks/qa_metrics.py``): answer contains gold after
+SQuAD normalisation (best-subspan EM), token F1, exact match, the fraction of questions
+whose answer equals the ``full`` answer, and the paired difference to ``full``; each with a
+95% bootstrap interval. The first non-empty line of each generation is scored.
+
+Full run (GPU, a local HF model directory)::
+
+    python -m benchmarks.quality --model /models/Llama-3.1-8B-Instruct --device cuda
+
+CPU sample with the offline default SmolLM2::
+
+    python -m benchmarks.quality --device cpu --sample-size 8 --out benchmarks/results/quality_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make ``benchmarks.*`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.qa_data import DATASET_FILES, QAExample, default_data_dir, load_qa, passage_text
+from benchmarks.qa_metrics import (
+    answer_contains_gold,
+    exact_match,
+    first_answer_line,
+    same_answer,
+    summarize,
+    token_f1,
+)
+
+ENGINE_MODES = {"full": "none", "full-shuffled": "none", "reuse": "none", "reuse-head": "head", "reuse-bos": "bos"}
+DEFAULT_MODES = ("full", "full-shuffled", "reuse", "reuse-head", "reuse-bos", "recompute")
+# Default sample: >= 200 questions of the large sets, all of MuSiQue (160) and 2WikiMultihopQA (131).
+DEFAULT_SAMPLE_SIZES = {"hotpotqa": 200, "2wikimultihopqa": 0, "2wikimultihopqa_goldonly": 200, "musique": 0,
+                        "nq_open_oracle": 200}
+INSTRUCTION = ("Answer the question using the documents below. "
+               "Reply with the answer only: a short phrase, a name, a date or yes/no.\n\n")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def prompt_config():
+    """The benchmark's :class:`PromptConfig` (the model's chat template frames it)."""
+    from lazyattn_rag.config import PromptConfig
+
+    return PromptConfig(instruction=INSTRUCTION, document_separator="\n\n", question_prefix="Question: ")
+
+
+def doc_ids_of(dataset: str, ex: QAExample) -> list[str]:
+    return [f"{dataset}/{ex.id}/{i}" for i in range(len(ex.passages))]
+
+
+def shuffled(items: list, seed: int, question_id: str) -> list:
+    """A copy of ``items`` in a random order fixed by ``(seed, question_id)``."""
+    out = list(items)
+    random.Random(f"{seed}:{question_id}").shuffle(out)
+    return out
+
+
+# --- engine modes -----------------------------------------------------------------------------
+def make_engine(args, anchor: str):
+    from lazyattn_rag import CacheConfig, EngineConfig, SchedulerConfig
+    from lazyattn_rag.llm import LazyAttention
+
+    config = EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype,
+        cache=CacheConfig(anchor=anchor, kv_cache_fraction=args.kv_cache_fraction if args.device != "cpu" else None),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.concurrency),
+        prompt=prompt_config())
+    return LazyAttention(config)
+
+
+def answer_with_engine(llm, mode: str, dataset: str, ex: QAExample, sampling, seed: int) -> str:
+    """One question in an engine mode; registers the passages and forgets them afterwards."""
+    ids = doc_ids_of(dataset, ex)
+    llm.add_documents([(d, passage_text(t, x)) for d, (t, x) in zip(ids, ex.passages)])
+    try:
+        if mode.startswith("reuse"):
+            return llm.generate(ex.question, ids, sampling=sampling).text
+        order = ids if mode == "full" else shuffled(ids, seed, ex.id)
+        return llm.complete(llm.plan(ex.question, order).token_ids(), sampling).text
+    finally:
+        for d in ids:
+            llm.remove_document(d)
+
+
+def run_engine_mode(llm, mode, dataset, examples, args) -> dict[str, str]:
+    from lazyattn_rag import SamplingParams
+
+    sampling = SamplingParams(max_tokens=args.max_answer_tokens)
+    out = {}
+    with ThreadPoolExecutor(max_workers=args.concurrency) as pool, \
+            tqdm(total=len(examples), desc=f"{dataset:>24} {mode}", leave=True) as bar:
+        futures = {pool.submit(answer_with_engine, llm, mode, dataset, ex, sampling, args.seed): ex for ex in examples}
+        for f in as_completed(futures):
+            out[futures[f].id] = f.result()
+            bar.update()
+    return out
+
+
+# --- the transformers reference (recompute remedy) -------------------------------------------
+def run_recompute_mode(ref, template, k, dataset, examples, args) -> dict[str, str]:
+    out = {}
+    head = template.head_token_ids()
+    for ex in tqdm(examples, desc=f"{dataset:>24} recompute-k{k}"):
+        chunks = [template.document_token_ids(passage_text(t, x)) for t, x in ex.passages]
+        tokens = ref.generate(head, chunks, template.tail_token_ids(ex.question), k, args.max_answer_tokens)
+        out[ex.id] = template.tokenizer.decode(tokens, skip_special_tokens=True)
+    return out
+
+
+# --- scoring ----------------------------------------------------------------------------------
+def score_mode(examples: list[QAExample], generations: dict[str, str], full: dict[str, str] | None,
+               seed: int) -> dict:
+    """Summaries (percent, 95% bootstrap CI) of one mode's generations on one dataset."""
+    preds = [first_answer_line(generations[ex.id]) for ex in examples]
+    contains = [answer_contains_gold(p, ex.answers) for p, ex in zip(preds, examples)]
+    result = {
+        "contains_gold": summarize(contains, seed=seed),
+        "f1": summarize([token_f1(p, ex.answers) for p, ex in zip(preds, examples)], seed=seed),
+        "em": summarize([exact_match(p, ex.answers) for p, ex in zip(preds, examples)], seed=seed),
+    }
+    if full is not None:
+        full_preds = [first_answer_line(full[ex.id]) for ex in examples]
+        full_contains = [answer_contains_gold(p, ex.answers) for p, ex in zip(full_preds, examples)]
+        result["same_as_full"] = summarize([same_answer(p, q) for p, q in zip(preds, full_preds)], seed=seed)
+        result["contains_gold_minus_full"] = summarize([a - b for a, b in zip(contains, full_contains)], seed=seed)
+    return result
+
+
+def rescore(results: dict, dataset: str, examples: list[QAExample], seed: int) -> None:
+    """Recompute the summaries of every mode that has answered all of ``dataset``'s questions."""
+    gens = results["generations"][dataset]
+    done = set.intersection(*(set(g["modes"]) for g in gens.values())) if gens else set()
+    by_mode = {m: {qid: g["modes"][m] for qid, g in gens.items()} for m in done}
+    d = results["datasets"][dataset]
+    d["modes"] = {m: score_mode(examples, by_mode[m], by_mode.get("full") if m != "full" else None, seed)
+                  | {"seconds": d["seconds"].get(m)} for m in sorted(by_mode, key=mode_order)}
+
+
+def mode_order(mode: str) -> tuple[int, int]:
+    base = mode if not mode.startswith("recompute-k") else "recompute"
+    k = int(mode.removeprefix("recompute-k")) if mode.startswith("recompute-k") else 0
+    order = ("full", "full-shuffled", "reuse", "reuse-bos", "reuse-head", "recompute")
+    return (order.index(base) if base in order else len(order), k)
+
+
+def markdown_table(results: dict) -> str:
+    """One table per dataset: mode, contains-gold, F1, EM, same-as-full, difference to full (95% CIs)."""
+    lines = []
+    fmt = lambda s: f"{s['mean']:.1f} [{s['ci95'][0]:.1f}, {s['ci95'][1]:.1f}]"  # noqa: E731
+    for dataset, d in results["datasets"].items():
+        n = next(iter(d["modes"].values()))["contains_gold"]["n"] if d["modes"] else 0
+        lines += [f"\n**{dataset}** ({n} questions)\n",
+                  "| mode | contains gold % | token F1 % | EM % | same answer as full % | contains gold − full (points) |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for mode, m in d["modes"].items():
+            same = fmt(m["same_as_full"]) if "same_as_full" in m else "–"
+            diff = fmt(m["contains_gold_minus_full"]) if "contains_gold_minus_full" in m else "–"
+            lines.append(f"| {mode} | {fmt(m['contains_gold'])} | {fmt(m['f1'])} | {fmt(m['em'])} | {same} | {diff} |")
+    return "\n".join(lines)
+
+
+# --- driver -----------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--data", type=Path, default=default_data_dir(),
+                   help="folder holding qa/*.jsonl (default: ../shared/data when present)")
+    p.add_argument("--datasets", default=",".join(DATASET_FILES), help="comma-separated dataset names")
+    p.add_argument("--sample-size", type=int, default=None,
+                   help="questions per dataset (0 = all); default: 200 of HotpotQA, 2Wiki gold-only and NQ, "
+                        "all of MuSiQue and 2Wiki")
+    p.add_argument("--seed", type=int, default=0, help="seed of the question sample, the shuffles and the bootstrap")
+    p.add_argument("--model", default=None, help="local HF model directory (default: the offline SmolLM2)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto = bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--max-answer-tokens", type=int, default=32, help="most tokens generated per answer")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"comma-separated subset of {', '.join(ENGINE_MODES)}, recompute")
+    p.add_argument("--recompute-tokens", default="16",
+                   help="comma-separated k values of the recompute remedy (0 = the reference's control)")
+    p.add_argument("--concurrency", type=int, default=None, help="requests in flight (default 64 on CUDA, 4 on CPU)")
+    p.add_argument("--max-batched-tokens", type=int, default=None,
+                   help="engine tokens per step (default 16384 on CUDA, 2048 on CPU)")
+    p.add_argument("--kv-cache-fraction", type=float, default=0.5, help="fraction of free GPU memory for K/V")
+    p.add_argument("--out", type=Path, default=None, help="output JSON (default benchmarks/results/quality_<device>.json)")
+    args = p.parse_args(argv)
+    if args.data is None:
+        p.error("no --data given and ../shared/data does not exist")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = args.device.startswith("cuda")
+    args.concurrency = args.concurrency or (64 if cuda else 4)
+    args.max_batched_tokens = args.max_batched_tokens or (16384 if cuda else 2048)
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if cuda else "float32"
+    args.out = args.out or Path(__file__).resolve().parent / "results" / f"quality_{args.device.split(':')[0]}.json"
+    args.datasets = [d for d in args.datasets.split(",") if d]
+    args.modes = [m for m in args.modes.split(",") if m]
+    args.recompute_tokens = [int(k) for k in args.recompute_tokens.split(",") if k]
+    unknown = [m for m in args.modes if m not in ENGINE_MODES and m != "recompute"]
+    if unknown:
+        p.error(f"unknown modes {unknown}")
+    return args
+
+
+def load_examples(args, template, max_model_len: int) -> tuple[dict[str, list[QAExample]], dict[str, int]]:
+    """Sampled questions per dataset, without those whose prompt + answer exceeds the context."""
+    kept, skipped = {}, {}
+    for dataset in args.datasets:
+        size = args.sample_size if args.sample_size is not None else DEFAULT_SAMPLE_SIZES.get(dataset, 200)
+        examples = load_qa(args.data, dataset, size, args.seed)
+        head, fits = len(template.head_token_ids()), []
+        for ex in examples:
+            n = head + len(template.tail_token_ids(ex.question)) + sum(
+                len(template.document_token_ids(passage_text(t, x))) for t, x in ex.passages)
+            if n + args.max_answer_tokens < max_model_len:
+                fits.append(ex)
+        kept[dataset], skipped[dataset] = fits, len(examples) - len(fits)
+    return kept, skipped
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from transformers import AutoConfig, AutoTokenizer
+
+    from lazyattn_rag.config import EngineConfig
+    from lazyattn_rag.model_loading import resolve_model
+    from lazyattn_rag.prompt import PromptTemplate
+
+    source = resolve_model(args.model, EngineConfig().resolved_cache_dir())
+    tokenizer = AutoTokenizer.from_pretrained(str(source.path), local_files_only=True)
+    hf_config = AutoConfig.from_pretrained(str(source.path), local_files_only=True)
+    template = PromptTemplate(tokenizer, prompt_config())
+    examples, skipped = load_examples(args, template, hf_config.max_position_embeddings)
+    results = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "model": source.name, "model_dir": str(source.path),
+        "host": platform.node(), "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
+        "prompt_template": {"head": template.head_text(), "document": template.document_text("Title: {title}\n{text}"),
+                            "tail": template.tail_text("{question}")},
+        "datasets": {d: {"num_questions": len(e), "num_skipped_too_long": skipped[d], "seconds": {}, "modes": {}}
+                     for d, e in examples.items()},
+        "generations": {d: {ex.id: {"answers": list(ex.answers), "modes": {}} for ex in e} for d, e in examples.items()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(dataset, mode, generations, seconds):
+        for qid, text in generations.items():
+            results["generations"][dataset][qid]["modes"][mode] = text
+        results["datasets"][dataset]["seconds"][mode] = round(seconds, 2)
+        rescore(results, dataset, examples[dataset], args.seed)
+        args.out.write_text(json.dumps(results, indent=1, ensure_ascii=False))
+
+    for anchor in ("none", "head", "bos"):
+        modes = [m for m in args.modes if ENGINE_MODES.get(m) == anchor]
+        if not modes:
+            continue
+        llm = make_engine(args, anchor)
+        try:
+            for dataset in args.datasets:
+                for mode in modes:
+                    start = time.perf_counter()
+                    gens = run_engine_mode(llm, mode, dataset, examples[dataset], args)
+                    record(dataset, mode, gens, time.perf_counter() - start)
+        finally:
+            llm.shutdown()
+            del llm
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    if "recompute" in args.modes:
+        from benchmarks.qa_recompute import RecomputeReference, generation_eos_ids
+
+        ref = RecomputeReference(source.path, args.device, _DTYPES[args.dtype], generation_eos_ids(source.path, tokenizer))
+        for dataset in args.datasets:
+            for k in args.recompute_tokens:
+                start = time.perf_counter()
+                gens = run_recompute_mode(ref, template, k, dataset, examples[dataset], args)
+                record(dataset, f"recompute-k{k}", gens, time.perf_counter() - start)
+    print(markdown_table(results))
+    print(f"\nwrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
