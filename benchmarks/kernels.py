@@ -12,7 +12,9 @@ Measures, for Llama-3.1-8B heads (32 q / 8 kv, d 128) and SmolLM2 heads (9 / 3, 
   time, against SDPA flash and cuDNN with ``is_causal``;
 * prefill of 4k new tokens after 12k cached tokens in 4 chunks at offsets, against SDPA with a
   bottom-right causal mask where the backend takes one;
-* rotation overhead: the same kernels with the rotation compiled out (``rotate=False``).
+* rotation overhead: the same kernels with the rotation compiled out (``rotate=False`` /
+  ``rotation="none"``); for prefill also the K-tile rotation (``rotation="key"``) against the
+  default query rotation once per chunk (``rotation="query"``).
 
 Every time is the median of many runs with the L2 cache flushed before each (triton's do_bench),
 each run a CUDA-graph replay so that host launch overhead is not counted. Sanity checks compare
@@ -36,7 +38,7 @@ import triton.testing
 
 from lazyattn_rag.kernels.block_table import pack_entries
 from lazyattn_rag.kernels.decode import choose_num_splits, paged_decode
-from lazyattn_rag.kernels.prefill import block_key_starts, paged_prefill
+from lazyattn_rag.kernels.prefill import block_key_starts, block_runs, paged_prefill
 
 MODELS = {
     "llama3.1-8b": dict(num_heads=32, num_kv_heads=8, head_dim=128, theta=500000.0),
@@ -187,9 +189,11 @@ def bench_decode(name: str, cfg: dict, copy_gbps: float, device, batch=32, conte
     res = {"shape": f"batch {batch} x {context} ctx, {Hq}/{Hkv} heads, d{D}, bf16, block 16, 4 chunks/seq",
            "kv_bytes": kv_bytes, "copy_GBps": copy_gbps}
 
+    runs = block_runs(P["block_tables"], P["num_blocks"], BLOCK_SIZE)  # once per batch, as the backend does
+
     def ours(splits=None, block_n=None, rotate=True, warps=None, stages=None):
         return lambda: paged_decode(q, P["k_cache"], P["v_cache"], P["block_tables"], P["num_blocks"], cu, max_len,
-                                    inv_freq, scale, out=out, num_splits=splits, rotate=rotate, block_n=block_n,
+                                    inv_freq, scale, runs=runs, out=out, num_splits=splits, rotate=rotate, block_n=block_n,
                                     num_warps=warps, num_stages=stages)
 
     # sanity: rotation compiled out == SDPA on the stored (local-position) keys
@@ -249,16 +253,17 @@ def bench_prefill(name: str, cfg: dict, device, new_tokens=16384, cached_chunks=
     inv_freq = inv_freq_for(D, cfg["theta"], device)
     scale = D**-0.5
     ks = block_key_starts(P["block_tables"], P["num_blocks"])
+    runs = block_runs(P["block_tables"], P["num_blocks"], BLOCK_SIZE)
     out = torch.empty_like(q)
     pairs = new_tokens * ctx + new_tokens * (new_tokens + 1) // 2
     flops = 4 * Hq * D * pairs
     res = {"shape": f"{new_tokens} new tokens after {ctx} cached ({cached_chunks} chunks), {Hq}/{Hkv} heads, d{D}, bf16",
            "flops": flops}
 
-    def ours(rotate=True, bm=None, bn=None, warps=None, stages=None):
+    def ours(rotation="query", bm=None, bn=None, warps=None, stages=None):
         return lambda: paged_prefill(q, P["k_cache"], P["v_cache"], P["block_tables"], P["num_blocks"], P["seq_lens"],
-                                     cu, new_tokens, inv_freq, scale, key_starts=ks, out=out, rotate=rotate,
-                                     block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+                                     cu, new_tokens, inv_freq, scale, key_starts=ks, runs=runs, out=out,
+                                     rotation=rotation, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
 
     qd = q.transpose(0, 1)[None]  # [1, H, L, D]
     mask_kw = {"is_causal": True} if ctx == 0 else None
@@ -269,17 +274,17 @@ def bench_prefill(name: str, cfg: dict, device, new_tokens=16384, cached_chunks=
     # sanity: rotation compiled out == SDPA (flash) on the stored keys
     try:
         fn, _ = sdpa_runner("flash", qd, P["k_dense"], P["v_dense"], **mask_kw)
-        ours(rotate=False)()
+        ours(rotation="none")()
         res["check_rel_err_vs_sdpa_flash"] = rel_err(out.transpose(0, 1)[None], fn())
     except Exception as e:  # noqa: BLE001
         res["check_rel_err_vs_sdpa_flash"] = repr(e)[:200]
 
     sweep = {}
-    configs = [(128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)]
+    configs = [(128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
     for bm, bn, warps, stages in configs:
         key = f"block_m={bm},block_n={bn},warps={warps},stages={stages}"
         try:
-            ms = bench_ms(ours(True, bm, bn, warps, stages), rep=200)
+            ms = bench_ms(ours("query", bm, bn, warps, stages), rep=200)
             sweep[key] = {"ms": ms, "TFLOPs": flops / ms / 1e9}
         except Exception as e:  # noqa: BLE001
             sweep[key] = {"error": repr(e)[:200]}
@@ -287,8 +292,11 @@ def bench_prefill(name: str, cfg: dict, device, new_tokens=16384, cached_chunks=
     ok = {k: v for k, v in sweep.items() if "ms" in v}
     best_key = min(ok, key=lambda k: ok[k]["ms"])
     bm, bn, warps, stages = (int(kv.split("=")[1]) for kv in best_key.split(","))
-    ms_on = [bench_ms(ours(True, bm, bn, warps, stages)) for _ in range(2)]
-    ms_off = [bench_ms(ours(False, bm, bn, warps, stages)) for _ in range(2)]
+    ms_on = [bench_ms(ours("query", bm, bn, warps, stages)) for _ in range(2)]
+    ms_off = [bench_ms(ours("none", bm, bn, warps, stages)) for _ in range(2)]
+    ms_key = [bench_ms(ours("key", bm, bn, warps, stages)) for _ in range(2)]
+    res["key_tile_rotation_ms"] = ms_key
+    res["key_tile_rotation_overhead_pct"] = 100 * (min(ms_key) / min(ms_off) - 1)
     res["best_config"] = best_key
     res["default_config_ms"] = bench_ms(ours())
     res["ours_ms"] = ms_on

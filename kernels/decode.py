@@ -8,16 +8,15 @@ Kernel structure (one program = one KV head of one sequence x one split of its b
 
 * The ``GROUP`` query heads that share the KV head are processed together (rows of one
   ``tl.dot``, padded to 16), so each K/V byte is loaded once for the whole group.
-* The loop walks tiles of ``BLOCK_N // block_size`` blocks, one packed int64 word per block
-  (id | valid-1 | delta). The rotated query is recomputed from the ORIGINAL query (never from the
-  previous rotated one, so rounding does not accumulate) only when the tile's ``delta`` differs
-  from the one it was last rotated for: once per chunk.
-* A tile that straddles two chunks (a chunk boundary inside a tile: possible when ``BLOCK_N`` spans
-  several blocks) is scored once per block, each block with the query rotated for its own delta
-  (still re-rotated only when the delta changes); K is never modified, so its loads feed the dot
-  directly.
+* The walk goes one *run* at a time (consecutive blocks with one ``delta``, from
+  :func:`~lazyattn_rag.kernels.prefill.block_runs`: a chunk, the prefix, the request's own
+  tokens). At a run whose ``delta`` differs from the one the query was last rotated for, the
+  query is rotated again from the ORIGINAL query (never from the previous rotated one, so
+  rounding does not accumulate): once per chunk. Inside a run the loop reads tiles of
+  ``BLOCK_N // block_size`` blocks, one packed int64 word per block (id | valid-1 | delta), and
+  feeds K as stored straight into the dot; a run's last tile may be partly idle.
 * Split-KV (flash-decoding): with few sequences and long contexts, each (sequence, KV head) is
-  split into ``num_splits`` ranges of tiles processed by separate programs; each writes a
+  split into ``num_splits`` ranges of blocks processed by separate programs; each writes a
   normalized partial output and its log-sum-exp, and a small reduction kernel combines them.
   With one split the main kernel writes the output directly.
 * Offsets into the cache are int64; a sequence with no blocks (padding) gets zeros.
@@ -32,7 +31,17 @@ import triton
 import triton.language as tl
 
 from lazyattn_rag.kernels.block_table import unpack_block_table
-from lazyattn_rag.kernels.prefill import check_gpu_shapes, cos_sin, dot_precision, mma, on_interpreter, rope_layout, rotate
+from lazyattn_rag.kernels.prefill import (
+    BlockRuns,
+    block_runs,
+    check_gpu_shapes,
+    cos_sin,
+    dot_precision,
+    mma,
+    on_interpreter,
+    rope_layout,
+    rotate,
+)
 
 
 @triton.jit
@@ -44,17 +53,20 @@ def decode_kernel(
     part_out_ptr,  # [num_work, num_heads, NUM_SPLITS, head_dim] float32 (NUM_SPLITS > 1)
     part_lse_ptr,  # [num_work, num_heads, NUM_SPLITS] float32 log2-sum-exp2 (NUM_SPLITS > 1)
     block_tables_ptr,  # [num_seqs, max_blocks] int64 packed (id | valid-1 | delta)
+    run_starts_ptr,  # [num_seqs, max_blocks + 1] int32 first block of each run of equal delta, then n_blocks
+    num_runs_ptr,  # [num_seqs] int32 runs per sequence
     num_blocks_ptr,  # [num_seqs] int32 used block-table entries
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32: the sequence's query row is cu_seqlens_q[seq]
     seq_ids_ptr,  # [num_work] int32 sequences this launch handles (grid axis 0)
     inv_freq_ptr,  # [HALF] float32 RoPE frequencies
     sm_scale_log2,  # float: softmax scale * log2(e)
-    tiles_per_split,  # int: tiles of BLOCK_N keys per split
+    blocks_per_split,  # int: blocks of one split (a multiple of TILE_BLOCKS)
     stride_qt, stride_qh,  # q strides (tokens, heads); head_dim is contiguous
     stride_kb, stride_ks, stride_kh,  # key-cache strides (block, slot, head)
     stride_vb, stride_vs, stride_vh,  # value-cache strides (block, slot, head)
     stride_ot, stride_oh,  # out strides (tokens, heads)
     stride_bt,  # block_tables row stride
+    stride_rsr,  # run_starts row stride
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot rows)
     HEAD_DIM: tl.constexpr,
@@ -68,8 +80,8 @@ def decode_kernel(
     NUM_SPLITS: tl.constexpr,
     ROTATE: tl.constexpr,  # False compiles the rotation out (benchmark of its cost only)
     ACCURATE_TRIG: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, None (default) for half types
+    DOT_UPCAST: tl.constexpr,  # interpreter only: dots in float32
 ):
     work = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -77,9 +89,9 @@ def decode_kernel(
     seq = tl.load(seq_ids_ptr + work)
     q_row = tl.load(cu_seqlens_q_ptr + seq)
     n_blocks = tl.load(num_blocks_ptr + seq)
-    n_tiles = tl.cdiv(n_blocks, TILE_BLOCKS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, n_tiles)
+    n_runs = tl.load(num_runs_ptr + seq)
+    split_lo = split * blocks_per_split
+    split_hi = tl.minimum(split_lo + blocks_per_split, n_blocks)
     dtype = q_ptr.dtype.element_ty
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -102,68 +114,51 @@ def decode_kernel(
     inv_freq = tl.load(inv_freq_ptr + tl.arange(0, HALF))  # [HALF] float32
     q1f = q1.to(tl.float32)
     q2f = q2.to(tl.float32)
-    qr1 = q1  # query rotated by -cur_delta (starts unrotated: delta 0)
+    qr1 = q1  # the query rotated by -cur_delta (starts unrotated: delta 0)
     qr2 = q2
     cur_delta = tl.full([], 0, tl.int64)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    rs_row = run_starts_ptr + seq.to(tl.int64) * stride_rsr
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite: a split without keys stays NaN-free
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for tile in range(tile_lo, tile_hi):
-        blk = tile * TILE_BLOCKS + blk_in_tile  # [BLOCK_N] block-table index per key
-        blk_ok = lane_ok & (blk < n_blocks)
-        word = tl.load(bt_row + blk, mask=blk_ok, other=0)  # [BLOCK_N] int64
-        block_id = word & 0x7FFFFFFF
-        valid = ((word >> 31) & 0x7F) + 1
-        delta = word >> 38  # arithmetic shift keeps the sign
-        key_ok = blk_ok & (slot < valid)
-        k_rows = block_id * stride_kb + slot * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
-        v_rows = block_id * stride_vb + slot * stride_vs + kv_head * stride_vh
-        k1 = tl.load(k_cache_ptr + k_rows[:, None] + c1[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HALF]
-        k2 = tl.load(k_cache_ptr + k_rows[:, None] + c2[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HALF]
-        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
-
-        s = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
-        if ROTATE:
-            d_min = tl.min(tl.where(key_ok, delta, 1 << 40), axis=0)
-            d_max = tl.max(tl.where(key_ok, delta, -(1 << 40)), axis=0)
-            if d_min == d_max:
-                if d_min != cur_delta:  # a new chunk: rotate the ORIGINAL query by -delta
-                    cos, sin = cos_sin((-d_min).to(tl.float32) * inv_freq, ACCURATE_TRIG)  # [HALF]
+    for r in range(0, n_runs):
+        b0 = tl.maximum(tl.load(rs_row + r), split_lo)
+        b1 = tl.minimum(tl.load(rs_row + r + 1), split_hi)
+        if b0 < b1:  # this run overlaps this split
+            if ROTATE:
+                delta = tl.load(bt_row + b0) >> 38  # one delta per run (arithmetic shift)
+                if delta != cur_delta:  # a new chunk: rotate the ORIGINAL query by -delta
+                    cos, sin = cos_sin((-delta).to(tl.float32) * inv_freq, ACCURATE_TRIG)  # [HALF]
                     qr1 = (q1f * cos[None, :] - q2f * sin[None, :]).to(dtype)
                     qr2 = (q2f * cos[None, :] + q1f * sin[None, :]).to(dtype)
-                    cur_delta = d_min
+                    cur_delta = delta
+            for first in range(b0, b1, TILE_BLOCKS):
+                blk = first + blk_in_tile  # [BLOCK_N] block-table index per key
+                blk_ok = lane_ok & (blk < b1)
+                word = tl.load(bt_row + blk, mask=blk_ok, other=0)  # [BLOCK_N] int64
+                block_id = word & 0x7FFFFFFF
+                key_ok = blk_ok & (slot < ((word >> 31) & 0x7F) + 1)
+                k_rows = block_id * stride_kb + slot * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
+                v_rows = block_id * stride_vb + slot * stride_vs + kv_head * stride_vh
+                k1 = tl.load(k_cache_ptr + k_rows[:, None] + c1[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HALF]
+                k2 = tl.load(k_cache_ptr + k_rows[:, None] + c2[None, :], mask=key_ok[:, None], other=0.0)
+                v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+                s = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
                 s = mma(qr1, tl.trans(k1), s, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_G, BLOCK_N]
                 s = mma(qr2, tl.trans(k2), s, DOT_PRECISION, DOT_UPCAST)
-            else:  # the tile straddles chunks (rare): score it once per block, each with its own query
-                for b in tl.static_range(TILE_BLOCKS):
-                    blk_b = tile * TILE_BLOCKS + b
-                    d_b = tl.load(bt_row + blk_b, mask=blk_b < n_blocks, other=0) >> 38
-                    if (blk_b < n_blocks) & (d_b != cur_delta):
-                        cos, sin = cos_sin((-d_b).to(tl.float32) * inv_freq, ACCURATE_TRIG)
-                        qr1 = (q1f * cos[None, :] - q2f * sin[None, :]).to(dtype)
-                        qr2 = (q2f * cos[None, :] + q1f * sin[None, :]).to(dtype)
-                        cur_delta = d_b
-                    s_b = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
-                    s_b = mma(qr1, tl.trans(k1), s_b, DOT_PRECISION, DOT_UPCAST)
-                    s_b = mma(qr2, tl.trans(k2), s_b, DOT_PRECISION, DOT_UPCAST)
-                    s = tl.where((blk_in_tile == b)[None, :], s_b, s)
-        else:
-            s = mma(q1, tl.trans(k1), s, DOT_PRECISION, DOT_UPCAST)
-            s = mma(q2, tl.trans(k2), s, DOT_PRECISION, DOT_UPCAST)
-        if REST > 0:
-            k3 = tl.load(k_cache_ptr + k_rows[:, None] + c3[None, :], mask=key_ok[:, None], other=0.0)
-            s = mma(q3, tl.trans(k3), s, DOT_PRECISION, DOT_UPCAST)
-        s = tl.where(key_ok[None, :], s * sm_scale_log2, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        acc = mma(p.to(dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
+                if REST > 0:
+                    k3 = tl.load(k_cache_ptr + k_rows[:, None] + c3[None, :], mask=key_ok[:, None], other=0.0)
+                    s = mma(q3, tl.trans(k3), s, DOT_PRECISION, DOT_UPCAST)
+                s = tl.where(key_ok[None, :], s * sm_scale_log2, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                alpha = tl.math.exp2(m_i - m_new)
+                p = tl.math.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None]
+                acc = mma(p.to(dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
+                m_i = m_new
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # [BLOCK_G, HEAD_DIM]
@@ -235,6 +230,7 @@ def paged_decode(
     scale: float,
     *,
     interleaved: bool = False,
+    runs: BlockRuns | None = None,  # from block_runs (computed when not given)
     seq_ids: torch.Tensor | None = None,  # [num_work] int32 decode sequences, default all
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     num_splits: int | None = None,  # power of two; default from choose_num_splits
@@ -286,6 +282,8 @@ def paged_decode(
     if num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     tiles_per_split = -(-max_tiles // num_splits)
+    if runs is None:
+        runs = block_runs(block_tables, num_blocks_per_seq, block_size)
     if num_splits > 1:
         part_out = torch.empty(num_work, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_work, num_heads, num_splits, dtype=torch.float32, device=query.device)
@@ -293,15 +291,15 @@ def paged_decode(
         part_out = part_lse = out  # unused
     decode_kernel[(num_work, num_kv_heads, num_splits)](
         query, key_cache, value_cache, out, part_out, part_lse,
-        block_tables, num_blocks_per_seq, cu_seqlens_q, seq_ids,
+        block_tables, runs.starts, runs.num_runs, num_blocks_per_seq, cu_seqlens_q, seq_ids,
         inv_freq.to(device=query.device, dtype=torch.float32).contiguous(),
         scale * math.log2(math.e),
-        tiles_per_split,
+        tiles_per_split * tile_blocks,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         out.stride(0), out.stride(1),
-        block_tables.stride(0),
+        block_tables.stride(0), runs.starts.stride(0),
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,

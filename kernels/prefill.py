@@ -4,24 +4,31 @@ A batch of sequences (varlen, ``cu_seqlens_q``) attends its paged KV context. Co
 numbered ``0 .. seq_len-1`` over the valid slots of the block table, in table order; a sequence's
 ``query_len`` new tokens are its last ``query_len`` keys and new token ``i`` attends key ``j`` iff
 ``j <= seq_len - query_len + i``. Keys are stored rotated at their *local* positions; each
-block-table word carries the block's offset ``delta`` and the kernel moves every K tile to its
-global position with one relative rotation ``R_delta`` in registers before the dot product
-(LazyAttention, arXiv 2606.04302, Sec. 3: ``R_delta (R_j k) = R_(j+delta) k``).
+block-table word carries the block's offset ``delta`` (LazyAttention, arXiv 2606.04302, Sec. 3):
+a key of that block belongs at ``R_delta (R_j k) = R_(j+delta) k``.
+
+Where the rotation goes. Scores only need ``(R_m q) . (R_(j+delta) k) = (R_(-delta) R_m q) . (R_j k)``.
+A program holds one query tile for its whole life and walks the context one *run* at a time (a
+run = consecutive blocks with one ``delta``: a chunk, the prefix, the request's own tokens), so it
+rotates its query tile by ``-delta`` once per run (``rotation="query"``, the default) and its inner
+loop is a plain flash-attention loop over K tiles as stored. Rotating every K tile by ``delta`` in
+registers instead (``rotation="key"``, what issue 4 describes) gives the same scores but repeats
+the rotation for every query tile and head and keeps K in registers between load and dot; it is
+kept so the benchmark can show the difference (docs/benchmarks.md).
 
 Kernel structure (one program = one query head x ``BLOCK_M`` new tokens of one sequence):
 
 * The head dimension is read in up to three parts: ``x1`` and ``x2``, the two halves of every
   rotary pair (half-split: columns ``i`` and ``i + rotary_dim/2``; interleaved: ``2i`` and
   ``2i+1``), and ``rest``, the columns past ``rotary_dim`` that do not rotate. A score is
-  ``q1.k1 + q2.k2 + q3.k3``, so the rotation ``k1' = k1 c - k2 s``, ``k2' = k2 c + k1 s`` needs no
+  ``q1.k1 + q2.k2 + q3.k3``, so a rotation ``x1' = x1 c - x2 s``, ``x2' = x2 c + x1 s`` needs no
   register shuffles.
-* A K tile is ``BLOCK_N // block_size`` consecutive blocks (``BLOCK_N`` a power of two). When all its valid keys share one
-  ``delta`` (every tile inside a chunk), ``cos``/``sin`` are computed once per tile
-  (``rotary_dim/2`` values); a tile with ``delta == 0`` (prefix, the request's own tokens) is not
-  rotated at all. A tile that straddles two chunks computes angles once per block.
-* The loop stops at the last block holding a key the tile's last row can see (found by a binary
-  search over each block's first key index, ``key_starts``); the causal/valid-slot mask is
-  applied only to tiles that need it. Online softmax in float32 (``exp2``, scale folded in).
+* A K tile is ``BLOCK_N // block_size`` consecutive blocks of one run (``BLOCK_N`` a power of two).
+  Tiles that every row sees whole (before the causal diagonal, no partial block) run without any
+  mask; the rest (a run's last tile, tiles on the diagonal) mask invalid slots and future keys.
+* The walk stops at the last block holding a key the tile's last row can see, found by binary
+  search over each block's first key index (``key_starts``). Online softmax in float32 (``exp2``,
+  scale folded in); query tiles are scheduled longest first.
 * Offsets into the cache are int64 (``block_id * block_size * stride`` overflows int32).
 
 Angles are ``float32(delta) * inv_freq`` in float32 exactly as :meth:`RotaryEmbedding.cos_sin`
@@ -114,6 +121,39 @@ def block_key_starts(block_tables: torch.Tensor, num_blocks_per_seq: torch.Tenso
     return (torch.cumsum(valid, dim=1) - valid).to(torch.int32)
 
 
+@dataclass
+class BlockRuns:
+    """Runs of consecutive blocks sharing one delta, only the last one partly filled (one run per
+    chunk; the prefix and the request's own tokens are runs with delta 0).
+
+    Attributes:
+        starts: ``[num_seqs, max_blocks + 1]`` int32: first block of run ``r`` at ``starts[s, r]``;
+            entries from ``num_runs[s]`` on hold the sequence's block count (so ``starts[s, r + 1]``
+            ends run ``r``).
+        num_runs: ``[num_seqs]`` int32.
+    """
+
+    starts: torch.Tensor
+    num_runs: torch.Tensor
+
+
+def block_runs(block_tables: torch.Tensor, num_blocks_per_seq: torch.Tensor, block_size: int) -> BlockRuns:
+    """Split every block-table row into runs of equal delta in which only the last block may be
+    partly filled (a new run starts after a partial block too). Device ops, no host sync."""
+    num_seqs, max_blocks = block_tables.shape
+    device = block_tables.device
+    _, deltas, valid = unpack_block_table(block_tables)
+    idx = torch.arange(max_blocks, device=device)[None, :].expand(num_seqs, max_blocks)
+    used = idx < num_blocks_per_seq[:, None].to(torch.int64)
+    changed = torch.ones_like(used)
+    changed[:, 1:] = (deltas[:, 1:] != deltas[:, :-1]) | (valid[:, :-1] < block_size)
+    is_start = used & changed
+    n_blocks = num_blocks_per_seq.to(torch.int64)[:, None]
+    starts = torch.where(is_start, idx, n_blocks.expand(num_seqs, max_blocks)).sort(dim=1).values
+    starts = torch.cat([starts, n_blocks], dim=1).to(torch.int32)
+    return BlockRuns(starts=starts.contiguous(), num_runs=is_start.sum(dim=1).to(torch.int32))
+
+
 @triton.jit
 def cos_sin(angle, ACCURATE_TRIG: tl.constexpr):
     """cos and sin of float32 angles; libdevice on the GPU, numpy under the interpreter."""
@@ -133,6 +173,90 @@ def mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def prefill_tile(
+    acc, m_i, l_i,  # running output [BLOCK_M, HEAD_DIM], row max and row sum [BLOCK_M] (float32)
+    qa1, qa2, q3,  # query parts for this run: [BLOCK_M, HALF] x 2 (rotated by -delta, or not), [BLOCK_M, REST]
+    cos, sin,  # [HALF] float32: the run's rotation of K (ROTATION == 2 only)
+    first_blk, blk_end,  # block-table indices: this tile starts at first_blk; blocks >= blk_end are out
+    bt_row, ks_row, k_cache_ptr, v_cache_ptr,
+    kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    row_limit,  # [BLOCK_M] last key index each row may see
+    sm_scale_log2,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr, PAIR_STRIDE: tl.constexpr,
+    X2_OFF: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_BLOCKS: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every lane is a valid key every row may see (no masks at all)
+    ROTATE_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """One K/V tile of ``TILE_BLOCKS`` blocks of one run: scores, online softmax, P @ V."""
+    dtype = qa1.dtype
+    offs_n = tl.arange(0, BLOCK_N)
+    slot = offs_n % BLOCK_SIZE  # [BLOCK_N] slot within its block
+    blk = first_blk + offs_n // BLOCK_SIZE  # [BLOCK_N] block-table index of each lane
+    c1 = tl.arange(0, HALF) * PAIR_STRIDE  # [HALF] first element of each rotary pair
+    c2 = c1 + X2_OFF  # [HALF] second element
+    offs_d = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        blk_ok = (offs_n < TILE_BLOCKS * BLOCK_SIZE) & (blk < blk_end)
+        word = tl.load(bt_row + blk, mask=blk_ok, other=0)  # [BLOCK_N] int64
+        key_ok = blk_ok & (slot < ((word >> 31) & 0x7F) + 1)
+    else:
+        word = tl.load(bt_row + blk)
+    block_id = word & 0x7FFFFFFF
+    k_rows = block_id * stride_kb + slot * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
+    v_rows = block_id * stride_vb + slot * stride_vs + kv_head * stride_vh
+    if MASKED:
+        k1 = tl.load(k_cache_ptr + k_rows[:, None] + c1[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HALF]
+        k2 = tl.load(k_cache_ptr + k_rows[:, None] + c2[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+    else:
+        k1 = tl.load(k_cache_ptr + k_rows[:, None] + c1[None, :])
+        k2 = tl.load(k_cache_ptr + k_rows[:, None] + c2[None, :])
+        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :])
+    if ROTATE_K:  # the issue's literal form: R_delta on every K tile, in registers
+        k1f = k1.to(tl.float32)
+        k2f = k2.to(tl.float32)
+        k1 = (k1f * cos[None, :] - k2f * sin[None, :]).to(dtype)
+        k2 = (k2f * cos[None, :] + k1f * sin[None, :]).to(dtype)
+    s = tl.zeros([qa1.shape[0], BLOCK_N], tl.float32)
+    s = mma(qa1, tl.trans(k1), s, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N]
+    s = mma(qa2, tl.trans(k2), s, DOT_PRECISION, DOT_UPCAST)
+    if REST > 0:
+        c3 = 2 * HALF + tl.arange(0, REST)
+        if MASKED:
+            k3 = tl.load(k_cache_ptr + k_rows[:, None] + c3[None, :], mask=key_ok[:, None], other=0.0)
+        else:
+            k3 = tl.load(k_cache_ptr + k_rows[:, None] + c3[None, :])
+        s = mma(q3, tl.trans(k3), s, DOT_PRECISION, DOT_UPCAST)
+    s = s * sm_scale_log2
+    if MASKED:
+        key_idx = tl.load(ks_row + blk, mask=blk_ok, other=0) + slot  # [BLOCK_N] global key index
+        keep = key_ok[None, :] & (key_idx[None, :] <= row_limit[:, None])
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    acc = mma(p.to(dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def count_at_most(row_ptr, n, limit, search_steps):
+    """Number of leading entries of a non-decreasing int row ``row_ptr[0:n]`` that are <= limit."""
+    lo = 0
+    hi = n
+    for _ in range(search_steps):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        value = tl.load(row_ptr + mid, mask=active, other=0)
+        right = active & (value <= limit)
+        hi = tl.where(active & (value > limit), mid, hi)
+        lo = tl.where(right, mid + 1, lo)
+    return lo
+
+
+@triton.jit
 def prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
@@ -140,6 +264,8 @@ def prefill_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     block_tables_ptr,  # [num_seqs, max_blocks] int64 packed (id | valid-1 | delta)
     key_starts_ptr,  # [num_seqs, max_blocks] int32 index of each block's first key
+    run_starts_ptr,  # [num_seqs, max_blocks + 1] int32 first block of each run of equal delta, then n_blocks
+    num_runs_ptr,  # [num_seqs] int32 runs per sequence
     num_blocks_ptr,  # [num_seqs] int32 used block-table entries
     seq_lens_ptr,  # [num_seqs] int32 keys per sequence (new tokens included)
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32 first row of each sequence in q/out
@@ -152,7 +278,8 @@ def prefill_kernel(
     stride_ot, stride_oh,  # out strides (tokens, heads)
     stride_bt,  # block_tables row stride
     stride_ksr,  # key_starts row stride
-    search_steps,  # int: ceil(log2(max_blocks + 1)), binary-search iterations
+    stride_rsr,  # run_starts row stride
+    search_steps,  # int: bit length of max_blocks + 1, binary-search iterations
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,  # rotary_dim // 2
@@ -163,13 +290,13 @@ def prefill_kernel(
     BLOCK_M: tl.constexpr,  # new tokens per program
     BLOCK_N: tl.constexpr,  # key lanes per tile (a power of two >= BLOCK_SIZE)
     TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
-    ROTATE: tl.constexpr,  # False compiles the rotation out (benchmark of its cost only)
+    ROTATION: tl.constexpr,  # 0 none (benchmark only), 1 query by -delta per run, 2 each K tile by delta
     ACCURATE_TRIG: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, None (default) for half types
     DOT_UPCAST: tl.constexpr,  # interpreter only: dots in float32
 ):
     head = tl.program_id(0)
-    m_tile = tl.program_id(1)
+    m_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (causal) tiles first
     seq = tl.load(seq_ids_ptr + tl.program_id(2))
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
@@ -178,6 +305,7 @@ def prefill_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     n_blocks = tl.load(num_blocks_ptr + seq)
+    n_runs = tl.load(num_runs_ptr + seq)
     ctx_len = seq_len - q_len  # keys before the first new token
     kv_head = head // GROUP
     dtype = q_ptr.dtype.element_ty
@@ -187,115 +315,86 @@ def prefill_kernel(
     row_limit = ctx_len + offs_m  # [BLOCK_M] last key each row may see
     limit_min = ctx_len + m_start
     limit_max = ctx_len + tl.minimum(m_start + BLOCK_M, q_len) - 1
-    offs_n = tl.arange(0, BLOCK_N)
-    slot = offs_n % BLOCK_SIZE  # [BLOCK_N] slot within its block
-    blk_in_tile = offs_n // BLOCK_SIZE
-    lane_ok = offs_n < TILE_BLOCKS * BLOCK_SIZE  # all True when BLOCK_SIZE is a power of two
     offs_d = tl.arange(0, HEAD_DIM)
-    c1 = tl.arange(0, HALF) * PAIR_STRIDE  # [HALF] first element of each pair
-    c2 = c1 + X2_OFF  # [HALF] second element
+    c1 = tl.arange(0, HALF) * PAIR_STRIDE
+    c2 = c1 + X2_OFF
 
-    # Queries, split into the pair halves (and the non-rotating rest).
     q_rows = (q_start + offs_m).to(tl.int64) * stride_qt + head * stride_qh  # [BLOCK_M]
     q1 = tl.load(q_ptr + q_rows[:, None] + c1[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF]
     q2 = tl.load(q_ptr + q_rows[:, None] + c2[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF]
     if REST > 0:
         c3 = 2 * HALF + tl.arange(0, REST)  # [REST] columns that do not rotate
         q3 = tl.load(q_ptr + q_rows[:, None] + c3[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, REST]
+    else:
+        q3 = q1  # unused
+    q1f = q1.to(tl.float32)
+    q2f = q2.to(tl.float32)
     inv_freq = tl.load(inv_freq_ptr + tl.arange(0, HALF))  # [HALF] float32
 
-    # Blocks to visit: those whose first key is <= limit_max (key_starts rises along a row).
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     ks_row = key_starts_ptr + seq.to(tl.int64) * stride_ksr
-    lo = 0
-    hi = n_blocks
-    for _ in range(search_steps):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        first_key = tl.load(ks_row + mid, mask=active, other=0)
-        right = active & (first_key <= limit_max)
-        hi = tl.where(active & (first_key > limit_max), mid, hi)
-        lo = tl.where(right, mid + 1, lo)
-    n_visit = lo
-    n_tiles = tl.cdiv(n_visit, TILE_BLOCKS)
+    rs_row = run_starts_ptr + seq.to(tl.int64) * stride_rsr
+    # Blocks any row may see: first key <= limit_max. Blocks every row sees whole: the NEXT block
+    # starts at or before limit_min + 1 (so the block's keys are all <= limit_min).
+    n_visit = count_at_most(ks_row, n_blocks, limit_max, search_steps)
+    n_safe = tl.maximum(count_at_most(ks_row, n_blocks, limit_min + 1, search_steps) - 1, 0)
+    if TILE_BLOCKS * BLOCK_SIZE != BLOCK_N:
+        n_safe = 0  # idle lanes in every tile: mask them all
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: fully masked rows stay NaN-free
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for tile in range(0, n_tiles):
-        blk = tile * TILE_BLOCKS + blk_in_tile  # [BLOCK_N] block-table index per key
-        blk_ok = lane_ok & (blk < n_visit)
-        word = tl.load(bt_row + blk, mask=blk_ok, other=0)  # [BLOCK_N] int64
-        first_key = tl.load(ks_row + blk, mask=blk_ok, other=0)  # [BLOCK_N] int32
-        block_id = word & 0x7FFFFFFF
-        valid = ((word >> 31) & 0x7F) + 1
-        delta = word >> 38  # arithmetic shift keeps the sign
-        key_ok = blk_ok & (slot < valid)  # [BLOCK_N]
-        key_idx = first_key + slot  # [BLOCK_N] global key index
-        k_rows = block_id * stride_kb + slot * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
-        v_rows = block_id * stride_vb + slot * stride_vs + kv_head * stride_vh
-        k1 = tl.load(k_cache_ptr + k_rows[:, None] + c1[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HALF]
-        k2 = tl.load(k_cache_ptr + k_rows[:, None] + c2[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HALF]
-        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
-
-        if ROTATE:
-            d_min = tl.min(tl.where(key_ok, delta, 1 << 40), axis=0)
-            d_max = tl.max(tl.where(key_ok, delta, -(1 << 40)), axis=0)
-            if d_min == d_max:
-                if d_min != 0:  # one delta for the whole tile: rotation angles once per tile
-                    cos, sin = cos_sin(d_min.to(tl.float32) * inv_freq, ACCURATE_TRIG)  # [HALF]
-                    k1f = k1.to(tl.float32)
-                    k2f = k2.to(tl.float32)
-                    k1 = (k1f * cos[None, :] - k2f * sin[None, :]).to(dtype)
-                    k2 = (k2f * cos[None, :] + k1f * sin[None, :]).to(dtype)
-            elif d_min < d_max:  # the tile straddles chunks: angles per block, broadcast to its keys
-                if TILE_BLOCKS * BLOCK_SIZE == BLOCK_N:
-                    blk_t = tile * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)  # [TILE_BLOCKS]
-                    d_t = tl.load(bt_row + blk_t, mask=blk_t < n_visit, other=0) >> 38
-                    cos_t, sin_t = cos_sin(d_t.to(tl.float32)[:, None] * inv_freq[None, :], ACCURATE_TRIG)
-                    cos = tl.reshape(tl.broadcast_to(cos_t[:, None, :], [TILE_BLOCKS, BLOCK_SIZE, HALF]), [BLOCK_N, HALF])
-                    sin = tl.reshape(tl.broadcast_to(sin_t[:, None, :], [TILE_BLOCKS, BLOCK_SIZE, HALF]), [BLOCK_N, HALF])
-                else:  # idle lanes in the tile (block size not a power of two): per-key angles
-                    cos, sin = cos_sin(delta.to(tl.float32)[:, None] * inv_freq[None, :], ACCURATE_TRIG)
-                k1f = k1.to(tl.float32)
-                k2f = k2.to(tl.float32)
-                k1 = (k1f * cos - k2f * sin).to(dtype)
-                k2 = (k2f * cos + k1f * sin).to(dtype)
-
-        s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        s = mma(q1, tl.trans(k1), s, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N]
-        s = mma(q2, tl.trans(k2), s, DOT_PRECISION, DOT_UPCAST)
-        if REST > 0:
-            k3 = tl.load(k_cache_ptr + k_rows[:, None] + c3[None, :], mask=key_ok[:, None], other=0.0)
-            s = mma(q3, tl.trans(k3), s, DOT_PRECISION, DOT_UPCAST)
-        s = s * sm_scale_log2
-        tile_last_key = tl.max(tl.where(key_ok, key_idx, -1), axis=0)
-        n_ok = tl.sum(key_ok.to(tl.int32), axis=0)
-        if (tile_last_key > limit_min) | (n_ok < BLOCK_N):
-            keep = key_ok[None, :] & (key_idx[None, :] <= row_limit[:, None])
-            s = tl.where(keep, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        acc = mma(p.to(dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
+    for r in range(0, n_runs):
+        b0 = tl.load(rs_row + r)
+        b1 = tl.load(rs_row + r + 1)
+        b_end = tl.minimum(b1, n_visit)
+        if b0 < b_end:
+            delta = tl.load(bt_row + b0) >> 38  # one delta for the whole run (arithmetic shift)
+            qa1 = q1
+            qa2 = q2
+            cos = tl.full([HALF], 1.0, tl.float32)
+            sin = tl.zeros([HALF], tl.float32)
+            if ROTATION == 1:  # R_(-delta) on the ORIGINAL query, once per run
+                if delta != 0:
+                    cq, sq = cos_sin((-delta).to(tl.float32) * inv_freq, ACCURATE_TRIG)  # [HALF]
+                    qa1 = (q1f * cq[None, :] - q2f * sq[None, :]).to(dtype)
+                    qa2 = (q2f * cq[None, :] + q1f * sq[None, :]).to(dtype)
+            if ROTATION == 2:  # R_delta on each K tile; angles once per run
+                cos, sin = cos_sin(delta.to(tl.float32) * inv_freq, ACCURATE_TRIG)
+            # whole tiles that every row sees entirely (the run's last block may be partial: excluded)
+            n_full = tl.maximum(tl.minimum(b1 - 1, n_safe) - b0, 0) // TILE_BLOCKS
+            for t in range(0, n_full):
+                acc, m_i, l_i = prefill_tile(
+                    acc, m_i, l_i, qa1, qa2, q3, cos, sin, b0 + t * TILE_BLOCKS, b_end,
+                    bt_row, ks_row, k_cache_ptr, v_cache_ptr,
+                    kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    row_limit, sm_scale_log2,
+                    HEAD_DIM, HALF, REST, PAIR_STRIDE, X2_OFF, BLOCK_SIZE, BLOCK_N, TILE_BLOCKS,
+                    False, ROTATION == 2, DOT_PRECISION, DOT_UPCAST,
+                )
+            for first in range(b0 + n_full * TILE_BLOCKS, b_end, TILE_BLOCKS):
+                acc, m_i, l_i = prefill_tile(
+                    acc, m_i, l_i, qa1, qa2, q3, cos, sin, first, b_end,
+                    bt_row, ks_row, k_cache_ptr, v_cache_ptr,
+                    kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    row_limit, sm_scale_log2,
+                    HEAD_DIM, HALF, REST, PAIR_STRIDE, X2_OFF, BLOCK_SIZE, BLOCK_N, TILE_BLOCKS,
+                    True, ROTATION == 2, DOT_PRECISION, DOT_UPCAST,
+                )
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no keys (padding): zeros
     o_rows = (q_start + offs_m).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+ROTATION_MODES = {"none": 0, "query": 1, "key": 2}
+
 
 def _default_config(head_dim: int, block_size: int, interpreter: bool) -> dict:
     """Tile shapes: large on the GPU (tensor cores), small under the interpreter (fast tests)."""
     if interpreter:
         return {"block_m": 16, "block_n": max(block_size, 32), "num_warps": 4, "num_stages": 1}
-    if head_dim <= 64:
-        return {"block_m": 128, "block_n": max(block_size, 64), "num_warps": 4, "num_stages": 3}
-    return {"block_m": 128, "block_n": max(block_size, 64), "num_warps": 8, "num_stages": 2}
+    return {"block_m": 128, "block_n": max(block_size, 64), "num_warps": 4, "num_stages": 3}
 
 
 def paged_prefill(
@@ -312,9 +411,10 @@ def paged_prefill(
     *,
     interleaved: bool = False,
     key_starts: torch.Tensor | None = None,  # [num_seqs, max_blocks] int32, from block_key_starts
+    runs: BlockRuns | None = None,  # from block_runs (computed when not given)
     seq_ids: torch.Tensor | None = None,  # [num_work] int32, default all sequences
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    rotate: bool = True,
+    rotation: str = "query",
     block_m: int | None = None,
     block_n: int | None = None,  # key lanes per tile (rounded up to a power of two >= block_size)
     num_warps: int | None = None,
@@ -323,7 +423,9 @@ def paged_prefill(
     """Deferred-RoPE paged attention of every new token of the listed sequences (see module doc).
 
     Only the rows of the sequences in ``seq_ids`` are written to ``out``; a sequence with no keys
-    (padding) gets zeros. ``rotate=False`` skips the delta rotation (only for measuring its cost).
+    (padding) gets zeros. ``rotation``: ``"query"`` (default) rotates the query tile by ``-delta``
+    once per chunk; ``"key"`` rotates every K tile by ``delta`` in registers (same result, more
+    work: kept to measure the difference); ``"none"`` skips it (only for measuring its cost).
 
     Returns:
         ``out`` (allocated like ``query`` when not given).
@@ -350,6 +452,10 @@ def paged_prefill(
         out = torch.empty_like(query)
     if key_starts is None:
         key_starts = block_key_starts(block_tables, num_blocks_per_seq)
+    if runs is None:
+        runs = block_runs(block_tables, num_blocks_per_seq, block_size)
+    if rotation not in ROTATION_MODES:
+        raise ValueError(f"rotation must be one of {sorted(ROTATION_MODES)}, got {rotation!r}")
     if seq_ids is None:
         seq_ids = torch.arange(block_tables.shape[0], dtype=torch.int32, device=query.device)
     if seq_ids.numel() == 0 or max_query_len == 0:
@@ -358,14 +464,14 @@ def paged_prefill(
     grid = (num_heads, triton_cdiv(max_query_len, block_m), seq_ids.numel())
     prefill_kernel[grid](
         query, key_cache, value_cache, out,
-        block_tables, key_starts, num_blocks_per_seq, seq_lens, cu_seqlens_q, seq_ids,
+        block_tables, key_starts, runs.starts, runs.num_runs, num_blocks_per_seq, seq_lens, cu_seqlens_q, seq_ids,
         inv_freq.to(device=query.device, dtype=torch.float32).contiguous(),
         scale * math.log2(math.e),
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         out.stride(0), out.stride(1),
-        block_tables.stride(0), key_starts.stride(0),
+        block_tables.stride(0), key_starts.stride(0), runs.starts.stride(0),
         max(1, max_blocks + 1).bit_length(),
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
@@ -377,7 +483,7 @@ def paged_prefill(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         TILE_BLOCKS=block_n // block_size,
-        ROTATE=rotate,
+        ROTATION=ROTATION_MODES[rotation],
         ACCURATE_TRIG=not interpreter,
         DOT_PRECISION=dot_precision(query.dtype),
         DOT_UPCAST=interpreter,

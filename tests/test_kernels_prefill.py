@@ -9,7 +9,7 @@ import torch
 from kernel_tolerances import assert_close
 from paged_case import SeqSpec, make_case
 
-from lazyattn_rag.kernels.prefill import block_key_starts, paged_prefill, prefill_reference
+from lazyattn_rag.kernels.prefill import block_key_starts, block_runs, paged_prefill, prefill_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -89,8 +89,29 @@ def test_seq_ids_writes_only_listed_sequences():
 def test_rotation_compiled_out_matches_when_all_deltas_are_zero():
     specs = [SeqSpec([(37, 0), (17, 0)], own_len=9, query_len=9)]
     case = make_case(specs, num_heads=4, num_kv_heads=2, head_dim=64, device=DEVICE, seed=6)
-    out, ref = run(case, rotate=False)
+    out, ref = run(case, rotation="none")
     assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_key_tile_rotation_mode(dtype):
+    """rotation="key" (each K tile rotated by delta) computes the same attention."""
+    case = make_case(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype, device=DEVICE, seed=8)
+    out, ref = run(case, rotation="key")
+    assert_close(out, ref, dtype)
+
+
+def test_block_runs():
+    case = make_case(MIXED[:2], num_heads=2, num_kv_heads=1, head_dim=16, device="cpu", seed=7)
+    runs = block_runs(case.block_tables, case.num_blocks_per_seq, 16)
+    # seq 0 blocks: 1 | 15 | 16 | 17,17 | 37,37,37 | own 21: 2 blocks -> runs start at 0,1,2,3,5,8; 10 blocks
+    assert runs.num_runs.tolist() == [6, 1]
+    assert runs.starts[0, :7].tolist() == [0, 1, 2, 3, 5, 8, 10]
+    assert runs.starts[1, :2].tolist() == [0, 1]
+    # equal deltas still split after a partial block: 37 (16,16,5) then 17 (16,1) then 9, all delta 0
+    case = make_case([SeqSpec([(37, 0), (17, 0)], own_len=9)], num_heads=2, num_kv_heads=1, head_dim=16, seed=9)
+    runs = block_runs(case.block_tables, case.num_blocks_per_seq, 16)
+    assert runs.starts[0, : int(runs.num_runs[0]) + 1].tolist() == [0, 3, 5, 6]
 
 
 def test_block_key_starts():

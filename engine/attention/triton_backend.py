@@ -3,13 +3,14 @@
 Per forward call: :func:`write_kv` scatters the new tokens' K/V, then the batch is split by
 sequence kind and each kind runs its own kernel, both writing into one output tensor:
 
-* sequences with one new token run :func:`~lazyattn_rag.kernels.decode.paged_decode` (the query
-  is rotated by ``-delta`` once per chunk; split-KV for long contexts);
-* the others run :func:`~lazyattn_rag.kernels.prefill.paged_prefill` (each K tile rotated by
-  its block's ``delta`` in registers; causal over the new tokens).
+* sequences with one new token run :func:`~lazyattn_rag.kernels.decode.paged_decode` (one query
+  row, rotated by ``-delta`` once per chunk; split-KV for long contexts);
+* the others run :func:`~lazyattn_rag.kernels.prefill.paged_prefill` (a query tile rotated by
+  ``-delta`` once per chunk, K tiles read as stored; causal over the new tokens).
 
-The split (sequence ids per kernel) and each block's first key index are derived once per batch
-from the metadata and kept in ``metadata.backend_state["triton"]``, so every layer reuses them.
+The split (sequence ids per kernel), each block's first key index and the runs of equal delta
+are derived once per batch from the metadata (device ops, no host sync) and kept in
+``metadata.backend_state["triton"]``, so every layer reuses them.
 There is no fallback: without CUDA this backend runs only under ``TRITON_INTERPRET=1``.
 """
 
@@ -23,7 +24,7 @@ import torch
 from lazyattn_rag.engine.attention.base import AttentionBackend, write_kv
 from lazyattn_rag.engine.attention.metadata import AttentionMetadata
 from lazyattn_rag.kernels.decode import paged_decode
-from lazyattn_rag.kernels.prefill import block_key_starts, paged_prefill, rope_layout
+from lazyattn_rag.kernels.prefill import BlockRuns, block_key_starts, block_runs, paged_prefill, rope_layout
 
 
 @dataclass
@@ -31,6 +32,7 @@ class _TritonPlan:
     decode_ids: torch.Tensor | None  # [n_decode] int32 sequences with one new token
     prefill_ids: torch.Tensor | None  # [n_prefill] int32 the others
     key_starts: torch.Tensor | None  # [num_seqs, max_blocks] int32 first key index of each block
+    runs: BlockRuns  # runs of blocks with one delta (one per chunk), shared by both kernels
     max_decode_seq_len: int
     max_prefill_query_len: int
     num_rows: int  # rows of the batch that belong to a sequence
@@ -50,6 +52,7 @@ def _plan(metadata: AttentionMetadata, device: torch.device) -> _TritonPlan:
         decode_ids=ids(decode),
         prefill_ids=ids(prefill),
         key_starts=block_key_starts(metadata.block_tables, metadata.num_blocks_per_seq) if prefill else None,
+        runs=block_runs(metadata.block_tables, metadata.num_blocks_per_seq, metadata.block_size),
         max_decode_seq_len=max((metadata.seq_lens_list[i] for i in decode), default=0),
         max_prefill_query_len=max((metadata.query_lens[i] for i in prefill), default=0),
         num_rows=sum(metadata.query_lens),
@@ -95,12 +98,13 @@ class TritonAttentionBackend(AttentionBackend):
             paged_decode(
                 q, key_cache, value_cache, metadata.block_tables, metadata.num_blocks_per_seq,
                 metadata.cu_seqlens_q, plan.max_decode_seq_len, inv_freq, self.scale,
-                interleaved=self.rotary.interleaved, seq_ids=plan.decode_ids, out=out,
+                interleaved=self.rotary.interleaved, runs=plan.runs, seq_ids=plan.decode_ids, out=out,
             )
         if plan.prefill_ids is not None:
             paged_prefill(
                 q, key_cache, value_cache, metadata.block_tables, metadata.num_blocks_per_seq,
                 metadata.seq_lens, metadata.cu_seqlens_q, plan.max_prefill_query_len, inv_freq, self.scale,
-                interleaved=self.rotary.interleaved, key_starts=plan.key_starts, seq_ids=plan.prefill_ids, out=out,
+                interleaved=self.rotary.interleaved, key_starts=plan.key_starts, runs=plan.runs,
+                seq_ids=plan.prefill_ids, out=out,
             )
         return out if out.dtype == query.dtype else out.to(query.dtype)
