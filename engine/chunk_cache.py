@@ -51,6 +51,7 @@ class ChunkEntry:
     pin_count: int = 0
     dead: bool = False
     doc_ids: set[str] = field(default_factory=set)
+    source_key: str | None = None  # block_attention mode: the document this is a positioned copy of
     listed_evictable: bool = False  # what the policy and the evictable count were last told
 
     @property
@@ -73,6 +74,7 @@ class ChunkCache:
         self.policy = policy or LRUPolicy()
         self._entries: dict[str, ChunkEntry] = {}
         self._doc_keys: dict[str, str] = {}
+        self._copies: dict[str, set[str]] = {}  # source key -> keys of its positioned copies
         self._num_evictable_blocks = 0
         self.num_evictions = 0
 
@@ -86,7 +88,8 @@ class ChunkCache:
             self.policy.on_hit(key)
         return entry
 
-    def insert_pending(self, key: str, block_ids: list[int], num_tokens: int, local_start: int) -> ChunkEntry:
+    def insert_pending(self, key: str, block_ids: list[int], num_tokens: int, local_start: int,
+                       source_key: str | None = None) -> ChunkEntry:
         """Add a pending entry (its encode is scheduled), pinned once for the encoder.
 
         The cache takes over the caller's one pool reference on each block.
@@ -100,8 +103,11 @@ class ChunkCache:
         need = -(-num_tokens // self.block_size)
         if len(block_ids) != need:
             raise ValueError(f"{num_tokens} tokens need {need} blocks, got {len(block_ids)}")
-        entry = ChunkEntry(key, list(block_ids), num_tokens, local_start, pin_count=1)
-        entry.doc_ids.update(d for d, k in self._doc_keys.items() if k == key)
+        entry = ChunkEntry(key, list(block_ids), num_tokens, local_start, pin_count=1, source_key=source_key)
+        bound = source_key or key
+        entry.doc_ids.update(d for d, k in self._doc_keys.items() if k == bound)
+        if source_key is not None:
+            self._copies.setdefault(source_key, set()).add(key)
         self._entries[key] = entry
         self.policy.on_insert(key, num_tokens, len(block_ids))
         return entry
@@ -126,6 +132,11 @@ class ChunkCache:
             raise RuntimeError(f"chunk {key[:12]} is ready, not pending")
         entry.pin_count = 0
         self._drop(entry, evicted=False)
+
+    def ready_copies(self, source_key: str) -> list[ChunkEntry]:
+        """Live, written positioned copies of ``source_key`` (``block_attention`` mode)."""
+        entries = (self._entries.get(k) for k in self._copies.get(source_key, ()))
+        return [e for e in entries if e is not None and e.ready and not e.dead]
 
     # --- pinning --------------------------------------------------------------------------
     def pin(self, key: str) -> ChunkEntry:
@@ -166,8 +177,7 @@ class ChunkCache:
         self._doc_keys[doc_id] = key
         if old is not None:
             self._release_doc(doc_id, old)
-        entry = self._entries.get(key)
-        if entry is not None:
+        for entry in self._bound_entries(key):
             entry.doc_ids.add(doc_id)
 
     def unbind_document(self, doc_id: str) -> None:
@@ -179,17 +189,20 @@ class ChunkCache:
         key = self._doc_keys.pop(doc_id)
         self._release_doc(doc_id, key)
 
+    def _bound_entries(self, key: str) -> list[ChunkEntry]:
+        """The entry under ``key`` and its positioned copies."""
+        keys = [key, *self._copies.get(key, ())]
+        return [self._entries[k] for k in keys if k in self._entries]
+
     def _release_doc(self, doc_id: str, key: str) -> None:
-        entry = self._entries.get(key)
-        if entry is None:
-            return
-        entry.doc_ids.discard(doc_id)
-        if entry.doc_ids:
-            return
-        entry.dead = True
-        self._sync_evictable(entry)
-        if entry.pin_count == 0:
-            self._drop(entry, evicted=False)
+        for entry in self._bound_entries(key):
+            entry.doc_ids.discard(doc_id)
+            if entry.doc_ids:
+                continue
+            entry.dead = True
+            self._sync_evictable(entry)
+            if entry.pin_count == 0:
+                self._drop(entry, evicted=False)
 
     # --- allocation and eviction ----------------------------------------------------------
     @property
@@ -229,6 +242,10 @@ class ChunkCache:
         entry.dead = True  # not evictable any more: updates the evictable count
         self._sync_evictable(entry)
         del self._entries[entry.key]  # the key goes first, then the blocks
+        if entry.source_key is not None:
+            self._copies[entry.source_key].discard(entry.key)
+            if not self._copies[entry.source_key]:
+                del self._copies[entry.source_key]
         self.policy.on_remove(entry.key, evicted)
         self.pool.decref(entry.block_ids)
 

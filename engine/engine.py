@@ -173,7 +173,7 @@ class LLMEngine:
         return chunks
 
     def plan(self, question: str, doc_ids: list[str]) -> PromptPlan:
-        """Build the prompt plan of a question over registered documents.
+        """Build the prompt plan of a question over registered documents (per ``CacheConfig.mode``).
 
         Raises:
             EmptyInputError: empty question.
@@ -185,7 +185,29 @@ class LLMEngine:
         self._check_ids(doc_ids)
         plan = PromptPlan(tuple(self._chunks(doc_ids)), tuple(self.template.tail_token_ids(question)))
         self._check_length(plan, f"{len(doc_ids)} documents")
+        mode = self.config.cache.mode
+        if mode == "full":
+            return PromptPlan((), tuple(plan.token_ids()))
+        if mode == "prefix":
+            return PromptPlan((), tuple(plan.token_ids()), self._prefix_keys(plan.token_ids()))
+        if mode == "block_attention":
+            return PromptPlan(tuple(self._positioned(c) for c in plan.chunks), plan.query_token_ids)
         return plan
+
+    def _positioned(self, chunk: ChunkSegment) -> ChunkSegment:
+        """block_attention mode: a document's copy at its offset (encoded alone at ``g``, delta 0)."""
+        if chunk.doc_id is None:
+            return chunk
+        key = chunk_key(self.model_digest, f"at:{chunk.global_start}", [])
+        key = chunk_key(key, chunk.key, [])
+        return ChunkSegment(key, chunk.token_ids, chunk.global_start, chunk.global_start, chunk.doc_id, chunk.key)
+
+    def _prefix_keys(self, token_ids: list[int]) -> tuple[str, ...]:
+        keys, parent = [], self.model_digest
+        for i in range(len(token_ids) // self.block_size):
+            parent = chunk_key(parent, "prefix", token_ids[i * self.block_size: (i + 1) * self.block_size])
+            keys.append(parent)
+        return tuple(keys)
 
     def plan_plain(self, prompt_ids: list[int]) -> PromptPlan:
         """A plan without cached chunks: the whole prompt is computed (a standard prefill).
@@ -251,6 +273,12 @@ class LLMEngine:
         if out.is_empty:
             return bool(out.failed or out.warmed)
         self.counters.num_steps += 1
+        for copy in out.copies:
+            self.runner.copy_rotated(copy.src_blocks, copy.dst_blocks, copy.num_tokens, copy.delta)
+            self.cache.mark_ready(copy.dst_key)
+            self.cache.unpin(copy.src_key)
+        if not (out.encodes or out.computes):
+            return True
         try:
             logits = self.runner.execute([self._sequence(j) for j in out.encodes + out.computes])
         except Exception as error:  # a broken batch fails its requests, never the cache
@@ -302,6 +330,8 @@ class LLMEngine:
     def _postprocess(self, job: ComputeJob, logits: torch.Tensor, greedy_token: int) -> None:
         r = job.request
         r.num_computed += job.num_tokens
+        if r.plan.prefix_block_keys:
+            self._register_prefix_blocks(r)
         if not job.sample:
             return
         token = greedy_token if r.params.greedy else sample(logits, r.params, r.generator)
@@ -324,6 +354,20 @@ class LLMEngine:
         r.sink(StreamDelta(text, token))
         if reason is not None:
             self._finish(r, reason)
+
+    def _register_prefix_blocks(self, r: Request) -> None:
+        """Prefix mode: hand the request's newly completed full prompt blocks to the cache."""
+        bs = self.block_size
+        hit_blocks = r.num_prefix_tokens // bs
+        prompt_done = min(r.num_computed, len(r.plan.query_token_ids) - r.num_prefix_tokens)
+        full = (r.num_prefix_tokens + prompt_done) // bs
+        for j in range(hit_blocks + r.num_prefix_registered, min(full, len(r.plan.prefix_block_keys))):
+            key = r.plan.prefix_block_keys[j]
+            if self.cache.lookup(key, touch=False) is None:
+                block = r.private_blocks[j - hit_blocks]
+                self.cache.pool.incref([block])
+                self.cache.insert(key, [block], bs, j * bs)
+            r.num_prefix_registered += 1
 
     def _finish(self, r: Request, reason: str, release: bool = True) -> None:
         if release:

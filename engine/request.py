@@ -64,15 +64,17 @@ class Request:
     first_token_time: float | None = None
     warm_only: bool = False
     finish_reason: str | None = None
+    num_prefix_tokens: int = 0  # prefix mode: prompt tokens served by cached prefix blocks
+    num_prefix_registered: int = 0  # prefix mode: own full blocks handed to the cache
 
     @property
     def private_token_ids(self) -> list[int]:
         """Query tail then generated tokens (the last one's K/V is written by the next step)."""
-        return list(self.plan.query_token_ids) + self.output_ids
+        return list(self.plan.query_token_ids[self.num_prefix_tokens:]) + self.output_ids
 
     @property
     def first_private_position(self) -> int:
-        return self.plan.num_cached_prompt_tokens
+        return self.plan.num_cached_prompt_tokens + self.num_prefix_tokens
 
     @property
     def num_tokens_to_compute(self) -> int:

@@ -38,6 +38,27 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
+    def copy_rotated(self, src_blocks: list[int], dst_blocks: list[int], num_tokens: int, delta: int) -> None:
+        """Copy a chunk's K/V into other blocks, K rotated by ``delta`` (a position-aware copy).
+
+        Args:
+            src_blocks, dst_blocks: equally many block ids.
+            num_tokens: valid tokens of the chunk (the last block may be partial).
+            delta: RoPE offset between the copies (destination position minus source position).
+        """
+        bs, device = self.block_size, self.device
+        offsets = torch.arange(num_tokens, device=device)
+        src = torch.tensor(src_blocks, device=device)[offsets // bs] * bs + offsets % bs
+        dst = torch.tensor(dst_blocks, device=device)[offsets // bs] * bs + offsets % bs
+        deltas = torch.full((num_tokens,), delta, device=device)
+        rotary = self.model.rotary
+        for key_cache, value_cache in self.kv_caches:
+            flat_k = key_cache.view(-1, *key_cache.shape[2:])
+            flat_v = value_cache.view(-1, *value_cache.shape[2:])
+            flat_k[dst] = rotary.rotate_by(flat_k[src], deltas)
+            flat_v[dst] = flat_v[src]
+
+    @torch.inference_mode()
     def execute(self, seqs: list[SequenceInput]) -> torch.Tensor:
         """Write the batch's new K/V and return the logits of each sequence's last new token.
 

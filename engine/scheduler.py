@@ -40,6 +40,18 @@ class EncodeJob:
 
 
 @dataclass
+class CopyJob:
+    """Copy a positioned chunk to a new offset: K rotated by ``delta``, V as is (``block_attention``)."""
+
+    src_key: str
+    dst_key: str
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    num_tokens: int
+    delta: int
+
+
+@dataclass
 class ComputeJob:
     """Compute ``num_tokens`` private tokens of ``request`` from index ``start``; sample if ``sample``."""
 
@@ -54,6 +66,7 @@ class SchedulerOutput:
     """Everything one step runs; the only contract between the scheduler and the engine."""
 
     encodes: list[EncodeJob] = field(default_factory=list)
+    copies: list[CopyJob] = field(default_factory=list)
     computes: list[ComputeJob] = field(default_factory=list)
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
     warmed: list[Request] = field(default_factory=list)
@@ -64,7 +77,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.encodes or self.computes)
+        return not (self.encodes or self.copies or self.computes)
 
 
 class Scheduler:
@@ -117,6 +130,8 @@ class Scheduler:
         request.pinned = []
         request.context = []
         request.num_computed = 0
+        request.num_prefix_tokens = 0
+        request.num_prefix_registered = 0
 
     # --- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -204,6 +219,8 @@ class Scheduler:
             for b in entry.block_ids:
                 entries.append((b, delta, min(left, self.block_size)))
                 left -= self.block_size
+        for key in request.plan.prefix_block_keys[: request.num_prefix_tokens // self.block_size]:
+            entries.append((self.cache.lookup(key, touch=False).block_ids[0], 0, self.block_size))
         return entries
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -239,6 +256,7 @@ class Scheduler:
         miss_tokens = sum(len(c.token_ids) for c in misses)
         if misses and miss_tokens > budget and not out.is_empty:
             return "wait"
+        self._acquire_prefix(request)
         for chunk in hits:
             self.cache.lookup(chunk.key)  # counts as a hit for the eviction policy
             self.cache.pin(chunk.key)
@@ -247,24 +265,51 @@ class Scheduler:
         if not self.cache.can_allocate(need):
             self.release(request)
             return "wait"
+        copied = set()
         for chunk in misses:
             blocks = self.cache.allocate(self._blocks_for(len(chunk.token_ids)))
-            self.cache.insert_pending(chunk.key, blocks, len(chunk.token_ids), chunk.local_start)
+            self.cache.insert_pending(chunk.key, blocks, len(chunk.token_ids), chunk.local_start, chunk.source_key)
             request.pinned.append(chunk.key)
+            sources = self.cache.ready_copies(chunk.source_key) if chunk.source_key else []
+            if sources:  # position-aware cache: re-rotate another offset's copy into new blocks
+                src = sources[0]
+                self.cache.pin(src.key)
+                out.copies.append(CopyJob(src.key, chunk.key, src.block_ids, blocks, src.num_tokens,
+                                          chunk.local_start - src.local_start))
+                copied.add(chunk.key)
+                continue
             request.encoded_keys.add(chunk.key)
-            out.encodes.append(EncodeJob(chunk.key, chunk.token_ids, chunk.local_start, blocks,
-                                         self.anchor_context if chunk.doc_id is not None else []))
-        self._account(request, {c.key for c in misses})
+            context = self.anchor_context if chunk.doc_id is not None and chunk.source_key is None else []
+            out.encodes.append(EncodeJob(chunk.key, chunk.token_ids, chunk.local_start, blocks, context))
+        self._account(request, {c.key for c in misses}, copied)
         return "ok"
 
+    def _acquire_prefix(self, request: Request) -> None:
+        """Prefix mode: pin the longest run of cached full blocks of the prompt (exact prefix)."""
+        if not request.plan.prefix_block_keys:
+            return
+        for key in request.plan.prefix_block_keys:
+            entry = self.cache.lookup(key)
+            if entry is None or not entry.ready:
+                break
+            self.cache.pin(key)
+            request.pinned.append(key)
+            request.num_prefix_tokens += self.block_size
+        total = len(request.plan.query_token_ids)
+        if request.num_prefix_tokens >= total:  # keep at least one prompt token to compute
+            last = request.pinned.pop()
+            self.cache.unpin(last)
+            request.num_prefix_tokens -= self.block_size
+
     @staticmethod
-    def _account(request: Request, missed_keys: set[str]) -> None:
+    def _account(request: Request, missed_keys: set[str], copied_keys: set[str]) -> None:
         """Per-request stats: documents hit/missed (first acquisition), prompt tokens computed."""
         stats = request.stats
         encoded = sum(len(c.token_ids) for c in {c.key: c for c in request.plan.chunks}.values()
-                      if c.key in missed_keys)
+                      if c.key in missed_keys and c.key not in copied_keys)
         stats.num_computed_tokens += encoded
         if request.num_preemptions == 0:
+            stats.num_computed_tokens -= request.num_prefix_tokens
             for c in request.plan.chunks:
                 if c.doc_id is not None:
                     (stats.docs_missed if c.key in missed_keys else stats.docs_hit).append(c.doc_id)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ANCHOR_MODES = ("none", "bos", "head")
+CACHE_MODES = ("lazy", "block_attention", "prefix", "full")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,12 @@ class CacheConfig:
         eviction_policy: order in which unpinned chunks are evicted: ``"lru"``, ``"lfu"`` (LFU
             with dynamic aging; keeps a Zipf-popular working set) or ``"gdsf"``
             (Greedy-Dual-Size-Frequency). See ``engine/eviction.py``.
+        mode: what is reused, for comparisons on one engine (``benchmarks/serving.py``):
+            ``"lazy"`` (ours: one position-agnostic copy per document, RoPE deferred to attention),
+            ``"block_attention"`` (position-aware: one copy per (document, offset); a miss at a new
+            offset re-rotates another copy into new blocks; documents are encoded alone, no anchor),
+            ``"prefix"`` (exact-prefix block reuse only, as vLLM's automatic prefix caching) or
+            ``"full"`` (no reuse: every prompt is prefilled in full).
     """
 
     block_size: int = 16
@@ -33,6 +40,7 @@ class CacheConfig:
     num_blocks: int | None = None
     anchor: str = "none"
     eviction_policy: str = "lfu"
+    mode: str = "lazy"
 
     def __post_init__(self):
         if not 1 <= self.block_size <= 128:
@@ -45,6 +53,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction < 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1), got {self.kv_cache_fraction}")
+        if self.mode not in CACHE_MODES:
+            raise ValueError(f"mode must be one of {CACHE_MODES}, got {self.mode!r}")
         if self.eviction_policy not in ("lru", "lfu", "gdsf"):
             raise ValueError(f"eviction_policy must be lru, lfu or gdsf, got {self.eviction_policy!r}")
 

@@ -33,6 +33,8 @@ class ChunkSegment:
         local_start: ``l``, the position its first token was encoded at.
         global_start: ``g``, where it sits in this request.
         doc_id: the document id, or ``None`` for the head.
+        source_key: for a position-aware copy (``block_attention`` mode), the document's
+            position-agnostic key; copies of one source can be made from each other.
     """
 
     key: str
@@ -40,6 +42,7 @@ class ChunkSegment:
     local_start: int
     global_start: int
     doc_id: str | None
+    source_key: str | None = None
 
     @property
     def delta(self) -> int:
@@ -54,10 +57,13 @@ class PromptPlan:
     Attributes:
         chunks: head and documents in prompt order, contiguous from position 0.
         query_token_ids: the tail (question and template closing), computed per request.
+        prefix_block_keys: ``prefix`` mode only: the chained hash of every full block of
+            ``query_token_ids`` (exact-prefix reuse, as vLLM's automatic prefix caching).
     """
 
     chunks: tuple[ChunkSegment, ...]
     query_token_ids: tuple[int, ...]
+    prefix_block_keys: tuple[str, ...] = ()
 
     @property
     def num_cached_prompt_tokens(self) -> int:
