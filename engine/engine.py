@@ -297,7 +297,9 @@ class LLMEngine:
             return self._build(job.token_ids, job.local_start, job.context, job.block_ids, 0)
         r = job.request
         ids = r.private_token_ids[job.start: job.start + job.num_tokens]
-        return self._build(ids, r.first_private_position + job.start, r.context, r.private_blocks, job.start)
+        seq = self._build(ids, r.first_private_position + job.start, [], r.private_blocks, job.start)
+        seq.context_words, seq.context_len = r.context_words, r.context_len
+        return seq
 
     def _build(self, token_ids, first_pos, context, own_blocks, own_filled) -> SequenceInput:
         """New tokens after ``own_filled`` slots of ``own_blocks`` (delta 0), after ``context``."""

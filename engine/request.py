@@ -56,6 +56,8 @@ class Request:
     pinned: list[str] = field(default_factory=list)
     encoded_keys: set[str] = field(default_factory=set)
     context: list[tuple[int, int, int]] = field(default_factory=list)
+    context_words: torch.Tensor | None = None  # ``context`` packed once
+    context_len: int = 0  # valid slots of ``context``
     private_blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
     output_ids: list[int] = field(default_factory=list)

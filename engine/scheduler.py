@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from lazyattn_rag.engine.chunk_cache import ChunkCache
 from lazyattn_rag.engine.request import Request, RequestStatus
 from lazyattn_rag.errors import CacheCapacityError
+from lazyattn_rag.kernels.block_table import pack_entries
 
 
 @dataclass
@@ -129,6 +130,8 @@ class Scheduler:
             self.cache.unpin(key)
         request.pinned = []
         request.context = []
+        request.context_words = None
+        request.context_len = 0
         request.num_computed = 0
         request.num_prefix_tokens = 0
         request.num_prefix_registered = 0
@@ -204,6 +207,8 @@ class Scheduler:
             out.warmed.append(request)
             return 0
         request.context = self._context_of(request)
+        request.context_words = pack_entries(request.context)
+        request.context_len = sum(e[2] for e in request.context)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         if budget <= 0:

@@ -29,15 +29,20 @@ class SequenceInput:
     Attributes:
         token_ids: the ``query_len`` new token ids.
         positions: their global RoPE positions (``query_len`` ints).
-        block_table: ``(block_id, delta, valid_slots)`` per context block, in order; covers the
-            new tokens' blocks too (those have ``delta = 0``).
+        block_table: ``(block_id, delta, valid_slots)`` per block, in order, after
+            ``context_words``; covers the new tokens' blocks (those have ``delta = 0``).
         slot_mapping: flat slot (``block_id * block_size + offset``) per new token.
+        context_words: optional ``[n]`` int64 packed words of leading blocks that stay the same
+            from step to step (a request's cached chunks), packed once by the caller.
+        context_len: valid slots in ``context_words``.
     """
 
     token_ids: list[int]
     positions: list[int]
     block_table: list[tuple[int, int, int]]
     slot_mapping: list[int]
+    context_words: torch.Tensor | None = None
+    context_len: int = 0
 
     @property
     def query_len(self) -> int:
@@ -45,7 +50,7 @@ class SequenceInput:
 
     @property
     def seq_len(self) -> int:
-        return sum(e[2] for e in self.block_table)
+        return self.context_len + sum(e[2] for e in self.block_table)
 
 
 @dataclass
@@ -108,7 +113,8 @@ def build_attention_metadata(
             raise ValueError(f"sequence {i}: block table holds {s.seq_len} keys < {s.query_len} new tokens")
         query_lens.append(s.query_len)
         seq_lens.append(s.seq_len)
-        rows.append(pack_entries(s.block_table))
+        own = pack_entries(s.block_table)
+        rows.append(own if s.context_words is None else torch.cat((s.context_words, own)))
     max_blocks = max(r.numel() for r in rows)
     block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int64)
     for i, r in enumerate(rows):
