@@ -20,7 +20,8 @@ Every time is the median of many runs with the L2 cache flushed before each (tri
 each run a CUDA-graph replay so that host launch overhead is not counted. Sanity checks compare
 the kernels (rotation off) with SDPA on the same data before timing.
 
-    python benchmarks/kernels.py --out benchmarks/results/kernels_h200.json
+    python benchmarks/kernels.py --out benchmarks/results/kernels_h200.json            # with tile sweeps
+    python benchmarks/kernels.py --quick --out benchmarks/results/kernels_h200.json    # default configs
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import triton
 import triton.testing
 
 from lazyattn_rag.kernels.block_table import pack_entries
-from lazyattn_rag.kernels.decode import choose_num_splits, paged_decode
+from lazyattn_rag.kernels.decode import paged_decode
 from lazyattn_rag.kernels.prefill import block_key_starts, block_runs, paged_prefill
 
 MODELS = {
@@ -46,6 +47,7 @@ MODELS = {
 }
 DTYPE = torch.bfloat16
 BLOCK_SIZE = 16
+QUICK = False  # --quick: default configs only
 
 
 def bench_ms(fn, graph: bool = True, rep: int = 200) -> float:
@@ -203,6 +205,8 @@ def bench_decode(name: str, cfg: dict, copy_gbps: float, device, batch=32, conte
     ours(rotate=False)()
     res["check_rel_err_vs_sdpa_fp32"] = rel_err(out, ref[:, :, 0])
 
+    if QUICK:  # defaults only (the sweeps of earlier runs are in results/kernels_h200_v*.json)
+        return finish_decode(res, lambda rotate: ours(rotate=rotate), "default", kv_bytes, copy_gbps, qd, P)
     sweep = {}
     for block_n in (max(64, 8192 // D),):  # 16 KB K tiles won every pairing in the first H200 sweep (v1 JSON)
         for splits in (1, 2, 4, 8):
@@ -218,13 +222,14 @@ def bench_decode(name: str, cfg: dict, copy_gbps: float, device, batch=32, conte
     best_key = min(ok, key=lambda k: ok[k]["ms"])
     best = dict(kv.split("=") for kv in best_key.split(","))
     bn, sp, wp, st = (int(best[x]) for x in ("block_n", "splits", "warps", "stages"))
-    ms_on = [bench_ms(ours(sp, bn, True, wp, st)) for _ in range(2)]
-    ms_off = [bench_ms(ours(sp, bn, False, wp, st)) for _ in range(2)]
-    ms_default = bench_ms(ours())
-    res["best_config"] = best_key
-    res["default_config_ms"] = ms_default
-    res["default_num_splits"] = choose_num_splits(batch, Hkv, -(-int(P["block_tables"].shape[1]) // 4),
-                                                  torch.cuda.get_device_properties(device).multi_processor_count)
+    res["default_config_ms"] = bench_ms(ours())
+    return finish_decode(res, lambda rotate: ours(sp, bn, rotate, wp, st), best_key, kv_bytes, copy_gbps, qd, P)
+
+
+def finish_decode(res, make, config, kv_bytes, copy_gbps, qd, P) -> dict:
+    ms_on = [bench_ms(make(True)) for _ in range(2)]
+    ms_off = [bench_ms(make(False)) for _ in range(2)]
+    res["config"] = config
     res["ours_ms"] = ms_on
     res["ours_GBps"] = kv_bytes / min(ms_on) / 1e6
     res["ours_fraction_of_copy"] = res["ours_GBps"] / copy_gbps
@@ -279,6 +284,11 @@ def bench_prefill(name: str, cfg: dict, device, new_tokens=16384, cached_chunks=
     except Exception as e:  # noqa: BLE001
         res["check_rel_err_vs_sdpa_flash"] = repr(e)[:200]
 
+    out_key = ours("key")().clone()
+    ours("query")()
+    res["check_rel_err_query_vs_key_rotation"] = rel_err(out, out_key)  # two independent rotation paths
+    if QUICK:
+        return finish_prefill(res, lambda rotation: ours(rotation), "default", flops, qd, P, mask_kw)
     sweep = {}
     configs = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3)]
     for bm, bn, warps, stages in configs:
@@ -292,13 +302,17 @@ def bench_prefill(name: str, cfg: dict, device, new_tokens=16384, cached_chunks=
     ok = {k: v for k, v in sweep.items() if "ms" in v}
     best_key = min(ok, key=lambda k: ok[k]["ms"])
     bm, bn, warps, stages = (int(kv.split("=")[1]) for kv in best_key.split(","))
-    ms_on = [bench_ms(ours("query", bm, bn, warps, stages)) for _ in range(2)]
-    ms_off = [bench_ms(ours("none", bm, bn, warps, stages)) for _ in range(2)]
-    ms_key = [bench_ms(ours("key", bm, bn, warps, stages)) for _ in range(2)]
+    res["default_config_ms"] = bench_ms(ours())
+    return finish_prefill(res, lambda rotation: ours(rotation, bm, bn, warps, stages), best_key, flops, qd, P, mask_kw)
+
+
+def finish_prefill(res, make, config, flops, qd, P, mask_kw) -> dict:
+    ms_on = [bench_ms(make("query")) for _ in range(2)]
+    ms_off = [bench_ms(make("none")) for _ in range(2)]
+    ms_key = [bench_ms(make("key")) for _ in range(2)]
     res["key_tile_rotation_ms"] = ms_key
     res["key_tile_rotation_overhead_pct"] = 100 * (min(ms_key) / min(ms_off) - 1)
-    res["best_config"] = best_key
-    res["default_config_ms"] = bench_ms(ours())
+    res["config"] = config
     res["ours_ms"] = ms_on
     res["ours_TFLOPs"] = flops / min(ms_on) / 1e9
     res["rotation_off_ms"] = ms_off
@@ -320,7 +334,10 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="default tile configs only, no sweeps")
     args = ap.parse_args()
+    global QUICK
+    QUICK = args.quick
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
     results = {
@@ -329,6 +346,7 @@ def main() -> None:
         "software": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
                      "cudnn": torch.backends.cudnn.version(), "python": platform.python_version()},
         "method": "median of do_bench runs (L2 flushed before each run), each run a CUDA-graph replay; bf16",
+        "quick": args.quick,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
     }
     results["copy"] = copy_bandwidth(device)

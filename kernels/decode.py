@@ -106,14 +106,14 @@ def decode_kernel(
     c2 = c1 + X2_OFF  # [HALF] second element
 
     q_rows = q_row.to(tl.int64) * stride_qt + heads * stride_qh  # [BLOCK_G]
-    q1 = tl.load(q_ptr + q_rows[:, None] + c1[None, :], mask=g_ok[:, None], other=0.0)  # [BLOCK_G, HALF]
-    q2 = tl.load(q_ptr + q_rows[:, None] + c2[None, :], mask=g_ok[:, None], other=0.0)  # [BLOCK_G, HALF]
+    q1_ptrs = q_ptr + q_rows[:, None] + c1[None, :]  # [BLOCK_G, HALF]
+    q2_ptrs = q_ptr + q_rows[:, None] + c2[None, :]
+    q1 = tl.load(q1_ptrs, mask=g_ok[:, None], other=0.0)  # [BLOCK_G, HALF]
+    q2 = tl.load(q2_ptrs, mask=g_ok[:, None], other=0.0)
     if REST > 0:
         c3 = 2 * HALF + tl.arange(0, REST)  # [REST] columns that do not rotate
         q3 = tl.load(q_ptr + q_rows[:, None] + c3[None, :], mask=g_ok[:, None], other=0.0)  # [BLOCK_G, REST]
     inv_freq = tl.load(inv_freq_ptr + tl.arange(0, HALF))  # [HALF] float32
-    q1f = q1.to(tl.float32)
-    q2f = q2.to(tl.float32)
     qr1 = q1  # the query rotated by -cur_delta (starts unrotated: delta 0)
     qr2 = q2
     cur_delta = tl.full([], 0, tl.int64)
@@ -129,8 +129,10 @@ def decode_kernel(
         if b0 < b1:  # this run overlaps this split
             if ROTATE:
                 delta = tl.load(bt_row + b0) >> 38  # one delta per run (arithmetic shift)
-                if delta != cur_delta:  # a new chunk: rotate the ORIGINAL query by -delta
+                if delta != cur_delta:  # a new chunk: rotate the ORIGINAL query (re-read) by -delta
                     cos, sin = cos_sin((-delta).to(tl.float32) * inv_freq, ACCURATE_TRIG)  # [HALF]
+                    q1f = tl.load(q1_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
+                    q2f = tl.load(q2_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
                     qr1 = (q1f * cos[None, :] - q2f * sin[None, :]).to(dtype)
                     qr2 = (q2f * cos[None, :] + q1f * sin[None, :]).to(dtype)
                     cur_delta = delta
@@ -206,14 +208,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(num_work: int, num_kv_heads: int, max_tiles: int, num_sms: int) -> int:
-    """Splits per (sequence, KV head): about 6 programs per multiprocessor (H200 sweep, see
-    docs/benchmarks.md), a power of two, and at least 4 tiles per split so the partial-output
-    traffic stays small."""
+    """Splits per (sequence, KV head): the largest power of two that keeps all programs in one
+    resident wave (about 3 programs per multiprocessor at 4 warps: on the H200, 256 programs ran
+    at 3.4 TB/s, 512 at 2.8, 1024 at 3.5; see docs/benchmarks.md), with at least 4 tiles per
+    split so the partial-output traffic stays small."""
     programs = max(1, num_work * num_kv_heads)
-    want = max(1, (6 * num_sms) // programs)
     cap = max(1, max_tiles // 4)
     splits = 1
-    while splits * 2 <= min(want, cap, 64):
+    while splits * 2 <= min(cap, 64) and programs * splits * 2 <= 3 * num_sms:
         splits *= 2
     return splits
 

@@ -320,15 +320,13 @@ def prefill_kernel(
     c2 = c1 + X2_OFF
 
     q_rows = (q_start + offs_m).to(tl.int64) * stride_qt + head * stride_qh  # [BLOCK_M]
-    q1 = tl.load(q_ptr + q_rows[:, None] + c1[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF]
-    q2 = tl.load(q_ptr + q_rows[:, None] + c2[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF]
+    q1_ptrs = q_ptr + q_rows[:, None] + c1[None, :]  # [BLOCK_M, HALF]
+    q2_ptrs = q_ptr + q_rows[:, None] + c2[None, :]
     if REST > 0:
         c3 = 2 * HALF + tl.arange(0, REST)  # [REST] columns that do not rotate
         q3 = tl.load(q_ptr + q_rows[:, None] + c3[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, REST]
     else:
-        q3 = q1  # unused
-    q1f = q1.to(tl.float32)
-    q2f = q2.to(tl.float32)
+        q3 = tl.zeros([BLOCK_M, 16], dtype)  # unused
     inv_freq = tl.load(inv_freq_ptr + tl.arange(0, HALF))  # [HALF] float32
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -350,13 +348,17 @@ def prefill_kernel(
         b_end = tl.minimum(b1, n_visit)
         if b0 < b_end:
             delta = tl.load(bt_row + b0) >> 38  # one delta for the whole run (arithmetic shift)
-            qa1 = q1
-            qa2 = q2
+            # The query is (re)loaded per run (a few KB from L2) rather than kept in registers
+            # across the walk, which leaves the registers to the K/V pipeline.
+            qa1 = tl.load(q1_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF]
+            qa2 = tl.load(q2_ptrs, mask=row_ok[:, None], other=0.0)
             cos = tl.full([HALF], 1.0, tl.float32)
             sin = tl.zeros([HALF], tl.float32)
             if ROTATION == 1:  # R_(-delta) on the ORIGINAL query, once per run
                 if delta != 0:
                     cq, sq = cos_sin((-delta).to(tl.float32) * inv_freq, ACCURATE_TRIG)  # [HALF]
+                    q1f = qa1.to(tl.float32)
+                    q2f = qa2.to(tl.float32)
                     qa1 = (q1f * cq[None, :] - q2f * sq[None, :]).to(dtype)
                     qa2 = (q2f * cq[None, :] + q1f * sq[None, :]).to(dtype)
             if ROTATION == 2:  # R_delta on each K tile; angles once per run
@@ -394,7 +396,9 @@ def _default_config(head_dim: int, block_size: int, interpreter: bool) -> dict:
     """Tile shapes: large on the GPU (tensor cores), small under the interpreter (fast tests)."""
     if interpreter:
         return {"block_m": 16, "block_n": max(block_size, 32), "num_warps": 4, "num_stages": 1}
-    return {"block_m": 128, "block_n": max(block_size, 64), "num_warps": 4, "num_stages": 3}
+    if head_dim <= 64:  # H200 sweep (docs/benchmarks.md): 128x64 tiles, 4 warps, 3 stages at d64
+        return {"block_m": 128, "block_n": max(block_size, 64), "num_warps": 4, "num_stages": 3}
+    return {"block_m": 128, "block_n": max(block_size, 128), "num_warps": 8, "num_stages": 2}  # 128x128 at d128
 
 
 def paged_prefill(

@@ -108,10 +108,10 @@ def test_rotation_compiled_out_matches_when_all_deltas_are_zero():
 
 
 def test_choose_num_splits():
-    assert choose_num_splits(32, 8, 128, num_sms=132) == 2  # 256 programs x 2 splits: ~4 per SM
-    assert choose_num_splits(32, 3, 64, num_sms=132) == 8
-    assert choose_num_splits(1, 8, 512, num_sms=132) == 64  # one long sequence: split it
-    assert choose_num_splits(1, 8, 512, num_sms=4) == 2
+    assert choose_num_splits(32, 8, 128, num_sms=132) == 1  # 256 programs: one resident wave already
+    assert choose_num_splits(32, 3, 64, num_sms=132) == 4  # 96 programs x 4
+    assert choose_num_splits(1, 8, 512, num_sms=132) == 32  # one long sequence: split it
+    assert choose_num_splits(1, 8, 512, num_sms=4) == 1
     assert choose_num_splits(1, 1, 7, num_sms=132) == 1  # too few tiles to split
 
 
