@@ -97,6 +97,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.scheduler = Scheduler(cache, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                    self._encode_anchor(), self.anchor_key)
+        # Called after each step that ran a forward pass with (scheduler output, seconds); when any is
+        # registered the step synchronizes the device so the time is the step's own (benchmarks).
+        self.step_listeners: list[Callable[[SchedulerOutput, float], None]] = []
+        self._last_output: SchedulerOutput | None = None
 
     def _anchor_token_ids(self) -> tuple[int, ...]:
         mode = self.config.cache.anchor
@@ -265,6 +269,23 @@ class LLMEngine:
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> bool:
         """Schedule, run one forward pass, postprocess. Returns ``False`` if there was nothing to do."""
+        if not self.step_listeners:
+            return self._step()
+        self._synchronize()
+        start = time.perf_counter()
+        self._last_output = None
+        ran = self._step()
+        self._synchronize()
+        if self._last_output is not None:
+            for listener in self.step_listeners:
+                listener(self._last_output, time.perf_counter() - start)
+        return ran
+
+    def _synchronize(self) -> None:
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+
+    def _step(self) -> bool:
         out = self.scheduler.schedule()
         for request, error in out.failed:
             self._fail(request, error)
@@ -273,6 +294,7 @@ class LLMEngine:
         if out.is_empty:
             return bool(out.failed or out.warmed)
         self.counters.num_steps += 1
+        self._last_output = out
         for copy in out.copies:
             self.runner.copy_rotated(copy.src_blocks, copy.dst_blocks, copy.num_tokens, copy.delta)
             self.cache.mark_ready(copy.dst_key)

@@ -1,0 +1,444 @@
+"""Serving benchmark: lazy (ours) vs block_attention, prefix and full recompute, in one engine.
+
+Every mode runs on the same model weights, the same request trace and the same KV budget;
+only ``CacheConfig.mode`` differs (see ``lazyattn_rag/config.py``). Models are random-weight
+configs of real shapes (speed does not depend on weight values). Before any timing the
+``check`` step verifies that modes computing the same function agree on a fixed set of
+requests (first-token logits within the bf16 tolerance of the kernel tests): ``lazy`` with
+``block_attention``, ``prefix`` with ``full``; a disagreement aborts the run.
+
+Commands (each writes JSON to benchmarks/results/):
+
+    python benchmarks/serving.py micro --arch llama-3.1-8b        # 5 docs x 4096 + 64-token query, 3 hot
+    python benchmarks/serving.py sweep --arch llama-3.1-8b --alpha 2.1 --budget-gb 1 10 50
+    python benchmarks/serving.py rates --arch llama-3.1-8b --rates 1 2 4 8 16
+    python benchmarks/serving.py cpu                               # SmolLM2 on the CPU vs transformers
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import typer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.kernel_tolerances
+
+from lazyattn_rag import AsyncLazyAttention, CacheConfig, EngineConfig, PromptConfig, SamplingParams, SchedulerConfig
+from lazyattn_rag.engine.model import CausalLM, ModelArchConfig
+from lazyattn_rag.kernels.rope import RotaryEmbedding
+from lazyattn_rag.llm import LazyAttention
+
+app = typer.Typer(add_completion=False, help=__doc__)
+RESULTS = Path(__file__).resolve().parent / "results"
+MODES = ("lazy", "block_attention", "prefix", "full")
+PROMPT = PromptConfig(system_prompt=None, instruction="t1 t2 t3 t4 t5 t6 t7 t8 ", document_separator=" ",
+                      question_prefix="t9 ")
+
+ARCHS = {
+    "llama-3.1-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                   max_position_embeddings=131072, rms_norm_eps=1e-5,
+                                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 8192})),
+    "qwen3-8b": ("qwen3", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                               max_position_embeddings=40960, rms_norm_eps=1e-6,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "smollm2-135m": ("llama", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                                   max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
+    "tiny": ("llama", dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=65536,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
+
+
+def hf_config(arch: str):
+    import transformers
+
+    family, kwargs = ARCHS[arch]
+    cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[family]
+    return cls(**kwargs)
+
+
+def random_model(arch: str, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """A random-weight model of ``arch``'s real shapes, created directly on ``device`` in ``dtype``."""
+    cfg = hf_config(arch)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = CausalLM(ModelArchConfig.from_hf_config(cfg), RotaryEmbedding.from_hf_config(cfg))
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if p.dim() > 1:
+                        p.normal_(0.0, 0.02)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+def word_tokenizer(vocab_size: int):
+    """Whitespace word tokenizer over ``t0 .. t{n}`` (documents are random token sequences)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2}
+    for i in range(min(vocab_size, 32000) - 3):
+        vocab[f"t{i}"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="[UNK]")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A RAG request trace.
+
+    Attributes:
+        num_docs, doc_tokens: document pool (every document ``doc_tokens`` long).
+        docs_per_request: documents per prompt, in retrieved order.
+        alpha: Zipf exponent of document popularity (0 = uniform).
+        query_tokens, output_tokens: question length and generated tokens per request.
+        num_requests: requests in the trace.
+        seed: RNG seed.
+    """
+
+    num_docs: int = 200
+    doc_tokens: int = 512
+    docs_per_request: int = 5
+    alpha: float = 2.1
+    query_tokens: int = 64
+    output_tokens: int = 32
+    num_requests: int = 200
+    seed: int = 0
+
+    def documents(self) -> dict[str, str]:
+        rng = np.random.default_rng(self.seed)
+        return {f"doc{i}": " ".join(f"t{x}" for x in rng.integers(10, 30000, self.doc_tokens))
+                for i in range(self.num_docs)}
+
+    def requests(self) -> list[tuple[str, list[str]]]:
+        rng = np.random.default_rng(self.seed + 1)
+        weights = 1.0 / np.arange(1, self.num_docs + 1) ** self.alpha
+        weights /= weights.sum()
+        out = []
+        for _ in range(self.num_requests):
+            docs = rng.choice(self.num_docs, size=self.docs_per_request, replace=False, p=weights)
+            question = " ".join(f"t{x}" for x in rng.integers(10, 30000, self.query_tokens))
+            out.append((question, [f"doc{d}" for d in docs]))
+        return out
+
+
+def make_engine(model, tokenizer, mode: str, budget_bytes: int, device: str, max_batched: int, max_seqs: int,
+                backend: str = "auto") -> LazyAttention:
+    config = EngineConfig(device=device, dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+                          attention_backend=backend, prompt=PROMPT,
+                          cache=CacheConfig(kv_cache_bytes=budget_bytes, mode=mode, eviction_policy="lfu"),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs))
+    return LazyAttention.from_model(model, tokenizer, config, name="random")
+
+
+def release(llm: LazyAttention) -> None:
+    llm.shutdown()
+    llm.engine.runner.kv_caches.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def first_token_logits(llm: LazyAttention, requests) -> list[torch.Tensor]:
+    """First-token logits of each request, run one at a time."""
+    captured = []
+    postprocess = llm.engine._postprocess
+
+    def capture(job, logits, token):
+        if job.sample and job.request.first_token_time is None:
+            captured.append(logits.float().cpu())
+        postprocess(job, logits, token)
+
+    llm.engine._postprocess = capture
+    for question, ids in requests:
+        llm.generate(question, ids, sampling=SamplingParams(max_tokens=1))
+    llm.engine._postprocess = postprocess
+    return captured
+
+
+def check_equivalence(model, tokenizer, device: str, docs: dict[str, str], requests) -> dict:
+    """Abort unless lazy == block_attention and prefix == full (first-token logits, bf16 tolerance)."""
+    from tests.kernel_tolerances import TOLERANCES
+
+    dtype = next(model.parameters()).dtype
+    atol, rtol = TOLERANCES[dtype]
+    logits = {}
+    for mode in MODES:
+        llm = make_engine(model, tokenizer, mode, 2 * 2**30, device, 16384, 8)
+        llm.add_documents(list(docs.items()))
+        logits[mode] = first_token_logits(llm, requests + requests[:2])  # repeats: hits on the second pass
+        release(llm)
+    report = {}
+    for a, b in (("lazy", "block_attention"), ("prefix", "full"), ("lazy", "full")):
+        diffs = [float((x - y).abs().max()) for x, y in zip(logits[a], logits[b])]
+        scale = max(float(y.abs().max()) for y in logits[b])
+        agree = all(torch.allclose(x, y, atol=atol * max(1.0, scale), rtol=rtol) for x, y in zip(logits[a], logits[b]))
+        argmax = sum(int(x.argmax() == y.argmax()) for x, y in zip(logits[a], logits[b])) / len(diffs)
+        report[f"{a}_vs_{b}"] = {"max_abs_diff": max(diffs), "logit_scale": scale, "within_tolerance": agree,
+                                 "argmax_agreement": argmax}
+    print(json.dumps(report, indent=1))
+    for pair in ("lazy_vs_block_attention", "prefix_vs_full"):
+        if not report[pair]["within_tolerance"]:
+            raise SystemExit(f"modes disagree ({pair}): {report[pair]}; not timing")
+    return report
+
+
+async def drive(llm: LazyAttention, requests, params: SamplingParams, concurrency: int | None, rate: float | None,
+                seed: int) -> tuple[list, float]:
+    """Run the trace: closed loop with ``concurrency`` in flight, or Poisson arrivals at ``rate`` req/s."""
+    allm = AsyncLazyAttention(llm)
+    results = [None] * len(requests)
+    rng = np.random.default_rng(seed)
+
+    async def one(i):
+        q, ids = requests[i]
+        results[i] = await allm.generate(q, ids, sampling=params)
+
+    start = time.perf_counter()
+    if rate is None:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def gated(i):
+            async with sem:
+                await one(i)
+
+        await asyncio.gather(*(gated(i) for i in range(len(requests))))
+    else:
+        tasks = []
+        for i in range(len(requests)):
+            tasks.append(asyncio.create_task(one(i)))
+            await asyncio.sleep(float(rng.exponential(1.0 / rate)))
+        await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+def summarize(results, wall_s: float, before: dict, after: dict, block_bytes: int) -> dict:
+    ttft = [r.stats.ttft_ms for r in results]
+    tpot = [r.stats.tpot_ms for r in results if r.stats.tpot_ms is not None]
+    out_tokens = sum(r.stats.num_output_tokens for r in results)
+    prompt_tokens = sum(r.stats.num_prompt_tokens for r in results)
+    lookups = sum(len(r.stats.docs_hit) + len(r.stats.docs_missed) for r in results)
+    return {
+        "num_requests": len(results),
+        "wall_s": wall_s,
+        "ttft_ms_median": statistics.median(ttft),
+        "ttft_ms_p99": float(np.percentile(ttft, 99)),
+        "tpot_ms_median": statistics.median(tpot) if tpot else None,
+        "request_throughput_per_s": len(results) / wall_s,
+        "output_token_throughput_per_s": out_tokens / wall_s,
+        "total_token_throughput_per_s": (out_tokens + prompt_tokens) / wall_s,
+        "doc_hit_ratio": sum(len(r.stats.docs_hit) for r in results) / max(1, lookups),
+        "token_hit_ratio": sum(r.stats.num_cached_tokens for r in results) / max(1, prompt_tokens),
+        "kv_cached_bytes": after["num_blocks_cached"] * block_bytes,
+        "kv_budget_bytes": after["num_blocks_total"] * block_bytes,
+        "num_evictions": after["num_evictions"] - before["num_evictions"],
+        "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
+    }
+
+
+def warm_up(llm: LazyAttention, workload: Workload) -> None:
+    """Compile kernels on throwaway documents (removed afterwards so the cache starts cold)."""
+    rng = np.random.default_rng(123)
+    ids = []
+    for i in range(3):
+        ids.append(f"warm{i}")
+        llm.add_document(ids[-1], " ".join(f"t{x}" for x in rng.integers(10, 30000, workload.doc_tokens)))
+    q = " ".join(["t5"] * workload.query_tokens)
+    for n in (1, 3):
+        llm.generate(q, ids[:n], sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+    asyncio.run(drive(llm, [(q, ids[:2])] * 8, SamplingParams(max_tokens=4, ignore_eos=True), 8, None, 0))
+    for d in ids:
+        llm.remove_document(d)
+
+
+def environment() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        import triton
+
+        info["triton"] = triton.__version__
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+        info["threads"] = torch.get_num_threads()
+    return info
+
+
+def write(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {path}")
+    return path
+
+
+@app.command()
+def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat16",
+          budget_gb: list[float] = typer.Option([10.0]), alpha: list[float] = typer.Option([2.1]),
+          modes: list[str] = typer.Option(list(MODES)), num_docs: int = 200, doc_tokens: int = 512,
+          docs_per_request: int = 5, query_tokens: int = 64, output_tokens: int = 32, num_requests: int = 200,
+          concurrency: int = 16, max_batched_tokens: int = 16384, check: bool = True, seed: int = 0,
+          out: str = "") -> None:
+    """Closed-loop runs of every mode at each (alpha, budget): TTFT, throughput, hit ratio, KV used."""
+    model = random_model(arch, torch.device(device), getattr(torch, dtype))
+    tokenizer = word_tokenizer(model.config.vocab_size)
+    runs, report = [], {}
+    for a in alpha:
+        workload = Workload(num_docs, doc_tokens, docs_per_request, a, query_tokens, output_tokens, num_requests, seed)
+        docs, requests = workload.documents(), workload.requests()
+        if check and not report:
+            report = check_equivalence(model, tokenizer, device, docs, requests[:4])
+        for gb in budget_gb:
+            for mode in modes:
+                llm = make_engine(model, tokenizer, mode, int(gb * 2**30), device, max_batched_tokens, concurrency)
+                warm_up(llm, workload)
+                llm.add_documents(list(docs.items()))
+                before = llm.stats()
+                params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+                results, wall = asyncio.run(drive(llm, requests, params, concurrency, None, seed))
+                row = {"mode": mode, "alpha": a, "budget_gb": gb, **summarize(results, wall, before, llm.stats(),
+                                                                             llm.block_bytes)}
+                print(json.dumps(row))
+                runs.append(row)
+                release(llm)
+    write(out or f"serving_sweep_{arch}_{device}", {"environment": environment(), "arch": arch, "dtype": dtype,
+                                                    "command": " ".join(sys.argv), "equivalence": report,
+                                                    "concurrency": concurrency, "runs": runs})
+
+
+@app.command()
+def rates(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat16", budget_gb: float = 10.0,
+          alpha: float = 2.1, rate: list[float] = typer.Option([1.0, 2.0, 4.0, 8.0]),
+          modes: list[str] = typer.Option(["lazy", "block_attention"]), num_docs: int = 200, doc_tokens: int = 512,
+          num_requests: int = 100, max_batched_tokens: int = 16384, seed: int = 0, out: str = "") -> None:
+    """Poisson arrivals at increasing rates: TTFT vs arrival rate per mode."""
+    model = random_model(arch, torch.device(device), getattr(torch, dtype))
+    tokenizer = word_tokenizer(model.config.vocab_size)
+    workload = Workload(num_docs, doc_tokens, 5, alpha, 64, 32, num_requests, seed)
+    docs, requests = workload.documents(), workload.requests()
+    runs = []
+    for mode in modes:
+        for r in rate:
+            llm = make_engine(model, tokenizer, mode, int(budget_gb * 2**30), device, max_batched_tokens, 256)
+            warm_up(llm, workload)
+            llm.add_documents(list(docs.items()))
+            before = llm.stats()
+            results, wall = asyncio.run(drive(llm, requests, SamplingParams(max_tokens=32, ignore_eos=True),
+                                              None, r, seed))
+            row = {"mode": mode, "rate_per_s": r, **summarize(results, wall, before, llm.stats(), llm.block_bytes)}
+            print(json.dumps(row))
+            runs.append(row)
+            release(llm)
+    write(out or f"serving_rates_{arch}_{device}", {"environment": environment(), "arch": arch, "alpha": alpha,
+                                                    "budget_gb": budget_gb, "command": " ".join(sys.argv),
+                                                    "runs": runs})
+
+
+@app.command()
+def micro(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat16", doc_tokens: int = 4096,
+          query_tokens: int = 64, output_tokens: int = 32, budget_gb: float = 20.0, repeats: int = 3,
+          out: str = "") -> None:
+    """One request of 5 documents x ``doc_tokens`` + a query, 3 documents hot: time per phase and mode."""
+    model = random_model(arch, torch.device(device), getattr(torch, dtype))
+    tokenizer = word_tokenizer(model.config.vocab_size)
+    rng = np.random.default_rng(7)
+    text = lambda n: " ".join(f"t{x}" for x in rng.integers(10, 30000, n))  # noqa: E731
+    rows = []
+    for mode in MODES:
+        llm = make_engine(model, tokenizer, mode, int(budget_gb * 2**30), device, 32768, 4)
+        warm_up(llm, Workload(doc_tokens=256))
+        for rep in range(repeats):
+            ids = [f"r{rep}-d{i}" for i in range(5)]
+            llm.add_documents([(d, text(doc_tokens)) for d in ids])
+            llm.generate(text(query_tokens), ids[:3], sampling=SamplingParams(max_tokens=1))  # 3 documents hot
+            steps = []
+            llm.engine.step_listeners.append(lambda o, s: steps.append(_classify(o, s)))
+            res = llm.generate(text(query_tokens), ids, sampling=SamplingParams(max_tokens=output_tokens,
+                                                                                ignore_eos=True))
+            llm.engine.step_listeners.clear()
+            decode = [s for kind, s, _ in steps if kind == "decode"]
+            rows.append({"mode": mode, "repeat": rep, "ttft_ms": res.stats.ttft_ms,
+                         "doc_processing_ms": 1e3 * sum(s for kind, s, _ in steps if kind in ("encode", "copy")),
+                         "query_prefill_ms": 1e3 * sum(s for kind, s, _ in steps if kind == "prefill"),
+                         "decode_ms_per_token": 1e3 * statistics.median(decode) if decode else None,
+                         "computed_prompt_tokens": res.stats.num_computed_tokens,
+                         "steps": [(k, round(1e3 * s, 3), n) for k, s, n in steps[:6]]})
+            print(json.dumps(rows[-1]))
+        release(llm)
+    summary = {m: {k: statistics.median(r[k] for r in rows if r["mode"] == m)
+                   for k in ("ttft_ms", "doc_processing_ms", "query_prefill_ms", "decode_ms_per_token")}
+               for m in MODES}
+    write(out or f"serving_micro_{arch}_{device}", {"environment": environment(), "arch": arch,
+                                                    "command": " ".join(sys.argv), "summary": summary, "runs": rows})
+
+
+def _classify(out, seconds: float) -> tuple[str, float, int]:
+    """Name a step by what it computed: encode/copy (document processing), prefill or decode."""
+    if out.encodes:
+        return "encode", seconds, sum(len(e.token_ids) for e in out.encodes)
+    if out.copies and not out.computes:
+        return "copy", seconds, sum(c.num_tokens for c in out.copies)
+    tokens = sum(c.num_tokens for c in out.computes)
+    return ("decode" if all(c.num_tokens == 1 for c in out.computes) else "prefill"), seconds, tokens
+
+
+@app.command()
+def cpu(doc_words: int = 220, repeats: int = 5, out: str = "serving_cpu_smollm2") -> None:
+    """The default SmolLM2 on the CPU, 3 hot documents of ~300 tokens: our TTFT vs transformers generate."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LazyAttention(EngineConfig(device="cpu"))
+    rng = np.random.default_rng(0)
+    words = "the of and to in is was for on as with by at from that which this are be or an".split()
+    docs = {f"hot{i}": " ".join(rng.choice(words, doc_words)) + "." for i in range(3)}
+    llm.add_documents(list(docs.items()))
+    llm.warm(list(docs))
+    hf = AutoModelForCausalLM.from_pretrained(str(llm_model_dir()), dtype=torch.float32).eval()
+    ours, theirs = [], []
+    for i in range(repeats):
+        question = f"What is said about item number {i}?"
+        res = llm.generate(question, list(docs), sampling=SamplingParams(max_tokens=1))
+        ours.append(res.stats.ttft_ms)
+        ids = torch.tensor([llm.plan(question, list(docs)).token_ids()])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=1, do_sample=False)
+        theirs.append((time.perf_counter() - t0) * 1e3)
+    prompt_tokens = res.stats.num_prompt_tokens
+    summary = {"prompt_tokens": prompt_tokens, "computed_tokens": res.stats.num_computed_tokens,
+               "lazy_ttft_ms_median": statistics.median(ours), "hf_generate_ttft_ms_median": statistics.median(theirs),
+               "speedup": statistics.median(theirs) / statistics.median(ours)}
+    print(json.dumps(summary))
+    write(out, {"environment": environment(), "command": " ".join(sys.argv), "summary": summary,
+                "lazy_ttft_ms": ours, "hf_generate_ttft_ms": theirs})
+
+
+def llm_model_dir() -> Path:
+    from lazyattn_rag.model_loading import resolve_model
+
+    return resolve_model(None, EngineConfig().resolved_cache_dir()).path
+
+
+if __name__ == "__main__":
+    app()
