@@ -1,0 +1,78 @@
+"""Shared pieces of the integration tests: a tiny engine, a tiny corpus, a stream spy."""
+
+from __future__ import annotations
+
+import functools
+
+from lazyattn_rag import CacheConfig, Document, EngineConfig, PromptConfig, SamplingParams
+from lazyattn_rag.llm import LazyAttention
+from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
+
+PROMPT = PromptConfig(instruction="w190 w191 w192 ", document_separator=" ", question_prefix="Question : ")
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+# English for the embedder, distinct w-words for the word-level tokenizer of the tiny model
+CORPUS = {
+    "cats": "Cats purr when they are content and relaxed. " + words(24, 0),
+    "dogs": "Dogs bark to warn their owners about strangers. " + words(30, 40),
+    "rivers": "Rivers flow downhill until they reach the sea. " + words(20, 80),
+    "stars": "Stars shine because nuclear fusion burns in their cores. " + words(26, 120),
+}
+
+
+def corpus_documents() -> list[Document]:
+    return [Document(k, v) for k, v in CORPUS.items()]
+
+
+@functools.cache
+def embedder():
+    """One all-MiniLM-L6-v2 per test process (loading it is the slow part)."""
+    from lazyattn_rag.integrations.embeddings import SentenceEmbedder
+
+    return SentenceEmbedder()
+
+
+def tiny_engine(num_blocks: int = 256) -> LazyAttention:
+    """A random 2-layer Llama with the word-level tokenizer (no chat template)."""
+    _, ours = hf_and_ours(hf_config())
+    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch",
+                          cache=CacheConfig(num_blocks=num_blocks, block_size=16), prompt=PROMPT)
+    return LazyAttention.from_model(ours, word_tokenizer(), config)
+
+
+class StreamSpy:
+    """Records every ``LazyAttention.stream`` call: the document ids, their offsets, the stats.
+
+    Installed on one engine instance; ``calls[i]`` is ``{"question", "doc_ids", "offsets",
+    "stats"}`` where ``offsets`` maps each document id to its global start in the prompt.
+    """
+
+    def __init__(self, engine: LazyAttention):
+        self.engine = engine
+        self.calls: list[dict] = []
+        self._stream = engine.stream
+        engine.stream = self._spy
+
+    def _spy(self, question, doc_ids=(), documents=(), sampling=None):
+        documents = list(documents)
+        ids = list(doc_ids) + [d.id for d in documents]
+        call = {"question": question, "doc_ids": ids, "offsets": {}, "stats": None}
+        self.calls.append(call)
+        inner = self._stream(question, doc_ids, documents, sampling)
+        plan = self.engine.engine.plan(question, ids)
+        call["offsets"] = {c.doc_id: c.global_start for c in plan.chunks if c.doc_id is not None}
+        return self._record(inner, call)
+
+    @staticmethod
+    def _record(inner, call):
+        try:
+            for delta in inner:
+                if delta.finished:
+                    call["stats"] = delta.stats
+                yield delta
+        finally:
+            inner.close()
+
+    @property
+    def last(self) -> dict:
+        return self.calls[-1]

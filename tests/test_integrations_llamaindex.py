@@ -1,0 +1,222 @@
+"""LlamaIndex integration on a tiny random model over a small FAISS index."""
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("llama_index.core")
+pytest.importorskip("faiss")
+
+from llama_index.core.base.llms.types import ChatMessage  # noqa: E402
+from llama_index.core.chat_engine import ContextChatEngine  # noqa: E402
+
+from lazyattn_rag import Document, SamplingParams  # noqa: E402
+from lazyattn_rag.integrations.faiss_store import FaissDocumentStore  # noqa: E402
+from lazyattn_rag.integrations.llamaindex import (  # noqa: E402
+    FaissRetriever,
+    KVCacheWarmer,
+    LazyAttentionLLM,
+    LazyAttentionSynthesizer,
+    as_query_engine,
+)
+from tests.integrations_kit import GREEDY, StreamSpy, corpus_documents, embedder, tiny_engine  # noqa: E402
+from tests.tiny import words  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine()
+
+
+@pytest.fixture(scope="module")
+def llm(engine):
+    return LazyAttentionLLM(engine, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def spy(engine):
+    return StreamSpy(engine)
+
+
+@pytest.fixture
+def store(engine):
+    s = FaissDocumentStore(embedder(), engine=engine)
+    s.upsert(corpus_documents())
+    yield s
+    for d in list(s.documents()):  # leave the shared engine without this test's documents
+        if engine.has_document(d.id):
+            engine.remove_document(d.id)
+
+
+def test_query_engine_passes_node_ids_and_second_query_hits_at_new_offset(llm, engine, spy, store):
+    qe = as_query_engine(store, llm, similarity_top_k=2)
+    first = qe.query("Why do cats purr?")
+    ids1 = [n.node.node_id for n in first.source_nodes]
+    assert ids1 == [d.id for d, _ in store.search("Why do cats purr?", 2)]
+    assert ids1 == ["cats", "dogs"]
+    assert spy.last["doc_ids"] == ids1  # the engine got the node ids, in retrieval order
+    assert spy.last["stats"].docs_missed == ids1 and spy.last["stats"].docs_hit == []
+    assert first.response == engine.generate("Why do cats purr?", ids1, sampling=GREEDY).text
+    offsets1 = spy.calls[-2]["offsets"]
+
+    second = qe.query("Why do dogs bark at strangers?")
+    ids2 = [n.node.node_id for n in second.source_nodes]
+    assert ids2 == ["dogs", "cats"]
+    stats = second.metadata["lazyattn"]["stats"]
+    assert stats["docs_hit"] == ["dogs", "cats"] and stats["docs_missed"] == []
+    assert stats["num_computed_tokens"] < stats["num_cached_tokens"]
+    for doc_id in ids2:  # both reused, each at a different position than before
+        assert spy.last["offsets"][doc_id] != offsets1[doc_id]
+    assert second.response == engine.generate("Why do dogs bark at strangers?", ids2, sampling=GREEDY).text
+
+
+def test_streaming_sync_and_async_equal_the_non_streamed_answer(llm, store):
+    question = "Where do rivers flow?"
+    expected = as_query_engine(store, llm, 2).query(question).response
+    streamed = as_query_engine(store, llm, 2, streaming=True).query(question)
+    pieces = list(streamed.response_gen)
+    assert len(pieces) >= 2 and "".join(pieces) == expected
+    assert streamed.metadata["lazyattn"]["stats"]["docs_hit"] == [n.node.node_id for n in streamed.source_nodes]
+
+    async def run():
+        r = await as_query_engine(store, llm, 2, streaming=True).aquery(question)
+        return [p async for p in r.async_response_gen()]
+
+    apieces = asyncio.run(run())
+    assert len(apieces) >= 2 and "".join(apieces) == expected
+
+
+def test_llm_complete_and_chat_stream_sync_and_async(llm):
+    prompt = "Question : " + words(6, 7)
+    full = llm.complete(prompt)
+    chunks = list(llm.stream_complete(prompt))
+    assert len(chunks) >= 2 and "".join(c.delta for c in chunks) == full.text == chunks[-1].text
+    assert full.additional_kwargs["lazyattn"]["stats"]["num_output_tokens"] == GREEDY.max_tokens
+    messages = [ChatMessage(role="user", content=prompt)]
+    chat = llm.chat(messages)
+
+    async def run():
+        a = await llm.acomplete(prompt)
+        ac = [c.delta async for c in await llm.astream_complete(prompt)]
+        ch = await llm.achat(messages)
+        ach = [c.delta async for c in await llm.astream_chat(messages)]
+        return a, ac, ch, ach
+
+    a, ac, ch, ach = asyncio.run(run())
+    assert a.text == full.text and "".join(ac) == full.text and len(ac) >= 2
+    assert ch.message.content == chat.message.content == "".join(ach) and len(ach) >= 2
+    assert "".join(c.delta for c in llm.stream_chat(messages)) == chat.message.content
+
+
+def test_async_stream_does_not_block_the_event_loop(llm):
+    ticks = []
+
+    async def ticker(done: asyncio.Event):
+        while not done.is_set():
+            ticks.append(1)
+            await asyncio.sleep(0.001)
+
+    async def run():
+        done = asyncio.Event()
+        task = asyncio.create_task(ticker(done))
+        await asyncio.sleep(0)
+        n_before = len(ticks)
+        gen = await llm.astream_complete("Question : " + words(5), sampling=SamplingParams(max_tokens=48, ignore_eos=True))
+        count = 0
+        async for _ in gen:
+            count += 1
+        done.set()
+        await task
+        return n_before, count
+
+    n_before, count = asyncio.run(run())
+    assert count >= 48
+    assert len(ticks) - n_before >= 5  # the loop kept running while the engine generated
+
+
+def test_empty_retrieval_answers_without_documents_on_every_path(llm, engine, spy):
+    empty = FaissDocumentStore(embedder(), engine=engine)
+    question = "Why do cats purr?"
+    expected = engine.generate(question, [], sampling=GREEDY).text
+    r = as_query_engine(empty, llm, 3).query(question)
+    assert r.response == expected and r.source_nodes == []
+    assert spy.last["doc_ids"] == [] and spy.last["stats"].docs_hit == [] == spy.last["stats"].docs_missed
+    s = as_query_engine(empty, llm, 3, streaming=True).query(question)
+    assert "".join(s.response_gen) == expected and s.source_nodes == []
+
+    async def run():
+        a = await as_query_engine(empty, llm, 3).aquery(question)
+        return a.response
+
+    assert asyncio.run(run()) == expected
+
+
+def test_top_k_larger_than_the_index_returns_only_real_documents(store):
+    nodes = FaissRetriever(store, similarity_top_k=10).retrieve("Why do cats purr?")
+    ids = [n.node.node_id for n in nodes]
+    assert sorted(ids) == sorted(["cats", "dogs", "rivers", "stars"])
+    scores = [n.score for n in nodes]
+    assert scores == sorted(scores, reverse=True) and all(-1.0 <= s <= 1.0 for s in scores)
+
+
+def test_update_changes_retrieved_text_answer_and_kv_then_delete_removes_both(llm, engine, spy, store):
+    qe = as_query_engine(store, llm, 1)
+    question = "Why do cats purr?"
+    before = qe.query(question)
+    new_text = "Cats purr when they are content and relaxed. " + words(24, 150)
+    store.upsert([Document("cats", new_text)])
+    after = qe.query(question)
+    assert after.source_nodes[0].node.get_content() == new_text
+    assert spy.last["stats"].docs_missed == ["cats"]  # re-encoded: the old K/V is not served
+    assert after.response != before.response
+    assert after.response == engine.generate(question, ["cats"], sampling=GREEDY).text
+    cached = engine.info()["num_cached_chunks"]
+
+    store.delete(["cats"])
+    assert "cats" not in store and not engine.has_document("cats")
+    assert engine.info()["num_cached_chunks"] == cached - 1
+    assert "cats" not in [n.node.node_id for n in FaissRetriever(store, 10).retrieve(question)]
+
+
+def test_context_chat_engine_reuses_cached_chunks_through_the_prompt_fallback(llm, spy, store):
+    retriever = FaissRetriever(store, similarity_top_k=2)
+    chat_engine = ContextChatEngine.from_defaults(retriever=retriever, llm=llm,
+                                                  node_postprocessors=[KVCacheWarmer(llm=llm)])
+    response = chat_engine.chat("Why do cats purr?")
+    ids = [n.node.node_id for n in response.source_nodes]
+    assert ids == ["cats", "dogs"]
+    assert spy.last["doc_ids"] == ids
+    assert spy.last["stats"].docs_hit == ids and spy.last["stats"].docs_missed == []  # warmed, then matched
+    assert spy.last["stats"].num_cached_tokens > spy.last["stats"].num_computed_tokens
+
+
+def test_fallback_reports_the_matched_share_of_the_prompt(llm, engine, store):
+    engine.add_document("rivers", store.get("rivers").text)
+    prompt = "Context: " + store.get("rivers").text + " Question : w1 w2"
+    out = llm.complete(prompt)
+    match = out.additional_kwargs["lazyattn"]["prompt_match"]
+    assert match["doc_ids"] == ["rivers"]
+    assert match["matched_chars"] == len(store.get("rivers").text) and match["prompt_chars"] == len(prompt)
+    assert out.additional_kwargs["lazyattn"]["stats"]["docs_hit"] + out.additional_kwargs["lazyattn"]["stats"][
+        "docs_missed"] == ["rivers"]
+    plain = llm.complete("Question : w1 w2 w3 w4")
+    assert plain.additional_kwargs["lazyattn"]["prompt_match"]["doc_ids"] == []
+    assert plain.additional_kwargs["lazyattn"]["stats"]["num_cached_tokens"] == 0  # a plain full prefill
+
+
+def test_warmer_encodes_once(llm, engine, store):
+    nodes = FaissRetriever(store, similarity_top_k=2).retrieve("Where do rivers flow?")
+    warmer = KVCacheWarmer(llm=llm)
+    ids = [n.node.node_id for n in nodes]
+    first = warmer.warm(nodes)
+    assert set(first) <= set(ids) and engine.warm(ids) == []
+    assert warmer.postprocess_nodes(nodes) == nodes
+
+
+def test_bad_arguments_raise_clear_errors(llm, store):
+    with pytest.raises(TypeError, match="as_query_engine needs"):
+        as_query_engine(42, llm)
+    with pytest.raises(ValueError, match="similarity_top_k"):
+        FaissRetriever(store, similarity_top_k=0)
+    with pytest.raises(TypeError, match="needs a LazyAttentionLLM"):
+        LazyAttentionSynthesizer(object())
