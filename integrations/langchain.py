@@ -8,11 +8,13 @@ Documents reach :class:`ChatLazyAttention` in either of two ways:
   with :func:`document_block`); the message's other text is the question;
 - the ``documents=`` call argument (LangChain ``Document``s or ``lazyattn_rag.Document``s).
 
-Messages with neither go through the plain-prompt fallback: registered documents found in the
-text are reused by id, otherwise the messages are completed in the model's chat template.
+Messages with neither (and no ``documents=`` argument) go through the plain-prompt fallback:
+registered documents found in the text are reused by id, otherwise the messages are completed
+in the model's chat template.
 
-Empty retrieval: the question is answered with no documents (no exception); ``sources`` is
-empty and the stats list no documents.
+Empty retrieval: the question is answered through the RAG prompt with no documents (no
+exception); ``sources`` is empty and the stats list no documents. :func:`rag_chain` passes
+``documents=[]`` for this; do the same when calling the model on an empty retrieval yourself.
 
 Example::
 
@@ -246,6 +248,7 @@ def rag_chain(retriever: BaseRetriever, model: ChatLazyAttention) -> Runnable:
     """
     question = RunnableLambda(_question_of, name="question")
     retrieve = RunnableParallel(question=question, sources=question | retriever)
-    answer = documents_to_messages | model | StrOutputParser()
+    # documents=[] adds none but keeps the RAG prompt when retrieval comes back empty
+    answer = documents_to_messages | model.bind(documents=[]) | StrOutputParser()
     return (retrieve | RunnablePassthrough.assign(answer=answer)).pick(["answer", "sources"]).with_config(
         run_name="lazyattn_rag_chain")

@@ -1,0 +1,173 @@
+"""LangChain integration on a tiny random model over a small FAISS index."""
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("langchain_core")
+pytest.importorskip("faiss")
+
+from langchain_core.documents import Document as LCDocument  # noqa: E402
+from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
+
+from lazyattn_rag import Document, SamplingParams  # noqa: E402
+from lazyattn_rag.integrations.faiss_store import FaissDocumentStore  # noqa: E402
+from lazyattn_rag.integrations.langchain import (  # noqa: E402
+    ChatLazyAttention,
+    FaissRetriever,
+    document_block,
+    documents_to_messages,
+    rag_chain,
+)
+from tests.integrations_kit import GREEDY, StreamSpy, corpus_documents, embedder, tiny_engine  # noqa: E402
+from tests.tiny import words  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine()
+
+
+@pytest.fixture(scope="module")
+def model(engine):
+    return ChatLazyAttention(engine=engine, sampling=GREEDY)
+
+
+@pytest.fixture(scope="module")
+def spy(engine):
+    return StreamSpy(engine)
+
+
+@pytest.fixture
+def store(engine):
+    s = FaissDocumentStore(embedder(), engine=engine)
+    s.upsert(corpus_documents())
+    yield s
+    for d in list(s.documents()):
+        if engine.has_document(d.id):
+            engine.remove_document(d.id)
+
+
+def test_chain_passes_document_ids_and_second_query_hits_at_new_offset(model, engine, spy, store):
+    chain = rag_chain(FaissRetriever(store=store, k=2), model)
+    first = chain.invoke({"question": "Why do cats purr?"})
+    ids1 = [d.id for d in first["sources"]]
+    assert ids1 == ["cats", "dogs"] == [d.id for d, _ in store.search("Why do cats purr?", 2)]
+    assert spy.last["doc_ids"] == ids1 and spy.last["stats"].docs_missed == ids1
+    assert first["answer"] == engine.generate("Why do cats purr?", ids1, sampling=GREEDY).text
+    offsets1 = spy.calls[-2]["offsets"]
+
+    second = chain.invoke("Why do dogs bark at strangers?")
+    ids2 = [d.id for d in second["sources"]]
+    assert ids2 == ["dogs", "cats"]
+    assert spy.last["doc_ids"] == ids2
+    assert spy.last["stats"].docs_hit == ids2 and spy.last["stats"].docs_missed == []
+    for doc_id in ids2:
+        assert spy.last["offsets"][doc_id] != offsets1[doc_id]
+    assert second["answer"] == engine.generate("Why do dogs bark at strangers?", ids2, sampling=GREEDY).text
+
+
+def test_documents_from_blocks_and_from_the_call_argument_are_equivalent(model, engine, spy, store):
+    docs = [LCDocument(page_content=store.get(i).text, id=i) for i in ("rivers", "stars")]
+    [message] = documents_to_messages.invoke({"question": "Where do rivers flow?", "documents": docs})
+    assert message.content[0] == document_block(docs[0]) and message.content[-1]["text"] == "Where do rivers flow?"
+    by_blocks = model.invoke([message])
+    assert spy.last["doc_ids"] == ["rivers", "stars"] and spy.last["question"] == "Where do rivers flow?"
+    by_argument = model.invoke([HumanMessage("Where do rivers flow?")], documents=docs)
+    assert spy.last["doc_ids"] == ["rivers", "stars"]
+    assert by_blocks.content == by_argument.content == engine.generate("Where do rivers flow?", ["rivers", "stars"],
+                                                                       sampling=GREEDY).text
+    meta = by_argument.response_metadata["lazyattn"]
+    assert meta["doc_ids"] == ["rivers", "stars"] and meta["stats"]["docs_hit"] == ["rivers", "stars"]
+    usage = by_argument.usage_metadata
+    assert usage["input_tokens"] == meta["stats"]["num_prompt_tokens"]
+    assert usage["output_tokens"] == GREEDY.max_tokens
+    assert usage["input_token_details"]["cache_read"] == meta["stats"]["num_cached_tokens"] > 0
+
+
+def test_streaming_sync_and_async_equal_the_non_streamed_answer(model, store):
+    messages = [HumanMessage([document_block(store.get("stars")), {"type": "text", "text": "Why do stars shine?"}])]
+    full = model.invoke(messages).content
+    chunks = [c.content for c in model.stream(messages)]
+    assert len([c for c in chunks if c]) >= 2 and "".join(chunks) == full
+    chain = rag_chain(FaissRetriever(store=store, k=2), model)
+    chain_full = chain.invoke("Why do stars shine?")["answer"]
+    pieces = [p["answer"] for p in chain.stream("Why do stars shine?") if "answer" in p]
+    assert len(pieces) >= 2 and "".join(pieces) == chain_full
+
+    async def run():
+        a = [c.content async for c in model.astream(messages)]
+        g = await model.ainvoke(messages)
+        c = [p["answer"] async for p in chain.astream("Why do stars shine?") if "answer" in p]
+        return a, g.content, c
+
+    a, g, c = asyncio.run(run())
+    assert len([x for x in a if x]) >= 2 and "".join(a) == g == full
+    assert len(c) >= 2 and "".join(c) == chain_full
+
+
+def test_async_stream_does_not_block_the_event_loop(model):
+    ticks = []
+    long = model.bind(sampling=SamplingParams(max_tokens=48, ignore_eos=True))
+
+    async def ticker(done):
+        while not done.is_set():
+            ticks.append(1)
+            await asyncio.sleep(0.001)
+
+    async def run():
+        done = asyncio.Event()
+        task = asyncio.create_task(ticker(done))
+        await asyncio.sleep(0)
+        before = len(ticks)
+        n = len([c async for c in long.astream([HumanMessage("Question : " + words(5))])])
+        done.set()
+        await task
+        return before, n
+
+    before, n = asyncio.run(run())
+    assert n >= 48 and len(ticks) - before >= 5
+
+
+def test_empty_retrieval_answers_without_documents(model, engine, spy):
+    empty = FaissDocumentStore(embedder(), engine=engine)
+    out = rag_chain(FaissRetriever(store=empty, k=3), model).invoke("Why do cats purr?")
+    assert out["sources"] == []
+    assert out["answer"] == engine.generate("Why do cats purr?", [], sampling=GREEDY).text
+    assert spy.last["doc_ids"] == [] and spy.last["stats"].docs_hit == [] == spy.last["stats"].docs_missed
+    explicit = model.invoke([HumanMessage("Why do cats purr?")], documents=[])
+    assert explicit.content == out["answer"]
+
+
+def test_retriever_top_k_larger_than_the_index_and_update_delete(model, engine, spy, store):
+    retriever = FaissRetriever(store=store, k=10)
+    docs = retriever.invoke("Why do cats purr?")
+    assert sorted(d.id for d in docs) == ["cats", "dogs", "rivers", "stars"]
+    assert all(isinstance(d.metadata["score"], float) for d in docs)
+
+    chain = rag_chain(FaissRetriever(store=store, k=1), model)
+    before = chain.invoke("Why do stars shine?")
+    new_text = "Stars shine because nuclear fusion burns in their cores. " + words(26, 10)
+    store.upsert([Document("stars", new_text)])
+    after = chain.invoke("Why do stars shine?")
+    assert after["sources"][0].page_content == new_text
+    assert spy.last["stats"].docs_missed == ["stars"]
+    assert after["answer"] != before["answer"]
+    store.delete(["stars"])
+    assert not engine.has_document("stars")
+    assert "stars" not in [d.id for d in retriever.invoke("Why do stars shine?")]
+
+
+def test_messages_without_documents_use_the_fallback(model, engine, store):
+    engine.add_document("dogs", store.get("dogs").text)
+    msg = model.invoke([SystemMessage("Context: " + store.get("dogs").text), HumanMessage("Question : w3 w4")])
+    meta = msg.response_metadata["lazyattn"]
+    assert meta["prompt_match"]["doc_ids"] == ["dogs"] and meta["stats"]["docs_hit"] + meta["stats"][
+        "docs_missed"] == ["dogs"]
+
+
+def test_bad_input_raises_clear_errors(model):
+    with pytest.raises(ValueError, match="at least one message"):
+        model.invoke([])
+    with pytest.raises(TypeError, match="question string"):
+        rag_chain(FaissRetriever(store=FaissDocumentStore(embedder()), k=1), model).invoke(42)
