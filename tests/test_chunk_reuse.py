@@ -231,3 +231,15 @@ def test_plain_prompt_completion_equals_full_prefill():
     assert llm.engine.cache.num_entries == 0  # nothing cached for a plain prompt
     with pytest.raises(EmptyInputError):
         llm.complete([])
+
+
+@pytest.mark.parametrize("rotation", ["key", "query"])
+def test_both_rotation_forms_of_the_torch_backend_match_the_oracle(rotation):
+    hf, llm = make_llm("none")
+    llm.engine.runner.backend.rotation = rotation
+    for i, n in enumerate((15, 16, 17)):
+        llm.add_document(f"d{n}", words(n, start=i * 30))
+    for question in ("w5 w6 w7", "w1"):
+        out = llm.generate(question, ["d17", "d15", "d16"], sampling=GREEDY)
+        _, (tokens, _) = oracle_for(llm, hf, question, ["d17", "d15", "d16"], GREEDY.max_tokens)
+        assert out.token_ids == tokens

@@ -4,11 +4,15 @@ Every Triton kernel is checked against this backend. It is written for clarity f
 per sequence it gathers the valid slots of the block table, moves cached keys to their
 global positions and runs a masked softmax in float32.
 
-* Prefill rows (``query_len > 1``): each cached key is rotated once by its block's
-  ``delta`` (``R_delta (R_j k) = R_(j+delta) k``), then a causal mask over key indices.
-* Decode rows (``query_len == 1``): the query is rotated by ``-delta`` once per run of
-  blocks that share a ``delta`` (once per chunk), keys are read as stored:
-  ``(R_m q) . (R_(j+delta) k) = (R_(-delta) R_m q) . (R_j k)``.
+* Rotating keys: each cached key is rotated once by its block's ``delta``
+  (``R_delta (R_j k) = R_(j+delta) k``), then a causal mask over key indices. Used for
+  prefill rows when there are more query rows than keys per chunk (compute-bound).
+* Rotating the query: the query rows are rotated by ``-delta`` once per run of blocks that
+  share a ``delta`` (once per chunk) and keys are read as stored:
+  ``(R_m q) . (R_(j+delta) k) = (R_(-delta) R_m q) . (R_j k)``. Used for decode rows and
+  for short prefills (a question after long cached documents), where it is far cheaper.
+
+``rotation`` (``"auto"``, ``"key"``, ``"query"``) forces one form, for tests.
 
 Source: LazyAttention (ICML 2026, arXiv 2606.04302), Sec. 3 "deferred RoPE".
 """
@@ -62,6 +66,7 @@ class TorchAttentionBackend(AttentionBackend):
     """Reference backend (float32 math, any device). See the module docstring."""
 
     name = "torch"
+    rotation = "auto"
 
     def forward(self, query, key, value, key_cache, value_cache, metadata):
         write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
@@ -75,8 +80,8 @@ class TorchAttentionBackend(AttentionBackend):
             q = query[starts[i] : starts[i + 1]].to(torch.float32)  # [q_len, num_heads, head_dim]
             k = flat_k[plan.slots]  # [seq_len, num_kv_heads, head_dim]
             v = flat_v[plan.slots].to(torch.float32)
-            if q.shape[0] == 1:
-                o = self._decode_one(q, k, v, plan)
+            if self._rotate_query(q.shape[0], plan):
+                o = self._attend_rotating_query(q, k, v, plan, metadata.seq_lens_list[i])
             else:
                 if plan.any_delta:
                     k = self.rotary.rotate_by(k.to(torch.float32), plan.deltas)
@@ -98,13 +103,22 @@ class TorchAttentionBackend(AttentionBackend):
         probs = torch.softmax(scores, dim=-1)
         return torch.einsum("hqk,hkd->qhd", probs, self._expand_kv(v))
 
-    def _decode_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _SeqGather) -> torch.Tensor:
+    def _rotate_query(self, q_len: int, plan: _SeqGather) -> bool:
+        if self.rotation != "auto":
+            return self.rotation == "query"
+        return q_len == 1 or q_len * len(plan.runs) <= plan.slots.numel()
+
+    def _attend_rotating_query(self, q, k, v, plan: _SeqGather, seq_len: int) -> torch.Tensor:
+        q_len = q.shape[0]
         k_exp = self._expand_kv(k.to(torch.float32))  # [num_heads, seq_len, d]
-        scores = torch.empty(self.num_heads, k.shape[0], dtype=torch.float32, device=q.device)
+        scores = torch.empty(self.num_heads, q_len, k.shape[0], dtype=torch.float32, device=q.device)
         for start, end, delta in plan.runs:
             q_run = q
-            if delta != 0:
-                q_run = self.rotary.rotate_by(q, torch.tensor([-delta], device=q.device))
-            scores[:, start:end] = torch.einsum("hd,hkd->hk", q_run[0], k_exp[:, start:end])
+            if delta != 0:  # once per chunk: R_(-delta) applied to every query row
+                q_run = self.rotary.rotate_by(q, torch.full((q_len,), -delta, device=q.device))
+            scores[:, :, start:end] = torch.einsum("qhd,hkd->hqk", q_run, k_exp[:, start:end])
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        scores = scores.masked_fill((k_pos > q_pos)[None], float("-inf"))
         probs = torch.softmax(scores * self.scale, dim=-1)
-        return torch.einsum("hk,hkd->hd", probs, self._expand_kv(v))[None]
+        return torch.einsum("hqk,hkd->qhd", probs, self._expand_kv(v))
