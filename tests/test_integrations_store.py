@@ -1,0 +1,183 @@
+"""FAISS document store, corpus loading and chunking, the prompt-match fallback, the async adapter."""
+
+import asyncio
+import json
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("faiss")
+
+from lazyattn_rag import Document, UnknownDocumentError  # noqa: E402
+from lazyattn_rag.integrations._async import iterate_in_thread  # noqa: E402
+from lazyattn_rag.integrations.corpus import (  # noqa: E402
+    SPECIAL_TOKENS,
+    Source,
+    chunk_sources,
+    embedder_token_counter,
+    folder_sources,
+    pydoc_sources,
+)
+from lazyattn_rag.integrations.faiss_store import FaissDocumentStore  # noqa: E402
+from lazyattn_rag.integrations.prompt_match import match_documents  # noqa: E402
+from tests.integrations_kit import CORPUS, corpus_documents, embedder  # noqa: E402
+
+
+@pytest.fixture
+def store():
+    s = FaissDocumentStore(embedder())
+    s.upsert(corpus_documents())
+    return s
+
+
+def cosine_ranking(query: str, texts: dict[str, str]) -> list[tuple[str, float]]:
+    """Independent reference: brute-force cosine similarity with numpy."""
+    e = embedder()
+    ids = list(texts)
+    docs = e.encode([texts[i] for i in ids])
+    q = e.encode([query])[0]
+    scores = docs @ q / (np.linalg.norm(docs, axis=1) * np.linalg.norm(q))
+    return sorted(zip(ids, scores.tolist()), key=lambda p: -p[1])
+
+
+def test_search_matches_brute_force_cosine_and_never_pads(store):
+    ref = cosine_ranking("Why do cats purr?", CORPUS)
+    hits = store.search("Why do cats purr?", 10)  # more than the store holds
+    assert [d.id for d, _ in hits] == [i for i, _ in ref]
+    assert np.allclose([s for _, s in hits], [s for _, s in ref], atol=1e-5)
+    assert [d.text for d, _ in hits] == [CORPUS[i] for i, _ in ref]
+    assert FaissDocumentStore(embedder()).search("anything", 3) == []
+
+
+def test_update_reembeds_under_the_same_id_and_delete_removes(store):
+    assert store.upsert(corpus_documents()) == []  # unchanged: nothing re-embedded
+    new = "Volcanoes erupt when magma pressure rises."
+    assert store.upsert([Document("rivers", new)]) == ["rivers"]
+    assert len(store) == 4 and store.index.ntotal == 4
+    top, score = store.search("Why do volcanoes erupt?", 1)[0]
+    assert top.id == "rivers" and top.text == new
+    assert score == pytest.approx(cosine_ranking("Why do volcanoes erupt?", {"rivers": new})[0][1], abs=1e-5)
+    with pytest.raises(UnknownDocumentError, match="'nope'"):
+        store.delete(["cats", "nope"])
+    assert "cats" in store and store.index.ntotal == 4  # nothing removed on error
+    store.delete(["cats"])
+    assert "cats" not in store and store.index.ntotal == 3
+    assert "cats" not in [d.id for d, _ in store.search("Why do cats purr?", 10)]
+
+
+def test_save_and_load_round_trip(store, tmp_path):
+    store.delete(["dogs"])
+    store.upsert([Document("comets", "Comets grow tails near the sun.", {"kind": "space"})])
+    store.save(tmp_path / "idx")
+    loaded = FaissDocumentStore.load(tmp_path / "idx", embedder())
+    assert loaded.documents() == store.documents()
+    assert loaded.get("comets").metadata == {"kind": "space"}
+    for q in ("Why do cats purr?", "What grows near the sun?"):
+        assert [(d.id, round(s, 5)) for d, s in loaded.search(q, 4)] == [(d.id, round(s, 5)) for d, s in store.search(q, 4)]
+    loaded.upsert([Document("new", "A fresh document after reload.")])  # ids keep counting past the old ones
+    assert len({loaded._int_ids[d] for d in ("cats", "rivers", "stars", "comets", "new")}) == 5
+    meta = json.loads((tmp_path / "idx" / "meta.json").read_text())
+    (tmp_path / "idx" / "meta.json").write_text(json.dumps({**meta, "embedder": "other-model"}))
+    with pytest.raises(ValueError, match="other-model"):
+        FaissDocumentStore.load(tmp_path / "idx", embedder())
+
+
+def test_bad_input(store):
+    with pytest.raises(ValueError, match="k must be"):
+        store.search("cats", 0)
+    with pytest.raises(ValueError, match="query is empty"):
+        store.search("  ", 2)
+    with pytest.raises(ValueError, match="twice"):
+        store.upsert([Document("a", "one text"), Document("a", "another text")])
+    with pytest.raises(ValueError, match="empty text"):
+        store.upsert([Document("a", " ")])
+    with pytest.raises(UnknownDocumentError):
+        store.get("missing")
+
+
+def test_pydoc_chunks_fit_the_embedder_and_cover_their_topics():
+    e = embedder()
+    sources = [s for s in pydoc_sources() if s.metadata["topic"] in ("for", "break", "lambda", "with")]
+    assert len(pydoc_sources()) >= 70
+    docs = chunk_sources(sources, embedder_token_counter(e.tokenizer), e.max_seq_length - SPECIAL_TOKENS)
+    assert len({d.id for d in docs}) == len(docs)
+    for d in docs:
+        assert len(e.tokenizer(d.text)["input_ids"]) <= e.max_seq_length  # with [CLS] and [SEP]
+        assert not d.metadata.get("truncated")
+    for s in sources:
+        mine = [d for d in docs if d.id.startswith(s.id + "#")]
+        assert [d.id for d in mine] == [f"{s.id}#{i}" for i in range(len(mine))]
+        assert all(d.text in s.text for d in mine)
+        words = set(s.text.split())
+        assert words == set(w for d in mine for w in d.text.split())  # every word lands in some chunk
+
+
+def test_chunk_sources_validates_its_budget():
+    with pytest.raises(ValueError, match="max_tokens"):
+        chunk_sources([Source("a", "text", {})], len, 8)
+    with pytest.raises(ValueError, match="overlap"):
+        chunk_sources([Source("a", "text", {})], len, 32, overlap=32)
+
+
+def test_folder_sources_reads_text_markdown_and_jsonl(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.md").write_text("# Title\n\nMarkdown body.")
+    (tmp_path / "sub" / "b.txt").write_text("Plain text.")
+    (tmp_path / "skip.py").write_text("print('not a document')")
+    (tmp_path / "c.jsonl").write_text('{"id": "x1", "text": "First row.", "lang": "en"}\n\n{"text": "Second row."}\n')
+    got = {s.id: (s.text, s.metadata) for s in folder_sources(tmp_path)}
+    assert got == {"a.md": ("# Title\n\nMarkdown body.", {"source": "a.md"}),
+                   "sub/b.txt": ("Plain text.", {"source": "sub/b.txt"}),
+                   "x1": ("First row.", {"source": "c.jsonl", "lang": "en"}),
+                   "c.jsonl:3": ("Second row.", {"source": "c.jsonl"})}
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n["not", "an", "object"]\n')
+    with pytest.raises(ValueError, match="bad.jsonl line 2"):
+        folder_sources(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        folder_sources(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no .txt"):
+        folder_sources(tmp_path / "empty")
+
+
+def test_match_documents_finds_non_overlapping_occurrences_in_prompt_order():
+    texts = {"a": "alpha " * 8, "b": "beta " * 8, "short": "alpha", "ab": "alpha " * 8 + "beta " * 8}
+    prompt = "ctx: " + "beta " * 8 + " mid " + "alpha " * 8 + "beta " * 8 + " end"
+    m = match_documents(prompt, texts)
+    assert m.doc_ids == ("b", "ab")  # "ab" (longest) wins over "a" inside it; "short" is below min_chars
+    assert m.rest == "ctx:   mid   end"  # documents are matched stripped; the spaces around them stay
+    assert m.matched_chars == len(("beta " * 8).strip()) + len(("alpha " * 8 + "beta " * 8).strip())
+    assert m.prompt_chars == len(prompt) and 0 < m.fraction < 1
+    assert match_documents("nothing here", texts).doc_ids == ()
+
+
+def test_iterate_in_thread_runs_one_thread_propagates_errors_and_closes_early():
+    seen_threads, closed = set(), threading.Event()
+
+    def numbers():
+        try:
+            for i in range(100):
+                seen_threads.add(threading.get_ident())
+                yield i
+        finally:
+            seen_threads.add(threading.get_ident())
+            closed.set()
+
+    def failing():
+        yield 1
+        raise KeyError("boom")
+
+    async def run():
+        got = [x async for x in iterate_in_thread(numbers)]
+        agen = iterate_in_thread(numbers)
+        first = [await agen.__anext__(), await agen.__anext__()]
+        await agen.aclose()
+        with pytest.raises(KeyError, match="boom"):
+            [x async for x in iterate_in_thread(failing)]
+        return got, first, threading.get_ident()
+
+    got, first, loop_thread = asyncio.run(run())
+    assert got == list(range(100)) and first == [0, 1]
+    assert closed.wait(5)  # the early-stopped iterator was closed by its worker
+    assert loop_thread not in seen_threads
