@@ -392,11 +392,13 @@ def prefill_kernel(
 ROTATION_MODES = {"none": 0, "query": 1, "key": 2}
 
 
-def _default_config(head_dim: int, block_size: int, interpreter: bool) -> dict:
+def _default_config(head_dim: int, block_size: int, interpreter: bool, element_size: int) -> dict:
     """Tile shapes: large on the GPU (tensor cores), small under the interpreter (fast tests)."""
     if interpreter:
         return {"block_m": 16, "block_n": max(block_size, 32), "num_warps": 4, "num_stages": 1}
-    if head_dim <= 64:  # H200 sweep (docs/benchmarks.md): 128x64 tiles, 4 warps, 3 stages at d64
+    if head_dim <= 64 or element_size > 2:
+        # H200 sweep (docs/benchmarks.md): 128x64 tiles, 4 warps, 3 stages at d64; float32 (tests)
+        # at d128 needs these smaller tiles too (128x128 x 2 stages exceeds shared memory).
         return {"block_m": 128, "block_n": max(block_size, 64), "num_warps": 4, "num_stages": 3}
     return {"block_m": 128, "block_n": max(block_size, 128), "num_warps": 8, "num_stages": 2}  # 128x128 at d128
 
@@ -449,7 +451,7 @@ def paged_prefill(
     interpreter = on_interpreter(query)
     if not interpreter:
         check_gpu_shapes(layout)
-    cfg = _default_config(head_dim, block_size, interpreter)
+    cfg = _default_config(head_dim, block_size, interpreter, query.element_size())
     block_m = block_m or cfg["block_m"]
     block_n = triton.next_power_of_2(max(block_n or cfg["block_n"], block_size))
     if out is None:
