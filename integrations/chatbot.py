@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from lazyattn_rag.config import EngineConfig
 from lazyattn_rag.integrations.corpus import (
@@ -30,6 +30,9 @@ from lazyattn_rag.integrations.corpus import (
 from lazyattn_rag.integrations.embeddings import SentenceEmbedder
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from lazyattn_rag.llm import LazyAttention
 
 # Two questions whose retrievals share chunks: the second shows cache hits at new offsets.
 DEMO_QUESTIONS = ("What does the break statement do?", "What does the continue statement do?")
@@ -85,7 +88,7 @@ def load_or_build_store(sources: list[Source], embedder: SentenceEmbedder, index
     docs = chunk_sources(sources, embedder_token_counter(embedder.tokenizer),
                          embedder.max_seq_length - SPECIAL_TOKENS, overlap)
     print(f"Embedding {len(docs)} chunks of {len(sources)} texts with {embedder.name} "
-          "(first run only; about a minute on 2 CPU cores)...", file=log, flush=True)
+          "(first run only)...", file=log, flush=True)
     store = FaissDocumentStore(embedder)
     store.upsert(docs)
     store.save(index_dir)
@@ -117,9 +120,11 @@ def answer(query_engine, question: str, out: TextIO) -> dict:
 
 
 def run_chat(options: ChatOptions, out: TextIO = sys.stdout, log: TextIO = sys.stderr,
-             stdin: TextIO = sys.stdin) -> list[dict]:
+             stdin: TextIO = sys.stdin, engine: "LazyAttention | None" = None) -> list[dict]:
     """Build or load the index and the LLM, then answer ``options.questions`` (or read questions
     interactively until an empty line, ``exit`` or end of input).
+
+    ``engine`` reuses a loaded :class:`LazyAttention` (``options.engine`` is then ignored).
 
     Returns:
         the stats dict of every answer, in order.
@@ -138,7 +143,7 @@ def run_chat(options: ChatOptions, out: TextIO = sys.stdout, log: TextIO = sys.s
                                       corpus_fingerprint(sources, embedder, options.chunk_overlap))
     store = load_or_build_store(sources, embedder, Path(index_dir), options.chunk_overlap, options.rebuild, log)
     t0 = time.perf_counter()
-    engine = LazyAttention(options.engine)
+    engine = engine or LazyAttention(options.engine)
     store.engine = engine  # updates and deletions now reach the KV cache too
     print(f"Loaded {engine.model_name} on {engine.device} in {time.perf_counter() - t0:.1f} s", file=log)
     llm = LazyAttentionLLM(engine, options.sampling)
