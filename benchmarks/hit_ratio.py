@@ -78,6 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "hit_ratio.json")
     p.add_argument("--plot", type=Path,
                    default=Path(__file__).resolve().parents[1] / "docs" / "img" / "hit_ratio.png")
+    p.add_argument("--plot-only", action="store_true", help="redraw the plot from an existing --out JSON")
     args = p.parse_args(argv)
     if args.model_config is not None:
         args.bytes_per_token = kv_bytes_per_token_from_config(json.loads(args.model_config.read_text()),
@@ -121,35 +122,38 @@ def paper_table(columns: list[dict], policies: list[str]) -> str:
     return "\n".join(lines)
 
 
-def plot(sweep: dict, args, path: Path) -> None:
+def plot(results: dict, path: Path) -> None:
+    """Hit ratio (document, token) vs budget of every cache x policy on the mid-skew sweep; PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    budgets = args.plot_budgets_gb
+    sweep, policies = results["budget_sweep"], results["config"]["policies"]
+    budgets = sorted(sweep["budgets"], key=float)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8), sharey=True)
     colors = {"prefix": "tab:gray", "position_aware": "tab:orange", "agnostic": "tab:blue"}
     styles = {"lru": ":", "lfu": "-", "gdsf": "--"}
     for ax, metric, title in ((axes[0], "doc_hit_ratio", "document hit ratio"),
                               (axes[1], "token_hit_ratio", "token hit ratio")):
         for kind in CACHE_KINDS:
-            for policy in args.policies:
-                ys = [100 * sweep["budgets"][str(b)][kind][policy][metric] for b in budgets]
-                ax.plot(budgets, ys, styles.get(policy, "-"), color=colors[kind], marker="o", markersize=3,
-                        label=f"{KIND_LABELS[kind]}, {policy}")
+            for policy in policies:
+                ys = [100 * sweep["budgets"][b][kind][policy][metric] for b in budgets]
+                ax.plot([float(b) for b in budgets], ys, styles.get(policy, "-"), color=colors[kind], marker="o",
+                        markersize=3, label=f"{KIND_LABELS[kind]}, {policy}")
                 ax.axhline(100 * sweep["unlimited"][kind][policy][metric], color=colors[kind], lw=0.6, alpha=0.4)
         ax.set_xscale("log")
         ax.set_xlabel("KV cache budget (GiB)")
         ax.set_title(f"{title} (thin lines: no limit)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("hit ratio (%)")
-    axes[1].legend(fontsize=7, loc="lower right")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False)
     w = sweep["workload"]
     fig.suptitle(f"Zipf α={w['zipf_alpha']}, {w['num_docs']} docs (median {w['doc_tokens_median']} tokens), "
                  f"{w['docs_per_request']} docs/request at {w['num_positions']} positions, "
-                 f"{w['num_requests']} requests, {args.bytes_per_token // 1024} KiB/token", fontsize=9)
-    fig.tight_layout()
+                 f"{w['num_requests']} requests, {results['config']['bytes_per_token'] // 1024} KiB/token", fontsize=9)
+    fig.tight_layout(rect=(0, 0.13, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -157,6 +161,10 @@ def plot(sweep: dict, args, path: Path) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.plot_only:
+        plot(json.loads(args.out.read_text()), args.plot)
+        print(f"wrote {args.plot} from {args.out}")
+        return {}
     start = time.perf_counter()
     alphas = {"high": args.alpha_high, "mid": args.alpha_mid, "low": args.alpha_low}
     traces = {skew: make_trace(workload(args, a)) for skew, a in alphas.items()}
@@ -192,7 +200,7 @@ def main(argv=None) -> dict:
     results["seconds"] = round(time.perf_counter() - start, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
-    plot(sweep, args, args.plot)
+    plot(results, args.plot)
     print(paper_table(columns, args.policies))
     print("\nclosed form (C=100, D=20): agnostic/aware hit-ratio ratio")
     print("| α | policy | simulated | closed form | error |\n|---:|---|---:|---:|---:|")
