@@ -57,7 +57,8 @@ class SentenceEmbedder:
         self.name = DEFAULT_EMBEDDING_NAME if model_path is None else path.name
         self.model = SentenceTransformer(str(path), device=device, local_files_only=True)
         self.batch_size = batch_size
-        self.dim = int(self.model.get_embedding_dimension())
+        dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+        self.dim = int(dim())
         self.max_seq_length = int(self.model.max_seq_length)
         self.tokenizer = self.model.tokenizer
 
