@@ -245,6 +245,8 @@ def paged_decode(
     paged context, with the query rotated by ``-delta`` once per chunk (see module doc).
 
     ``max_seq_len`` (a host int) bounds the split count; a sequence with no blocks gets zeros.
+    ``rotate=False`` skips the rotation (only for measuring its cost: the result is then wrong
+    for any block with a nonzero delta).
 
     Returns:
         ``out`` (allocated like ``query`` when not given).

@@ -467,7 +467,7 @@ def paged_prefill(
     if seq_ids.numel() == 0 or max_query_len == 0:
         return out
     max_blocks = block_tables.shape[1]
-    grid = (num_heads, triton_cdiv(max_query_len, block_m), seq_ids.numel())
+    grid = (num_heads, triton.cdiv(max_query_len, block_m), seq_ids.numel())
     prefill_kernel[grid](
         query, key_cache, value_cache, out,
         block_tables, key_starts, runs.starts, runs.num_runs, num_blocks_per_seq, seq_lens, cu_seqlens_q, seq_ids,
@@ -497,10 +497,6 @@ def paged_prefill(
         num_stages=num_stages or cfg["num_stages"],
     )
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # --------------------------------------------------------------------------------------------
