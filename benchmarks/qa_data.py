@@ -39,9 +39,9 @@ class QAExample:
 
 
 def default_data_dir() -> Path | None:
-    """``<repo>/../shared/data`` when it exists (the project's shared data), else ``None``."""
-    path = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-    return path if path.is_dir() else None
+    """The shared data folder: ``<repo>/../shared/data``, else ``<repo>/shared/data``, else ``None``."""
+    repo = Path(__file__).resolve().parents[1]
+    return next((p for p in (repo.parent / "shared" / "data", repo / "shared" / "data") if p.is_dir()), None)
 
 
 def passage_text(title: str, text: str) -> str:

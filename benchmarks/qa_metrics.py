@@ -46,6 +46,15 @@ def first_answer_line(generation: str) -> str:
     return ""
 
 
+def first_line_complete(generation: str) -> bool:
+    """Whether a (partial) generation already holds a finished first non-empty line.
+
+    Generation can stop there: nothing after it changes :func:`first_answer_line`.
+    """
+    stripped = generation.lstrip()
+    return "\n" in stripped and bool(stripped.split("\n", 1)[0].strip())
+
+
 def exact_match(prediction: str, golds: Sequence[str]) -> float:
     """1.0 if the normalised prediction equals any normalised gold answer, else 0.0."""
     pred = normalize_answer(prediction)

@@ -96,7 +96,7 @@ class RecomputeReference:
 
     @torch.no_grad()
     def generate(self, head_ids: list[int], chunk_ids: list[list[int]], tail_ids: list[int],
-                 recompute_tokens: int, max_tokens: int) -> list[int]:
+                 recompute_tokens: int, max_tokens: int, stop=None) -> list[int]:
         """Greedy answer token ids (without the EOS) for one prompt.
 
         Args:
@@ -105,6 +105,7 @@ class RecomputeReference:
             tail_ids: the question and the template's closing.
             recompute_tokens: ``k``, tokens recomputed at the start of each chunk (>= 0).
             max_tokens: most tokens to generate (>= 1).
+            stop: optional ``stop(token_ids) -> bool`` checked after each token; ``True`` ends the answer.
         Raises:
             ValueError: ``recompute_tokens < 0``, ``max_tokens < 1`` or no chunks.
         """
@@ -134,7 +135,7 @@ class RecomputeReference:
             if token in self.eos_ids:
                 break
             tokens.append(token)
-            if len(tokens) >= max_tokens:
+            if len(tokens) >= max_tokens or (stop is not None and stop(tokens)):
                 break
             logits = self._forward([token], pos, cache)
             pos += 1

@@ -52,6 +52,7 @@ from benchmarks.qa_metrics import (
     answer_contains_gold,
     exact_match,
     first_answer_line,
+    first_line_complete,
     same_answer,
     summarize,
     token_f1,
@@ -91,7 +92,7 @@ def make_engine(args, anchor: str):
     from lazyattn_rag.llm import LazyAttention
 
     config = EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype,
+        model=args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
         cache=CacheConfig(anchor=anchor, kv_cache_fraction=args.kv_cache_fraction if args.device != "cpu" else None),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.concurrency),
         prompt=prompt_config())
@@ -104,12 +105,25 @@ def answer_with_engine(llm, mode: str, dataset: str, ex: QAExample, sampling, se
     llm.add_documents([(d, passage_text(t, x)) for d, (t, x) in zip(ids, ex.passages)])
     try:
         if mode.startswith("reuse"):
-            return llm.generate(ex.question, ids, sampling=sampling).text
-        order = ids if mode == "full" else shuffled(ids, seed, ex.id)
-        return llm.complete(llm.plan(ex.question, order).token_ids(), sampling).text
+            deltas = llm.stream(ex.question, ids, sampling=sampling)
+        else:
+            order = ids if mode == "full" else shuffled(ids, seed, ex.id)
+            deltas = llm.stream_prompt(llm.plan(ex.question, order).token_ids(), sampling)
+        return read_first_line(deltas)
     finally:
         for d in ids:
             llm.remove_document(d)
+
+
+def read_first_line(deltas) -> str:
+    """Text of a delta stream, stopped (the request cancelled) once its first line is complete."""
+    text = ""
+    for delta in deltas:
+        text += delta.text
+        if first_line_complete(text):
+            deltas.close()  # cancels the request in the engine and frees its blocks
+            break
+    return text
 
 
 def run_engine_mode(llm, mode, dataset, examples, args) -> dict[str, str]:
@@ -132,7 +146,8 @@ def run_recompute_mode(ref, template, k, dataset, examples, args) -> dict[str, s
     head = template.head_token_ids()
     for ex in tqdm(examples, desc=f"{dataset:>24} recompute-k{k}"):
         chunks = [template.document_token_ids(passage_text(t, x)) for t, x in ex.passages]
-        tokens = ref.generate(head, chunks, template.tail_token_ids(ex.question), k, args.max_answer_tokens)
+        tokens = ref.generate(head, chunks, template.tail_token_ids(ex.question), k, args.max_answer_tokens,
+                              stop=lambda ids: first_line_complete(template.tokenizer.decode(ids, skip_special_tokens=True)))
         out[ex.id] = template.tokenizer.decode(tokens, skip_special_tokens=True)
     return out
 
@@ -212,10 +227,17 @@ def parse_args(argv=None):
     p.add_argument("--max-batched-tokens", type=int, default=None,
                    help="engine tokens per step (default 16384 on CUDA, 2048 on CPU)")
     p.add_argument("--kv-cache-fraction", type=float, default=0.5, help="fraction of free GPU memory for K/V")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="where converted models and weight hashes are kept (default: the user cache dir)")
     p.add_argument("--out", type=Path, default=None, help="output JSON (default benchmarks/results/quality_<device>.json)")
     args = p.parse_args(argv)
     if args.data is None:
         p.error("no --data given and ../shared/data does not exist")
+    if args.cache_dir is None:
+        try:
+            import platformdirs  # noqa: F401  (EngineConfig's default cache dir needs it)
+        except ImportError:
+            args.cache_dir = Path.home() / ".cache" / "lazyattn-rag"
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = args.device.startswith("cuda")
@@ -257,7 +279,7 @@ def main(argv=None) -> dict:
     from lazyattn_rag.model_loading import resolve_model
     from lazyattn_rag.prompt import PromptTemplate
 
-    source = resolve_model(args.model, EngineConfig().resolved_cache_dir())
+    source = resolve_model(args.model, EngineConfig(cache_dir=args.cache_dir).resolved_cache_dir())
     tokenizer = AutoTokenizer.from_pretrained(str(source.path), local_files_only=True)
     hf_config = AutoConfig.from_pretrained(str(source.path), local_files_only=True)
     template = PromptTemplate(tokenizer, prompt_config())

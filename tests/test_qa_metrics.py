@@ -11,6 +11,7 @@ from benchmarks.qa_metrics import (
     bootstrap_ci,
     exact_match,
     first_answer_line,
+    first_line_complete,
     normalize_answer,
     same_answer,
     summarize,
@@ -57,6 +58,14 @@ def test_first_answer_line_and_same_answer():
     assert first_answer_line("\n\n  Paris.\nBecause...") == "Paris."
     assert first_answer_line("   \n") == ""
     assert same_answer("The Paris", "paris!") == 1.0 and same_answer("Paris", "Lyon") == 0.0
+
+
+def test_first_line_complete_matches_first_answer_line():
+    assert not first_line_complete("") and not first_line_complete("\n\n  ") and not first_line_complete("Paris")
+    assert not first_line_complete("\n\nParis")  # the first non-empty line may still grow
+    assert first_line_complete("\nParis.\n") and first_line_complete("Paris\nmore")
+    # stopping there keeps the scored line
+    assert first_answer_line("\nParis.\n") == "Paris." and first_answer_line("Paris\nmore") == "Paris"
 
 
 def test_bootstrap_ci_brackets_mean_and_shrinks_with_n():
