@@ -63,6 +63,13 @@ class RecomputeReference:
                                                        attn_implementation="sdpa").to(self.device).eval()
         self.eos_ids = set(eos_ids)
 
+    @classmethod
+    def from_model(cls, hf, eos_ids: set[int]) -> "RecomputeReference":
+        """Wrap an already-loaded transformers ``*ForCausalLM`` (tests, custom loading)."""
+        self = cls.__new__(cls)
+        self.hf, self.device, self.eos_ids = hf.eval(), next(hf.parameters()).device, set(eos_ids)
+        return self
+
     def _forward(self, ids: list[int], start: int, cache) -> torch.Tensor:
         """Run ``ids`` at positions ``start ..`` on top of ``cache``; logits of the last token."""
         x = torch.tensor([ids], device=self.device)

@@ -1,0 +1,50 @@
+"""The EPIC-style recompute reference of the quality benchmark, on a tiny random model: with k = 0 it
+is chunk reuse (the transformers oracle), with k >= every chunk's length it is a full prefill."""
+
+import pytest
+import torch
+
+from benchmarks.qa_recompute import RecomputeReference
+from tests.oracle import full_prefill_generate, oracle_generate
+from tests.tiny import hf_and_ours, hf_config
+
+HEAD = [10, 11, 12, 13, 14]
+CHUNKS = [[20 + i for i in range(7)], [40 + i for i in range(19)], [60 + i for i in range(3)]]
+TAIL = [100, 101, 102]
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def hf():
+    model, _ = hf_and_ours(hf_config("llama"), seed=3)
+    return model
+
+
+def test_k0_is_chunk_reuse(hf):
+    ref = RecomputeReference.from_model(hf, eos_ids=set())
+    starts, pos = [], len(HEAD)
+    for c in CHUNKS:
+        starts.append(pos)
+        pos += len(c)
+    chunks = [([], HEAD, 0)] + [([], c, g) for c, g in zip(CHUNKS, starts)]
+    expected, _ = oracle_generate(hf, chunks, TAIL, STEPS)
+    assert ref.generate(HEAD, CHUNKS, TAIL, recompute_tokens=0, max_tokens=STEPS) == expected
+
+
+def test_recomputing_whole_chunks_is_full_prefill(hf):
+    ref = RecomputeReference.from_model(hf, eos_ids=set())
+    prompt = HEAD + [t for c in CHUNKS for t in c] + TAIL
+    expected, _ = full_prefill_generate(hf, prompt, STEPS)
+    assert ref.generate(HEAD, CHUNKS, TAIL, recompute_tokens=max(map(len, CHUNKS)), max_tokens=STEPS) == expected
+    reuse = ref.generate(HEAD, CHUNKS, TAIL, recompute_tokens=0, max_tokens=STEPS)
+    assert reuse != expected  # the random model does notice independent encoding, so the two checks differ
+
+
+def test_stops_at_eos_and_stop_callback(hf):
+    ref = RecomputeReference.from_model(hf, eos_ids=set())
+    free = ref.generate(HEAD, CHUNKS, TAIL, 2, max_tokens=STEPS)
+    assert ref.generate(HEAD, CHUNKS, TAIL, 2, max_tokens=STEPS, stop=lambda ids: len(ids) == 2) == free[:2]
+    ref.eos_ids = {free[1]}
+    assert ref.generate(HEAD, CHUNKS, TAIL, 2, max_tokens=STEPS) == free[:1]
+    with pytest.raises(ValueError):
+        ref.generate(HEAD, [], TAIL, 0, max_tokens=STEPS)
