@@ -89,19 +89,24 @@ class TorchAttentionBackend(AttentionBackend):
             out[starts[i] : starts[i + 1]] = o.to(out.dtype)
         return out
 
-    def _expand_kv(self, t: torch.Tensor) -> torch.Tensor:
-        """[seq_len, num_kv_heads, d] -> [num_heads, seq_len, d] (GQA: each KV head serves a group)."""
-        group = self.num_heads // self.num_kv_heads
-        return t.transpose(0, 1).repeat_interleave(group, dim=0)
+    def _grouped(self, q: torch.Tensor) -> torch.Tensor:
+        """[q_len, num_heads, d] -> [q_len, num_kv_heads, group, d] (GQA: query heads of one KV head)."""
+        return q.view(q.shape[0], self.num_kv_heads, self.num_heads // self.num_kv_heads, q.shape[-1])
+
+    def _softmax_v(self, scores: torch.Tensor, v: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Causal mask, softmax and V: scores [kv_heads, group, q_len, seq_len] -> [q_len, num_heads, d]."""
+        q_len = scores.shape[2]
+        if q_len > 1:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=scores.device)[:, None]
+            k_pos = torch.arange(seq_len, device=scores.device)[None, :]
+            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores * self.scale, dim=-1)
+        out = torch.einsum("cgqn,ncd->qcgd", probs, v)  # [q_len, kv_heads, group, d]
+        return out.reshape(q_len, self.num_heads, v.shape[-1])
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int) -> torch.Tensor:
-        q_len = q.shape[0]
-        scores = torch.einsum("qhd,hkd->hqk", q, self._expand_kv(k)) * self.scale
-        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        k_pos = torch.arange(seq_len)[None, :]
-        scores = scores.masked_fill((k_pos > q_pos).to(scores.device)[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        return torch.einsum("hqk,hkd->qhd", probs, self._expand_kv(v))
+        scores = torch.einsum("qcgd,ncd->cgqn", self._grouped(q), k)  # [kv_heads, group, q_len, seq_len]
+        return self._softmax_v(scores, v, seq_len)
 
     def _rotate_query(self, q_len: int, plan: _SeqGather) -> bool:
         if self.rotation != "auto":
@@ -110,15 +115,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _attend_rotating_query(self, q, k, v, plan: _SeqGather, seq_len: int) -> torch.Tensor:
         q_len = q.shape[0]
-        k_exp = self._expand_kv(k.to(torch.float32))  # [num_heads, seq_len, d]
-        scores = torch.empty(self.num_heads, q_len, k.shape[0], dtype=torch.float32, device=q.device)
+        k = k.to(torch.float32)
+        group = self.num_heads // self.num_kv_heads
+        scores = torch.empty(self.num_kv_heads, group, q_len, k.shape[0], dtype=torch.float32, device=q.device)
         for start, end, delta in plan.runs:
             q_run = q
             if delta != 0:  # once per chunk: R_(-delta) applied to every query row
                 q_run = self.rotary.rotate_by(q, torch.full((q_len,), -delta, device=q.device))
-            scores[:, :, start:end] = torch.einsum("qhd,hkd->hqk", q_run, k_exp[:, start:end])
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-        k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        scores = scores.masked_fill((k_pos > q_pos)[None], float("-inf"))
-        probs = torch.softmax(scores * self.scale, dim=-1)
-        return torch.einsum("hqk,hkd->qhd", probs, self._expand_kv(v))
+            scores[..., start:end] = torch.einsum("qcgd,ncd->cgqn", self._grouped(q_run), k[start:end])
+        return self._softmax_v(scores, v, seq_len)
