@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 # Two questions whose retrievals share chunks: the second shows cache hits at new offsets.
 DEMO_QUESTIONS = ("What does the break statement do?", "What does the continue statement do?")
-INDEX_FORMAT = 1
+INDEX_FORMAT = 2
 
 
 def follow_up_question(question: str) -> str:
@@ -87,6 +87,8 @@ def load_or_build_store(sources: list[Source], embedder: SentenceEmbedder, index
     t0 = time.perf_counter()
     docs = chunk_sources(sources, embedder_token_counter(embedder.tokenizer),
                          embedder.max_seq_length - SPECIAL_TOKENS, overlap)
+    seen: set[str] = set()  # pydoc repeats text (e.g. "else" == "if"): one copy, so top-k stays diverse
+    docs = [d for d in docs if not (d.text in seen or seen.add(d.text))]
     print(f"Embedding {len(docs)} chunks of {len(sources)} texts with {embedder.name} "
           "(first run only)...", file=log, flush=True)
     store = FaissDocumentStore(embedder)
