@@ -9,6 +9,7 @@ pytest.importorskip("faiss")
 
 from llama_index.core.base.llms.types import ChatMessage  # noqa: E402
 from llama_index.core.chat_engine import ContextChatEngine  # noqa: E402
+from llama_index.core.memory import ChatMemoryBuffer  # noqa: E402
 
 from lazyattn_rag import Document, SamplingParams  # noqa: E402
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore  # noqa: E402
@@ -180,7 +181,9 @@ def test_update_changes_retrieved_text_answer_and_kv_then_delete_removes_both(ll
 
 def test_context_chat_engine_reuses_cached_chunks_through_the_prompt_fallback(llm, spy, store):
     retriever = FaissRetriever(store, similarity_top_k=2)
+    # an in-process memory (the default Memory runs an async SQLite store through its own loops)
     chat_engine = ContextChatEngine.from_defaults(retriever=retriever, llm=llm,
+                                                  memory=ChatMemoryBuffer.from_defaults(token_limit=4000),
                                                   node_postprocessors=[KVCacheWarmer(llm=llm)])
     response = chat_engine.chat("Why do cats purr?")
     ids = [n.node.node_id for n in response.source_nodes]
