@@ -1,0 +1,88 @@
+"""Compile the attention kernels for Hopper (sm_90a) without a GPU and print their resource usage.
+
+Registers per thread and stack bytes (spills, and libdevice's local array for large-argument
+sin/cos) per kernel configuration, read with the ``cuobjdump`` that Triton's NVIDIA backend ships.
+Costs no device time; use it before spending any. Integer and pointer arguments are compiled as
+divisible by 16, which is how Triton's JIT specializes them for the engine's contiguous caches
+(without that, loads are not vectorized and every configuration looks like it spills).
+
+    python benchmarks/kernel_resources.py
+
+The local Triton may differ from the device's (3.9 here, 3.6 on the H200 image): read the numbers
+as leads.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from lazyattn_rag.kernels import decode, prefill
+
+POINTER_TYPES = {
+    "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
+    "block_tables_ptr": "*i64", "inv_freq_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+}
+
+
+def cuobjdump() -> str:
+    found = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(found) if found.exists() else (shutil.which("cuobjdump") or "cuobjdump")
+
+
+def resources(fn, constexprs: dict, num_warps: int, num_stages: int) -> str:
+    names = fn.arg_names
+    sig = {}
+    for n in names:
+        if n in constexprs:
+            sig[n] = "constexpr"
+        elif n in POINTER_TYPES:
+            sig[n] = POINTER_TYPES[n]
+        elif n.endswith("_ptr"):
+            sig[n] = "*i32"
+        else:
+            sig[n] = "fp32" if n == "sm_scale_log2" else "i32"
+    divisible = [n for n in names if n.endswith("_ptr") or n.startswith("stride")]
+    src = ASTSource(
+        fn=fn, signature=sig,
+        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible},
+    )
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(kernel.asm["cubin"])
+        out = subprocess.run([cuobjdump(), "--dump-resource-usage", str(path)], capture_output=True, text=True).stdout
+    line = next((x for x in out.splitlines() if "REG:" in x), "")
+    fields = dict(f.split(":") for f in line.split() if ":" in f and f.split(":")[0] in ("REG", "STACK", "SHARED"))
+    return f"regs {fields.get('REG', '?'):>3}  stack {fields.get('STACK', '?'):>4} B"
+
+
+def rope(head_dim: int) -> dict:
+    return dict(HEAD_DIM=head_dim, HALF=head_dim // 2, REST=0, PAIR_STRIDE=1, X2_OFF=head_dim // 2, BLOCK_SIZE=16,
+                ACCURATE_TRIG=True, DOT_PRECISION=None, DOT_UPCAST=False)
+
+
+def main() -> None:
+    print("kernel   heads       tile               rotation  resources")
+    for head_dim, group, (bm, bn, warps, stages) in ((128, 4, (128, 128, 8, 2)), (64, 3, (128, 64, 4, 3))):
+        for name, mode in (("none", 0), ("query", 1), ("key", 2)):
+            c = dict(rope(head_dim), GROUP=group, BLOCK_M=bm, BLOCK_N=bn, TILE_BLOCKS=bn // 16, ROTATION=mode)
+            print(f"prefill  d{head_dim:<3} g{group}    {bm}x{bn} w{warps} s{stages}    {name:<8}  "
+                  f"{resources(prefill.prefill_kernel, c, warps, stages)}")
+    for head_dim, group, bn, splits in ((128, 4, 64, 1), (64, 3, 128, 4)):
+        for rotate in (False, True):
+            c = dict(rope(head_dim), GROUP=group, BLOCK_G=16, BLOCK_N=bn, TILE_BLOCKS=bn // 16, NUM_SPLITS=splits,
+                     ROTATE=rotate)
+            print(f"decode   d{head_dim:<3} g{group}    n{bn} splits {splits} w4 s3   {'query' if rotate else 'none':<8}  "
+                  f"{resources(decode.decode_kernel, c, 4, 3)}")
+
+
+if __name__ == "__main__":
+    main()
