@@ -181,6 +181,25 @@ def rescore(results: dict, dataset: str, examples: list[QAExample], seed: int) -
                   | {"seconds": d["seconds"].get(m)} for m in sorted(by_mode, key=mode_order)}
 
 
+def resume_from(results: dict, prior: dict, examples: dict[str, list[QAExample]], seed: int) -> None:
+    """Copy a previous run's generations for the same questions into ``results`` (``--resume``).
+
+    Raises:
+        ValueError: a dataset of the previous run holds other questions (another seed or sample size).
+    """
+    for dataset, gens in prior.get("generations", {}).items():
+        if dataset not in examples:  # not part of this run: kept as it was
+            results["datasets"][dataset], results["generations"][dataset] = prior["datasets"][dataset], gens
+            continue
+        if set(gens) != {ex.id for ex in examples[dataset]}:
+            raise ValueError(f"--resume: {dataset} in the previous output has other questions; use the same "
+                             "--seed and --sample-size, or another --out")
+        for qid, g in gens.items():
+            results["generations"][dataset][qid]["modes"].update(g["modes"])
+        results["datasets"][dataset]["seconds"].update(prior["datasets"][dataset].get("seconds", {}))
+        rescore(results, dataset, examples[dataset], seed)
+
+
 def mode_order(mode: str) -> tuple[int, int]:
     base = mode if not mode.startswith("recompute-k") else "recompute"
     k = int(mode.removeprefix("recompute-k")) if mode.startswith("recompute-k") else 0
@@ -229,6 +248,8 @@ def parse_args(argv=None):
     p.add_argument("--kv-cache-fraction", type=float, default=0.5, help="fraction of free GPU memory for K/V")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="where converted models and weight hashes are kept (default: the user cache dir)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the answers already in --out (same questions) and run only the missing modes")
     p.add_argument("--out", type=Path, default=None, help="output JSON (default benchmarks/results/quality_<device>.json)")
     args = p.parse_args(argv)
     if args.data is None:
@@ -296,6 +317,11 @@ def main(argv=None) -> dict:
         "generations": {d: {ex.id: {"answers": list(ex.answers), "modes": {}} for ex in e} for d, e in examples.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.resume and args.out.is_file():
+        resume_from(results, json.loads(args.out.read_text()), examples, args.seed)
+
+    def done(dataset, mode):
+        return all(mode in g["modes"] for g in results["generations"][dataset].values())
 
     def record(dataset, mode, generations, seconds):
         for qid, text in generations.items():
@@ -305,16 +331,15 @@ def main(argv=None) -> dict:
         args.out.write_text(json.dumps(results, indent=1, ensure_ascii=False))
 
     for anchor in ("none", "head", "bos"):
-        modes = [m for m in args.modes if ENGINE_MODES.get(m) == anchor]
-        if not modes:
+        todo = [(d, m) for d in args.datasets for m in args.modes if ENGINE_MODES.get(m) == anchor and not done(d, m)]
+        if not todo:
             continue
         llm = make_engine(args, anchor)
         try:
-            for dataset in args.datasets:
-                for mode in modes:
-                    start = time.perf_counter()
-                    gens = run_engine_mode(llm, mode, dataset, examples[dataset], args)
-                    record(dataset, mode, gens, time.perf_counter() - start)
+            for dataset, mode in todo:
+                start = time.perf_counter()
+                gens = run_engine_mode(llm, mode, dataset, examples[dataset], args)
+                record(dataset, mode, gens, time.perf_counter() - start)
         finally:
             llm.shutdown()
             del llm
@@ -328,6 +353,8 @@ def main(argv=None) -> dict:
         ref = RecomputeReference(source.path, args.device, _DTYPES[args.dtype], generation_eos_ids(source.path, tokenizer))
         for dataset in args.datasets:
             for k in args.recompute_tokens:
+                if done(dataset, f"recompute-k{k}"):
+                    continue
                 start = time.perf_counter()
                 gens = run_recompute_mode(ref, template, k, dataset, examples[dataset], args)
                 record(dataset, f"recompute-k{k}", gens, time.perf_counter() - start)

@@ -136,3 +136,32 @@ def test_score_mode_paired_difference_and_agreement(tmp_path):
     assert s["contains_gold_minus_full"]["mean"] == -25.0  # q1 lost
     assert s["em"]["mean"] == 50.0
     assert "same_as_full" not in score_mode(examples, full, None, seed=0)
+
+
+def test_resume_keeps_previous_answers_and_rejects_other_questions(tmp_path):
+    from benchmarks.quality import resume_from
+
+    (tmp_path / "qa").mkdir()
+    rows = [{"id": f"q{i}", "question": "?", "answers": ["Paris"], "passages": [{"title": "", "text": "t"}]}
+            for i in range(3)]
+    (tmp_path / "qa" / "hotpotqa.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    examples = {"hotpotqa": load_qa(tmp_path, "hotpotqa")}
+
+    def empty():
+        return {"datasets": {"hotpotqa": {"seconds": {}, "modes": {}}},
+                "generations": {"hotpotqa": {f"q{i}": {"answers": ["Paris"], "modes": {}} for i in range(3)}}}
+
+    prior = empty()
+    for i, answer in enumerate(["Paris", "Lyon", "Paris"]):
+        prior["generations"]["hotpotqa"][f"q{i}"]["modes"]["full"] = answer
+    prior["datasets"]["hotpotqa"]["seconds"]["full"] = 1.5
+    prior["datasets"]["musique"] = {"seconds": {}, "modes": {"full": {}}}
+    prior["generations"]["musique"] = {"m0": {"answers": ["x"], "modes": {"full": "x"}}}
+    results = empty()
+    resume_from(results, prior, examples, seed=0)
+    assert results["generations"]["hotpotqa"]["q1"]["modes"] == {"full": "Lyon"}
+    assert results["datasets"]["hotpotqa"]["modes"]["full"]["contains_gold"]["mean"] == pytest.approx(200 / 3)
+    assert results["generations"]["musique"]["m0"]["modes"]["full"] == "x"  # other datasets are kept
+    del prior["generations"]["hotpotqa"]["q2"]
+    with pytest.raises(ValueError):
+        resume_from(empty(), prior, examples, seed=0)
