@@ -146,8 +146,10 @@ def run_recompute_mode(ref, template, k, dataset, examples, args) -> dict[str, s
     head = template.head_token_ids()
     for ex in tqdm(examples, desc=f"{dataset:>24} recompute-k{k}"):
         chunks = [template.document_token_ids(passage_text(t, x)) for t, x in ex.passages]
-        tokens = ref.generate(head, chunks, template.tail_token_ids(ex.question), k, args.max_answer_tokens,
-                              stop=lambda ids: first_line_complete(template.tokenizer.decode(ids, skip_special_tokens=True)))
+        def stop(ids):
+            return first_line_complete(template.tokenizer.decode(ids, skip_special_tokens=True))
+
+        tokens = ref.generate(head, chunks, template.tail_token_ids(ex.question), k, args.max_answer_tokens, stop)
         out[ex.id] = template.tokenizer.decode(tokens, skip_special_tokens=True)
     return out
 
@@ -214,7 +216,8 @@ def markdown_table(results: dict) -> str:
     for dataset, d in results["datasets"].items():
         n = next(iter(d["modes"].values()))["contains_gold"]["n"] if d["modes"] else 0
         lines += [f"\n**{dataset}** ({n} questions)\n",
-                  "| mode | contains gold % | token F1 % | EM % | same answer as full % | contains gold − full (points) |",
+                  "| mode | contains gold % | token F1 % | EM % | same answer as full % "
+                  "| contains gold − full (points) |",
                   "|---|---:|---:|---:|---:|---:|"]
         for mode, m in d["modes"].items():
             same = fmt(m["same_as_full"]) if "same_as_full" in m else "–"
@@ -250,7 +253,8 @@ def parse_args(argv=None):
                    help="where converted models and weight hashes are kept (default: the user cache dir)")
     p.add_argument("--resume", action="store_true",
                    help="keep the answers already in --out (same questions) and run only the missing modes")
-    p.add_argument("--out", type=Path, default=None, help="output JSON (default benchmarks/results/quality_<device>.json)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output JSON (default benchmarks/results/quality_<device>.json)")
     args = p.parse_args(argv)
     if args.data is None:
         p.error("no --data given and ../shared/data does not exist")
@@ -314,7 +318,8 @@ def main(argv=None) -> dict:
                             "tail": template.tail_text("{question}")},
         "datasets": {d: {"num_questions": len(e), "num_skipped_too_long": skipped[d], "seconds": {}, "modes": {}}
                      for d, e in examples.items()},
-        "generations": {d: {ex.id: {"answers": list(ex.answers), "modes": {}} for ex in e} for d, e in examples.items()},
+        "generations": {d: {ex.id: {"answers": list(ex.answers), "modes": {}} for ex in e}
+                        for d, e in examples.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.resume and args.out.is_file():
@@ -350,7 +355,8 @@ def main(argv=None) -> dict:
     if "recompute" in args.modes:
         from benchmarks.qa_recompute import RecomputeReference, generation_eos_ids
 
-        ref = RecomputeReference(source.path, args.device, _DTYPES[args.dtype], generation_eos_ids(source.path, tokenizer))
+        eos_ids = generation_eos_ids(source.path, tokenizer)
+        ref = RecomputeReference(source.path, args.device, _DTYPES[args.dtype], eos_ids)
         for dataset in args.datasets:
             for k in args.recompute_tokens:
                 if done(dataset, f"recompute-k{k}"):

@@ -2,7 +2,6 @@
 is chunk reuse (the transformers oracle), with k >= every chunk's length it is a full prefill."""
 
 import pytest
-import torch
 
 from benchmarks.qa_recompute import RecomputeReference
 from tests.oracle import full_prefill_generate, oracle_generate
