@@ -92,7 +92,8 @@ class LazyAttentionLLM(CustomLLM):
         self._engine = engine
 
     @classmethod
-    def from_config(cls, config: EngineConfig | None = None, sampling: SamplingParams | None = None) -> "LazyAttentionLLM":
+    def from_config(cls, config: EngineConfig | None = None,
+                    sampling: SamplingParams | None = None) -> "LazyAttentionLLM":
         """Load an engine (``None``: the offline default SmolLM2) and wrap it."""
         return cls(LazyAttention(config), sampling)
 

@@ -25,7 +25,8 @@ def chat(
                                         "(default: Python's language reference, pydoc_data.topics)."),
     top_k: int = typer.Option(3, "--top-k", min=1, help="Chunks retrieved per question."),
     max_tokens: int = typer.Option(128, min=1, help="Most tokens per answer."),
-    index_dir: Optional[Path] = typer.Option(None, help="Where the FAISS index is kept (default: under the cache dir)."),
+    index_dir: Optional[Path] = typer.Option(None, help="Where the FAISS index is kept "
+                                             "(default: under the cache dir)."),
     rebuild: bool = typer.Option(False, "--rebuild", help="Re-embed the corpus even if a saved index exists."),
     model: Optional[str] = typer.Option(None, help=_MODEL_HELP),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),

@@ -122,7 +122,8 @@ def test_async_stream_does_not_block_the_event_loop(llm):
         task = asyncio.create_task(ticker(done))
         await asyncio.sleep(0)
         n_before = len(ticks)
-        gen = await llm.astream_complete("Question : " + words(5), sampling=SamplingParams(max_tokens=48, ignore_eos=True))
+        long = SamplingParams(max_tokens=48, ignore_eos=True)
+        gen = await llm.astream_complete("Question : " + words(5), sampling=long)
         count = 0
         async for _ in gen:
             count += 1

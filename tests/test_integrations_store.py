@@ -74,7 +74,8 @@ def test_save_and_load_round_trip(store, tmp_path):
     assert loaded.documents() == store.documents()
     assert loaded.get("comets").metadata == {"kind": "space"}
     for q in ("Why do cats purr?", "What grows near the sun?"):
-        assert [(d.id, round(s, 5)) for d, s in loaded.search(q, 4)] == [(d.id, round(s, 5)) for d, s in store.search(q, 4)]
+        ranked = [(d.id, round(s, 5)) for d, s in store.search(q, 4)]
+        assert [(d.id, round(s, 5)) for d, s in loaded.search(q, 4)] == ranked
     loaded.upsert([Document("new", "A fresh document after reload.")])  # ids keep counting past the old ones
     assert len({loaded._int_ids[d] for d in ("cats", "rivers", "stars", "comets", "new")}) == 5
     meta = json.loads((tmp_path / "idx" / "meta.json").read_text())
