@@ -65,7 +65,7 @@ def load_qa(data_dir: Path | str, dataset: str, sample_size: int | None = None, 
     Returns:
         the sampled questions, in file order. Questions without passages are skipped.
     Raises:
-        ValueError: unknown dataset name.
+        ValueError: unknown dataset name, or a question id that occurs twice.
         FileNotFoundError: the dataset file is missing.
     """
     if dataset not in DATASET_FILES:
@@ -81,6 +81,8 @@ def load_qa(data_dir: Path | str, dataset: str, sample_size: int | None = None, 
             if not passages:
                 continue
             examples.append(QAExample(str(row["id"]), row["question"], tuple(row["answers"]), passages))
+    if len({e.id for e in examples}) != len(examples):
+        raise ValueError(f"{path} has repeated question ids")
     if sample_size and sample_size < len(examples):
         keep = sorted(random.Random(seed).sample(range(len(examples)), sample_size))
         examples = [examples[i] for i in keep]

@@ -20,11 +20,11 @@ SQuAD normalisation (best-subspan EM), token F1, exact match, the fraction of qu
 whose answer equals the ``full`` answer, and the paired difference to ``full``; each with a
 95% bootstrap interval. The first non-empty line of each generation is scored.
 
-Full run (GPU, a local HF model directory)::
+Full run (GPU, a local HF model directory; see ``docs/quality.md``)::
 
-    python -m benchmarks.quality --model /models/Llama-3.1-8B-Instruct --device cuda
+    python -m benchmarks.quality --model /path/to/Llama-3.1-8B-Instruct --device cuda
 
-CPU sample with the offline default SmolLM2::
+CPU sample with the offline default SmolLM2 (``--resume`` adds missing modes to an output)::
 
     python -m benchmarks.quality --device cpu --sample-size 8 --out benchmarks/results/quality_cpu.json
 """

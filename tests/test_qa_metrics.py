@@ -165,3 +165,11 @@ def test_resume_keeps_previous_answers_and_rejects_other_questions(tmp_path):
     del prior["generations"]["hotpotqa"]["q2"]
     with pytest.raises(ValueError):
         resume_from(empty(), prior, examples, seed=0)
+
+
+def test_load_qa_rejects_repeated_ids(tmp_path):
+    (tmp_path / "qa").mkdir()
+    row = {"id": "q", "question": "?", "answers": ["a"], "passages": [{"title": "", "text": "t"}]}
+    (tmp_path / "qa" / "nq_open_oracle.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match="repeated"):
+        load_qa(tmp_path, "nq_open_oracle")
