@@ -35,6 +35,7 @@ from lazyattn_rag.kernels.prefill import (
     BlockRuns,
     block_runs,
     check_gpu_shapes,
+    check_inputs,
     cos_sin,
     dot_precision,
     mma,
@@ -263,6 +264,7 @@ def paged_decode(
     for t, name in ((query, "query"), (key_cache, "key_cache"), (value_cache, "value_cache")):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim")
+    check_inputs(query, key_cache, value_cache, block_tables)
     interpreter = on_interpreter(query)
     if not interpreter:
         check_gpu_shapes(layout)

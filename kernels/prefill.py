@@ -106,6 +106,21 @@ def check_gpu_shapes(layout: RopeLayout) -> None:
         )
 
 
+def check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor) -> None:
+    """Clear errors for inputs the kernels would otherwise misread."""
+    if not (query.dtype == key_cache.dtype == value_cache.dtype):
+        raise ValueError(f"query, key_cache and value_cache must share a dtype, got {query.dtype}, "
+                         f"{key_cache.dtype}, {value_cache.dtype}")
+    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
+        raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ")
+    if block_tables.dtype != torch.int64 or block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise ValueError("block_tables must be a 2-d int64 tensor with contiguous rows (packed words)")
+    if query.device != key_cache.device or query.device != block_tables.device:
+        raise ValueError(f"tensors on different devices: query {query.device}, key_cache {key_cache.device}, "
+                         f"block_tables {block_tables.device}")
+
+
 def block_key_starts(block_tables: torch.Tensor, num_blocks_per_seq: torch.Tensor) -> torch.Tensor:
     """Index of each block's first key (exclusive prefix sum of valid slots along each row).
 
@@ -448,6 +463,7 @@ def paged_prefill(
     for t, name in ((query, "query"), (key_cache, "key_cache"), (value_cache, "value_cache")):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim")
+    check_inputs(query, key_cache, value_cache, block_tables)
     interpreter = on_interpreter(query)
     if not interpreter:
         check_gpu_shapes(layout)

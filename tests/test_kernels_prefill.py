@@ -146,3 +146,13 @@ def test_long_prefill_with_chunks_gpu(num_heads, num_kv_heads, head_dim):
                      dtype=torch.bfloat16, device="cuda", seed=11)
     out, ref = run(case)
     assert_close(out, ref, torch.bfloat16)
+
+
+def test_bad_inputs_raise_clear_errors():
+    case = make_case(MIXED[:1], num_heads=4, num_kv_heads=2, head_dim=64, device=DEVICE, seed=10)
+    with pytest.raises(ValueError, match="share a dtype"):
+        run(case.__class__(**{**case.__dict__, "query": case.query.half()}))
+    with pytest.raises(ValueError, match="int64"):
+        run(case.__class__(**{**case.__dict__, "block_tables": case.block_tables.to(torch.int32)}))
+    with pytest.raises(NotImplementedError, match="power-of-two head_dim"):
+        run(case.__class__(**{**case.__dict__, "query": case.query[..., :48]}))
