@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import queue
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from lazyattn_rag.kernels.rope import RotaryEmbedding
 from lazyattn_rag.outputs import Completion, StreamDelta
 from lazyattn_rag.sampling import SamplingParams
 
+logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
 
@@ -105,8 +107,7 @@ class LazyAttention:
         limit = arch.max_position_embeddings if not window else min(window, arch.max_position_embeddings)
         self.max_model_len = min(config.max_model_len or limit, limit)
         block_size = config.cache.block_size
-        backend = get_backend_class(backend_name)(model.rotary, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                                                  arch.head_dim**-0.5)
+        backend = _make_backend(backend_name, config.attention_backend == "auto", model)
         self.block_bytes = kv_bytes_per_block(model, block_size, self.dtype)
         num_blocks = config.cache.num_blocks or max(1, self._kv_budget() // self.block_bytes)
         runner = ModelRunner(self.model, backend, num_blocks, block_size, self.device, self.dtype)
@@ -273,6 +274,20 @@ class LazyAttention:
             "num_free_blocks": cache.pool.num_free,
             "num_evictions": cache.num_evictions,
         }
+
+
+def _make_backend(name: str, auto: bool, model: CausalLM):
+    """The attention backend; ``auto`` falls back to ``torch`` for head layouts the kernels do not cover."""
+    arch = model.config
+    args = (model.rotary, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
+    try:
+        return get_backend_class(name)(*args)
+    except NotImplementedError:
+        if not auto:
+            raise
+        logger.warning("the triton kernels do not cover head_dim %d / rotary_dim %d: using the torch backend",
+                       arch.head_dim, model.rotary.rotary_dim)
+        return get_backend_class("torch")(*args)
 
 
 def _collect_deltas(deltas: Iterator[StreamDelta]) -> StreamDelta:
