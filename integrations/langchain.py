@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -43,7 +44,6 @@ from langchain_core.runnables import Runnable, RunnableLambda, RunnableParallel,
 from pydantic import ConfigDict, Field
 
 from lazyattn_rag.documents import Document
-from lazyattn_rag.integrations._async import iterate_in_thread, run_sync
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.integrations.requests import EngineRequest, rag_request, text_request
 from lazyattn_rag.llm import LazyAttention
@@ -123,7 +123,8 @@ class ChatLazyAttention(BaseChatModel):
     Every result message carries ``usage_metadata`` (``input_token_details.cache_read`` = prompt
     tokens served from the KV cache) and ``response_metadata["lazyattn"] = {"doc_ids", "stats",
     "prompt_match"?}`` with the request's :class:`~lazyattn_rag.outputs.RequestStats`.
-    Async calls run the engine in a worker thread and never block the event loop.
+    Async calls stream through :class:`~lazyattn_rag.async_llm.AsyncLazyAttention` and never block
+    the event loop; concurrent requests share the engine's batches.
 
     Args:
         engine: the :class:`LazyAttention` to run on.
@@ -171,8 +172,8 @@ class ChatLazyAttention(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        request, sampling = await run_sync(lambda: self._prepare(messages, stop, kwargs))
-        async for delta in iterate_in_thread(request.iterator_factory(self.engine, sampling)):
+        request, sampling = await asyncio.to_thread(self._prepare, messages, stop, kwargs)
+        async for delta in request.astream(self.engine, sampling):
             chunk = self._chunk(request, delta)
             if chunk is not None:
                 if run_manager and delta.text:
@@ -218,7 +219,7 @@ class FaissRetriever(BaseRetriever):
                 for d, score in self.store.search(query, self.k)]
 
     async def _aget_relevant_documents(self, query: str, *, run_manager: Any) -> list[LCDocument]:
-        return await run_sync(lambda: self._get_relevant_documents(query, run_manager=run_manager))
+        return await asyncio.to_thread(self._get_relevant_documents, query, run_manager=run_manager)
 
 
 def _question_of(value: Any) -> str:

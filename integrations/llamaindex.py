@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -47,7 +48,6 @@ from pydantic import ConfigDict, Field, PrivateAttr
 
 from lazyattn_rag.config import EngineConfig
 from lazyattn_rag.documents import Document
-from lazyattn_rag.integrations._async import iterate_in_thread, run_sync
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.integrations.requests import EngineRequest, rag_request, text_request
 from lazyattn_rag.llm import LazyAttention
@@ -80,7 +80,8 @@ class LazyAttentionLLM(CustomLLM):
         engine: the :class:`LazyAttention` to run on.
         sampling: default :class:`SamplingParams`; per call ``sampling=`` overrides it.
 
-    Async methods run the engine in a worker thread and never block the event loop.
+    Async methods stream through :class:`~lazyattn_rag.async_llm.AsyncLazyAttention` and never
+    block the event loop; concurrent requests share the engine's batches.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -119,8 +120,7 @@ class LazyAttentionLLM(CustomLLM):
     async def astream_rag(self, question: str, documents: Sequence[Document],
                           sampling: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
         """Async :meth:`stream_rag` (the engine runs in a worker thread)."""
-        request = rag_request(question, documents)
-        async for delta in iterate_in_thread(request.iterator_factory(self._engine, sampling or self.sampling)):
+        async for delta in rag_request(question, documents).astream(self._engine, sampling or self.sampling):
             yield delta
 
     # --- completion ---------------------------------------------------------------------------
@@ -149,9 +149,8 @@ class LazyAttentionLLM(CustomLLM):
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        request = await run_sync(lambda: self._completion_request(prompt))
-        factory = request.iterator_factory(self._engine, kwargs.get("sampling") or self.sampling)
-        return _acompletions(request, iterate_in_thread(factory))
+        request = await asyncio.to_thread(self._completion_request, prompt)
+        return _acompletions(request, request.astream(self._engine, kwargs.get("sampling") or self.sampling))
 
     # --- chat -------------------------------------------------------------------------------
     @llm_chat_callback()
@@ -174,11 +173,11 @@ class LazyAttentionLLM(CustomLLM):
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        request = await run_sync(lambda: self._chat_request(messages))
-        factory = request.iterator_factory(self._engine, kwargs.get("sampling") or self.sampling)
+        request = await asyncio.to_thread(self._chat_request, messages)
+        deltas = request.astream(self._engine, kwargs.get("sampling") or self.sampling)
 
         async def gen() -> ChatResponseAsyncGen:
-            async for c in _acompletions(request, iterate_in_thread(factory)):
+            async for c in _acompletions(request, deltas):
                 yield _chat_response(c)
 
         return gen()
@@ -319,7 +318,7 @@ class FaissRetriever(BaseRetriever):
         return [NodeWithScore(node=_text_node(doc), score=score) for doc, score in hits]
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return await run_sync(lambda: self._retrieve(query_bundle))
+        return await asyncio.to_thread(self._retrieve, query_bundle)
 
 
 def _text_node(doc: Document) -> TextNode:
@@ -355,7 +354,7 @@ class KVCacheWarmer(BaseNodePostprocessor):
         return nodes
 
     async def _apostprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None):
-        await run_sync(lambda: self.warm(nodes))
+        await asyncio.to_thread(self.warm, nodes)
         return nodes
 
 

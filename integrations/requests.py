@@ -15,7 +15,7 @@ Three shapes reach the engine:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -54,8 +54,16 @@ class EngineRequest:
             return llm.stream_prompt(self.plain_prompt, sampling)
         return llm.stream(self.question, documents=self.documents, sampling=sampling)
 
-    def iterator_factory(self, llm: "LazyAttention", sampling: "SamplingParams") -> Callable[[], Iterator[StreamDelta]]:
-        return lambda: self.stream(llm, sampling)
+    def astream(self, llm: "LazyAttention", sampling: "SamplingParams") -> AsyncIterator[StreamDelta]:
+        """Async :meth:`stream` through :class:`~lazyattn_rag.async_llm.AsyncLazyAttention`: the
+        event loop is never blocked, and leaving the stream early aborts the request. Errors
+        raise on the first ``__anext__``."""
+        from lazyattn_rag.async_llm import AsyncLazyAttention
+
+        allm = AsyncLazyAttention(llm)
+        if self.plain_prompt is not None:
+            return allm.stream_prompt(self.plain_prompt, sampling)
+        return allm.stream(self.question, documents=self.documents, sampling=sampling)
 
     def extra(self) -> dict:
         """JSON-able facts about the request for response metadata (ids, fallback match)."""

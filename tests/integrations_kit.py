@@ -59,7 +59,7 @@ class StreamSpy:
         call = {"question": question, "doc_ids": ids, "offsets": {}, "stats": None}
         self.calls.append(call)
         inner = self._stream(question, doc_ids, documents, sampling)
-        plan = self.engine.engine.plan(question, ids)
+        plan = self.engine.plan(question, ids)
         call["offsets"] = {c.doc_id: c.global_start for c in plan.chunks if c.doc_id is not None}
         return self._record(inner, call)
 

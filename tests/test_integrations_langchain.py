@@ -129,6 +129,23 @@ def test_async_stream_does_not_block_the_event_loop(model):
     assert n >= 48 and len(ticks) - before >= 5
 
 
+def test_leaving_an_async_stream_early_frees_the_request(model, engine):
+    long = model.bind(sampling=SamplingParams(max_tokens=64, ignore_eos=True))
+    free = engine.info()["num_free_blocks"]
+
+    async def run():
+        got = []
+        async for chunk in long.astream([HumanMessage("Question : " + words(9, 3))]):
+            got.append(chunk.content)
+            if len(got) == 2:
+                break
+        return got, await model.ainvoke([HumanMessage("Question : " + words(4))])
+
+    got, after = asyncio.run(run())
+    assert len(got) == 2 and after.response_metadata["lazyattn"]["stats"]["num_output_tokens"] == GREEDY.max_tokens
+    assert engine.info()["num_free_blocks"] == free  # the abandoned request's blocks came back
+
+
 def test_empty_retrieval_answers_without_documents(model, engine, spy):
     empty = FaissDocumentStore(embedder(), engine=engine)
     out = rag_chain(FaissRetriever(store=empty, k=3), model).invoke("Why do cats purr?")

@@ -1,8 +1,6 @@
-"""FAISS document store, corpus loading and chunking, the prompt-match fallback, the async adapter."""
+"""FAISS document store, corpus loading and chunking, the prompt-match fallback."""
 
-import asyncio
 import json
-import threading
 
 import numpy as np
 import pytest
@@ -10,7 +8,6 @@ import pytest
 pytest.importorskip("faiss")
 
 from lazyattn_rag import Document, UnknownDocumentError  # noqa: E402
-from lazyattn_rag.integrations._async import iterate_in_thread  # noqa: E402
 from lazyattn_rag.integrations.corpus import (  # noqa: E402
     SPECIAL_TOKENS,
     Source,
@@ -151,34 +148,3 @@ def test_match_documents_finds_non_overlapping_occurrences_in_prompt_order():
     assert m.matched_chars == len(("beta " * 8).strip()) + len(("alpha " * 8 + "beta " * 8).strip())
     assert m.prompt_chars == len(prompt) and 0 < m.fraction < 1
     assert match_documents("nothing here", texts).doc_ids == ()
-
-
-def test_iterate_in_thread_runs_one_thread_propagates_errors_and_closes_early():
-    seen_threads, closed = set(), threading.Event()
-
-    def numbers():
-        try:
-            for i in range(100):
-                seen_threads.add(threading.get_ident())
-                yield i
-        finally:
-            seen_threads.add(threading.get_ident())
-            closed.set()
-
-    def failing():
-        yield 1
-        raise KeyError("boom")
-
-    async def run():
-        got = [x async for x in iterate_in_thread(numbers)]
-        agen = iterate_in_thread(numbers)
-        first = [await agen.__anext__(), await agen.__anext__()]
-        await agen.aclose()
-        with pytest.raises(KeyError, match="boom"):
-            [x async for x in iterate_in_thread(failing)]
-        return got, first, threading.get_ident()
-
-    got, first, loop_thread = asyncio.run(run())
-    assert got == list(range(100)) and first == [0, 1]
-    assert closed.wait(5)  # the early-stopped iterator was closed by its worker
-    assert loop_thread not in seen_threads
