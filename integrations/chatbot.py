@@ -110,7 +110,11 @@ def answer(query_engine, question: str, out: TextIO) -> dict:
     """Stream the answer to ``out``, then the sources and the cache stats; returns the stats."""
     print(f"\nQ: {question}\nA: ", end="", file=out, flush=True)
     response = query_engine.query(question)
+    started = False
     for piece in response.response_gen:
+        if not started:  # the model sometimes opens with a newline
+            piece = piece.lstrip()
+            started = bool(piece)
         print(piece, end="", file=out, flush=True)
     print(file=out)
     for n in response.source_nodes:

@@ -11,7 +11,9 @@ Framework-neutral: the LlamaIndex and LangChain retrievers wrap it.
 
 from __future__ import annotations
 
+import functools
 import json
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +28,15 @@ if TYPE_CHECKING:
     from lazyattn_rag.llm import LazyAttention
 
 _INDEX_FILE, _DOCS_FILE, _META_FILE = "index.faiss", "documents.jsonl", "meta.json"
+
+
+def _locked(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 _FORMAT = 1
 
 
@@ -37,6 +48,8 @@ class FaissDocumentStore:
             object with ``name``, ``dim`` and ``encode(texts) -> float32 [n, dim]`` unit rows).
         engine: a :class:`~lazyattn_rag.llm.LazyAttention` to keep in step: :meth:`upsert`
             updates documents it has registered, :meth:`delete` removes them and their K/V.
+
+    Thread safety: every public method may be called from several threads (one lock).
 
     Example::
 
@@ -55,6 +68,7 @@ class FaissDocumentStore:
         self._int_ids: dict[str, int] = {}
         self._str_ids: dict[int, str] = {}
         self._next_id = 0
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._docs)
@@ -69,10 +83,12 @@ class FaissDocumentStore:
         except KeyError:
             raise UnknownDocumentError(f"unknown document id {doc_id!r} in the FAISS store") from None
 
+    @_locked
     def documents(self) -> list[Document]:
         """All documents, in insertion order."""
         return list(self._docs.values())
 
+    @_locked
     def upsert(self, documents: Iterable[Document]) -> list[str]:
         """Add new documents and replace the text of existing ids (re-embedded, same id).
 
@@ -110,6 +126,7 @@ class FaissDocumentStore:
         self.index.add_with_ids(vectors, np.asarray(int_ids, dtype=np.int64))
         return list(todo)
 
+    @_locked
     def delete(self, doc_ids: Iterable[str]) -> None:
         """Remove documents from the index (and from the attached engine with their K/V).
 
@@ -139,6 +156,7 @@ class FaissDocumentStore:
             raise ValueError("the query is empty")
         return self.search_vector(self.embedder.encode([query])[0], k)
 
+    @_locked
     def search_vector(self, vector: Any, k: int) -> list[tuple[Document, float]]:
         """Like :meth:`search` for a query embedding ``[dim]`` (unit length)."""
         if not isinstance(k, int) or k < 1:
@@ -153,6 +171,7 @@ class FaissDocumentStore:
         return [(self._docs[self._str_ids[int(i)]], float(s)) for s, i in zip(scores[0], ids[0]) if i != -1]
 
     # --- persistence ----------------------------------------------------------------------
+    @_locked
     def save(self, directory: str | Path) -> Path:
         """Write the index, the documents and the embedder's name under ``directory``."""
         import faiss
