@@ -224,3 +224,19 @@ def test_bad_arguments_raise_clear_errors(llm, store):
         FaissRetriever(store, similarity_top_k=0)
     with pytest.raises(TypeError, match="needs a LazyAttentionLLM"):
         LazyAttentionSynthesizer(object())
+
+
+def test_concurrent_async_queries_each_get_their_own_documents(llm, engine, store):
+    questions = ["Why do cats purr?", "Where do rivers flow?", "Why do stars shine?"]
+    qe = as_query_engine(store, llm, 2)
+    sequential = [qe.query(q) for q in questions]
+
+    async def run():
+        return await asyncio.gather(*(qe.aquery(q) for q in questions))
+
+    concurrent = asyncio.run(run())
+    for seq, con in zip(sequential, concurrent):
+        ids = [n.node.node_id for n in con.source_nodes]
+        assert ids == [n.node.node_id for n in seq.source_nodes]
+        assert con.metadata["lazyattn"]["stats"]["docs_hit"] == ids  # all cached by the sequential pass
+        assert con.response == seq.response
