@@ -240,3 +240,15 @@ def test_concurrent_async_queries_each_get_their_own_documents(llm, engine, stor
         assert ids == [n.node.node_id for n in seq.source_nodes]
         assert con.metadata["lazyattn"]["stats"]["docs_hit"] == ids  # all cached by the sequential pass
         assert con.response == seq.response
+
+
+def test_default_query_engine_reuses_cached_chunks_through_the_prompt_fallback(llm, spy, store):
+    from llama_index.core.query_engine import RetrieverQueryEngine
+
+    qe = RetrieverQueryEngine.from_args(FaissRetriever(store, similarity_top_k=2), llm=llm,
+                                        node_postprocessors=[KVCacheWarmer(llm=llm)])
+    response = qe.query("Where do rivers flow?")
+    ids = [n.node.node_id for n in response.source_nodes]
+    assert spy.last["doc_ids"] == ids and len(ids) == 2
+    assert spy.last["stats"].docs_hit == ids and spy.last["stats"].docs_missed == []
+    assert "Where do rivers flow?" in spy.last["question"]  # LlamaIndex's own template, minus the documents
