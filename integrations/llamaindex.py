@@ -119,7 +119,7 @@ class LazyAttentionLLM(CustomLLM):
 
     async def astream_rag(self, question: str, documents: Sequence[Document],
                           sampling: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
-        """Async :meth:`stream_rag` (the engine runs in a worker thread)."""
+        """Async :meth:`stream_rag` (through ``AsyncLazyAttention``; the event loop is never blocked)."""
         async for delta in rag_request(question, documents).astream(self._engine, sampling or self.sampling):
             yield delta
 
