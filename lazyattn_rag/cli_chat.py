@@ -55,3 +55,7 @@ def chat(
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
+
+
+if __name__ == "__main__":  # python -m lazyattn_rag.cli_chat
+    typer.run(chat)
