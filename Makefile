@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU machines: a CPU build of torch first (a bare `torch` requirement pulls a multi-GB CUDA build).
 TORCH_SPEC ?= torch==2.13.0
-QUESTION ?= How do I define a function with a default argument value?
+QUESTION ?= What does the break statement do?
 
 .PHONY: setup chat ask test clean
 

@@ -44,8 +44,7 @@ class PromptMatch:
 
 def registered_texts(llm: "LazyAttention") -> dict[str, str]:
     """Document id -> registered text of every document the engine knows."""
-    # TODO(engine): a public LazyAttention accessor for registered texts would replace this read
-    return {doc_id: doc.text for doc_id, doc in list(llm.engine.documents.items())}
+    return llm.document_texts()
 
 
 def match_documents(prompt: str, texts: dict[str, str], min_chars: int = 32) -> PromptMatch:

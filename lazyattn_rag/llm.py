@@ -151,6 +151,10 @@ class LazyAttention:
     def document_ids(self) -> list[str]:
         return self.loop.call(lambda: list(self.engine.documents))
 
+    def document_texts(self) -> dict[str, str]:
+        """Registered documents as ``{id: text}`` (a snapshot)."""
+        return self.loop.call(lambda: {d: doc.text for d, doc in self.engine.documents.items()})
+
     def warm(self, doc_ids: Iterable[str]) -> list[str]:
         """Encode documents' K/V ahead of queries (blocking); returns the ids encoded now (misses).
 
