@@ -38,21 +38,33 @@ def normalize_answer(text: str) -> str:
     return " ".join(text.split())
 
 
-def first_answer_line(generation: str) -> str:
-    """The first non-empty line of a generation (what is scored), stripped; ``""`` if none."""
-    for line in generation.splitlines():
-        if line.strip():
-            return line.strip()
-    return ""
+def scored_answer(generation: str) -> str:
+    """The part of a generation that is scored: its first non-empty line, stripped.
 
+    A first line that ends with a colon is a lead-in ("The answer is:") and is joined with the
+    next non-empty line. Scoring a short span, not the whole generation, keeps a model from
+    scoring by copying its context (which contains the gold answer), as in Liu et al. (2023).
 
-def first_line_complete(generation: str) -> bool:
-    """Whether a (partial) generation already holds a finished first non-empty line.
-
-    Generation can stop there: nothing after it changes :func:`first_answer_line`.
+        >>> scored_answer("The answer is:\nParis.\nIt is the capital.")
+        'The answer is: Paris.'
     """
-    stripped = generation.lstrip()
-    return "\n" in stripped and bool(stripped.split("\n", 1)[0].strip())
+    lines = [line.strip() for line in generation.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
+
+
+def scored_answer_complete(generation: str) -> bool:
+    """Whether a partial generation already holds its whole :func:`scored_answer`.
+
+    Generation can stop there: nothing generated after it changes the scored answer.
+    """
+    finished_lines = [line.strip() for line in generation.split("\n")[:-1] if line.strip()]
+    if not finished_lines:
+        return False
+    return not finished_lines[0].endswith(":") or len(finished_lines) >= 2
 
 
 def exact_match(prediction: str, golds: Sequence[str]) -> float:

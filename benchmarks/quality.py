@@ -18,7 +18,8 @@ Same prompt, same passages in the same order, greedy decoding; only the attentio
 Metrics per dataset and mode (``benchmarks/qa_metrics.py``): answer contains gold after
 SQuAD normalisation (best-subspan EM), token F1, exact match, the fraction of questions
 whose answer equals the ``full`` answer, and the paired difference to ``full``; each with a
-95% bootstrap interval. The first non-empty line of each generation is scored.
+95% bootstrap interval. The first non-empty line of each generation is scored (a lead-in line
+ending in a colon, "The answer is:", is joined with the next one): ``qa_metrics.scored_answer``.
 
 Full run (GPU, a local HF model directory; see ``docs/quality.md``)::
 
@@ -51,8 +52,8 @@ from benchmarks.qa_data import DATASET_FILES, QAExample, default_data_dir, load_
 from benchmarks.qa_metrics import (
     answer_contains_gold,
     exact_match,
-    first_answer_line,
-    first_line_complete,
+    scored_answer,
+    scored_answer_complete,
     same_answer,
     summarize,
     token_f1,
@@ -116,11 +117,11 @@ def answer_with_engine(llm, mode: str, dataset: str, ex: QAExample, sampling, se
 
 
 def read_first_line(deltas) -> str:
-    """Text of a delta stream, stopped (the request cancelled) once its first line is complete."""
+    """Text of a delta stream, stopped (the request cancelled) once its scored answer is complete."""
     text = ""
     for delta in deltas:
         text += delta.text
-        if first_line_complete(text):
+        if scored_answer_complete(text):
             deltas.close()  # cancels the request in the engine and frees its blocks
             break
     return text
@@ -147,7 +148,7 @@ def run_recompute_mode(ref, template, k, dataset, examples, args) -> dict[str, s
     for ex in tqdm(examples, desc=f"{dataset:>24} recompute-k{k}"):
         chunks = [template.document_token_ids(passage_text(t, x)) for t, x in ex.passages]
         def stop(ids):
-            return first_line_complete(template.tokenizer.decode(ids, skip_special_tokens=True))
+            return scored_answer_complete(template.tokenizer.decode(ids, skip_special_tokens=True))
 
         tokens = ref.generate(head, chunks, template.tail_token_ids(ex.question), k, args.max_answer_tokens, stop)
         out[ex.id] = template.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -158,7 +159,7 @@ def run_recompute_mode(ref, template, k, dataset, examples, args) -> dict[str, s
 def score_mode(examples: list[QAExample], generations: dict[str, str], full: dict[str, str] | None,
                seed: int) -> dict:
     """Summaries (percent, 95% bootstrap CI) of one mode's generations on one dataset."""
-    preds = [first_answer_line(generations[ex.id]) for ex in examples]
+    preds = [scored_answer(generations[ex.id]) for ex in examples]
     contains = [answer_contains_gold(p, ex.answers) for p, ex in zip(preds, examples)]
     result = {
         "contains_gold": summarize(contains, seed=seed),
@@ -166,7 +167,7 @@ def score_mode(examples: list[QAExample], generations: dict[str, str], full: dic
         "em": summarize([exact_match(p, ex.answers) for p, ex in zip(preds, examples)], seed=seed),
     }
     if full is not None:
-        full_preds = [first_answer_line(full[ex.id]) for ex in examples]
+        full_preds = [scored_answer(full[ex.id]) for ex in examples]
         full_contains = [answer_contains_gold(p, ex.answers) for p, ex in zip(full_preds, examples)]
         result["same_as_full"] = summarize([same_answer(p, q) for p, q in zip(preds, full_preds)], seed=seed)
         result["contains_gold_minus_full"] = summarize([a - b for a, b in zip(contains, full_contains)], seed=seed)

@@ -10,8 +10,8 @@ from benchmarks.qa_metrics import (
     answer_contains_gold,
     bootstrap_ci,
     exact_match,
-    first_answer_line,
-    first_line_complete,
+    scored_answer,
+    scored_answer_complete,
     normalize_answer,
     same_answer,
     summarize,
@@ -54,18 +54,30 @@ def test_token_f1_values():
     assert token_f1("", [""]) == 1.0 and token_f1("x", [""]) == 0.0
 
 
-def test_first_answer_line_and_same_answer():
-    assert first_answer_line("\n\n  Paris.\nBecause...") == "Paris."
-    assert first_answer_line("   \n") == ""
+def test_scored_answer_and_same_answer():
+    assert scored_answer("\n\n  Paris.\nBecause...") == "Paris."
+    assert scored_answer("   \n") == ""
+    assert scored_answer("The answer is:\n\nAubrieta.\nAubrieta is a genus") == "The answer is: Aubrieta."
+    assert scored_answer("The answer to this question is:") == "The answer to this question is:"
     assert same_answer("The Paris", "paris!") == 1.0 and same_answer("Paris", "Lyon") == 0.0
 
 
-def test_first_line_complete_matches_first_answer_line():
-    assert not first_line_complete("") and not first_line_complete("\n\n  ") and not first_line_complete("Paris")
-    assert not first_line_complete("\n\nParis")  # the first non-empty line may still grow
-    assert first_line_complete("\nParis.\n") and first_line_complete("Paris\nmore")
-    # stopping there keeps the scored line
-    assert first_answer_line("\nParis.\n") == "Paris." and first_answer_line("Paris\nmore") == "Paris"
+@pytest.mark.parametrize("full", ["\nParis.\nmore", "Paris\nmore", "The answer is:\n\nParis\nmore",
+                                  "Answer:\nParis", "Paris"])
+def test_scored_answer_complete_means_the_rest_cannot_matter(full):
+    """At the first prefix where generation may stop, the scored answer is already final."""
+    stops = [i for i in range(len(full) + 1) if scored_answer_complete(full[:i])]
+    if stops:
+        assert scored_answer(full[: stops[0]]) == scored_answer(full)
+    else:  # never complete: generation runs to its token limit
+        assert full in ("Answer:\nParis", "Paris")
+
+
+def test_scored_answer_complete_cases():
+    assert not scored_answer_complete("") and not scored_answer_complete("\n\n  ")
+    assert not scored_answer_complete("Paris") and not scored_answer_complete("\n\nParis")
+    assert not scored_answer_complete("The answer is:\n") and not scored_answer_complete("The answer is:\nPar")
+    assert scored_answer_complete("\nParis.\n") and scored_answer_complete("The answer is:\nParis\n")
 
 
 def test_bootstrap_ci_brackets_mean_and_shrinks_with_n():
