@@ -184,6 +184,19 @@ def rescore(results: dict, dataset: str, examples: list[QAExample], seed: int) -
                   | {"seconds": d["seconds"].get(m)} for m in sorted(by_mode, key=mode_order)}
 
 
+def pool(results: dict, seed: int) -> dict:
+    """Summaries over the questions of all datasets together, for the modes every dataset has."""
+    gens = results["generations"]
+    modes = [set.intersection(*(set(g["modes"]) for g in d.values())) for d in gens.values() if d]
+    common = set.intersection(*modes) if modes else set()
+    examples = [QAExample(f"{d}/{qid}", "", tuple(g["answers"]), ()) for d, qs in gens.items() for qid, g in qs.items()]
+    by_mode = {m: {f"{d}/{qid}": g["modes"][m] for d, qs in gens.items() for qid, g in qs.items()} for m in common}
+    if not examples:
+        return {}
+    return {m: score_mode(examples, by_mode[m], by_mode.get("full") if m != "full" else None, seed)
+            for m in sorted(by_mode, key=mode_order)}
+
+
 def resume_from(results: dict, prior: dict, examples: dict[str, list[QAExample]], seed: int) -> None:
     """Copy a previous run's generations for the same questions into ``results`` (``--resume``).
 
@@ -213,8 +226,12 @@ def mode_order(mode: str) -> tuple[int, int]:
 def markdown_table(results: dict) -> str:
     """One table per dataset: mode, contains-gold, F1, EM, same-as-full, difference to full (95% CIs)."""
     lines = []
+    datasets = dict(results["datasets"])
+    if len(datasets) > 1 and results.get("all_datasets"):
+        n = sum(d["num_questions"] for d in datasets.values())
+        datasets["all datasets pooled"] = {"num_questions": n, "modes": results["all_datasets"]}
     fmt = lambda s: f"{s['mean']:.1f} [{s['ci95'][0]:.1f}, {s['ci95'][1]:.1f}]"  # noqa: E731
-    for dataset, d in results["datasets"].items():
+    for dataset, d in datasets.items():
         n = next(iter(d["modes"].values()))["contains_gold"]["n"] if d["modes"] else 0
         lines += [f"\n**{dataset}** ({n} questions)\n",
                   "| mode | contains gold % | token F1 % | EM % | same answer as full % "
@@ -252,12 +269,13 @@ def parse_args(argv=None):
     p.add_argument("--kv-cache-fraction", type=float, default=0.5, help="fraction of free GPU memory for K/V")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="where converted models and weight hashes are kept (default: the user cache dir)")
+    p.add_argument("--report", action="store_true", help="print the tables of an existing --out JSON and exit")
     p.add_argument("--resume", action="store_true",
                    help="keep the answers already in --out (same questions) and run only the missing modes")
     p.add_argument("--out", type=Path, default=None,
                    help="output JSON (default benchmarks/results/quality_<device>.json)")
     args = p.parse_args(argv)
-    if args.data is None:
+    if args.data is None and not args.report:
         p.error("no --data given and ../shared/data does not exist")
     if args.cache_dir is None:
         try:
@@ -299,6 +317,11 @@ def load_examples(args, template, max_model_len: int) -> tuple[dict[str, list[QA
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.report:
+        results = json.loads(args.out.read_text())
+        results["all_datasets"] = pool(results, args.seed)
+        print(markdown_table(results))
+        return results
     from transformers import AutoConfig, AutoTokenizer
 
     from lazyattn_rag.config import EngineConfig
@@ -334,6 +357,7 @@ def main(argv=None) -> dict:
             results["generations"][dataset][qid]["modes"][mode] = text
         results["datasets"][dataset]["seconds"][mode] = round(seconds, 2)
         rescore(results, dataset, examples[dataset], args.seed)
+        results["all_datasets"] = pool(results, args.seed)
         args.out.write_text(json.dumps(results, indent=1, ensure_ascii=False))
 
     for anchor in ("none", "head", "bos"):
@@ -365,6 +389,8 @@ def main(argv=None) -> dict:
                 start = time.perf_counter()
                 gens = run_recompute_mode(ref, template, k, dataset, examples[dataset], args)
                 record(dataset, f"recompute-k{k}", gens, time.perf_counter() - start)
+    results["all_datasets"] = pool(results, args.seed)
+    args.out.write_text(json.dumps(results, indent=1, ensure_ascii=False))
     print(markdown_table(results))
     print(f"\nwrote {args.out}")
     return results

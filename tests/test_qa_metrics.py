@@ -185,3 +185,18 @@ def test_load_qa_rejects_repeated_ids(tmp_path):
     (tmp_path / "qa" / "nq_open_oracle.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
     with pytest.raises(ValueError, match="repeated"):
         load_qa(tmp_path, "nq_open_oracle")
+
+
+def test_pool_scores_all_datasets_together():
+    from benchmarks.quality import markdown_table, pool
+
+    gens = {"a": {"q0": {"answers": ["Paris"], "modes": {"full": "Paris", "reuse": "Lyon"}}},
+            "b": {"q0": {"answers": ["Rome"], "modes": {"full": "Rome", "reuse": "Rome", "reuse-head": "x"}},
+                  "q1": {"answers": ["Oslo"], "modes": {"full": "no", "reuse": "Oslo", "reuse-head": "x"}}}}
+    pooled = pool({"generations": gens}, seed=0)
+    assert list(pooled) == ["full", "reuse"]  # reuse-head is missing from dataset a
+    assert pooled["full"]["contains_gold"]["mean"] == pytest.approx(200 / 3)
+    assert pooled["reuse"]["same_as_full"]["mean"] == pytest.approx(100 / 3)
+    table = markdown_table({"datasets": {"a": {"num_questions": 1, "modes": {}}, "b": {"num_questions": 2, "modes": {}}},
+                            "all_datasets": pooled})
+    assert "**all datasets pooled** (3 questions)" in table and "| reuse | 66.7 [" in table
