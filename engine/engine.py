@@ -34,7 +34,7 @@ from lazyattn_rag.errors import DocumentTooLongError, EmptyInputError, PromptToo
 from lazyattn_rag.fingerprint import anchor_fingerprint, chunk_key
 from lazyattn_rag.outputs import RequestStats, StreamDelta
 from lazyattn_rag.prompt import ChunkSegment, PromptPlan, PromptTemplate
-from lazyattn_rag.sampling import SamplingParams, sample
+from lazyattn_rag.sampling import SamplingParams, apply_penalties, sample
 
 _NO_ANCHOR = anchor_fingerprint("none", [])
 Sink = Callable[[StreamDelta | BaseException], None]
@@ -358,6 +358,9 @@ class LLMEngine:
             self._register_prefix_blocks(r)
         if not job.sample:
             return
+        if r.params.has_penalties:
+            logits = apply_penalties(logits, r.params, r.plan.token_ids(), r.output_ids)
+            greedy_token = int(torch.argmax(logits))
         token = greedy_token if r.params.greedy else sample(logits, r.params, r.generator)
         now = time.perf_counter()
         if r.first_token_time is None:

@@ -21,6 +21,10 @@ class SamplingParams:
         ignore_eos: keep going past the model's end-of-sequence token.
         seed: per-request seed (same seed and prompt give the same sample); ``None`` uses the
             engine's generator.
+        repetition_penalty: > 0; tokens already in the prompt or the output have positive logits
+            divided and negative logits multiplied by it (CTRL, Keskar et al. 2019); 1 disables.
+        frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time it was generated.
+        presence_penalty: in [-2, 2]; subtracted from the logit of every token generated at least once.
     Raises:
         ValueError: at construction, for any value outside its range (the field is named).
     """
@@ -33,28 +37,56 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not self.temperature >= 0:  # also rejects NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        if not self.repetition_penalty > 0 or self.repetition_penalty == float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                    output_ids: list[int]) -> torch.Tensor:
+    """Repetition, frequency and presence penalties (vLLM's semantics) on ``[vocab_size]`` logits."""
+    logits = logits.clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.int64, device=logits.device)
+        if seen.numel():
+            vals = logits[seen]
+            logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if output_ids and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=logits.numel())
+        logits -= params.frequency_penalty * counts[: logits.numel()].to(logits.dtype)
+        logits -= params.presence_penalty * (counts[: logits.numel()] > 0).to(logits.dtype)
+    return logits
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

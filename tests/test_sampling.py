@@ -1,0 +1,53 @@
+"""Sampling parameters: validation, penalties (against a direct computation), top-k/top-p."""
+
+import math
+
+import pytest
+import torch
+
+from lazyattn_rag.sampling import SamplingParams, apply_penalties, sample
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=1.5), "max_tokens"), (dict(max_tokens=True), "max_tokens"),
+    (dict(top_k=True), "top_k"),
+    (dict(temperature=math.nan), "temperature"), (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(stop=[""]), "stop"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(frequency_penalty=2.5), "frequency_penalty"), (dict(presence_penalty=-3), "presence_penalty"),
+])
+def test_invalid_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_penalties_match_direct_computation():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    out = apply_penalties(logits, params, prompt_ids=[0], output_ids=[1, 3, 3])
+    expected = torch.tensor([2.0 / 2, -1.0 * 2 - 0.5 - 0.25, 0.5, 3.0 / 2 - 2 * 0.5 - 0.25, -2.0])
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(logits, torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0]))  # input untouched
+
+
+def test_top_k_one_is_greedy_and_top_p_keeps_the_nucleus():
+    logits = torch.tensor([0.0, 5.0, 4.9, -3.0])
+    g = torch.Generator().manual_seed(0)
+    assert all(sample(logits, SamplingParams(temperature=1.0, top_k=1), g) == 1 for _ in range(20))
+    picks = {sample(logits, SamplingParams(temperature=1.0, top_p=0.6), g) for _ in range(200)}
+    assert picks <= {1, 2} and picks == {1, 2}  # the two top tokens hold ~0.99 of the mass, each < 0.6
+
+
+def test_engine_applies_penalties_before_greedy_choice():
+    from tests.test_chunk_reuse import make_llm
+    from tests.tiny import words
+
+    _, llm = make_llm("none")
+    llm.add_document("a", words(12))
+    base = llm.generate("w3", ["a"], sampling=SamplingParams(max_tokens=12, ignore_eos=True)).token_ids
+    same = llm.generate("w3", ["a"], sampling=SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.0))
+    assert same.token_ids == base
+    penalized = llm.generate("w3", ["a"], sampling=SamplingParams(max_tokens=12, ignore_eos=True,
+                                                                   frequency_penalty=2.0, presence_penalty=2.0,
+                                                                   repetition_penalty=50.0)).token_ids
+    assert penalized != base and len(set(penalized)) == len(penalized)  # no token generated twice
