@@ -170,7 +170,11 @@ class ChunkCache:
         return self._doc_keys.get(doc_id)
 
     def bind_document(self, doc_id: str, key: str) -> None:
-        """Point ``doc_id`` at ``key``; a previous key no other document uses becomes dead."""
+        """Point ``doc_id`` at ``key``; a previous key no other document uses becomes dead.
+
+        A dead entry still pinned by a running request (the text was changed or removed and is
+        now registered again) is revived: it holds exactly this content, so it serves again.
+        """
         old = self._doc_keys.get(doc_id)
         if old == key:
             return
@@ -179,6 +183,9 @@ class ChunkCache:
             self._release_doc(doc_id, old)
         for entry in self._bound_entries(key):
             entry.doc_ids.add(doc_id)
+            if entry.dead:
+                entry.dead = False
+                self._sync_evictable(entry)
 
     def unbind_document(self, doc_id: str) -> None:
         """Forget ``doc_id``; its entry becomes dead if no other document uses it.

@@ -84,6 +84,7 @@ class LLMEngine:
         self.block_size = cache.block_size
         self.template = PromptTemplate(tokenizer, config.prompt)
         self.head_ids = tuple(self.template.head_token_ids())
+        self.min_tail_tokens = len(self.template.tail_token_ids("?"))
         self.anchor_ids = self._anchor_token_ids()
         self.anchor_fp = anchor_fingerprint(config.cache.anchor, list(self.anchor_ids))
         self.head_key = chunk_key(model_digest, _NO_ANCHOR, list(self.head_ids))
@@ -129,26 +130,42 @@ class LLMEngine:
         """Register (or update) a document; returns ``True`` if its content key changed.
 
         Raises:
-            EmptyInputError: empty id or text.
-            DocumentTooLongError: the document plus the head and a one-token question exceeds
+            EmptyInputError: empty id or text (or not strings).
+            DocumentTooLongError: the document plus the head and the shortest question exceeds
                 the context limit (the limit and the counts are in the message).
         """
+        return self.add_documents([(doc_id, text)]) == 1
+
+    def add_documents(self, documents: list[tuple[str, str]]) -> int:
+        """Register several documents, all or none: every one is validated before any is bound.
+
+        Returns:
+            How many were new or changed.
+        Raises:
+            see :meth:`add_document` (naming the first bad document); nothing is registered then.
+        """
+        prepared = [(doc_id, self._prepare_document(doc_id, text)) for doc_id, text in documents]
+        changed = 0
+        for doc_id, doc in prepared:
+            old = self.documents.get(doc_id)
+            self.documents[doc_id] = doc
+            self.cache.bind_document(doc_id, doc.key)
+            changed += old is None or old.key != doc.key
+        return changed
+
+    def _prepare_document(self, doc_id: str, text: str) -> _Document:
         if not isinstance(doc_id, str) or not doc_id:
             raise EmptyInputError(f"document id must be a non-empty string, got {doc_id!r}")
         if not isinstance(text, str) or not text.strip():
-            raise EmptyInputError(f"document {doc_id!r} is empty")
+            raise EmptyInputError(f"document {doc_id!r} is empty or not a string")
         ids = tuple(self.template.document_token_ids(text))
-        budget = self.max_model_len - len(self.head_ids) - 2
+        budget = self.max_model_len - len(self.head_ids) - self.min_tail_tokens - 1
         if len(ids) > budget or len(self.anchor_ids) + len(ids) > self.max_model_len:
             raise DocumentTooLongError(
-                f"document {doc_id!r} has {len(ids)} tokens; with the {len(self.head_ids)}-token prompt head "
-                f"at most {budget} fit the context limit of {self.max_model_len} tokens"
+                f"document {doc_id!r} has {len(ids)} tokens; with the {len(self.head_ids)}-token prompt head and "
+                f"a question, at most {budget} fit the context limit of {self.max_model_len} tokens"
             )
-        key = chunk_key(self.model_digest, self.anchor_fp, list(ids))
-        old = self.documents.get(doc_id)
-        self.documents[doc_id] = _Document(text, ids, key)
-        self.cache.bind_document(doc_id, key)
-        return old is None or old.key != key
+        return _Document(text, ids, chunk_key(self.model_digest, self.anchor_fp, list(ids)))
 
     def remove_document(self, doc_id: str) -> None:
         """Forget a document and drop its cached K/V once no running request reads it.
@@ -222,7 +239,11 @@ class LLMEngine:
         """
         if not prompt_ids:
             raise EmptyInputError("the prompt is empty")
-        plan = PromptPlan((), tuple(int(t) for t in prompt_ids))
+        vocab = self.runner.model.config.vocab_size
+        for t in prompt_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+        plan = PromptPlan((), tuple(prompt_ids))
         self._check_length(plan, "plain prompt")
         return plan
 
@@ -265,6 +286,12 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def fail_all(self, error: Exception) -> None:
+        """Fail every unfinished request with ``error`` and release what it holds."""
+        for request in list(self.requests.values()):
+            self.scheduler.remove(request)
+            self._fail(request, error, release=False)
 
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> bool:
@@ -311,7 +338,11 @@ class LLMEngine:
         rows = logits[len(out.encodes):]
         greedy = rows.argmax(dim=-1).tolist()  # one device sync for every greedy request of the step
         for job, row, token in zip(out.computes, rows, greedy):
-            self._postprocess(job, row, token)
+            try:
+                self._postprocess(job, row, token)
+            except Exception as error:  # e.g. sampling failed: this request fails, the others go on
+                if job.request.status is not RequestStatus.FINISHED:
+                    self._fail(job.request, error)
         return True
 
     def _sequence(self, job: EncodeJob | ComputeJob) -> SequenceInput:

@@ -33,6 +33,7 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = False
+        self._in_step = False
         self._thread = threading.Thread(target=self._run, name="lazyattn-engine", daemon=True)
         self._thread.start()
 
@@ -43,7 +44,12 @@ class EngineLoop:
             whatever ``fn`` raises; ``RuntimeError`` once the loop is shut down.
         """
         if threading.current_thread() is self._thread:
-            return fn(*args, **kwargs)
+            if not self._in_step:
+                return fn(*args, **kwargs)
+            # Re-entered from inside a step (a garbage-collected stream aborting its request):
+            # run it after the step so the batch being computed is never changed under it.
+            self._commands.put((fn, args, kwargs, Future()))
+            return None
         future: Future = Future()
         with self._cond:
             if self._stopped:
@@ -71,15 +77,30 @@ class EngineLoop:
                 stopped = self._stopped
             self._drain_commands()
             if stopped:
+                self._fail_everything()
                 return
             if self.engine.has_unfinished():
+                self._in_step = True
                 try:
                     self.engine.step()
-                except Exception:  # the engine fails requests itself; this is a last resort
+                except Exception as error:  # the engine fails requests itself; this is a last resort
                     logger.exception("engine step failed")
+                    self.engine.fail_all(error)
+                finally:
+                    self._in_step = False
+
+    def _fail_everything(self) -> None:
+        error = RuntimeError("the engine was shut down")
+        self.engine.fail_all(error)
+        while True:
+            try:
+                *_, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            future.set_exception(error)
 
     def shutdown(self) -> None:
-        """Stop the thread after the current step (requests in flight are not finished)."""
+        """Stop the thread after the current step; requests in flight fail with ``RuntimeError``."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()

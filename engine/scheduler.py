@@ -232,7 +232,12 @@ class Scheduler:
         while self.waiting and len(self.acquired) + len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             num_encodes = len(out.encodes)
-            status = self._acquire(request, out, budget)
+            try:
+                status = self._acquire(request, out, budget)
+            except Exception as error:  # fails this request alone; what it took is given back
+                self.waiting.popleft()
+                out.failed.append((request, error))
+                continue
             if status == "wait":
                 return
             self.waiting.popleft()
@@ -270,10 +275,38 @@ class Scheduler:
         if not self.cache.can_allocate(need):
             self.release(request)
             return "wait"
+        try:
+            copied = self._start_misses(request, misses, out)
+        except Exception:  # never keep what a failed acquisition took
+            self._abandon_acquire(request, out)
+            raise
+        self._account(request, {c.key for c in misses}, copied)
+        return "ok"
+
+    def _abandon_acquire(self, request: Request, out: SchedulerOutput) -> None:
+        mine = set(request.pinned)
+        for job in [j for j in out.encodes if j.key in mine]:
+            out.encodes.remove(job)
+        for job in [j for j in out.copies if j.dst_key in mine]:
+            out.copies.remove(job)
+            self.cache.unpin(job.src_key)
+        pending = [k for k in request.pinned if (e := self.cache.lookup(k, touch=False)) is not None and not e.ready]
+        request.pinned = [k for k in request.pinned if k not in pending]
+        for key in pending:
+            self.cache.discard_pending(key)
+        self.release(request)
+
+    def _start_misses(self, request: Request, misses, out: SchedulerOutput) -> set[str]:
+        """Blocks, pending entries and encode (or copy) jobs for missing chunks; returns copied keys."""
         copied = set()
         for chunk in misses:
             blocks = self.cache.allocate(self._blocks_for(len(chunk.token_ids)))
-            self.cache.insert_pending(chunk.key, blocks, len(chunk.token_ids), chunk.local_start, chunk.source_key)
+            try:
+                self.cache.insert_pending(chunk.key, blocks, len(chunk.token_ids), chunk.local_start,
+                                          chunk.source_key)
+            except Exception:
+                self.cache.pool.decref(blocks)
+                raise
             request.pinned.append(chunk.key)
             sources = self.cache.ready_copies(chunk.source_key) if chunk.source_key else []
             if sources:  # position-aware cache: re-rotate another offset's copy into new blocks
@@ -286,8 +319,7 @@ class Scheduler:
             request.encoded_keys.add(chunk.key)
             context = self.anchor_context if chunk.doc_id is not None and chunk.source_key is None else []
             out.encodes.append(EncodeJob(chunk.key, chunk.token_ids, chunk.local_start, blocks, context))
-        self._account(request, {c.key for c in misses}, copied)
-        return "ok"
+        return copied
 
     def _acquire_prefix(self, request: Request) -> None:
         """Prefix mode: pin the longest run of cached full blocks of the prompt (exact prefix)."""

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable
 
 from lazyattn_rag.documents import Document
-from lazyattn_rag.llm import LazyAttention
+from lazyattn_rag.llm import LazyAttention, _ids, _pairs, _prompt_ids
 from lazyattn_rag.outputs import Completion, StreamDelta
 from lazyattn_rag.sampling import SamplingParams
 
@@ -71,21 +71,19 @@ class AsyncLazyAttention:
                sampling: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
         """Async version of :meth:`LazyAttention.stream` (errors raise on the first ``__anext__``)."""
         params = sampling or SamplingParams()
-        ids, docs = list(doc_ids), list(documents)
+        ids, docs = _ids(doc_ids), _pairs(documents)
         engine = self.llm.engine
 
         def make(sink):
-            for d in docs:
-                engine.add_document(d.id, d.text)
-                ids.append(d.id)
-            return engine.submit(engine.plan(question, ids), params, sink)
+            engine.add_documents(docs)
+            return engine.submit(engine.plan(question, ids + [d for d, _ in docs]), params, sink)
 
         return self._submit(make)
 
     def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None
                       ) -> AsyncIterator[StreamDelta]:
         """Async version of :meth:`LazyAttention.stream_prompt` (no chunk reuse)."""
-        ids = prompt if isinstance(prompt, list) else list(self.llm.tokenizer(prompt)["input_ids"])
+        ids = _prompt_ids(self.llm.tokenizer, prompt)
         params = sampling or SamplingParams()
         engine = self.llm.engine
         return self._submit(lambda sink: engine.submit(engine.plan_plain(ids), params, sink))

@@ -6,6 +6,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ANCHOR_MODES = ("none", "bos", "head")
+
+
+def _check_int(name: str, value, minimum: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 CACHE_MODES = ("lazy", "block_attention", "prefix", "full")
 
 
@@ -43,6 +50,9 @@ class CacheConfig:
     mode: str = "lazy"
 
     def __post_init__(self):
+        _check_int("block_size", self.block_size, 1)
+        _check_int("num_blocks", self.num_blocks, 1, optional=True)
+        _check_int("kv_cache_bytes", self.kv_cache_bytes, 1, optional=True)
         if not 1 <= self.block_size <= 128:
             raise ValueError(f"block_size must be in [1, 128], got {self.block_size}")
         if self.anchor not in ANCHOR_MODES:
@@ -51,7 +61,8 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
-        if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction < 1:
+        if self.kv_cache_fraction is not None and (isinstance(self.kv_cache_fraction, bool)
+                                                   or not 0 < self.kv_cache_fraction < 1):
             raise ValueError(f"kv_cache_fraction must be in (0, 1), got {self.kv_cache_fraction}")
         if self.mode not in CACHE_MODES:
             raise ValueError(f"mode must be one of {CACHE_MODES}, got {self.mode!r}")
@@ -73,6 +84,8 @@ class SchedulerConfig:
     max_num_seqs: int = 64
 
     def __post_init__(self):
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
@@ -131,6 +144,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        _check_int("max_model_len", self.max_model_len, 2, optional=True)
+        _check_int("seed", self.seed, 0)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -138,8 +138,8 @@ class LazyAttention:
 
     def add_documents(self, documents: Iterable[Document | tuple[str, str]]) -> int:
         """Register many documents; returns how many were new or changed."""
-        pairs = [(d.id, d.text) if isinstance(d, Document) else tuple(d) for d in documents]
-        return self.loop.call(lambda: sum(self.engine.add_document(i, t) for i, t in pairs))
+        pairs = _pairs(documents)
+        return self.loop.call(self.engine.add_documents, pairs)
 
     def remove_document(self, doc_id: str) -> None:
         """Forget a document and its cached K/V. Raises ``UnknownDocumentError``."""
@@ -161,7 +161,8 @@ class LazyAttention:
         Raises:
             UnknownDocumentError: an id that is not registered.
         """
-        final = _collect_deltas(self._submit(lambda sink: self.engine.submit_warm(list(doc_ids), sink)))
+        ids = _ids(doc_ids)
+        final = _collect_deltas(self._submit(lambda sink: self.engine.submit_warm(ids, sink)))
         return final.stats.docs_missed
 
     # --- generation -----------------------------------------------------------------------
@@ -187,11 +188,9 @@ class LazyAttention:
             if not finished:  # the caller stopped early: cancel and free everything
                 self.loop.call(self.engine.abort, request_id)
 
-    def _documents_then(self, documents: Iterable[Document], doc_ids: list[str]) -> list[str]:
-        for d in documents:
-            self.engine.add_document(d.id, d.text)
-            doc_ids.append(d.id)
-        return doc_ids
+    def _documents_then(self, documents: list[tuple[str, str]], doc_ids: list[str]) -> list[str]:
+        self.engine.add_documents(documents)
+        return doc_ids + [doc_id for doc_id, _ in documents]
 
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                sampling: SamplingParams | None = None) -> Iterator[StreamDelta]:
@@ -211,7 +210,7 @@ class LazyAttention:
             the request could not fit even in an empty cache. Other requests are unaffected.
         """
         params = sampling or SamplingParams()
-        ids, docs = list(doc_ids), list(documents)
+        ids, docs = _ids(doc_ids), _pairs(documents)
 
         def make(sink):
             plan = self.engine.plan(question, self._documents_then(docs, ids))
@@ -233,7 +232,7 @@ class LazyAttention:
         Raises:
             EmptyInputError, PromptTooLongError: at the call.
         """
-        ids = prompt if isinstance(prompt, list) else list(self.tokenizer(prompt)["input_ids"])
+        ids = _prompt_ids(self.tokenizer, prompt)
         params = sampling or SamplingParams()
         return self._submit(lambda sink: self.engine.submit(self.engine.plan_plain(ids), params, sink))
 
@@ -243,7 +242,7 @@ class LazyAttention:
 
     def plan(self, question: str, doc_ids: Iterable[str]):
         """The prompt plan a question over registered documents would run (for inspection)."""
-        return self.loop.call(self.engine.plan, question, list(doc_ids))
+        return self.loop.call(self.engine.plan, question, _ids(doc_ids))
 
     def stats(self) -> dict:
         """Engine-wide stats (see :meth:`LLMEngine.stats`)."""
@@ -278,6 +277,33 @@ class LazyAttention:
             "num_free_blocks": cache.pool.num_free,
             "num_evictions": cache.num_evictions,
         }
+
+
+def _ids(doc_ids: Iterable[str]) -> list[str]:
+    if isinstance(doc_ids, str):
+        raise ValueError(f"doc_ids must be a list of document ids, not the string {doc_ids!r}")
+    return list(doc_ids)
+
+
+def _pairs(documents: Iterable[Document | tuple[str, str]]) -> list[tuple[str, str]]:
+    """``(id, text)`` pairs from :class:`Document` objects or ``(id, text)`` tuples."""
+    pairs = []
+    for d in documents:
+        if isinstance(d, Document):
+            pairs.append((d.id, d.text))
+        elif isinstance(d, (tuple, list)) and len(d) == 2:
+            pairs.append((d[0], d[1]))
+        else:
+            raise ValueError(f"documents must be Document objects or (id, text) pairs, got {d!r}")
+    return pairs
+
+
+def _prompt_ids(tokenizer: Any, prompt: str | list[int] | tuple[int, ...]) -> list[int]:
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    if isinstance(prompt, (list, tuple)):
+        return list(prompt)
+    raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
 
 def _make_backend(name: str, auto: bool, model: CausalLM):

@@ -7,13 +7,16 @@ from dataclasses import dataclass
 import torch
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick output tokens (the vLLM meaning of each field).
 
     Attributes:
         max_tokens: most tokens to generate (>= 1).
-        temperature: 0 for greedy; > 0 divides the logits.
+        temperature: 0 (or below 1e-5) for greedy; otherwise divides the logits.
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 disables.
         stop: strings that end generation; the output is cut before the first match.
@@ -42,6 +45,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
 
     def __post_init__(self):
+        _check_types(self)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -70,7 +74,27 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below 1e-5 are greedy (dividing by them overflows float32)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_types(p: "SamplingParams") -> None:
+    for name in ("temperature", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+        if not _is_number(getattr(p, name)):
+            raise ValueError(f"{name} must be a number, got {getattr(p, name)!r}")
+    if not isinstance(p.ignore_eos, bool):
+        raise ValueError(f"ignore_eos must be a bool, got {p.ignore_eos!r}")
+    if p.seed is not None and (not isinstance(p.seed, int) or isinstance(p.seed, bool) or not 0 <= p.seed < 2**63):
+        raise ValueError(f"seed must be None or an integer in [0, 2**63), got {p.seed!r}")
+    stop = p.stop
+    if stop is None or not (isinstance(stop, str) or all(isinstance(x, str) for x in stop)):
+        raise ValueError(f"stop must be a string or a sequence of strings, got {stop!r}")
+    if p.stop_token_ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in p.stop_token_ids):
+        raise ValueError(f"stop_token_ids must be a sequence of integers, got {p.stop_token_ids!r}")
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],

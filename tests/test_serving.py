@@ -9,6 +9,7 @@ from lazyattn_rag import (
     AsyncLazyAttention,
     CacheConfig,
     DocumentTooLongError,
+    EmptyInputError,
     EngineConfig,
     PromptTooLongError,
     SamplingParams,
@@ -243,3 +244,81 @@ def test_prometheus_metrics_match_stats():
     assert f"lazyattn_cached_prompt_tokens_total {float(stats['num_cached_prompt_tokens'])}" in text
     assert stats["num_cached_prompt_tokens"] == out.stats.num_cached_tokens  # the first request hit nothing
     assert out.stats.queue_ms is not None and out.stats.tpot_ms is not None
+
+
+def test_rebinding_old_text_while_a_request_reads_it_revives_the_entry():
+    hf, llm = make_llm(num_blocks=64)
+    text = words(40, start=9)
+    llm.add_document("A", text)
+    solo = llm.generate("w1", ["A"], sampling=SamplingParams(max_tokens=30, ignore_eos=True)).token_ids
+    stream = llm.stream("w1", ["A"], sampling=SamplingParams(max_tokens=30, ignore_eos=True))
+    first = next(stream)
+    llm.remove_document("A")  # the running request keeps the (now dead) entry pinned
+    llm.add_document("A", text)  # same text again: the pinned entry serves again
+    again = llm.generate("w1", ["A"], sampling=SamplingParams(max_tokens=30, ignore_eos=True))
+    assert again.stats.docs_hit == ["A"] and again.token_ids == solo
+    assert [first.token_id] + [d.token_id for d in stream if d.token_id is not None] == solo
+    assert_no_leak(llm)
+
+
+def test_sampling_failure_fails_only_that_request():
+    hf, llm = make_llm()
+    llm.add_document("a", words(10))
+    engine = llm.engine
+    sample_fn = __import__("lazyattn_rag.engine.engine", fromlist=["sample"])
+
+    def broken(logits, params, generator):
+        raise RuntimeError("sampler exploded")
+
+    original = sample_fn.sample
+    sample_fn.sample = broken
+    try:
+        bad = llm.stream("w1", ["a"], sampling=SamplingParams(max_tokens=4, temperature=1.0, seed=1))
+        good = llm.generate("w2", ["a"], sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+        with pytest.raises(RuntimeError, match="sampler exploded"):
+            list(bad)
+    finally:
+        sample_fn.sample = original
+    assert good.finish_reason == "length" and len(good.token_ids) == 4
+    assert not engine.requests
+    assert_no_leak(llm)
+
+
+def test_shutdown_fails_requests_in_flight():
+    hf, llm = make_llm()
+    llm.add_document("a", words(10))
+    stream = llm.stream("w1", ["a"], sampling=SamplingParams(max_tokens=100000 // 1000, ignore_eos=True))
+    next(stream)
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        list(stream)
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.add_document("b", words(3))
+
+
+def test_input_validation_is_atomic_and_specific():
+    hf, llm = make_llm()
+    with pytest.raises(ValueError, match="not the string"):
+        llm.generate("w1", "abc")
+    with pytest.raises(EmptyInputError, match="'b' is empty"):
+        llm.add_documents([("a", words(5)), ("b", "  ")])
+    assert not llm.has_document("a")  # all or none
+    out = llm.generate("w1", documents=[("t1", words(4))], sampling=GREEDY)  # tuples accepted inline
+    assert out.stats.docs_missed == ["t1"]
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 210\)"):
+        llm.complete([5, 10**9])
+    with pytest.raises(ValueError, match="token ids"):
+        llm.complete([5.7])
+    for bad in (dict(seed=2**70), dict(seed=1.5), dict(ignore_eos="no"), dict(stop=None),
+                dict(temperature="0.5"), dict(stop_token_ids=["5"])):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    for bad in (dict(num_blocks=2.5), dict(block_size=True), dict(block_size=16.0)):
+        with pytest.raises(ValueError):
+            CacheConfig(**bad)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=1.5)
+    tiny_temperature = llm.generate("w1", ["t1"], sampling=SamplingParams(max_tokens=4, temperature=1e-45,
+                                                                          ignore_eos=True))
+    assert tiny_temperature.token_ids == llm.generate("w1", ["t1"], sampling=GREEDY).token_ids[:4]
+    assert_no_leak(llm)
