@@ -125,6 +125,8 @@ class LazyAttentionLLM(CustomLLM):
 
     # --- completion ---------------------------------------------------------------------------
     def _completion_request(self, prompt: str) -> EngineRequest:
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
         return text_request(self._engine, [("user", prompt)])
 
     def _chat_request(self, messages: Sequence[ChatMessage]) -> EngineRequest:

@@ -74,8 +74,24 @@ class EngineRequest:
 
 
 def rag_request(question: str, documents: Sequence[Document]) -> EngineRequest:
-    """Documents (by id) and a question."""
-    return EngineRequest(question=question, documents=list(documents))
+    """Documents (by id) and a question.
+
+    Whitespace-only documents carry nothing to attend to and are left out (a retriever can
+    return an empty node). The same id twice with the same text is kept twice (placed twice);
+    the same id with two different texts is ambiguous.
+
+    Raises:
+        ValueError: one id with two different texts (the id is named).
+    """
+    seen: dict[str, str] = {}
+    kept = []
+    for d in documents:
+        if not isinstance(d.text, str) or not d.text.strip():
+            continue
+        if seen.setdefault(d.id, d.text) != d.text:
+            raise ValueError(f"document id {d.id!r} is given twice with different texts in one request")
+        kept.append(d)
+    return EngineRequest(question=question, documents=kept)
 
 
 def text_request(llm: "LazyAttention", messages: Sequence[tuple[str, str]]) -> EngineRequest:

@@ -148,3 +148,13 @@ def test_match_documents_finds_non_overlapping_occurrences_in_prompt_order():
     assert m.matched_chars == len(("beta " * 8).strip()) + len(("alpha " * 8 + "beta " * 8).strip())
     assert m.prompt_chars == len(prompt) and 0 < m.fraction < 1
     assert match_documents("nothing here", texts).doc_ids == ()
+
+
+def test_rag_request_drops_empty_documents_and_rejects_conflicting_texts():
+    from lazyattn_rag.documents import Document
+    from lazyattn_rag.integrations.requests import rag_request
+
+    req = rag_request("q", [Document("a", "text a"), Document("e", "  \n"), Document("a", "text a")])
+    assert [d.id for d in req.documents] == ["a", "a"]
+    with pytest.raises(ValueError, match="'a' is given twice with different texts"):
+        rag_request("q", [Document("a", "text a"), Document("a", "other")])
