@@ -166,34 +166,18 @@ class LazyAttention:
         return final.stats.docs_missed
 
     # --- generation -----------------------------------------------------------------------
-    def _submit(self, make_request) -> Iterator[StreamDelta]:
+    def _submit(self, make_request) -> "RequestStream":
         """Submit on the engine thread (errors raise here) and return the delta stream."""
         deltas: queue.SimpleQueue = queue.SimpleQueue()
         request = self.loop.call(make_request, deltas.put)
-        return self._drain(request.request_id, deltas)
-
-    def _drain(self, request_id: str, deltas: queue.SimpleQueue) -> Iterator[StreamDelta]:
-        finished = False
-        try:
-            while True:
-                item = deltas.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:  # the caller stopped early: cancel and free everything
-                self.loop.call(self.engine.abort, request_id)
+        return RequestStream(self.loop, self.engine, request.request_id, deltas)
 
     def _documents_then(self, documents: list[tuple[str, str]], doc_ids: list[str]) -> list[str]:
         self.engine.add_documents(documents)
         return doc_ids + [doc_id for doc_id, _ in documents]
 
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
-               sampling: SamplingParams | None = None) -> Iterator[StreamDelta]:
+               sampling: SamplingParams | None = None) -> RequestStream:
         """Stream the answer to ``question`` over documents, in the order given.
 
         Args:
@@ -201,9 +185,10 @@ class LazyAttention:
             doc_ids: ids of registered documents.
             documents: inline documents, registered (or updated) first and placed after ``doc_ids``.
             sampling: :class:`SamplingParams` (greedy, 256 tokens by default).
-        Yields:
-            :class:`StreamDelta` pieces, one per generated token (text may be empty while a
-            character is incomplete); the last has ``finished=True`` and the stats.
+        Returns:
+            A :class:`RequestStream` of :class:`StreamDelta` pieces, one per generated token (text
+            may be empty while a character is incomplete); the last has ``finished=True`` and the
+            stats. The request runs from this call on; ``close()`` the stream to cancel it.
         Raises:
             UnknownDocumentError, EmptyInputError, PromptTooLongError, DocumentTooLongError:
             at the call, before anything is queued. CacheCapacityError: from the iterator, when
@@ -223,7 +208,7 @@ class LazyAttention:
         """Answer ``question``; same arguments and errors as :meth:`stream`."""
         return _collect(self.stream(question, doc_ids, documents, sampling))
 
-    def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Iterator[StreamDelta]:
+    def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> RequestStream:
         """Stream a completion of a plain prompt, with no chunk reuse (a standard full prefill).
 
         Args:
@@ -277,6 +262,57 @@ class LazyAttention:
             "num_free_blocks": cache.pool.num_free,
             "num_evictions": cache.num_evictions,
         }
+
+
+class RequestStream(Iterator[StreamDelta]):
+    """The deltas of one submitted request (the request runs from submission on).
+
+    Iterate it for :class:`StreamDelta` pieces; the last has ``finished=True``. ``close()`` (or
+    leaving a ``with`` block, or dropping the last reference) cancels a request that has not
+    finished and frees its KV blocks, also when it was never iterated.
+
+    Attributes:
+        request_id: the engine's id of the request.
+    """
+
+    def __init__(self, loop: EngineLoop, engine: LLMEngine, request_id: str, deltas: queue.SimpleQueue):
+        self._loop, self._engine, self.request_id, self._deltas = loop, engine, request_id, deltas
+        self._done = False
+
+    def __iter__(self) -> "RequestStream":
+        return self
+
+    def __next__(self) -> StreamDelta:
+        if self._done:
+            raise StopIteration
+        item = self._deltas.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+    def close(self) -> None:
+        """Cancel the request if it has not finished (idempotent)."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._loop.call(self._engine.abort, self.request_id)
+        except RuntimeError:  # the engine is shut down: nothing is left to free
+            pass
+
+    def __enter__(self) -> "RequestStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
 
 
 def _ids(doc_ids: Iterable[str]) -> list[str]:

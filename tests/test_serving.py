@@ -322,3 +322,20 @@ def test_input_validation_is_atomic_and_specific():
                                                                           ignore_eos=True))
     assert tiny_temperature.token_ids == llm.generate("w1", ["t1"], sampling=GREEDY).token_ids[:4]
     assert_no_leak(llm)
+
+
+def test_unread_or_dropped_streams_are_cancelled():
+    import gc
+
+    hf, llm = make_llm()
+    llm.add_document("a", words(10))
+    long = SamplingParams(max_tokens=10000 // 100, ignore_eos=True)
+    stream = llm.stream("w1", ["a"], sampling=long)
+    stream.close()  # never iterated: still cancelled
+    dropped = llm.stream("w2", ["a"], sampling=long)
+    del dropped
+    gc.collect()
+    with llm.stream("w3", ["a"], sampling=long) as s:
+        next(s)
+    assert_no_leak(llm)
+    assert llm.stats()["num_requests_aborted"] == 3
