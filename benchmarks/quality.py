@@ -261,8 +261,9 @@ def parse_args(argv=None):
     p.add_argument("--max-answer-tokens", type=int, default=32, help="most tokens generated per answer")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"comma-separated subset of {', '.join(ENGINE_MODES)}, recompute")
-    p.add_argument("--recompute-tokens", default="16",
-                   help="comma-separated k values of the recompute remedy (0 = the reference's control)")
+    p.add_argument("--recompute-tokens", default="0,16",
+                   help="comma-separated k values of the recompute remedy; 0 is the reference's own control "
+                        "(reuse through transformers: compare k > 0 with it, not with the engine's numerics)")
     p.add_argument("--concurrency", type=int, default=None, help="requests in flight (default 64 on CUDA, 4 on CPU)")
     p.add_argument("--max-batched-tokens", type=int, default=None,
                    help="engine tokens per step (default 16384 on CUDA, 2048 on CPU)")
