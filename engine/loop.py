@@ -25,17 +25,21 @@ class EngineLoop:
     """Runs ``engine.step()`` on a daemon thread while there is work.
 
     Args:
-        engine: the engine to drive.
+        build: makes the engine, called on the loop's own thread (so model loading and every
+            forward pass share one thread and one intra-op pool). Its exception is raised here.
     """
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, build: Callable[[], LLMEngine]):
+        self._build = build
+        self._ready: Future = Future()
+        self.engine: LLMEngine | None = None
         self._cond = threading.Condition()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = False
         self._in_step = False
         self._thread = threading.Thread(target=self._run, name="lazyattn-engine", daemon=True)
         self._thread.start()
+        self._ready.result()  # the builder's exception, if any, surfaces in the caller
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` on the engine thread between steps; return its result.
@@ -70,6 +74,13 @@ class EngineLoop:
                 future.set_exception(e)
 
     def _run(self) -> None:
+        try:
+            self.engine = self._build()
+        except BaseException as error:
+            self._stopped = True
+            self._ready.set_exception(error)
+            return
+        self._ready.set_result(None)
         while True:
             with self._cond:
                 while not self._stopped and self._commands.empty() and not self.engine.has_unfinished():

@@ -69,29 +69,42 @@ class LazyAttention:
     """
 
     def __init__(self, config: EngineConfig | None = None):
-        from transformers import AutoConfig, AutoTokenizer
-
-        from lazyattn_rag.model_loading import load_state_dict, resolve_model
-
         config = config or EngineConfig()
-        source = resolve_model(config.model, config.resolved_cache_dir())
-        hf_config = AutoConfig.from_pretrained(str(source.path), local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(str(source.path), local_files_only=True)
-        model = CausalLM(ModelArchConfig.from_hf_config(hf_config), RotaryEmbedding.from_hf_config(hf_config))
-        model.load_hf_state_dict(load_state_dict(source.path))
-        eos = _generation_eos_ids(source.path)
-        self._setup(model, tokenizer, config, source.weights_sha256, source.name, eos, hf_config)
+
+        def build() -> LLMEngine:  # on the engine thread: every torch op of the engine runs there
+            from transformers import AutoConfig, AutoTokenizer
+
+            from lazyattn_rag.model_loading import load_state_dict, resolve_model
+
+            source = resolve_model(config.model, config.resolved_cache_dir())
+            hf_config = AutoConfig.from_pretrained(str(source.path), local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(str(source.path), local_files_only=True)
+            model = CausalLM(ModelArchConfig.from_hf_config(hf_config), RotaryEmbedding.from_hf_config(hf_config))
+            model.load_hf_state_dict(load_state_dict(source.path))
+            eos = _generation_eos_ids(source.path)
+            return self._build(model, tokenizer, config, source.weights_sha256, source.name, eos, hf_config)
+
+        self.loop = EngineLoop(build)
+        self.engine = self.loop.engine
 
     @classmethod
     def from_model(cls, model: CausalLM, tokenizer: Any, config: EngineConfig | None = None,
                    name: str = "in-memory", hf_config: Any = None) -> "LazyAttention":
         """Wrap an already-built :class:`CausalLM` (tests, custom loading). Weights are hashed."""
         self = cls.__new__(cls)
-        self._setup(model, tokenizer, config or EngineConfig(), tensors_sha256(model.state_dict()), name,
-                    set(), hf_config)
+        config = config or EngineConfig()
+        self.loop = EngineLoop(lambda: self._build(model, tokenizer, config, tensors_sha256(model.state_dict()),
+                                                   name, set(), hf_config))
+        self.engine = self.loop.engine
         return self
 
-    def _setup(self, model, tokenizer, config, weights_sha256, name, eos_ids, hf_config) -> None:
+    def _build(self, model, tokenizer, config, weights_sha256, name, eos_ids, hf_config) -> LLMEngine:
+        """Move the model to its device and build the engine (runs on the engine thread).
+
+        CPU note: PyTorch's OpenMP intra-op pool runs small matrix products ~40 % slower on a
+        thread once another thread has its own pool (libgomp throttles its spinning when its
+        threads outnumber the cores), so model loading and every forward pass run on one thread.
+        """
         self.config = config
         self.device = _resolve_device(config.device)
         dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
@@ -114,8 +127,7 @@ class LazyAttention:
         self.fingerprint = ModelFingerprint(weights_sha256, dtype_name, json.dumps(model.rotary.fingerprint(),
                                             sort_keys=True), _tokenizer_sha256(tokenizer), block_size)
         cache = ChunkCache(BlockPool(num_blocks), block_size, make_policy(config.cache.eviction_policy))
-        self.engine = LLMEngine(runner, cache, tokenizer, self.fingerprint.digest(), config, self.max_model_len, eos_ids)
-        self.loop = EngineLoop(self.engine)
+        return LLMEngine(runner, cache, tokenizer, self.fingerprint.digest(), config, self.max_model_len, eos_ids)
 
     def _kv_budget(self) -> int:
         if self.config.cache.kv_cache_bytes is not None:
