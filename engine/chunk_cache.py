@@ -28,6 +28,14 @@ from lazyattn_rag.engine.block_pool import BlockPool, NoFreeBlocksError
 from lazyattn_rag.engine.eviction import EvictionPolicy, LRUPolicy
 
 
+def block_table_entries(block_ids: list[int], num_tokens: int, delta: int, block_size: int
+                        ) -> list[tuple[int, int, int]]:
+    """``(block id, delta, valid slots)`` of ``num_tokens`` tokens laid out from the first block's
+    slot 0; blocks past the last token are left out."""
+    return [(b, delta, min(block_size, num_tokens - i * block_size))
+            for i, b in enumerate(block_ids) if num_tokens > i * block_size]
+
+
 @dataclass
 class ChunkEntry:
     """One cached chunk.

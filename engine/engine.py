@@ -26,7 +26,7 @@ import torch
 from lazyattn_rag.config import EngineConfig
 from lazyattn_rag.detokenizer import IncrementalDetokenizer
 from lazyattn_rag.engine.attention import SequenceInput
-from lazyattn_rag.engine.chunk_cache import ChunkCache
+from lazyattn_rag.engine.chunk_cache import ChunkCache, block_table_entries
 from lazyattn_rag.engine.request import Request, RequestStatus
 from lazyattn_rag.engine.runner import ModelRunner
 from lazyattn_rag.engine.scheduler import ComputeJob, EncodeJob, Scheduler, SchedulerOutput
@@ -101,7 +101,6 @@ class LLMEngine:
         # Called after each step that ran a forward pass with (scheduler output, seconds); when any is
         # registered the step synchronizes the device so the time is the step's own (benchmarks).
         self.step_listeners: list[Callable[[SchedulerOutput, float], None]] = []
-        self._last_output: SchedulerOutput | None = None
 
     def _anchor_token_ids(self) -> tuple[int, ...]:
         mode = self.config.cache.anchor
@@ -123,7 +122,7 @@ class LLMEngine:
         entry = self.cache.insert_pending(self.anchor_key, blocks, n, 0)
         self.runner.execute([self._sequence(EncodeJob(self.anchor_key, self.anchor_ids, 0, blocks, []))])
         self.cache.mark_ready(self.anchor_key)
-        return [(b, 0, min(self.block_size, n - i * self.block_size)) for i, b in enumerate(entry.block_ids)]
+        return block_table_entries(entry.block_ids, n, 0, self.block_size)
 
     # --- documents ------------------------------------------------------------------------
     def add_document(self, doc_id: str, text: str) -> bool:
@@ -219,8 +218,7 @@ class LLMEngine:
         """block_attention mode: a document's copy at its offset (encoded alone at ``g``, delta 0)."""
         if chunk.doc_id is None:
             return chunk
-        key = chunk_key(self.model_digest, f"at:{chunk.global_start}", [])
-        key = chunk_key(key, chunk.key, [])
+        key = chunk_key(chunk.key, f"at:{chunk.global_start}", [])
         return ChunkSegment(key, chunk.token_ids, chunk.global_start, chunk.global_start, chunk.doc_id, chunk.key)
 
     def _prefix_keys(self, token_ids: list[int]) -> tuple[str, ...]:
@@ -297,42 +295,41 @@ class LLMEngine:
     def step(self) -> bool:
         """Schedule, run one forward pass, postprocess. Returns ``False`` if there was nothing to do."""
         if not self.step_listeners:
-            return self._step()
+            return self._step() is not None
         self._synchronize()
         start = time.perf_counter()
-        self._last_output = None
-        ran = self._step()
+        out = self._step()
         self._synchronize()
-        if self._last_output is not None:
+        if out is not None and not out.is_empty:
             for listener in self.step_listeners:
-                listener(self._last_output, time.perf_counter() - start)
-        return ran
+                listener(out, time.perf_counter() - start)
+        return out is not None
 
     def _synchronize(self) -> None:
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
 
-    def _step(self) -> bool:
+    def _step(self) -> SchedulerOutput | None:
+        """One step; returns what was scheduled, or ``None`` when there was nothing to do."""
         out = self.scheduler.schedule()
         for request, error in out.failed:
             self._fail(request, error)
         for request in out.warmed:
             self._finish(request, "warm")
         if out.is_empty:
-            return bool(out.failed or out.warmed)
+            return out if out.failed or out.warmed else None
         self.counters.num_steps += 1
-        self._last_output = out
         for copy in out.copies:
             self.runner.copy_rotated(copy.src_blocks, copy.dst_blocks, copy.num_tokens, copy.delta)
             self.cache.mark_ready(copy.dst_key)
             self.cache.unpin(copy.src_key)
         if not (out.encodes or out.computes):
-            return True
+            return out
         try:
             logits = self.runner.execute([self._sequence(j) for j in out.encodes + out.computes])
         except Exception as error:  # a broken batch fails its requests, never the cache
             self._abandon_step(out, error)
-            return True
+            return out
         for job in out.encodes:
             self.cache.mark_ready(job.key)
         rows = logits[len(out.encodes):]
@@ -343,7 +340,7 @@ class LLMEngine:
             except Exception as error:  # e.g. sampling failed: this request fails, the others go on
                 if job.request.status is not RequestStatus.FINISHED:
                     self._fail(job.request, error)
-        return True
+        return out
 
     def _sequence(self, job: EncodeJob | ComputeJob) -> SequenceInput:
         if isinstance(job, EncodeJob):
@@ -357,27 +354,20 @@ class LLMEngine:
     def _build(self, token_ids, first_pos, context, own_blocks, own_filled) -> SequenceInput:
         """New tokens after ``own_filled`` slots of ``own_blocks`` (delta 0), after ``context``."""
         n, bs = len(token_ids), self.block_size
-        total = own_filled + n
-        own = [(b, 0, min(bs, total - i * bs)) for i, b in enumerate(own_blocks) if total - i * bs > 0]
+        own = block_table_entries(own_blocks, own_filled + n, 0, bs)
         slots = [own_blocks[(own_filled + i) // bs] * bs + (own_filled + i) % bs for i in range(n)]
         return SequenceInput(list(token_ids), list(range(first_pos, first_pos + n)), list(context) + own, slots)
 
     def _abandon_step(self, out: SchedulerOutput, error: Exception) -> None:
+        """The forward pass raised: fail its requests and those waiting on its encodes; drop those encodes."""
+        pending = {job.key for job in out.encodes}
         victims = {id(j.request): j.request for j in out.computes}
-        for r in list(self.scheduler.acquired):
-            if r.encoded_keys & {e.key for e in out.encodes}:
-                victims[id(r)] = r
+        victims.update({id(r): r for r in self.scheduler.acquired if pending.intersection(r.pinned)})
         for r in victims.values():
             self.scheduler.remove(r)
-        for job in out.encodes:
-            entry = self.cache.lookup(job.key, touch=False)
-            if entry is not None and not entry.ready:
-                for r in list(self.scheduler.acquired):  # others waiting on it lose their pin too
-                    if job.key in r.pinned:
-                        self.scheduler.remove(r)
-                        victims[id(r)] = r
-                if self.cache.lookup(job.key, touch=False) is not None:
-                    self.cache.discard_pending(job.key)
+        for key in pending:
+            if self.cache.lookup(key, touch=False) is not None:
+                self.cache.discard_pending(key)
         for r in victims.values():
             self._fail(r, error, release=False)
 

@@ -36,7 +36,8 @@ class Request:
         arrival_time: ``time.perf_counter()`` at submission.
         pinned: chunk keys this request holds pins on.
         encoded_keys: chunk keys this request encoded (its misses).
-        context: block-table entries of its chunks ``(block id, delta, valid)``, set once ready.
+        context_words: packed block-table words of its chunks (``delta = g - l`` each), set once
+            they are all written; ``context_len`` their valid slots.
         private_blocks: blocks of the query tail and generated tokens (delta 0).
         num_computed: private tokens whose K/V is written.
         output_ids: generated tokens (EOS and stop tokens excluded).
@@ -55,9 +56,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     pinned: list[str] = field(default_factory=list)
     encoded_keys: set[str] = field(default_factory=set)
-    context: list[tuple[int, int, int]] = field(default_factory=list)
-    context_words: torch.Tensor | None = None  # ``context`` packed once
-    context_len: int = 0  # valid slots of ``context``
+    context_words: torch.Tensor | None = None
+    context_len: int = 0
     private_blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
     output_ids: list[int] = field(default_factory=list)

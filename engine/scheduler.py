@@ -23,7 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from lazyattn_rag.engine.chunk_cache import ChunkCache
+from lazyattn_rag.engine.chunk_cache import ChunkCache, block_table_entries
 from lazyattn_rag.engine.request import Request, RequestStatus
 from lazyattn_rag.errors import CacheCapacityError
 from lazyattn_rag.kernels.block_table import pack_entries
@@ -129,7 +129,6 @@ class Scheduler:
         for key in request.pinned:
             self.cache.unpin(key)
         request.pinned = []
-        request.context = []
         request.context_words = None
         request.context_len = 0
         request.num_computed = 0
@@ -206,9 +205,9 @@ class Scheduler:
         if request.warm_only:
             out.warmed.append(request)
             return 0
-        request.context = self._context_of(request)
-        request.context_words = pack_entries(request.context)
-        request.context_len = sum(e[2] for e in request.context)
+        context = self._context_of(request)
+        request.context_words = pack_entries(context)
+        request.context_len = sum(e[2] for e in context)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         if budget <= 0:
@@ -219,11 +218,8 @@ class Scheduler:
         entries = []
         for chunk in request.plan.chunks:
             entry = self.cache.lookup(chunk.key, touch=False)
-            left = entry.num_tokens
-            delta = chunk.global_start - entry.local_start
-            for b in entry.block_ids:
-                entries.append((b, delta, min(left, self.block_size)))
-                left -= self.block_size
+            entries += block_table_entries(entry.block_ids, entry.num_tokens, chunk.global_start - entry.local_start,
+                                           self.block_size)
         for key in request.plan.prefix_block_keys[: request.num_prefix_tokens // self.block_size]:
             entries.append((self.cache.lookup(key, touch=False).block_ids[0], 0, self.block_size))
         return entries
