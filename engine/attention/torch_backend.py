@@ -19,13 +19,14 @@ Source: LazyAttention (ICML 2026, arXiv 2606.04302), Sec. 3 "deferred RoPE".
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from lazyattn_rag.engine.attention.base import AttentionBackend, write_kv
 from lazyattn_rag.engine.attention.metadata import AttentionMetadata
 from lazyattn_rag.kernels.block_table import unpack_block_table
+from lazyattn_rag.kernels.rope import apply_rotation
 
 
 @dataclass
@@ -34,6 +35,7 @@ class _SeqGather:
     deltas: torch.Tensor  # [seq_len] int64 delta of each key's block
     runs: list[tuple[int, int, int]]  # (start, end, delta) of key runs sharing one delta
     any_delta: bool
+    tables: dict = field(default_factory=dict)  # cos/sin per rotation, made once and reused by every layer
 
 
 def _gather_plan(metadata: AttentionMetadata, device: torch.device) -> list[_SeqGather]:
@@ -84,10 +86,17 @@ class TorchAttentionBackend(AttentionBackend):
                 o = self._attend_rotating_query(q, k, v, plan, metadata.seq_lens_list[i])
             else:
                 if plan.any_delta:
-                    k = self.rotary.rotate_by(k.to(torch.float32), plan.deltas)
+                    k = self._rotate(k.to(torch.float32), plan, "keys", plan.deltas)
                 o = self._attend(q, k.to(torch.float32), v, metadata.seq_lens_list[i])
             out[starts[i] : starts[i + 1]] = o.to(out.dtype)
         return out
+
+    def _rotate(self, x: torch.Tensor, plan: _SeqGather, name, deltas: torch.Tensor) -> torch.Tensor:
+        """Pure rotation of ``x`` by ``deltas`` (one per row, or one for all rows), tables cached in ``plan``."""
+        if name not in plan.tables:
+            plan.tables[name] = self.rotary.cos_sin(deltas)
+        cos, sin = plan.tables[name]
+        return apply_rotation(x, cos, sin, self.rotary.rotary_dim, self.rotary.interleaved)
 
     def _grouped(self, q: torch.Tensor) -> torch.Tensor:
         """[q_len, num_heads, d] -> [q_len, num_kv_heads, group, d] (GQA: query heads of one KV head)."""
@@ -121,6 +130,6 @@ class TorchAttentionBackend(AttentionBackend):
         for start, end, delta in plan.runs:
             q_run = q
             if delta != 0:  # once per chunk: R_(-delta) applied to every query row
-                q_run = self.rotary.rotate_by(q, torch.full((q_len,), -delta, device=q.device))
+                q_run = self._rotate(q, plan, -delta, torch.tensor([-delta], device=q.device))
             scores[..., start:end] = torch.einsum("qcgd,ncd->cgqn", self._grouped(q_run), k[start:end])
         return self._softmax_v(scores, v, seq_len)
