@@ -287,7 +287,7 @@ def test_sampling_failure_fails_only_that_request():
 def test_shutdown_fails_requests_in_flight():
     hf, llm = make_llm()
     llm.add_document("a", words(10))
-    stream = llm.stream("w1", ["a"], sampling=SamplingParams(max_tokens=100000 // 1000, ignore_eos=True))
+    stream = llm.stream("w1", ["a"], sampling=SamplingParams(max_tokens=100, ignore_eos=True))
     next(stream)
     llm.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
@@ -329,7 +329,7 @@ def test_unread_or_dropped_streams_are_cancelled():
 
     hf, llm = make_llm()
     llm.add_document("a", words(10))
-    long = SamplingParams(max_tokens=10000 // 100, ignore_eos=True)
+    long = SamplingParams(max_tokens=100, ignore_eos=True)
     stream = llm.stream("w1", ["a"], sampling=long)
     stream.close()  # never iterated: still cancelled
     dropped = llm.stream("w2", ["a"], sampling=long)
@@ -339,3 +339,33 @@ def test_unread_or_dropped_streams_are_cancelled():
         next(s)
     assert_no_leak(llm)
     assert llm.stats()["num_requests_aborted"] == 3
+
+
+def test_a_failing_forward_fails_its_requests_and_drops_their_pending_encodes():
+    hf, llm = make_llm()
+    llm.add_document("a", words(20))
+    solo = llm.generate("w1", ["a"], sampling=GREEDY).token_ids
+    llm.remove_document("a")
+    llm.add_document("a", words(20))  # cold again
+    execute = llm.engine.runner.execute
+    calls = []
+
+    def fail_once(seqs):
+        calls.append(len(seqs))
+        if len(calls) == 1:
+            raise RuntimeError("device fault")
+        return execute(seqs)
+
+    llm.engine.runner.execute = fail_once
+    engine, sinks = llm.engine, [[], []]
+    # both queued before the engine steps: one encodes "a", the other waits on its pending entry
+    llm.loop.call(lambda: [engine.submit(engine.plan("w1", ["a"]), GREEDY, sink.append) for sink in sinks])
+    llm.loop.call(lambda: None)
+    while engine.has_unfinished():
+        llm.loop.call(lambda: None)
+    assert calls[0] >= 1
+    for sink in sinks:
+        assert len(sink) == 1 and isinstance(sink[0], RuntimeError) and "device fault" in str(sink[0])
+    assert llm.engine.cache.lookup(llm.engine.documents["a"].key, touch=False) is None
+    assert_no_leak(llm)
+    assert llm.generate("w1", ["a"], sampling=GREEDY).token_ids == solo
