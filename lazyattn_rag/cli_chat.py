@@ -37,14 +37,13 @@ def chat(
     """Chat with a FAISS-backed RAG bot over Python's language reference: streams each answer,
     then its sources and the KV-cache stats (documents hit/missed, TTFT)."""
     try:
-        from lazyattn_rag.config import CacheConfig, EngineConfig
+        from lazyattn_rag.cli import _engine_config
         from lazyattn_rag.integrations.chatbot import DEMO_QUESTIONS, ChatOptions, follow_up_question, run_chat
         from lazyattn_rag.sampling import SamplingParams
 
         questions = [q for q0 in question for q in ((q0, follow_up_question(q0)) if follow_up else (q0,))]
         questions += DEMO_QUESTIONS if demo else ()
-        engine = EngineConfig(model=model, device=device, attention_backend=backend, cache_dir=cache_dir,
-                              cache=CacheConfig(anchor=anchor))
+        engine = _engine_config(model, device, backend, anchor, cache_dir)
         options = ChatOptions(questions=tuple(questions), docs=docs, top_k=top_k, index_dir=index_dir,
                               rebuild=rebuild, sampling=SamplingParams(max_tokens=max_tokens, stop=("\n\n",)),
                               engine=engine)

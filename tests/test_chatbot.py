@@ -7,18 +7,15 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("llama_index.core")
-pytest.importorskip("langchain_core")
-pytest.importorskip("faiss")
 
-from langchain_core.messages import HumanMessage  # noqa: E402
-from typer.testing import CliRunner  # noqa: E402
+from langchain_core.messages import HumanMessage
+from typer.testing import CliRunner
 
-from lazyattn_rag import CacheConfig, Document, EngineConfig, SamplingParams  # noqa: E402
-from lazyattn_rag.cli import app  # noqa: E402
-from lazyattn_rag.integrations.chatbot import ChatOptions, run_chat  # noqa: E402
-from lazyattn_rag.integrations.langchain import ChatLazyAttention, document_block  # noqa: E402
-from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM, LazyAttentionSynthesizer  # noqa: E402
+from lazyattn_rag import CacheConfig, Document, EngineConfig, SamplingParams
+from lazyattn_rag.cli import app
+from lazyattn_rag.integrations.chatbot import ChatOptions, run_chat
+from lazyattn_rag.integrations.langchain import ChatLazyAttention, document_block
+from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM, LazyAttentionSynthesizer
 
 DOCS = {
     "zembla.md": "# Zembla\n\nZembla is a small northern kingdom. The capital city of Zembla is Onhava, a port on "

@@ -4,23 +4,21 @@ import asyncio
 
 import pytest
 
-pytest.importorskip("langchain_core")
-pytest.importorskip("faiss")
 
-from langchain_core.documents import Document as LCDocument  # noqa: E402
-from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
+from langchain_core.documents import Document as LCDocument
+from langchain_core.messages import HumanMessage, SystemMessage
 
-from lazyattn_rag import Document, SamplingParams  # noqa: E402
-from lazyattn_rag.integrations.faiss_store import FaissDocumentStore  # noqa: E402
-from lazyattn_rag.integrations.langchain import (  # noqa: E402
+from lazyattn_rag import Document, SamplingParams
+from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
+from lazyattn_rag.integrations.langchain import (
     ChatLazyAttention,
     FaissRetriever,
     document_block,
     documents_to_messages,
     rag_chain,
 )
-from tests.integrations_kit import GREEDY, StreamSpy, corpus_documents, embedder, tiny_engine  # noqa: E402
-from tests.tiny import words  # noqa: E402
+from tests.integrations_kit import GREEDY, StreamSpy, corpus_documents, embedder, tiny_engine
+from tests.tiny import words
 
 
 @pytest.fixture(scope="module")

@@ -4,24 +4,22 @@ import asyncio
 
 import pytest
 
-pytest.importorskip("llama_index.core")
-pytest.importorskip("faiss")
 
-from llama_index.core.base.llms.types import ChatMessage  # noqa: E402
-from llama_index.core.chat_engine import ContextChatEngine  # noqa: E402
-from llama_index.core.memory import ChatMemoryBuffer  # noqa: E402
+from llama_index.core.base.llms.types import ChatMessage
+from llama_index.core.chat_engine import ContextChatEngine
+from llama_index.core.memory import ChatMemoryBuffer
 
-from lazyattn_rag import Document, SamplingParams  # noqa: E402
-from lazyattn_rag.integrations.faiss_store import FaissDocumentStore  # noqa: E402
-from lazyattn_rag.integrations.llamaindex import (  # noqa: E402
+from lazyattn_rag import Document, SamplingParams
+from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
+from lazyattn_rag.integrations.llamaindex import (
     FaissRetriever,
     KVCacheWarmer,
     LazyAttentionLLM,
     LazyAttentionSynthesizer,
     as_query_engine,
 )
-from tests.integrations_kit import GREEDY, StreamSpy, corpus_documents, embedder, tiny_engine  # noqa: E402
-from tests.tiny import words  # noqa: E402
+from tests.integrations_kit import GREEDY, StreamSpy, corpus_documents, embedder, tiny_engine
+from tests.tiny import words
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,9 @@ import json
 import numpy as np
 import pytest
 
-pytest.importorskip("faiss")
 
-from lazyattn_rag import Document, UnknownDocumentError  # noqa: E402
-from lazyattn_rag.integrations.corpus import (  # noqa: E402
+from lazyattn_rag import Document, UnknownDocumentError
+from lazyattn_rag.integrations.corpus import (
     SPECIAL_TOKENS,
     Source,
     chunk_sources,
@@ -16,9 +15,9 @@ from lazyattn_rag.integrations.corpus import (  # noqa: E402
     folder_sources,
     pydoc_sources,
 )
-from lazyattn_rag.integrations.faiss_store import FaissDocumentStore  # noqa: E402
-from lazyattn_rag.integrations.prompt_match import match_documents  # noqa: E402
-from tests.integrations_kit import CORPUS, corpus_documents, embedder  # noqa: E402
+from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
+from lazyattn_rag.integrations.prompt_match import match_documents
+from tests.integrations_kit import CORPUS, corpus_documents, embedder
 
 
 @pytest.fixture
