@@ -259,8 +259,9 @@ class LLMEngine:
         stats = RequestStats(rid, num_prompt_tokens=plan.num_prompt_tokens)
         stats.num_computed_tokens = len(plan.query_token_ids)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else self.generator
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         request = Request(rid, plan, params, sink, stats, IncrementalDetokenizer(self.tokenizer, params.stop), gen,
-                          warm_only=warm_only)
+                          stop_token_ids=stop_ids, warm_only=warm_only)
         self.requests[rid] = request
         self.scheduler.add(request)
         return request
@@ -380,15 +381,14 @@ class LLMEngine:
         if not job.sample:
             return
         if r.params.has_penalties:
-            logits = apply_penalties(logits, r.params, r.plan.token_ids(), r.output_ids)
+            logits = apply_penalties(logits, r.params, r.prompt_token_ids, r.output_ids)
             greedy_token = int(torch.argmax(logits))
         token = greedy_token if r.params.greedy else sample(logits, r.params, r.generator)
         now = time.perf_counter()
         if r.first_token_time is None:
             r.first_token_time = now
             r.stats.ttft_ms = (now - r.arrival_time) * 1e3
-        stop_ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else self.eos_token_ids)
-        if token in stop_ids:
+        if token in r.stop_token_ids:
             self._finish(r, "stop")
             return
         r.output_ids.append(token)

@@ -6,6 +6,7 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -42,6 +43,7 @@ class Request:
         num_computed: private tokens whose K/V is written.
         output_ids: generated tokens (EOS and stop tokens excluded).
         num_preemptions: times its blocks were taken back for others.
+        stop_token_ids: ids that end generation (the request's own and, unless ``ignore_eos``, EOS).
         warm_only: a warm-up request (acquire chunks, then finish; no query).
     """
 
@@ -52,6 +54,7 @@ class Request:
     stats: RequestStats
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
+    stop_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.perf_counter)
     status: RequestStatus = RequestStatus.WAITING
     pinned: list[str] = field(default_factory=list)
@@ -68,6 +71,11 @@ class Request:
     finish_reason: str | None = None
     num_prefix_tokens: int = 0  # prefix mode: prompt tokens served by cached prefix blocks
     num_prefix_registered: int = 0  # prefix mode: own full blocks handed to the cache
+
+    @cached_property
+    def prompt_token_ids(self) -> list[int]:
+        """The whole prompt as one id list (for repetition penalties)."""
+        return self.plan.token_ids()
 
     @property
     def private_token_ids(self) -> list[int]:
