@@ -22,7 +22,7 @@ def hf_smollm2(smollm2_dir):
                                                 dtype=torch.float32, local_files_only=True).eval()
 
 
-def test_converted_model_is_cached_and_loads_fast(smollm2_dir, smollm2):
+def test_converted_model_is_cached_as_safetensors(smollm2_dir, smollm2):
     assert (smollm2_dir / "model.safetensors").is_file()
     assert smollm2_dir.name.startswith("SmolLM2-135M-Instruct-")
     info = smollm2.info()
