@@ -94,6 +94,7 @@ def make_engine(args, anchor: str):
 
     config = EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
+        cuda_graphs=args.cuda_graphs,
         cache=CacheConfig(anchor=anchor, kv_cache_fraction=args.kv_cache_fraction if args.device != "cpu" else None),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.concurrency),
         prompt=prompt_config())
@@ -270,6 +271,8 @@ def parse_args(argv=None):
     p.add_argument("--kv-cache-fraction", type=float, default=0.5, help="fraction of free GPU memory for K/V")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="where converted models and weight hashes are kept (default: the user cache dir)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode steps eagerly on CUDA (default: replay captured CUDA graphs)")
     p.add_argument("--report", action="store_true", help="print the tables of an existing --out JSON and exit")
     p.add_argument("--resume", action="store_true",
                    help="keep the answers already in --out (same questions) and run only the missing modes")

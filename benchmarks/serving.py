@@ -144,9 +144,9 @@ class Workload:
 
 
 def make_engine(model, tokenizer, mode: str, budget_bytes: int, device: str, max_batched: int, max_seqs: int,
-                backend: str = "auto") -> LazyAttention:
+                backend: str = "auto", cuda_graphs: bool = True) -> LazyAttention:
     config = EngineConfig(device=device, dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-                          attention_backend=backend, prompt=PROMPT,
+                          attention_backend=backend, prompt=PROMPT, cuda_graphs=cuda_graphs,
                           cache=CacheConfig(kv_cache_bytes=budget_bytes, mode=mode, eviction_policy="lfu"),
                           scheduler=SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs))
     return LazyAttention.from_model(model, tokenizer, config, name="random")
@@ -155,6 +155,7 @@ def make_engine(model, tokenizer, mode: str, budget_bytes: int, device: str, max
 def release(llm: LazyAttention) -> None:
     llm.shutdown()
     llm.engine.runner.kv_caches.clear()
+    llm.engine.runner.graphs = None  # its graphs hold their own memory pool
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -196,12 +197,12 @@ def _agree(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, scale: float) -
     return float((x - y).abs().max()) <= BF16_MODEL_RTOL_OF_SCALE * scale
 
 
-def check_equivalence(model, tokenizer, device: str, docs: dict[str, str], requests) -> dict:
+def check_equivalence(model, tokenizer, device: str, docs: dict[str, str], requests, cuda_graphs: bool = True) -> dict:
     """Abort unless lazy == block_attention and prefix == full on first-token logits (see above)."""
     dtype = next(model.parameters()).dtype
     logits = {}
     for mode in MODES:
-        llm = make_engine(model, tokenizer, mode, 2 * 2**30, device, 16384, 8)
+        llm = make_engine(model, tokenizer, mode, 2 * 2**30, device, 16384, 8, cuda_graphs=cuda_graphs)
         llm.add_documents(list(docs.items()))
         logits[mode] = first_token_logits(llm, requests + requests[:2])  # repeats: hits on the second pass
         release(llm)
@@ -315,7 +316,7 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
           modes: list[str] = typer.Option(list(MODES)), num_docs: int = 200, doc_tokens: int = 512,
           docs_per_request: int = 5, query_tokens: int = 64, output_tokens: int = 32, num_requests: int = 200,
           concurrency: int = 16, max_batched_tokens: int = 16384, check: bool = True, seed: int = 0,
-          out: str = "") -> None:
+          cuda_graphs: bool = True, out: str = "") -> None:
     """Closed-loop runs of every mode at each (alpha, budget): TTFT, throughput, hit ratio, KV used."""
     model = random_model(arch, torch.device(device), getattr(torch, dtype))
     tokenizer = word_tokenizer(model.config.vocab_size)
@@ -324,10 +325,11 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
         workload = Workload(num_docs, doc_tokens, docs_per_request, a, query_tokens, output_tokens, num_requests, seed)
         docs, requests = workload.documents(), workload.requests()
         if check and not report:
-            report = check_equivalence(model, tokenizer, device, docs, requests[:4])
+            report = check_equivalence(model, tokenizer, device, docs, requests[:4], cuda_graphs)
         for gb in budget_gb:
             for mode in modes:
-                llm = make_engine(model, tokenizer, mode, int(gb * 2**30), device, max_batched_tokens, concurrency)
+                llm = make_engine(model, tokenizer, mode, int(gb * 2**30), device, max_batched_tokens, concurrency,
+                                  cuda_graphs=cuda_graphs)
                 warm_up(llm, workload)
                 llm.add_documents(list(docs.items()))
                 before = llm.stats()
@@ -347,7 +349,8 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
 def rates(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat16", budget_gb: float = 10.0,
           alpha: float = 2.1, rate: list[float] = typer.Option([1.0, 2.0, 4.0, 8.0]),
           modes: list[str] = typer.Option(["lazy", "block_attention"]), num_docs: int = 200, doc_tokens: int = 512,
-          num_requests: int = 100, max_batched_tokens: int = 16384, seed: int = 0, out: str = "") -> None:
+          num_requests: int = 100, max_batched_tokens: int = 16384, seed: int = 0, cuda_graphs: bool = True,
+          out: str = "") -> None:
     """Poisson arrivals at increasing rates: TTFT vs arrival rate per mode."""
     model = random_model(arch, torch.device(device), getattr(torch, dtype))
     tokenizer = word_tokenizer(model.config.vocab_size)
@@ -356,7 +359,8 @@ def rates(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
     runs = []
     for mode in modes:
         for r in rate:
-            llm = make_engine(model, tokenizer, mode, int(budget_gb * 2**30), device, max_batched_tokens, 256)
+            llm = make_engine(model, tokenizer, mode, int(budget_gb * 2**30), device, max_batched_tokens, 256,
+                              cuda_graphs=cuda_graphs)
             warm_up(llm, workload)
             llm.add_documents(list(docs.items()))
             before = llm.stats()
@@ -374,7 +378,7 @@ def rates(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
 @app.command()
 def micro(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat16", doc_tokens: int = 4096,
           query_tokens: int = 64, output_tokens: int = 32, budget_gb: float = 20.0, repeats: int = 3,
-          out: str = "") -> None:
+          cuda_graphs: bool = True, out: str = "") -> None:
     """One request of 5 documents x ``doc_tokens`` + a query, 3 documents hot: time per phase and mode."""
     model = random_model(arch, torch.device(device), getattr(torch, dtype))
     tokenizer = word_tokenizer(model.config.vocab_size)
@@ -382,7 +386,7 @@ def micro(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
     text = lambda n: " ".join(f"t{x}" for x in rng.integers(10, 30000, n))  # noqa: E731
     rows = []
     for mode in MODES:
-        llm = make_engine(model, tokenizer, mode, int(budget_gb * 2**30), device, 32768, 4)
+        llm = make_engine(model, tokenizer, mode, int(budget_gb * 2**30), device, 32768, 4, cuda_graphs=cuda_graphs)
         warm_up(llm, Workload(doc_tokens=256))
         for rep in range(repeats):
             ids = [f"r{rep}-d{i}" for i in range(5)]

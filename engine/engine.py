@@ -93,7 +93,7 @@ class LLMEngine:
         self.eos_token_ids = set(eos_token_ids or ())
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self.generator = torch.Generator(device=runner.device).manual_seed(config.seed)  # sampling on device
         self.counters = EngineCounters()
         self.requests: dict[str, Request] = {}
         self.scheduler = Scheduler(cache, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
@@ -258,7 +258,7 @@ class LLMEngine:
         rid = uuid.uuid4().hex[:16]
         stats = RequestStats(rid, num_prompt_tokens=plan.num_prompt_tokens)
         stats.num_computed_tokens = len(plan.query_token_ids)
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else self.generator
+        gen = torch.Generator(device=self.runner.device).manual_seed(params.seed) if params.seed is not None else self.generator
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         request = Request(rid, plan, params, sink, stats, IncrementalDetokenizer(self.tokenizer, params.stop), gen,
                           stop_token_ids=stop_ids, warm_only=warm_only)

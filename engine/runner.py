@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from lazyattn_rag.engine.attention import AttentionBackend, SequenceInput, build_attention_metadata
+from lazyattn_rag.engine.attention import AttentionBackend, AttentionMetadata, SequenceInput, build_attention_metadata
+from lazyattn_rag.engine.cuda_graphs import DecodeGraphs
 from lazyattn_rag.engine.model import CausalLM
 
 
@@ -21,7 +22,8 @@ class ModelRunner:
     Args:
         model: the model (already on ``device`` in ``dtype``).
         backend: the attention backend.
-        num_blocks: KV blocks to allocate per layer.
+        num_blocks: KV blocks of the block pool per layer (one more is allocated: its first slot,
+            ``padding_slot``, takes the K/V of CUDA-graph padding rows).
         block_size: slots per block.
         device, dtype: where and in what the K/V live.
     """
@@ -31,7 +33,9 @@ class ModelRunner:
         cfg = model.config
         self.model, self.backend = model, backend
         self.block_size, self.device = block_size, device
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.padding_slot = num_blocks * block_size
+        self.graphs: DecodeGraphs | None = None
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)
@@ -59,12 +63,37 @@ class ModelRunner:
             flat_v[dst] = flat_v[src]
 
     @torch.inference_mode()
+    def enable_cuda_graphs(self, batch_sizes: list[int], max_blocks_per_seq: int, capture: bool = True) -> None:
+        """Capture decode forward passes for ``batch_sizes`` (see ``engine/cuda_graphs.py``).
+
+        Raises:
+            ValueError: the backend cannot be captured (``supports_cuda_graphs`` is false), or
+                ``capture`` without a CUDA device.
+        """
+        if not self.backend.supports_cuda_graphs:
+            raise ValueError(f"the {self.backend.name!r} attention backend cannot run in CUDA graphs")
+        if capture and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {self.device}")
+        self.graphs = DecodeGraphs(self._forward_all_rows, batch_sizes, max_blocks_per_seq, self.block_size,
+                                   self.padding_slot, self.device, capture)
+
+    def _forward_all_rows(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                          metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.backend, self.kv_caches, metadata)
+
+    @torch.inference_mode()
     def execute(self, seqs: list[SequenceInput]) -> torch.Tensor:
         """Write the batch's new K/V and return the logits of each sequence's last new token.
 
+        A decode batch replays a captured CUDA graph when graphs are enabled and it fits one.
+
         Returns:
-            ``[len(seqs), vocab_size]`` float32.
+            ``[len(seqs), vocab_size]`` float32 (a graph's output buffer: valid until the next call).
         """
+        if self.graphs is not None:
+            logits = self.graphs.run(seqs)
+            if logits is not None:
+                return logits
         metadata = build_attention_metadata(seqs, self.block_size, self.device)
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64, device=self.device)
         positions = torch.tensor([p for s in seqs for p in s.positions], dtype=torch.int64, device=self.device)

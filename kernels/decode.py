@@ -16,7 +16,8 @@ Kernel structure (one program = one KV head of one sequence x one split of its b
   ``BLOCK_N // block_size`` blocks, one packed int64 word per block (id | valid-1 | delta), and
   feeds K as stored straight into the dot; a run's last tile may be partly idle.
 * Split-KV (flash-decoding): with few sequences and long contexts, each (sequence, KV head) is
-  split into ``num_splits`` ranges of blocks processed by separate programs; each writes a
+  split into ``num_splits`` ranges of whole tiles (each sequence's own blocks spread evenly,
+  so short sequences leave later splits empty) processed by separate programs; each writes a
   normalized partial output and its log-sum-exp, and a small reduction kernel combines them.
   With one split the main kernel writes the output directly.
 * Offsets into the cache are int64; a sequence with no blocks (padding) gets zeros.
@@ -61,7 +62,6 @@ def decode_kernel(
     seq_ids_ptr,  # [num_work] int32 sequences this launch handles (grid axis 0)
     inv_freq_ptr,  # [HALF] float32 RoPE frequencies
     sm_scale_log2,  # float: softmax scale * log2(e)
-    blocks_per_split,  # int: blocks of one split (a multiple of TILE_BLOCKS)
     stride_qt, stride_qh,  # q strides (tokens, heads); head_dim is contiguous
     stride_kb, stride_ks, stride_kh,  # key-cache strides (block, slot, head)
     stride_vb, stride_vs, stride_vh,  # value-cache strides (block, slot, head)
@@ -91,6 +91,9 @@ def decode_kernel(
     q_row = tl.load(cu_seqlens_q_ptr + seq)
     n_blocks = tl.load(num_blocks_ptr + seq)
     n_runs = tl.load(num_runs_ptr + seq)
+    # Each sequence spreads its own tiles evenly over the splits (whole tiles per split), so a
+    # launch's shape does not depend on the batch's longest sequence (CUDA-graph replays reuse it).
+    blocks_per_split = tl.cdiv(tl.cdiv(n_blocks, TILE_BLOCKS), NUM_SPLITS) * TILE_BLOCKS
     split_lo = split * blocks_per_split
     split_hi = tl.minimum(split_lo + blocks_per_split, n_blocks)
     dtype = q_ptr.dtype.element_ty
@@ -287,7 +290,6 @@ def paged_decode(
         num_splits = choose_num_splits(num_work, num_kv_heads, max_tiles, _num_sms(query.device))
     if num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    tiles_per_split = -(-max_tiles // num_splits)
     if runs is None:
         runs = block_runs(block_tables, num_blocks_per_seq, block_size)
     if num_splits > 1:
@@ -300,7 +302,6 @@ def paged_decode(
         block_tables, runs.starts, runs.num_runs, num_blocks_per_seq, cu_seqlens_q, seq_ids,
         inv_freq.to(device=query.device, dtype=torch.float32).contiguous(),
         scale * math.log2(math.e),
-        tiles_per_split * tile_blocks,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),

@@ -163,9 +163,14 @@ def block_runs(block_tables: torch.Tensor, num_blocks_per_seq: torch.Tensor, blo
     changed = torch.ones_like(used)
     changed[:, 1:] = (deltas[:, 1:] != deltas[:, :-1]) | (valid[:, :-1] < block_size)
     is_start = used & changed
+    # Compact the run starts to the front of each row: start r goes to column r (its rank among
+    # the row's starts); every other block goes to a spare last column that is dropped after.
+    rank = torch.cumsum(is_start, dim=1) - 1
+    target = torch.where(is_start, rank, torch.full_like(rank, max_blocks + 1))
     n_blocks = num_blocks_per_seq.to(torch.int64)[:, None]
-    starts = torch.where(is_start, idx, n_blocks.expand(num_seqs, max_blocks)).sort(dim=1).values
-    starts = torch.cat([starts, n_blocks], dim=1).to(torch.int32)
+    starts = n_blocks.expand(num_seqs, max_blocks + 2).clone()
+    starts.scatter_(1, target, idx)
+    starts = starts[:, : max_blocks + 1].to(torch.int32)
     return BlockRuns(starts=starts.contiguous(), num_runs=is_start.sum(dim=1).to(torch.int32))
 
 

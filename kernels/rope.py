@@ -65,6 +65,16 @@ class RotaryEmbedding:
     interleaved: bool
     rope_type: str
     params: tuple = ()
+    _device_inv_freq: dict = field(default_factory=dict, repr=False, compare=False)  # device -> inv_freq copy
+
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """``inv_freq`` on ``device`` (copied once per device, so a forward pass does no host copy)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.inv_freq
+        if device not in self._device_inv_freq:
+            self._device_inv_freq[device] = self.inv_freq.to(device)
+        return self._device_inv_freq[device]
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, interleaved: bool = False) -> "RotaryEmbedding":
@@ -118,7 +128,7 @@ class RotaryEmbedding:
         Returns:
             ``(cos, sin)``, each ``[n, rotary_dim // 2]`` float32, without ``attention_scaling``.
         """
-        inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self.inv_freq_on(positions.device)
         angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         return angles.cos(), angles.sin()
 

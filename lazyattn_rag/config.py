@@ -123,6 +123,9 @@ class EngineConfig:
         cache_dir: where converted models are kept; ``None`` = the user cache dir
             (``platformdirs.user_cache_dir("lazyattn-rag")``).
         seed: seed of the default random generator for sampling without a per-request seed.
+        cuda_graphs: on CUDA with the ``triton`` backend, capture decode steps in CUDA graphs for
+            bucketed batch sizes up to ``scheduler.max_num_seqs`` at start-up and replay them
+            (``engine/cuda_graphs.py``); ``False`` runs every step eagerly.
         cache: :class:`CacheConfig`.
         scheduler: :class:`SchedulerConfig`.
         prompt: :class:`PromptConfig`.
@@ -135,6 +138,7 @@ class EngineConfig:
     max_model_len: int | None = None
     cache_dir: Path | str | None = None
     seed: int = 0
+    cuda_graphs: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
@@ -146,6 +150,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         _check_int("max_model_len", self.max_model_len, 2, optional=True)
         _check_int("seed", self.seed, 0)
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -114,7 +114,10 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick one token id from ``logits`` (``[vocab_size]`` float32)."""
+    """Pick one token id from ``logits`` (``[vocab_size]`` float32), on their device.
+
+    ``generator`` must be on that device (the engine makes each request's on the runner's).
+    """
     if params.greedy:
         return int(torch.argmax(logits))
     logits = logits / params.temperature
@@ -128,4 +131,4 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop = cumulative - sorted_probs > params.top_p  # keep the smallest prefix reaching top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return int(torch.multinomial(probs, 1, generator=generator))  # on the logits' device

@@ -35,6 +35,9 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    # Decode steps may be captured in CUDA graphs: ``forward`` does no host sync or host-to-device
+    # copy once the metadata's plan is stored (``triton``: ``plan_decode_batch``).
+    supports_cuda_graphs: bool = False
 
     def __init__(self, rotary: RotaryEmbedding, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         if num_heads % num_kv_heads:

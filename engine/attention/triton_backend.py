@@ -61,6 +61,24 @@ def _plan(metadata: AttentionMetadata, device: torch.device) -> _TritonPlan:
     return plan
 
 
+def plan_decode_batch(metadata: AttentionMetadata, seq_ids: torch.Tensor) -> None:
+    """Store the plan of a batch in which every sequence has one new token, from device ops only.
+
+    Used inside CUDA-graph capture (``engine/cuda_graphs.py``): no host-to-device copy happens,
+    so the captured work is the same on every replay; ``seq_ids`` (``[num_seqs]`` int32) is a
+    tensor made before capture and ``max_seq_len`` of the metadata sizes the split-KV launch.
+    """
+    metadata.backend_state["triton"] = _TritonPlan(
+        decode_ids=seq_ids,
+        prefill_ids=None,
+        key_starts=None,
+        runs=block_runs(metadata.block_tables, metadata.num_blocks_per_seq, metadata.block_size),
+        max_decode_seq_len=metadata.max_seq_len,
+        max_prefill_query_len=0,
+        num_rows=metadata.num_seqs,
+    )
+
+
 class TritonAttentionBackend(AttentionBackend):
     """Fused deferred-RoPE paged attention; see the module docstring.
 
@@ -70,16 +88,11 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self, rotary, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__(rotary, num_heads, num_kv_heads, head_dim, scale)
         rope_layout(head_dim, rotary.rotary_dim, rotary.interleaved)  # fail early on unsupported shapes
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
-
-    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
-        if device not in self._inv_freq:
-            self._inv_freq[device] = self.rotary.inv_freq.to(device=device, dtype=torch.float32).contiguous()
-        return self._inv_freq[device]
 
     def forward(self, query, key, value, key_cache, value_cache, metadata):
         if query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -93,7 +106,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         if plan.num_rows < q.shape[0]:
             out[plan.num_rows :].zero_()  # padding rows past the last sequence
-        inv_freq = self._inv_freq_on(query.device)
+        inv_freq = self.rotary.inv_freq_on(query.device)
         if plan.decode_ids is not None:
             paged_decode(
                 q, key_cache, value_cache, metadata.block_tables, metadata.num_blocks_per_seq,
