@@ -12,6 +12,7 @@ Commands (each writes JSON to benchmarks/results/):
     python benchmarks/serving.py micro --arch llama-3.1-8b        # 5 docs x 4096 + 64-token query, 3 hot
     python benchmarks/serving.py sweep --arch llama-3.1-8b --alpha 2.1 --budget-gb 1 10 50
     python benchmarks/serving.py rates --arch llama-3.1-8b --rates 1 2 4 8 16
+    python benchmarks/serving.py profile --arch llama-3.1-8b       # where one micro request's time goes
     python benchmarks/serving.py cpu                               # SmolLM2 on the CPU vs transformers
 """
 
@@ -340,9 +341,9 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
                 print(json.dumps(row))
                 runs.append(row)
                 release(llm)
-    write(out or f"serving_sweep_{arch}_{device}", {"environment": environment(), "arch": arch, "dtype": dtype,
-                                                    "command": " ".join(sys.argv), "equivalence": report,
-                                                    "concurrency": concurrency, "runs": runs})
+                write(out or f"serving_sweep_{arch}_{device}", {  # after every run: a cut-short sweep keeps its rows
+                    "environment": environment(), "arch": arch, "dtype": dtype, "command": " ".join(sys.argv),
+                    "equivalence": report, "concurrency": concurrency, "runs": runs})
 
 
 @app.command()
@@ -370,9 +371,9 @@ def rates(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
             print(json.dumps(row))
             runs.append(row)
             release(llm)
-    write(out or f"serving_rates_{arch}_{device}", {"environment": environment(), "arch": arch, "alpha": alpha,
-                                                    "budget_gb": budget_gb, "command": " ".join(sys.argv),
-                                                    "runs": runs})
+            write(out or f"serving_rates_{arch}_{device}", {  # after every run: a cut-short sweep keeps its rows
+                "environment": environment(), "arch": arch, "alpha": alpha, "budget_gb": budget_gb,
+                "command": " ".join(sys.argv), "runs": runs})
 
 
 @app.command()
@@ -406,11 +407,45 @@ def micro(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
                          "steps": [(k, round(1e3 * s, 3), n) for k, s, n in steps[:6]]})
             print(json.dumps(rows[-1]))
         release(llm)
-    summary = {m: {k: statistics.median(r[k] for r in rows if r["mode"] == m)
-                   for k in ("ttft_ms", "doc_processing_ms", "query_prefill_ms", "decode_ms_per_token")}
-               for m in MODES}
-    write(out or f"serving_micro_{arch}_{device}", {"environment": environment(), "arch": arch,
-                                                    "command": " ".join(sys.argv), "summary": summary, "runs": rows})
+        summary = {m: {k: statistics.median(r[k] for r in rows if r["mode"] == m)
+                       for k in ("ttft_ms", "doc_processing_ms", "query_prefill_ms", "decode_ms_per_token")}
+                   for m in MODES if any(r["mode"] == m for r in rows)}
+        write(out or f"serving_micro_{arch}_{device}", {"environment": environment(), "arch": arch,
+                                                        "cuda_graphs": cuda_graphs, "command": " ".join(sys.argv),
+                                                        "summary": summary, "runs": rows})
+
+
+@app.command()
+def profile(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat16", doc_tokens: int = 4096,
+            query_tokens: int = 64, output_tokens: int = 32, mode: str = "lazy", cuda_graphs: bool = True,
+            top: int = 25, out: str = "") -> None:
+    """Where the time of one micro-benchmark request goes: torch.profiler's top device kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    model = random_model(arch, torch.device(device), getattr(torch, dtype))
+    tokenizer = word_tokenizer(model.config.vocab_size)
+    rng = np.random.default_rng(7)
+    text = lambda n: " ".join(f"t{x}" for x in rng.integers(10, 30000, n))  # noqa: E731
+    llm = make_engine(model, tokenizer, mode, 20 * 2**30, device, 32768, 4, cuda_graphs=cuda_graphs)
+    warm_up(llm, Workload(doc_tokens=256))
+    ids = [f"d{i}" for i in range(5)]
+    llm.add_documents([(d, text(doc_tokens)) for d in ids])
+    llm.generate(text(query_tokens), ids[:3], sampling=SamplingParams(max_tokens=1))  # 3 documents hot
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        res = llm.generate(text(query_tokens), ids, sampling=SamplingParams(max_tokens=output_tokens, ignore_eos=True))
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    total_us = sum(e.self_device_time_total for e in events)
+    rows = [{"name": e.key[:120], "calls": e.count, "device_ms": e.device_time_total / 1e3,
+             "self_device_ms": e.self_device_time_total / 1e3} for e in events[:top]]
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=top))
+    release(llm)
+    write(out or f"serving_profile_{arch}_{mode}_{device}", {
+        "environment": environment(), "arch": arch, "mode": mode, "cuda_graphs": cuda_graphs,
+        "command": " ".join(sys.argv), "ttft_ms": res.stats.ttft_ms, "tpot_ms": res.stats.tpot_ms,
+        "e2e_ms": res.stats.e2e_ms, "device_busy_ms": total_us / 1e3, "top_by_device_time": rows})
 
 
 def _classify(out, seconds: float) -> tuple[str, float, int]:
