@@ -241,7 +241,10 @@ class ChunkCache:
                 f"evictable of {self.pool.num_blocks}; the rest are pinned by running requests"
             )
         while self.pool.num_free < num_blocks:
-            self.evict(self.policy.victim())
+            victim = self.policy.victim()
+            if victim is None:  # an evictable entry shared its blocks: a broken invariant, not a full cache
+                raise RuntimeError(f"evictable block count {self._num_evictable_blocks} is not backed by victims")
+            self.evict(victim)
         return self.pool.allocate(num_blocks)
 
     def evict(self, key: str) -> None:
@@ -293,6 +296,8 @@ class ChunkCache:
             for b in e.block_ids:
                 assert b not in seen, f"block {b} owned by two entries"
                 assert self.pool.ref_count(b) >= 1, f"entry {key[:12]} holds free block {b}"
+                # evicting an evictable entry must free its blocks, or can_allocate over-counts room
+                assert not e.evictable or self.pool.ref_count(b) == 1, f"evictable entry {key[:12]} shares block {b}"
                 seen.add(b)
         assert evictable_blocks == self._num_evictable_blocks, "evictable block count drifted"
         order = self.policy.eviction_order()

@@ -415,6 +415,10 @@ class LLMEngine:
                 block = r.private_blocks[j - hit_blocks]
                 self.cache.pool.incref([block])
                 self.cache.insert(key, [block], bs, j * bs)
+                # Pinned while the request also holds the block: evicting the entry now would not
+                # free it, so it must not count as evictable room.
+                self.cache.pin(key)
+                r.pinned.append(key)
             r.num_prefix_registered += 1
 
     def _finish(self, r: Request, reason: str, release: bool = True) -> None:

@@ -267,13 +267,26 @@ class Scheduler:
             self.cache.lookup(chunk.key)  # counts as a hit for the eviction policy
             self.cache.pin(chunk.key)
             request.pinned.append(chunk.key)
+        # Copy sources (block_attention mode) are pinned before the room check: pinning them later
+        # would take their blocks out of the evictable ones the check counted.
+        sources = self._copy_sources(misses)
+        for src in sources.values():
+            self.cache.pin(src.key)
         need = sum(self._blocks_for(len(c.token_ids)) for c in misses)
+        if sources and not self.cache.can_allocate(need):  # room only by evicting the sources: encode instead
+            for src in sources.values():
+                self.cache.unpin(src.key)
+            sources = {}
         if not self.cache.can_allocate(need):
             self.release(request)
             return "wait"
         try:
-            copied = self._start_misses(request, misses, out)
+            copied = self._start_misses(request, misses, out, sources)
         except Exception:  # never keep what a failed acquisition took
+            started = {j.dst_key for j in out.copies}
+            for key, src in sources.items():
+                if key not in started:  # its copy job was never made, so nothing else unpins it
+                    self.cache.unpin(src.key)
             self._abandon_acquire(request, out)
             raise
         self._account(request, {c.key for c in misses}, copied)
@@ -292,8 +305,21 @@ class Scheduler:
             self.cache.discard_pending(key)
         self.release(request)
 
-    def _start_misses(self, request: Request, misses, out: SchedulerOutput) -> set[str]:
-        """Blocks, pending entries and encode (or copy) jobs for missing chunks; returns copied keys."""
+    def _copy_sources(self, misses) -> dict:
+        """block_attention mode: a ready copy of each missing chunk's document at another offset."""
+        sources = {}
+        for chunk in misses:
+            ready = self.cache.ready_copies(chunk.source_key) if chunk.source_key else []
+            if ready:
+                sources[chunk.key] = ready[0]
+        return sources
+
+    def _start_misses(self, request: Request, misses, out: SchedulerOutput, sources: dict) -> set[str]:
+        """Blocks, pending entries and encode (or copy) jobs for missing chunks; returns copied keys.
+
+        ``sources`` maps a chunk key to its (already pinned) copy source; the copy job takes over
+        that pin (the engine drops it once the copy ran).
+        """
         copied = set()
         for chunk in misses:
             blocks = self.cache.allocate(self._blocks_for(len(chunk.token_ids)))
@@ -304,10 +330,8 @@ class Scheduler:
                 self.cache.pool.decref(blocks)
                 raise
             request.pinned.append(chunk.key)
-            sources = self.cache.ready_copies(chunk.source_key) if chunk.source_key else []
-            if sources:  # position-aware cache: re-rotate another offset's copy into new blocks
-                src = sources[0]
-                self.cache.pin(src.key)
+            src = sources.get(chunk.key)
+            if src is not None:  # position-aware cache: re-rotate another offset's copy into new blocks
                 out.copies.append(CopyJob(src.key, chunk.key, src.block_ids, blocks, src.num_tokens,
                                           chunk.local_start - src.local_start))
                 copied.add(chunk.key)

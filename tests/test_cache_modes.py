@@ -64,3 +64,70 @@ def test_block_attention_keeps_one_copy_per_offset_and_copies_on_new_offsets(res
     assert copies == 3 + 2 + 3  # every (document, offset) pair seen
     assert lazy_llm.stats()["num_cached_chunks"] - 1 == 3  # one copy per document
     assert block[1].stats.num_computed_tokens == len(llm.plan(*REQUESTS[1]).query_token_ids)  # copied, not encoded
+
+
+NUM_PRESSURE_BLOCKS = 26  # 16 tokens each: room for about two requests of three documents
+
+
+@pytest.mark.parametrize("mode", ["lazy", "block_attention", "prefix", "full"])
+def test_every_mode_runs_concurrent_requests_under_memory_pressure(mode):
+    """A budget of a few requests' blocks, many requests in flight, documents at shifting offsets:
+    every request completes with its sequential output and the cache invariants hold after each
+    step (a regression test: prefix mode once counted blocks still held by running requests as
+    evictable room, block_attention pinned copy sources after checking room)."""
+    import asyncio
+    import random
+
+    from lazyattn_rag import AsyncLazyAttention, SchedulerConfig
+
+    _, ours = hf_and_ours(hf_config("llama"))
+    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
+                          cache=CacheConfig(num_blocks=NUM_PRESSURE_BLOCKS, mode=mode),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8))
+    llm = LazyAttention.from_model(ours, word_tokenizer(), config)
+    for i in range(10):
+        llm.add_document(f"d{i}", words(20 + 5 * i, start=17 * i))
+    rng = random.Random(5)
+    requests = [(words(2, start=120 + i), rng.sample([f"d{j}" for j in range(10)], k=3)) for i in range(16)]
+    sequential = [llm.generate(q, ids, sampling=GREEDY).token_ids for q, ids in requests]
+    llm.engine.step_listeners.append(lambda out, seconds: llm.engine.cache.check_integrity())
+    allm = AsyncLazyAttention(llm)
+
+    async def run_all():
+        return await asyncio.gather(*(allm.generate(q, ids, sampling=GREEDY) for q, ids in requests))
+
+    assert [c.token_ids for c in asyncio.run(run_all())] == sequential
+    stats = llm.stats()
+    assert stats["num_requests_failed"] == 0 and stats["num_evictions"] + stats["num_preemptions"] > 0  # real pressure
+    assert stats["num_blocks_free"] + stats["num_blocks_cached"] == NUM_PRESSURE_BLOCKS  # nothing leaked
+    llm.shutdown()
+
+
+def test_block_attention_falls_back_to_encoding_when_room_needs_the_copy_source():
+    """Request 2 places "a" at a new offset (its copy at the old offset is the source) and needs a
+    new "c": the room for both exists only by evicting that source, so "a" is encoded instead
+    of copied, and the request succeeds (it once failed: the source was pinned after the room
+    check had counted it as evictable)."""
+    block_size, max_tokens = 16, GREEDY.max_tokens
+    blocks = lambda n: -(-n // block_size)  # noqa: E731
+
+    def engine(mode, num_blocks):
+        _, ours = hf_and_ours(hf_config("llama"))
+        config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
+                              cache=CacheConfig(num_blocks=num_blocks, block_size=block_size, mode=mode,
+                                                eviction_policy="lru"))
+        llm = LazyAttention.from_model(ours, word_tokenizer(), config)
+        llm.add_documents([("a", words(40, start=3)), ("b", words(20, start=60)), ("c", words(40, start=90))])
+        return llm
+
+    lazy = engine("lazy", 256)
+    plan = lazy.plan("w7", ["a", "c"])
+    request_blocks = sum(blocks(len(c.token_ids)) for c in plan.chunks) + blocks(len(plan.query_token_ids) + max_tokens)
+    llm = engine("block_attention", request_blocks + 1)
+    llm.generate("w7", ["b", "a"], sampling=GREEDY)  # caches "b" and "a" (after "b"); frees the rest
+    out = llm.generate("w7", ["a", "c"], sampling=GREEDY)
+    assert out.token_ids == lazy.generate("w7", ["a", "c"], sampling=GREEDY).token_ids
+    assert out.stats.docs_missed == ["a", "c"]
+    stats = llm.stats()
+    assert stats["num_requests_failed"] == 0 and stats["num_evictions"] == 2  # "b" and the old copy of "a"
+    llm.engine.cache.check_integrity()
