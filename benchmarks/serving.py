@@ -148,7 +148,8 @@ def make_engine(model, tokenizer, mode: str, budget_bytes: int, device: str, max
                 backend: str = "auto", cuda_graphs: bool = True) -> LazyAttention:
     config = EngineConfig(device=device, dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
                           attention_backend=backend, prompt=PROMPT, cuda_graphs=cuda_graphs,
-                          cache=CacheConfig(kv_cache_bytes=budget_bytes, mode=mode, eviction_policy="lfu"),
+                          cache=CacheConfig(kv_cache_bytes=budget_bytes, mode=mode, eviction_policy="lfu",
+                                            anchor="none"),  # the papers' setting (block_attention has no anchor)
                           scheduler=SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs))
     return LazyAttention.from_model(model, tokenizer, config, name="random")
 

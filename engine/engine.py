@@ -109,8 +109,10 @@ class LLMEngine:
         if mode == "head":
             return self.head_ids
         bos = self.tokenizer.bos_token_id
-        if bos is None:
-            raise ValueError("anchor='bos' needs a tokenizer with a BOS token")
+        if bos is None:  # e.g. Qwen: the chat template's first token is the sink every prompt starts with
+            if not self.head_ids:
+                raise ValueError("anchor='bos' needs a tokenizer with a BOS token or a non-empty prompt head")
+            bos = self.head_ids[0]
         return (bos,)
 
     def _encode_anchor(self) -> list[tuple[int, int, int]]:

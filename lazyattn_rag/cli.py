@@ -40,7 +40,7 @@ def ask(
     model: Optional[str] = typer.Option(None, help=_MODEL_HELP),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     backend: str = typer.Option("auto", help="Attention backend: auto, torch or triton."),
-    anchor: str = typer.Option("none", help="Chunk encoding anchor: none, bos or head."),
+    anchor: str = typer.Option("bos", help="Chunk encoding anchor: bos (default), none or head."),
     cache_dir: Optional[Path] = typer.Option(None, help="Where converted models are cached."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
@@ -77,7 +77,7 @@ def info(
     model: Optional[str] = typer.Option(None, help=_MODEL_HELP),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     backend: str = typer.Option("auto", help="Attention backend: auto, torch or triton."),
-    anchor: str = typer.Option("none", help="Chunk encoding anchor: none, bos or head."),
+    anchor: str = typer.Option("bos", help="Chunk encoding anchor: bos (default), none or head."),
     cache_dir: Optional[Path] = typer.Option(None, help="Where converted models are cached."),
 ) -> None:
     """Print the model, attention backend and cache configuration as JSON."""

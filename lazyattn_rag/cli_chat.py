@@ -31,7 +31,7 @@ def chat(
     model: Optional[str] = typer.Option(None, help=_MODEL_HELP),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     backend: str = typer.Option("auto", help="Attention backend: auto, torch or triton."),
-    anchor: str = typer.Option("none", help="Chunk encoding anchor: none, bos or head."),
+    anchor: str = typer.Option("bos", help="Chunk encoding anchor: bos (default), none or head."),
     cache_dir: Optional[Path] = typer.Option(None, help="Where converted models and indexes are cached."),
 ) -> None:
     """Chat with a FAISS-backed RAG bot over Python's language reference: streams each answer,

@@ -1,4 +1,7 @@
-"""Cache modes compared by the serving benchmark: lazy, block_attention, prefix, full."""
+"""Cache modes compared by the serving benchmark: lazy, block_attention, prefix, full.
+
+``lazy`` runs with ``anchor="none"`` here, the setting in which it computes the same function as
+``block_attention`` (which encodes documents alone, as Block-Attention does)."""
 
 import pytest
 
@@ -15,7 +18,7 @@ REQUESTS = [("w1 w2", ["a", "b", "c"]), ("w3", ["c", "a"]), ("w1 w2", ["a", "b",
 def run_mode(mode, num_blocks=256):
     hf, ours = hf_and_ours(hf_config("llama"))
     config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
-                          cache=CacheConfig(num_blocks=num_blocks, mode=mode))
+                          cache=CacheConfig(num_blocks=num_blocks, mode=mode, anchor="none"))
     llm = LazyAttention.from_model(ours, word_tokenizer(), config)
     for name, n, start in (("a", 21, 0), ("b", 16, 40), ("c", 35, 80)):
         llm.add_document(name, words(n, start=start))
@@ -82,7 +85,7 @@ def test_every_mode_runs_concurrent_requests_under_memory_pressure(mode):
 
     _, ours = hf_and_ours(hf_config("llama"))
     config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
-                          cache=CacheConfig(num_blocks=NUM_PRESSURE_BLOCKS, mode=mode),
+                          cache=CacheConfig(num_blocks=NUM_PRESSURE_BLOCKS, mode=mode, anchor="none"),
                           scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8))
     llm = LazyAttention.from_model(ours, word_tokenizer(), config)
     for i in range(10):
@@ -115,7 +118,7 @@ def test_block_attention_falls_back_to_encoding_when_room_needs_the_copy_source(
         _, ours = hf_and_ours(hf_config("llama"))
         config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
                               cache=CacheConfig(num_blocks=num_blocks, block_size=block_size, mode=mode,
-                                                eviction_policy="lru"))
+                                                eviction_policy="lru", anchor="none"))
         llm = LazyAttention.from_model(ours, word_tokenizer(), config)
         llm.add_documents([("a", words(40, start=3)), ("b", words(20, start=60)), ("c", words(40, start=90))])
         return llm

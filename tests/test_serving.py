@@ -24,10 +24,12 @@ from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
-def make_llm(num_blocks=256, max_num_seqs=64, max_num_batched_tokens=512, policy="lfu", max_pos=16384):
+def make_llm(num_blocks=256, max_num_seqs=64, max_num_batched_tokens=512, policy="lfu", max_pos=16384,
+             anchor="none"):
+    """Block counts in these tests assume no anchor (an anchor keeps one entry pinned for good)."""
     hf, ours = hf_and_ours(hf_config("llama", max_position_embeddings=max_pos))
     config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
-                          cache=CacheConfig(num_blocks=num_blocks, eviction_policy=policy),
+                          cache=CacheConfig(num_blocks=num_blocks, eviction_policy=policy, anchor=anchor),
                           scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                                     max_num_seqs=max_num_seqs))
     return hf, LazyAttention.from_model(ours, word_tokenizer(), config)
@@ -55,8 +57,9 @@ def assert_no_leak(llm):
     assert pool.num_free + engine.cache.num_cached_blocks == pool.num_blocks  # no private block left
 
 
-def test_32_concurrent_async_requests_equal_sequential_outputs():
-    hf, llm = make_llm()
+@pytest.mark.parametrize("anchor", ["none", "bos"])
+def test_32_concurrent_async_requests_equal_sequential_outputs(anchor):
+    hf, llm = make_llm(anchor=anchor)
     for i in range(8):
         llm.add_document(f"d{i}", words(9 + 5 * i, start=11 * i))
     rng = random.Random(0)
@@ -79,7 +82,10 @@ def test_32_concurrent_async_requests_equal_sequential_outputs():
     concurrent = asyncio.run(run_all())
     assert [c.token_ids for c in concurrent] == sequential
     assert max(sizes) > 8  # requests really shared steps
-    assert llm.stats()["num_cached_chunks"] == 9  # 8 documents + the head, each encoded once
+    # 8 documents + the head (+ the anchor), each encoded once
+    assert llm.stats()["num_cached_chunks"] == 9 + (anchor != "none")
+    if anchor != "none":  # the oracle below encodes documents alone
+        return
     q, ids = requests[3]
     plan = llm.plan(q, ids)
     tokens, _ = oracle_generate(hf, [([], list(c.token_ids), c.global_start) for c in plan.chunks],
