@@ -1,0 +1,80 @@
+"""Plots of the serving benchmark's JSON results (matplotlib, no GPU needed).
+
+    python benchmarks/serving_plots.py        # reads benchmarks/results/serving_{rates,sweep}_*.json
+
+Writes ``docs/img/serving_ttft_vs_rate.png`` (median TTFT vs Poisson arrival rate, one line per
+mode) and ``docs/img/serving_throughput_vs_budget.png`` (request throughput and median TTFT vs
+KV budget, one line per mode and Zipf alpha), from whichever runs the JSON files hold.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS, IMG = ROOT / "benchmarks" / "results", ROOT / "docs" / "img"
+MODES = ("lazy", "block_attention", "prefix", "full")
+
+
+def _runs(pattern: str) -> list[tuple[str, dict]]:
+    out = []
+    for path in sorted(RESULTS.glob(pattern)):
+        data = json.loads(path.read_text())
+        out += [(data["arch"], run) for run in data["runs"]]
+    return out
+
+
+def plot_rates() -> Path | None:
+    runs = _runs("serving_rates_*.json")
+    if not runs:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arch in sorted({a for a, _ in runs}):
+        for mode in MODES:
+            pts = sorted((r["rate_per_s"], r["ttft_ms_median"]) for a, r in runs if a == arch and r["mode"] == mode)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{mode} ({arch})")
+    ax.set(xlabel="arrival rate (requests/s, Poisson)", ylabel="median TTFT (ms)", xscale="log", yscale="log",
+           title="TTFT vs arrival rate (H200, bf16, Zipf 2.1)")
+    ax.legend(fontsize=8)
+    return _save(fig, "serving_ttft_vs_rate.png")
+
+
+def plot_budgets() -> Path | None:
+    runs = _runs("serving_sweep_*.json")
+    if not runs:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for arch, alpha in sorted({(a, r["alpha"]) for a, r in runs}):
+        for mode in MODES:
+            rows = sorted((r["budget_gb"], r) for a, r in runs if a == arch and r["alpha"] == alpha and r["mode"] == mode)
+            if not rows:
+                continue
+            label = f"{mode} ({arch}, alpha {alpha:g})"
+            left.plot([b for b, _ in rows], [r["request_throughput_per_s"] for _, r in rows], marker="o", label=label)
+            right.plot([b for b, _ in rows], [r["ttft_ms_median"] for _, r in rows], marker="o", label=label)
+    left.set(xlabel="KV budget (GB)", ylabel="requests/s", xscale="log", title="throughput vs KV budget")
+    right.set(xlabel="KV budget (GB)", ylabel="median TTFT (ms)", xscale="log", yscale="log", title="TTFT vs KV budget")
+    left.legend(fontsize=7)
+    return _save(fig, "serving_throughput_vs_budget.png")
+
+
+def _save(fig, name: str) -> Path:
+    IMG.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    path = IMG / name
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    plot_rates()
+    plot_budgets()
