@@ -14,7 +14,8 @@ Locking contract:
       finishes or is preempted; pinned or pending entries are never evicted or dropped.
     * Rebinding a document id to a new key (its text changed) or removing it marks the old
       entry dead once no other document id uses that key; a dead entry is dropped as soon
-      as it is unpinned and is never returned by :meth:`lookup`.
+      as it is unpinned. :meth:`lookup` hides it from new plans, but a request planned before
+      the change may still find and pin it (``include_dead``): its content is the key's.
     * :meth:`allocate` evicts unpinned ready entries in the eviction policy's order until
       the pool can serve the request. An entry leaves the key map *before* its blocks
       return to the pool, so a reused block can never be found under its old key.
@@ -87,20 +88,30 @@ class ChunkCache:
         self.num_evictions = 0
 
     # --- lookup and insertion -------------------------------------------------------------
-    def lookup(self, key: str, touch: bool = True) -> ChunkEntry | None:
-        """The live entry for ``key`` (ready or pending), or ``None``; ``touch`` counts a hit."""
+    def lookup(self, key: str, touch: bool = True, include_dead: bool = False) -> ChunkEntry | None:
+        """The live entry for ``key`` (ready or pending), or ``None``; ``touch`` counts a hit.
+
+        ``include_dead`` also returns a dead entry that requests still pin: its content is
+        exactly ``key``'s, so a request planned before its document changed may still read it.
+        """
         entry = self._entries.get(key)
-        if entry is None or entry.dead:
+        if entry is None or (entry.dead and not include_dead):
             return None
         if touch:
             self.policy.on_hit(key)
         return entry
 
+    def held(self, key: str) -> ChunkEntry:
+        """The entry a request pinned (live or dead). Raises ``KeyError`` if there is none."""
+        return self._entries[key]
+
     def insert_pending(self, key: str, block_ids: list[int], num_tokens: int, local_start: int,
-                       source_key: str | None = None) -> ChunkEntry:
+                       source_key: str | None = None, document: bool = False) -> ChunkEntry:
         """Add a pending entry (its encode is scheduled), pinned once for the encoder.
 
-        The cache takes over the caller's one pool reference on each block.
+        The cache takes over the caller's one pool reference on each block. A ``document``
+        chunk that no document id is bound to any more (its document was removed or changed
+        while the request waited) is born dead: it serves the requests that pin it, then goes.
 
         Raises:
             KeyError: ``key`` is already cached.
@@ -114,6 +125,7 @@ class ChunkCache:
         entry = ChunkEntry(key, list(block_ids), num_tokens, local_start, pin_count=1, source_key=source_key)
         bound = source_key or key
         entry.doc_ids.update(d for d, k in self._doc_keys.items() if k == bound)
+        entry.dead = document and not entry.doc_ids
         if source_key is not None:
             self._copies.setdefault(source_key, set()).add(key)
         self._entries[key] = entry
@@ -147,10 +159,11 @@ class ChunkCache:
         return [e for e in entries if e is not None and e.ready and not e.dead]
 
     # --- pinning --------------------------------------------------------------------------
-    def pin(self, key: str) -> ChunkEntry:
-        """Pin a live entry (not evictable until unpinned). Raises ``KeyError`` if absent or dead."""
+    def pin(self, key: str, allow_dead: bool = False) -> ChunkEntry:
+        """Pin a live entry (not evictable until unpinned); ``allow_dead`` also pins a dead one
+        that is still held (see :meth:`lookup`). Raises ``KeyError`` if absent (or dead)."""
         entry = self._entries.get(key)
-        if entry is None or entry.dead:
+        if entry is None or (entry.dead and not allow_dead):
             raise KeyError(f"chunk {key[:12]} is not cached")
         entry.pin_count += 1
         self._sync_evictable(entry)

@@ -16,6 +16,7 @@ and serializes every call into it.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from lazyattn_rag.outputs import RequestStats, StreamDelta
 from lazyattn_rag.prompt import ChunkSegment, PromptPlan, PromptTemplate
 from lazyattn_rag.sampling import SamplingParams, apply_penalties, sample
 
-_NO_ANCHOR = anchor_fingerprint("none", [])
+logger = logging.getLogger(__name__)
 Sink = Callable[[StreamDelta | BaseException], None]
 
 
@@ -87,8 +88,10 @@ class LLMEngine:
         self.min_tail_tokens = len(self.template.tail_token_ids("?"))
         self.anchor_ids = self._anchor_token_ids()
         self.anchor_fp = anchor_fingerprint(config.cache.anchor, list(self.anchor_ids))
-        self.head_key = chunk_key(model_digest, _NO_ANCHOR, list(self.head_ids))
-        self.anchor_key = chunk_key(model_digest, _NO_ANCHOR, list(self.anchor_ids)) if self.anchor_ids else None
+        # The head and the anchor get keys of their own kind: a document with the same tokens
+        # must not share (and, when removed, kill) their entries.
+        self.head_key = chunk_key(model_digest, "prompt-head", list(self.head_ids))
+        self.anchor_key = chunk_key(model_digest, "anchor", list(self.anchor_ids)) if self.anchor_ids else None
         self.documents: dict[str, _Document] = {}
         self.eos_token_ids = set(eos_token_ids or ())
         if tokenizer.eos_token_id is not None:
@@ -186,7 +189,7 @@ class LLMEngine:
                 raise UnknownDocumentError(f"unknown document id {d!r}: register it first (add_document)")
 
     def _chunks(self, doc_ids: list[str]) -> list[ChunkSegment]:
-        chunks = [ChunkSegment(self.head_key, self.head_ids, 0, 0, None)]
+        chunks = [ChunkSegment(self.head_key, self.head_ids, 0, 0, None)] if self.head_ids else []
         pos, local = len(self.head_ids), len(self.anchor_ids)
         for d in doc_ids:
             doc = self.documents[d]
@@ -289,9 +292,16 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def fail_all(self, error: Exception) -> None:
-        """Fail every unfinished request with ``error`` and release what it holds."""
+        """Fail every unfinished request with ``error`` and release what it holds.
+
+        Every request's sink gets the error even if releasing one of them raises (this is the
+        loop's last resort after a broken step: no caller may be left waiting).
+        """
         for request in list(self.requests.values()):
-            self.scheduler.remove(request)
+            try:
+                self.scheduler.remove(request)
+            except Exception:  # noqa: BLE001 - logged; the caller must still hear of its failure
+                logger.exception("releasing request %s failed", request.request_id)
             self._fail(request, error, release=False)
 
     # --- one step ---------------------------------------------------------------------------
@@ -369,7 +379,7 @@ class LLMEngine:
         for r in victims.values():
             self.scheduler.remove(r)
         for key in pending:
-            if self.cache.lookup(key, touch=False) is not None:
+            if self.cache.lookup(key, touch=False, include_dead=True) is not None:
                 self.cache.discard_pending(key)
         for r in victims.values():
             self._fail(r, error, release=False)

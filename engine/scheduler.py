@@ -199,7 +199,7 @@ class Scheduler:
 
     def _promote(self, out: SchedulerOutput, request: Request, budget: int) -> int:
         """Move an acquired request whose chunks are all written to running; schedule its prefill."""
-        if not all(self.cache.lookup(k, touch=False).ready for k in request.pinned):
+        if not all(self.cache.held(k).ready for k in request.pinned):
             return 0
         self.acquired.remove(request)
         if request.warm_only:
@@ -217,11 +217,11 @@ class Scheduler:
     def _context_of(self, request: Request) -> list[tuple[int, int, int]]:
         entries = []
         for chunk in request.plan.chunks:
-            entry = self.cache.lookup(chunk.key, touch=False)
+            entry = self.cache.held(chunk.key)
             entries += block_table_entries(entry.block_ids, entry.num_tokens, chunk.global_start - entry.local_start,
                                            self.block_size)
         for key in request.plan.prefix_block_keys[: request.num_prefix_tokens // self.block_size]:
-            entries.append((self.cache.lookup(key, touch=False).block_ids[0], 0, self.block_size))
+            entries.append((self.cache.held(key).block_ids[0], 0, self.block_size))
         return entries
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -258,14 +258,15 @@ class Scheduler:
             return "failed"
         hits, misses = [], []
         for key, chunk in chunks.items():
-            (hits if self.cache.lookup(key, touch=False) is not None else misses).append(chunk)
+            # a dead entry still held by others holds exactly this content: a hit
+            (hits if self.cache.lookup(key, touch=False, include_dead=True) is not None else misses).append(chunk)
         miss_tokens = sum(len(c.token_ids) for c in misses)
         if misses and miss_tokens > budget and not out.is_empty:
             return "wait"
         self._acquire_prefix(request)
         for chunk in hits:
-            self.cache.lookup(chunk.key)  # counts as a hit for the eviction policy
-            self.cache.pin(chunk.key)
+            self.cache.lookup(chunk.key, include_dead=True)  # counts as a hit for the eviction policy
+            self.cache.pin(chunk.key, allow_dead=True)
             request.pinned.append(chunk.key)
         # Copy sources (block_attention mode) are pinned before the room check: pinning them later
         # would take their blocks out of the evictable ones the check counted.
@@ -280,28 +281,29 @@ class Scheduler:
         if not self.cache.can_allocate(need):
             self.release(request)
             return "wait"
+        created: list[str] = []
         try:
-            copied = self._start_misses(request, misses, out, sources)
+            copied = self._start_misses(request, misses, out, sources, created)
         except Exception:  # never keep what a failed acquisition took
-            started = {j.dst_key for j in out.copies}
             for key, src in sources.items():
-                if key not in started:  # its copy job was never made, so nothing else unpins it
+                if key not in created:  # its copy job was never made, so nothing else unpins it
                     self.cache.unpin(src.key)
-            self._abandon_acquire(request, out)
+            self._abandon_acquire(request, out, created)
             raise
         self._account(request, {c.key for c in misses}, copied)
         return "ok"
 
-    def _abandon_acquire(self, request: Request, out: SchedulerOutput) -> None:
-        mine = set(request.pinned)
+    def _abandon_acquire(self, request: Request, out: SchedulerOutput, created: list[str]) -> None:
+        """Undo an acquisition that raised: drop the jobs and pending entries it ``created``
+        (never those of other requests that it merely pinned), then release its pins."""
+        mine = set(created)
         for job in [j for j in out.encodes if j.key in mine]:
             out.encodes.remove(job)
         for job in [j for j in out.copies if j.dst_key in mine]:
             out.copies.remove(job)
             self.cache.unpin(job.src_key)
-        pending = [k for k in request.pinned if (e := self.cache.lookup(k, touch=False)) is not None and not e.ready]
-        request.pinned = [k for k in request.pinned if k not in pending]
-        for key in pending:
+        request.pinned = [k for k in request.pinned if k not in mine]
+        for key in created:
             self.cache.discard_pending(key)
         self.release(request)
 
@@ -314,21 +316,24 @@ class Scheduler:
                 sources[chunk.key] = ready[0]
         return sources
 
-    def _start_misses(self, request: Request, misses, out: SchedulerOutput, sources: dict) -> set[str]:
+    def _start_misses(self, request: Request, misses, out: SchedulerOutput, sources: dict,
+                      created: list[str]) -> set[str]:
         """Blocks, pending entries and encode (or copy) jobs for missing chunks; returns copied keys.
 
         ``sources`` maps a chunk key to its (already pinned) copy source; the copy job takes over
-        that pin (the engine drops it once the copy ran).
+        that pin (the engine drops it once the copy ran). Each inserted key is appended to
+        ``created`` at once, so a failure part-way can undo exactly what was made.
         """
         copied = set()
         for chunk in misses:
             blocks = self.cache.allocate(self._blocks_for(len(chunk.token_ids)))
             try:
                 self.cache.insert_pending(chunk.key, blocks, len(chunk.token_ids), chunk.local_start,
-                                          chunk.source_key)
+                                          chunk.source_key, document=chunk.doc_id is not None)
             except Exception:
                 self.cache.pool.decref(blocks)
                 raise
+            created.append(chunk.key)
             request.pinned.append(chunk.key)
             src = sources.get(chunk.key)
             if src is not None:  # position-aware cache: re-rotate another offset's copy into new blocks

@@ -1,0 +1,156 @@
+"""Documents removed or changed while requests that planned them are queued, acquiring or running.
+
+A request keeps reading the content it was planned with (cache keys are content hashes, so a
+dead entry still holds exactly that content); other requests never notice; nothing leaks.
+Found by an adversarial pass over the engine; each test failed before its fix.
+"""
+
+import pytest
+
+from lazyattn_rag import CacheConfig, EngineConfig, PromptConfig, SamplingParams, SchedulerConfig
+from lazyattn_rag.llm import LazyAttention
+from tests.test_chunk_reuse import PROMPT
+from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
+
+LONG = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def make_llm(mode="lazy", anchor="none", prompt=PROMPT, max_num_seqs=8, num_blocks=256):
+    _, ours = hf_and_ours(hf_config("llama"))
+    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=prompt,
+                          cache=CacheConfig(num_blocks=num_blocks, mode=mode, anchor=anchor),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=max_num_seqs))
+    return LazyAttention.from_model(ours, word_tokenizer(), config)
+
+
+def tokens(sink) -> list[int]:
+    errors = [x for x in sink if isinstance(x, BaseException)]
+    assert not errors, errors
+    return [d.token_id for d in sink if d.token_id is not None]
+
+
+def assert_clean(llm):
+    def check():
+        engine = llm.engine
+        engine.cache.check_integrity()
+        assert not engine.has_unfinished() and not engine.requests
+        held = [e for e in engine.cache.entries() if e.pin_count and e.key != engine.anchor_key]
+        assert not held, held
+        pool = engine.cache.pool
+        assert pool.num_free + engine.cache.num_cached_blocks == pool.num_blocks
+
+    llm.loop.call(check)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "block_attention"])
+@pytest.mark.parametrize("change", ["remove", "new_text"])
+def test_document_changed_between_its_encode_and_the_prefill(mode, change):
+    llm = make_llm(mode)
+    llm.add_document("A", words(20, start=3))
+    expected = llm.generate("w1", ["A"], sampling=LONG).token_ids
+    llm.remove_document("A")
+    llm.add_document("A", words(20, start=3))  # cold again
+    engine, sink = llm.engine, []
+
+    def scenario():
+        request = engine.submit(engine.plan("w1", ["A"]), LONG, sink.append)
+        engine.step()  # encodes "A"; the request waits for its prefill
+        assert request.status.value == "acquired"
+        if change == "remove":
+            engine.remove_document("A")
+        else:
+            engine.add_document("A", words(20, start=50))
+        while engine.has_unfinished():
+            engine.step()
+
+    llm.loop.call(scenario)
+    assert tokens(sink) == expected  # read the content it was planned with
+    assert_clean(llm)
+
+
+def test_queued_request_over_a_removed_document_reads_the_entry_others_still_hold():
+    llm = make_llm(max_num_seqs=2)
+    llm.add_document("A", words(20, start=3))
+    expected = llm.generate("w1", ["A"], sampling=LONG).token_ids
+    running = llm.stream("w1", ["A"], sampling=LONG)
+    short = llm.stream("w1", ["A"], sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+    next(running)
+    queued = llm.stream("w1", ["A"], sampling=LONG)  # waits: two requests already hold resources
+    llm.remove_document("A")
+    assert [d.token_id for d in queued if d.token_id is not None] == expected
+    assert len([d for d in short if d.token_id is not None]) == 2
+    assert len([d for d in running if d.token_id is not None]) == len(expected) - 1
+    assert_clean(llm)
+    assert llm.stats()["num_cached_chunks"] == 1  # only the head: the removed document's entry is gone
+
+
+def test_a_failed_acquisition_never_drops_another_requests_pending_encode():
+    llm = make_llm()
+    llm.add_document("A", words(20, start=3))
+    llm.add_document("B", words(25, start=60))
+    engine, sinks = llm.engine, {name: [] for name in ("R0", "R1", "R2")}
+    expected_r1 = llm.generate("w3", ["B"], sampling=LONG).token_ids
+    llm.remove_document("B")
+    llm.add_document("B", words(25, start=60))  # cold again
+
+    def scenario():
+        engine.submit(engine.plan("w1", ["A"]), LONG, sinks["R0"].append)
+        engine.step()
+        engine.step()  # R0 running, pins "A"
+        plan2 = engine.plan("w2", ["B", "A"])  # planned before "A" is removed
+        engine.remove_document("A")  # "A" is dead, still held by R0
+        engine.submit(engine.plan("w3", ["B"]), LONG, sinks["R1"].append)  # R1 encodes "B"
+        engine.submit(plan2, LONG, sinks["R2"].append)  # R2 pins R1's pending "B" and reads dead "A"
+        while engine.has_unfinished():
+            engine.step()
+
+    llm.loop.call(scenario)
+    assert tokens(sinks["R1"]) == expected_r1
+    assert len(tokens(sinks["R0"])) == len(tokens(sinks["R2"])) == LONG.max_tokens
+    assert_clean(llm)
+
+
+def test_fail_all_reaches_every_request_even_if_releasing_one_raises():
+    llm = make_llm()
+    llm.add_document("A", words(20, start=3))
+    engine, sinks = llm.engine, [[], []]
+
+    def scenario():
+        for sink in sinks:
+            engine.submit(engine.plan("w1", ["A"]), LONG, sink.append)
+        engine.step()
+        first = next(iter(engine.requests.values()))
+        first.pinned.append("no-such-key")  # its release will raise KeyError
+        engine.fail_all(RuntimeError("boom"))
+
+    llm.loop.call(scenario)
+    assert all(isinstance(sink[-1], RuntimeError) for sink in sinks)
+
+
+def test_a_document_with_the_prompt_heads_tokens_is_a_separate_entry():
+    llm = make_llm()  # anchor "none": documents and the head are encoded alike
+    head_text = " ".join(llm.engine.tokenizer.convert_ids_to_tokens(list(llm.engine.head_ids)))
+    llm.add_document("X", head_text)
+    assert llm.engine.documents["X"].token_ids == llm.engine.head_ids
+    assert llm.engine.documents["X"].key != llm.engine.head_key
+    llm.add_document("B", words(20, start=60))
+    running = llm.stream("w1", ["B", "X"], sampling=LONG)
+    next(running)
+    llm.remove_document("X")  # must not touch the head's entry
+    assert len(llm.generate("w2", ["B"], sampling=LONG).token_ids) == LONG.max_tokens
+    assert len([d for d in running if d.token_id is not None]) == LONG.max_tokens - 1
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "block_attention", "prefix", "full"])
+def test_an_empty_prompt_head_is_left_out_of_the_plan(mode):
+    prompt = PromptConfig(instruction="", document_separator=" ", question_prefix="Question : ")
+    llm = make_llm(mode, anchor="bos", prompt=prompt)
+    assert llm.engine.head_ids == ()
+    llm.add_document("a", words(10, start=5))
+    first = llm.generate("w1", ["a"], sampling=LONG)
+    again = llm.generate("w1", ["a"], sampling=LONG)
+    assert first.token_ids == again.token_ids and len(first.token_ids) == LONG.max_tokens
+    if mode == "lazy":
+        assert again.stats.docs_hit == ["a"]
+    assert_clean(llm)
