@@ -8,9 +8,11 @@ tasks, land in the same scheduler and share batches.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from concurrent.futures import Future
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -19,6 +21,16 @@ from lazyattn_rag.engine.engine import LLMEngine
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
+_LIVE_LOOPS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live_loops() -> None:
+    """Stop every engine thread before the interpreter tears down: a thread still inside torch
+    while C++ statics are destroyed aborts the process ("terminate called without an active
+    exception", exit code 134)."""
+    for loop in list(_LIVE_LOOPS):
+        loop.shutdown()
 
 
 class EngineLoop:
@@ -38,6 +50,7 @@ class EngineLoop:
         self._stopped = False
         self._in_step = False
         self._thread = threading.Thread(target=self._run, name="lazyattn-engine", daemon=True)
+        _LIVE_LOOPS.add(self)
         self._thread.start()
         self._ready.result()  # the builder's exception, if any, surfaces in the caller
 
