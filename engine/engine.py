@@ -88,10 +88,10 @@ class LLMEngine:
         self.min_tail_tokens = len(self.template.tail_token_ids("?"))
         self.anchor_ids = self._anchor_token_ids()
         self.anchor_fp = anchor_fingerprint(config.cache.anchor, list(self.anchor_ids))
-        # The head and the anchor get keys of their own kind: a document with the same tokens
-        # must not share (and, when removed, kill) their entries.
-        self.head_key = chunk_key(model_digest, "prompt-head", list(self.head_ids))
-        self.anchor_key = chunk_key(model_digest, "anchor", list(self.anchor_ids)) if self.anchor_ids else None
+        # The head and the anchor get keys of their own kind ("prompt"; with anchor="head" they are
+        # one entry): a document with the same tokens must not share (and, when removed, kill) them.
+        self.head_key = chunk_key(model_digest, "prompt", list(self.head_ids))
+        self.anchor_key = chunk_key(model_digest, "prompt", list(self.anchor_ids)) if self.anchor_ids else None
         self.documents: dict[str, _Document] = {}
         self.eos_token_ids = set(eos_token_ids or ())
         if tokenizer.eos_token_id is not None:
@@ -183,6 +183,26 @@ class LLMEngine:
         self.cache.unbind_document(doc_id)
 
     # --- planning -------------------------------------------------------------------------
+    def plan_with_documents(self, question: str, doc_ids: list[str], documents: list[tuple[str, str]]) -> PromptPlan:
+        """Register inline ``documents`` and plan ``question`` over ``doc_ids`` then them, all or none.
+
+        Raises:
+            what :meth:`add_documents` and :meth:`plan` raise; the documents' previous
+            registrations (or their absence) are restored first.
+        """
+        before = {doc_id: self.documents.get(doc_id) for doc_id, _ in documents}
+        self.add_documents(documents)
+        try:
+            return self.plan(question, doc_ids + [doc_id for doc_id, _ in documents])
+        except Exception:
+            for doc_id, old in before.items():
+                if old is None:
+                    self.remove_document(doc_id)
+                else:
+                    self.documents[doc_id] = old
+                    self.cache.bind_document(doc_id, old.key)
+            raise
+
     def _check_ids(self, doc_ids: list[str]) -> None:
         for d in doc_ids:
             if d not in self.documents:
@@ -411,8 +431,11 @@ class LLMEngine:
         elif len(r.output_ids) >= r.params.max_tokens or (
                 r.first_private_position + len(r.private_token_ids) >= self.max_model_len):
             reason = "length"
-        r.sink(StreamDelta(text, token))
-        if reason is not None:
+        if not self._emit(r, StreamDelta(text, token)):  # nobody listens any more: drop the request
+            self.scheduler.remove(r)
+            self.counters.num_requests_aborted += 1
+            self._finish(r, "abort", release=False)
+        elif reason is not None:
             self._finish(r, reason)
 
     def _register_prefix_blocks(self, r: Request) -> None:
@@ -456,7 +479,17 @@ class LLMEngine:
             c.num_doc_lookups += len(s.docs_hit) + len(s.docs_missed)
             c.num_doc_hits += len(s.docs_hit)
             c.num_output_tokens += s.num_output_tokens
-        r.sink(StreamDelta(r.detokenizer.flush(), None, True, reason, s))
+        self._emit(r, StreamDelta(r.detokenizer.flush(), None, True, reason, s))
+
+    def _emit(self, r: Request, item: StreamDelta | BaseException) -> bool:
+        """Hand ``item`` to the request's sink; ``False`` if the sink raised (e.g. its asyncio
+        loop is closed). A broken consumer costs only its own request, never the step."""
+        try:
+            r.sink(item)
+            return True
+        except Exception:  # noqa: BLE001 - logged; the other requests of the step go on
+            logger.warning("request %s: its consumer raised; dropping it", r.request_id, exc_info=True)
+            return False
 
     def _fail(self, r: Request, error: Exception, release: bool = True) -> None:
         if release:
@@ -464,7 +497,7 @@ class LLMEngine:
         r.status = RequestStatus.FINISHED
         self.requests.pop(r.request_id, None)
         self.counters.num_requests_failed += 1
-        r.sink(error)
+        self._emit(r, error)
 
     # --- introspection --------------------------------------------------------------------
     def stats(self) -> dict:

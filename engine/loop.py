@@ -75,6 +75,18 @@ class EngineLoop:
             self._cond.notify_all()
         return future.result()
 
+    def post(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queue ``fn(*args)`` to run on the engine thread between steps without waiting for it
+        (e.g. from an asyncio callback). Returns its :class:`Future`; after shutdown, a failed one."""
+        future: Future = Future()
+        with self._cond:
+            if self._stopped:
+                future.set_exception(RuntimeError("the engine loop is shut down"))
+                return future
+            self._commands.put((fn, args, {}, future))
+            self._cond.notify_all()
+        return future
+
     def _drain_commands(self) -> None:
         while True:
             try:

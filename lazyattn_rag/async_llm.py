@@ -51,7 +51,12 @@ class AsyncLazyAttention:
             loop.call_soon_threadsafe(deltas.put_nowait, item)
 
         engine, call = self.llm.engine, self.llm.loop.call
-        request = await asyncio.to_thread(call, make_request, sink)
+        submission = asyncio.ensure_future(asyncio.to_thread(call, make_request, sink))
+        try:
+            request = await asyncio.shield(submission)
+        except asyncio.CancelledError:  # the submission may still land: abort what it makes
+            submission.add_done_callback(self._abort_when_submitted)
+            raise
         finished = False
         try:
             while True:
@@ -67,6 +72,11 @@ class AsyncLazyAttention:
             if not finished:
                 await asyncio.shield(asyncio.to_thread(call, engine.abort, request.request_id))
 
+    def _abort_when_submitted(self, submission: asyncio.Future) -> None:
+        """Done-callback of a submission whose caller was cancelled while it waited."""
+        if not submission.cancelled() and submission.exception() is None:
+            self.llm.loop.post(self.llm.engine.abort, submission.result().request_id)
+
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                sampling: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
         """Async version of :meth:`LazyAttention.stream` (errors raise on the first ``__anext__``)."""
@@ -75,8 +85,7 @@ class AsyncLazyAttention:
         engine = self.llm.engine
 
         def make(sink):
-            engine.add_documents(docs)
-            return engine.submit(engine.plan(question, ids + [d for d, _ in docs]), params, sink)
+            return engine.submit(engine.plan_with_documents(question, ids, docs), params, sink)
 
         return self._submit(make)
 

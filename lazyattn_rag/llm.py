@@ -192,10 +192,6 @@ class LazyAttention:
         request = self.loop.call(make_request, deltas.put)
         return RequestStream(self.loop, self.engine, request.request_id, deltas)
 
-    def _documents_then(self, documents: list[tuple[str, str]], doc_ids: list[str]) -> list[str]:
-        self.engine.add_documents(documents)
-        return doc_ids + [doc_id for doc_id, _ in documents]
-
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                sampling: SamplingParams | None = None) -> RequestStream:
         """Stream the answer to ``question`` over documents, in the order given.
@@ -211,15 +207,14 @@ class LazyAttention:
             stats. The request runs from this call on; ``close()`` the stream to cancel it.
         Raises:
             UnknownDocumentError, EmptyInputError, PromptTooLongError, DocumentTooLongError:
-            at the call, before anything is queued. CacheCapacityError: from the iterator, when
+            at the call, before anything is queued or registered. CacheCapacityError: from the iterator, when
             the request could not fit even in an empty cache. Other requests are unaffected.
         """
         params = sampling or SamplingParams()
         ids, docs = _ids(doc_ids), _pairs(documents)
 
         def make(sink):
-            plan = self.engine.plan(question, self._documents_then(docs, ids))
-            return self.engine.submit(plan, params, sink)
+            return self.engine.submit(self.engine.plan_with_documents(question, ids, docs), params, sink)
 
         return self._submit(make)
 

@@ -7,7 +7,7 @@ Found by an adversarial pass over the engine; each test failed before its fix.
 
 import pytest
 
-from lazyattn_rag import CacheConfig, EngineConfig, PromptConfig, SamplingParams, SchedulerConfig
+from lazyattn_rag import CacheConfig, EngineConfig, PromptConfig, SamplingParams, SchedulerConfig, UnknownDocumentError
 from lazyattn_rag.llm import LazyAttention
 from tests.test_chunk_reuse import PROMPT
 from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
@@ -153,4 +153,24 @@ def test_an_empty_prompt_head_is_left_out_of_the_plan(mode):
     assert first.token_ids == again.token_ids and len(first.token_ids) == LONG.max_tokens
     if mode == "lazy":
         assert again.stats.docs_hit == ["a"]
+    assert_clean(llm)
+
+
+def test_the_head_as_anchor_is_one_entry():
+    llm = make_llm(anchor="head")
+    assert llm.engine.anchor_key == llm.engine.head_key
+    llm.add_document("a", words(10, start=5))
+    llm.generate("w1", ["a"], sampling=LONG)
+    assert llm.stats()["num_cached_chunks"] == 2  # the head (= the anchor) and "a"
+
+
+def test_a_failed_call_leaves_inline_documents_as_they_were():
+    llm = make_llm()
+    llm.add_document("b", words(10, start=30))
+    old_key = llm.engine.documents["b"].key
+    with pytest.raises(UnknownDocumentError, match="nope"):
+        llm.generate("w1", ["nope"], documents=[("d", words(8)), ("b", words(9, start=70))], sampling=LONG)
+    assert not llm.has_document("d")
+    assert llm.engine.documents["b"].key == old_key and llm.engine.cache.document_key("b") == old_key
+    assert len(llm.generate("w1", ["b"], sampling=LONG).token_ids) == LONG.max_tokens
     assert_clean(llm)
