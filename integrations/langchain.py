@@ -114,7 +114,9 @@ def build_request(engine: LazyAttention, messages: Sequence[BaseMessage],
     turns = [(role, text) for role, _, text in split if text.strip()]
     multi = sum(role != "system" for role, _ in turns) > 1
     question = "\n\n".join(f"{role}: {text}" if multi else text for role, text in turns)
-    return rag_request(question, list({(d.id, d.text): d for d in docs}.values()))  # same id, other text: error
+    # One document given twice (in a message's blocks and in documents=, or repeated) is placed
+    # once; the same id with another text is an error (rag_request).
+    return rag_request(question, list({(d.id, d.text): d for d in docs}.values()))
 
 
 class ChatLazyAttention(BaseChatModel):

@@ -250,7 +250,7 @@ class LazyAttentionSynthesizer(BaseSynthesizer):
         question = query.query_str if isinstance(query, QueryBundle) else query
         docs = [node_document(n) for n in nodes]
         sources = list(nodes) + list(additional_source_nodes or [])
-        meta: dict = {METADATA_KEY: {"doc_ids": [d.id for d in docs]}}
+        meta: dict = {METADATA_KEY: {"doc_ids": rag_request(question, docs).doc_ids}}  # as placed
         deltas = self._llm.stream_rag(question, docs, self._sampling)
         if self._streaming:
             return StreamingResponse(_texts(deltas, meta[METADATA_KEY]), source_nodes=sources, metadata=meta)
@@ -261,7 +261,7 @@ class LazyAttentionSynthesizer(BaseSynthesizer):
         question = query.query_str if isinstance(query, QueryBundle) else query
         docs = [node_document(n) for n in nodes]
         sources = list(nodes) + list(additional_source_nodes or [])
-        meta: dict = {METADATA_KEY: {"doc_ids": [d.id for d in docs]}}
+        meta: dict = {METADATA_KEY: {"doc_ids": rag_request(question, docs).doc_ids}}  # as placed
         texts = _atexts(self._llm.astream_rag(question, docs, self._sampling), meta[METADATA_KEY])
         if self._streaming:
             return AsyncStreamingResponse(texts, source_nodes=sources, metadata=meta)

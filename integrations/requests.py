@@ -110,7 +110,9 @@ def text_request(llm: "LazyAttention", messages: Sequence[tuple[str, str]]) -> E
         question = "\n\n".join(f"{role}: {rest}" if multi else rest for role, rest in turns)
         match = PromptMatch(match.doc_ids, question, match.matched_chars, match.prompt_chars)
         return EngineRequest(question, [Document(d, texts[d]) for d in doc_ids], None, match)
-    return EngineRequest(plain_prompt=chat_prompt_ids(llm.tokenizer, messages), match=match)
+    # A plain prompt places nothing: report no match, even if the text was nothing but documents.
+    nothing = PromptMatch((), "", 0, match.prompt_chars)
+    return EngineRequest(plain_prompt=chat_prompt_ids(llm.tokenizer, messages), match=nothing)
 
 
 def chat_prompt_ids(tokenizer, messages: Sequence[tuple[str, str]]) -> list[int]:

@@ -70,7 +70,10 @@ class AsyncLazyAttention:
                     return
         finally:
             if not finished:
-                await asyncio.shield(asyncio.to_thread(call, engine.abort, request.request_id))
+                try:
+                    await asyncio.shield(asyncio.to_thread(call, engine.abort, request.request_id))
+                except RuntimeError:  # the engine was shut down: the request is gone already
+                    pass
 
     def _abort_when_submitted(self, submission: asyncio.Future) -> None:
         """Done-callback of a submission whose caller was cancelled while it waited."""

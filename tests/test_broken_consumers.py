@@ -77,3 +77,17 @@ def test_a_raising_sink_drops_only_its_own_request():
     assert [d.token_id for d in good if d.token_id is not None] == expected
     assert llm.stats()["num_requests_aborted"] == 1
     assert_idle_and_clean(llm)
+
+
+def test_leaving_an_async_stream_after_shutdown_is_quiet():
+    llm = make_llm()
+    allm = AsyncLazyAttention(llm)
+
+    async def main():
+        stream = allm.stream("w1", ["a"], sampling=LONG)
+        first = await stream.__anext__()
+        llm.shutdown()
+        await stream.aclose()  # its abort finds the engine gone: nothing to do, nothing raised
+        return first
+
+    assert asyncio.run(main()).token_id is not None

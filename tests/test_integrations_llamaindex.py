@@ -204,6 +204,20 @@ def test_fallback_reports_the_matched_share_of_the_prompt(llm, engine, store):
     plain = llm.complete("Question : w1 w2 w3 w4")
     assert plain.additional_kwargs["lazyattn"]["prompt_match"]["doc_ids"] == []
     assert plain.additional_kwargs["lazyattn"]["stats"]["num_cached_tokens"] == 0  # a plain full prefill
+    only_doc = llm.complete(store.get("rivers").text)  # nothing but a document: runs as a plain prompt
+    assert only_doc.additional_kwargs["lazyattn"]["doc_ids"] == []
+    assert only_doc.additional_kwargs["lazyattn"]["prompt_match"] == {
+        "doc_ids": [], "matched_chars": 0, "prompt_chars": len(store.get("rivers").text), "fraction": 0.0}
+
+
+def test_synthesizer_metadata_lists_the_documents_it_placed(llm):
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    nodes = [NodeWithScore(node=TextNode(id_="blank", text="  \n "), score=1.0),
+             NodeWithScore(node=TextNode(id_="kept", text=words(12, 3)), score=0.9)]
+    response = LazyAttentionSynthesizer(llm).synthesize("w1 w2", nodes)
+    meta = response.metadata["lazyattn"]
+    assert meta["doc_ids"] == ["kept"] == meta["stats"]["docs_hit"] + meta["stats"]["docs_missed"]
 
 
 def test_warmer_encodes_once(llm, engine, store):
