@@ -345,8 +345,14 @@ class KVCacheWarmer(BaseNodePostprocessor):
         return "KVCacheWarmer"
 
     def warm(self, nodes: Sequence[NodeWithScore | TextNode]) -> list[str]:
-        """Register and encode ``nodes``; returns the ids encoded now (the others were cached)."""
-        docs = [node_document(n) for n in nodes]
+        """Register and encode ``nodes``; returns the ids encoded now (the others were cached).
+
+        Blank nodes are skipped, as in a request.
+
+        Raises:
+            ValueError: one node id with two different texts (as the synthesizer does).
+        """
+        docs = rag_request("", [node_document(n) for n in nodes]).documents
         engine = self.llm.engine
         engine.add_documents(docs)
         return engine.warm([d.id for d in docs])

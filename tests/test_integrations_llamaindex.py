@@ -227,6 +227,11 @@ def test_warmer_encodes_once(llm, engine, store):
     first = warmer.warm(nodes)
     assert set(first) <= set(ids) and engine.warm(ids) == []
     assert warmer.postprocess_nodes(nodes) == nodes
+    from llama_index.core.schema import TextNode
+
+    with pytest.raises(ValueError, match="'twice'"):
+        warmer.warm([TextNode(id_="twice", text=words(5)), TextNode(id_="twice", text=words(6))])
+    assert not engine.has_document("twice")
 
 
 def test_bad_arguments_raise_clear_errors(llm, store):
