@@ -42,6 +42,17 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+# Block-table width beyond max_model_len / block_size: room for one partly filled block per chunk
+# of up to this many chunks; a wider table runs eagerly.
+EXTRA_BLOCKS_PER_SEQ = 64
+
+
+def graph_block_table_width(max_model_len: int, block_size: int) -> int:
+    """Static block-table width of captured decode steps (a context's blocks plus one partly
+    filled block per chunk, for up to :data:`EXTRA_BLOCKS_PER_SEQ` chunks)."""
+    return -(-max_model_len // block_size) + EXTRA_BLOCKS_PER_SEQ
+
+
 @dataclass
 class _StaticInputs:
     """Buffers sized for the largest bucket; graph ``b`` reads their first ``b`` rows."""

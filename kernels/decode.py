@@ -35,13 +35,10 @@ from lazyattn_rag.kernels.block_table import unpack_block_table
 from lazyattn_rag.kernels.prefill import (
     BlockRuns,
     block_runs,
-    check_gpu_shapes,
     check_inputs,
     cos_sin,
     dot_precision,
     mma,
-    on_interpreter,
-    rope_layout,
     rotate,
 )
 
@@ -261,16 +258,7 @@ def paged_decode(
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    layout = rope_layout(head_dim, 2 * inv_freq.numel(), interleaved)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    for t, name in ((query, "query"), (key_cache, "key_cache"), (value_cache, "value_cache")):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in head_dim")
-    check_inputs(query, key_cache, value_cache, block_tables)
-    interpreter = on_interpreter(query)
-    if not interpreter:
-        check_gpu_shapes(layout)
+    layout, interpreter = check_inputs(query, key_cache, value_cache, block_tables, inv_freq, interleaved)
     if out is None:
         out = torch.empty_like(query)
     if seq_ids is None:

@@ -107,8 +107,23 @@ def check_gpu_shapes(layout: RopeLayout) -> None:
 
 
 def check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 block_tables: torch.Tensor) -> None:
-    """Clear errors for inputs the kernels would otherwise misread."""
+                 block_tables: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool) -> tuple[RopeLayout, bool]:
+    """Clear errors for inputs the kernels would otherwise misread (both launchers' checks).
+
+    Returns:
+        the RoPE layout and whether the kernels run under Triton's interpreter.
+    Raises:
+        ValueError: heads that do not group, a layout not contiguous in head_dim, mixed dtypes or
+            devices, unequal caches, a block table that is not packed int64 rows.
+        NotImplementedError: a head layout the compiled kernels do not cover.
+    """
+    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    layout = rope_layout(query.shape[2], 2 * inv_freq.numel(), interleaved)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    for t, name in ((query, "query"), (key_cache, "key_cache"), (value_cache, "value_cache")):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim")
     if not (query.dtype == key_cache.dtype == value_cache.dtype):
         raise ValueError(f"query, key_cache and value_cache must share a dtype, got {query.dtype}, "
                          f"{key_cache.dtype}, {value_cache.dtype}")
@@ -119,6 +134,10 @@ def check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     if query.device != key_cache.device or query.device != block_tables.device:
         raise ValueError(f"tensors on different devices: query {query.device}, key_cache {key_cache.device}, "
                          f"block_tables {block_tables.device}")
+    interpreter = on_interpreter(query)
+    if not interpreter:
+        check_gpu_shapes(layout)
+    return layout, interpreter
 
 
 def block_key_starts(block_tables: torch.Tensor, num_blocks_per_seq: torch.Tensor) -> torch.Tensor:
@@ -462,16 +481,7 @@ def paged_prefill(
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    layout = rope_layout(head_dim, 2 * inv_freq.numel(), interleaved)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    for t, name in ((query, "query"), (key_cache, "key_cache"), (value_cache, "value_cache")):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in head_dim")
-    check_inputs(query, key_cache, value_cache, block_tables)
-    interpreter = on_interpreter(query)
-    if not interpreter:
-        check_gpu_shapes(layout)
+    layout, interpreter = check_inputs(query, key_cache, value_cache, block_tables, inv_freq, interleaved)
     cfg = _default_config(head_dim, block_size, interpreter, query.element_size())
     block_m = block_m or cfg["block_m"]
     block_n = triton.next_power_of_2(max(block_n or cfg["block_n"], block_size))

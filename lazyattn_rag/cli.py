@@ -9,17 +9,10 @@ from typing import Optional
 
 import typer
 
+from lazyattn_rag import cli_options as cli_opts
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Retrieval-augmented generation with position-agnostic KV reuse (LazyAttention).")
-
-_MODEL_HELP = "Local Hugging Face model directory (default: the offline SmolLM2-135M-Instruct)."
-
-
-def _engine_config(model: Optional[str], device: str, backend: str, anchor: str, cache_dir: Optional[Path]):
-    from lazyattn_rag.config import CacheConfig, EngineConfig
-
-    return EngineConfig(model=model, device=device, attention_backend=backend, cache_dir=cache_dir,
-                        cache=CacheConfig(anchor=anchor))
 
 
 def _format_stats(stats) -> str:
@@ -37,10 +30,10 @@ def ask(
     max_tokens: int = typer.Option(256, help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, help="0 for greedy decoding."),
     seed: Optional[int] = typer.Option(None, help="Sampling seed."),
-    model: Optional[str] = typer.Option(None, help=_MODEL_HELP),
-    device: str = typer.Option("auto", help="auto, cpu or cuda."),
-    backend: str = typer.Option("auto", help="Attention backend: auto, torch or triton."),
-    anchor: str = typer.Option("bos", help="Chunk encoding anchor: bos (default), none or head."),
+    model: Optional[str] = cli_opts.MODEL,
+    device: str = cli_opts.DEVICE,
+    backend: str = cli_opts.BACKEND,
+    anchor: str = cli_opts.ANCHOR,
     cache_dir: Optional[Path] = typer.Option(None, help="Where converted models are cached."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
@@ -49,7 +42,7 @@ def ask(
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-        llm = LazyAttention(_engine_config(model, device, backend, anchor, cache_dir))
+        llm = LazyAttention(cli_opts.engine_config(model, device, backend, anchor, cache_dir))
         ids = []
         for path in doc:
             llm.add_document(str(path), path.read_text(encoding="utf-8"))
@@ -74,17 +67,17 @@ def ask(
 
 @app.command()
 def info(
-    model: Optional[str] = typer.Option(None, help=_MODEL_HELP),
-    device: str = typer.Option("auto", help="auto, cpu or cuda."),
-    backend: str = typer.Option("auto", help="Attention backend: auto, torch or triton."),
-    anchor: str = typer.Option("bos", help="Chunk encoding anchor: bos (default), none or head."),
+    model: Optional[str] = cli_opts.MODEL,
+    device: str = cli_opts.DEVICE,
+    backend: str = cli_opts.BACKEND,
+    anchor: str = cli_opts.ANCHOR,
     cache_dir: Optional[Path] = typer.Option(None, help="Where converted models are cached."),
 ) -> None:
     """Print the model, attention backend and cache configuration as JSON."""
     from lazyattn_rag import LazyAttention
 
     try:
-        llm = LazyAttention(_engine_config(model, device, backend, anchor, cache_dir))
+        llm = LazyAttention(cli_opts.engine_config(model, device, backend, anchor, cache_dir))
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e

@@ -11,8 +11,7 @@ from typing import Optional
 
 import typer
 
-_MODEL_HELP = "Local Hugging Face model directory (default: the offline SmolLM2-135M-Instruct)."
-
+from lazyattn_rag import cli_options as cli_opts
 
 def chat(
     question: list[str] = typer.Option([], "--question", "-q",
@@ -28,22 +27,21 @@ def chat(
     index_dir: Optional[Path] = typer.Option(None, help="Where the FAISS index is kept "
                                              "(default: under the cache dir)."),
     rebuild: bool = typer.Option(False, "--rebuild", help="Re-embed the corpus even if a saved index exists."),
-    model: Optional[str] = typer.Option(None, help=_MODEL_HELP),
-    device: str = typer.Option("auto", help="auto, cpu or cuda."),
-    backend: str = typer.Option("auto", help="Attention backend: auto, torch or triton."),
-    anchor: str = typer.Option("bos", help="Chunk encoding anchor: bos (default), none or head."),
+    model: Optional[str] = cli_opts.MODEL,
+    device: str = cli_opts.DEVICE,
+    backend: str = cli_opts.BACKEND,
+    anchor: str = cli_opts.ANCHOR,
     cache_dir: Optional[Path] = typer.Option(None, help="Where converted models and indexes are cached."),
 ) -> None:
     """Chat with a FAISS-backed RAG bot over Python's language reference: streams each answer,
     then its sources and the KV-cache stats (documents hit/missed, TTFT)."""
     try:
-        from lazyattn_rag.cli import _engine_config
         from lazyattn_rag.integrations.chatbot import DEMO_QUESTIONS, ChatOptions, follow_up_question, run_chat
         from lazyattn_rag.sampling import SamplingParams
 
         questions = [q for q0 in question for q in ((q0, follow_up_question(q0)) if follow_up else (q0,))]
         questions += DEMO_QUESTIONS if demo else ()
-        engine = _engine_config(model, device, backend, anchor, cache_dir)
+        engine = cli_opts.engine_config(model, device, backend, anchor, cache_dir)
         options = ChatOptions(questions=tuple(questions), docs=docs, top_k=top_k, index_dir=index_dir,
                               rebuild=rebuild, sampling=SamplingParams(max_tokens=max_tokens, stop=("\n\n",)),
                               engine=engine)

@@ -17,7 +17,7 @@ from lazyattn_rag.documents import Document
 from lazyattn_rag.engine.attention import get_backend_class
 from lazyattn_rag.engine.block_pool import BlockPool
 from lazyattn_rag.engine.chunk_cache import ChunkCache
-from lazyattn_rag.engine.cuda_graphs import graph_batch_sizes
+from lazyattn_rag.engine.cuda_graphs import graph_batch_sizes, graph_block_table_width
 from lazyattn_rag.engine.engine import LLMEngine
 from lazyattn_rag.engine.eviction import make_policy
 from lazyattn_rag.engine.loop import EngineLoop
@@ -31,9 +31,6 @@ from lazyattn_rag.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
-# Block-table width of captured decode steps beyond max_model_len / block_size: room for one
-# partly filled block per chunk of up to this many chunks; a wider table runs eagerly.
-GRAPH_EXTRA_BLOCKS_PER_SEQ = 64
 
 
 def _tokenizer_sha256(tokenizer: Any) -> str:
@@ -129,9 +126,8 @@ class LazyAttention:
         num_blocks = config.cache.num_blocks or max(1, self._kv_budget() // self.block_bytes)
         runner = ModelRunner(self.model, backend, num_blocks, block_size, self.device, self.dtype)
         if config.cuda_graphs and self.device.type == "cuda" and backend.supports_cuda_graphs:
-            # A table holds the context's blocks plus at most one partly filled block per chunk.
-            width = -(-self.max_model_len // block_size) + GRAPH_EXTRA_BLOCKS_PER_SEQ
-            runner.enable_cuda_graphs(graph_batch_sizes(config.scheduler.max_num_seqs), width)
+            runner.enable_cuda_graphs(graph_batch_sizes(config.scheduler.max_num_seqs),
+                                      graph_block_table_width(self.max_model_len, block_size))
         self.fingerprint = ModelFingerprint(weights_sha256, dtype_name, json.dumps(model.rotary.fingerprint(),
                                             sort_keys=True), _tokenizer_sha256(tokenizer), block_size)
         cache = ChunkCache(BlockPool(num_blocks), block_size, make_policy(config.cache.eviction_policy))

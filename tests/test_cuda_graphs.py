@@ -13,8 +13,8 @@ import torch
 
 from lazyattn_rag import AsyncLazyAttention, CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
 from lazyattn_rag.engine.attention import SequenceInput
-from lazyattn_rag.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from lazyattn_rag.llm import GRAPH_EXTRA_BLOCKS_PER_SEQ, LazyAttention
+from lazyattn_rag.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, graph_block_table_width
+from lazyattn_rag.llm import LazyAttention
 from tests.test_chunk_reuse import PROMPT
 from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
 
@@ -75,8 +75,8 @@ def make_llm(cuda_graphs: bool, max_num_seqs: int = 3) -> LazyAttention:
                           scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=max_num_seqs))
     llm = LazyAttention.from_model(ours, word_tokenizer(), config)
     if cuda_graphs and not CUDA:  # the same static-buffer path, run eagerly under the interpreter
-        width = -(-MAX_MODEL_LEN // BLOCK_SIZE) + GRAPH_EXTRA_BLOCKS_PER_SEQ
-        llm.loop.call(llm.engine.runner.enable_cuda_graphs, graph_batch_sizes(max_num_seqs), width, capture=False)
+        llm.loop.call(llm.engine.runner.enable_cuda_graphs, graph_batch_sizes(max_num_seqs),
+                      graph_block_table_width(MAX_MODEL_LEN, BLOCK_SIZE), capture=False)
     for i in range(5):
         llm.add_document(f"d{i}", words(7 + 6 * i, start=13 * i))
     return llm
