@@ -10,8 +10,8 @@ requests (first-token logits within the bf16 tolerance of the kernel tests): ``l
 Commands (each writes JSON to benchmarks/results/):
 
     python benchmarks/serving.py micro --arch llama-3.1-8b        # 5 docs x 4096 + 64-token query, 3 hot
-    python benchmarks/serving.py sweep --arch llama-3.1-8b --alpha 2.1 --budget-gb 1 10 50
-    python benchmarks/serving.py rates --arch llama-3.1-8b --rates 1 2 4 8 16
+    python benchmarks/serving.py sweep --arch llama-3.1-8b --alpha 2.1 --budget-gb 1 --budget-gb 10 --budget-gb 50
+    python benchmarks/serving.py rates --arch llama-3.1-8b --rate 1 --rate 2 --rate 4 --rate 8 --rate 16
     python benchmarks/serving.py profile --arch llama-3.1-8b       # where one micro request's time goes
     python benchmarks/serving.py cpu                               # SmolLM2 on the CPU vs transformers
 """
@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.kernel_tol
 
 from lazyattn_rag import AsyncLazyAttention, CacheConfig, EngineConfig, PromptConfig, SamplingParams, SchedulerConfig
 from lazyattn_rag.engine.model import CausalLM, ModelArchConfig
+from lazyattn_rag.fingerprint import tensors_sha256
 from lazyattn_rag.kernels.rope import RotaryEmbedding
 from lazyattn_rag.llm import LazyAttention
 
@@ -92,6 +93,21 @@ def random_model(arch: str, device: torch.device, dtype: torch.dtype) -> CausalL
     return model.eval()
 
 
+@dataclass(frozen=True)
+class Bench:
+    """The model every mode runs: random weights of ``arch``, its tokenizer, and its weights' hash
+    (computed once: hashing 16 GB of weights per engine took ~40 s of every engine's set-up)."""
+
+    model: CausalLM
+    tokenizer: object
+    weights_sha256: str
+
+    @classmethod
+    def build(cls, arch: str, device: str, dtype: str) -> "Bench":
+        model = random_model(arch, torch.device(device), getattr(torch, dtype))
+        return cls(model, word_tokenizer(model.config.vocab_size), tensors_sha256(model.state_dict()))
+
+
 def word_tokenizer(vocab_size: int):
     """Whitespace word tokenizer over ``t0 .. t{n}`` (documents are random token sequences)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -144,14 +160,15 @@ class Workload:
         return out
 
 
-def make_engine(model, tokenizer, mode: str, budget_bytes: int, device: str, max_batched: int, max_seqs: int,
+def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_batched: int, max_seqs: int,
                 backend: str = "auto", cuda_graphs: bool = True) -> LazyAttention:
-    config = EngineConfig(device=device, dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+    config = EngineConfig(device=device, dtype=str(next(bench.model.parameters()).dtype).removeprefix("torch."),
                           attention_backend=backend, prompt=PROMPT, cuda_graphs=cuda_graphs,
                           cache=CacheConfig(kv_cache_bytes=budget_bytes, mode=mode, eviction_policy="lfu",
                                             anchor="none"),  # the papers' setting (block_attention has no anchor)
                           scheduler=SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs))
-    return LazyAttention.from_model(model, tokenizer, config, name="random")
+    return LazyAttention.from_model(bench.model, bench.tokenizer, config, name="random",
+                                    weights_sha256=bench.weights_sha256)
 
 
 def release(llm: LazyAttention) -> None:
@@ -183,11 +200,13 @@ def first_token_logits(llm: LazyAttention, requests) -> list[torch.Tensor]:
 # Whole-model first-token logits after every layer: in bfloat16 the two members of a pair round
 # differently (lazy stores K at local positions and rotates it in the kernel; block_attention
 # stores K already rotated at its offset), and the difference compounds over the layers. Seen on
-# the H200 with Llama-3.1-8B random weights: max |diff| 0.43 at logit scale 6.4, argmax identical.
-# So bf16 is checked at 10% of the logit scale plus argmax agreement; float32 at the kernels'
-# tolerance (tests/kernel_tolerances.py).
+# the H200 with random weights: max |diff| 0.43 at logit scale 6.4 (Llama-3.1-8B), 0.33 and 0.30
+# at 6.1-6.4 (Qwen3-8B). So bf16 is checked at 10% of the logit scale, float32 at the kernels'
+# tolerance (tests/kernel_tolerances.py); a computation that differs (lazy vs full) is off by
+# 3-5.5 at that scale. The argmax is reported, not gated on: random weights give nearly flat
+# logits, so a rounding difference within the tolerance can swap two near-tied tokens (Qwen3-8B:
+# 5 of 6 equal, the 6th within tolerance); each swap is listed with the reference's top-2 margin.
 BF16_MODEL_RTOL_OF_SCALE = 0.1
-MIN_ARGMAX_AGREEMENT = 0.9
 
 
 def _agree(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, scale: float) -> bool:
@@ -199,23 +218,32 @@ def _agree(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, scale: float) -
     return float((x - y).abs().max()) <= BF16_MODEL_RTOL_OF_SCALE * scale
 
 
-def check_equivalence(model, tokenizer, device: str, docs: dict[str, str], requests, cuda_graphs: bool = True) -> dict:
+def compare_logits(xs: list[torch.Tensor], ys: list[torch.Tensor], dtype: torch.dtype) -> dict:
+    """Agreement of first-token logits ``xs`` with the reference ``ys`` (one ``[vocab_size]`` each)."""
+    scale = max(float(y.abs().max()) for y in ys)
+    swaps = []
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        if int(x.argmax()) != int(y.argmax()):
+            top2 = y.topk(2).values
+            swaps.append({"request": i, "reference_top2_margin": float(top2[0] - top2[1]),
+                          "max_abs_diff": float((x - y).abs().max())})
+    return {"max_abs_diff": max(float((x - y).abs().max()) for x, y in zip(xs, ys)), "logit_scale": scale,
+            "within_tolerance": all(_agree(x, y, dtype, scale) for x, y in zip(xs, ys)),
+            "min_cosine": min(float(torch.nn.functional.cosine_similarity(x, y, dim=0)) for x, y in zip(xs, ys)),
+            "argmax_agreement": 1 - len(swaps) / len(xs), "argmax_swaps": swaps}
+
+
+def check_equivalence(bench: Bench, device: str, docs: dict[str, str], requests, cuda_graphs: bool = True) -> dict:
     """Abort unless lazy == block_attention and prefix == full on first-token logits (see above)."""
-    dtype = next(model.parameters()).dtype
+    dtype = next(bench.model.parameters()).dtype
     logits = {}
     for mode in MODES:
-        llm = make_engine(model, tokenizer, mode, 2 * 2**30, device, 16384, 8, cuda_graphs=cuda_graphs)
+        llm = make_engine(bench, mode, 2 * 2**30, device, 16384, 8, cuda_graphs=cuda_graphs)
         llm.add_documents(list(docs.items()))
         logits[mode] = first_token_logits(llm, requests + requests[:2])  # repeats: hits on the second pass
         release(llm)
-    report = {}
-    for a, b in (("lazy", "block_attention"), ("prefix", "full"), ("lazy", "full")):
-        diffs = [float((x - y).abs().max()) for x, y in zip(logits[a], logits[b])]
-        scale = max(float(y.abs().max()) for y in logits[b])
-        argmax = sum(int(x.argmax() == y.argmax()) for x, y in zip(logits[a], logits[b])) / len(diffs)
-        agree = argmax >= MIN_ARGMAX_AGREEMENT and all(_agree(x, y, dtype, scale) for x, y in zip(logits[a], logits[b]))
-        report[f"{a}_vs_{b}"] = {"max_abs_diff": max(diffs), "logit_scale": scale, "within_tolerance": agree,
-                                 "argmax_agreement": argmax}
+    report = {f"{a}_vs_{b}": compare_logits(logits[a], logits[b], dtype)
+              for a, b in (("lazy", "block_attention"), ("prefix", "full"), ("lazy", "full"))}
     print(json.dumps(report, indent=1))
     for pair in ("lazy_vs_block_attention", "prefix_vs_full"):
         if not report[pair]["within_tolerance"]:
@@ -318,33 +346,59 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
           modes: list[str] = typer.Option(list(MODES)), num_docs: int = 200, doc_tokens: int = 512,
           docs_per_request: int = 5, query_tokens: int = 64, output_tokens: int = 32, num_requests: int = 200,
           concurrency: int = 16, max_batched_tokens: int = 16384, check: bool = True, seed: int = 0,
-          cuda_graphs: bool = True, out: str = "") -> None:
-    """Closed-loop runs of every mode at each (alpha, budget): TTFT, throughput, hit ratio, KV used."""
-    model = random_model(arch, torch.device(device), getattr(torch, dtype))
-    tokenizer = word_tokenizer(model.config.vocab_size)
-    runs, report = [], {}
+          cuda_graphs: bool = True, resume: bool = False, out: str = "") -> None:
+    """Closed-loop runs of every mode at each (alpha, budget): TTFT, throughput, hit ratio, KV used.
+
+    ``--resume`` keeps the runs already in the output file and runs only the missing (mode,
+    alpha, budget) cells, so one sweep can span several time-limited calls."""
+    name = out or f"serving_sweep_{arch}_{device}"
+    runs, report = _previous_runs(name) if resume else ([], {})
+    done = {(r["mode"], r["alpha"], r["budget_gb"]) for r in runs}
+    commands = ([] if not resume or not (RESULTS / f"{name}.json").exists()
+                else json.loads((RESULTS / f"{name}.json").read_text()).get("commands", []))
+    commands.append(" ".join(sys.argv))
+    bench = Bench.build(arch, device, dtype)
+    _log("model ready")
     for a in alpha:
         workload = Workload(num_docs, doc_tokens, docs_per_request, a, query_tokens, output_tokens, num_requests, seed)
         docs, requests = workload.documents(), workload.requests()
         if check and not report:
-            report = check_equivalence(model, tokenizer, device, docs, requests[:4], cuda_graphs)
+            report = check_equivalence(bench, device, docs, requests[:4], cuda_graphs)
+            _log("equivalence checked")
         for gb in budget_gb:
             for mode in modes:
-                llm = make_engine(model, tokenizer, mode, int(gb * 2**30), device, max_batched_tokens, concurrency,
+                if (mode, a, gb) in done:
+                    continue
+                t0 = time.perf_counter()
+                llm = make_engine(bench, mode, int(gb * 2**30), device, max_batched_tokens, concurrency,
                                   cuda_graphs=cuda_graphs)
                 warm_up(llm, workload)
                 llm.add_documents(list(docs.items()))
+                setup_s = time.perf_counter() - t0
                 before = llm.stats()
                 params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
                 results, wall = asyncio.run(drive(llm, requests, params, concurrency, None, seed))
-                row = {"mode": mode, "alpha": a, "budget_gb": gb, **summarize(results, wall, before, llm.stats(),
-                                                                             llm.block_bytes)}
+                row = {"mode": mode, "alpha": a, "budget_gb": gb, "setup_s": setup_s,
+                       **summarize(results, wall, before, llm.stats(), llm.block_bytes)}
                 print(json.dumps(row))
                 runs.append(row)
                 release(llm)
-                write(out or f"serving_sweep_{arch}_{device}", {  # after every run: a cut-short sweep keeps its rows
-                    "environment": environment(), "arch": arch, "dtype": dtype, "command": " ".join(sys.argv),
+                write(name, {  # after every run: a cut-short sweep keeps its rows (and --resume goes on from them)
+                    "environment": environment(), "arch": arch, "dtype": dtype, "commands": commands,
                     "equivalence": report, "concurrency": concurrency, "runs": runs})
+
+
+def _log(event: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {event}", flush=True)
+
+
+def _previous_runs(name: str) -> tuple[list, dict]:
+    """Rows and equivalence report of an earlier (cut-short) run written to ``name``."""
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return [], {}
+    data = json.loads(path.read_text())
+    return data.get("runs", []), data.get("equivalence", {})
 
 
 @app.command()
@@ -354,14 +408,13 @@ def rates(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
           num_requests: int = 100, max_batched_tokens: int = 16384, seed: int = 0, cuda_graphs: bool = True,
           out: str = "") -> None:
     """Poisson arrivals at increasing rates: TTFT vs arrival rate per mode."""
-    model = random_model(arch, torch.device(device), getattr(torch, dtype))
-    tokenizer = word_tokenizer(model.config.vocab_size)
+    bench = Bench.build(arch, device, dtype)
     workload = Workload(num_docs, doc_tokens, 5, alpha, 64, 32, num_requests, seed)
     docs, requests = workload.documents(), workload.requests()
     runs = []
     for mode in modes:
         for r in rate:
-            llm = make_engine(model, tokenizer, mode, int(budget_gb * 2**30), device, max_batched_tokens, 256,
+            llm = make_engine(bench, mode, int(budget_gb * 2**30), device, max_batched_tokens, 256,
                               cuda_graphs=cuda_graphs)
             warm_up(llm, workload)
             llm.add_documents(list(docs.items()))
@@ -382,13 +435,12 @@ def micro(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
           query_tokens: int = 64, output_tokens: int = 32, budget_gb: float = 20.0, repeats: int = 3,
           cuda_graphs: bool = True, out: str = "") -> None:
     """One request of 5 documents x ``doc_tokens`` + a query, 3 documents hot: time per phase and mode."""
-    model = random_model(arch, torch.device(device), getattr(torch, dtype))
-    tokenizer = word_tokenizer(model.config.vocab_size)
+    bench = Bench.build(arch, device, dtype)
     rng = np.random.default_rng(7)
     text = lambda n: " ".join(f"t{x}" for x in rng.integers(10, 30000, n))  # noqa: E731
     rows = []
     for mode in MODES:
-        llm = make_engine(model, tokenizer, mode, int(budget_gb * 2**30), device, 32768, 4, cuda_graphs=cuda_graphs)
+        llm = make_engine(bench, mode, int(budget_gb * 2**30), device, 32768, 4, cuda_graphs=cuda_graphs)
         warm_up(llm, Workload(doc_tokens=256))
         for rep in range(repeats):
             ids = [f"r{rep}-d{i}" for i in range(5)]
@@ -424,11 +476,10 @@ def profile(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bflo
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    model = random_model(arch, torch.device(device), getattr(torch, dtype))
-    tokenizer = word_tokenizer(model.config.vocab_size)
+    bench = Bench.build(arch, device, dtype)
     rng = np.random.default_rng(7)
     text = lambda n: " ".join(f"t{x}" for x in rng.integers(10, 30000, n))  # noqa: E731
-    llm = make_engine(model, tokenizer, mode, 20 * 2**30, device, 32768, 4, cuda_graphs=cuda_graphs)
+    llm = make_engine(bench, mode, 20 * 2**30, device, 32768, 4, cuda_graphs=cuda_graphs)
     warm_up(llm, Workload(doc_tokens=256))
     ids = [f"d{i}" for i in range(5)]
     llm.add_documents([(d, text(doc_tokens)) for d in ids])

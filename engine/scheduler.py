@@ -5,7 +5,8 @@ Each step mixes, under a token budget (``max_num_batched_tokens``):
 1. running requests, oldest first: one decode token each, or the next piece of a query
    prefill (long plain prompts are prefilled in pieces);
 2. requests whose chunks became ready: their query prefill;
-3. waiting requests, first come first served: acquire their chunks. Hits are pinned
+3. waiting requests, first come first served: acquire their chunks, once the cache has room
+   for the misses and the request's own prompt tokens (else it waits). Hits are pinned
    (re-validated now: a chunk evicted while the request waited is simply a miss), misses
    get blocks and a *pending* cache entry plus an encode job in this step. A request that
    needs a chunk another request is encoding pins the pending entry and waits: a chunk is
@@ -273,7 +274,11 @@ class Scheduler:
         sources = self._copy_sources(misses)
         for src in sources.values():
             self.cache.pin(src.key)
-        need = sum(self._blocks_for(len(c.token_ids)) for c in misses)
+        # Room for the misses and for the private prompt too (query tail, or the whole prompt in
+        # full mode), whose blocks are taken now: a request admitted without them would only be
+        # preempted again at once, or take them from running requests and throw their work away.
+        num_private = self._blocks_for(request.num_tokens_to_compute)
+        need = sum(self._blocks_for(len(c.token_ids)) for c in misses) + num_private
         if sources and not self.cache.can_allocate(need):  # room only by evicting the sources: encode instead
             for src in sources.values():
                 self.cache.unpin(src.key)
@@ -284,6 +289,7 @@ class Scheduler:
         created: list[str] = []
         try:
             copied = self._start_misses(request, misses, out, sources, created)
+            request.private_blocks += self.cache.allocate(num_private)
         except Exception:  # never keep what a failed acquisition took
             for key, src in sources.items():
                 if key not in created:  # its copy job was never made, so nothing else unpins it

@@ -60,7 +60,7 @@ def tensors_sha256(state_dict: dict[str, torch.Tensor]) -> str:
         t = state_dict[name].detach().to("cpu").contiguous()
         h.update(name.encode())
         h.update(str(t.dtype).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.view(torch.uint8).numpy() if t.numel() else b"")  # the buffer itself, not a copy
     return h.hexdigest()
 
 

@@ -90,11 +90,19 @@ class LazyAttention:
 
     @classmethod
     def from_model(cls, model: CausalLM, tokenizer: Any, config: EngineConfig | None = None,
-                   name: str = "in-memory", hf_config: Any = None) -> "LazyAttention":
-        """Wrap an already-built :class:`CausalLM` (tests, custom loading). Weights are hashed."""
+                   name: str = "in-memory", hf_config: Any = None,
+                   weights_sha256: str | None = None) -> "LazyAttention":
+        """Wrap an already-built :class:`CausalLM` (tests, custom loading).
+
+        The weights' hash goes into the model fingerprint that keys the cached K/V. It is
+        computed from ``model.state_dict()`` unless ``weights_sha256`` (a hex digest from
+        :func:`lazyattn_rag.fingerprint.tensors_sha256`) is given: hashing 16 GB of 8B-model
+        weights takes about 40 s, so pass it when wrapping the same model more than once.
+        """
         self = cls.__new__(cls)
         config = config or EngineConfig()
-        self.loop = EngineLoop(lambda: self._build(model, tokenizer, config, tensors_sha256(model.state_dict()),
+        self.loop = EngineLoop(lambda: self._build(model, tokenizer, config,
+                                                   weights_sha256 or tensors_sha256(model.state_dict()),
                                                    name, set(), hf_config))
         self.engine = self.loop.engine
         return self

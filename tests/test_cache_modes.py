@@ -106,6 +106,38 @@ def test_every_mode_runs_concurrent_requests_under_memory_pressure(mode):
     llm.shutdown()
 
 
+def test_full_mode_admits_a_request_only_when_its_prompt_fits():
+    """Eight concurrent full-mode prompts of 128 tokens (8 blocks; 9 with their 4 outputs) in 20
+    blocks: two run at a time and the others wait. Admitting a request without room for its own
+    prefill would preempt it (or a running one) at once, step after step (33 preemptions here
+    before the admission check counted the private prompt)."""
+    import asyncio
+
+    from lazyattn_rag import AsyncLazyAttention, SchedulerConfig
+
+    _, ours = hf_and_ours(hf_config("llama"))
+    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
+                          cache=CacheConfig(num_blocks=20, mode="full", anchor="none"),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8))
+    llm = LazyAttention.from_model(ours, word_tokenizer(), config)
+    for i in range(3):
+        llm.add_document(f"d{i}", words(40, start=17 * i))
+    requests = [(words(2, start=120 + i), ["d0", "d1", "d2"]) for i in range(8)]
+    assert llm.plan(*requests[0]).num_prompt_tokens == 128
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    sequential = [llm.generate(q, ids, sampling=params).token_ids for q, ids in requests]
+    allm = AsyncLazyAttention(llm)
+
+    async def run_all():
+        return await asyncio.gather(*(allm.generate(q, ids, sampling=params) for q, ids in requests))
+
+    outs = asyncio.run(run_all())
+    assert [o.token_ids for o in outs] == sequential
+    assert [o.stats.num_preemptions for o in outs] == [0] * 8
+    assert llm.stats()["num_preemptions"] == 0
+    llm.shutdown()
+
+
 def test_block_attention_falls_back_to_encoding_when_room_needs_the_copy_source():
     """Request 2 places "a" at a new offset (its copy at the old offset is the source) and needs a
     new "c": the room for both exists only by evicting that source, so "a" is encoded instead
