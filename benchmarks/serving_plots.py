@@ -20,6 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS, IMG = ROOT / "benchmarks" / "results", ROOT / "docs" / "img"
 MODES = ("lazy", "block_attention", "prefix", "full")
+COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red")  # one per mode, in every plot
+LINESTYLES = ("-", "--", ":", "-.")
 
 
 def _runs(pattern: str) -> list[tuple[str, dict]]:
@@ -36,10 +38,10 @@ def plot_rates() -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     for arch in sorted({a for a, _ in runs}):
-        for mode in MODES:
+        for colour, mode in zip(COLOURS, MODES):
             pts = sorted((r["rate_per_s"], r["ttft_ms_median"]) for a, r in runs if a == arch and r["mode"] == mode)
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"{mode} ({arch})")
+                ax.plot(*zip(*pts), marker="o", color=colour, label=f"{mode} ({arch})")
     ax.set(xlabel="arrival rate (requests/s, Poisson)", ylabel="median TTFT (ms)", xscale="log", yscale="log",
            title="TTFT vs arrival rate (H200, bf16, Zipf 2.1)")
     ax.legend(fontsize=8)
@@ -51,14 +53,16 @@ def plot_budgets() -> Path | None:
     if not runs:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for arch, alpha in sorted({(a, r["alpha"]) for a, r in runs}):
-        for mode in MODES:
+    keys = sorted({(a, r["alpha"]) for a, r in runs}, key=lambda k: (k[0], -k[1]))
+    for n, (arch, alpha) in enumerate(keys):  # colour = mode; line style = (arch, alpha)
+        for colour, mode in zip(COLOURS, MODES):
             rows = sorted((r["budget_gb"], r) for a, r in runs if a == arch and r["alpha"] == alpha and r["mode"] == mode)
             if not rows:
                 continue
-            label = f"{mode} ({arch}, alpha {alpha:g})"
-            left.plot([b for b, _ in rows], [r["request_throughput_per_s"] for _, r in rows], marker="o", label=label)
-            right.plot([b for b, _ in rows], [r["ttft_ms_median"] for _, r in rows], marker="o", label=label)
+            style = dict(color=colour, marker="o", linestyle=LINESTYLES[n % len(LINESTYLES)],
+                         label=f"{mode} ({arch}, alpha {alpha:g})")
+            left.plot([b for b, _ in rows], [r["request_throughput_per_s"] for _, r in rows], **style)
+            right.plot([b for b, _ in rows], [r["ttft_ms_median"] for _, r in rows], **style)
     left.set(xlabel="KV budget (GB)", ylabel="requests/s", xscale="log", title="throughput vs KV budget")
     right.set(xlabel="KV budget (GB)", ylabel="median TTFT (ms)", xscale="log", yscale="log", title="TTFT vs KV budget")
     left.legend(fontsize=7)
