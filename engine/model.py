@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lazyattn_rag.engine.attention import AttentionBackend, AttentionMetadata
-from lazyattn_rag.kernels.rope import RotaryEmbedding
+from lazyattn_rag.kernels.rope import PositionTables, RotaryEmbedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -99,10 +99,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)  # x * rsqrt(mean(x^2) + eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -118,14 +116,14 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, backend, key_cache, value_cache, metadata):
+    def forward(self, x, rope: PositionTables, backend, key_cache, value_cache, metadata):
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [n, num_heads, head_dim]
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [n, num_kv_heads, head_dim]
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.encode(q, positions), rotary.encode(k, positions)
+        q, k = rope.apply(q), rope.apply(k)
         out = backend.forward(q, k, v, key_cache, value_cache, metadata)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -149,8 +147,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, backend, key_cache, value_cache, metadata):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, key_cache, value_cache, metadata)
+    def forward(self, x, rope: PositionTables, backend, key_cache, value_cache, metadata):
+        x = x + self.self_attn(self.input_layernorm(x), rope, backend, key_cache, value_cache, metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -185,8 +183,9 @@ class CausalLM(nn.Module):
         logits_indices: torch.Tensor | None = None,  # [num_out] rows whose logits are wanted
     ) -> torch.Tensor:  # [num_out or num_tokens, vocab_size] float32
         x = self.model.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions)  # once per pass, shared by every layer
         for layer, (kc, vc) in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, self.rotary, backend, kc, vc, metadata)
+            x = layer(x, rope, backend, kc, vc, metadata)
         if logits_indices is not None:
             x = x[logits_indices]
         return self.lm_head(self.model.norm(x)).to(torch.float32)

@@ -132,6 +132,14 @@ class RotaryEmbedding:
         angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         return angles.cos(), angles.sin()
 
+    def tables(self, positions: torch.Tensor) -> "PositionTables":
+        """The tables that encode at ``positions`` (``[n]`` integers): made once per forward pass,
+        applied by every layer to its q and k."""
+        cos, sin = self.cos_sin(positions)
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return PositionTables(cos, sin, self.rotary_dim, self.interleaved)
+
     def encode(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Apply RoPE at absolute ``positions`` (what a normal forward pass does to q and k).
 
@@ -141,9 +149,7 @@ class RotaryEmbedding:
         Returns:
             Tensor like ``x``: rotated and multiplied by ``attention_scaling``, computed in float32.
         """
-        cos, sin = self.cos_sin(positions)
-        scale = self.attention_scaling
-        return apply_rotation(x, cos * scale, sin * scale, self.rotary_dim, self.interleaved)
+        return self.tables(positions).apply(x)
 
     def rotate_by(self, x: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         """Pure rotation ``R_delta`` (no magnitude factor): moves already-encoded vectors by ``deltas``.
@@ -156,6 +162,21 @@ class RotaryEmbedding:
         """
         cos, sin = self.cos_sin(deltas)
         return apply_rotation(x, cos, sin, self.rotary_dim, self.interleaved)
+
+
+@dataclass(frozen=True)
+class PositionTables:
+    """RoPE at one forward pass's positions: ``cos``/``sin`` ``[n, rotary_dim // 2]`` float32,
+    already multiplied by ``attention_scaling`` (see :meth:`RotaryEmbedding.tables`)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rotary_dim: int
+    interleaved: bool
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Encode ``x`` ``[n, num_heads, head_dim]`` at the tables' positions (float32 math)."""
+        return apply_rotation(x, self.cos, self.sin, self.rotary_dim, self.interleaved)
 
 
 def apply_rotation(
@@ -185,4 +206,6 @@ def apply_rotation(
         half = rotary_dim // 2
         x1, x2 = rot[..., :half], rot[..., half:]
         out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-    return torch.cat((out, rest), dim=-1).to(x.dtype)
+    if rest.shape[-1]:
+        out = torch.cat((out, rest), dim=-1)
+    return out.to(x.dtype)
