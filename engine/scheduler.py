@@ -8,9 +8,11 @@ Each step mixes, under a token budget (``max_num_batched_tokens``):
 3. waiting requests, first come first served: acquire their chunks, once the cache has room
    for the misses and the request's own prompt tokens (else it waits). Hits are pinned
    (re-validated now: a chunk evicted while the request waited is simply a miss), misses
-   get blocks and a *pending* cache entry plus an encode job in this step. A request that
-   needs a chunk another request is encoding pins the pending entry and waits: a chunk is
-   encoded once and nobody reads it before the step that writes it has run.
+   get blocks and a *pending* cache entry plus an encode job in this step. The request's
+   query prefill joins the same step when the budget allows: one forward pass, in which each
+   layer writes the whole batch's K/V before its attention reads any. A request that needs a
+   chunk another request is encoding pins the pending entry: a chunk is encoded once, and
+   read only in or after the forward pass that writes it.
 
 When a running request needs a block and the cache cannot free one (everything else is
 pinned), the newest request is preempted: its private blocks are freed and its pins
@@ -80,6 +82,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not (self.encodes or self.copies or self.computes)
+
+    def written_keys(self) -> set[str]:
+        """Chunks this step writes: encoded in its forward pass (each layer writes the batch's
+        K/V before its attention reads any of it) or copied before that pass."""
+        return {e.key for e in self.encodes} | {c.dst_key for c in self.copies}
 
 
 class Scheduler:
@@ -199,8 +206,11 @@ class Scheduler:
         return budget
 
     def _promote(self, out: SchedulerOutput, request: Request, budget: int) -> int:
-        """Move an acquired request whose chunks are all written to running; schedule its prefill."""
-        if not all(self.cache.held(k).ready for k in request.pinned):
+        """Move an acquired request whose chunks are all written, or written by this step, to
+        running; schedule its prefill (in the same forward pass as the encodes it waits for).
+        A warm-up finishes only once its chunks are written."""
+        this_step = set() if request.warm_only else out.written_keys()
+        if not all(self.cache.held(k).ready or k in this_step for k in request.pinned):
             return 0
         self.acquired.remove(request)
         if request.warm_only:

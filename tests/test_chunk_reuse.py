@@ -30,7 +30,7 @@ def make_llm(anchor="none", num_blocks=256, family="llama", max_position_embeddi
 
 
 def capture_logits(llm):
-    """Record the logits the runner returns (first entry = first generated token of the request)."""
+    """Record the logits the runner returns per step ([rows, vocab]; encode rows come before prefill rows)."""
     seen = []
     execute = llm.engine.runner.execute
 
@@ -65,7 +65,8 @@ def test_chunks_at_offsets_match_eager_oracle(anchor):
         out = llm.generate(question, order, sampling=GREEDY)
         plan, (tokens, first_logits) = oracle_for(llm, hf, question, order, GREEDY.max_tokens)
         assert out.token_ids == tokens
-        assert (seen[-GREEDY.max_tokens][0] - first_logits).abs().max().item() <= 1e-4
+        # the first sampled row: last of its step (a step lists its encodes first, then its prefill)
+        assert (seen[-GREEDY.max_tokens][-1] - first_logits).abs().max().item() <= 1e-4
         assert out.stats.num_prompt_tokens == plan.num_prompt_tokens
     llm.engine.cache.check_integrity()
 
@@ -80,8 +81,31 @@ def test_single_chunk_at_delta_zero_equals_full_prefill():
     seen = capture_logits(llm)
     out = llm.generate(question, ["doc"], sampling=SamplingParams(max_tokens=20, ignore_eos=True))
     tokens, first = full_prefill_generate(hf, plan.token_ids(), 20)
-    assert (seen[-20][0] - first).abs().max().item() <= 1e-3
+    assert (seen[-20][-1] - first).abs().max().item() <= 1e-3
     assert out.token_ids == tokens
+
+
+@pytest.mark.parametrize("anchor", ["none", "bos"])
+def test_cold_documents_and_the_query_prefill_share_one_step(anchor):
+    """A request whose documents are all missing samples its first token in the step that
+    encodes them (one forward pass: each layer writes the documents' K/V before its attention),
+    and matches the oracle; a second request pinning a chunk being encoded joins that step too."""
+    hf, llm = make_llm(anchor)
+    llm.add_document("a", words(21, start=5))
+    llm.add_document("b", words(40, start=60))
+    steps = []
+    llm.engine.step_listeners.append(lambda out, seconds: steps.append(out))
+    plan = llm.engine.plan("w5 w6", ["a", "b"])
+    out = llm.generate("w5 w6", ["a", "b"], sampling=GREEDY)
+    first = steps[0]
+    assert {e.key for e in first.encodes} == {c.key for c in plan.chunks}  # the head and both documents
+    assert {21, 40} <= {len(e.token_ids) for e in first.encodes}
+    assert [(c.request.request_id, c.sample) for c in first.computes] == [(out.stats.request_id, True)]
+    llm.loop.call(lambda: None)  # the last step's listeners run after its token was streamed
+    assert len(steps) == GREEDY.max_tokens  # one step per generated token, none for the encodes alone
+    _, (tokens, _) = oracle_for(llm, hf, "w5 w6", ["a", "b"], GREEDY.max_tokens)
+    assert out.token_ids == tokens
+    llm.engine.cache.check_integrity()
 
 
 def test_same_document_many_offsets_leaves_stored_kv_bit_identical():

@@ -15,11 +15,12 @@ from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
 LONG = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
-def make_llm(mode="lazy", anchor="none", prompt=PROMPT, max_num_seqs=8, num_blocks=256):
+def make_llm(mode="lazy", anchor="none", prompt=PROMPT, max_num_seqs=8, num_blocks=256, max_num_batched_tokens=512):
     _, ours = hf_and_ours(hf_config("llama"))
     config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=prompt,
                           cache=CacheConfig(num_blocks=num_blocks, mode=mode, anchor=anchor),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=max_num_seqs))
+                          scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                                    max_num_seqs=max_num_seqs))
     return LazyAttention.from_model(ours, word_tokenizer(), config)
 
 
@@ -45,7 +46,9 @@ def assert_clean(llm):
 @pytest.mark.parametrize("mode", ["lazy", "block_attention"])
 @pytest.mark.parametrize("change", ["remove", "new_text"])
 def test_document_changed_between_its_encode_and_the_prefill(mode, change):
-    llm = make_llm(mode)
+    """A 20-token step budget fits the encode of "A" but not the query prefill that would
+    otherwise join it in the same step, so the prefill runs a step later."""
+    llm = make_llm(mode, max_num_batched_tokens=20)
     llm.add_document("A", words(20, start=3))
     expected = llm.generate("w1", ["A"], sampling=LONG).token_ids
     llm.remove_document("A")
@@ -54,8 +57,8 @@ def test_document_changed_between_its_encode_and_the_prefill(mode, change):
 
     def scenario():
         request = engine.submit(engine.plan("w1", ["A"]), LONG, sink.append)
-        engine.step()  # encodes "A"; the request waits for its prefill
-        assert request.status.value == "acquired"
+        engine.step()  # encodes "A"; the request's prefill did not fit this step
+        assert request.status.value == "running" and request.num_computed == 0
         if change == "remove":
             engine.remove_document("A")
         else:
