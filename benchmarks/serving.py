@@ -161,12 +161,13 @@ class Workload:
 
 
 def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_batched: int, max_seqs: int,
-                backend: str = "auto", cuda_graphs: bool = True) -> LazyAttention:
+                backend: str = "auto", cuda_graphs: bool = True, prefill_with_encodes: bool = True) -> LazyAttention:
     config = EngineConfig(device=device, dtype=str(next(bench.model.parameters()).dtype).removeprefix("torch."),
                           attention_backend=backend, prompt=PROMPT, cuda_graphs=cuda_graphs,
                           cache=CacheConfig(kv_cache_bytes=budget_bytes, mode=mode, eviction_policy="lfu",
                                             anchor="none"),  # the papers' setting (block_attention has no anchor)
-                          scheduler=SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs))
+                          scheduler=SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs,
+                                                    prefill_with_encodes=prefill_with_encodes))
     return LazyAttention.from_model(bench.model, bench.tokenizer, config, name="random",
                                     weights_sha256=bench.weights_sha256)
 
@@ -346,7 +347,8 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
           modes: list[str] = typer.Option(list(MODES)), num_docs: int = 200, doc_tokens: int = 512,
           docs_per_request: int = 5, query_tokens: int = 64, output_tokens: int = 32, num_requests: int = 200,
           concurrency: int = 16, max_batched_tokens: int = 16384, check: bool = True, seed: int = 0,
-          cuda_graphs: bool = True, resume: bool = False, out: str = "") -> None:
+          cuda_graphs: bool = True, prefill_with_encodes: bool = True, resume: bool = False,
+          out: str = "") -> None:
     """Closed-loop runs of every mode at each (alpha, budget): TTFT, throughput, hit ratio, KV used.
 
     ``--resume`` keeps the runs already in the output file and runs only the missing (mode,
@@ -371,7 +373,7 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
                     continue
                 t0 = time.perf_counter()
                 llm = make_engine(bench, mode, int(gb * 2**30), device, max_batched_tokens, concurrency,
-                                  cuda_graphs=cuda_graphs)
+                                  cuda_graphs=cuda_graphs, prefill_with_encodes=prefill_with_encodes)
                 warm_up(llm, workload)
                 llm.add_documents(list(docs.items()))
                 setup_s = time.perf_counter() - t0
@@ -385,7 +387,8 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
                 release(llm)
                 write(name, {  # after every run: a cut-short sweep keeps its rows (and --resume goes on from them)
                     "environment": environment(), "arch": arch, "dtype": dtype, "commands": commands,
-                    "equivalence": report, "concurrency": concurrency, "runs": runs})
+                    "equivalence": report, "concurrency": concurrency, "prefill_with_encodes": prefill_with_encodes,
+                    "runs": runs})
 
 
 def _log(event: str) -> None:
@@ -434,38 +437,58 @@ def rates(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
 def micro(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat16", doc_tokens: int = 4096,
           query_tokens: int = 64, output_tokens: int = 32, budget_gb: float = 20.0, repeats: int = 3,
           cuda_graphs: bool = True, out: str = "") -> None:
-    """One request of 5 documents x ``doc_tokens`` + a query, 3 documents hot: time per phase and mode."""
+    """One request of 5 documents x ``doc_tokens`` + a query, 3 documents hot: time per phase and mode.
+
+    Each repeat serves the request twice, on fresh documents each time: as the engine runs it
+    (the 2 cold documents' encodes and the query prefill in one step: ``ttft_ms``), and with
+    ``prefill_with_encodes=False`` so that document processing and query prefill are separate
+    steps that can be timed apart (``doc_processing_ms``, ``query_prefill_ms``, ``ttft_two_steps_ms``).
+    """
     bench = Bench.build(arch, device, dtype)
     rng = np.random.default_rng(7)
     text = lambda n: " ".join(f"t{x}" for x in rng.integers(10, 30000, n))  # noqa: E731
     rows = []
     for mode in MODES:
-        llm = make_engine(bench, mode, int(budget_gb * 2**30), device, 32768, 4, cuda_graphs=cuda_graphs)
-        warm_up(llm, Workload(doc_tokens=256))
+        engines = {merged: make_engine(bench, mode, int(budget_gb * 2**30), device, 32768, 4, cuda_graphs=cuda_graphs,
+                                       prefill_with_encodes=merged) for merged in (True, False)}
+        for llm in engines.values():
+            warm_up(llm, Workload(doc_tokens=256))
         for rep in range(repeats):
-            ids = [f"r{rep}-d{i}" for i in range(5)]
-            llm.add_documents([(d, text(doc_tokens)) for d in ids])
-            llm.generate(text(query_tokens), ids[:3], sampling=SamplingParams(max_tokens=1))  # 3 documents hot
-            steps = []
-            llm.engine.step_listeners.append(lambda o, s: steps.append(_classify(o, s)))
-            res = llm.generate(text(query_tokens), ids, sampling=SamplingParams(max_tokens=output_tokens,
-                                                                                ignore_eos=True))
-            llm.engine.step_listeners.clear()
-            decode = [s for kind, s, _ in steps if kind == "decode"]
-            rows.append({"mode": mode, "repeat": rep, "ttft_ms": res.stats.ttft_ms,
-                         "doc_processing_ms": 1e3 * sum(s for kind, s, _ in steps if kind in ("encode", "copy")),
-                         "query_prefill_ms": 1e3 * sum(s for kind, s, _ in steps if kind == "prefill"),
-                         "decode_ms_per_token": 1e3 * statistics.median(decode) if decode else None,
-                         "computed_prompt_tokens": res.stats.num_computed_tokens,
-                         "steps": [(k, round(1e3 * s, 3), n) for k, s, n in steps[:6]]})
-            print(json.dumps(rows[-1]))
-        release(llm)
-        summary = {m: {k: statistics.median(r[k] for r in rows if r["mode"] == m)
-                       for k in ("ttft_ms", "doc_processing_ms", "query_prefill_ms", "decode_ms_per_token")}
+            row = {"mode": mode, "repeat": rep}
+            for merged, llm in engines.items():
+                res, steps = _micro_request(llm, [f"r{rep}-{merged}-d{i}" for i in range(5)], text, doc_tokens,
+                                            query_tokens, output_tokens)
+                decode = [s for kind, s, _ in steps if kind == "decode"]
+                if merged:
+                    row.update(ttft_ms=res.stats.ttft_ms, computed_prompt_tokens=res.stats.num_computed_tokens,
+                               decode_ms_per_token=1e3 * statistics.median(decode) if decode else None)
+                else:
+                    row.update(ttft_two_steps_ms=res.stats.ttft_ms,
+                               doc_processing_ms=1e3 * sum(s for kind, s, _ in steps if kind in ("encode", "copy")),
+                               query_prefill_ms=1e3 * sum(s for kind, s, _ in steps if kind == "prefill"))
+                row[f"steps_{'merged' if merged else 'two_steps'}"] = [(k, round(1e3 * s, 3), n) for k, s, n in steps[:6]]
+            rows.append(row)
+            print(json.dumps(row))
+        for llm in engines.values():
+            release(llm)
+        keys = ("ttft_ms", "ttft_two_steps_ms", "doc_processing_ms", "query_prefill_ms", "decode_ms_per_token")
+        summary = {m: {k: statistics.median(r[k] for r in rows if r["mode"] == m) for k in keys}
                    for m in MODES if any(r["mode"] == m for r in rows)}
         write(out or f"serving_micro_{arch}_{device}", {"environment": environment(), "arch": arch,
                                                         "cuda_graphs": cuda_graphs, "command": " ".join(sys.argv),
                                                         "summary": summary, "runs": rows})
+
+
+def _micro_request(llm: LazyAttention, ids: list[str], text, doc_tokens: int, query_tokens: int, output_tokens: int):
+    """Add 5 fresh documents, make the first 3 hot, then time a request over all 5 step by step."""
+    llm.add_documents([(d, text(doc_tokens)) for d in ids])
+    llm.generate(text(query_tokens), ids[:3], sampling=SamplingParams(max_tokens=1))  # 3 documents hot
+    steps = []
+    llm.engine.step_listeners.append(lambda o, s: steps.append(_classify(o, s)))
+    res = llm.generate(text(query_tokens), ids, sampling=SamplingParams(max_tokens=output_tokens, ignore_eos=True))
+    llm.loop.call(lambda: None)  # the last step's listeners run after its token was streamed
+    llm.engine.step_listeners.clear()
+    return res, steps
 
 
 @app.command()
@@ -501,7 +524,11 @@ def profile(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bflo
 
 
 def _classify(out, seconds: float) -> tuple[str, float, int]:
-    """Name a step by what it computed: encode/copy (document processing), prefill or decode."""
+    """Name a step by what it computed: encode/copy (document processing), encode+prefill (both
+    in one step), prefill or decode."""
+    if out.encodes and any(c.num_tokens > 1 for c in out.computes):
+        return "encode+prefill", seconds, sum(len(e.token_ids) for e in out.encodes) + sum(
+            c.num_tokens for c in out.computes)
     if out.encodes:
         return "encode", seconds, sum(len(e.token_ids) for e in out.encodes)
     if out.copies and not out.computes:

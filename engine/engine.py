@@ -100,7 +100,7 @@ class LLMEngine:
         self.counters = EngineCounters()
         self.requests: dict[str, Request] = {}
         self.scheduler = Scheduler(cache, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
-                                   self._encode_anchor(), self.anchor_key)
+                                   self._encode_anchor(), self.anchor_key, config.scheduler.prefill_with_encodes)
         # Called after each step that ran a forward pass with (scheduler output, seconds); when any is
         # registered the step synchronizes the device so the time is the step's own (benchmarks).
         self.step_listeners: list[Callable[[SchedulerOutput, float], None]] = []

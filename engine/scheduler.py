@@ -99,11 +99,14 @@ class Scheduler:
         anchor_context: block-table entries of the anchor documents are encoded after
             (permanently pinned by the engine; empty without an anchor).
         anchor_key: the anchor's chunk key (its blocks are not counted against requests).
+        prefill_with_encodes: see :class:`lazyattn_rag.config.SchedulerConfig`.
     """
 
     def __init__(self, cache: ChunkCache, max_num_batched_tokens: int, max_num_seqs: int,
-                 anchor_context: list[tuple[int, int, int]], anchor_key: str | None = None):
+                 anchor_context: list[tuple[int, int, int]], anchor_key: str | None = None,
+                 prefill_with_encodes: bool = True):
         self.cache = cache
+        self.prefill_with_encodes = prefill_with_encodes
         self.block_size = cache.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -209,7 +212,7 @@ class Scheduler:
         """Move an acquired request whose chunks are all written, or written by this step, to
         running; schedule its prefill (in the same forward pass as the encodes it waits for).
         A warm-up finishes only once its chunks are written."""
-        this_step = set() if request.warm_only else out.written_keys()
+        this_step = out.written_keys() if self.prefill_with_encodes and not request.warm_only else set()
         if not all(self.cache.held(k).ready or k in this_step for k in request.pinned):
             return 0
         self.acquired.remove(request)

@@ -82,10 +82,14 @@ class SchedulerConfig:
         max_num_batched_tokens: tokens computed in one step (chunk encodes, prefills and decodes
             together); a single larger chunk or prompt piece runs alone in its step.
         max_num_seqs: requests holding KV resources at once; more wait in the queue.
+        prefill_with_encodes: run a request's query prefill in the same step (forward pass) as
+            the encodes of its missing documents, budget permitting. ``False`` runs it a step
+            later; the benchmarks use that to time document processing and query prefill apart.
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    prefill_with_encodes: bool = True
 
     def __post_init__(self):
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)

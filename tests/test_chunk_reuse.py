@@ -86,23 +86,31 @@ def test_single_chunk_at_delta_zero_equals_full_prefill():
 
 
 @pytest.mark.parametrize("anchor", ["none", "bos"])
-def test_cold_documents_and_the_query_prefill_share_one_step(anchor):
+@pytest.mark.parametrize("prefill_with_encodes", [True, False])
+def test_cold_documents_and_the_query_prefill_share_one_step(anchor, prefill_with_encodes):
     """A request whose documents are all missing samples its first token in the step that
     encodes them (one forward pass: each layer writes the documents' K/V before its attention),
-    and matches the oracle; a second request pinning a chunk being encoded joins that step too."""
-    hf, llm = make_llm(anchor)
+    and matches the oracle; ``prefill_with_encodes=False`` runs the prefill a step later."""
+    from lazyattn_rag import SchedulerConfig
+
+    hf, ours = hf_and_ours(hf_config("llama", max_position_embeddings=16384))
+    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
+                          cache=CacheConfig(anchor=anchor, num_blocks=256, block_size=16),
+                          scheduler=SchedulerConfig(prefill_with_encodes=prefill_with_encodes))
+    llm = LazyAttention.from_model(ours, word_tokenizer(), config)
     llm.add_document("a", words(21, start=5))
     llm.add_document("b", words(40, start=60))
     steps = []
     llm.engine.step_listeners.append(lambda out, seconds: steps.append(out))
     plan = llm.engine.plan("w5 w6", ["a", "b"])
     out = llm.generate("w5 w6", ["a", "b"], sampling=GREEDY)
+    llm.loop.call(lambda: None)  # the last step's listeners run after its token was streamed
     first = steps[0]
     assert {e.key for e in first.encodes} == {c.key for c in plan.chunks}  # the head and both documents
     assert {21, 40} <= {len(e.token_ids) for e in first.encodes}
-    assert [(c.request.request_id, c.sample) for c in first.computes] == [(out.stats.request_id, True)]
-    llm.loop.call(lambda: None)  # the last step's listeners run after its token was streamed
-    assert len(steps) == GREEDY.max_tokens  # one step per generated token, none for the encodes alone
+    prefill = steps[0] if prefill_with_encodes else steps[1]
+    assert [(c.request.request_id, c.sample) for c in prefill.computes] == [(out.stats.request_id, True)]
+    assert len(steps) == GREEDY.max_tokens + (0 if prefill_with_encodes else 1)
     _, (tokens, _) = oracle_for(llm, hf, "w5 w6", ["a", "b"], GREEDY.max_tokens)
     assert out.token_ids == tokens
     llm.engine.cache.check_integrity()
