@@ -352,16 +352,18 @@ class LLMEngine:
         if out.is_empty:
             return out if out.failed or out.warmed else None
         self.counters.num_steps += 1
-        for copy in out.copies:
-            self.runner.copy_rotated(copy.src_blocks, copy.dst_blocks, copy.num_tokens, copy.delta)
-            self.cache.mark_ready(copy.dst_key)
-            self.cache.unpin(copy.src_key)
-        if not (out.encodes or out.computes):
-            return out
+        num_copied = 0
         try:
+            for copy in out.copies:
+                self.runner.copy_rotated(copy.src_blocks, copy.dst_blocks, copy.num_tokens, copy.delta)
+                self.cache.mark_ready(copy.dst_key)
+                self.cache.unpin(copy.src_key)
+                num_copied += 1
+            if not (out.encodes or out.computes):
+                return out
             logits = self.runner.execute([self._sequence(j) for j in out.encodes + out.computes])
-        except Exception as error:  # a broken batch fails its requests, never the cache
-            self._abandon_step(out, error)
+        except Exception as error:  # a broken step fails its requests, never the cache
+            self._abandon_step(out, out.copies[num_copied:], error)
             return out
         for job in out.encodes:
             self.cache.mark_ready(job.key)
@@ -391,11 +393,16 @@ class LLMEngine:
         slots = [own_blocks[(own_filled + i) // bs] * bs + (own_filled + i) % bs for i in range(n)]
         return SequenceInput(list(token_ids), list(range(first_pos, first_pos + n)), list(context) + own, slots)
 
-    def _abandon_step(self, out: SchedulerOutput, error: Exception) -> None:
-        """The forward pass raised: fail its requests and those waiting on its encodes; drop those encodes."""
-        pending = {job.key for job in out.encodes}
+    def _abandon_step(self, out: SchedulerOutput, unfinished_copies: list, error: Exception) -> None:
+        """A copy or the forward pass raised: fail the step's requests and every request holding a
+        chunk the step was writing (admitted or running); drop those chunks' pending entries and
+        the source pins of the copies that did not run."""
+        pending = {job.key for job in out.encodes} | {c.dst_key for c in unfinished_copies}
+        for copy in unfinished_copies:
+            self.cache.unpin(copy.src_key)
         victims = {id(j.request): j.request for j in out.computes}
-        victims.update({id(r): r for r in self.scheduler.acquired if pending.intersection(r.pinned)})
+        victims.update({id(r): r for r in self.scheduler.acquired + self.scheduler.running
+                        if pending.intersection(r.pinned)})
         for r in victims.values():
             self.scheduler.remove(r)
         for key in pending:

@@ -212,9 +212,13 @@ class Scheduler:
         """Move an acquired request whose chunks are all written, or written by this step, to
         running; schedule its prefill (in the same forward pass as the encodes it waits for).
         A warm-up finishes only once its chunks are written."""
-        this_step = out.written_keys() if self.prefill_with_encodes and not request.warm_only else set()
-        if not all(self.cache.held(k).ready or k in this_step for k in request.pinned):
-            return 0
+        written = all(self.cache.held(k).ready for k in request.pinned)
+        if not written:
+            # Join this step only with a prefill to run in it: a request that waited here on a
+            # step whose forward pass then failed would hold chunks that were never written.
+            this_step = out.written_keys() if self.prefill_with_encodes and not request.warm_only else set()
+            if budget <= 0 or not all(self.cache.held(k).ready or k in this_step for k in request.pinned):
+                return 0
         self.acquired.remove(request)
         if request.warm_only:
             out.warmed.append(request)
@@ -279,7 +283,6 @@ class Scheduler:
             return "wait"
         self._acquire_prefix(request)
         for chunk in hits:
-            self.cache.lookup(chunk.key, include_dead=True)  # counts as a hit for the eviction policy
             self.cache.pin(chunk.key, allow_dead=True)
             request.pinned.append(chunk.key)
         # Copy sources (block_attention mode) are pinned before the room check: pinning them later
@@ -309,6 +312,8 @@ class Scheduler:
                     self.cache.unpin(src.key)
             self._abandon_acquire(request, out, created)
             raise
+        for chunk in hits:  # a hit for the eviction policy once per admission, not per step spent waiting
+            self.cache.lookup(chunk.key, include_dead=True)
         self._account(request, {c.key for c in misses}, copied)
         return "ok"
 

@@ -375,3 +375,95 @@ def test_a_failing_forward_fails_its_requests_and_drops_their_pending_encodes():
     assert llm.engine.cache.lookup(llm.engine.documents["a"].key, touch=False) is None
     assert_no_leak(llm)
     assert llm.generate("w1", ["a"], sampling=GREEDY).token_ids == solo
+
+
+def _fail_first_call(llm, name: str, message: str):
+    """Make ``llm.engine.runner.<name>`` raise ``RuntimeError(message)`` on its first call only."""
+    original, calls = getattr(llm.engine.runner, name), []
+
+    def fail_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError(message)
+        return original(*args)
+
+    setattr(llm.engine.runner, name, fail_once)
+
+
+def _drain(engine, llm):
+    llm.loop.call(lambda: None)
+    while engine.has_unfinished():
+        llm.loop.call(lambda: None)
+
+
+def test_a_failed_encode_step_that_the_query_prefill_could_not_join_fails_that_request_alone():
+    """A 40-token document over a 32-token step budget is encoded alone in its step, so the
+    request's prefill cannot join it. When that step's forward pass fails, the request fails
+    (it must not run later over blocks that went back to the pool), and a request that was never
+    in that step finishes as if alone. Found by an adversarial pass: the request had been moved
+    to running without a prefill, escaped the failure, and streamed tokens over freed blocks."""
+    hf, llm = make_llm(max_num_batched_tokens=32)
+    llm.add_document("a", words(40))
+    llm.add_document("b", words(20, start=100))
+    long = SamplingParams(max_tokens=12, ignore_eos=True)
+    solo_b = llm.generate("w2", ["b"], sampling=long).token_ids
+    llm.remove_document("b")
+    llm.add_document("b", words(20, start=100))  # cold again
+    _fail_first_call(llm, "execute", "device fault")
+    engine, sink_a, sink_b = llm.engine, [], []
+    llm.loop.call(lambda: (engine.submit(engine.plan("w1", ["a"]), GREEDY, sink_a.append),
+                           engine.submit(engine.plan("w2", ["b"]), long, sink_b.append)))
+    _drain(engine, llm)
+    assert len(sink_a) == 1 and isinstance(sink_a[0], RuntimeError) and "device fault" in str(sink_a[0])
+    assert not any(isinstance(d, BaseException) for d in sink_b)
+    assert [d.token_id for d in sink_b if d.token_id is not None] == solo_b
+    assert_no_leak(llm)
+
+
+def test_a_failed_copy_fails_its_request_and_leaves_the_cache_clean():
+    """block_attention: the copy of "a" to a new offset raises. Its request fails alone, the
+    copy's pending entry and its source pin are dropped, and the same request then succeeds.
+    (The copy used to run outside the step's failure handling: a pending entry with no holder
+    was left behind and the next request over that document waited forever.)"""
+    _, ours = hf_and_ours(hf_config("llama"))
+    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
+                          cache=CacheConfig(num_blocks=64, mode="block_attention", anchor="none"))
+    llm = LazyAttention.from_model(ours, word_tokenizer(), config)
+    llm.add_documents([("a", words(20)), ("b", words(10, start=50))])
+    llm.generate("w1", ["a"], sampling=GREEDY)
+    _fail_first_call(llm, "copy_rotated", "copy fault")
+    with pytest.raises(RuntimeError, match="copy fault"):
+        llm.generate("w1", ["b", "a"], sampling=GREEDY)
+    assert_no_leak(llm)
+    again = llm.generate("w1", ["b", "a"], sampling=GREEDY)
+    assert again.stats.docs_hit == [] and sorted(again.stats.docs_missed) == ["a", "b"]  # "a" copied again
+    assert_no_leak(llm)
+    llm.shutdown()
+
+
+def test_a_request_waiting_for_room_counts_its_cached_documents_once():
+    """LFU frequency is one hit per admission, not one per step spent waiting for room."""
+    hf, llm = make_llm(num_blocks=12)
+    llm.add_document("h", words(16, start=50))  # 1 block
+    llm.add_document("big", words(100, start=0))  # 7 blocks
+    llm.warm(["h"])
+    engine = llm.engine
+
+    def scenario():
+        key = engine.documents["h"].key
+        before = engine.cache.policy._freq[key]
+        engine.submit(engine.plan("w1", ["big"]), SamplingParams(max_tokens=40, ignore_eos=True), lambda d: None)
+        engine.step()
+        waiting = engine.submit(engine.plan(words(40, start=150), ["h"]), GREEDY, lambda d: None)
+        num_waited = 0
+        while waiting.status.value == "waiting":
+            engine.step()
+            num_waited += 1
+        while engine.has_unfinished():
+            engine.step()
+        return before, engine.cache.policy._freq[key], num_waited, waiting.stats.docs_hit
+
+    before, after, num_waited, hits = llm.loop.call(scenario)
+    assert num_waited > 5  # it really waited for room
+    assert (after, hits) == (before + 1, ["h"])
+    assert_no_leak(llm)
