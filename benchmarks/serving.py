@@ -321,7 +321,10 @@ def warm_up(llm: LazyAttention, workload: Workload) -> None:
 
 
 def environment() -> dict:
-    info = {"python": platform.python_version(), "torch": torch.__version__, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    import transformers
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         import triton
