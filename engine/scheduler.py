@@ -270,9 +270,10 @@ class Scheduler:
         total_blocks = sum(self._blocks_for(len(c.token_ids)) for k, c in chunks.items() if k != self.anchor_key)
         total_blocks += self._blocks_for(len(request.private_token_ids) + 1)
         if total_blocks > self.cache.pool.num_blocks - len(self.anchor_context):
+            anchor = f", {len(self.anchor_context)} of them held by the anchor" if self.anchor_context else ""
             out.failed.append((request, CacheCapacityError(
                 f"request needs {total_blocks} KV blocks ({request.plan.num_prompt_tokens} prompt tokens) but "
-                f"the cache has {self.cache.pool.num_blocks} blocks of {self.block_size} tokens")))
+                f"the cache has {self.cache.pool.num_blocks} blocks of {self.block_size} tokens{anchor}")))
             return "failed"
         hits, misses = [], []
         for key, chunk in chunks.items():

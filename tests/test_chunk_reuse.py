@@ -220,6 +220,13 @@ def test_eviction_under_small_cache_and_request_too_big_for_cache():
     assert again.token_ids == tokens
 
 
+def test_capacity_error_names_the_blocks_the_anchor_holds():
+    hf, llm = make_llm("bos", num_blocks=8)
+    llm.add_document("long", words(120))
+    with pytest.raises(CacheCapacityError, match=r"has 8 blocks of 16 tokens, 1 of them held by the anchor"):
+        llm.generate("w1", ["long"], sampling=SamplingParams(max_tokens=2))
+
+
 def test_stream_concatenates_to_generate_and_inline_documents():
     from lazyattn_rag import Document
 
