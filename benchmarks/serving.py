@@ -350,15 +350,17 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
           modes: list[str] = typer.Option(list(MODES)), num_docs: int = 200, doc_tokens: int = 512,
           docs_per_request: int = 5, query_tokens: int = 64, output_tokens: int = 32, num_requests: int = 200,
           concurrency: int = 16, max_batched_tokens: int = 16384, check: bool = True, seed: int = 0,
-          cuda_graphs: bool = True, prefill_with_encodes: bool = True, resume: bool = False,
+          cuda_graphs: bool = True, prefill_with_encodes: bool = True, repeats: int = 1, resume: bool = False,
           out: str = "") -> None:
     """Closed-loop runs of every mode at each (alpha, budget): TTFT, throughput, hit ratio, KV used.
 
-    ``--resume`` keeps the runs already in the output file and runs only the missing (mode,
-    alpha, budget) cells, so one sweep can span several time-limited calls."""
+    ``--repeats R`` runs every (alpha, budget) cell R times, the modes in a rotated order each
+    time so that no mode always runs first; ``summary`` in the JSON holds each metric's median
+    over the repeats. ``--resume`` keeps the runs already in the output file and runs only the
+    missing (mode, alpha, budget, repeat) runs, so one sweep can span several time-limited calls."""
     name = out or f"serving_sweep_{arch}_{device}"
     runs, report = _previous_runs(name) if resume else ([], {})
-    done = {(r["mode"], r["alpha"], r["budget_gb"]) for r in runs}
+    done = {(r["mode"], r["alpha"], r["budget_gb"], r.get("repeat", 0)) for r in runs}
     commands = ([] if not resume or not (RESULTS / f"{name}.json").exists()
                 else json.loads((RESULTS / f"{name}.json").read_text()).get("commands", []))
     commands.append(" ".join(sys.argv))
@@ -370,9 +372,9 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
         if check and not report:
             report = check_equivalence(bench, device, docs, requests[:4], cuda_graphs)
             _log("equivalence checked")
-        for gb in budget_gb:
-            for mode in modes:
-                if (mode, a, gb) in done:
+        for gb, rep in [(gb, rep) for gb in budget_gb for rep in range(repeats)]:
+            for mode in modes[rep % len(modes):] + modes[: rep % len(modes)]:
+                if (mode, a, gb, rep) in done:
                     continue
                 t0 = time.perf_counter()
                 llm = make_engine(bench, mode, int(gb * 2**30), device, max_batched_tokens, concurrency,
@@ -383,7 +385,7 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
                 before = llm.stats()
                 params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
                 results, wall = asyncio.run(drive(llm, requests, params, concurrency, None, seed))
-                row = {"mode": mode, "alpha": a, "budget_gb": gb, "setup_s": setup_s,
+                row = {"mode": mode, "alpha": a, "budget_gb": gb, "repeat": rep, "setup_s": setup_s,
                        **summarize(results, wall, before, llm.stats(), llm.block_bytes)}
                 print(json.dumps(row))
                 runs.append(row)
@@ -391,7 +393,24 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
                 write(name, {  # after every run: a cut-short sweep keeps its rows (and --resume goes on from them)
                     "environment": environment(), "arch": arch, "dtype": dtype, "commands": commands,
                     "equivalence": report, "concurrency": concurrency, "prefill_with_encodes": prefill_with_encodes,
-                    "runs": runs})
+                    "summary": cell_medians(runs), "runs": runs})
+
+
+SUMMARY_METRICS = ("ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "request_throughput_per_s",
+                   "total_token_throughput_per_s", "doc_hit_ratio", "token_hit_ratio", "kv_cached_bytes")
+
+
+def cell_medians(runs: list[dict]) -> list[dict]:
+    """One row per (mode, alpha, budget): each metric's median over that cell's repeats."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in runs:
+        cells.setdefault((r["mode"], r["alpha"], r["budget_gb"]), []).append(r)
+    def median(rows, key):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    return [{"mode": m, "alpha": a, "budget_gb": gb, "num_repeats": len(rows),
+             **{k: median(rows, k) for k in SUMMARY_METRICS}} for (m, a, gb), rows in cells.items()]
 
 
 def _log(event: str) -> None:

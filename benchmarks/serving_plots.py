@@ -25,10 +25,12 @@ LINESTYLES = ("-", "--", ":", "-.")
 
 
 def _runs(pattern: str) -> list[tuple[str, dict]]:
+    """(arch, row) of every file matching ``pattern``: a sweep's per-cell medians over its
+    repeats where it has them (``summary``), else its runs."""
     out = []
     for path in sorted(RESULTS.glob(pattern)):
         data = json.loads(path.read_text())
-        out += [(data["arch"], run) for run in data["runs"]]
+        out += [(data["arch"], run) for run in data.get("summary") or data["runs"]]
     return out
 
 
