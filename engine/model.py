@@ -108,9 +108,8 @@ class Attention(nn.Module):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.qkv_sizes = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
+        self.qkv_proj = nn.Linear(h, sum(self.qkv_sizes), bias=cfg.qkv_bias)  # q, k, v in one product
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -118,9 +117,10 @@ class Attention(nn.Module):
 
     def forward(self, x, rope: PositionTables, backend, key_cache, value_cache, metadata):
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [n, num_heads, head_dim]
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [n, num_kv_heads, head_dim]
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # views of one [n, sum(qkv_sizes)] product
+        q = q.view(n, self.num_heads, self.head_dim)  # [n, num_heads, head_dim]
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # [n, num_kv_heads, head_dim]
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q), rope.apply(k)
@@ -131,12 +131,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelArchConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)  # gate, up
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [n, intermediate_size] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -199,11 +199,38 @@ class CausalLM(nn.Module):
         state = {k: v for k, v in state_dict.items() if "rotary_emb" not in k}
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
+        missing, reported = _fuse_projections(state, self.config.num_layers)
         expected = {k for k in self.state_dict() if not (self.config.tie_word_embeddings and k == "lm_head.weight")}
-        missing, unexpected = expected - state.keys(), state.keys() - expected
+        missing += sorted(expected - state.keys() - reported)
+        unexpected = state.keys() - expected
         if missing or unexpected:
             raise UnsupportedModelError(
                 f"weights do not match the architecture: missing {sorted(missing)[:5]}, "
                 f"unexpected {sorted(unexpected)[:5]}"
             )
         self.load_state_dict(state, strict=False)
+
+
+# transformers' separate projections -> ours, concatenated along the output dimension in this order.
+_FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                      "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def _fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> tuple[list[str], set[str]]:
+    """Replace, in ``state``, each layer's q/k/v and gate/up weights (and biases) by their
+    concatenation under our names. Returns the transformers names of the parts missing where
+    others of the same projection are present, and our names of the projections they leave
+    unloadable (already reported through those parts)."""
+    missing, reported = [], set()
+    for i in range(num_layers):
+        for fused, parts in _FUSED_PROJECTIONS.items():
+            for kind in ("weight", "bias"):
+                names = [f"model.layers.{i}.{part}.{kind}" for part in parts]
+                absent = [n for n in names if n not in state]
+                present = [state.pop(n) for n in names if n in state]
+                if not absent:
+                    state[f"model.layers.{i}.{fused}.{kind}"] = torch.cat(present, dim=0)
+                elif present:  # none present: no bias, or the whole projection is reported under our name
+                    missing += absent
+                    reported.add(f"model.layers.{i}.{fused}.{kind}")
+    return missing, reported

@@ -84,3 +84,29 @@ def test_unsupported_architecture_refused():
     cfg = transformers.GPT2Config()
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         ModelArchConfig.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_separate_projections_load_into_the_fused_ones_and_mismatches_are_named(family):
+    """transformers' q/k/v and gate/up weights (and Qwen2's q/k/v biases) load into our fused
+    qkv_proj / gate_up_proj in that order; a missing part or an extra weight is named."""
+    from lazyattn_rag.engine.model import CausalLM
+
+    cfg = hf_config(family)
+    hf, ours = hf_and_ours(cfg)
+    layer, ref = ours.model.layers[1], hf.model.layers[1]
+    q, k, v = layer.self_attn.qkv_proj.weight.split(layer.self_attn.qkv_sizes, dim=0)
+    assert torch.equal(q, ref.self_attn.q_proj.weight) and torch.equal(v, ref.self_attn.v_proj.weight)
+    assert torch.equal(k, ref.self_attn.k_proj.weight)
+    if family == "qwen2":
+        assert torch.equal(layer.self_attn.qkv_proj.bias[-v.shape[0]:], ref.self_attn.v_proj.bias)
+    gate, up = layer.mlp.gate_up_proj.weight.chunk(2, dim=0)
+    assert torch.equal(gate, ref.mlp.gate_proj.weight) and torch.equal(up, ref.mlp.up_proj.weight)
+
+    fresh = CausalLM(ModelArchConfig.from_hf_config(cfg), RotaryEmbedding.from_hf_config(cfg))
+    state = dict(hf.state_dict())
+    del state["model.layers.0.self_attn.v_proj.weight"]
+    state["model.layers.0.extra.weight"] = torch.zeros(1)
+    with pytest.raises(UnsupportedModelError, match=r"missing \['model.layers.0.self_attn.v_proj.weight'.*"
+                                                     r"unexpected .*'model.layers.0.extra.weight'"):
+        fresh.load_hf_state_dict(state)
