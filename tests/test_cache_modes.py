@@ -15,11 +15,17 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 REQUESTS = [("w1 w2", ["a", "b", "c"]), ("w3", ["c", "a"]), ("w1 w2", ["a", "b", "c"]), ("w4", ["b", "c", "a"])]
 
 
-def run_mode(mode, num_blocks=256):
+def mode_llm(mode, num_blocks, scheduler=None, **cache):
+    """A tiny-model engine in cache ``mode`` (no anchor) with ``num_blocks`` blocks; returns (hf, llm)."""
     hf, ours = hf_and_ours(hf_config("llama"))
     config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
-                          cache=CacheConfig(num_blocks=num_blocks, mode=mode, anchor="none"))
-    llm = LazyAttention.from_model(ours, word_tokenizer(), config)
+                          cache=CacheConfig(num_blocks=num_blocks, mode=mode, anchor="none", **cache),
+                          **({"scheduler": scheduler} if scheduler else {}))
+    return hf, LazyAttention.from_model(ours, word_tokenizer(), config)
+
+
+def run_mode(mode, num_blocks=256):
+    hf, llm = mode_llm(mode, num_blocks)
     for name, n, start in (("a", 21, 0), ("b", 16, 40), ("c", 35, 80)):
         llm.add_document(name, words(n, start=start))
     outs = [llm.generate(q, ids, sampling=GREEDY) for q, ids in REQUESTS]
@@ -83,11 +89,7 @@ def test_every_mode_runs_concurrent_requests_under_memory_pressure(mode):
 
     from lazyattn_rag import AsyncLazyAttention, SchedulerConfig
 
-    _, ours = hf_and_ours(hf_config("llama"))
-    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
-                          cache=CacheConfig(num_blocks=NUM_PRESSURE_BLOCKS, mode=mode, anchor="none"),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8))
-    llm = LazyAttention.from_model(ours, word_tokenizer(), config)
+    _, llm = mode_llm(mode, NUM_PRESSURE_BLOCKS, SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8))
     for i in range(10):
         llm.add_document(f"d{i}", words(20 + 5 * i, start=17 * i))
     rng = random.Random(5)
@@ -115,11 +117,7 @@ def test_full_mode_admits_a_request_only_when_its_prompt_fits():
 
     from lazyattn_rag import AsyncLazyAttention, SchedulerConfig
 
-    _, ours = hf_and_ours(hf_config("llama"))
-    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
-                          cache=CacheConfig(num_blocks=20, mode="full", anchor="none"),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8))
-    llm = LazyAttention.from_model(ours, word_tokenizer(), config)
+    _, llm = mode_llm("full", 20, SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8))
     for i in range(3):
         llm.add_document(f"d{i}", words(40, start=17 * i))
     requests = [(words(2, start=120 + i), ["d0", "d1", "d2"]) for i in range(8)]
@@ -147,11 +145,7 @@ def test_block_attention_falls_back_to_encoding_when_room_needs_the_copy_source(
     blocks = lambda n: -(-n // block_size)  # noqa: E731
 
     def engine(mode, num_blocks):
-        _, ours = hf_and_ours(hf_config("llama"))
-        config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
-                              cache=CacheConfig(num_blocks=num_blocks, block_size=block_size, mode=mode,
-                                                eviction_policy="lru", anchor="none"))
-        llm = LazyAttention.from_model(ours, word_tokenizer(), config)
+        _, llm = mode_llm(mode, num_blocks, block_size=block_size, eviction_policy="lru")
         llm.add_documents([("a", words(40, start=3)), ("b", words(20, start=60)), ("c", words(40, start=90))])
         return llm
 

@@ -21,10 +21,12 @@ from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
 PROMPT = PromptConfig(instruction="w190 w191 w192 ", document_separator=" ", question_prefix="Question : ")
 
 
-def make_llm(anchor="none", num_blocks=256, family="llama", max_position_embeddings=16384, **cfg_overrides):
+def make_llm(anchor="none", num_blocks=256, family="llama", max_position_embeddings=16384, scheduler=None,
+             **cfg_overrides):
     hf, ours = hf_and_ours(hf_config(family, max_position_embeddings=max_position_embeddings, **cfg_overrides))
     config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch",
-                          cache=CacheConfig(anchor=anchor, num_blocks=num_blocks, block_size=16), prompt=PROMPT)
+                          cache=CacheConfig(anchor=anchor, num_blocks=num_blocks, block_size=16), prompt=PROMPT,
+                          **({"scheduler": scheduler} if scheduler else {}))
     llm = LazyAttention.from_model(ours, word_tokenizer(), config)
     return hf, llm
 
@@ -93,11 +95,7 @@ def test_cold_documents_and_the_query_prefill_share_one_step(anchor, prefill_wit
     and matches the oracle; ``prefill_with_encodes=False`` runs the prefill a step later."""
     from lazyattn_rag import SchedulerConfig
 
-    hf, ours = hf_and_ours(hf_config("llama", max_position_embeddings=16384))
-    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
-                          cache=CacheConfig(anchor=anchor, num_blocks=256, block_size=16),
-                          scheduler=SchedulerConfig(prefill_with_encodes=prefill_with_encodes))
-    llm = LazyAttention.from_model(ours, word_tokenizer(), config)
+    hf, llm = make_llm(anchor, scheduler=SchedulerConfig(prefill_with_encodes=prefill_with_encodes))
     llm.add_document("a", words(21, start=5))
     llm.add_document("b", words(40, start=60))
     steps = []

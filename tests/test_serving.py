@@ -25,11 +25,11 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
 def make_llm(num_blocks=256, max_num_seqs=64, max_num_batched_tokens=512, policy="lfu", max_pos=16384,
-             anchor="none"):
+             anchor="none", mode="lazy"):
     """Block counts in these tests assume no anchor (an anchor keeps one entry pinned for good)."""
     hf, ours = hf_and_ours(hf_config("llama", max_position_embeddings=max_pos))
     config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
-                          cache=CacheConfig(num_blocks=num_blocks, eviction_policy=policy, anchor=anchor),
+                          cache=CacheConfig(num_blocks=num_blocks, eviction_policy=policy, anchor=anchor, mode=mode),
                           scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                                     max_num_seqs=max_num_seqs))
     return hf, LazyAttention.from_model(ours, word_tokenizer(), config)
@@ -347,53 +347,44 @@ def test_unread_or_dropped_streams_are_cancelled():
     assert llm.stats()["num_requests_aborted"] == 3
 
 
-def test_a_failing_forward_fails_its_requests_and_drops_their_pending_encodes():
-    hf, llm = make_llm()
-    llm.add_document("a", words(20))
-    solo = llm.generate("w1", ["a"], sampling=GREEDY).token_ids
-    llm.remove_document("a")
-    llm.add_document("a", words(20))  # cold again
-    execute = llm.engine.runner.execute
-    calls = []
-
-    def fail_once(seqs):
-        calls.append(len(seqs))
-        if len(calls) == 1:
-            raise RuntimeError("device fault")
-        return execute(seqs)
-
-    llm.engine.runner.execute = fail_once
-    engine, sinks = llm.engine, [[], []]
-    # both queued before the engine steps: one encodes "a", the other waits on its pending entry
-    llm.loop.call(lambda: [engine.submit(engine.plan("w1", ["a"]), GREEDY, sink.append) for sink in sinks])
-    llm.loop.call(lambda: None)
-    while engine.has_unfinished():
-        llm.loop.call(lambda: None)
-    assert calls[0] >= 1
-    for sink in sinks:
-        assert len(sink) == 1 and isinstance(sink[0], RuntimeError) and "device fault" in str(sink[0])
-    assert llm.engine.cache.lookup(llm.engine.documents["a"].key, touch=False) is None
-    assert_no_leak(llm)
-    assert llm.generate("w1", ["a"], sampling=GREEDY).token_ids == solo
-
-
-def _fail_first_call(llm, name: str, message: str):
-    """Make ``llm.engine.runner.<name>`` raise ``RuntimeError(message)`` on its first call only."""
+def _fail_first_call(llm, name: str, message: str) -> list[int]:
+    """Make ``llm.engine.runner.<name>`` raise ``RuntimeError(message)`` on its first call only.
+    Returns the length of each call's first argument (the batch, or the blocks copied), in order."""
     original, calls = getattr(llm.engine.runner, name), []
 
     def fail_once(*args):
-        calls.append(1)
+        calls.append(len(args[0]))
         if len(calls) == 1:
             raise RuntimeError(message)
         return original(*args)
 
     setattr(llm.engine.runner, name, fail_once)
+    return calls
 
 
 def _drain(engine, llm):
     llm.loop.call(lambda: None)
     while engine.has_unfinished():
         llm.loop.call(lambda: None)
+
+
+def test_a_failing_forward_fails_its_requests_and_drops_their_pending_encodes():
+    hf, llm = make_llm()
+    llm.add_document("a", words(20))
+    solo = llm.generate("w1", ["a"], sampling=GREEDY).token_ids
+    llm.remove_document("a")
+    llm.add_document("a", words(20))  # cold again
+    calls = _fail_first_call(llm, "execute", "device fault")
+    engine, sinks = llm.engine, [[], []]
+    # both queued before the engine steps: one encodes "a", the other waits on its pending entry
+    llm.loop.call(lambda: [engine.submit(engine.plan("w1", ["a"]), GREEDY, sink.append) for sink in sinks])
+    _drain(engine, llm)
+    assert calls[0] >= 1
+    for sink in sinks:
+        assert len(sink) == 1 and isinstance(sink[0], RuntimeError) and "device fault" in str(sink[0])
+    assert llm.engine.cache.lookup(llm.engine.documents["a"].key, touch=False) is None
+    assert_no_leak(llm)
+    assert llm.generate("w1", ["a"], sampling=GREEDY).token_ids == solo
 
 
 def test_a_failed_encode_step_that_the_query_prefill_could_not_join_fails_that_request_alone():
@@ -425,10 +416,7 @@ def test_a_failed_copy_fails_its_request_and_leaves_the_cache_clean():
     copy's pending entry and its source pin are dropped, and the same request then succeeds.
     (The copy used to run outside the step's failure handling: a pending entry with no holder
     was left behind and the next request over that document waited forever.)"""
-    _, ours = hf_and_ours(hf_config("llama"))
-    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
-                          cache=CacheConfig(num_blocks=64, mode="block_attention", anchor="none"))
-    llm = LazyAttention.from_model(ours, word_tokenizer(), config)
+    _, llm = make_llm(num_blocks=64, mode="block_attention")
     llm.add_documents([("a", words(20)), ("b", words(10, start=50))])
     llm.generate("w1", ["a"], sampling=GREEDY)
     _fail_first_call(llm, "copy_rotated", "copy fault")
