@@ -306,6 +306,50 @@ def summarize(results, wall_s: float, before: dict, after: dict, block_bytes: in
     }
 
 
+def ready_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_batched: int, max_seqs: int,
+                 workload: Workload, docs: dict[str, str], cuda_graphs: bool = True,
+                 prefill_with_encodes: bool = True) -> tuple[LazyAttention, dict]:
+    """A fresh engine for one timed run: built, warmed up, the trace's documents registered
+    (not encoded: the cache starts cold). Returns it and its set-up time in seconds, in parts
+    (``engine_s``: build incl. KV allocation and CUDA-graph capture; ``warm_up_s``)."""
+    t0 = time.perf_counter()
+    llm = make_engine(bench, mode, budget_bytes, device, max_batched, max_seqs, cuda_graphs=cuda_graphs,
+                      prefill_with_encodes=prefill_with_encodes)
+    t1 = time.perf_counter()
+    warm_up(llm, workload)
+    t2 = time.perf_counter()
+    llm.add_documents(list(docs.items()))
+    return llm, {"setup_s": time.perf_counter() - t0, "engine_s": t1 - t0, "warm_up_s": t2 - t1}
+
+
+def timed_run(llm: LazyAttention, requests, params: SamplingParams, concurrency: int | None, rate: float | None,
+              seed: int) -> dict:
+    """Drive the trace through ``llm`` and summarize it, with the engine's steps tallied by kind."""
+    before, tally = llm.stats(), StepTally()
+    llm.engine.step_listeners.append(tally)
+    results, wall = asyncio.run(drive(llm, requests, params, concurrency, rate, seed))
+    llm.loop.call(llm.engine.step_listeners.clear)
+    return {**summarize(results, wall, before, llm.stats(), llm.block_bytes), "steps": tally.summary()}
+
+
+class StepTally:
+    """Engine step listener: how many steps of each kind (see :func:`_classify`) ran, their total
+    and median seconds, and the tokens they computed; where a run's time went."""
+
+    def __init__(self):
+        self.seconds: dict[str, list[float]] = {}
+        self.tokens: dict[str, int] = {}
+
+    def __call__(self, out, seconds: float) -> None:
+        kind, seconds, tokens = _classify(out, seconds)
+        self.seconds.setdefault(kind, []).append(seconds)
+        self.tokens[kind] = self.tokens.get(kind, 0) + tokens
+
+    def summary(self) -> dict:
+        return {kind: {"num_steps": len(s), "total_s": sum(s), "median_ms": 1e3 * statistics.median(s),
+                       "num_tokens": self.tokens[kind]} for kind, s in sorted(self.seconds.items())}
+
+
 def warm_up(llm: LazyAttention, workload: Workload) -> None:
     """Compile kernels on throwaway documents (removed afterwards so the cache starts cold)."""
     rng = np.random.default_rng(123)
@@ -376,17 +420,11 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
             for mode in modes[rep % len(modes):] + modes[: rep % len(modes)]:
                 if (mode, a, gb, rep) in done:
                     continue
-                t0 = time.perf_counter()
-                llm = make_engine(bench, mode, int(gb * 2**30), device, max_batched_tokens, concurrency,
-                                  cuda_graphs=cuda_graphs, prefill_with_encodes=prefill_with_encodes)
-                warm_up(llm, workload)
-                llm.add_documents(list(docs.items()))
-                setup_s = time.perf_counter() - t0
-                before = llm.stats()
+                llm, setup = ready_engine(bench, mode, int(gb * 2**30), device, max_batched_tokens, concurrency,
+                                          workload, docs, cuda_graphs, prefill_with_encodes)
                 params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
-                results, wall = asyncio.run(drive(llm, requests, params, concurrency, None, seed))
-                row = {"mode": mode, "alpha": a, "budget_gb": gb, "repeat": rep, "setup_s": setup_s,
-                       **summarize(results, wall, before, llm.stats(), llm.block_bytes)}
+                row = {"mode": mode, "alpha": a, "budget_gb": gb, "repeat": rep, **setup,
+                       **timed_run(llm, requests, params, concurrency, None, seed)}
                 print(json.dumps(row))
                 runs.append(row)
                 release(llm)
@@ -428,29 +466,31 @@ def _previous(name: str) -> dict:
 def rates(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat16", budget_gb: float = 10.0,
           alpha: float = 2.1, rate: list[float] = typer.Option([1.0, 2.0, 4.0, 8.0]),
           modes: list[str] = typer.Option(["lazy", "block_attention"]), num_docs: int = 200, doc_tokens: int = 512,
-          num_requests: int = 100, max_batched_tokens: int = 16384, seed: int = 0, cuda_graphs: bool = True,
-          out: str = "") -> None:
-    """Poisson arrivals at increasing rates: TTFT vs arrival rate per mode."""
+          num_requests: int = 100, max_batched_tokens: int = 16384, max_num_seqs: int = 256, seed: int = 0,
+          cuda_graphs: bool = True, resume: bool = False, out: str = "") -> None:
+    """Poisson arrivals at increasing rates: TTFT vs arrival rate per mode (``--resume`` as in ``sweep``)."""
+    name = out or f"serving_rates_{arch}_{device}"
+    previous = _previous(name) if resume else {}
+    runs, commands = previous.get("runs", []), previous.get("commands", [])
+    done = {(r["mode"], r["rate_per_s"]) for r in runs}
+    commands.append(" ".join(sys.argv))
     bench = Bench.build(arch, device, dtype)
     workload = Workload(num_docs, doc_tokens, 5, alpha, 64, 32, num_requests, seed)
     docs, requests = workload.documents(), workload.requests()
-    runs = []
     for mode in modes:
         for r in rate:
-            llm = make_engine(bench, mode, int(budget_gb * 2**30), device, max_batched_tokens, 256,
-                              cuda_graphs=cuda_graphs)
-            warm_up(llm, workload)
-            llm.add_documents(list(docs.items()))
-            before = llm.stats()
-            results, wall = asyncio.run(drive(llm, requests, SamplingParams(max_tokens=32, ignore_eos=True),
-                                              None, r, seed))
-            row = {"mode": mode, "rate_per_s": r, **summarize(results, wall, before, llm.stats(), llm.block_bytes)}
+            if (mode, r) in done:
+                continue
+            llm, setup = ready_engine(bench, mode, int(budget_gb * 2**30), device, max_batched_tokens, max_num_seqs,
+                                      workload, docs, cuda_graphs)
+            row = {"mode": mode, "rate_per_s": r, **setup,
+                   **timed_run(llm, requests, SamplingParams(max_tokens=32, ignore_eos=True), None, r, seed)}
             print(json.dumps(row))
             runs.append(row)
             release(llm)
-            write(out or f"serving_rates_{arch}_{device}", {  # after every run: a cut-short sweep keeps its rows
+            write(name, {  # after every run: a cut-short sweep keeps its rows (and --resume goes on from them)
                 "environment": environment(), "arch": arch, "alpha": alpha, "budget_gb": budget_gb,
-                "command": " ".join(sys.argv), "runs": runs})
+                "max_num_seqs": max_num_seqs, "commands": commands, "runs": runs})
 
 
 @app.command()
