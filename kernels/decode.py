@@ -43,7 +43,7 @@ from lazyattn_rag.kernels.prefill import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "stride_rsr"])  # step-varying widths: see prefill_kernel
 def decode_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]

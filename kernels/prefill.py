@@ -295,7 +295,10 @@ def count_at_most(row_ptr, n, limit, search_steps):
     return lo
 
 
-@triton.jit
+# Integer arguments that change from step to step (the block-table width) are not specialized:
+# Triton compiles a variant per value class (== 1, divisible by 16, other) of each int argument,
+# and a variant first met mid-run stalls that step for a compile (~1 s on the H200).
+@triton.jit(do_not_specialize=["stride_bt", "stride_ksr", "stride_rsr", "search_steps"])
 def prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]

@@ -4,6 +4,8 @@ On the CPU these run under TRITON_INTERPRET=1 (tests/conftest.py) on small shape
 same tests run compiled, plus ``gpu``-marked ones with block ids whose offsets overflow int32.
 """
 
+import os
+
 import pytest
 import torch
 from kernel_tolerances import assert_close
@@ -156,3 +158,19 @@ def test_bad_inputs_raise_clear_errors():
         run(case.__class__(**{**case.__dict__, "block_tables": case.block_tables.to(torch.int32)}))
     with pytest.raises(NotImplementedError, match="power-of-two head_dim"):
         run(case.__class__(**{**case.__dict__, "query": case.query[..., :48]}))
+
+
+def test_step_varying_int_arguments_are_not_specialized():
+    """The block-table width changes every step; a Triton specialization on it (== 1, divisible
+    by 16) would compile a new kernel variant mid-run. Checked on the compiled (non-interpreted)
+    kernels, whose decoration needs no GPU."""
+    import subprocess
+    import sys
+
+    code = ("from lazyattn_rag.kernels import prefill, decode\n"
+            "for k in (prefill.prefill_kernel, decode.decode_kernel):\n"
+            "    print(sorted(p.name for p in k.params if p.do_not_specialize))\n")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["['search_steps', 'stride_bt', 'stride_ksr', 'stride_rsr']",
+                                "['stride_bt', 'stride_rsr']"]
