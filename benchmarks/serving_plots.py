@@ -26,11 +26,13 @@ LINESTYLES = ("-", "--", ":", "-.")
 
 def _runs(pattern: str) -> list[tuple[str, dict]]:
     """(arch, row) of every file matching ``pattern``: a sweep's per-cell medians over its
-    repeats where it has them (``summary``), else its runs."""
+    repeats where it has them (``summary``), else its runs. Files of the two-step A/B
+    (``prefill_with_encodes`` false) are left out: they are not the engine as it runs."""
     out = []
     for path in sorted(RESULTS.glob(pattern)):
         data = json.loads(path.read_text())
-        out += [(data["arch"], run) for run in data.get("summary") or data["runs"]]
+        if data.get("prefill_with_encodes", True):
+            out += [(data["arch"], run) for run in data.get("summary") or data["runs"]]
     return out
 
 
@@ -44,8 +46,11 @@ def plot_rates() -> Path | None:
             pts = sorted((r["rate_per_s"], r["ttft_ms_median"]) for a, r in runs if a == arch and r["mode"] == mode)
             if pts:
                 ax.plot(*zip(*pts), marker="o", color=colour, label=f"{mode} ({arch})")
+    rates = sorted({r["rate_per_s"] for _, r in runs})
     ax.set(xlabel="arrival rate (requests/s, Poisson)", ylabel="median TTFT (ms)", xscale="log", yscale="log",
-           title="TTFT vs arrival rate (H200, bf16, Zipf 2.1)")
+           title="TTFT vs arrival rate (H200, bf16)")
+    ax.set_xticks(rates, [f"{r:g}" for r in rates])
+    ax.minorticks_off()
     ax.legend(fontsize=8)
     return _save(fig, "serving_ttft_vs_rate.png")
 
@@ -54,20 +59,23 @@ def plot_budgets() -> Path | None:
     runs = _runs("serving_sweep_*.json")
     if not runs:
         return None
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    keys = sorted({(a, r["alpha"]) for a, r in runs}, key=lambda k: (k[0], -k[1]))
-    for n, (arch, alpha) in enumerate(keys):  # colour = mode; line style = (arch, alpha)
-        for colour, mode in zip(COLOURS, MODES):
-            rows = sorted((r["budget_gb"], r) for a, r in runs if a == arch and r["alpha"] == alpha and r["mode"] == mode)
-            if not rows:
-                continue
-            style = dict(color=colour, marker="o", linestyle=LINESTYLES[n % len(LINESTYLES)],
-                         label=f"{mode} ({arch}, alpha {alpha:g})")
-            left.plot([b for b, _ in rows], [r["request_throughput_per_s"] for _, r in rows], **style)
-            right.plot([b for b, _ in rows], [r["ttft_ms_median"] for _, r in rows], **style)
-    left.set(xlabel="KV budget (GB)", ylabel="requests/s", xscale="log", title="throughput vs KV budget")
-    right.set(xlabel="KV budget (GB)", ylabel="median TTFT (ms)", xscale="log", yscale="log", title="TTFT vs KV budget")
-    left.legend(fontsize=7)
+    archs = sorted({a for a, _ in runs})
+    fig, axes = plt.subplots(len(archs), 2, figsize=(11, 4 * len(archs)), squeeze=False)
+    for (left, right), arch in zip(axes, archs):
+        alphas = sorted({r["alpha"] for a, r in runs if a == arch}, reverse=True)
+        for style, alpha in zip(LINESTYLES, alphas):  # colour = mode; line style = alpha
+            for colour, mode in zip(COLOURS, MODES):
+                rows = sorted((r["budget_gb"], r) for a, r in runs
+                              if a == arch and r["alpha"] == alpha and r["mode"] == mode)
+                if not rows:
+                    continue
+                kw = dict(color=colour, marker="o", linestyle=style, label=f"{mode}, alpha {alpha:g}")
+                left.plot([b for b, _ in rows], [r["request_throughput_per_s"] for _, r in rows], **kw)
+                right.plot([b for b, _ in rows], [r["ttft_ms_median"] for _, r in rows], **kw)
+        left.set(xlabel="KV budget (GB)", ylabel="requests/s", xscale="log", title=f"{arch}: throughput vs KV budget")
+        right.set(xlabel="KV budget (GB)", ylabel="median TTFT (ms)", xscale="log", yscale="log",
+                  title=f"{arch}: TTFT vs KV budget")
+        left.legend(fontsize=7)
     return _save(fig, "serving_throughput_vs_budget.png")
 
 
