@@ -333,8 +333,8 @@ def timed_run(llm: LazyAttention, requests, params: SamplingParams, concurrency:
 
 
 class StepTally:
-    """Engine step listener: how many steps of each kind (see :func:`_classify`) ran, their total
-    and median seconds, and the tokens they computed; where a run's time went."""
+    """Engine step listener: how many steps of each kind (see :func:`_classify`) ran, their total,
+    median and longest time, and the tokens they computed; where a run's time went."""
 
     def __init__(self):
         self.seconds: dict[str, list[float]] = {}
@@ -347,7 +347,8 @@ class StepTally:
 
     def summary(self) -> dict:
         return {kind: {"num_steps": len(s), "total_s": sum(s), "median_ms": 1e3 * statistics.median(s),
-                       "num_tokens": self.tokens[kind]} for kind, s in sorted(self.seconds.items())}
+                       "max_ms": 1e3 * max(s), "num_tokens": self.tokens[kind]}
+                for kind, s in sorted(self.seconds.items())}
 
 
 def warm_up(llm: LazyAttention, workload: Workload) -> None:

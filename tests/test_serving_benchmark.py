@@ -37,6 +37,8 @@ def test_sweep_writes_one_row_per_mode_and_resume_fills_only_the_gaps(results):
         # every output token but each request's first comes from a decode (or mixed) step
         assert sum(k["num_tokens"] for k in steps.values()) >= 6 * 2
         assert steps["decode"]["num_steps"] >= 2
+        for kind in steps.values():
+            assert kind["median_ms"] <= kind["max_ms"] <= 1e3 * kind["total_s"] + 1e-9
     full = data["runs"][1]
     assert full["doc_hit_ratio"] == 0.0 and "encode" not in full["steps"]  # full mode caches no documents
 
