@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -48,7 +49,7 @@ def plot_rates() -> Path | None:
                 ax.plot(*zip(*pts), marker="o", color=colour, label=f"{mode} ({arch})")
     rates = sorted({r["rate_per_s"] for _, r in runs})
     ax.set(xlabel="arrival rate (requests/s, Poisson)", ylabel="median TTFT (ms)", xscale="log", yscale="log",
-           title="TTFT vs arrival rate (H200, bf16)")
+           title=f"TTFT vs arrival rate (H200, bf16; {_rates_setting()})")
     ax.set_xticks(rates, [f"{r:g}" for r in rates])
     ax.minorticks_off()
     ax.legend(fontsize=8)
@@ -69,14 +70,28 @@ def plot_budgets() -> Path | None:
                               if a == arch and r["alpha"] == alpha and r["mode"] == mode)
                 if not rows:
                     continue
-                kw = dict(color=colour, marker="o", linestyle=style, label=f"{mode}, alpha {alpha:g}")
+                kw = dict(color=colour, marker="o", markersize=4, linestyle=style, label=f"{mode}, alpha {alpha:g}")
                 left.plot([b for b, _ in rows], [r["request_throughput_per_s"] for _, r in rows], **kw)
                 right.plot([b for b, _ in rows], [r["ttft_ms_median"] for _, r in rows], **kw)
-        left.set(xlabel="KV budget (GB)", ylabel="requests/s", xscale="log", title=f"{arch}: throughput vs KV budget")
-        right.set(xlabel="KV budget (GB)", ylabel="median TTFT (ms)", xscale="log", yscale="log",
+        budgets = sorted({r["budget_gb"] for a, r in runs if a == arch})
+        left.set(xlabel="KV budget (GiB)", ylabel="requests/s", xscale="log", title=f"{arch}: throughput vs KV budget")
+        right.set(xlabel="KV budget (GiB)", ylabel="median TTFT (ms)", xscale="log", yscale="log",
                   title=f"{arch}: TTFT vs KV budget")
-        left.legend(fontsize=7)
+        for ax in (left, right):
+            ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        left.legend(fontsize=7, handlelength=3.5)
     return _save(fig, "serving_throughput_vs_budget.png")
+
+
+def _rates_setting() -> str:
+    """Budget, alpha and trace length of the rates files (one setting expected)."""
+    settings = set()
+    for path in RESULTS.glob("serving_rates_*.json"):
+        data = json.loads(path.read_text())
+        lengths = {r["num_requests"] for r in data["runs"]}
+        settings.add(f"{data['budget_gb']:g} GiB, Zipf {data['alpha']:g}, {'/'.join(map(str, sorted(lengths)))} requests")
+    return "; ".join(sorted(settings))
 
 
 def _save(fig, name: str) -> Path:

@@ -56,3 +56,36 @@ def test_rates_resume_skips_done_rates(results):
     data = json.loads((results / "r.json").read_text())
     assert [(r["mode"], r["rate_per_s"]) for r in data["runs"]] == [("lazy", 50.0), ("lazy", 100.0)]
     assert all(r["num_requests"] == 6 for r in data["runs"])
+
+
+def test_a_burst_over_shared_cold_documents_takes_one_prefill_step():
+    """Requests that arrive together over shared cold documents (the start of a traffic burst)
+    get their first tokens from the one step that encodes those documents, each document
+    encoded once; every later step only decodes."""
+    import queue
+
+    from lazyattn_rag import SamplingParams
+
+    bench = serving.Bench.build("tiny", "cpu", "float32")
+    workload = serving.Workload(num_docs=4, doc_tokens=24, docs_per_request=3, num_requests=6, output_tokens=3)
+    docs, trace = workload.documents(), workload.requests()
+    llm, _ = serving.ready_engine(bench, "lazy", 2**24, "cpu", 4096, 8, workload, docs, cuda_graphs=False)
+    steps = []
+    llm.engine.step_listeners.append(lambda out, seconds: steps.append(out))
+    sinks = [queue.SimpleQueue() for _ in trace]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    requests = llm.loop.call(lambda: [llm.engine.submit(llm.engine.plan(q, ids), params, sink.put)
+                                      for (q, ids), sink in zip(trace, sinks)])  # all queued before a step
+    for sink in sinks:
+        while not sink.get(timeout=120).finished:
+            pass
+    llm.loop.call(lambda: None)  # the last step's listeners run after its token was streamed
+    first = steps[0]
+    assert sorted(c.request.request_id for c in first.computes if c.sample) == sorted(r.request_id for r in requests)
+    encoded = [e.key for e in first.encodes]
+    assert len(encoded) == len(set(encoded))  # each chunk once, however many requests share it
+    doc_keys = {llm.engine.documents[d].key for _, ids in trace for d in ids}
+    assert doc_keys <= set(encoded)
+    assert all(not s.encodes and all(c.num_tokens == 1 for c in s.computes) for s in steps[1:])
+    assert len(steps) == 3  # first tokens, then two decode steps
+    serving.release(llm)
