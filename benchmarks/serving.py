@@ -7,7 +7,8 @@ configs of real shapes (speed does not depend on weight values). Before any timi
 requests (first-token logits within the bf16 tolerance of the kernel tests): ``lazy`` with
 ``block_attention``, ``prefix`` with ``full``; a disagreement aborts the run.
 
-Commands (each writes JSON to benchmarks/results/):
+Commands (each writes JSON to benchmarks/results/<name>.json, replacing a file of that name;
+``--out NAME`` picks the name, ``--out PATH.json`` any file):
 
     python benchmarks/serving.py micro --arch llama-3.1-8b        # 5 docs x 4096 + 64-token query, 3 hot
     python benchmarks/serving.py sweep --arch llama-3.1-8b --alpha 2.1 --budget-gb 1 --budget-gb 10 --budget-gb 50
@@ -105,6 +106,11 @@ class Bench:
 
     @classmethod
     def build(cls, arch: str, device: str, dtype: str) -> "Bench":
+        """Raises ``typer.BadParameter`` for an unknown ``arch`` or a CUDA device on a machine without one."""
+        if arch not in ARCHS:
+            raise typer.BadParameter(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise typer.BadParameter(f"--device {device}: no CUDA device here; pass --device cpu (and --dtype float32)")
         model = random_model(arch, torch.device(device), getattr(torch, dtype))
         return cls(model, word_tokenizer(model.config.vocab_size), tensors_sha256(model.state_dict()))
 
@@ -246,7 +252,10 @@ def check_equivalence(bench: Bench, device: str, docs: dict[str, str], requests,
         release(llm)
     report = {f"{a}_vs_{b}": compare_logits(logits[a], logits[b], dtype)
               for a, b in (("lazy", "block_attention"), ("prefix", "full"), ("lazy", "full"))}
-    print(json.dumps(report, indent=1))
+    for pair, r in report.items():
+        verdict = ("agree" if r["within_tolerance"] else "DISAGREE") if pair != "lazy_vs_full" else "differ by design, not checked"
+        print(f"equivalence {pair}: {verdict} (max |diff| {r['max_abs_diff']:.3f} at logit scale {r['logit_scale']:.2f}, "
+              f"argmax agreement {r['argmax_agreement']:.2f})")
     for pair in ("lazy_vs_block_attention", "prefix_vs_full"):
         if not report[pair]["within_tolerance"]:
             raise SystemExit(f"modes disagree ({pair}): {report[pair]}; not timing")
@@ -382,9 +391,15 @@ def environment() -> dict:
     return info
 
 
+def result_path(name: str) -> Path:
+    """Where ``--out name`` writes: ``benchmarks/results/<name>.json``, or ``name`` itself when it
+    is a path ending in ``.json`` (relative to the working directory)."""
+    return Path(name) if name.endswith(".json") else RESULTS / f"{name}.json"
+
+
 def write(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    path = result_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1))
     print(f"wrote {path}")
     return path
@@ -459,7 +474,7 @@ def _log(event: str) -> None:
 
 def _previous(name: str) -> dict:
     """What an earlier (cut-short) sweep wrote to ``name`` (empty if nothing)."""
-    path = RESULTS / f"{name}.json"
+    path = result_path(name)
     return json.loads(path.read_text()) if path.exists() else {}
 
 

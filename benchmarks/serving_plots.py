@@ -1,10 +1,13 @@
 """Plots of the serving benchmark's JSON results (matplotlib, no GPU needed).
 
-    python benchmarks/serving_plots.py        # reads benchmarks/results/serving_{rates,sweep}_*.json
+    python benchmarks/serving_plots.py                       # the GPU runs in benchmarks/results/
+    python benchmarks/serving_plots.py my_sweep.json --img-dir /tmp/plots
 
-Writes ``docs/img/serving_ttft_vs_rate.png`` (median TTFT vs Poisson arrival rate, one line per
-mode) and ``docs/img/serving_throughput_vs_budget.png`` (request throughput and median TTFT vs
-KV budget, one line per mode and Zipf alpha), from whichever runs the JSON files hold.
+Writes ``serving_ttft_vs_rate.png`` (median TTFT vs Poisson arrival rate, one line per mode) and
+``serving_throughput_vs_budget.png`` (request throughput and median TTFT vs KV budget, one line
+per mode and Zipf alpha, one row per model) to ``--img-dir`` (default ``docs/img``, the
+write-up's figures). Without file arguments it reads ``benchmarks/results/serving_{rates,sweep}_*.json``
+measured on a GPU (CPU runs, e.g. a tiny test sweep, are left out of the write-up's figures).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 from pathlib import Path
 
 import matplotlib
+import typer
 import matplotlib.ticker
 
 matplotlib.use("Agg")
@@ -25,20 +29,29 @@ COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red")  # one per mode, in
 LINESTYLES = ("-", "--", ":", "-.")
 
 
-def _runs(pattern: str) -> list[tuple[str, dict]]:
-    """(arch, row) of every file matching ``pattern``: a sweep's per-cell medians over its
-    repeats where it has them (``summary``), else its runs. Files of the two-step A/B
-    (``prefill_with_encodes`` false) are left out: they are not the engine as it runs."""
+def _runs(files: list[Path]) -> list[tuple[str, dict]]:
+    """(arch, row) of every file: a sweep's per-cell medians over its repeats where it has them
+    (``summary``), else its runs. Files of the two-step A/B (``prefill_with_encodes`` false)
+    are left out: they are not the engine as it runs."""
     out = []
-    for path in sorted(RESULTS.glob(pattern)):
+    for path in files:
         data = json.loads(path.read_text())
         if data.get("prefill_with_encodes", True):
             out += [(data["arch"], run) for run in data.get("summary") or data["runs"]]
     return out
 
 
-def plot_rates() -> Path | None:
-    runs = _runs("serving_rates_*.json")
+def _gpu_results(pattern: str) -> list[Path]:
+    return [p for p in sorted(RESULTS.glob(pattern)) if "gpu" in json.loads(p.read_text()).get("environment", {})]
+
+
+def _hardware(files: list[Path]) -> str:
+    envs = [json.loads(p.read_text()).get("environment", {}) for p in files]
+    return ", ".join(sorted({e.get("gpu") or e.get("cpu") or "unknown hardware" for e in envs}))
+
+
+def plot_rates(files: list[Path], img_dir: Path) -> Path | None:
+    runs = _runs(files)
     if not runs:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -49,15 +62,15 @@ def plot_rates() -> Path | None:
                 ax.plot(*zip(*pts), marker="o", color=colour, label=f"{mode} ({arch})")
     rates = sorted({r["rate_per_s"] for _, r in runs})
     ax.set(xlabel="arrival rate (requests/s, Poisson)", ylabel="median TTFT (ms)", xscale="log", yscale="log",
-           title=f"TTFT vs arrival rate (H200, bf16; {_rates_setting()})")
+           title=f"TTFT vs arrival rate ({_hardware(files)}; {_rates_setting(files)})")
     ax.set_xticks(rates, [f"{r:g}" for r in rates])
     ax.minorticks_off()
     ax.legend(fontsize=8)
-    return _save(fig, "serving_ttft_vs_rate.png")
+    return _save(fig, img_dir / "serving_ttft_vs_rate.png")
 
 
-def plot_budgets() -> Path | None:
-    runs = _runs("serving_sweep_*.json")
+def plot_budgets(files: list[Path], img_dir: Path) -> Path | None:
+    runs = _runs(files)
     if not runs:
         return None
     archs = sorted({a for a, _ in runs})
@@ -81,29 +94,40 @@ def plot_budgets() -> Path | None:
             ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
             ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         left.legend(fontsize=7, handlelength=3.5)
-    return _save(fig, "serving_throughput_vs_budget.png")
+    return _save(fig, img_dir / "serving_throughput_vs_budget.png")
 
 
-def _rates_setting() -> str:
+def _rates_setting(files: list[Path]) -> str:
     """Budget, alpha and trace length of the rates files (one setting expected)."""
     settings = set()
-    for path in RESULTS.glob("serving_rates_*.json"):
+    for path in files:
         data = json.loads(path.read_text())
         lengths = {r["num_requests"] for r in data["runs"]}
         settings.add(f"{data['budget_gb']:g} GiB, Zipf {data['alpha']:g}, {'/'.join(map(str, sorted(lengths)))} requests")
     return "; ".join(sorted(settings))
 
 
-def _save(fig, name: str) -> Path:
-    IMG.mkdir(parents=True, exist_ok=True)
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    path = IMG / name
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"wrote {path}")
     return path
 
 
+def main(files: list[Path] = typer.Argument(None, help="sweep/rates JSON files (default: GPU runs in benchmarks/results)"),
+         img_dir: Path = typer.Option(IMG, help="where the PNG files go")) -> None:
+    """Plot TTFT vs arrival rate and throughput/TTFT vs KV budget from serving-benchmark JSON."""
+    if files:
+        rates = [f for f in files if "rate_per_s" in (json.loads(f.read_text()).get("runs") or [{}])[0]]
+        sweeps = [f for f in files if f not in rates]
+    else:
+        rates, sweeps = _gpu_results("serving_rates_*.json"), _gpu_results("serving_sweep_*.json")
+    for made in (plot_rates(rates, img_dir), plot_budgets(sweeps, img_dir)):
+        if made is None:
+            print("nothing to plot for one of the figures (no matching runs)")
+
+
 if __name__ == "__main__":
-    plot_rates()
-    plot_budgets()
+    typer.run(main)

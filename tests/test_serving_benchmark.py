@@ -49,11 +49,25 @@ def test_sweep_writes_one_row_per_mode_and_resume_fills_only_the_gaps(results):
     assert len(data["commands"]) == 2
     assert {(c["mode"], c["num_repeats"]) for c in data["summary"]} == {("lazy", 1), ("full", 1), ("prefix", 1)}
 
+    plots = pytest.importorskip("benchmarks.serving_plots")
+    result = CliRunner().invoke(typer_app(plots.main), [str(results / "s.json"), "--img-dir", str(results / "img")])
+    assert result.exit_code == 0, result.output
+    assert (results / "img" / "serving_throughput_vs_budget.png").stat().st_size > 0
 
-def test_rates_resume_skips_done_rates(results):
-    invoke("rates", *SMALL, "--rate", "50", "--modes", "lazy", "--out", "r")
-    invoke("rates", *SMALL, "--rate", "50", "--rate", "100", "--modes", "lazy", "--resume", "--out", "r")
-    data = json.loads((results / "r.json").read_text())
+
+def typer_app(command):
+    import typer
+
+    app = typer.Typer()
+    app.command()(command)
+    return app
+
+
+def test_rates_resume_skips_done_rates(results, tmp_path):
+    out = tmp_path / "elsewhere" / "r.json"  # a path ending in .json: written there, parents made
+    invoke("rates", *SMALL, "--rate", "50", "--modes", "lazy", "--out", str(out))
+    invoke("rates", *SMALL, "--rate", "50", "--rate", "100", "--modes", "lazy", "--resume", "--out", str(out))
+    data = json.loads(out.read_text())
     assert [(r["mode"], r["rate_per_s"]) for r in data["runs"]] == [("lazy", 50.0), ("lazy", 100.0)]
     assert all(r["num_requests"] == 6 for r in data["runs"])
 
@@ -89,3 +103,18 @@ def test_a_burst_over_shared_cold_documents_takes_one_prefill_step():
     assert all(not s.encodes and all(c.num_tokens == 1 for c in s.computes) for s in steps[1:])
     assert len(steps) == 3  # first tokens, then two decode steps
     serving.release(llm)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--arch", "bogus", "--device", "cpu"], "unknown --arch 'bogus'"),
+    (["--arch", "tiny", "--device", "cuda"], "no CUDA device here"),
+])
+def test_bad_arch_or_missing_device_is_a_usage_error(results, args, message):
+    if "cuda" in args:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    result = CliRunner().invoke(serving.app, ["sweep", *args, "--num-requests", "2"])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert not list(results.iterdir())  # nothing written
