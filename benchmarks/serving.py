@@ -420,7 +420,11 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
     over the repeats. ``--resume`` keeps the runs already in the output file and runs only the
     missing (mode, alpha, budget, repeat) runs, so one sweep can span several time-limited calls."""
     name = out or f"serving_sweep_{arch}_{device}"
-    previous = _previous(name) if resume else {}
+    setting = {"arch": arch, "dtype": dtype, "num_docs": num_docs, "doc_tokens": doc_tokens,
+               "docs_per_request": docs_per_request, "query_tokens": query_tokens, "output_tokens": output_tokens,
+               "num_requests": num_requests, "concurrency": concurrency, "max_batched_tokens": max_batched_tokens,
+               "seed": seed, "cuda_graphs": cuda_graphs, "prefill_with_encodes": prefill_with_encodes}
+    previous = _previous(name, setting) if resume else {}
     runs, report, commands = previous.get("runs", []), previous.get("equivalence", {}), previous.get("commands", [])
     done = {(r["mode"], r["alpha"], r["budget_gb"], r.get("repeat", 0)) for r in runs}
     commands.append(" ".join(sys.argv))
@@ -447,7 +451,7 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
                 write(name, {  # after every run: a cut-short sweep keeps its rows (and --resume goes on from them)
                     "environment": environment(), "arch": arch, "dtype": dtype, "commands": commands,
                     "equivalence": report, "concurrency": concurrency, "prefill_with_encodes": prefill_with_encodes,
-                    "summary": cell_medians(runs), "runs": runs})
+                    "setting": setting, "summary": cell_medians(runs), "runs": runs})
 
 
 SUMMARY_METRICS = ("ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "request_throughput_per_s",
@@ -472,10 +476,24 @@ def _log(event: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {event}", flush=True)
 
 
-def _previous(name: str) -> dict:
-    """What an earlier (cut-short) sweep wrote to ``name`` (empty if nothing)."""
+def _previous(name: str, setting: dict) -> dict:
+    """What an earlier (cut-short) run of the same command wrote to ``name`` (empty if nothing).
+
+    Raises:
+        typer.BadParameter: the file was written with another ``setting`` (workload, engine
+            limits): resuming would mix runs that are not comparable.
+    """
     path = result_path(name)
-    return json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    previous = json.loads(path.read_text())
+    differ = {k: (previous["setting"].get(k), v) for k, v in setting.items()
+              if "setting" in previous and previous["setting"].get(k) != v}
+    if differ:
+        raise typer.BadParameter(f"--resume: {path} was written with other settings "
+                                 f"({', '.join(f'{k}: {old!r} there, {new!r} now' for k, (old, new) in differ.items())}); "
+                                 "pass another --out or the same options")
+    return previous
 
 
 @app.command()
@@ -486,7 +504,10 @@ def rates(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
           cuda_graphs: bool = True, resume: bool = False, out: str = "") -> None:
     """Poisson arrivals at increasing rates: TTFT vs arrival rate per mode (``--resume`` as in ``sweep``)."""
     name = out or f"serving_rates_{arch}_{device}"
-    previous = _previous(name) if resume else {}
+    setting = {"arch": arch, "dtype": dtype, "budget_gb": budget_gb, "alpha": alpha, "num_docs": num_docs,
+               "doc_tokens": doc_tokens, "num_requests": num_requests, "max_batched_tokens": max_batched_tokens,
+               "max_num_seqs": max_num_seqs, "seed": seed, "cuda_graphs": cuda_graphs}
+    previous = _previous(name, setting) if resume else {}
     runs, commands = previous.get("runs", []), previous.get("commands", [])
     done = {(r["mode"], r["rate_per_s"]) for r in runs}
     commands.append(" ".join(sys.argv))
@@ -506,7 +527,7 @@ def rates(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
             release(llm)
             write(name, {  # after every run: a cut-short sweep keeps its rows (and --resume goes on from them)
                 "environment": environment(), "arch": arch, "alpha": alpha, "budget_gb": budget_gb,
-                "max_num_seqs": max_num_seqs, "commands": commands, "runs": runs})
+                "max_num_seqs": max_num_seqs, "setting": setting, "commands": commands, "runs": runs})
 
 
 @app.command()

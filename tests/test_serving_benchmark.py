@@ -65,11 +65,17 @@ def typer_app(command):
 
 def test_rates_resume_skips_done_rates(results, tmp_path):
     out = tmp_path / "elsewhere" / "r.json"  # a path ending in .json: written there, parents made
-    invoke("rates", *SMALL, "--rate", "50", "--modes", "lazy", "--out", str(out))
-    invoke("rates", *SMALL, "--rate", "50", "--rate", "100", "--modes", "lazy", "--resume", "--out", str(out))
+    invoke("rates", *SMALL, "--budget-gb", "0.01", "--rate", "50", "--modes", "lazy", "--out", str(out))
+    invoke("rates", *SMALL, "--budget-gb", "0.01", "--rate", "50", "--rate", "100", "--modes", "lazy", "--resume",
+           "--out", str(out))
     data = json.loads(out.read_text())
     assert [(r["mode"], r["rate_per_s"]) for r in data["runs"]] == [("lazy", 50.0), ("lazy", 100.0)]
     assert all(r["num_requests"] == 6 for r in data["runs"])
+
+    other = CliRunner().invoke(serving.app, ["rates", *SMALL, "--budget-gb", "0.5", "--rate", "50", "--resume",
+                                             "--out", str(out)])  # another budget: its runs must not mix
+    assert other.exit_code == 2 and "budget_gb: 0.01 there, 0.5 now" in other.output, other.output
+    assert json.loads(out.read_text()) == data
 
 
 def test_a_burst_over_shared_cold_documents_takes_one_prefill_step():
