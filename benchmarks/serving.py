@@ -250,13 +250,14 @@ def check_equivalence(bench: Bench, device: str, docs: dict[str, str], requests,
         llm.add_documents(list(docs.items()))
         logits[mode] = first_token_logits(llm, requests + requests[:2])  # repeats: hits on the second pass
         release(llm)
+    gated = {f"{a}_vs_{b}" for a, b in (("lazy", "block_attention"), ("prefix", "full"))}
     report = {f"{a}_vs_{b}": compare_logits(logits[a], logits[b], dtype)
               for a, b in (("lazy", "block_attention"), ("prefix", "full"), ("lazy", "full"))}
     for pair, r in report.items():
-        verdict = ("agree" if r["within_tolerance"] else "DISAGREE") if pair != "lazy_vs_full" else "differ by design, not checked"
+        verdict = ("agree" if r["within_tolerance"] else "DISAGREE") if pair in gated else "differ by design, not checked"
         print(f"equivalence {pair}: {verdict} (max |diff| {r['max_abs_diff']:.3f} at logit scale {r['logit_scale']:.2f}, "
               f"argmax agreement {r['argmax_agreement']:.2f})")
-    for pair in ("lazy_vs_block_attention", "prefix_vs_full"):
+    for pair in sorted(gated):
         if not report[pair]["within_tolerance"]:
             raise SystemExit(f"modes disagree ({pair}): {report[pair]}; not timing")
     return report
@@ -449,9 +450,8 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
                 runs.append(row)
                 release(llm)
                 write(name, {  # after every run: a cut-short sweep keeps its rows (and --resume goes on from them)
-                    "environment": environment(), "arch": arch, "dtype": dtype, "commands": commands,
-                    "equivalence": report, "concurrency": concurrency, "prefill_with_encodes": prefill_with_encodes,
-                    "setting": setting, "summary": cell_medians(runs), "runs": runs})
+                    "environment": environment(), **setting, "commands": commands, "equivalence": report,
+                    "summary": cell_medians(runs), "runs": runs})
 
 
 SUMMARY_METRICS = ("ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "request_throughput_per_s",
@@ -481,14 +481,14 @@ def _previous(name: str, setting: dict) -> dict:
 
     Raises:
         typer.BadParameter: the file was written with another ``setting`` (workload, engine
-            limits): resuming would mix runs that are not comparable.
+            limits; the files hold them at their top level): resuming would mix runs that are
+            not comparable.
     """
     path = result_path(name)
     if not path.exists():
         return {}
     previous = json.loads(path.read_text())
-    differ = {k: (previous["setting"].get(k), v) for k, v in setting.items()
-              if "setting" in previous and previous["setting"].get(k) != v}
+    differ = {k: (previous[k], v) for k, v in setting.items() if k in previous and previous[k] != v}
     if differ:
         raise typer.BadParameter(f"--resume: {path} was written with other settings "
                                  f"({', '.join(f'{k}: {old!r} there, {new!r} now' for k, (old, new) in differ.items())}); "
@@ -526,8 +526,7 @@ def rates(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
             runs.append(row)
             release(llm)
             write(name, {  # after every run: a cut-short sweep keeps its rows (and --resume goes on from them)
-                "environment": environment(), "arch": arch, "alpha": alpha, "budget_gb": budget_gb,
-                "max_num_seqs": max_num_seqs, "setting": setting, "commands": commands, "runs": runs})
+                "environment": environment(), **setting, "commands": commands, "runs": runs})
 
 
 @app.command()
@@ -576,10 +575,15 @@ def micro(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
                                                         "summary": summary, "runs": rows})
 
 
+def _three_hot(llm: LazyAttention, ids: list[str], text, doc_tokens: int, query_tokens: int) -> None:
+    """Add fresh documents ``ids`` and make the first 3 hot (cached by a request at the same offsets)."""
+    llm.add_documents([(d, text(doc_tokens)) for d in ids])
+    llm.generate(text(query_tokens), ids[:3], sampling=SamplingParams(max_tokens=1))
+
+
 def _micro_request(llm: LazyAttention, ids: list[str], text, doc_tokens: int, query_tokens: int, output_tokens: int):
     """Add 5 fresh documents, make the first 3 hot, then time a request over all 5 step by step."""
-    llm.add_documents([(d, text(doc_tokens)) for d in ids])
-    llm.generate(text(query_tokens), ids[:3], sampling=SamplingParams(max_tokens=1))  # 3 documents hot
+    _three_hot(llm, ids, text, doc_tokens, query_tokens)
     steps = []
     llm.engine.step_listeners.append(lambda o, s: steps.append(_classify(o, s)))
     res = llm.generate(text(query_tokens), ids, sampling=SamplingParams(max_tokens=output_tokens, ignore_eos=True))
@@ -602,8 +606,7 @@ def profile(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bflo
     llm = make_engine(bench, mode, 20 * 2**30, device, 32768, 4, cuda_graphs=cuda_graphs)
     warm_up(llm, Workload(doc_tokens=256))
     ids = [f"d{i}" for i in range(5)]
-    llm.add_documents([(d, text(doc_tokens)) for d in ids])
-    llm.generate(text(query_tokens), ids[:3], sampling=SamplingParams(max_tokens=1))  # 3 documents hot
+    _three_hot(llm, ids, text, doc_tokens, query_tokens)
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         res = llm.generate(text(query_tokens), ids, sampling=SamplingParams(max_tokens=output_tokens, ignore_eos=True))
         if device.startswith("cuda"):

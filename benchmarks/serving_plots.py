@@ -129,5 +129,8 @@ def main(files: list[Path] = typer.Argument(None, help="sweep/rates JSON files (
             print("nothing to plot for one of the figures (no matching runs)")
 
 
+app = typer.Typer(add_completion=False)
+app.command()(main)
+
 if __name__ == "__main__":
-    typer.run(main)
+    app()

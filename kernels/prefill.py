@@ -297,7 +297,7 @@ def count_at_most(row_ptr, n, limit, search_steps):
 
 # Integer arguments that change from step to step (the block-table width) are not specialized:
 # Triton compiles a variant per value class (== 1, divisible by 16, other) of each int argument,
-# and a variant first met mid-run stalls that step for a compile (~1 s on the H200).
+# and a variant first met mid-run stalls that step for a compile.
 @triton.jit(do_not_specialize=["stride_bt", "stride_ksr", "stride_rsr", "search_steps"])
 def prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]

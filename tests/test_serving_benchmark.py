@@ -50,17 +50,9 @@ def test_sweep_writes_one_row_per_mode_and_resume_fills_only_the_gaps(results):
     assert {(c["mode"], c["num_repeats"]) for c in data["summary"]} == {("lazy", 1), ("full", 1), ("prefix", 1)}
 
     plots = pytest.importorskip("benchmarks.serving_plots")
-    result = CliRunner().invoke(typer_app(plots.main), [str(results / "s.json"), "--img-dir", str(results / "img")])
+    result = CliRunner().invoke(plots.app, [str(results / "s.json"), "--img-dir", str(results / "img")])
     assert result.exit_code == 0, result.output
     assert (results / "img" / "serving_throughput_vs_budget.png").stat().st_size > 0
-
-
-def typer_app(command):
-    import typer
-
-    app = typer.Typer()
-    app.command()(command)
-    return app
 
 
 def test_rates_resume_skips_done_rates(results, tmp_path):
