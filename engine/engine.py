@@ -34,7 +34,8 @@ from lazyattn_rag.engine.scheduler import ComputeJob, EncodeJob, Scheduler, Sche
 from lazyattn_rag.errors import DocumentTooLongError, EmptyInputError, PromptTooLongError, UnknownDocumentError
 from lazyattn_rag.fingerprint import anchor_fingerprint, chunk_key
 from lazyattn_rag.outputs import RequestStats, StreamDelta
-from lazyattn_rag.prompt import ChunkSegment, PromptPlan, PromptTemplate
+from lazyattn_rag.messages import DocumentRef, Message
+from lazyattn_rag.prompt import ChunkSegment, PromptPlan, PromptTemplate, TextSegment
 from lazyattn_rag.sampling import SamplingParams, apply_penalties, sample
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ class LLMEngine:
         n = len(self.anchor_ids)
         blocks = self.cache.allocate(-(-n // self.block_size))
         entry = self.cache.insert_pending(self.anchor_key, blocks, n, 0)
-        self.runner.execute([self._sequence(EncodeJob(self.anchor_key, self.anchor_ids, 0, blocks, []))])
+        self.runner.execute([self._encode_sequence(EncodeJob(self.anchor_key, self.anchor_ids, 0, blocks, []))])
         self.cache.mark_ready(self.anchor_key)
         return block_table_entries(entry.block_ids, n, 0, self.block_size)
 
@@ -190,10 +191,17 @@ class LLMEngine:
             what :meth:`add_documents` and :meth:`plan` raise; the documents' previous
             registrations (or their absence) are restored first.
         """
+        return self._with_inline(documents, lambda: self.plan(question, doc_ids + [d for d, _ in documents]))
+
+    def plan_messages_with_documents(self, messages: list[Message], documents: list[tuple[str, str]]) -> PromptPlan:
+        """Register inline ``documents``, then :meth:`plan_messages`, all or none (as :meth:`plan_with_documents`)."""
+        return self._with_inline(documents, lambda: self.plan_messages(messages))
+
+    def _with_inline(self, documents: list[tuple[str, str]], make_plan: Callable[[], PromptPlan]) -> PromptPlan:
         before = {doc_id: self.documents.get(doc_id) for doc_id, _ in documents}
         self.add_documents(documents)
         try:
-            return self.plan(question, doc_ids + [doc_id for doc_id, _ in documents])
+            return make_plan()
         except Exception:
             for doc_id, old in before.items():
                 if old is None:
@@ -230,13 +238,64 @@ class LLMEngine:
         self._check_ids(doc_ids)
         plan = PromptPlan(tuple(self._chunks(doc_ids)), tuple(self.template.tail_token_ids(question)))
         self._check_length(plan, f"{len(doc_ids)} documents")
+        return self._for_mode(plan)
+
+    def plan_messages(self, messages: list[Message]) -> PromptPlan:
+        """Plan chat ``messages`` whose content places registered documents (:class:`DocumentRef`).
+
+        The messages are rendered in the chat template (:meth:`PromptTemplate.render_messages`).
+        Text before the first document becomes the prompt head, a chunk cached like an exact
+        prefix (position 0, ``delta = 0``: its K/V equal a full prefill's); each document is
+        its cached chunk at its offset; text between documents becomes private text segments
+        and text after the last one the query tail, computed by the request (they attend to
+        everything before them). With no document the messages are a plain prompt.
+
+        Raises:
+            UnknownDocumentError: a document id that is not registered (the first one is named).
+            EmptyInputError: no messages, or nothing after the last document to answer from.
+            PromptTooLongError: the prompt reaches ``max_model_len``.
+            ValueError: the chat template drops a message.
+        """
+        if not messages:
+            raise EmptyInputError("no messages")
+        pieces = self.template.render_messages(messages)
+        doc_ids = [p.id for p in pieces if isinstance(p, DocumentRef)]
+        self._check_ids(doc_ids)
+        lead = self.template.leading_special_ids()
+        if not doc_ids:
+            return self.plan_plain(lead + self.template.encode("".join(pieces)))
+        if isinstance(pieces[-1], DocumentRef):
+            raise EmptyInputError("the messages end with a document: nothing follows it to answer from")
+        if isinstance(pieces[0], DocumentRef):
+            pieces = ["", *pieces]
+        chunks, texts, pos = [], [], 0
+        for i, piece in enumerate(pieces[:-1]):
+            if isinstance(piece, DocumentRef):
+                doc = self.documents[piece.id]
+                chunks.append(ChunkSegment(doc.key, doc.token_ids, len(self.anchor_ids), pos, piece.id))
+                pos += len(doc.token_ids)
+                continue
+            ids = (lead if i == 0 else []) + self.template.encode(piece)
+            if i == 0 and ids:  # the head: an exact prefix, shared by every prompt that starts with it
+                chunks.append(ChunkSegment(chunk_key(self.model_digest, "prompt", ids), tuple(ids), 0, 0, None))
+            elif ids:
+                texts.append(TextSegment(tuple(ids), pos))
+            pos += len(ids)
+        tail = self.template.encode(pieces[-1])
+        plan = PromptPlan(tuple(chunks), tuple(tail), texts=tuple(texts))
+        self._check_length(plan, f"{len(messages)} messages, {len(doc_ids)} documents")
+        return self._for_mode(plan)
+
+    def _for_mode(self, plan: PromptPlan) -> PromptPlan:
+        """The plan as ``CacheConfig.mode`` runs it (the comparison modes of the benchmarks)."""
         mode = self.config.cache.mode
         if mode == "full":
             return PromptPlan((), tuple(plan.token_ids()))
         if mode == "prefix":
             return PromptPlan((), tuple(plan.token_ids()), self._prefix_keys(plan.token_ids()))
         if mode == "block_attention":
-            return PromptPlan(tuple(self._positioned(c) for c in plan.chunks), plan.query_token_ids)
+            return PromptPlan(tuple(self._positioned(c) for c in plan.chunks), plan.query_token_ids,
+                              texts=plan.texts)
         return plan
 
     def _positioned(self, chunk: ChunkSegment) -> ChunkSegment:
@@ -282,7 +341,7 @@ class LLMEngine:
         """Queue a planned request; deltas (or an exception) go to ``sink`` from :meth:`step`."""
         rid = uuid.uuid4().hex[:16]
         stats = RequestStats(rid, num_prompt_tokens=plan.num_prompt_tokens)
-        stats.num_computed_tokens = len(plan.query_token_ids)
+        stats.num_computed_tokens = len(plan.query_token_ids) + plan.num_text_tokens
         gen = torch.Generator(device=self.runner.device).manual_seed(params.seed) if params.seed is not None else self.generator
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         request = Request(rid, plan, params, sink, stats, IncrementalDetokenizer(self.tokenizer, params.stop), gen,
@@ -361,13 +420,18 @@ class LLMEngine:
                 num_copied += 1
             if not (out.encodes or out.computes):
                 return out
-            logits = self.runner.execute([self._sequence(j) for j in out.encodes + out.computes])
+            seqs = [self._encode_sequence(j) for j in out.encodes]
+            last_rows = []  # each compute job's last sequence: its sampled row
+            for job in out.computes:
+                seqs += self._compute_sequences(job)
+                last_rows.append(len(seqs) - 1)
+            logits = self.runner.execute(seqs)
         except Exception as error:  # a broken step fails its requests, never the cache
             self._abandon_step(out, out.copies[num_copied:], error)
             return out
         for job in out.encodes:
             self.cache.mark_ready(job.key)
-        rows = logits[len(out.encodes):]
+        rows = logits[last_rows]
         greedy = rows.argmax(dim=-1).tolist()  # one device sync for every greedy request of the step
         for job, row, token in zip(out.computes, rows, greedy):
             try:
@@ -377,14 +441,39 @@ class LLMEngine:
                     self._fail(job.request, error)
         return out
 
-    def _sequence(self, job: EncodeJob | ComputeJob) -> SequenceInput:
-        if isinstance(job, EncodeJob):
-            return self._build(job.token_ids, job.local_start, job.context, job.block_ids, 0)
-        r = job.request
-        ids = r.private_token_ids[job.start: job.start + job.num_tokens]
-        seq = self._build(ids, r.first_private_position + job.start, [], r.private_blocks, job.start)
-        seq.context_words, seq.context_len = r.context_words, r.context_len
-        return seq
+    def _encode_sequence(self, job: EncodeJob) -> SequenceInput:
+        return self._build(job.token_ids, job.local_start, job.context, job.block_ids, 0)
+
+    def _compute_sequences(self, job: ComputeJob) -> list[SequenceInput]:
+        """One sequence per private run the job's tokens fall in: a text segment's tokens attend
+        the entries before it and its own blocks; the tail's attend all of the context."""
+        r, bs = job.request, self.block_size
+        seqs, index, end = [], job.start, job.start + job.num_tokens
+        for run in r.private_runs(bs):
+            run_end = end if run.length is None else min(end, run.start + run.length)
+            if index >= run_end:
+                continue
+            ids = r.private_token_ids[index:run_end]
+            offset = index - run.start
+            own = r.private_blocks[run.first_block:]
+            if run.length is None:
+                seq = self._build(ids, run.global_start + offset, [], own, offset)
+                seq.context_words, seq.context_len = r.context_words, r.context_len
+            else:
+                before = r.context_entries[:self._entries_before(r, run.global_start)]
+                seq = self._build(ids, run.global_start + offset, before, own[: -(-run.length // bs)], offset)
+            seqs.append(seq)
+            index = run_end
+        return seqs
+
+    @staticmethod
+    def _entries_before(r: Request, position: int) -> int:
+        """How many of ``r.context_entries`` hold the keys at positions ``< position``."""
+        count, keys = 0, 0
+        while keys < position:
+            keys += r.context_entries[count][2]
+            count += 1
+        return count
 
     def _build(self, token_ids, first_pos, context, own_blocks, own_filled) -> SequenceInput:
         """New tokens after ``own_filled`` slots of ``own_blocks`` (delta 0), after ``context``."""
@@ -436,7 +525,7 @@ class LLMEngine:
         if r.detokenizer.stopped:
             reason = "stop"
         elif len(r.output_ids) >= r.params.max_tokens or (
-                r.first_private_position + len(r.private_token_ids) >= self.max_model_len):
+                r.plan.num_prompt_tokens + len(r.output_ids) >= self.max_model_len):
             reason = "length"
         if not self._emit(r, StreamDelta(text, token)):  # nobody listens any more: drop the request
             self.scheduler.remove(r)

@@ -37,10 +37,13 @@ class Request:
         arrival_time: ``time.perf_counter()`` at submission.
         pinned: chunk keys this request holds pins on.
         encoded_keys: chunk keys this request encoded (its misses).
-        context_words: packed block-table words of its chunks (``delta = g - l`` each), set once
-            they are all written; ``context_len`` their valid slots.
-        private_blocks: blocks of the query tail and generated tokens (delta 0).
-        num_computed: private tokens whose K/V is written.
+        context_words: packed block-table words of everything before the query tail: its chunks
+            (``delta = g - l`` each) and its text segments' blocks (``delta = 0``), in prompt
+            order, set once the chunks are all written; ``context_len`` their valid slots.
+        context_entries: the same entries unpacked (text segments' prefills read a prefix of them).
+        private_blocks: blocks of the private tokens (delta 0): each text segment's blocks in
+            order (each segment starts a block), then the query tail's and generated tokens'.
+        num_computed: private tokens whose K/V is written (text segments first, then the tail).
         output_ids: generated tokens (EOS and stop tokens excluded).
         num_preemptions: times its blocks were taken back for others.
         stop_token_ids: ids that end generation (the request's own and, unless ``ignore_eos``, EOS).
@@ -61,6 +64,7 @@ class Request:
     encoded_keys: set[str] = field(default_factory=set)
     context_words: torch.Tensor | None = None
     context_len: int = 0
+    context_entries: list[tuple[int, int, int]] = field(default_factory=list)
     private_blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
     output_ids: list[int] = field(default_factory=list)
@@ -79,13 +83,52 @@ class Request:
 
     @property
     def private_token_ids(self) -> list[int]:
-        """Query tail then generated tokens (the last one's K/V is written by the next step)."""
-        return list(self.plan.query_token_ids[self.num_prefix_tokens:]) + self.output_ids
+        """Text segments, query tail, then generated tokens (the last one's K/V is written by the next step)."""
+        texts = [t for seg in self.plan.texts for t in seg.token_ids]
+        return texts + list(self.plan.query_token_ids[self.num_prefix_tokens:]) + self.output_ids
 
     @property
-    def first_private_position(self) -> int:
-        return self.plan.num_cached_prompt_tokens + self.num_prefix_tokens
+    def tail_position(self) -> int:
+        """Global position of the first private tail token (after any prefix-cache hit)."""
+        return self.plan.tail_start + self.num_prefix_tokens
 
     @property
     def num_tokens_to_compute(self) -> int:
         return len(self.private_token_ids) - self.num_computed
+
+    def private_runs(self, block_size: int) -> list[PrivateRun]:
+        """Where the private tokens go: one run per text segment, then the tail (open-ended)."""
+        runs, index, block = [], 0, 0
+        for seg in self.plan.texts:
+            runs.append(PrivateRun(index, seg.global_start, block, len(seg.token_ids)))
+            index += len(seg.token_ids)
+            block += -(-len(seg.token_ids) // block_size)
+        runs.append(PrivateRun(index, self.tail_position, block, None))
+        return runs
+
+    def num_private_blocks(self, num_tokens: int, block_size: int) -> int:
+        """Blocks that hold the first ``num_tokens`` private tokens (text segments start blocks of their own)."""
+        total = 0
+        for run in self.private_runs(block_size):
+            n = min(num_tokens - run.start, run.length if run.length is not None else num_tokens)
+            if n <= 0:
+                break
+            total = run.first_block + -(-n // block_size)
+        return total
+
+
+@dataclass(frozen=True)
+class PrivateRun:
+    """A contiguous run of a request's private tokens.
+
+    Attributes:
+        start: index of its first token among the request's private tokens.
+        global_start: its first token's position in the request.
+        first_block: index of its first block in ``Request.private_blocks``.
+        length: tokens in the run; ``None`` for the tail (which grows as tokens are generated).
+    """
+
+    start: int
+    global_start: int
+    first_block: int
+    length: int | None

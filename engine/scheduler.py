@@ -30,6 +30,7 @@ from lazyattn_rag.engine.chunk_cache import ChunkCache, block_table_entries
 from lazyattn_rag.engine.request import Request, RequestStatus
 from lazyattn_rag.errors import CacheCapacityError
 from lazyattn_rag.kernels.block_table import pack_entries
+from lazyattn_rag.prompt import ChunkSegment
 
 
 @dataclass
@@ -141,6 +142,7 @@ class Scheduler:
             self.cache.unpin(key)
         request.pinned = []
         request.context_words = None
+        request.context_entries = []
         request.context_len = 0
         request.num_computed = 0
         request.num_prefix_tokens = 0
@@ -171,7 +173,7 @@ class Scheduler:
         n = todo if out.is_empty and todo > budget else min(todo, budget)
         if n <= 0:
             return 0
-        need = self._blocks_for(request.num_computed + n) - len(request.private_blocks)
+        need = request.num_private_blocks(request.num_computed + n, self.block_size) - len(request.private_blocks)
         while need > 0 and not self.cache.can_allocate(need):
             if not may_preempt:
                 return 0
@@ -224,6 +226,7 @@ class Scheduler:
             out.warmed.append(request)
             return 0
         context = self._context_of(request)
+        request.context_entries = context
         request.context_words = pack_entries(context)
         request.context_len = sum(e[2] for e in context)
         request.status = RequestStatus.RUNNING
@@ -233,11 +236,19 @@ class Scheduler:
         return self._schedule_compute(out, request, budget, may_preempt=False)
 
     def _context_of(self, request: Request) -> list[tuple[int, int, int]]:
+        """Block-table entries of everything before the query tail, in prompt order: chunks at
+        their offsets, text segments in their own (private, delta 0) blocks, prefix-cache hits."""
         entries = []
-        for chunk in request.plan.chunks:
-            entry = self.cache.held(chunk.key)
-            entries += block_table_entries(entry.block_ids, entry.num_tokens, chunk.global_start - entry.local_start,
-                                           self.block_size)
+        text_runs = iter(request.private_runs(self.block_size))
+        for segment in request.plan.segments():
+            if isinstance(segment, ChunkSegment):
+                entry = self.cache.held(segment.key)
+                entries += block_table_entries(entry.block_ids, entry.num_tokens,
+                                               segment.global_start - entry.local_start, self.block_size)
+            else:
+                run = next(text_runs)
+                blocks = request.private_blocks[run.first_block: run.first_block + self._blocks_for(run.length)]
+                entries += block_table_entries(blocks, run.length, 0, self.block_size)
         for key in request.plan.prefix_block_keys[: request.num_prefix_tokens // self.block_size]:
             entries.append((self.cache.held(key).block_ids[0], 0, self.block_size))
         return entries
@@ -268,7 +279,7 @@ class Scheduler:
         """Pin hits and schedule encodes of misses: ``"ok"``, ``"wait"`` (no room now) or ``"failed"``."""
         chunks = {c.key: c for c in request.plan.chunks}  # unique, in prompt order
         total_blocks = sum(self._blocks_for(len(c.token_ids)) for k, c in chunks.items() if k != self.anchor_key)
-        total_blocks += self._blocks_for(len(request.private_token_ids) + 1)
+        total_blocks += request.num_private_blocks(len(request.private_token_ids) + 1, self.block_size)
         if total_blocks > self.cache.pool.num_blocks - len(self.anchor_context):
             anchor = f", {len(self.anchor_context)} of them held by the anchor" if self.anchor_context else ""
             out.failed.append((request, CacheCapacityError(
@@ -294,7 +305,7 @@ class Scheduler:
         # Room for the misses and for the private prompt too (query tail, or the whole prompt in
         # full mode), whose blocks are taken now: a request admitted without them would only be
         # preempted again at once, or take them from running requests and throw their work away.
-        num_private = self._blocks_for(request.num_tokens_to_compute)
+        num_private = request.num_private_blocks(request.num_tokens_to_compute, self.block_size)
         need = sum(self._blocks_for(len(c.token_ids)) for c in misses) + num_private
         if sources and not self.cache.can_allocate(need):  # room only by evicting the sources: encode instead
             for src in sources.values():

@@ -14,14 +14,15 @@ from lazyattn_rag.errors import (
     PromptTooLongError,
     UnknownDocumentError,
 )
+from lazyattn_rag.messages import DocumentRef, Message
 from lazyattn_rag.outputs import Completion, RequestStats, StreamDelta
 from lazyattn_rag.sampling import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AsyncLazyAttention", "CacheCapacityError", "CacheConfig", "Completion", "Document", "DocumentTooLongError", "EmptyInputError",
-    "EngineConfig", "LazyAttention", "LazyAttentionError", "PromptConfig", "PromptTooLongError", "RequestStats",
+    "AsyncLazyAttention", "CacheCapacityError", "CacheConfig", "Completion", "Document", "DocumentRef", "DocumentTooLongError", "EmptyInputError",
+    "EngineConfig", "LazyAttention", "LazyAttentionError", "Message", "PromptConfig", "PromptTooLongError", "RequestStats",
     "SamplingParams", "SchedulerConfig", "StreamDelta", "UnknownDocumentError",
 ]
 

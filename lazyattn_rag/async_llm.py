@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Iterable
 
 from lazyattn_rag.documents import Document
 from lazyattn_rag.llm import LazyAttention, _ids, _pairs, _prompt_ids
+from lazyattn_rag.messages import Message, as_message
 from lazyattn_rag.outputs import Completion, StreamDelta
 from lazyattn_rag.sampling import SamplingParams
 
@@ -91,6 +92,18 @@ class AsyncLazyAttention:
             return engine.submit(engine.plan_with_documents(question, ids, docs), params, sink)
 
         return self._submit(make)
+
+    def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
+                    sampling: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
+        """Async version of :meth:`LazyAttention.stream_chat` (errors raise on the first ``__anext__``)."""
+        msgs = [as_message(m) for m in messages]
+        params, docs = sampling or SamplingParams(), _pairs(documents)
+        engine = self.llm.engine
+        return self._submit(lambda sink: engine.submit(engine.plan_messages_with_documents(msgs, docs), params, sink))
+
+    async def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
+                   sampling: SamplingParams | None = None) -> Completion:
+        return await _collect(self.stream_chat(messages, documents, sampling))
 
     def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None
                       ) -> AsyncIterator[StreamDelta]:

@@ -25,6 +25,7 @@ from lazyattn_rag.engine.model import CausalLM, ModelArchConfig
 from lazyattn_rag.engine.runner import ModelRunner, kv_bytes_per_block
 from lazyattn_rag.fingerprint import ModelFingerprint, tensors_sha256
 from lazyattn_rag.kernels.rope import RotaryEmbedding
+from lazyattn_rag.messages import Message, as_message
 from lazyattn_rag.outputs import Completion, StreamDelta
 from lazyattn_rag.sampling import SamplingParams
 
@@ -227,6 +228,42 @@ class LazyAttention:
                  sampling: SamplingParams | None = None) -> Completion:
         """Answer ``question``; same arguments and errors as :meth:`stream`."""
         return _collect(self.stream(question, doc_ids, documents, sampling))
+
+    def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
+                    sampling: SamplingParams | None = None) -> RequestStream:
+        """Stream the answer to chat ``messages`` whose content places documents by id.
+
+        This is how a RAG framework's own prompt keeps reuse: the template's text (instructions,
+        separators, the question, a chat history) is computed as the request's own tokens and
+        every :class:`~lazyattn_rag.messages.DocumentRef` is placed from the document's cached
+        K/V (see :meth:`LLMEngine.plan_messages`).
+
+        Args:
+            messages: :class:`~lazyattn_rag.messages.Message` s, ``(role, content)`` pairs or
+                OpenAI-style dicts; content is text or a list of text and document parts.
+            documents: inline documents, registered (or updated) first, all or none.
+            sampling: :class:`SamplingParams`.
+        Returns:
+            A :class:`RequestStream`, as :meth:`stream`.
+        Raises:
+            ValueError: a malformed message (named). UnknownDocumentError, EmptyInputError,
+            PromptTooLongError, DocumentTooLongError: at the call, before anything is queued
+            or registered.
+        """
+        msgs = [as_message(m) for m in messages]
+        params, docs = sampling or SamplingParams(), _pairs(documents)
+        return self._submit(lambda sink: self.engine.submit(
+            self.engine.plan_messages_with_documents(msgs, docs), params, sink))
+
+    def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
+             sampling: SamplingParams | None = None) -> Completion:
+        """Answer chat ``messages``; same arguments and errors as :meth:`stream_chat`."""
+        return _collect(self.stream_chat(messages, documents, sampling))
+
+    def plan_chat(self, messages: Iterable[Message | dict | tuple]):
+        """The prompt plan chat ``messages`` would run (for inspection; registered documents only)."""
+        msgs = [as_message(m) for m in messages]
+        return self.loop.call(self.engine.plan_messages, msgs)
 
     def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> RequestStream:
         """Stream a completion of a plain prompt, with no chunk reuse (a standard full prefill).

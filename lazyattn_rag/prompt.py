@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lazyattn_rag.config import PromptConfig
+from lazyattn_rag.messages import DocumentRef, Message, MessagePart
 
 _SENTINEL = "\u2063LAZYATTN_CONTENT\u2063"
 
@@ -51,31 +52,68 @@ class ChunkSegment:
 
 
 @dataclass(frozen=True)
-class PromptPlan:
-    """One request's prompt: cached chunks (head first) then the new query tokens.
+class TextSegment:
+    """Request-private prompt tokens placed between cached chunks.
+
+    A framework's template text between two documents (a header, a separator that is not
+    whitespace) is computed by the request like its query tail: its tokens are written rotated
+    at their global positions (``delta = 0``) and attend to everything before them (the chunks
+    and text segments earlier in the prompt). Documents placed after it do not attend to it
+    (each was encoded alone).
 
     Attributes:
-        chunks: head and documents in prompt order, contiguous from position 0.
+        token_ids: its tokens (non-empty).
+        global_start: position of its first token in the request.
+    """
+
+    token_ids: tuple[int, ...]
+    global_start: int
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    """One request's prompt: cached chunks (head first), private text segments between them,
+    then the new query tokens.
+
+    Attributes:
+        chunks: head and documents in prompt order.
         query_token_ids: the tail (question and template closing), computed per request.
         prefix_block_keys: ``prefix`` mode only: the chained hash of every full block of
             ``query_token_ids`` (exact-prefix reuse, as vLLM's automatic prefix caching).
+        texts: private text segments between chunks, in prompt order. Chunks and texts tile
+            positions ``0 .. tail_start - 1`` without gaps; the tail follows.
     """
 
     chunks: tuple[ChunkSegment, ...]
     query_token_ids: tuple[int, ...]
     prefix_block_keys: tuple[str, ...] = ()
+    texts: tuple[TextSegment, ...] = ()
 
     @property
     def num_cached_prompt_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.chunks)
 
     @property
+    def num_text_tokens(self) -> int:
+        """Tokens of the private text segments (computed per request, before the tail)."""
+        return sum(len(t.token_ids) for t in self.texts)
+
+    @property
+    def tail_start(self) -> int:
+        """Global position of the first query-tail token."""
+        return self.num_cached_prompt_tokens + self.num_text_tokens
+
+    @property
     def num_prompt_tokens(self) -> int:
-        return self.num_cached_prompt_tokens + len(self.query_token_ids)
+        return self.tail_start + len(self.query_token_ids)
+
+    def segments(self) -> list[ChunkSegment | TextSegment]:
+        """Chunks and text segments in prompt order (the tail excluded)."""
+        return sorted([*self.chunks, *self.texts], key=lambda s: s.global_start)
 
     def token_ids(self) -> list[int]:
         """The whole prompt as one id list (what a full prefill would see)."""
-        ids = [t for c in self.chunks for t in c.token_ids]
+        ids = [t for s in self.segments() for t in s.token_ids]
         return ids + list(self.query_token_ids)
 
 
@@ -125,3 +163,60 @@ class PromptTemplate:
 
     def tail_token_ids(self, question: str) -> list[int]:
         return self.encode(self.tail_text(question))
+
+    # --- chat messages with placed documents ---------------------------------------------------
+    def leading_special_ids(self) -> list[int]:
+        """Ids the tokenizer adds before any text (e.g. BOS) when there is no chat template to write them."""
+        if getattr(self.tokenizer, "chat_template", None):
+            return []
+        return list(self.tokenizer("", add_special_tokens=True)["input_ids"])
+
+    def render_messages(self, messages: list[Message]) -> list[MessagePart]:
+        """Messages in the chat template, as text runs and :class:`DocumentRef` s in prompt order.
+
+        The template's markup (turn markers, the assistant opening) becomes text around each
+        message's parts; adjacent text is merged, and whitespace right after a document
+        reference is dropped (the document's chunk ends with the separator). Without a chat
+        template: ``role: content`` lines, then ``assistant:``.
+
+        Raises:
+            ValueError: the chat template does not render every message's content exactly once.
+        """
+        markup = self._markup(messages)
+        pieces: list[MessagePart] = []
+        for before, message in zip(markup, messages):
+            pieces.append(before)
+            pieces.extend(message.parts())
+        pieces.append(markup[-1])
+        return _merge_text(pieces)
+
+    def _markup(self, messages: list[Message]) -> list[str]:
+        """The template text before each message's content, and after the last (``len + 1`` pieces)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return [("\n" if i else "") + f"{m.role}: " for i, m in enumerate(messages)] + ["\nassistant:"]
+        marks = [f"\u2063LAZYATTN_MESSAGE_{i}\u2063" for i in range(len(messages))]
+        rendered = self.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": mark} for m, mark in zip(messages, marks)],
+            tokenize=False, add_generation_prompt=True)
+        out = []
+        for i, mark in enumerate(marks):
+            if rendered.count(mark) != 1:
+                raise ValueError(f"the chat template does not render message {i} ({messages[i].role}) exactly once")
+            before, rendered = rendered.split(mark)
+            out.append(before)
+        return out + [rendered]
+
+
+def _merge_text(pieces: list[MessagePart]) -> list[MessagePart]:
+    merged: list[MessagePart] = []
+    for piece in pieces:
+        if isinstance(piece, str):
+            if merged and isinstance(merged[-1], DocumentRef):
+                piece = piece.lstrip()
+            if not piece:
+                continue
+            if merged and isinstance(merged[-1], str):
+                merged[-1] += piece
+                continue
+        merged.append(piece)
+    return merged

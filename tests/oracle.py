@@ -42,27 +42,32 @@ def oracle_generate(hf, chunks, query_ids: list[int], num_tokens: int):
 
     Args:
         hf: a transformers ``*ForCausalLM`` (float32, eval, eager attention).
-        chunks: ``[(anchor_ids, token_ids, global_start)]`` in prompt order; contiguous.
+        chunks: ``[(anchor_ids, token_ids, global_start)]`` in prompt order; contiguous. An
+            entry whose ``anchor_ids`` is ``None`` is a private text segment: run by the HF
+            model at its positions after everything before it (its K/V join the context).
         query_ids: the new tokens after the chunks.
         num_tokens: how many tokens to decode greedily.
     Returns:
         (token ids, logits of the first generated token ``[vocab]``).
     """
-    from transformers import DynamicCache
-
-    per_layer = None
+    per_layer = []
     pos = 0
     for anchor_ids, ids, g in chunks:
         assert g == pos, "chunks must be contiguous"
-        kv = _encode_alone(hf, anchor_ids, ids)
-        delta = g - len(anchor_ids)
-        kv = [(_shift_keys(hf, k, delta) if delta else k, v) for k, v in kv]
-        per_layer = kv if per_layer is None else [
-            (torch.cat((a, k), dim=2), torch.cat((b, v), dim=2)) for (a, b), (k, v) in zip(per_layer, kv)]
+        if anchor_ids is None:
+            cache = _cache_of(per_layer)
+            with torch.no_grad():
+                hf(input_ids=torch.tensor([list(ids)]), position_ids=torch.arange(pos, pos + len(ids))[None],
+                   past_key_values=cache, use_cache=True)
+            per_layer = [(layer.keys, layer.values) for layer in cache.layers]
+        else:
+            kv = _encode_alone(hf, anchor_ids, ids)
+            delta = g - len(anchor_ids)
+            kv = [(_shift_keys(hf, k, delta) if delta else k, v) for k, v in kv]
+            per_layer = kv if not per_layer else [
+                (torch.cat((a, k), dim=2), torch.cat((b, v), dim=2)) for (a, b), (k, v) in zip(per_layer, kv)]
         pos += len(ids)
-    cache = DynamicCache()
-    for i, (k, v) in enumerate(per_layer):
-        cache.update(k, v, i)
+    cache = _cache_of(per_layer)
     tokens, first_logits, ids = [], None, list(query_ids)
     with torch.no_grad():
         for _ in range(num_tokens):
@@ -74,6 +79,26 @@ def oracle_generate(hf, chunks, query_ids: list[int], num_tokens: int):
             ids = [int(logits.argmax())]
             tokens.append(ids[0])
     return tokens, first_logits
+
+
+def _cache_of(per_layer):
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(per_layer):
+        cache.update(k, v, i)
+    return cache
+
+
+def plan_oracle(hf, plan, anchor_ids: list[int], num_tokens: int):
+    """:func:`oracle_generate` of an engine ``PromptPlan`` (chunks, text segments, tail)."""
+    segments = []
+    for s in plan.segments():
+        if hasattr(s, "key"):
+            segments.append(([] if s.doc_id is None else list(anchor_ids), list(s.token_ids), s.global_start))
+        else:
+            segments.append((None, list(s.token_ids), s.global_start))
+    return oracle_generate(hf, segments, list(plan.query_token_ids), num_tokens)
 
 
 def full_prefill_generate(hf, prompt_ids: list[int], num_tokens: int):

@@ -88,29 +88,55 @@ def test_unsupported_head_layout_fails_at_construction():
         TritonAttentionBackend(make_rotary(96), 4, 2, 96, 0.1)
 
 
-def test_engine_greedy_tokens_match_torch_backend():
-    """The whole engine on a tiny random Llama: chunks at offsets (1, 15, 16, 17, 37 tokens, one
-    twice), prefill then decode; the triton backend (the interpreter on the CPU) generates the same
-    greedy tokens as the torch backend, with first-token logits within float32 rounding."""
-    from lazyattn_rag import CacheConfig, EngineConfig, PromptConfig, SamplingParams
+def _engine_outputs(backend: str, run) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and first-token logits of ``run(llm)`` on a tiny random Llama with documents
+    of 1, 15, 16, 17 and 37 tokens registered (``d<n>``)."""
+    from lazyattn_rag import CacheConfig, EngineConfig, PromptConfig
     from lazyattn_rag.llm import LazyAttention
     from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
 
     prompt = PromptConfig(instruction="w190 w191 w192 ", document_separator=" ", question_prefix="Question : ")
-    outputs, logits = {}, {}
-    for backend in ("torch", "triton"):
-        _, model = hf_and_ours(hf_config("llama", head_dim=32), seed=3)  # rotary_dim/2 = 16: tl.dot minimum
-        config = EngineConfig(device=DEVICE, dtype="float32", attention_backend=backend,
-                              cache=CacheConfig(anchor="head", num_blocks=128, block_size=16), prompt=prompt)
-        llm = LazyAttention.from_model(model, word_tokenizer(), config)
-        assert llm.engine.runner.backend.name == backend
-        for i, n in enumerate([1, 15, 16, 17, 37]):
-            llm.add_document(f"d{n}", words(n, start=i * 30))
-        seen = []
-        execute = llm.engine.runner.execute
-        llm.engine.runner.execute = lambda seqs: seen.append(execute(seqs)) or seen[-1]
-        out = llm.generate("w5 w6 w7", ["d37", "d1", "d17", "d16", "d15", "d17"],
-                           sampling=SamplingParams(max_tokens=6, ignore_eos=True))
-        outputs[backend], logits[backend] = out.token_ids, seen[-6][-1]  # the prefill row follows any encode rows
-    assert outputs["triton"] == outputs["torch"]
-    assert (logits["triton"] - logits["torch"]).abs().max().item() <= 1e-3
+    _, model = hf_and_ours(hf_config("llama", head_dim=32), seed=3)  # rotary_dim/2 = 16: tl.dot minimum
+    config = EngineConfig(device=DEVICE, dtype="float32", attention_backend=backend,
+                          cache=CacheConfig(anchor="head", num_blocks=128, block_size=16), prompt=prompt)
+    llm = LazyAttention.from_model(model, word_tokenizer(), config)
+    assert llm.engine.runner.backend.name == backend
+    for i, n in enumerate([1, 15, 16, 17, 37]):
+        llm.add_document(f"d{n}", words(n, start=i * 30))
+    seen = []
+    execute = llm.engine.runner.execute
+    llm.engine.runner.execute = lambda seqs: seen.append(execute(seqs)) or seen[-1]
+    out = run(llm)
+    return out.token_ids, seen[-len(out.token_ids)][-1]  # the sampled row is the last of its step
+
+
+def test_engine_greedy_tokens_match_torch_backend():
+    """The whole engine on a tiny random Llama: chunks at offsets (1, 15, 16, 17, 37 tokens, one
+    twice), prefill then decode; the triton backend (the interpreter on the CPU) generates the same
+    greedy tokens as the torch backend, with first-token logits within float32 rounding."""
+    from lazyattn_rag import SamplingParams
+
+    def run(llm):
+        return llm.generate("w5 w6 w7", ["d37", "d1", "d17", "d16", "d15", "d17"],
+                            sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+
+    (torch_ids, torch_logits), (triton_ids, triton_logits) = (_engine_outputs(b, run) for b in ("torch", "triton"))
+    assert triton_ids == torch_ids
+    assert (triton_logits - torch_logits).abs().max().item() <= 1e-3
+
+
+def test_engine_chat_with_text_between_documents_matches_torch_backend():
+    """Private text segments between chunks (partial blocks mid-table, each prefilled as its own
+    sequence of the step): the triton backend agrees with the torch backend."""
+    from lazyattn_rag import DocumentRef, SamplingParams
+    from tests.tiny import words
+
+    def run(llm):
+        content = ("w1 ", DocumentRef("d37"), words(19, 60), DocumentRef("d1"), "w2", DocumentRef("d17"),
+                   "Question : w5 w6")
+        return llm.chat([("system", "w100 w101"), ("user", content)],
+                        sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+
+    (torch_ids, torch_logits), (triton_ids, triton_logits) = (_engine_outputs(b, run) for b in ("torch", "triton"))
+    assert triton_ids == torch_ids
+    assert (triton_logits - torch_logits).abs().max().item() <= 1e-3

@@ -1,0 +1,161 @@
+"""Chat messages that place documents by id: text between documents is computed by the request.
+
+The reference is the transformers oracle (``tests/oracle.py``): documents encoded alone and
+rotated to their offsets, the head and every text segment run by the HF model after everything
+before them.
+"""
+
+import pytest
+
+from lazyattn_rag import (
+    CacheConfig,
+    DocumentRef,
+    EmptyInputError,
+    EngineConfig,
+    Message,
+    PromptTooLongError,
+    SamplingParams,
+    SchedulerConfig,
+    UnknownDocumentError,
+)
+from lazyattn_rag.llm import LazyAttention
+from lazyattn_rag.prompt import TextSegment
+from tests.integrations_kit import PROMPT
+from tests.oracle import full_prefill_generate, plan_oracle
+from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def make_llm(anchor="none", num_blocks=256, mode="lazy", max_num_batched_tokens=2048, **overrides):
+    hf, ours = hf_and_ours(hf_config(**overrides))
+    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
+                          cache=CacheConfig(anchor=anchor, num_blocks=num_blocks, block_size=16, mode=mode),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens))
+    return hf, LazyAttention.from_model(ours, word_tokenizer(), config)
+
+
+def capture_first_logits(llm):
+    seen = []
+    execute = llm.engine.runner.execute
+
+    def wrapped(seqs):
+        out = execute(seqs)
+        seen.append(out[-1].clone())
+        return out
+
+    llm.engine.runner.execute = wrapped
+    return seen
+
+
+def rag_messages(texts=("w150 w151", "w152 " + words(20, 160), "w185 w186")):
+    """A system turn, then a user turn: text, doc a, text, doc b, text, doc a again, the question."""
+    return [Message("system", "w100 w101 w102"),
+            Message("user", (texts[0] + " ", DocumentRef("a"), texts[1] + " ", DocumentRef("b"),
+                             texts[2] + " ", DocumentRef("a"), "Question : w5 w6"))]
+
+
+def register(llm):
+    llm.add_document("a", words(17, start=3))
+    llm.add_document("b", words(33, start=40))
+
+
+@pytest.mark.parametrize("anchor", ["none", "bos", "head"])
+def test_text_between_documents_matches_the_oracle(anchor):
+    hf, llm = make_llm(anchor)
+    register(llm)
+    messages = rag_messages()
+    plan = llm.plan_chat(messages)
+    assert [c.doc_id for c in plan.chunks] == [None, "a", "b", "a"]
+    assert [len(t.token_ids) for t in plan.texts] == [21, 2]
+    assert all(isinstance(t, TextSegment) for t in plan.texts)
+    head = llm.tokenizer("system: w100 w101 w102\nuser: w150 w151")["input_ids"]
+    assert plan.chunks[0].delta == 0 and plan.chunks[0].token_ids == tuple(head)
+    seen = capture_first_logits(llm)
+    out = llm.chat(messages, sampling=GREEDY)
+    tokens, first = plan_oracle(hf, plan, list(llm.engine.anchor_ids), GREEDY.max_tokens)
+    assert out.token_ids == tokens
+    assert (seen[-GREEDY.max_tokens] - first).abs().max().item() <= 1e-4
+    assert out.stats.num_cached_tokens == 17  # everything was cold; "a" is encoded once for both places
+    again = llm.chat(messages, sampling=GREEDY)
+    assert again.token_ids == tokens
+    assert again.stats.docs_hit == ["a", "b", "a"]
+    assert again.stats.num_computed_tokens == plan.num_text_tokens + len(plan.query_token_ids)
+    llm.engine.cache.check_integrity()
+
+
+@pytest.mark.parametrize("budget", [7, 16, 33])
+def test_text_segments_split_across_steps_and_block_boundaries(budget):
+    """Private text of 1, 16, 17 and 40 tokens, prefilled in pieces of ``budget`` tokens a step."""
+    hf, llm = make_llm("bos", max_num_batched_tokens=budget)
+    register(llm)
+    for i, n in enumerate((1, 16, 17, 40)):
+        messages = rag_messages(("w150", words(n, start=100 + i), "w185"))
+        plan = llm.plan_chat(messages)
+        assert len(plan.texts[0].token_ids) == n
+        out = llm.chat(messages, sampling=GREEDY)
+        tokens, _ = plan_oracle(hf, plan, list(llm.engine.anchor_ids), GREEDY.max_tokens)
+        assert out.token_ids == tokens, n
+    llm.engine.cache.check_integrity()
+
+
+def test_full_mode_runs_the_same_prompt_as_a_full_prefill():
+    hf, llm = make_llm(mode="full")
+    register(llm)
+    plan = llm.plan_chat(rag_messages())
+    assert plan.chunks == () and plan.texts == ()
+    out = llm.chat(rag_messages(), sampling=GREEDY)
+    tokens, _ = full_prefill_generate(hf, list(plan.query_token_ids), GREEDY.max_tokens)
+    assert out.token_ids == tokens
+
+
+def test_block_attention_mode_keeps_text_segments():
+    hf, llm = make_llm(mode="block_attention")
+    register(llm)
+    plan = llm.plan_chat(rag_messages())
+    assert [len(t.token_ids) for t in plan.texts] == [21, 2]
+    out = llm.chat(rag_messages(), sampling=GREEDY)
+    tokens, _ = plan_oracle(hf, plan, [], GREEDY.max_tokens)  # positioned copies: encoded at their offsets
+    assert out.token_ids == tokens
+
+
+def test_messages_without_documents_are_a_plain_prompt_and_inline_documents_register():
+    from lazyattn_rag import Document
+
+    hf, llm = make_llm()
+    plain = llm.plan_chat([("user", "w1 w2 w3")])
+    assert plain.chunks == () and list(plain.query_token_ids) == llm.tokenizer("user: w1 w2 w3 \nassistant:")[
+        "input_ids"]
+    out = llm.chat([{"role": "user", "content": ["w9 ", {"type": "document", "id": "x"}, "w8"]}],
+                   documents=[Document("x", words(12, start=9))], sampling=GREEDY)
+    assert out.stats.docs_missed == ["x"] and llm.has_document("x")
+
+
+def test_preempted_request_with_text_segments_recomputes_the_same_answer():
+    hf, llm = make_llm("none", num_blocks=28)  # 6 blocks of chunks, 4 a request at admission, 5 to finish
+    register(llm)
+    alone = llm.chat(rag_messages(), sampling=SamplingParams(max_tokens=20, ignore_eos=True))
+    streams = [llm.stream_chat(rag_messages(), sampling=SamplingParams(max_tokens=20, ignore_eos=True))
+               for _ in range(6)]
+    outs = [[d.token_id for d in s if d.token_id is not None] for s in streams]
+    assert all(o == alone.token_ids for o in outs)
+    assert llm.stats()["num_preemptions"] > 0
+    llm.engine.cache.check_integrity()
+
+
+def test_bad_messages_get_specific_errors_and_leave_the_cache_clean():
+    hf, llm = make_llm("none", max_position_embeddings=128)
+    register(llm)
+    with pytest.raises(UnknownDocumentError, match="'nope'"):
+        llm.chat([("user", ("w1 ", DocumentRef("nope"), "w2"))])
+    with pytest.raises(ValueError, match="role must be one of"):
+        llm.chat([("robot", "w1")])
+    with pytest.raises(ValueError, match="unsupported message content part"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
+    with pytest.raises(EmptyInputError, match="no messages"):
+        llm.chat([])
+    with pytest.raises(PromptTooLongError, match="context limit is 128"):
+        llm.chat([("user", (DocumentRef("b"), words(60), DocumentRef("b"), DocumentRef("a"), "w1"))])
+    cache = llm.engine.cache
+    cache.check_integrity()
+    assert all(e.pin_count == 0 for e in cache.entries() if e.key != llm.engine.anchor_key)
