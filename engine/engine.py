@@ -94,6 +94,7 @@ class LLMEngine:
         self.head_key = chunk_key(model_digest, "prompt", list(self.head_ids))
         self.anchor_key = chunk_key(model_digest, "prompt", list(self.anchor_ids)) if self.anchor_ids else None
         self.documents: dict[str, _Document] = {}
+        self.documents_version = 0  # grows whenever a document is added, changed or removed
         self.eos_token_ids = set(eos_token_ids or ())
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -156,6 +157,7 @@ class LLMEngine:
             self.documents[doc_id] = doc
             self.cache.bind_document(doc_id, doc.key)
             changed += old is None or old.key != doc.key
+        self.documents_version += bool(changed)
         return changed
 
     def _prepare_document(self, doc_id: str, text: str) -> _Document:
@@ -181,6 +183,7 @@ class LLMEngine:
         if doc_id not in self.documents:
             raise UnknownDocumentError(f"unknown document id {doc_id!r}")
         del self.documents[doc_id]
+        self.documents_version += 1
         self.cache.unbind_document(doc_id)
 
     # --- planning -------------------------------------------------------------------------
@@ -209,6 +212,7 @@ class LLMEngine:
                 else:
                     self.documents[doc_id] = old
                     self.cache.bind_document(doc_id, old.key)
+            self.documents_version += 1
             raise
 
     def _check_ids(self, doc_ids: list[str]) -> None:

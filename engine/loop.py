@@ -54,6 +54,11 @@ class EngineLoop:
         self._thread.start()
         self._ready.result()  # the builder's exception, if any, surfaces in the caller
 
+    @property
+    def stopped(self) -> bool:
+        """The loop was shut down (or its thread ended)."""
+        return self._stopped or not self._thread.is_alive()
+
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` on the engine thread between steps; return its result.
 

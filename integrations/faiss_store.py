@@ -3,8 +3,10 @@
 faiss-cpu holds the vectors (``IndexIDMap2`` over an exact inner-product ``IndexFlatIP``, on
 unit-length embeddings: cosine similarity); this class maps each document's stable string id
 to a FAISS int64 id and keeps the texts. Updating a document re-embeds it under the same id;
-deleting removes its vector. When an engine is attached, updates and deletions reach the
-engine's registry too, so a stale or deleted document's cached K/V is dropped with it.
+deleting removes its vector. When an engine is attached, every document added (or loaded) is
+registered with it, so prompts that contain the document's text reuse its K/V, and updates
+and deletions reach the engine's registry too, so a stale or deleted document's cached K/V is
+dropped with it.
 
 Framework-neutral: the LlamaIndex and LangChain retrievers wrap it.
 """
@@ -47,7 +49,7 @@ class FaissDocumentStore:
         embedder: a :class:`~lazyattn_rag.integrations.embeddings.SentenceEmbedder` (or any
             object with ``name``, ``dim`` and ``encode(texts) -> float32 [n, dim]`` unit rows).
         engine: a :class:`~lazyattn_rag.llm.LazyAttention` to keep in step: :meth:`upsert`
-            updates documents it has registered, :meth:`delete` removes them and their K/V.
+            registers (or updates) documents with it, :meth:`delete` removes them and their K/V.
 
     Thread safety: every public method may be called from several threads (one lock).
 
@@ -95,7 +97,9 @@ class FaissDocumentStore:
         Returns:
             ids that were added or whose text changed (unchanged documents are skipped).
         Raises:
-            ValueError: an empty id or empty text, or the same id twice in one call.
+            ValueError: an empty id or empty text, or the same id twice in one call; with an
+                engine attached, what its ``add_documents`` raises (e.g. ``DocumentTooLongError``).
+                Nothing is changed then.
         """
         todo: dict[str, Document] = {}
         for d in documents:
@@ -110,6 +114,8 @@ class FaissDocumentStore:
                 todo[d.id] = d
         if not todo:
             return []
+        if self.engine is not None:  # first, all or none: a document the engine refuses changes nothing
+            self.engine.add_documents(list(todo.values()))
         vectors = self.embedder.encode([d.text for d in todo.values()])
         replaced = [self._int_ids[i] for i in todo if i in self._int_ids]
         if replaced:
@@ -121,8 +127,6 @@ class FaissDocumentStore:
                 self._next_id += 1
             int_ids.append(self._int_ids[doc_id])
             self._docs[doc_id] = doc
-            if self.engine is not None and self.engine.has_document(doc_id):
-                self.engine.add_document(doc_id, doc.text)
         self.index.add_with_ids(vectors, np.asarray(int_ids, dtype=np.int64))
         return list(todo)
 
@@ -215,4 +219,6 @@ class FaissDocumentStore:
         if store.index.ntotal != len(store._docs):
             raise ValueError(f"{src}: the index holds {store.index.ntotal} vectors but there are "
                              f"{len(store._docs)} documents")
+        if engine is not None:
+            engine.add_documents(list(store._docs.values()))
         return store

@@ -1,16 +1,21 @@
-"""LangChain integration: a chat model that reuses documents' cached K/V by id, a Runnable that
-turns retrieved ``Document``s into id-carrying content blocks, a FAISS retriever and a ready RAG
-chain ``{question} -> {answer, sources}``.
+"""LangChain integration: a chat model that reuses documents' cached K/V in the chains people
+write, a Runnable that turns retrieved ``Document``s into id-carrying content blocks, a FAISS
+retriever and a ready RAG chain ``{question} -> {answer, sources}``.
 
-Documents reach :class:`ChatLazyAttention` in either of two ways:
+Documents reach :class:`ChatLazyAttention` in any of three ways:
 
+- **found in the prompt** (no wiring): LCEL with ``format_docs``
+  (``{"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | model``),
+  ``RunnableWithMessageHistory``, any retriever. A callback handler that the model installs for
+  the whole process (``langchain_callbacks``) records what every retriever returns; the model
+  finds those documents, and the ones registered with its engine, in the formatted prompt and
+  places each from its cached K/V, computing the template's text around them;
 - **content blocks**: a text block with an ``id`` and ``extras={"document": True}`` (make them
   with :func:`document_block`); the message's other text is the question;
 - the ``documents=`` call argument (LangChain ``Document``s or ``lazyattn_rag.Document``s).
 
-Messages with neither (and no ``documents=`` argument) go through the plain-prompt fallback:
-registered documents found in the text are reused by id, otherwise the messages are completed
-in the model's chat template.
+The last two use the engine's own RAG prompt. Formatted text with no known document in it is
+completed in the model's chat template with no reuse (``prompt_match["reason"]`` says why).
 
 Empty retrieval: the question is answered through the RAG prompt with no documents (no
 exception); ``sources`` is empty and the stats list no documents. :func:`rag_chain` passes
@@ -18,10 +23,10 @@ exception); ``sources`` is empty and the stats list no documents. :func:`rag_cha
 
 Example::
 
-    from lazyattn_rag.integrations.langchain import ChatLazyAttention, FaissRetriever, rag_chain
-    chain = rag_chain(FaissRetriever(store=store, k=3), ChatLazyAttention(engine=llm))
-    out = chain.invoke({"question": "What does the else clause of a for loop do?"})
-    print(out["answer"], [d.id for d in out["sources"]])
+    from lazyattn_rag.integrations.langchain import ChatLazyAttention
+    model = ChatLazyAttention(max_tokens=128)                 # offline SmolLM2, shared engine
+    chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | model
+    print(chain.invoke("What does the else clause of a for loop do?").response_metadata["lazyattn"])
 """
 
 from __future__ import annotations
@@ -29,28 +34,34 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document as LCDocument
-from langchain_core.language_models import BaseChatModel
+from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableLambda, RunnableParallel, RunnablePassthrough
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, PrivateAttr
 
 from lazyattn_rag.documents import Document
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
-from lazyattn_rag.integrations.requests import EngineRequest, rag_request, text_request
+from lazyattn_rag.integrations import langchain_callbacks
+from lazyattn_rag.integrations.call_options import call_sampling, default_sampling, engine_config, split_sampling
+from lazyattn_rag.integrations.prompt_match import Candidate
+from lazyattn_rag.integrations.requests import EngineRequest, PromptMatcher, looks_like_rag, rag_request
 from lazyattn_rag.llm import LazyAttention
 from lazyattn_rag.outputs import StreamDelta
 from lazyattn_rag.sampling import SamplingParams
 
 METADATA_KEY = "lazyattn"
+_CALL_KEYWORDS = ("documents",)  # ChatLazyAttention's own call keyword, besides the sampling fields
+logger = logging.getLogger("lazyattn_rag.integrations")
 
 __all__ = ["ChatLazyAttention", "FaissRetriever", "document_block", "documents_to_messages", "rag_chain",
            "to_engine_document"]
@@ -99,9 +110,16 @@ def _role(message: BaseMessage) -> str:
 
 
 def build_request(engine: LazyAttention, messages: Sequence[BaseMessage],
-                  documents: Sequence[LCDocument | Document] | None = None) -> EngineRequest:
+                  documents: Sequence[LCDocument | Document] | None = None,
+                  matcher: PromptMatcher | None = None, retrieved: Sequence[Candidate] = ()) -> EngineRequest:
     """The engine request for chat ``messages`` (see the module docstring for the rules).
 
+    Args:
+        engine: the engine.
+        messages: the chat messages.
+        documents: the ``documents=`` call argument (``None``: not given).
+        matcher: finds documents in formatted text (default: a new one over ``engine``).
+        retrieved: documents the chain's retrievers returned for this call.
     Raises:
         ValueError: no messages.
     """
@@ -110,7 +128,7 @@ def build_request(engine: LazyAttention, messages: Sequence[BaseMessage],
     split = [(_role(m), *_split_message(m)) for m in messages]
     docs = [d for _, ds, _ in split for d in ds] + [to_engine_document(d) for d in documents or ()]
     if not docs and documents is None:
-        return text_request(engine, [(role, text) for role, _, text in split])
+        return (matcher or PromptMatcher(engine)).request([(role, text) for role, _, text in split], retrieved)
     turns = [(role, text) for role, _, text in split if text.strip()]
     multi = sum(role != "system" for role, _ in turns) > 1
     question = "\n\n".join(f"{role}: {text}" if multi else text for role, text in turns)
@@ -122,35 +140,119 @@ def build_request(engine: LazyAttention, messages: Sequence[BaseMessage],
 class ChatLazyAttention(BaseChatModel):
     """A LangChain chat model over a :class:`~lazyattn_rag.llm.LazyAttention` engine.
 
+    Constructible from settings (``ChatLazyAttention(model=..., temperature=..., max_tokens=...)``:
+    the engine is :meth:`LazyAttention.shared` for that configuration, built on first use) or
+    around an engine (``ChatLazyAttention(engine=llm)``).
+
+    Documents reach the engine by id (document blocks, ``documents=``) or are found in formatted
+    text: those the chain's retrievers returned in the same run (any retriever, see
+    ``langchain_callbacks``) and those registered with the engine. A RAG-looking prompt that
+    places none logs one warning per model naming why.
+
     Every result message carries ``usage_metadata`` (``input_token_details.cache_read`` = prompt
     tokens served from the KV cache) and ``response_metadata["lazyattn"] = {"doc_ids", "stats",
-    "prompt_match"?}`` with the request's :class:`~lazyattn_rag.outputs.RequestStats`.
-    Async calls stream through :class:`~lazyattn_rag.async_llm.AsyncLazyAttention` and never block
-    the event loop; concurrent requests share the engine's batches.
+    "prompt_match"?, "finish_reason"}``. Per call, ``stop`` and any :class:`SamplingParams`
+    field (``max_tokens``, ``temperature``...) or a whole ``sampling=`` override the defaults;
+    other keywords raise ``TypeError`` naming the accepted ones. Tool calling and structured
+    output are not supported (``bind_tools`` / ``with_structured_output`` raise
+    ``NotImplementedError`` saying so).
 
     Args:
-        engine: the :class:`LazyAttention` to run on.
-        sampling: default :class:`SamplingParams`; ``stop`` from LangChain is added to its stop
-            strings and a ``sampling=`` call argument replaces it.
+        engine: a ready engine (else one is built from the settings).
+        sampling: default sampling as one :class:`SamplingParams` (else the fields below).
+        model: local Hugging Face directory, or ``None`` for the offline default SmolLM2.
+        context_window: context limit in tokens (``None``: the model's).
+        temperature, max_tokens, top_p, stop: default sampling.
+        sampling_kwargs: other :class:`SamplingParams` fields (``top_k``, ``seed``, ...).
+        engine_kwargs: other :class:`~lazyattn_rag.config.EngineConfig` fields as a dict.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
-    engine: LazyAttention = Field(description="The engine the model runs on.")
-    sampling: SamplingParams = Field(default_factory=SamplingParams, description="Default sampling parameters.")
+    engine_: LazyAttention | None = Field(default=None, alias="engine", exclude=True,
+                                          description="A ready engine; None: built from the settings.")
+    model: str | None = Field(default=None, description="Local HF model directory; None: the offline SmolLM2.")
+    context_window: int | None = Field(default=None, description="Context limit in tokens; None: the model's.")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy.")
+    max_tokens: int = Field(default=256, ge=1, description="Most tokens to generate.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus mass.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    sampling_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other SamplingParams fields.")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other EngineConfig fields.")
+    _matcher: PromptMatcher | None = PrivateAttr(default=None)
+    _warned: bool = PrivateAttr(default=False)
+
+    def __init__(self, sampling: SamplingParams | None = None, **kwargs: Any):
+        if sampling is not None:
+            kwargs = {**split_sampling(sampling), **kwargs}
+        super().__init__(**kwargs)
+        self.sampling  # noqa: B018 - validates sampling_kwargs now
+        engine_config(self.model, self.context_window, self.engine_kwargs)  # and engine_kwargs
+        langchain_callbacks.install()
+
+    @property
+    def engine(self) -> LazyAttention:
+        """The engine (built, or taken from the process's shared ones, on first use)."""
+        if self.engine_ is None:
+            self.engine_ = LazyAttention.shared(engine_config(self.model, self.context_window, self.engine_kwargs))
+        return self.engine_
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The default :class:`SamplingParams` of calls."""
+        return default_sampling(self.temperature, self.max_tokens, self.top_p, self.stop, self.sampling_kwargs)
 
     @property
     def _llm_type(self) -> str:
         return "lazyattn-rag"
 
     @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.engine.model_name, **dataclasses.asdict(self.sampling)}
+    def _model_name(self) -> str:
+        return self.model or "SmolLM2-135M-Instruct"
 
-    def _prepare(self, messages, stop, kwargs) -> tuple[EngineRequest, SamplingParams]:
-        sampling = kwargs.get("sampling") or self.sampling
-        if stop:
-            sampling = dataclasses.replace(sampling, stop=tuple(sampling.stop) + tuple(stop))
-        return build_request(self.engine, messages, kwargs.get("documents")), sampling
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self._model_name, **dataclasses.asdict(self.sampling)}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        sampling = call_sampling(self.sampling, kwargs, "ChatLazyAttention", _CALL_KEYWORDS, stop)
+        params = LangSmithParams(ls_provider="lazyattn-rag", ls_model_name=self._model_name, ls_model_type="chat",
+                                 ls_temperature=sampling.temperature, ls_max_tokens=sampling.max_tokens)
+        if sampling.stop:
+            params["ls_stop"] = list(sampling.stop)
+        return params
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` under the engine's own tokenizer (no special tokens added)."""
+        return list(self.engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Runnable:
+        raise NotImplementedError("ChatLazyAttention does not support tool calling: it answers from documents "
+                                  "placed by id or found in the prompt (see lazyattn_rag.integrations.langchain)")
+
+    def with_structured_output(self, schema: Any, **kwargs: Any) -> Runnable:
+        raise NotImplementedError("ChatLazyAttention does not support structured output (no constrained "
+                                  "decoding yet); parse its text with an output parser instead")
+
+    def _prepare(self, messages, stop, kwargs, run_manager) -> tuple[EngineRequest, SamplingParams]:
+        sampling = call_sampling(self.sampling, kwargs, "ChatLazyAttention", _CALL_KEYWORDS, stop)
+        if self._matcher is None:
+            self._matcher = PromptMatcher(self.engine)
+        retrieved = langchain_callbacks.retrieved_candidates(run_manager.run_id if run_manager else None)
+        request = build_request(self.engine, messages, kwargs.get("documents"), self._matcher, retrieved)
+        self._warn_once(request, messages, bool(retrieved))
+        return request, sampling
+
+    def _warn_once(self, request: EngineRequest, messages: Sequence[BaseMessage], retrieved: bool) -> None:
+        if self._warned or request.match is None or request.match.doc_ids:
+            return
+        if not (retrieved or any(looks_like_rag(_split_message(m)[1]) for m in messages)):
+            return
+        self._warned = True
+        logger.warning("lazyattn-rag: this prompt reuses no cached document: %s. Retrieve through a LangChain "
+                       "retriever in the same chain (its documents are found in the prompt), pass documents "
+                       "by id (document_block, documents=), or register them with the engine. Said once per "
+                       "model; each call's reason is in response_metadata['lazyattn']['prompt_match'].",
+                       request.match.reason)
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
@@ -163,7 +265,7 @@ class ChatLazyAttention(BaseChatModel):
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        request, sampling = self._prepare(messages, stop, kwargs)
+        request, sampling = self._prepare(messages, stop, kwargs, run_manager)
         for delta in request.stream(self.engine, sampling):
             chunk = self._chunk(request, delta)
             if chunk is not None:
@@ -174,7 +276,7 @@ class ChatLazyAttention(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        request, sampling = await asyncio.to_thread(self._prepare, messages, stop, kwargs)
+        request, sampling = await asyncio.to_thread(self._prepare, messages, stop, kwargs, run_manager)
         async for delta in request.astream(self.engine, sampling):
             chunk = self._chunk(request, delta)
             if chunk is not None:
@@ -189,8 +291,8 @@ class ChatLazyAttention(BaseChatModel):
         usage = {"input_tokens": s.num_prompt_tokens, "output_tokens": s.num_output_tokens,
                  "total_tokens": s.num_prompt_tokens + s.num_output_tokens,
                  "input_token_details": {"cache_read": s.num_cached_tokens}}
-        meta = {"model_name": self.engine.model_name, "finish_reason": delta.finish_reason,
-                METADATA_KEY: {**request.extra(), "stats": s.as_dict()}}
+        meta = {"model_name": self._model_name, "finish_reason": delta.finish_reason,
+                METADATA_KEY: request.report}
         message = AIMessageChunk(content=delta.text, usage_metadata=usage, response_metadata=meta,
                                  chunk_position="last")
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": delta.finish_reason})

@@ -1,20 +1,24 @@
-"""LlamaIndex integration: an LLM, a response synthesizer that passes node ids, a FAISS retriever,
-a KV-warming node postprocessor and a one-call query engine.
+"""LlamaIndex integration: an LLM that reuses documents' cached K/V in the idioms people write.
 
-The synthesizer hands each retrieved node to the engine as ``(node_id, text)``: the engine
-resolves the id to the node's cached, position-agnostic K/V, so a node retrieved again (at any
-rank, any offset) costs no prefill. Anything that only hands the LLM a formatted prompt (e.g.
-``ContextChatEngine``, LlamaIndex's default synthesizers) goes through the plain-prompt
-fallback: registered node texts found in the prompt are reused by id.
+``index.as_query_engine()`` (every response mode, streaming, ``aquery``), ``as_chat_engine``
+(``context``, ``condense_plus_context``), ``RetrieverQueryEngine`` with postprocessors: nothing
+to wire. :class:`LazyAttentionLLM` installs LlamaIndex instrumentation handlers
+(``llamaindex_events``) that record the nodes each query retrieves; when the LLM receives
+the formatted prompt it finds those nodes inside (``prompt_match``), places each from its
+cached, position-agnostic K/V and computes the template's text around them as the request's
+own tokens. Documents registered with the engine (a store with ``engine=``, the warmer) are
+found the same way. When a RAG-looking prompt places nothing the LLM logs one warning naming
+why; every response's ``metadata["lazyattn"]`` reports what was reused.
 
-Empty retrieval: the question is answered through the RAG prompt with no documents (no
-exception, no "Empty Response" placeholder); ``source_nodes`` is empty.
+:class:`LazyAttentionSynthesizer` is the id path: it hands nodes to the engine by id in the
+engine's own RAG prompt, no text matching.
 
 Example::
 
-    from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM, as_query_engine
-    llm = LazyAttentionLLM.from_config()                        # offline SmolLM2
-    engine = as_query_engine(index, llm, similarity_top_k=3)    # a VectorStoreIndex or a retriever
+    from llama_index.core import Settings, VectorStoreIndex
+    from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM
+    Settings.llm = LazyAttentionLLM(max_tokens=128)      # offline SmolLM2, shared engine
+    engine = index.as_query_engine(similarity_top_k=3)
     response = engine.query("What does the else clause of a for loop do?")
     print(response, response.metadata["lazyattn"]["stats"]["docs_hit"])
 """
@@ -22,6 +26,8 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -37,27 +43,39 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.base.response.schema import AsyncStreamingResponse, Response, StreamingResponse
+from llama_index.core.callbacks.schema import CBEventType, EventPayload
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.events.synthesis import SynthesizeEndEvent, SynthesizeStartEvent
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from lazyattn_rag.config import EngineConfig
 from lazyattn_rag.documents import Document
+from lazyattn_rag.integrations import llamaindex_events
+from lazyattn_rag.integrations.call_options import (
+    call_sampling,
+    default_sampling,
+    engine_config,
+    split_sampling,
+)
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
-from lazyattn_rag.integrations.requests import EngineRequest, rag_request, text_request
+from lazyattn_rag.integrations.requests import EngineRequest, PromptMatcher, looks_like_rag, rag_request
 from lazyattn_rag.llm import LazyAttention
 from lazyattn_rag.outputs import StreamDelta
 from lazyattn_rag.sampling import SamplingParams
 
 METADATA_KEY = "lazyattn"
+DOCUMENTS_KEY = "lazyattn_documents"  # a ChatMessage's additional_kwargs key: documents placed by id
+logger = logging.getLogger("lazyattn_rag.integrations")
+_dispatcher = get_dispatcher(__name__)
 
-__all__ = ["FaissRetriever", "KVCacheWarmer", "LazyAttentionLLM", "LazyAttentionSynthesizer", "METADATA_KEY",
-           "as_query_engine", "node_document"]
+__all__ = ["DOCUMENTS_KEY", "FaissRetriever", "KVCacheWarmer", "LazyAttentionLLM", "LazyAttentionSynthesizer",
+           "METADATA_KEY", "as_query_engine", "node_document"]
 
 
 def node_document(node: NodeWithScore | TextNode) -> Document:
@@ -69,34 +87,56 @@ def node_document(node: NodeWithScore | TextNode) -> Document:
 class LazyAttentionLLM(CustomLLM):
     """A LlamaIndex LLM over a :class:`~lazyattn_rag.llm.LazyAttention` engine.
 
-    ``complete``/``chat`` (and their streaming and native async forms) take formatted text;
-    registered documents found in it are reused from the KV cache (the fallback), otherwise the
-    text is completed in the model's chat template. :meth:`stream_rag` is the id-passing path
-    that :class:`LazyAttentionSynthesizer` uses. Each final response carries
-    ``additional_kwargs["lazyattn"] = {"stats": RequestStats.as_dict(), "doc_ids": [...],
-    "prompt_match": {...}}`` (``prompt_match`` only for formatted text).
+    Constructible from settings (``LazyAttentionLLM(model=..., temperature=..., max_tokens=...,
+    context_window=...)``: the engine is :meth:`LazyAttention.shared` for that configuration,
+    built on first use) or around an engine (``LazyAttentionLLM(engine)``). ``to_dict`` /
+    ``from_dict`` round-trip the settings.
+
+    Every call (``complete``/``chat``, streaming, async) finds known documents in its prompt
+    (see the module docstring) and emits one LLM start/end event pair. A final response carries
+    ``additional_kwargs["lazyattn"]`` (``doc_ids``, ``prompt_match``, ``stats``,
+    ``finish_reason``) and ``raw["usage"]`` (``prompt_tokens``, ``completion_tokens``,
+    ``cached_tokens``). Per call, any :class:`SamplingParams` field may be passed by keyword
+    (``max_tokens=2``, ``temperature``, ``stop``...) or a whole ``sampling=``; other keywords
+    raise ``TypeError`` naming the accepted ones.
 
     Args:
-        engine: the :class:`LazyAttention` to run on.
-        sampling: default :class:`SamplingParams`; per call ``sampling=`` overrides it.
-
-    Async methods stream through :class:`~lazyattn_rag.async_llm.AsyncLazyAttention` and never
-    block the event loop; concurrent requests share the engine's batches.
+        engine: a ready engine (else one is built from the settings).
+        sampling: default sampling as one :class:`SamplingParams` (else the fields below).
+        model: local Hugging Face directory, or ``None`` for the offline default SmolLM2.
+        context_window: context limit in tokens (``None``: the model's).
+        temperature, max_tokens, top_p, stop: default sampling.
+        sampling_kwargs: other :class:`SamplingParams` fields (``top_k``, ``seed``, ...).
+        engine_kwargs: other :class:`~lazyattn_rag.config.EngineConfig` fields as a dict
+            (``device``, ``dtype``, ``cache``: {``anchor``, ...}, ...).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
-    sampling: SamplingParams = Field(default_factory=SamplingParams, description="Default sampling parameters.")
-    _engine: LazyAttention = PrivateAttr()
+    model: str | None = Field(default=None, description="Local HF model directory; None: the offline SmolLM2.")
+    context_window: int | None = Field(default=None, description="Context limit in tokens; None: the model's.")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy.")
+    max_tokens: int = Field(default=256, ge=1, description="Most tokens to generate.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus mass.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    sampling_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other SamplingParams fields.")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other EngineConfig fields.")
+    _engine: LazyAttention | None = PrivateAttr(default=None)
+    _matcher: PromptMatcher | None = PrivateAttr(default=None)
+    _warned: bool = PrivateAttr(default=False)
 
-    def __init__(self, engine: LazyAttention, sampling: SamplingParams | None = None, **kwargs: Any):
-        super().__init__(sampling=sampling or SamplingParams(), **kwargs)
+    def __init__(self, engine: LazyAttention | None = None, sampling: SamplingParams | None = None, **kwargs: Any):
+        if sampling is not None:
+            kwargs = {**split_sampling(sampling), **kwargs}
+        super().__init__(**kwargs)
+        self.sampling  # noqa: B018 - validates sampling_kwargs now
+        engine_config(self.model, self.context_window, self.engine_kwargs)  # and engine_kwargs
         self._engine = engine
+        llamaindex_events.install()
 
     @classmethod
-    def from_config(cls, config: EngineConfig | None = None,
-                    sampling: SamplingParams | None = None) -> "LazyAttentionLLM":
-        """Load an engine (``None``: the offline default SmolLM2) and wrap it."""
-        return cls(LazyAttention(config), sampling)
+    def from_config(cls, config: Any = None, sampling: SamplingParams | None = None) -> "LazyAttentionLLM":
+        """Wrap :meth:`LazyAttention.shared` for ``config`` (``None``: the offline default SmolLM2)."""
+        return cls(LazyAttention.shared(config), sampling)
 
     @classmethod
     def class_name(cls) -> str:
@@ -104,98 +144,142 @@ class LazyAttentionLLM(CustomLLM):
 
     @property
     def engine(self) -> LazyAttention:
+        """The engine (built, or taken from the process's shared ones, on first use)."""
+        if self._engine is None:
+            self._engine = LazyAttention.shared(engine_config(self.model, self.context_window, self.engine_kwargs))
         return self._engine
 
     @property
+    def sampling(self) -> SamplingParams:
+        """The default :class:`SamplingParams` of calls."""
+        return default_sampling(self.temperature, self.max_tokens, self.top_p, self.stop, self.sampling_kwargs)
+
+    @property
     def metadata(self) -> LLMMetadata:
-        return LLMMetadata(context_window=self._engine.max_model_len, num_output=self.sampling.max_tokens,
-                           is_chat_model=True, model_name=self._engine.model_name)
+        window = self.engine.max_model_len
+        return LLMMetadata(context_window=window, num_output=min(self.max_tokens, window - 1), is_chat_model=True,
+                           model_name=self.model or self.engine.model_name)
 
-    # --- the id-passing path ----------------------------------------------------------------
-    def stream_rag(self, question: str, documents: Sequence[Document],
-                   sampling: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Stream the answer to ``question`` over ``documents`` placed by id (registered first)."""
-        return rag_request(question, documents).stream(self._engine, sampling or self.sampling)
+    # --- requests --------------------------------------------------------------------------
+    def _sampling_for(self, kwargs: dict) -> SamplingParams:
+        return call_sampling(self.sampling, kwargs, "LazyAttentionLLM")
 
-    async def astream_rag(self, question: str, documents: Sequence[Document],
-                          sampling: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
-        """Async :meth:`stream_rag` (through ``AsyncLazyAttention``; the event loop is never blocked)."""
-        async for delta in rag_request(question, documents).astream(self._engine, sampling or self.sampling):
-            yield delta
+    def _request(self, messages: Sequence[ChatMessage]) -> EngineRequest:
+        """The engine request of ``messages``: the id path when the last one carries documents,
+        else the formatted text with the documents the matcher finds (registered or retrieved)."""
+        last = messages[-1] if messages else None
+        if last is not None and DOCUMENTS_KEY in last.additional_kwargs:
+            docs = [Document(d["id"], d["text"]) for d in last.additional_kwargs[DOCUMENTS_KEY]]
+            request = rag_request(last.content or "", docs)
+        else:
+            if self._matcher is None:
+                self._matcher = PromptMatcher(self.engine)
+            retrieved = llamaindex_events.retrieved_candidates()
+            turns = [(_role(m.role), m.content or "") for m in messages]
+            request = self._matcher.request(turns, retrieved)
+            self._warn_once(request, turns, bool(retrieved))
+        llamaindex_events.record_call(request.report)
+        return request
 
-    # --- completion ---------------------------------------------------------------------------
+    def _warn_once(self, request: EngineRequest, turns: list[tuple[str, str]], retrieved: bool) -> None:
+        if self._warned or request.match is None or request.match.doc_ids:
+            return
+        if not (retrieved or any(looks_like_rag(text) for _, text in turns)):
+            return
+        self._warned = True
+        logger.warning("lazyattn-rag: this prompt reuses no cached document: %s. Retrieve through a LlamaIndex "
+                       "retriever or index (their nodes are found in the prompt), or register the documents "
+                       "(FaissDocumentStore(engine=...), KVCacheWarmer). Said once per LLM; the reason of each "
+                       "call is in its metadata['lazyattn']['prompt_match'].", request.match.reason)
+
     def _completion_request(self, prompt: str) -> EngineRequest:
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
-        return text_request(self._engine, [("user", prompt)])
+        return self._request([ChatMessage(role=MessageRole.USER, content=prompt)])
 
-    def _chat_request(self, messages: Sequence[ChatMessage]) -> EngineRequest:
-        return text_request(self._engine, [(_role(m.role), m.content or "") for m in messages])
+    def _stream_completion(self, prompt: str, kwargs: dict) -> CompletionResponseGen:
+        sampling = self._sampling_for(kwargs)
+        request = self._completion_request(prompt)
+        return _completions(request, request.stream(self.engine, sampling))
 
+    def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict) -> ChatResponseGen:
+        sampling = self._sampling_for(kwargs)
+        request = self._request(messages)
+        return (_chat_response(c) for c in _completions(request, request.stream(self.engine, sampling)))
+
+    async def _astream_completion(self, prompt: str, kwargs: dict) -> CompletionResponseAsyncGen:
+        sampling = self._sampling_for(kwargs)
+        request = await asyncio.to_thread(self._completion_request, prompt)  # (copies the context: the active span)
+        return _acompletions(request, request.astream(self.engine, sampling))
+
+    async def _astream_chat(self, messages: Sequence[ChatMessage], kwargs: dict) -> ChatResponseAsyncGen:
+        sampling = self._sampling_for(kwargs)
+        request = await asyncio.to_thread(self._request, messages)
+        completions = _acompletions(request, request.astream(self.engine, sampling))
+
+        async def gen() -> ChatResponseAsyncGen:
+            async for c in completions:
+                yield _chat_response(c)
+
+        return gen()
+
+    # --- the LlamaIndex LLM interface (one event pair per public call) -------------------------
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        *_, last = self.stream_complete(prompt, formatted, **kwargs)
+        *_, last = self._stream_completion(prompt, kwargs)
         return last
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        request = self._completion_request(prompt)
-        return _completions(request, request.stream(self._engine, kwargs.get("sampling") or self.sampling))
+        return self._stream_completion(prompt, kwargs)
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         last = None
-        async for last in await self.astream_complete(prompt, formatted, **kwargs):
+        async for last in await self._astream_completion(prompt, kwargs):
             pass
         return last
 
     @llm_completion_callback()
-    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        request = await asyncio.to_thread(self._completion_request, prompt)
-        return _acompletions(request, request.astream(self._engine, kwargs.get("sampling") or self.sampling))
+    async def astream_complete(self, prompt: str, formatted: bool = False,
+                               **kwargs: Any) -> CompletionResponseAsyncGen:
+        return await self._astream_completion(prompt, kwargs)
 
-    # --- chat -------------------------------------------------------------------------------
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        *_, last = self.stream_chat(messages, **kwargs)
+        *_, last = self._stream_chat(messages, kwargs)
         return last
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        request = self._chat_request(messages)
-        deltas = request.stream(self._engine, kwargs.get("sampling") or self.sampling)
-        return (_chat_response(c) for c in _completions(request, deltas))
+        return self._stream_chat(messages, kwargs)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         last = None
-        async for last in await self.astream_chat(messages, **kwargs):
+        async for last in await self._astream_chat(messages, kwargs):
             pass
         return last
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        request = await asyncio.to_thread(self._chat_request, messages)
-        deltas = request.astream(self._engine, kwargs.get("sampling") or self.sampling)
-
-        async def gen() -> ChatResponseAsyncGen:
-            async for c in _acompletions(request, deltas):
-                yield _chat_response(c)
-
-        return gen()
+        return await self._astream_chat(messages, kwargs)
 
 
 def _role(role: MessageRole | str) -> str:
     value = role.value if isinstance(role, MessageRole) else str(role)
-    return {"model": "assistant", "chatbot": "assistant", "developer": "system"}.get(value, value)
+    return {"model": "assistant", "chatbot": "assistant", "developer": "system", "tool": "user",
+            "function": "user"}.get(value, value)
 
 
 def _completion(request: EngineRequest, text: str, delta: StreamDelta) -> CompletionResponse:
-    extra = {}
+    extra, raw = {}, None
     if delta.finished:
-        extra = {METADATA_KEY: {**request.extra(), "stats": delta.stats.as_dict(),
-                                "finish_reason": delta.finish_reason}}
-    return CompletionResponse(text=text, delta=delta.text, additional_kwargs=extra)
+        s = delta.stats
+        extra = {METADATA_KEY: request.report}
+        raw = {"usage": {"prompt_tokens": s.num_prompt_tokens, "completion_tokens": s.num_output_tokens,
+                         "cached_tokens": s.num_cached_tokens}}
+    return CompletionResponse(text=text, delta=delta.text, additional_kwargs=extra, raw=raw)
 
 
 def _completions(request: EngineRequest, deltas: Iterator[StreamDelta]) -> CompletionResponseGen:
@@ -216,86 +300,147 @@ async def _acompletions(request: EngineRequest, deltas: AsyncIterator[StreamDelt
 
 def _chat_response(c: CompletionResponse) -> ChatResponse:
     return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=c.text), delta=c.delta,
-                        additional_kwargs=c.additional_kwargs)
+                        additional_kwargs=c.additional_kwargs, raw=c.raw)
+
+
+_SYNTH_NODES: contextvars.ContextVar[list[NodeWithScore] | None] = contextvars.ContextVar(
+    "lazyattn_synthesizer_nodes", default=None)
 
 
 class LazyAttentionSynthesizer(BaseSynthesizer):
     """A response synthesizer that passes each node to the engine as ``(node_id, text)``.
 
-    Nodes are placed in retrieval order; a node whose K/V is cached costs no prefill at any rank.
-    The response's ``metadata["lazyattn"]`` holds ``{"doc_ids", "stats", "finish_reason"}``
-    (for a streaming response it is filled in when the stream ends).
+    Nodes are placed in retrieval order, all in one call, in the engine's RAG prompt; a node
+    whose K/V is cached costs no prefill at any rank. It emits LlamaIndex's synthesize and LLM
+    events like the default synthesizers, and ``response.metadata["lazyattn"]`` holds the
+    :class:`~lazyattn_rag.integrations.reuse_report.ReuseSummary` (``doc_ids``, ``stats``,
+    ``finish_reason``; filled in when a stream ends).
+
+    ``text_qa_template`` (``get_prompts``/``update_prompts``): ``None`` (default) uses the
+    engine's prompt; a LlamaIndex prompt template is formatted with ``context_str`` and
+    ``query_str`` and its nodes are placed from the cache wherever they occur in it. Empty
+    retrieval answers through the prompt with no documents (no "Empty Response").
 
     Args:
         llm: the :class:`LazyAttentionLLM`.
-        streaming: return a :class:`StreamingResponse` (or ``AsyncStreamingResponse`` from
-            ``asynthesize``).
+        streaming: return a ``StreamingResponse`` (or ``AsyncStreamingResponse`` from ``asynthesize``).
         sampling: overrides ``llm.sampling`` for this synthesizer.
+        text_qa_template: see above.
     """
 
-    def __init__(self, llm: LazyAttentionLLM, streaming: bool = False, sampling: SamplingParams | None = None):
+    def __init__(self, llm: LazyAttentionLLM, streaming: bool = False, sampling: SamplingParams | None = None,
+                 text_qa_template: BasePromptTemplate | None = None):
         if not isinstance(llm, LazyAttentionLLM):
             raise TypeError(f"LazyAttentionSynthesizer needs a LazyAttentionLLM, got {type(llm).__name__}")
         super().__init__(llm=llm, streaming=streaming)
         self._sampling = sampling or llm.sampling
+        self._text_qa_template = text_qa_template
 
     def _get_prompts(self) -> dict:
-        return {}
+        return {"text_qa_template": self._text_qa_template}
 
     def _update_prompts(self, prompts: dict) -> None:
-        pass
+        if "text_qa_template" in prompts:
+            self._text_qa_template = prompts["text_qa_template"]
 
-    def synthesize(self, query: str | QueryBundle, nodes: list[NodeWithScore],
-                   additional_source_nodes: Sequence[NodeWithScore] | None = None, **kwargs: Any):
-        question = query.query_str if isinstance(query, QueryBundle) else query
-        docs = [node_document(n) for n in nodes]
-        sources = list(nodes) + list(additional_source_nodes or [])
-        meta: dict = {METADATA_KEY: {"doc_ids": rag_request(question, docs).doc_ids}}  # as placed
-        deltas = self._llm.stream_rag(question, docs, self._sampling)
+    def synthesize(self, query, nodes: list[NodeWithScore], additional_source_nodes=None, **kwargs: Any):
+        token = _SYNTH_NODES.set(list(nodes))
+        try:
+            if nodes:
+                return super().synthesize(query, nodes, additional_source_nodes, **kwargs)
+            return self._synthesize_without_nodes(query, additional_source_nodes, **kwargs)
+        finally:
+            _SYNTH_NODES.reset(token)
+
+    async def asynthesize(self, query, nodes: list[NodeWithScore], additional_source_nodes=None, **kwargs: Any):
+        token = _SYNTH_NODES.set(list(nodes))
+        try:
+            if nodes:
+                return await super().asynthesize(query, nodes, additional_source_nodes, **kwargs)
+            return await self._asynthesize_without_nodes(query, additional_source_nodes, **kwargs)
+        finally:
+            _SYNTH_NODES.reset(token)
+
+    def _synthesize_without_nodes(self, query, additional_source_nodes, **kwargs: Any):
+        """Empty retrieval: the same events as a synthesis with nodes, the answer from no documents."""
+        query = QueryBundle(query) if isinstance(query, str) else query
+        _dispatcher.event(SynthesizeStartEvent(query=query))
+        with self._callback_manager.event(CBEventType.SYNTHESIZE,
+                                          payload={EventPayload.QUERY_STR: query.query_str}) as event:
+            text = self.get_response(query.query_str, [], **kwargs)
+            response = self._prepare_response_output(text, list(additional_source_nodes or []))
+            event.on_end(payload={EventPayload.RESPONSE: response})
+        _dispatcher.event(SynthesizeEndEvent(query=query, response=response))
+        return response
+
+    async def _asynthesize_without_nodes(self, query, additional_source_nodes, **kwargs: Any):
+        query = QueryBundle(query) if isinstance(query, str) else query
+        _dispatcher.event(SynthesizeStartEvent(query=query))
+        with self._callback_manager.event(CBEventType.SYNTHESIZE,
+                                          payload={EventPayload.QUERY_STR: query.query_str}) as event:
+            text = await self.aget_response(query.query_str, [], **kwargs)
+            response = self._prepare_response_output(text, list(additional_source_nodes or []))
+            event.on_end(payload={EventPayload.RESPONSE: response})
+        _dispatcher.event(SynthesizeEndEvent(query=query, response=response))
+        return response
+
+    def _documents(self, text_chunks: Sequence[str]) -> list[dict]:
+        """The documents behind ``text_chunks``: the synthesized nodes (ids), else content ids."""
+        nodes = _SYNTH_NODES.get()
+        if nodes is not None and len(nodes) == len(text_chunks):
+            docs = [node_document(n) for n in nodes]
+        else:
+            docs = _content_documents(text_chunks)
+        return [{"id": d.id, "text": d.text} for d in rag_request("", docs).documents]
+
+    def _messages(self, query_str: str, text_chunks: Sequence[str]) -> list[ChatMessage] | None:
+        """The id path's one message (``None`` when a custom template is set)."""
+        if self._text_qa_template is not None:
+            return None
+        docs = self._documents(text_chunks)
+        return [ChatMessage(role=MessageRole.USER, content=query_str, additional_kwargs={DOCUMENTS_KEY: docs})]
+
+    def _template_args(self, query_str: str, text_chunks: Sequence[str]) -> dict:
+        nodes = _SYNTH_NODES.get() or []
+        llamaindex_events.add_retrieved(nodes)  # placed wherever the template puts them
+        return {"context_str": "\n\n".join(c.strip() for c in text_chunks), "query_str": query_str}
+
+    def get_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any):
+        messages = self._messages(query_str, text_chunks)
+        kwargs = {"sampling": self._sampling, **kwargs}
+        if messages is None:
+            args = self._template_args(query_str, text_chunks)
+            if self._streaming:
+                return self._llm.stream_predict(self._text_qa_template, **args)
+            return self._llm.predict(self._text_qa_template, **args)
         if self._streaming:
-            return StreamingResponse(_texts(deltas, meta[METADATA_KEY]), source_nodes=sources, metadata=meta)
-        return Response("".join(_texts(deltas, meta[METADATA_KEY])), source_nodes=sources, metadata=meta)
+            return (r.delta for r in self._llm.stream_chat(messages, **kwargs) if r.delta)
+        return self._llm.chat(messages, **kwargs).message.content
 
-    async def asynthesize(self, query: str | QueryBundle, nodes: list[NodeWithScore],
-                          additional_source_nodes: Sequence[NodeWithScore] | None = None, **kwargs: Any):
-        question = query.query_str if isinstance(query, QueryBundle) else query
-        docs = [node_document(n) for n in nodes]
-        sources = list(nodes) + list(additional_source_nodes or [])
-        meta: dict = {METADATA_KEY: {"doc_ids": rag_request(question, docs).doc_ids}}  # as placed
-        texts = _atexts(self._llm.astream_rag(question, docs, self._sampling), meta[METADATA_KEY])
+    async def aget_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any):
+        messages = self._messages(query_str, text_chunks)
+        kwargs = {"sampling": self._sampling, **kwargs}
+        if messages is None:
+            args = self._template_args(query_str, text_chunks)
+            if self._streaming:
+                return await self._llm.astream_predict(self._text_qa_template, **args)
+            return await self._llm.apredict(self._text_qa_template, **args)
         if self._streaming:
-            return AsyncStreamingResponse(texts, source_nodes=sources, metadata=meta)
-        return Response("".join([t async for t in texts]), source_nodes=sources, metadata=meta)
+            stream = await self._llm.astream_chat(messages, **kwargs)
+            return _adeltas(stream)
+        return (await self._llm.achat(messages, **kwargs)).message.content
 
-    def get_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any) -> str:
-        """Answer over bare text chunks (ids derived from their content: equal text, one id)."""
-        return "".join(_texts(self._llm.stream_rag(query_str, _content_documents(text_chunks), self._sampling), {}))
 
-    async def aget_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any) -> str:
-        deltas = self._llm.astream_rag(query_str, _content_documents(text_chunks), self._sampling)
-        return "".join([t async for t in _atexts(deltas, {})])
+async def _adeltas(stream: ChatResponseAsyncGen) -> AsyncIterator[str]:
+    async for r in stream:
+        if r.delta:
+            yield r.delta
 
 
 def _content_documents(text_chunks: Sequence[str]) -> list[Document]:
     import hashlib
 
     return [Document("sha256:" + hashlib.sha256(t.encode()).hexdigest()[:32], t) for t in text_chunks if t.strip()]
-
-
-def _texts(deltas: Iterator[StreamDelta], meta: dict) -> Iterator[str]:
-    for d in deltas:
-        if d.finished:
-            meta.update(stats=d.stats.as_dict(), finish_reason=d.finish_reason)
-        if d.text:
-            yield d.text
-
-
-async def _atexts(deltas: AsyncIterator[StreamDelta], meta: dict) -> AsyncIterator[str]:
-    async for d in deltas:
-        if d.finished:
-            meta.update(stats=d.stats.as_dict(), finish_reason=d.finish_reason)
-        if d.text:
-            yield d.text
 
 
 class FaissRetriever(BaseRetriever):
@@ -332,9 +477,8 @@ def _text_node(doc: Document) -> TextNode:
 class KVCacheWarmer(BaseNodePostprocessor):
     """A node postprocessor that registers nodes with the engine and encodes their K/V now.
 
-    Put it in a query engine or ``ContextChatEngine`` (``node_postprocessors=[KVCacheWarmer(llm=llm)]``)
-    so retrieved nodes are registered, which lets the plain-prompt fallback find them; or call
-    :meth:`warm` on ingested nodes to pay their prefill before the first query. Nodes pass
+    Retrieved nodes are found in prompts without it (see the module docstring); use it, or
+    :meth:`warm` on ingested nodes, to pay their prefill before the first query. Nodes pass
     through unchanged.
     """
 
@@ -369,7 +513,10 @@ class KVCacheWarmer(BaseNodePostprocessor):
 def as_query_engine(index_or_retriever: Any, llm: LazyAttentionLLM, similarity_top_k: int = 3,
                     streaming: bool = False, node_postprocessors: Sequence[BaseNodePostprocessor] = (),
                     sampling: SamplingParams | None = None) -> RetrieverQueryEngine:
-    """A query engine that passes retrieved node ids to the engine.
+    """A query engine that passes retrieved node ids to the engine (:class:`LazyAttentionSynthesizer`).
+
+    ``index.as_query_engine(llm=llm)`` reuses cached documents too (through the prompt); this
+    one also skips the text matching.
 
     Args:
         index_or_retriever: a ``VectorStoreIndex`` (any LlamaIndex index with

@@ -1,36 +1,78 @@
-"""The plain-prompt fallback: find registered documents inside an already formatted prompt.
+"""Find known documents inside a formatted prompt, however the framework reformatted them.
 
-Callers such as LlamaIndex's ``ContextChatEngine`` hand the LLM one formatted string with the
-retrieved texts pasted in. Each registered document whose text occurs verbatim in the prompt is
-cut out and passed to the engine by id (its cached K/V is reused); what remains of the prompt
-becomes the request's question text, after the documents. The report says how much of the
-prompt was matched, so a caller can see when the fallback found nothing.
+Frameworks hand the LLM one formatted string with the retrieved texts pasted in. The matcher
+finds every occurrence of every candidate document (a registered document, or a node the
+framework retrieved in the same query) and splits the prompt into text pieces and
+:class:`~lazyattn_rag.messages.DocumentRef` s, so the engine places each document from its
+cached K/V and computes the text around it as the request's own tokens.
+
+What it is robust to (each seen in LlamaIndex or LangChain prompts):
+
+* **whitespace**: runs of whitespace compare equal to one space, so re-joined newlines and
+  re-indented text match (the document's registered text is what gets placed);
+* **escaped text**: LlamaIndex's ``simple_summarize`` pastes the Python ``repr`` of its text
+  list (``['...\\n...']``); escape sequences are decoded before matching, and the separator
+  between two escaped documents (``\\n``) is dropped like whitespace;
+* **metadata headers** (``MetadataMode.LLM``): candidates carry the text as the framework
+  shows it to an LLM (see the adapters), so a header is part of the document;
+* **repeated documents**: every occurrence is placed;
+* **truncation** (a framework cut a document to fit its context window): a document is
+  matched whole or not at all, never partly; one whose opening occurs without the rest is
+  reported in :attr:`PromptMatch.partial_ids` and stays text.
+
+Texts shorter than ``MIN_CHARS`` characters are never matched (they occur by accident).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
-if TYPE_CHECKING:
-    from lazyattn_rag.llm import LazyAttention
+from lazyattn_rag.messages import DocumentRef, MessagePart
+
+MIN_CHARS = 32
+_KEY_CHARS = MIN_CHARS  # candidates are indexed by their first normalized characters
+_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|[nrtabfv0'\"\\])")
+_SIMPLE = {"n": "\n", "r": "\r", "t": "\t", "a": "\a", "b": "\b", "f": "\f", "v": "\v", "0": "\0",
+           "'": "'", '"': '"', "\\": "\\"}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A document that may occur in prompts.
+
+    Attributes:
+        doc_id: the id it is placed (and registered) under.
+        text: its text, as it should appear in the prompt.
+    """
+
+    doc_id: str
+    text: str
 
 
 @dataclass(frozen=True)
 class PromptMatch:
-    """Registered documents found in a prompt.
+    """What the matcher found in a request's messages.
 
     Attributes:
-        doc_ids: matched document ids, in the order they appear in the prompt.
-        rest: the prompt with the matched texts removed (stripped).
-        matched_chars: characters of the prompt covered by matched documents.
-        prompt_chars: characters of the prompt.
+        doc_ids: matched document ids in prompt order (a document found twice is listed twice).
+        matched_chars: prompt characters covered by matched documents.
+        prompt_chars: characters of the prompt (all messages).
+        partial_ids: candidates whose opening occurs but not the whole text (truncated or edited
+            by the framework): computed as text, not reused.
+        num_escaped: matches found only after decoding escape sequences.
+        num_candidates: how many documents were looked for.
+        reason: why nothing was placed (empty when something was).
     """
 
-    doc_ids: tuple[str, ...]
-    rest: str
-    matched_chars: int
-    prompt_chars: int
+    doc_ids: tuple[str, ...] = ()
+    matched_chars: int = 0
+    prompt_chars: int = 0
+    partial_ids: tuple[str, ...] = ()
+    num_escaped: int = 0
+    num_candidates: int = 0
+    reason: str = ""
 
     @property
     def fraction(self) -> float:
@@ -38,42 +80,127 @@ class PromptMatch:
         return self.matched_chars / self.prompt_chars if self.prompt_chars else 0.0
 
     def as_dict(self) -> dict:
-        return {"doc_ids": list(self.doc_ids), "matched_chars": self.matched_chars,
-                "prompt_chars": self.prompt_chars, "fraction": round(self.fraction, 4)}
+        out = {"doc_ids": list(self.doc_ids), "matched_chars": self.matched_chars,
+               "prompt_chars": self.prompt_chars, "fraction": round(self.fraction, 4),
+               "num_candidates": self.num_candidates}
+        if self.partial_ids:
+            out["partial_ids"] = list(self.partial_ids)
+        if self.num_escaped:
+            out["num_escaped"] = self.num_escaped
+        if self.reason:
+            out["reason"] = self.reason
+        return out
 
 
-def registered_texts(llm: "LazyAttention") -> dict[str, str]:
-    """Document id -> registered text of every document the engine knows."""
-    return llm.document_texts()
+@dataclass
+class _View:
+    """A normalized view of a text: ``chars[i]`` came from ``text[spans[i][0]:spans[i][1]]``."""
+
+    chars: str
+    spans: list[tuple[int, int]] = field(repr=False)
 
 
-def match_documents(prompt: str, texts: dict[str, str], min_chars: int = 32) -> PromptMatch:
-    """Find non-overlapping verbatim occurrences of ``texts`` in ``prompt``.
+def _view(text: str, unescape: bool) -> _View:
+    units: list[tuple[str, int, int]] = []  # (char, raw start, raw end)
+    pos = 0
+    for m in _ESCAPE.finditer(text) if unescape else ():
+        units += [(c, i, i + 1) for i, c in enumerate(text[pos:m.start()], pos)]
+        code = m.group(1)
+        units.append((_SIMPLE.get(code) or chr(int(code[1:], 16)), m.start(), m.end()))
+        pos = m.end()
+    units += [(c, i, i + 1) for i, c in enumerate(text[pos:], pos)]
+    chars, spans = [], []
+    for c, start, end in units:
+        if c.isspace():
+            if chars and chars[-1] == " ":
+                spans[-1] = (spans[-1][0], end)
+                continue
+            c = " "
+        chars.append(c)
+        spans.append((start, end))
+    return _View("".join(chars), spans)
+
+
+def normalize(text: str) -> str:
+    """Whitespace runs as one space, stripped: the form documents are compared in."""
+    return " ".join(text.split())
+
+
+class DocumentMatcher:
+    """Candidates indexed for repeated matching (build once per candidate set).
 
     Args:
-        prompt: the formatted prompt.
-        texts: document id -> text (compared stripped of surrounding whitespace).
-        min_chars: shorter texts are ignored (they match by accident too easily).
-    Returns:
-        :class:`PromptMatch`; longer documents win where two occurrences overlap.
+        candidates: documents to look for; shorter than ``MIN_CHARS`` (normalized) are skipped,
+            and of two with the same normalized text the first is kept.
     """
-    found: list[tuple[int, int, str]] = []
-    for doc_id, text in texts.items():
-        needle = text.strip()
-        if len(needle) < min_chars:
-            continue
-        start = prompt.find(needle)
-        if start != -1:
-            found.append((start, start + len(needle), doc_id))
-    taken: list[tuple[int, int, str]] = []
-    for start, end, doc_id in sorted(found, key=lambda f: (f[0] - f[1], f[0])):  # longest first
-        if all(end <= s or start >= e for s, e, _ in taken):
-            taken.append((start, end, doc_id))
-    taken.sort()
-    pieces, pos = [], 0
-    for start, end, _ in taken:
-        pieces.append(prompt[pos:start])
+
+    def __init__(self, candidates: Iterable[Candidate]):
+        self._by_key: dict[str, list[tuple[str, Candidate]]] = {}
+        self.num_candidates = 0
+        seen: set[str] = set()
+        for c in candidates:
+            norm = normalize(c.text)
+            if len(norm) < MIN_CHARS or norm in seen:
+                continue
+            seen.add(norm)
+            self._by_key.setdefault(norm[:_KEY_CHARS], []).append((norm, c))
+            self.num_candidates += 1
+
+    def _scan(self, view: _View) -> tuple[list[tuple[int, int, Candidate]], set[str]]:
+        """Raw spans of full matches, and ids of candidates whose opening matched somewhere."""
+        found, opened = [], set()
+        chars = view.chars
+        for i in range(len(chars) - _KEY_CHARS + 1):
+            bucket = self._by_key.get(chars[i:i + _KEY_CHARS])
+            if bucket is None:
+                continue
+            for norm, c in bucket:
+                opened.add(c.doc_id)
+                if chars.startswith(norm, i):
+                    found.append((view.spans[i][0], view.spans[i + len(norm) - 1][1], c))
+        return found, opened
+
+    def occurrences(self, text: str) -> tuple[list[tuple[int, int, Candidate, bool]], set[str]]:
+        """Every occurrence ``(start, end, candidate, escaped)`` in ``text`` (raw character spans,
+        possibly overlapping; see :func:`resolve`), and the ids of candidates found only in part
+        (their opening occurs, their whole text nowhere)."""
+        if not self._by_key or len(text) < MIN_CHARS:
+            return [], set()
+        plain, opened = self._scan(_view(text, unescape=False))
+        matches = [(s, e, c, False) for s, e, c in plain]
+        if "\\" in text:
+            escaped, esc_opened = self._scan(_view(text, unescape=True))
+            known = {(s, e) for s, e, _ in plain}
+            matches += [(s, e, c, True) for s, e, c in escaped if (s, e) not in known]
+            opened |= esc_opened
+        return matches, opened - {m[2].doc_id for m in matches}
+
+
+def resolve(matches: Iterable[tuple[int, int, Candidate, bool]]) -> list[tuple[int, int, Candidate, bool]]:
+    """Non-overlapping matches in text order; where two overlap the longer wins (then the earlier)."""
+    taken: list[tuple[int, int, Candidate, bool]] = []
+    for m in sorted(matches, key=lambda m: (m[0] - m[1], m[0])):
+        if all(m[1] <= t[0] or m[0] >= t[1] for t in taken):
+            taken.append(m)
+    return sorted(taken, key=lambda m: m[0])
+
+
+def split_message(text: str, matches: Sequence[tuple[int, int, Candidate, bool]]) -> list[MessagePart]:
+    """``text`` as text pieces and document references at the (resolved) matched spans.
+
+    Text between two documents that is only whitespace (or escaped whitespace, such as ``\\n``
+    between two documents of a ``repr``) is dropped: each document's chunk ends with the
+    separator.
+    """
+    parts: list[MessagePart] = []
+    pos = 0
+    for start, end, candidate, _ in matches:
+        gap = text[pos:start]
+        after_document = bool(parts) and isinstance(parts[-1], DocumentRef)
+        if gap and not (after_document and not _view(gap, unescape=True).chars.strip()):
+            parts.append(gap)
+        parts.append(DocumentRef(candidate.doc_id))
         pos = end
-    pieces.append(prompt[pos:])
-    return PromptMatch(tuple(d for _, _, d in taken), "".join(pieces).strip(),
-                       sum(e - s for s, e, _ in taken), len(prompt))
+    if text[pos:] or not parts:
+        parts.append(text[pos:])
+    return parts

@@ -1,31 +1,46 @@
 """Turn what a framework hands over into one engine request (shared by LlamaIndex and LangChain).
 
-Three shapes reach the engine:
+Two shapes reach the engine:
 
-- **documents + question** (the RAG paths): documents are registered (or updated) under their
-  ids and placed by id; their cached K/V is reused. Zero documents is allowed: the question is
-  answered through the same RAG prompt with no documents (the documented empty-retrieval
-  behaviour on every path).
-- **formatted text in which registered documents occur** (the plain-prompt fallback, see
-  :mod:`~lazyattn_rag.integrations.prompt_match`): the found documents are placed by id and the
-  rest of the text becomes the question.
-- **formatted text with no registered document in it**: a plain completion of the text in the
-  model's chat template, with no reuse.
+- **documents + question** (the id paths: ``LazyAttentionSynthesizer``, LangChain document
+  blocks and ``documents=``): documents are registered (or updated) under their ids and placed
+  by id in the engine's RAG prompt. Zero documents is allowed: the question is answered through
+  the same prompt with no documents (the documented empty-retrieval behaviour on every path).
+- **formatted chat messages** (the idioms people write: ``index.as_query_engine()``, chat
+  engines, LCEL with ``format_docs``): :class:`PromptMatcher` finds the documents inside the
+  text (those registered with the engine, and those the framework retrieved in the same query)
+  and the messages go to :meth:`LazyAttention.stream_chat` as text around document
+  references: each document is placed from its cached K/V, the template's text is computed as
+  the request's own tokens. With no document found the messages are a plain chat prompt, and
+  the report's ``reason`` says why.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lazyattn_rag.documents import Document
-from lazyattn_rag.integrations.prompt_match import PromptMatch, match_documents, registered_texts
+from lazyattn_rag.integrations.prompt_match import (
+    Candidate,
+    DocumentMatcher,
+    PromptMatch,
+    resolve,
+    split_message,
+)
+from lazyattn_rag.integrations.reuse_report import CallReport
+from lazyattn_rag.messages import Message
 from lazyattn_rag.outputs import StreamDelta
 
 if TYPE_CHECKING:
     from lazyattn_rag.llm import LazyAttention
     from lazyattn_rag.sampling import SamplingParams
+
+_RAG_WORDS = re.compile(r"\b(context|documents?|passages?|sources?|retrieved)\b", re.IGNORECASE)
+RAG_PROMPT_MIN_CHARS = 300
 
 
 @dataclass
@@ -33,26 +48,37 @@ class EngineRequest:
     """One request, ready to stream.
 
     Attributes:
-        question: the question text (RAG shape); empty for a plain prompt.
-        documents: documents placed in the prompt, in order (registered when the request runs).
-        plain_prompt: token ids of a plain prompt (no reuse), or ``None`` for the RAG shape.
-        match: the fallback's report when the request came from formatted text, else ``None``.
+        question: the question text (documents + question shape).
+        documents: placed in order (documents + question shape), or registered before the
+            messages are planned (chat shape: the retrieved documents the matcher found).
+        messages: the chat shape's messages (text and document references), else ``None``.
+        match: the matcher's report for formatted text, else ``None``.
+        report: what the call reports in response metadata (filled in when it finishes).
     """
 
     question: str = ""
     documents: list[Document] = field(default_factory=list)
-    plain_prompt: list[int] | None = None
+    messages: list[Message] | None = None
     match: PromptMatch | None = None
+    report: CallReport = field(init=False)
+
+    def __post_init__(self):
+        self.report = CallReport(self.doc_ids, self.match.as_dict() if self.match is not None else None)
 
     @property
     def doc_ids(self) -> list[str]:
+        """Documents placed, in prompt order."""
+        if self.messages is not None:
+            return [d for m in self.messages for d in m.document_ids()]
         return [d.id for d in self.documents]
 
     def stream(self, llm: "LazyAttention", sampling: "SamplingParams") -> Iterator[StreamDelta]:
         """Run on ``llm``. Errors of :meth:`LazyAttention.stream` are raised before the first delta."""
-        if self.plain_prompt is not None:
-            return llm.stream_prompt(self.plain_prompt, sampling)
-        return llm.stream(self.question, documents=self.documents, sampling=sampling)
+        if self.messages is not None:
+            deltas = llm.stream_chat(self.messages, self.documents, sampling)
+        else:
+            deltas = llm.stream(self.question, documents=self.documents, sampling=sampling)
+        return self._reported(deltas)
 
     def astream(self, llm: "LazyAttention", sampling: "SamplingParams") -> AsyncIterator[StreamDelta]:
         """Async :meth:`stream` through :class:`~lazyattn_rag.async_llm.AsyncLazyAttention`: the
@@ -61,16 +87,29 @@ class EngineRequest:
         from lazyattn_rag.async_llm import AsyncLazyAttention
 
         allm = AsyncLazyAttention(llm)
-        if self.plain_prompt is not None:
-            return allm.stream_prompt(self.plain_prompt, sampling)
-        return allm.stream(self.question, documents=self.documents, sampling=sampling)
+        if self.messages is not None:
+            return self._areported(allm.stream_chat(self.messages, self.documents, sampling))
+        return self._areported(allm.stream(self.question, documents=self.documents, sampling=sampling))
 
-    def extra(self) -> dict:
-        """JSON-able facts about the request for response metadata (ids, fallback match)."""
-        out: dict = {"doc_ids": self.doc_ids}
-        if self.match is not None:
-            out["prompt_match"] = self.match.as_dict()
-        return out
+    def _reported(self, deltas: Iterator[StreamDelta]) -> Iterator[StreamDelta]:
+        try:
+            for d in deltas:
+                if d.finished:
+                    self.report.finish(d)
+                yield d
+        finally:  # leaving early cancels the request
+            close = getattr(deltas, "close", None)
+            if close is not None:
+                close()
+
+    async def _areported(self, deltas: AsyncIterator[StreamDelta]) -> AsyncIterator[StreamDelta]:
+        try:
+            async for d in deltas:
+                if d.finished:
+                    self.report.finish(d)
+                yield d
+        finally:
+            await deltas.aclose()
 
 
 def rag_request(question: str, documents: Sequence[Document]) -> EngineRequest:
@@ -94,35 +133,82 @@ def rag_request(question: str, documents: Sequence[Document]) -> EngineRequest:
     return EngineRequest(question=question, documents=kept)
 
 
-def text_request(llm: "LazyAttention", messages: Sequence[tuple[str, str]]) -> EngineRequest:
-    """Formatted chat messages ``(role, text)``: registered documents inside are reused by id.
+def looks_like_rag(text: str) -> bool:
+    """A long prompt that speaks of context, documents, passages or sources (warning heuristic)."""
+    return len(text) >= RAG_PROMPT_MIN_CHARS and _RAG_WORDS.search(text) is not None
 
-    Roles are ``system``, ``user``, ``assistant``. With no registered document found (or
-    nothing left besides documents) the messages become a plain chat-template prompt.
+
+class PromptMatcher:
+    """Finds documents in formatted chat messages for one engine.
+
+    The engine's registered documents are indexed once per change of its registry
+    (``LazyAttention.documents_version``); a query's retrieved documents are indexed per call.
+
+    Args:
+        llm: the engine.
     """
-    texts = registered_texts(llm)
-    found = [match_documents(text, texts) for _, text in messages]
-    doc_ids = list(dict.fromkeys(d for m in found for d in m.doc_ids))
-    match = PromptMatch(tuple(doc_ids), "", sum(m.matched_chars for m in found), sum(m.prompt_chars for m in found))
-    turns = [(role, m.rest) for (role, _), m in zip(messages, found) if m.rest]
-    if doc_ids and turns:
-        multi = sum(role != "system" for role, _ in turns) > 1
-        question = "\n\n".join(f"{role}: {rest}" if multi else rest for role, rest in turns)
-        match = PromptMatch(match.doc_ids, question, match.matched_chars, match.prompt_chars)
-        return EngineRequest(question, [Document(d, texts[d]) for d in doc_ids], None, match)
-    # A plain prompt places nothing: report no match, even if the text was nothing but documents.
-    nothing = PromptMatch((), "", 0, match.prompt_chars)
-    return EngineRequest(plain_prompt=chat_prompt_ids(llm.tokenizer, messages), match=nothing)
+
+    def __init__(self, llm: "LazyAttention"):
+        self.llm = llm
+        self._version = -1
+        self._texts: dict[str, str] = {}
+        self._registered = DocumentMatcher(())
+
+    def registered(self) -> tuple[DocumentMatcher, dict[str, str]]:
+        """The matcher over the engine's registered documents, and their texts by id."""
+        version = self.llm.documents_version
+        if version != self._version:
+            texts = self.llm.document_texts()
+            self._registered = DocumentMatcher(Candidate(d, t) for d, t in texts.items())
+            self._texts, self._version = texts, version
+        return self._registered, self._texts
+
+    def request(self, messages: Sequence[tuple[str, str]], retrieved: Sequence[Candidate] = ()) -> EngineRequest:
+        """The chat request for formatted ``messages`` ``(role, text)``.
+
+        Args:
+            messages: roles ``system``, ``user`` or ``assistant``.
+            retrieved: documents the framework retrieved in this query (registered when found).
+        """
+        registered, texts = self.registered()
+        own = [_own_id(c, texts) for c in retrieved]
+        fresh = DocumentMatcher(own)
+        parts, placed, partial, escaped, matched_chars = [], {}, set(), 0, 0
+        for role, text in messages:
+            occ_a, partial_a = registered.occurrences(text)
+            occ_b, partial_b = fresh.occurrences(text)
+            found = resolve(occ_a + occ_b)
+            partial |= partial_a | partial_b
+            escaped += sum(m[3] for m in found)
+            matched_chars += sum(m[1] - m[0] for m in found)
+            placed.update({m[2].doc_id: m[2] for m in found})
+            parts.append(Message(role, tuple(split_message(text, found))))
+        doc_ids = tuple(d for m in parts for d in m.document_ids())
+        prompt_chars = sum(len(t) for _, t in messages)
+        partial -= set(placed)
+        match = PromptMatch(doc_ids, matched_chars, prompt_chars, tuple(sorted(partial)), escaped,
+                            registered.num_candidates + fresh.num_candidates,
+                            "" if doc_ids else _reason(texts, own, partial))
+        inline = [Document(c.doc_id, c.text) for c in placed.values() if texts.get(c.doc_id) != c.text]
+        return EngineRequest(documents=inline, messages=parts, match=match)
 
 
-def chat_prompt_ids(tokenizer, messages: Sequence[tuple[str, str]]) -> list[int]:
-    """Token ids of ``messages`` in the tokenizer's chat template, ready for the answer.
+def _own_id(candidate: Candidate, texts: dict[str, str]) -> Candidate:
+    """A retrieved document under its own id, or ``<id>@<hash>`` when the engine holds another
+    text under that id (never overwrite a registered document with a rendering of it)."""
+    if texts.get(candidate.doc_id, candidate.text) == candidate.text:
+        return candidate
+    digest = hashlib.sha256(candidate.text.encode()).hexdigest()[:12]
+    return Candidate(f"{candidate.doc_id}@{digest}", candidate.text)
 
-    Without a chat template: ``role: text`` lines followed by ``assistant:`` (BOS first if any).
-    """
-    if getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template([{"role": r, "content": t} for r, t in messages],
-                                                 tokenize=False, add_generation_prompt=True)
-        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
-    rendered = "\n".join(f"{r}: {t}" for r, t in messages) + "\nassistant:"
-    return list(tokenizer(rendered)["input_ids"])
+
+def _reason(texts: dict[str, str], retrieved: list[Candidate], partial: set[str]) -> str:
+    if not texts and not retrieved:
+        return ("no documents are known: none is registered with the engine and no retriever ran in this "
+                "query through LlamaIndex or LangChain")
+    if partial:
+        return (f"documents {sorted(partial)} occur only in part (cut to fit the context window, or edited): "
+                "they are computed as text, not reused")
+    known = len(texts) + len(retrieved)
+    return (f"none of the {known} known documents occurs in the prompt: the prompt's text differs from the "
+            "registered or retrieved text")

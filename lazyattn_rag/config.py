@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 ANCHOR_MODES = ("none", "bos", "head")
@@ -163,9 +163,39 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
+    def to_dict(self) -> dict:
+        """JSON-able fields (nested configs as dicts, ``cache_dir`` as a string)."""
+        out = asdict(self)
+        if out["cache_dir"] is not None:
+            out["cache_dir"] = str(out["cache_dir"])
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "EngineConfig":
+        """The inverse of :meth:`to_dict`; missing keys keep their defaults.
+
+        Raises:
+            ValueError: an unknown key (the accepted ones are named) or an invalid value.
+        """
+        nested = {"cache": CacheConfig, "scheduler": SchedulerConfig, "prompt": PromptConfig}
+        _check_keys(cls, data, "EngineConfig")
+        kwargs = dict(data)
+        for name, kind in nested.items():
+            if isinstance(kwargs.get(name), dict):
+                _check_keys(kind, kwargs[name], f"EngineConfig.{name}")
+                kwargs[name] = kind(**kwargs[name])
+        return cls(**kwargs)
+
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir is not None:
             return Path(self.cache_dir).expanduser()
         import platformdirs
 
         return Path(platformdirs.user_cache_dir("lazyattn-rag"))
+
+
+def _check_keys(kind, data: dict, what: str) -> None:
+    names = {f.name for f in fields(kind)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown {what} field(s) {unknown}; accepted: {sorted(names)}")

@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import queue
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ from lazyattn_rag.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
+_SHARED: dict[EngineConfig, "LazyAttention"] = {}  # LazyAttention.shared(): one engine per configuration
+_SHARED_LOCK = threading.Lock()
 
 
 def _tokenizer_sha256(tokenizer: Any) -> str:
@@ -88,6 +91,22 @@ class LazyAttention:
 
         self.loop = EngineLoop(build)
         self.engine = self.loop.engine
+
+    @classmethod
+    def shared(cls, config: EngineConfig | None = None) -> "LazyAttention":
+        """The process's one engine for ``config`` (built on first use, then shared).
+
+        Framework wrappers constructed from configuration (``LazyAttentionLLM(model=...)``,
+        ``ChatLazyAttention(model=...)``) share it, so two LLM objects over the same model hold
+        one copy of the weights and one KV cache. :meth:`shutdown` of a shared engine removes
+        it, and the next call builds a new one.
+        """
+        config = config or EngineConfig()
+        with _SHARED_LOCK:
+            llm = _SHARED.get(config)
+            if llm is None or llm.loop.stopped:
+                llm = _SHARED[config] = cls(config)
+            return llm
 
     @classmethod
     def from_model(cls, model: CausalLM, tokenizer: Any, config: EngineConfig | None = None,
@@ -176,6 +195,11 @@ class LazyAttention:
 
     def document_ids(self) -> list[str]:
         return self.loop.call(lambda: list(self.engine.documents))
+
+    @property
+    def documents_version(self) -> int:
+        """A number that grows whenever a document is added, changed or removed (cheap to read)."""
+        return self.engine.documents_version
 
     def document_texts(self) -> dict[str, str]:
         """Registered documents as ``{id: text}`` (a snapshot)."""
@@ -291,7 +315,10 @@ class LazyAttention:
         return self.loop.call(self.engine.stats)
 
     def shutdown(self) -> None:
-        """Stop the engine thread."""
+        """Stop the engine thread (a shared engine stops being shared)."""
+        with _SHARED_LOCK:
+            for key in [k for k, v in _SHARED.items() if v is self]:
+                del _SHARED[key]
         self.loop.shutdown()
 
     def info(self) -> dict:

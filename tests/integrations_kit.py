@@ -41,17 +41,19 @@ def tiny_engine(num_blocks: int = 256) -> LazyAttention:
 
 
 class StreamSpy:
-    """Records every ``LazyAttention.stream`` call: the document ids, their offsets, the stats.
+    """Records every ``LazyAttention.stream`` and ``stream_chat`` call: the document ids placed,
+    their offsets, the stats.
 
     Installed on one engine instance; ``calls[i]`` is ``{"question", "doc_ids", "offsets",
-    "stats"}`` where ``offsets`` maps each document id to its global start in the prompt.
+    "stats"}`` (``"messages"`` instead of ``"question"`` for a chat) where ``offsets`` maps each
+    document id to its global start in the prompt.
     """
 
     def __init__(self, engine: LazyAttention):
         self.engine = engine
         self.calls: list[dict] = []
-        self._stream = engine.stream
-        engine.stream = self._spy
+        self._stream, self._stream_chat = engine.stream, engine.stream_chat
+        engine.stream, engine.stream_chat = self._spy, self._spy_chat
 
     def _spy(self, question, doc_ids=(), documents=(), sampling=None):
         documents = list(documents)
@@ -59,9 +61,23 @@ class StreamSpy:
         call = {"question": question, "doc_ids": ids, "offsets": {}, "stats": None}
         self.calls.append(call)
         inner = self._stream(question, doc_ids, documents, sampling)
-        plan = self.engine.plan(question, ids)
-        call["offsets"] = {c.doc_id: c.global_start for c in plan.chunks if c.doc_id is not None}
+        call["offsets"] = self._offsets(self.engine.plan(question, ids))
         return self._record(inner, call)
+
+    def _spy_chat(self, messages, documents=(), sampling=None):
+        from lazyattn_rag.messages import as_message
+
+        messages = [as_message(m) for m in messages]
+        call = {"messages": messages, "doc_ids": [d for m in messages for d in m.document_ids()], "offsets": {},
+                "stats": None}
+        self.calls.append(call)
+        inner = self._stream_chat(messages, documents, sampling)
+        call["offsets"] = self._offsets(self.engine.plan_chat(messages))
+        return self._record(inner, call)
+
+    @staticmethod
+    def _offsets(plan) -> dict:
+        return {c.doc_id: c.global_start for c in plan.chunks if c.doc_id is not None}
 
     @staticmethod
     def _record(inner, call):

@@ -16,7 +16,6 @@ from lazyattn_rag.integrations.corpus import (
     pydoc_sources,
 )
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
-from lazyattn_rag.integrations.prompt_match import match_documents
 from tests.integrations_kit import CORPUS, corpus_documents, embedder
 
 
@@ -136,17 +135,6 @@ def test_folder_sources_reads_text_markdown_and_jsonl(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no .txt"):
         folder_sources(tmp_path / "empty")
-
-
-def test_match_documents_finds_non_overlapping_occurrences_in_prompt_order():
-    texts = {"a": "alpha " * 8, "b": "beta " * 8, "short": "alpha", "ab": "alpha " * 8 + "beta " * 8}
-    prompt = "ctx: " + "beta " * 8 + " mid " + "alpha " * 8 + "beta " * 8 + " end"
-    m = match_documents(prompt, texts)
-    assert m.doc_ids == ("b", "ab")  # "ab" (longest) wins over "a" inside it; "short" is below min_chars
-    assert m.rest == "ctx:   mid   end"  # documents are matched stripped; the spaces around them stay
-    assert m.matched_chars == len(("beta " * 8).strip()) + len(("alpha " * 8 + "beta " * 8).strip())
-    assert m.prompt_chars == len(prompt) and 0 < m.fraction < 1
-    assert match_documents("nothing here", texts).doc_ids == ()
 
 
 def test_rag_request_drops_empty_documents_and_rejects_conflicting_texts():

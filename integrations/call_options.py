@@ -1,0 +1,89 @@
+"""What the framework wrappers share: their settings fields, per-call options, the engine they run on.
+
+Both :class:`~lazyattn_rag.integrations.llamaindex.LazyAttentionLLM` and
+:class:`~lazyattn_rag.integrations.langchain.ChatLazyAttention` are constructible from plain
+settings, as the frameworks' own LLM classes are (``model``, ``temperature``, ``max_tokens``,
+``top_p``, ``stop``, ``context_window``; ``sampling_kwargs`` and ``engine_kwargs`` for the rest):
+the engine is :meth:`LazyAttention.shared` for that configuration, built on first use. A call
+may override any :class:`~lazyattn_rag.sampling.SamplingParams` field by keyword (or pass a
+whole ``sampling=``); any other keyword is an error naming the accepted ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from lazyattn_rag.config import EngineConfig
+from lazyattn_rag.sampling import SamplingParams
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+FIRST_CLASS = ("temperature", "max_tokens", "top_p", "stop")  # wrapper fields; the rest go in sampling_kwargs
+
+
+def split_sampling(sampling: SamplingParams) -> dict[str, Any]:
+    """A :class:`SamplingParams` as wrapper fields: the first-class ones and ``sampling_kwargs``
+    (only the fields that differ from the defaults)."""
+    default = SamplingParams()
+    values = {f: getattr(sampling, f) for f in SAMPLING_FIELDS}
+    out = {f: (list(values[f]) if f == "stop" else values[f]) for f in FIRST_CLASS}
+    out["sampling_kwargs"] = {f: (list(v) if isinstance(v, tuple) else v) for f, v in values.items()
+                              if f not in FIRST_CLASS and v != getattr(default, f)}
+    return out
+
+
+def default_sampling(temperature: float, max_tokens: int, top_p: float, stop: list[str] | tuple[str, ...],
+                     sampling_kwargs: dict[str, Any]) -> SamplingParams:
+    """The wrapper's default sampling.
+
+    Raises:
+        ValueError: an unknown ``sampling_kwargs`` key (accepted ones named) or a value out of range.
+    """
+    unknown = sorted(set(sampling_kwargs) - set(SAMPLING_FIELDS) | set(sampling_kwargs) & set(FIRST_CLASS))
+    if unknown:
+        raise ValueError(f"unknown sampling_kwargs {unknown}; accepted: "
+                         f"{[f for f in SAMPLING_FIELDS if f not in FIRST_CLASS]}")
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, top_p=top_p, stop=tuple(stop),
+                          **sampling_kwargs)
+
+
+def call_sampling(base: SamplingParams, kwargs: dict[str, Any], who: str, ignored: tuple[str, ...] = (),
+                  extra_stop: list[str] | None = None) -> SamplingParams:
+    """The sampling of one call: ``base`` with the call's keyword overrides.
+
+    Args:
+        base: the wrapper's default.
+        kwargs: the call's keyword arguments: ``sampling`` (a whole :class:`SamplingParams`) and/or
+            any of its fields; ``stop`` strings are added to the default's.
+        who: the caller's name for messages.
+        ignored: framework keywords accepted and handled elsewhere (e.g. ``documents``).
+        extra_stop: stop strings the framework passes separately (LangChain's ``stop``).
+    Raises:
+        TypeError: an unknown keyword (named, with the accepted ones).
+        ValueError: a value out of range (from :class:`SamplingParams`).
+    """
+    unknown = sorted(k for k in kwargs if k not in SAMPLING_FIELDS and k != "sampling" and k not in ignored)
+    if unknown:
+        raise TypeError(f"{who} got unsupported keyword argument(s) {unknown}; accepted: "
+                        f"{sorted(('sampling', *SAMPLING_FIELDS, *ignored))}")
+    sampling = kwargs.get("sampling") or base
+    overrides = {k: v for k, v in kwargs.items() if k in SAMPLING_FIELDS and v is not None}
+    stop = list(sampling.stop) + _strings(overrides.pop("stop", ())) + _strings(extra_stop or ())
+    return dataclasses.replace(sampling, **overrides, stop=tuple(dict.fromkeys(stop)))
+
+
+def _strings(value: Any) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
+
+
+def engine_config(model: str | None, context_window: int | None, engine_kwargs: dict[str, Any]) -> EngineConfig:
+    """The :class:`EngineConfig` of a wrapper's settings (``engine_kwargs`` as :meth:`EngineConfig.from_dict`).
+
+    Raises:
+        ValueError: ``engine_kwargs`` names ``model`` or ``max_model_len`` (use the wrapper's
+            fields), or an unknown field.
+    """
+    clash = sorted({"model", "max_model_len"} & set(engine_kwargs))
+    if clash:
+        raise ValueError(f"set {clash} through the wrapper's model / context_window fields, not engine_kwargs")
+    return EngineConfig.from_dict({**engine_kwargs, "model": model, "max_model_len": context_window})

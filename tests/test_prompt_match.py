@@ -1,0 +1,77 @@
+"""The prompt matcher: documents found in formatted prompts however frameworks reformat them."""
+
+import hypothesis.strategies as st
+from hypothesis import given, settings
+
+from lazyattn_rag.integrations.prompt_match import (
+    MIN_CHARS,
+    Candidate,
+    DocumentMatcher,
+    resolve,
+    split_message,
+)
+from lazyattn_rag.messages import DocumentRef
+
+A = "file: a.txt\n\nAlpha line one is here.\nAlpha line two follows it."
+B = "Beta paragraph with words.\n\nBeta more text here, it's \"quoted\" \\ too."
+
+
+def parts(prompt, *candidates):
+    m = DocumentMatcher(candidates)
+    found, partial = m.occurrences(prompt)
+    taken = resolve(found)
+    return split_message(prompt, taken), partial, taken
+
+
+def test_longest_match_wins_overlaps_and_short_texts_are_ignored():
+    a, b = "alpha " * 8, "beta " * 8
+    prompt = "ctx: " + b + " mid " + a + b + " end"
+    out, partial, taken = parts(prompt, Candidate("a", a), Candidate("b", b), Candidate("ab", a + b),
+                                Candidate("short", "alpha"))
+    assert out == ["ctx: ", DocumentRef("b"), "  mid ", DocumentRef("ab"), "  end"]  # the stripped texts match
+    assert [prompt[s:e] for s, e, *_ in taken] == [b.strip(), (a + b).strip()]
+    assert partial == set() and len("alpha") < MIN_CHARS
+
+
+def test_whitespace_is_compared_as_single_spaces_and_the_separator_between_documents_dropped():
+    prompt = "Context:\n  " + A.replace("\n\n", "\n") + "\n\n\n" + B.replace("\n\n", " ") + "\n\nQuery: q"
+    out, _, _ = parts(prompt, Candidate("a", A), Candidate("b", B))
+    assert out == ["Context:\n  ", DocumentRef("a"), DocumentRef("b"), "\n\nQuery: q"]
+
+
+def test_python_repr_of_a_text_list_is_decoded():
+    """LlamaIndex's simple_summarize formats ``context_str`` with the repr of a one-string list."""
+    prompt = "Context information is below.\n-----\n" + repr(["\n".join([A, B])]) + "\n-----\nQuery: q"
+    out, _, taken = parts(prompt, Candidate("a", A), Candidate("b", B))
+    assert out[1:3] == [DocumentRef("a"), DocumentRef("b")]  # the escaped "\n" between them is dropped
+    assert out[0].endswith("['") and out[3].startswith("']") and all(t[3] for t in taken)
+
+
+def test_every_occurrence_is_placed_and_a_truncated_document_is_reported_not_matched():
+    prompt = A + "\n\n" + B + "\n\n" + A + "\n\n" + B[:45]
+    out, partial, _ = parts(prompt, Candidate("a", A), Candidate("b", B))
+    assert out == [DocumentRef("a"), DocumentRef("b"), DocumentRef("a"), "\n\n" + B[:45]]
+    assert partial == set()  # "b" matched whole elsewhere
+    out, partial, _ = parts("x " + A[:50] + " y", Candidate("a", A))
+    assert out == ["x " + A[:50] + " y"] and partial == {"a"}
+
+
+words = st.text(alphabet="abcdefghij", min_size=1, max_size=6)
+docs_strategy = st.lists(st.lists(words, min_size=8, max_size=20).map(" ".join), min_size=1, max_size=4,
+                         unique=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(docs_strategy, st.lists(st.integers(0, 3), min_size=1, max_size=6), st.sampled_from(["\n\n", "\n", "  "]))
+def test_a_prompt_built_from_documents_and_text_splits_back_into_them(docs, order, sep):
+    """Documents pasted between marker text (with any whitespace separator) come back in order."""
+    chosen = [i % len(docs) for i in order]
+    prompt = "HEAD:" + sep + sep.join(docs[i] for i in chosen) + sep + "TAIL"
+    candidates = [Candidate(f"d{i}", d) for i, d in enumerate(docs)]
+    out, _, _ = parts(prompt, *candidates)
+    refs = [p.id for p in out if isinstance(p, DocumentRef)]
+    texts = [p for p in out if isinstance(p, str)]
+    if all(len(d) >= MIN_CHARS for d in docs) and len({d for d in docs}) == len(docs) and not any(
+            a != b and a in b for a in docs for b in docs):
+        assert refs == [f"d{i}" for i in chosen]
+        assert texts[0].startswith("HEAD:") and texts[-1].endswith("TAIL")
