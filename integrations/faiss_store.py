@@ -1,14 +1,20 @@
 """A FAISS document store with stable string ids, kept in step with the engine's KV cache.
 
-faiss-cpu holds the vectors (``IndexIDMap2`` over an exact inner-product ``IndexFlatIP``, on
-unit-length embeddings: cosine similarity); this class maps each document's stable string id
-to a FAISS int64 id and keeps the texts. Updating a document re-embeds it under the same id;
-deleting removes its vector. When an engine is attached, every document added (or loaded) is
-registered with it, so prompts that contain the document's text reuse its K/V, and updates
-and deletions reach the engine's registry too, so a stale or deleted document's cached K/V is
+faiss-cpu holds the vectors (``IndexIDMap2`` over an exact inner-product ``IndexFlatIP``; every
+vector is L2-normalized on the way in, so scores are cosine similarities); this class maps each
+document's stable string id to a FAISS int64 id and keeps the texts. Updating a document
+re-embeds it under the same id; deleting removes its vector. When an engine is attached, every
+document added (or loaded, or held when :meth:`FaissDocumentStore.attach_engine` is called) is
+registered with it, so prompts that contain the document's text reuse its K/V, and updates and
+deletions reach the engine's registry too, so a stale or deleted document's cached K/V is
 dropped with it.
 
-Framework-neutral: the LlamaIndex and LangChain retrievers wrap it.
+Framework-neutral. The frameworks see it through adapters: ``llamaindex_store.FaissVectorStore``
+(a LlamaIndex vector store), ``langchain_store.FaissVectorStore`` (a LangChain ``VectorStore``),
+and the ``FaissRetriever`` classes. Vectors come either from the store's own embedder
+(:class:`~lazyattn_rag.integrations.embeddings.SentenceEmbedder`) or from the caller (a
+framework's embedding model): every batch is checked against the index's dimension, and a
+mismatch raises :class:`EmbeddingDimensionError` naming both dimensions and both embedders.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +36,12 @@ if TYPE_CHECKING:
     from lazyattn_rag.llm import LazyAttention
 
 _INDEX_FILE, _DOCS_FILE, _META_FILE = "index.faiss", "documents.jsonl", "meta.json"
+_FORMAT = 1
+
+
+class EmbeddingDimensionError(ValueError):
+    """Vectors whose dimension differs from the index's (another embedding model than the one the
+    index was built with). The message names both dimensions and both models where known."""
 
 
 def _locked(method):
@@ -39,7 +51,10 @@ def _locked(method):
             return method(self, *args, **kwargs)
 
     return wrapper
-_FORMAT = 1
+
+
+def _named(name: str | None) -> str:
+    return repr(name) if name else "an unnamed embedding model"
 
 
 class FaissDocumentStore:
@@ -47,9 +62,17 @@ class FaissDocumentStore:
 
     Args:
         embedder: a :class:`~lazyattn_rag.integrations.embeddings.SentenceEmbedder` (or any
-            object with ``name``, ``dim`` and ``encode(texts) -> float32 [n, dim]`` unit rows).
+            object with ``name``, ``dim`` and ``encode(texts) -> float32 [n, dim]``): embeds
+            texts for :meth:`upsert` and :meth:`search`. ``None``: vectors come from the caller
+            (``upsert(docs, vectors=...)``, :meth:`search_vector`), as the framework adapters do.
         engine: a :class:`~lazyattn_rag.llm.LazyAttention` to keep in step: :meth:`upsert`
             registers (or updates) documents with it, :meth:`delete` removes them and their K/V.
+        dim: the vectors' dimension without an embedder; ``None`` = set by the first vectors added.
+        embedder_name: the embedding model's name without an embedder (recorded by :meth:`save`
+            and named in errors); with one, its ``name``.
+
+    Raises:
+        ValueError: ``dim`` disagrees with ``embedder.dim``, or is not a positive integer.
 
     Thread safety: every public method may be called from several threads (one lock).
 
@@ -60,17 +83,34 @@ class FaissDocumentStore:
         [(doc, score)] = store.search("How does a for loop work?", k=1)
     """
 
-    def __init__(self, embedder: "SentenceEmbedder", engine: "LazyAttention | None" = None):
-        import faiss
-
+    def __init__(self, embedder: "SentenceEmbedder | None" = None, engine: "LazyAttention | None" = None, *,
+                 dim: int | None = None, embedder_name: str | None = None):
+        if embedder is not None:
+            if dim is not None and dim != embedder.dim:
+                raise ValueError(f"dim={dim} but the embedder {embedder.name!r} gives {embedder.dim}")
+            dim, embedder_name = int(embedder.dim), embedder.name
+        if dim is not None and (not isinstance(dim, int) or dim < 1):
+            raise ValueError(f"dim must be a positive integer, got {dim!r}")
         self.embedder = embedder
         self.engine = engine
-        self.index = faiss.IndexIDMap2(faiss.IndexFlatIP(embedder.dim))
+        self.embedder_name = embedder_name
+        self.index = self._new_index(dim) if dim is not None else None
         self._docs: dict[str, Document] = {}
         self._int_ids: dict[str, int] = {}
         self._str_ids: dict[int, str] = {}
         self._next_id = 0
         self._lock = threading.RLock()
+
+    @staticmethod
+    def _new_index(dim: int):
+        import faiss
+
+        return faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+
+    @property
+    def dim(self) -> int | None:
+        """The vectors' dimension (``None`` until the first vectors of a store built without one)."""
+        return None if self.index is None else int(self.index.d)
 
     def __len__(self) -> int:
         return len(self._docs)
@@ -91,32 +131,94 @@ class FaissDocumentStore:
         return list(self._docs.values())
 
     @_locked
-    def upsert(self, documents: Iterable[Document]) -> list[str]:
+    def attach_engine(self, engine: "LazyAttention") -> None:
+        """Register every stored document with ``engine`` (all or none), then keep it in step
+        (later upserts and deletions reach it). Raises what ``engine.add_documents`` raises."""
+        engine.add_documents(list(self._docs.values()))
+        self.engine = engine
+
+    # --- vectors ----------------------------------------------------------------------------
+    def _vectors(self, raw: Any, rows: int, source: str | None, what: str) -> np.ndarray:
+        """``raw`` as float32 ``[rows, dim]`` unit rows, checked against the index's dimension."""
+        try:
+            vectors = np.array(raw, dtype=np.float32)
+        except (TypeError, ValueError) as e:  # ragged rows: vectors of different lengths
+            raise EmbeddingDimensionError(f"{what} from {_named(source)} are not one [n, dim] array of numbers "
+                                          f"(vectors of different lengths?): {e}") from None
+        if vectors.ndim == 1 and rows == 1:
+            vectors = vectors.reshape(1, -1)
+        if vectors.ndim != 2 or vectors.shape[0] != rows:
+            raise ValueError(f"{what} from {_named(source)}: expected {rows} vectors, got an array of "
+                             f"shape {tuple(vectors.shape)}")
+        if vectors.shape[1] < 1:
+            raise EmbeddingDimensionError(f"{what} from {_named(source)} have 0 dimensions")
+        if self.index is not None and vectors.shape[1] != self.dim:
+            raise EmbeddingDimensionError(
+                f"{what} from {_named(source)} have {vectors.shape[1]} dimensions, but this index holds "
+                f"{self.dim}-dimensional vectors from {_named(self.embedder_name)}: use the embedding model "
+                "the index was built with (or build a new index)")
+        if not np.isfinite(vectors).all():
+            raise ValueError(f"{what} from {_named(source)} contain NaN or infinite values")
+        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+        return np.ascontiguousarray(vectors / np.where(norms > 0, norms, 1.0))
+
+    def _encoder(self, embed: Callable[[list[str]], Any] | None) -> Callable[[list[str]], Any]:
+        if embed is not None:
+            return embed
+        if self.embedder is None:
+            raise ValueError("this store has no embedder: pass vectors= (or embed=), or go through a framework "
+                             "adapter (llamaindex_store / langchain_store)")
+        return self.embedder.encode
+
+    # --- writing ----------------------------------------------------------------------------
+    @_locked
+    def upsert(self, documents: Iterable[Document], vectors: Any = None, *,
+               embed: Callable[[list[str]], Any] | None = None, embedder_name: str | None = None) -> list[str]:
         """Add new documents and replace the text of existing ids (re-embedded, same id).
 
+        Args:
+            documents: the documents; unchanged ones (same text and metadata) are skipped.
+            vectors: their embeddings, ``[len(documents), dim]`` (any float array-like), aligned
+                with ``documents``; ``None`` = embed the changed texts with ``embed`` or the
+                store's embedder.
+            embed: ``texts -> [len(texts), dim]`` used instead of the store's embedder.
+            embedder_name: the model behind ``vectors`` / ``embed``, for error messages and for
+                a store that has no name yet.
         Returns:
             ids that were added or whose text changed (unchanged documents are skipped).
         Raises:
-            ValueError: an empty id or empty text, or the same id twice in one call; with an
-                engine attached, what its ``add_documents`` raises (e.g. ``DocumentTooLongError``).
-                Nothing is changed then.
+            ValueError: an empty id or empty text, or the same id twice in one call; no embedder
+                and no vectors. EmbeddingDimensionError: vectors of another dimension than the
+                index's. With an engine attached, what its ``add_documents`` raises (e.g.
+                ``DocumentTooLongError``). Nothing is changed in any of these cases.
         """
+        documents = list(documents)
         todo: dict[str, Document] = {}
         for d in documents:
             if not isinstance(d.id, str) or not d.id:
                 raise ValueError(f"document id must be a non-empty string, got {d.id!r}")
-            if not d.text or not d.text.strip():
+            if not isinstance(d.text, str) or not d.text.strip():
                 raise ValueError(f"document {d.id!r} has empty text")
             if d.id in todo:
                 raise ValueError(f"document id {d.id!r} appears twice in one upsert")
             old = self._docs.get(d.id)
             if old is None or old.text != d.text or old.metadata != d.metadata:
                 todo[d.id] = d
+        source = embedder_name or (self.embedder_name if vectors is None and embed is None else None)
+        if vectors is not None:
+            arr = self._vectors(vectors, len(documents), source, "the vectors")
+            rows = {d.id: i for i, d in enumerate(documents)}
+            arr = arr[[rows[i] for i in todo]]
+        elif todo:
+            arr = self._vectors(self._encoder(embed)([d.text for d in todo.values()]), len(todo), source,
+                                "the embeddings")
         if not todo:
             return []
-        if self.engine is not None:  # first, all or none: a document the engine refuses changes nothing
+        if self.engine is not None:  # all or none: a document the engine refuses changes nothing
             self.engine.add_documents(list(todo.values()))
-        vectors = self.embedder.encode([d.text for d in todo.values()])
+        if self.index is None:  # a store without a dimension takes the first vectors'
+            self.index = self._new_index(arr.shape[1])
+            self.embedder_name = self.embedder_name or source
         replaced = [self._int_ids[i] for i in todo if i in self._int_ids]
         if replaced:
             self.index.remove_ids(np.asarray(replaced, dtype=np.int64))
@@ -127,7 +229,7 @@ class FaissDocumentStore:
                 self._next_id += 1
             int_ids.append(self._int_ids[doc_id])
             self._docs[doc_id] = doc
-        self.index.add_with_ids(vectors, np.asarray(int_ids, dtype=np.int64))
+        self.index.add_with_ids(arr, np.asarray(int_ids, dtype=np.int64))
         return list(todo)
 
     @_locked
@@ -141,6 +243,8 @@ class FaissDocumentStore:
         for d in ids:
             if d not in self._docs:
                 raise UnknownDocumentError(f"unknown document id {d!r} in the FAISS store")
+        if not ids:
+            return
         self.index.remove_ids(np.asarray([self._int_ids[d] for d in ids], dtype=np.int64))
         for d in ids:
             del self._docs[d]
@@ -148,38 +252,59 @@ class FaissDocumentStore:
             if self.engine is not None and self.engine.has_document(d):
                 self.engine.remove_document(d)
 
+    # --- searching --------------------------------------------------------------------------
     def search(self, query: str, k: int) -> list[tuple[Document, float]]:
         """The ``k`` documents most similar to ``query``, best first, with cosine scores.
 
         Returns fewer than ``k`` when the store holds fewer (never padding).
 
         Raises:
-            ValueError: ``k < 1`` or an empty query.
+            ValueError: ``k < 1``, an empty query, or a store without an embedder.
+            EmbeddingDimensionError: the embedder's vector does not fit the index.
         """
         if not isinstance(query, str) or not query.strip():
             raise ValueError("the query is empty")
-        return self.search_vector(self.embedder.encode([query])[0], k)
+        return self.search_vector(self._encoder(None)([query]), k, embedder_name=self.embedder_name)
 
     @_locked
-    def search_vector(self, vector: Any, k: int) -> list[tuple[Document, float]]:
-        """Like :meth:`search` for a query embedding ``[dim]`` (unit length)."""
+    def search_vector(self, vector: Any, k: int, embedder_name: str | None = None,
+                      accept: Callable[[Document], bool] | None = None) -> list[tuple[Document, float]]:
+        """Like :meth:`search` for a query embedding ``[dim]`` (or ``[1, dim]``).
+
+        Args:
+            vector: the query's embedding (normalized here).
+            k: at most this many results.
+            embedder_name: the model behind ``vector``, named in a dimension error.
+            accept: keep only documents it returns true for (exact: every vector is scored).
+        Raises:
+            ValueError: ``k < 1``. EmbeddingDimensionError: ``vector`` does not fit the index.
+        """
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be an integer >= 1, got {k!r}")
-        n = min(k, self.index.ntotal)
+        if self.index is None:  # nothing was ever added: no dimension to check against
+            return []
+        query = self._vectors(vector, 1, embedder_name, "the query embedding")
+        n = self.index.ntotal if accept is not None else min(k, self.index.ntotal)
         if n == 0:
             return []
-        query = np.asarray(vector, dtype=np.float32).reshape(1, -1)
-        if query.shape[1] != self.embedder.dim:
-            raise ValueError(f"query vector has {query.shape[1]} dimensions, the index {self.embedder.dim}")
         scores, ids = self.index.search(query, n)
-        return [(self._docs[self._str_ids[int(i)]], float(s)) for s, i in zip(scores[0], ids[0]) if i != -1]
+        hits = [(self._docs[self._str_ids[int(i)]], float(s)) for s, i in zip(scores[0], ids[0]) if i != -1]
+        if accept is not None:
+            hits = [h for h in hits if accept(h[0])]
+        return hits[:k]
 
-    # --- persistence ----------------------------------------------------------------------
+    # --- persistence ------------------------------------------------------------------------
     @_locked
     def save(self, directory: str | Path) -> Path:
-        """Write the index, the documents and the embedder's name under ``directory``."""
+        """Write the index, the documents and the embedder's name under ``directory``.
+
+        Raises:
+            ValueError: the store never received a vector (its dimension is unknown).
+        """
         import faiss
 
+        if self.index is None:
+            raise ValueError("nothing to save: the store has no dimension yet (add documents first)")
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         faiss.write_index(self.index, str(out / _INDEX_FILE))
@@ -187,28 +312,42 @@ class FaissDocumentStore:
             for d in self._docs.values():
                 f.write(json.dumps({"id": d.id, "int_id": self._int_ids[d.id], "text": d.text,
                                     "metadata": d.metadata}, ensure_ascii=False) + "\n")
-        meta = {"format": _FORMAT, "embedder": self.embedder.name, "dim": self.embedder.dim,
-                "next_id": self._next_id}
+        meta = {"format": _FORMAT, "embedder": self.embedder_name, "dim": self.dim, "next_id": self._next_id}
         (out / _META_FILE).write_text(json.dumps(meta))
         return out
 
     @classmethod
-    def load(cls, directory: str | Path, embedder: "SentenceEmbedder",
-             engine: "LazyAttention | None" = None) -> "FaissDocumentStore":
+    def load(cls, directory: str | Path, embedder: "SentenceEmbedder | None" = None,
+             engine: "LazyAttention | None" = None, *, embedder_name: str | None = None) -> "FaissDocumentStore":
         """Read a store written by :meth:`save`.
 
+        Args:
+            directory: what :meth:`save` wrote.
+            embedder: the store's embedder (must be the one it was built with); ``None`` for a
+                store fed with vectors by a framework adapter.
+            engine: registers every loaded document with it (all or none) and stays attached.
+            embedder_name: without an embedder, the model the caller will embed with; checked
+                against the saved name when both are known.
         Raises:
             FileNotFoundError: a file is missing.
-            ValueError: written by another embedder or format, or index and documents disagree.
+            ValueError: written by another embedder or format, or index and documents disagree
+                (EmbeddingDimensionError when only the dimension differs).
         """
         import faiss
 
         src = Path(directory)
         meta = json.loads((src / _META_FILE).read_text())
-        if meta.get("format") != _FORMAT or meta.get("embedder") != embedder.name or meta.get("dim") != embedder.dim:
-            raise ValueError(f"index in {src} was built with {meta.get('embedder')!r} (dim {meta.get('dim')}, "
-                             f"format {meta.get('format')}); this embedder is {embedder.name!r} (dim {embedder.dim})")
-        store = cls(embedder, engine)
+        saved = f"{meta.get('embedder')!r} (dim {meta.get('dim')}, format {meta.get('format')})"
+        if meta.get("format") != _FORMAT:
+            raise ValueError(f"index in {src} has format {meta.get('format')}; this version reads {_FORMAT}")
+        want = embedder.name if embedder is not None else embedder_name
+        if want is not None and meta.get("embedder") is not None and meta["embedder"] != want:
+            raise ValueError(f"index in {src} was built with {saved}; this embedder is {want!r}")
+        if embedder is not None and meta.get("dim") != embedder.dim:
+            raise EmbeddingDimensionError(f"index in {src} was built with {saved}; this embedder {want!r} "
+                                          f"gives {embedder.dim}-dimensional vectors")
+        store = cls(embedder, None, dim=None if embedder is not None else int(meta["dim"]),
+                    embedder_name=meta.get("embedder") if embedder is None else None)
         store.index = faiss.read_index(str(src / _INDEX_FILE))
         with open(src / _DOCS_FILE, encoding="utf-8") as f:
             for line in f:
@@ -216,9 +355,9 @@ class FaissDocumentStore:
                 store._docs[row["id"]] = Document(row["id"], row["text"], row["metadata"])
                 store._int_ids[row["id"]], store._str_ids[row["int_id"]] = row["int_id"], row["id"]
         store._next_id = meta["next_id"]
-        if store.index.ntotal != len(store._docs):
-            raise ValueError(f"{src}: the index holds {store.index.ntotal} vectors but there are "
-                             f"{len(store._docs)} documents")
+        if store.index.ntotal != len(store._docs) or store.dim != meta["dim"]:
+            raise ValueError(f"{src}: the index holds {store.index.ntotal} vectors of dimension {store.dim} but "
+                             f"there are {len(store._docs)} documents of dimension {meta['dim']}")
         if engine is not None:
-            engine.add_documents(list(store._docs.values()))
+            store.attach_engine(engine)
         return store

@@ -17,9 +17,14 @@ Nothing else changes: events and spans still reach every other handler.
 
 from __future__ import annotations
 
+import contextvars
+import inspect
+import logging
 import threading
+from dataclasses import dataclass
 from typing import Any
 
+from llama_index.core.base.response.schema import AsyncStreamingResponse, StreamingResponse
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
@@ -32,6 +37,7 @@ from lazyattn_rag.integrations.retrieval_log import RetrievalLog
 from lazyattn_rag.integrations.reuse_report import CallReport, ReuseSummary
 
 METADATA_KEY = "lazyattn"
+logger = logging.getLogger("lazyattn_rag.integrations")
 _LOG = RetrievalLog()
 _REPORTS: dict[str, list[CallReport]] = {}
 _REPORTS_LOCK = threading.Lock()
@@ -65,7 +71,10 @@ class _SpanTree(BaseSpanHandler[Any]):
 
     def prepare_to_exit_span(self, id_: str, bound_args: Any, instance: Any = None, result: Any = None,
                              **kwargs: Any) -> None:
-        _attach(id_, result)
+        try:
+            _attach(id_, result)
+        except Exception:  # LlamaIndex swallows handler errors silently: say it
+            logger.exception("lazyattn-rag: attaching reuse metadata to %s failed", id_)
         _LOG.end(id_)
         return None
 
@@ -84,7 +93,10 @@ class _RetrievalEvents(BaseEventHandler):
 
     def handle(self, event: Any, **kwargs: Any) -> None:
         if isinstance(event, RetrievalEndEvent):
-            add_retrieved(event.nodes, event.span_id)
+            try:
+                add_retrieved(event.nodes, event.span_id)
+            except Exception:  # LlamaIndex swallows handler errors silently: say it
+                logger.exception("lazyattn-rag: recording retrieved nodes failed")
 
 
 def install() -> None:
@@ -103,9 +115,23 @@ def current_span() -> str | None:
     return active_span_id.get()
 
 
+@dataclass
+class _Deferred:
+    """A streaming response's query, for LLM calls its generator makes after the query's spans ended."""
+
+    candidates: list[Candidate]
+    summary: ReuseSummary
+
+
+_DEFERRED: contextvars.ContextVar[_Deferred | None] = contextvars.ContextVar("lazyattn_deferred", default=None)
+
+
 def retrieved_candidates(span_id: str | None = None) -> list[Candidate]:
-    """Nodes retrieved so far in the query that ``span_id`` (default: the active span) belongs to."""
-    return _LOG.documents(current_span() if span_id is None else span_id)
+    """Nodes retrieved so far in the query that ``span_id`` (default: the active span) belongs to,
+    or, inside a streaming response's generator, in the query that returned it."""
+    found = _LOG.documents(current_span() if span_id is None else span_id)
+    deferred = _DEFERRED.get()
+    return found + deferred.candidates if deferred is not None else found
 
 
 def add_retrieved(nodes: list[Any], span_id: str | None = None) -> None:
@@ -119,12 +145,30 @@ def record_call(report: CallReport, span_id: str | None = None) -> None:
     with _REPORTS_LOCK:  # (the log takes its own lock inside; it never takes this one)
         for ancestor in _LOG.ancestors(node):
             _REPORTS.setdefault(ancestor, []).append(report)
+    deferred = _DEFERRED.get()
+    if deferred is not None:
+        deferred.summary.add([report])
 
 
 def _attach(span_id: str, result: Any) -> None:
+    """A span returned ``result``: give a response its reuse summary; a streaming one also
+    carries its query's documents into its generator (LlamaIndex's synthesizers may call the
+    LLM only when the stream is read, after the query's spans ended)."""
     with _REPORTS_LOCK:
-        calls = _REPORTS.pop(span_id, None)
-    if not calls or result is None or not hasattr(result, "source_nodes"):
+        calls = _REPORTS.pop(span_id, None) or []
+    if result is None or not hasattr(result, "source_nodes"):
+        return
+    deferred = getattr(result, "_lazyattn_deferred", None)
+    if deferred is None and _is_stream(result):
+        deferred = _Deferred([], ReuseSummary())
+        _wrap_stream(result, deferred)
+    if deferred is not None:
+        deferred.candidates[:] = _LOG.documents(span_id) or deferred.candidates
+        deferred.summary.add(calls)
+        summary = deferred.summary
+    elif calls:
+        summary = ReuseSummary(calls)
+    else:
         return
     metadata = getattr(result, "metadata", None)
     if metadata is None:
@@ -133,4 +177,48 @@ def _attach(span_id: str, result: Any) -> None:
             result.metadata = metadata
         except (AttributeError, TypeError):  # a response type that takes no metadata
             return
-    metadata[METADATA_KEY] = ReuseSummary(calls)
+    metadata[METADATA_KEY] = summary
+
+
+def _is_stream(result: Any) -> bool:
+    """A query engine's streaming response with a generator not yet wrapped."""
+    if not isinstance(result, (StreamingResponse, AsyncStreamingResponse)):
+        return False
+    return inspect.isgenerator(result.response_gen) or inspect.isasyncgen(result.response_gen)
+
+
+def _wrap_stream(result: Any, deferred: _Deferred) -> None:
+    gen = result.response_gen
+    result.response_gen = _async_in(gen, deferred) if inspect.isasyncgen(gen) else _sync_in(gen, deferred)
+    result._lazyattn_deferred = deferred
+
+
+def _sync_in(gen, deferred: _Deferred):
+    """``gen``'s items, each produced with ``deferred`` as the current query."""
+    try:
+        while True:
+            token = _DEFERRED.set(deferred)
+            try:
+                item = next(gen)
+            except StopIteration:
+                return
+            finally:
+                _DEFERRED.reset(token)
+            yield item
+    finally:
+        gen.close()
+
+
+async def _async_in(gen, deferred: _Deferred):
+    try:
+        while True:
+            token = _DEFERRED.set(deferred)
+            try:
+                item = await gen.__anext__()
+            except StopAsyncIteration:
+                return
+            finally:
+                _DEFERRED.reset(token)
+            yield item
+    finally:
+        await gen.aclose()

@@ -42,11 +42,17 @@ class ReuseSummary(dict):
     ``calls`` (each :class:`CallReport`). Calls still streaming count once they finish.
     """
 
-    def __init__(self, calls: list[CallReport]):
+    def __init__(self, calls: list[CallReport] = ()):
         super().__init__()
-        self.calls = list(calls)
-        for call in self.calls:
-            call._summaries.append(self)
+        self.calls: list[CallReport] = []
+        self.add(calls)
+
+    def add(self, calls: list[CallReport]) -> None:
+        """Count more calls (each once)."""
+        for call in calls:
+            if not any(call is c for c in self.calls):
+                self.calls.append(call)
+                call._summaries.append(self)
         self.refresh()
 
     def refresh(self) -> None:

@@ -24,8 +24,9 @@ def smollm2_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2(smollm2_dir):
     """One shared LazyAttention over the default model (CPU, float32, torch backend)."""
-    from lazyattn_rag import EngineConfig
-    from lazyattn_rag.config import CacheConfig
     from lazyattn_rag.llm import LazyAttention
 
-    return LazyAttention(EngineConfig(device="cpu", attention_backend="torch", cache=CacheConfig(num_blocks=512)))
+    from lazyattn_rag import EngineConfig
+    from tests.integrations_kit import SMOLLM2_ENGINE_KWARGS
+
+    return LazyAttention.shared(EngineConfig.from_dict(SMOLLM2_ENGINE_KWARGS))

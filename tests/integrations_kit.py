@@ -8,6 +8,8 @@ from lazyattn_rag import CacheConfig, Document, EngineConfig, PromptConfig, Samp
 from lazyattn_rag.llm import LazyAttention
 from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
 
+SMOLLM2_ENGINE_KWARGS = {"device": "cpu", "attention_backend": "torch", "cache": {"num_blocks": 512}}
+"""The session's ``smollm2`` engine settings: wrappers built with ``engine_kwargs=`` these share it."""
 PROMPT = PromptConfig(instruction="w190 w191 w192 ", document_separator=" ", question_prefix="Question : ")
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
@@ -88,6 +90,35 @@ class StreamSpy:
                 yield delta
         finally:
             inner.close()
+
+    @property
+    def last(self) -> dict:
+        return self.calls[-1]
+
+
+class PlanSpy:
+    """Records every request submitted to one engine, on every path (sync, async, id, chat):
+    ``calls[i]`` is ``{"plan", "doc_ids", "stats"}`` (stats once the request finished)."""
+
+    def __init__(self, engine: LazyAttention):
+        self.calls: list[dict] = []
+        inner = engine.engine.submit
+
+        def submit(plan, params, sink, warm_only=False):
+            call = {"plan": plan, "doc_ids": [c.doc_id for c in plan.chunks if c.doc_id is not None],
+                    "stats": None}
+
+            def recording_sink(item):
+                if getattr(item, "finished", False):
+                    call["stats"] = item.stats
+                sink(item)
+
+            request = inner(plan, params, recording_sink, warm_only)
+            if not warm_only:
+                self.calls.append(call)
+            return request
+
+        engine.engine.submit = submit
 
     @property
     def last(self) -> dict:
