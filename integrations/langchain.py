@@ -60,7 +60,7 @@ from lazyattn_rag.outputs import StreamDelta
 from lazyattn_rag.sampling import SamplingParams
 
 METADATA_KEY = "lazyattn"
-_CALL_KEYWORDS = ("documents",)  # ChatLazyAttention's own call keyword, besides the sampling fields
+_CALL_KEYWORDS = ("documents", "model")  # ChatLazyAttention's own call keywords, besides the sampling fields
 logger = logging.getLogger("lazyattn_rag.integrations")
 
 __all__ = ["ChatLazyAttention", "FaissRetriever", "document_block", "documents_to_messages", "rag_chain",
@@ -152,8 +152,9 @@ class ChatLazyAttention(BaseChatModel):
     Every result message carries ``usage_metadata`` (``input_token_details.cache_read`` = prompt
     tokens served from the KV cache) and ``response_metadata["lazyattn"] = {"doc_ids", "stats",
     "prompt_match"?, "finish_reason"}``. Per call, ``stop`` and any :class:`SamplingParams`
-    field (``max_tokens``, ``temperature``...) or a whole ``sampling=`` override the defaults;
-    other keywords raise ``TypeError`` naming the accepted ones. Tool calling and structured
+    field (``max_tokens``, ``temperature``...) or a whole ``sampling=`` override the defaults,
+    ``model=`` runs the call on that model's shared engine (loaded on first use); other
+    keywords raise ``TypeError`` naming the accepted ones. Tool calling and structured
     output are not supported (``bind_tools`` / ``with_structured_output`` raise
     ``NotImplementedError`` saying so).
 
@@ -178,7 +179,7 @@ class ChatLazyAttention(BaseChatModel):
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
     sampling_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other SamplingParams fields.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other EngineConfig fields.")
-    _matcher: PromptMatcher | None = PrivateAttr(default=None)
+    _matchers: dict[int, PromptMatcher] = PrivateAttr(default_factory=dict)
     _warned: bool = PrivateAttr(default=False)
 
     def __init__(self, sampling: SamplingParams | None = None, **kwargs: Any):
@@ -209,13 +210,21 @@ class ChatLazyAttention(BaseChatModel):
     def _model_name(self) -> str:
         return self.model or "SmolLM2-135M-Instruct"
 
+    def _engine_for(self, model: str | None) -> LazyAttention:
+        """The engine of a call: this model's, or for a per-call ``model=`` override the process's
+        shared engine of that model (same other settings), loaded on first use."""
+        if model is None or model == self.model:
+            return self.engine
+        return LazyAttention.shared(engine_config(model, self.context_window, self.engine_kwargs))
+
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {"model_name": self._model_name, **dataclasses.asdict(self.sampling)}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         sampling = call_sampling(self.sampling, kwargs, "ChatLazyAttention", _CALL_KEYWORDS, stop)
-        params = LangSmithParams(ls_provider="lazyattn-rag", ls_model_name=self._model_name, ls_model_type="chat",
+        name = kwargs.get("model") or self._model_name
+        params = LangSmithParams(ls_provider="lazyattn-rag", ls_model_name=name, ls_model_type="chat",
                                  ls_temperature=sampling.temperature, ls_max_tokens=sampling.max_tokens)
         if sampling.stop:
             params["ls_stop"] = list(sampling.stop)
@@ -233,14 +242,14 @@ class ChatLazyAttention(BaseChatModel):
         raise NotImplementedError("ChatLazyAttention does not support structured output (no constrained "
                                   "decoding yet); parse its text with an output parser instead")
 
-    def _prepare(self, messages, stop, kwargs, run_manager) -> tuple[EngineRequest, SamplingParams]:
+    def _prepare(self, messages, stop, kwargs, run_manager) -> tuple[EngineRequest, SamplingParams, LazyAttention]:
         sampling = call_sampling(self.sampling, kwargs, "ChatLazyAttention", _CALL_KEYWORDS, stop)
-        if self._matcher is None:
-            self._matcher = PromptMatcher(self.engine)
+        engine = self._engine_for(kwargs.get("model"))
+        matcher = self._matchers.setdefault(id(engine), PromptMatcher(engine))
         retrieved = langchain_callbacks.retrieved_candidates(run_manager.run_id if run_manager else None)
-        request = build_request(self.engine, messages, kwargs.get("documents"), self._matcher, retrieved)
+        request = build_request(engine, messages, kwargs.get("documents"), matcher, retrieved)
         self._warn_once(request, messages, bool(retrieved))
-        return request, sampling
+        return request, sampling, engine
 
     def _warn_once(self, request: EngineRequest, messages: Sequence[BaseMessage], retrieved: bool) -> None:
         if self._warned or request.match is None or request.match.doc_ids:
@@ -265,9 +274,9 @@ class ChatLazyAttention(BaseChatModel):
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        request, sampling = self._prepare(messages, stop, kwargs, run_manager)
-        for delta in request.stream(self.engine, sampling):
-            chunk = self._chunk(request, delta)
+        request, sampling, engine = self._prepare(messages, stop, kwargs, run_manager)
+        for delta in request.stream(engine, sampling):
+            chunk = self._chunk(request, delta, kwargs.get("model"))
             if chunk is not None:
                 if run_manager and delta.text:
                     run_manager.on_llm_new_token(delta.text, chunk=chunk)
@@ -276,22 +285,22 @@ class ChatLazyAttention(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        request, sampling = await asyncio.to_thread(self._prepare, messages, stop, kwargs, run_manager)
-        async for delta in request.astream(self.engine, sampling):
-            chunk = self._chunk(request, delta)
+        request, sampling, engine = await asyncio.to_thread(self._prepare, messages, stop, kwargs, run_manager)
+        async for delta in request.astream(engine, sampling):
+            chunk = self._chunk(request, delta, kwargs.get("model"))
             if chunk is not None:
                 if run_manager and delta.text:
                     await run_manager.on_llm_new_token(delta.text, chunk=chunk)
                 yield chunk
 
-    def _chunk(self, request: EngineRequest, delta: StreamDelta) -> ChatGenerationChunk | None:
+    def _chunk(self, request: EngineRequest, delta: StreamDelta, model: str | None) -> ChatGenerationChunk | None:
         if not delta.finished:
             return ChatGenerationChunk(message=AIMessageChunk(content=delta.text)) if delta.text else None
         s = delta.stats
         usage = {"input_tokens": s.num_prompt_tokens, "output_tokens": s.num_output_tokens,
                  "total_tokens": s.num_prompt_tokens + s.num_output_tokens,
                  "input_token_details": {"cache_read": s.num_cached_tokens}}
-        meta = {"model_name": self._model_name, "finish_reason": delta.finish_reason,
+        meta = {"model_name": model or self._model_name, "finish_reason": delta.finish_reason,
                 METADATA_KEY: request.report}
         message = AIMessageChunk(content=delta.text, usage_metadata=usage, response_metadata=meta,
                                  chunk_position="last")

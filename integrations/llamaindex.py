@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -49,7 +50,7 @@ from llama_index.core.instrumentation.events.synthesis import SynthesizeEndEvent
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
-from llama_index.core.prompts import BasePromptTemplate
+from llama_index.core.prompts import BasePromptTemplate, ChatPromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
@@ -71,10 +72,11 @@ from lazyattn_rag.sampling import SamplingParams
 
 METADATA_KEY = "lazyattn"
 DOCUMENTS_KEY = "lazyattn_documents"  # a ChatMessage's additional_kwargs key: documents placed by id
+SAMPLING_KEY = "lazyattn_sampling"  # and: SamplingParams fields of the call (the synthesizer's own)
 logger = logging.getLogger("lazyattn_rag.integrations")
 _dispatcher = get_dispatcher(__name__)
 
-__all__ = ["DOCUMENTS_KEY", "FaissRetriever", "KVCacheWarmer", "LazyAttentionLLM", "LazyAttentionSynthesizer",
+__all__ = ["DOCUMENTS_KEY", "SAMPLING_KEY", "FaissRetriever", "KVCacheWarmer", "LazyAttentionLLM", "LazyAttentionSynthesizer",
            "METADATA_KEY", "as_query_engine", "node_document"]
 
 
@@ -161,8 +163,12 @@ class LazyAttentionLLM(CustomLLM):
                            model_name=self.model or self.engine.model_name)
 
     # --- requests --------------------------------------------------------------------------
-    def _sampling_for(self, kwargs: dict) -> SamplingParams:
-        return call_sampling(self.sampling, kwargs, "LazyAttentionLLM")
+    def _sampling_for(self, kwargs: dict, messages: Sequence[ChatMessage] = ()) -> SamplingParams:
+        """The call's sampling: the defaults, a synthesizer's own (on its message), the keywords."""
+        base = self.sampling
+        if messages and SAMPLING_KEY in messages[-1].additional_kwargs:
+            base = SamplingParams(**messages[-1].additional_kwargs[SAMPLING_KEY])
+        return call_sampling(base, kwargs, "LazyAttentionLLM")
 
     def _request(self, messages: Sequence[ChatMessage]) -> EngineRequest:
         """The engine request of ``messages``: the id path when the last one carries documents,
@@ -203,7 +209,7 @@ class LazyAttentionLLM(CustomLLM):
         return _completions(request, request.stream(self.engine, sampling))
 
     def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict) -> ChatResponseGen:
-        sampling = self._sampling_for(kwargs)
+        sampling = self._sampling_for(kwargs, messages)
         request = self._request(messages)
         return (_chat_response(c) for c in _completions(request, request.stream(self.engine, sampling)))
 
@@ -213,7 +219,7 @@ class LazyAttentionLLM(CustomLLM):
         return _acompletions(request, request.astream(self.engine, sampling))
 
     async def _astream_chat(self, messages: Sequence[ChatMessage], kwargs: dict) -> ChatResponseAsyncGen:
-        sampling = self._sampling_for(kwargs)
+        sampling = self._sampling_for(kwargs, messages)
         request = await asyncio.to_thread(self._request, messages)
         completions = _acompletions(request, request.astream(self.engine, sampling))
 
@@ -393,48 +399,30 @@ class LazyAttentionSynthesizer(BaseSynthesizer):
             docs = _content_documents(text_chunks)
         return [{"id": d.id, "text": d.text} for d in rag_request("", docs).documents]
 
-    def _messages(self, query_str: str, text_chunks: Sequence[str]) -> list[ChatMessage] | None:
-        """The id path's one message (``None`` when a custom template is set)."""
-        if self._text_qa_template is not None:
-            return None
-        docs = self._documents(text_chunks)
-        return [ChatMessage(role=MessageRole.USER, content=query_str, additional_kwargs={DOCUMENTS_KEY: docs})]
-
-    def _template_args(self, query_str: str, text_chunks: Sequence[str]) -> dict:
-        nodes = _SYNTH_NODES.get() or []
-        llamaindex_events.add_retrieved(nodes)  # placed wherever the template puts them
-        return {"context_str": "\n\n".join(c.strip() for c in text_chunks), "query_str": query_str}
+    def _prompt(self, query_str: str, text_chunks: Sequence[str]) -> ChatPromptTemplate:
+        """The call's messages as a template without variables (``LLM.predict`` then emits the
+        same events as for LlamaIndex's own synthesizers). The id path's one message carries the
+        documents by id; a custom template is formatted with ``context_str`` and ``query_str``
+        and its nodes are found in it. The last message carries this synthesizer's sampling."""
+        sampling = {SAMPLING_KEY: dataclasses.asdict(self._sampling)}
+        if self._text_qa_template is None:
+            extra = {DOCUMENTS_KEY: self._documents(text_chunks), **sampling}
+            messages = [ChatMessage(role=MessageRole.USER, content=query_str, additional_kwargs=extra)]
+        else:
+            llamaindex_events.add_retrieved(_SYNTH_NODES.get() or [])  # placed wherever the template puts them
+            context = "\n\n".join(c.strip() for c in text_chunks)
+            messages = self._text_qa_template.format_messages(context_str=context, query_str=query_str)
+            last = messages[-1]
+            messages[-1] = last.model_copy(update={"additional_kwargs": {**last.additional_kwargs, **sampling}})
+        return ChatPromptTemplate(message_templates=messages)
 
     def get_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any):
-        messages = self._messages(query_str, text_chunks)
-        kwargs = {"sampling": self._sampling, **kwargs}
-        if messages is None:
-            args = self._template_args(query_str, text_chunks)
-            if self._streaming:
-                return self._llm.stream_predict(self._text_qa_template, **args)
-            return self._llm.predict(self._text_qa_template, **args)
-        if self._streaming:
-            return (r.delta for r in self._llm.stream_chat(messages, **kwargs) if r.delta)
-        return self._llm.chat(messages, **kwargs).message.content
+        prompt = self._prompt(query_str, text_chunks)
+        return self._llm.stream(prompt) if self._streaming else self._llm.predict(prompt)
 
     async def aget_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any):
-        messages = self._messages(query_str, text_chunks)
-        kwargs = {"sampling": self._sampling, **kwargs}
-        if messages is None:
-            args = self._template_args(query_str, text_chunks)
-            if self._streaming:
-                return await self._llm.astream_predict(self._text_qa_template, **args)
-            return await self._llm.apredict(self._text_qa_template, **args)
-        if self._streaming:
-            stream = await self._llm.astream_chat(messages, **kwargs)
-            return _adeltas(stream)
-        return (await self._llm.achat(messages, **kwargs)).message.content
-
-
-async def _adeltas(stream: ChatResponseAsyncGen) -> AsyncIterator[str]:
-    async for r in stream:
-        if r.delta:
-            yield r.delta
+        prompt = self._prompt(query_str, text_chunks)
+        return await (self._llm.astream(prompt) if self._streaming else self._llm.apredict(prompt))
 
 
 def _content_documents(text_chunks: Sequence[str]) -> list[Document]:
