@@ -39,7 +39,8 @@ from lazyattn_rag.integrations.reuse_report import CallReport, ReuseSummary
 METADATA_KEY = "lazyattn"
 logger = logging.getLogger("lazyattn_rag.integrations")
 _LOG = RetrievalLog()
-_REPORTS: dict[str, list[CallReport]] = {}
+_REPORTS: dict[str, list[CallReport]] = {}  # span id -> calls made below it
+_STREAMS: dict[str, "_Deferred"] = {}  # span id -> a streaming response returned below it
 _REPORTS_LOCK = threading.Lock()
 _INSTALLED = threading.Event()
 _INSTALL_LOCK = threading.Lock()
@@ -82,6 +83,7 @@ class _SpanTree(BaseSpanHandler[Any]):
                              **kwargs: Any) -> None:
         with _REPORTS_LOCK:
             _REPORTS.pop(id_, None)
+            _STREAMS.pop(id_, None)
         _LOG.end(id_)
         return None
 
@@ -153,12 +155,14 @@ def record_call(report: CallReport, span_id: str | None = None) -> None:
 def _attach(span_id: str, result: Any) -> None:
     """A span returned ``result``: give a response its reuse summary; a streaming one also
     carries its query's documents into its generator (LlamaIndex's synthesizers may call the
-    LLM only when the stream is read, after the query's spans ended)."""
+    LLM only when the stream is read, after the query's spans ended), and the responses that
+    enclosing spans return (a chat engine's stream) share its summary."""
     with _REPORTS_LOCK:
         calls = _REPORTS.pop(span_id, None) or []
+        inherited = _STREAMS.pop(span_id, None)
     if result is None or not hasattr(result, "source_nodes"):
         return
-    deferred = getattr(result, "_lazyattn_deferred", None)
+    deferred = getattr(result, "_lazyattn_deferred", None) or inherited
     if deferred is None and _is_stream(result):
         deferred = _Deferred([], ReuseSummary())
         _wrap_stream(result, deferred)
@@ -166,6 +170,9 @@ def _attach(span_id: str, result: Any) -> None:
         deferred.candidates[:] = _LOG.documents(span_id) or deferred.candidates
         deferred.summary.add(calls)
         summary = deferred.summary
+        with _REPORTS_LOCK:
+            for ancestor in _LOG.ancestors(span_id)[1:]:
+                _STREAMS.setdefault(ancestor, deferred)
     elif calls:
         summary = ReuseSummary(calls)
     else:

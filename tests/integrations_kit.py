@@ -34,10 +34,10 @@ def embedder():
     return SentenceEmbedder()
 
 
-def tiny_engine(num_blocks: int = 256) -> LazyAttention:
+def tiny_engine(num_blocks: int = 256, max_model_len: int | None = None) -> LazyAttention:
     """A random 2-layer Llama with the word-level tokenizer (no chat template)."""
     _, ours = hf_and_ours(hf_config())
-    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch",
+    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", max_model_len=max_model_len,
                           cache=CacheConfig(num_blocks=num_blocks, block_size=16), prompt=PROMPT)
     return LazyAttention.from_model(ours, word_tokenizer(), config)
 

@@ -270,3 +270,52 @@ def test_default_query_engine_reuses_cached_chunks_through_the_prompt_fallback(l
     assert spy.last["stats"].docs_hit == ids and spy.last["stats"].docs_missed == []
     texts = [p for m in spy.last["messages"] for p in m.parts() if isinstance(p, str)]
     assert any("Where do rivers flow?" in t for t in texts)  # LlamaIndex's own template around the documents
+
+
+def test_repacked_nodes_are_placed_whole_or_computed_as_text_never_mixed():
+    """A small context window makes compact mode split the joined node texts across two calls:
+    a node cut in two is reported as partial and computed as text; whole ones are placed."""
+    from llama_index.core import VectorStoreIndex
+    from llama_index.core.embeddings import MockEmbedding
+    from llama_index.core.schema import TextNode
+
+    from tests.integrations_kit import PlanSpy, tiny_engine
+
+    engine = tiny_engine(max_model_len=1000)
+    spy = PlanSpy(engine)
+    llm = LazyAttentionLLM(engine, SamplingParams(max_tokens=2, ignore_eos=True))
+    texts = {f"n{i}": words(80, 30 * i) for i in range(4)}
+    nodes = [TextNode(id_=k, text=t) for k, t in texts.items()]
+    index = VectorStoreIndex(nodes, embed_model=MockEmbedding(embed_dim=8))
+    response = index.as_query_engine(llm=llm, similarity_top_k=4, response_mode="compact").query("w1 w2")
+    calls = response.metadata["lazyattn"]["calls"]
+    assert len(calls) >= 2  # LlamaIndex repacked the nodes into several prompts
+    partial = {d for c in calls for d in c["prompt_match"].get("partial_ids", [])}
+    assert partial  # a node cut at a prompt boundary
+    for call in spy.calls:
+        for chunk in call["plan"].chunks:
+            if chunk.doc_id is not None:  # a placed node is its whole registered text
+                assert engine.engine.documents[chunk.doc_id].token_ids == chunk.token_ids
+    for c in calls:
+        assert not set(c["doc_ids"]) & set(c["prompt_match"].get("partial_ids", []))
+    engine.shutdown()
+
+
+def test_nodes_with_metadata_headers_are_found_as_the_llm_sees_them(llm, engine):
+    """MetadataMode.LLM puts "key: value" lines before the text: the node's id covers both."""
+    from llama_index.core import VectorStoreIndex
+    from llama_index.core.embeddings import MockEmbedding
+    from llama_index.core.schema import TextNode
+
+    node = TextNode(id_="with-meta", text=words(30, 11), metadata={"file_name": "w5.txt", "secret": "x"},
+                    excluded_llm_metadata_keys=["secret"])
+    index = VectorStoreIndex([node], embed_model=MockEmbedding(embed_dim=8))
+    chat = index.as_chat_engine(chat_mode="context", llm=llm, similarity_top_k=1)
+    response = chat.chat("w1 w2")
+    meta = response.metadata["lazyattn"]
+    assert meta["doc_ids"] == ["with-meta"]
+    assert engine.engine.documents["with-meta"].text.startswith("file_name: w5.txt")
+    streamed = chat.stream_chat("w3 w4")
+    assert "".join(streamed.response_gen) is not None
+    assert streamed.metadata["lazyattn"]["doc_ids"] == ["with-meta"]
+    engine.remove_document("with-meta")
