@@ -216,12 +216,18 @@ def test_async_cancellation_frees_blocks():
     allm = AsyncLazyAttention(llm)
 
     async def run():
+        streaming = asyncio.Event()
+
         async def consume():
-            async for _ in allm.stream("w1", ["ok"], sampling=SamplingParams(max_tokens=200, ignore_eos=True)):
+            n = 0
+            async for _ in allm.stream("w1", ["ok"], sampling=SamplingParams(max_tokens=4000, ignore_eos=True)):
+                n += 1
+                if n == 3:
+                    streaming.set()  # cancelled mid-stream, whatever the machine's speed
                 await asyncio.sleep(0)
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.3)
+        await streaming.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
