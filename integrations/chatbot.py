@@ -1,9 +1,11 @@
 """The FAISS chatbot: Python's language reference (or your documents), LlamaIndex, LazyAttention.
 
-Retrieval is a FAISS index over chunks of the corpus, embedded offline with all-MiniLM-L6-v2
-and persisted under the cache dir (built once, reloaded after). Answers come from LlamaIndex's
-query engine with :class:`~lazyattn_rag.integrations.llamaindex.LazyAttentionLLM`: the
-retrieved chunks reach the engine by id, so a chunk retrieved again is served from the KV
+Retrieval is a LlamaIndex ``VectorStoreIndex`` over chunks of the corpus: the vector store is
+the project's FAISS store (:class:`~lazyattn_rag.integrations.llamaindex_store.FaissVectorStore`),
+the embed model LlamaIndex's ``HuggingFaceEmbedding`` over the offline all-MiniLM-L6-v2; the
+index is persisted under the cache dir (built once, reloaded after). Answers come from
+LlamaIndex's query engine with :class:`~lazyattn_rag.integrations.llamaindex.LazyAttentionLLM`:
+the retrieved chunks reach the engine by id, so a chunk retrieved again is served from the KV
 cache at whatever position it lands. ``lazyattn chat`` and ``examples/chatbot.py`` run
 :func:`run_chat`.
 """
@@ -27,11 +29,13 @@ from lazyattn_rag.integrations.corpus import (
     folder_sources,
     pydoc_sources,
 )
-from lazyattn_rag.integrations.embeddings import SentenceEmbedder
-from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
+from lazyattn_rag.integrations.embeddings import embedding_model_name, embedding_tokenizer, llamaindex_embedding
 from lazyattn_rag.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from llama_index.core.base.embeddings.base import BaseEmbedding
+
+    from lazyattn_rag.integrations.llamaindex_store import FaissVectorStore
     from lazyattn_rag.llm import LazyAttention
 
 # Two questions whose retrievals share chunks: the second shows cache hits at new offsets.
@@ -69,31 +73,41 @@ class ChatOptions:
     engine: EngineConfig = EngineConfig()
 
 
-def corpus_fingerprint(sources: list[Source], embedder: SentenceEmbedder, overlap: int) -> str:
-    """A digest of everything the index depends on (texts, ids, chunking, embedder)."""
-    h = hashlib.sha256(json.dumps([INDEX_FORMAT, embedder.name, embedder.max_seq_length, overlap]).encode())
+def corpus_fingerprint(sources: list[Source], embed_model: "BaseEmbedding", overlap: int) -> str:
+    """A digest of everything the index depends on (texts, ids, chunking, embedding model: its
+    :func:`embedding_model_name` and ``max_length``); the same as before the chatbot embedded
+    through LlamaIndex, so an index saved then is found and reused."""
+    name = embedding_model_name(embed_model.model_name)
+    h = hashlib.sha256(json.dumps([INDEX_FORMAT, name, embed_model.max_length, overlap]).encode())
     for s in sources:
         h.update(json.dumps([s.id, s.text]).encode())
     return h.hexdigest()[:16]
 
 
-def load_or_build_store(sources: list[Source], embedder: SentenceEmbedder, index_dir: Path, overlap: int,
-                        rebuild: bool, log: TextIO) -> FaissDocumentStore:
-    """Reload the index in ``index_dir``, or chunk, embed and save it there."""
+def load_or_build_store(sources: list[Source], embed_model: "BaseEmbedding", index_dir: Path, overlap: int,
+                        rebuild: bool, log: TextIO) -> "FaissVectorStore":
+    """Reload the vector store in ``index_dir``, or chunk, embed (through a ``VectorStoreIndex``)
+    and save it there. Chunks hold at most ``embed_model.max_length`` embedder tokens."""
+    from llama_index.core import StorageContext, VectorStoreIndex
+
+    from lazyattn_rag.integrations.llamaindex_store import FaissVectorStore, node_from_document
+
     if not rebuild and (index_dir / "meta.json").is_file():
-        store = FaissDocumentStore.load(index_dir, embedder)
-        print(f"Loaded the FAISS index ({len(store)} chunks) from {index_dir}", file=log)
+        store = FaissVectorStore.from_persist_path(index_dir)
+        print(f"Loaded the FAISS index ({len(store.client)} chunks) from {index_dir}", file=log)
         return store
     t0 = time.perf_counter()
-    docs = chunk_sources(sources, embedder_token_counter(embedder.tokenizer),
-                         embedder.max_seq_length - SPECIAL_TOKENS, overlap)
+    docs = chunk_sources(sources, embedder_token_counter(embedding_tokenizer()),
+                         embed_model.max_length - SPECIAL_TOKENS, overlap)
     seen: set[str] = set()  # pydoc repeats text (e.g. "else" == "if"): one copy, so top-k stays diverse
     docs = [d for d in docs if not (d.text in seen or seen.add(d.text))]
-    print(f"Embedding {len(docs)} chunks of {len(sources)} texts with {embedder.name} "
-          "(first run only)...", file=log, flush=True)
-    store = FaissDocumentStore(embedder)
-    store.upsert(docs)
-    store.save(index_dir)
+    name = embedding_model_name(embed_model.model_name)
+    print(f"Embedding {len(docs)} chunks of {len(sources)} texts with {name} (first run only)...", file=log,
+          flush=True)
+    store = FaissVectorStore(embed_model_name=name)
+    VectorStoreIndex([node_from_document(d) for d in docs], embed_model=embed_model,
+                     storage_context=StorageContext.from_defaults(vector_store=store))
+    store.persist(str(index_dir))
     print(f"Indexed {len(docs)} chunks in {time.perf_counter() - t0:.0f} s; saved to {index_dir}", file=log)
     return store
 
@@ -138,22 +152,25 @@ def run_chat(options: ChatOptions, out: TextIO = sys.stdout, log: TextIO = sys.s
         FileNotFoundError, ValueError: a bad ``--docs`` path or file; ModuleNotFoundError: an
         extra is missing (the message names it).
     """
+    from llama_index.core import VectorStoreIndex
+
     from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM, as_query_engine
     from lazyattn_rag.llm import LazyAttention
 
     sources = folder_sources(options.docs) if options.docs is not None else pydoc_sources()
     name = str(options.docs) if options.docs is not None else "Python's language reference (pydoc_data.topics)"
     print(f"Corpus: {name}, {len(sources)} texts", file=log)
-    embedder = SentenceEmbedder()
+    embed_model = llamaindex_embedding()
     index_dir = options.index_dir or (options.engine.resolved_cache_dir() / "indexes" /
-                                      corpus_fingerprint(sources, embedder, options.chunk_overlap))
-    store = load_or_build_store(sources, embedder, Path(index_dir), options.chunk_overlap, options.rebuild, log)
+                                      corpus_fingerprint(sources, embed_model, options.chunk_overlap))
+    store = load_or_build_store(sources, embed_model, Path(index_dir), options.chunk_overlap, options.rebuild, log)
     t0 = time.perf_counter()
     engine = engine or LazyAttention(options.engine)
-    store.engine = engine  # updates and deletions now reach the KV cache too
     print(f"Loaded {engine.model_name} on {engine.device} in {time.perf_counter() - t0:.1f} s", file=log)
+    store.client.attach_engine(engine)  # every chunk registered; updates and deletions reach the KV cache too
     llm = LazyAttentionLLM(engine, options.sampling)
-    query_engine = as_query_engine(store, llm, similarity_top_k=options.top_k, streaming=True)
+    index = VectorStoreIndex.from_vector_store(store, embed_model=embed_model)
+    query_engine = as_query_engine(index, llm, similarity_top_k=options.top_k, streaming=True)
     if options.questions:
         return [answer(query_engine, q, out) for q in options.questions]
     print("Ask about Python (empty line or 'exit' to quit).", file=log)

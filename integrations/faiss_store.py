@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +55,10 @@ def _locked(method):
 
 def _named(name: str | None) -> str:
     return repr(name) if name else "an unnamed embedding model"
+
+
+def _from(name: str | None) -> str:
+    return f" from {name!r}" if name else ""
 
 
 class FaissDocumentStore:
@@ -143,22 +147,22 @@ class FaissDocumentStore:
         try:
             vectors = np.array(raw, dtype=np.float32)
         except (TypeError, ValueError) as e:  # ragged rows: vectors of different lengths
-            raise EmbeddingDimensionError(f"{what} from {_named(source)} are not one [n, dim] array of numbers "
+            raise EmbeddingDimensionError(f"{what}{_from(source)}: not one [n, dim] array of numbers "
                                           f"(vectors of different lengths?): {e}") from None
         if vectors.ndim == 1 and rows == 1:
             vectors = vectors.reshape(1, -1)
         if vectors.ndim != 2 or vectors.shape[0] != rows:
-            raise ValueError(f"{what} from {_named(source)}: expected {rows} vectors, got an array of "
+            raise ValueError(f"{what}{_from(source)}: expected {rows} vectors, got an array of "
                              f"shape {tuple(vectors.shape)}")
         if vectors.shape[1] < 1:
-            raise EmbeddingDimensionError(f"{what} from {_named(source)} have 0 dimensions")
+            raise EmbeddingDimensionError(f"{what}{_from(source)}: 0 dimensions")
         if self.index is not None and vectors.shape[1] != self.dim:
             raise EmbeddingDimensionError(
-                f"{what} from {_named(source)} have {vectors.shape[1]} dimensions, but this index holds "
-                f"{self.dim}-dimensional vectors from {_named(self.embedder_name)}: use the embedding model "
-                "the index was built with (or build a new index)")
+                f"{what}{_from(source)}: {vectors.shape[1]} dimensions, but this index holds "
+                f"{self.dim}-dimensional vectors from {_named(self.embedder_name)}; embed with the model the "
+                "index was built with, or build a new index")
         if not np.isfinite(vectors).all():
-            raise ValueError(f"{what} from {_named(source)} contain NaN or infinite values")
+            raise ValueError(f"{what}{_from(source)}: NaN or infinite values")
         norms = np.linalg.norm(vectors, axis=1, keepdims=True)
         return np.ascontiguousarray(vectors / np.where(norms > 0, norms, 1.0))
 

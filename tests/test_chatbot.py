@@ -74,7 +74,7 @@ def test_cjk_and_emoji_stream_without_replacement_characters(engine):
     full = engine.generate(question, documents=[doc], sampling=sampling).text
     assert "🍣" in full  # the answer itself carries multi-byte characters split over several tokens
 
-    pieces = list(llm.stream_rag(question, [doc]))
+    pieces = list(engine.stream(question, documents=[doc], sampling=sampling))
     assert "".join(p.text for p in pieces) == full
     assert sum(p.text == "" and p.token_id is not None for p in pieces) >= 1  # a character was held back
 
@@ -93,6 +93,41 @@ def test_cjk_and_emoji_stream_without_replacement_characters(engine):
     for stream in (li_pieces, lc_pieces, lc_async):
         assert len(stream) >= 2 and "".join(stream) == full
         assert all("\ufffd" not in p for p in stream)
+
+
+def test_an_index_saved_before_the_llamaindex_vector_store_loads_offline(docs_dir, tmp_path, monkeypatch):
+    """The chatbot used to save a FaissDocumentStore built with SentenceEmbedder; such an index is
+    found under the same fingerprint and loads with no network, and retrieval gives its scores."""
+    import socket
+
+    from llama_index.core import VectorStoreIndex
+
+    from lazyattn_rag.integrations.chatbot import corpus_fingerprint, load_or_build_store
+    from lazyattn_rag.integrations.corpus import SPECIAL_TOKENS, chunk_sources, embedder_token_counter, folder_sources
+    from lazyattn_rag.integrations.embeddings import llamaindex_embedding
+    from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
+    from tests.integrations_kit import embedder
+
+    sources, e = folder_sources(docs_dir), embedder()
+    before = FaissDocumentStore(e)
+    before.upsert(chunk_sources(sources, embedder_token_counter(e.tokenizer), e.max_seq_length - SPECIAL_TOKENS))
+    before.save(tmp_path / "index")
+
+    def no_network(*args, **kwargs):
+        raise OSError("network access in an offline test")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    embed_model = llamaindex_embedding()
+    assert corpus_fingerprint(sources, embed_model, 16) == "05c8cd22bde4e04d"  # what the previous chatbot named it
+    log = io.StringIO()
+    store = load_or_build_store(sources, embed_model, tmp_path / "index", 16, rebuild=False, log=log)
+    assert "Loaded the FAISS index (3 chunks)" in log.getvalue()
+    [hit] = VectorStoreIndex.from_vector_store(store, embed_model=embed_model).as_retriever(similarity_top_k=1) \
+        .retrieve(MOON)
+    [(doc, score)] = before.search(MOON, 1)
+    assert hit.node.node_id == doc.id == "moon#0" and hit.node.get_content() == doc.text
+    assert hit.score == pytest.approx(score, abs=1e-5)
 
 
 def test_cli_chat_reports_a_missing_docs_path():

@@ -15,8 +15,8 @@ from lazyattn_rag.integrations.corpus import (
     folder_sources,
     pydoc_sources,
 )
-from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
-from tests.integrations_kit import CORPUS, corpus_documents, embedder
+from lazyattn_rag.integrations.faiss_store import EmbeddingDimensionError, FaissDocumentStore
+from tests.integrations_kit import CORPUS, corpus_documents, embedder, tiny_engine
 
 
 @pytest.fixture
@@ -90,6 +90,43 @@ def test_bad_input(store):
         store.upsert([Document("a", " ")])
     with pytest.raises(UnknownDocumentError):
         store.get("missing")
+
+
+def test_store_fed_with_vectors_takes_their_dimension_and_keeps_an_engine_in_step(tmp_path):
+    docs = corpus_documents()
+    vectors = embedder().encode([d.text for d in docs]) * 3.0  # not unit length: normalized on the way in
+    store = FaissDocumentStore(embedder_name="all-MiniLM-L6-v2")
+    assert store.dim is None and store.search_vector(np.ones(5), 2) == []  # nothing added yet
+    with pytest.raises(ValueError, match="no embedder"):
+        store.upsert(docs)
+    with pytest.raises(ValueError, match="expected 4 vectors"):
+        store.upsert(docs, vectors=vectors[:3])
+    assert store.dim is None and len(store) == 0  # a refused batch sets nothing
+    assert store.upsert(docs, vectors=vectors) == list(CORPUS)
+    assert store.dim == 384
+    query = embedder().encode(["Why do cats purr?"])[0]
+    hits = store.search_vector(query, 4)
+    ref = cosine_ranking("Why do cats purr?", CORPUS)
+    assert [d.id for d, _ in hits] == [i for i, _ in ref]
+    assert np.allclose([s for _, s in hits], [s for _, s in ref], atol=1e-5)
+    assert [d.id for d, _ in store.search_vector(query, 4, accept=lambda d: d.id != "cats")] == [i for i, _ in ref[1:]]
+    with pytest.raises(ValueError, match="has no embedder"):
+        store.search("Why do cats purr?", 2)
+    with pytest.raises(EmbeddingDimensionError, match="the query embedding: 3 dimensions, but this index holds "
+                                                       "384-dimensional vectors from 'all-MiniLM-L6-v2'"):
+        store.search_vector([1.0, 0.0, 0.0], 2)
+
+    engine = tiny_engine()
+    store.attach_engine(engine)  # what the store already holds is registered now
+    assert engine.document_texts() == CORPUS
+    store.upsert([Document("comets", "Comets grow tails near the sun.")], vectors=vectors[:1])
+    store.delete(["cats"])
+    assert engine.has_document("comets") and not engine.has_document("cats")
+    store.save(tmp_path / "idx")
+    loaded = FaissDocumentStore.load(tmp_path / "idx")  # no embedder: the saved name and dimension
+    assert (loaded.dim, loaded.embedder_name, len(loaded)) == (384, "all-MiniLM-L6-v2", 4)
+    with pytest.raises(ValueError, match="nothing to save"):
+        FaissDocumentStore().save(tmp_path / "empty")
 
 
 def test_pydoc_chunks_fit_the_embedder_and_cover_their_topics():
