@@ -54,6 +54,7 @@ from llama_index.core.prompts import BasePromptTemplate, ChatPromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
+from llama_index.core.vector_stores.types import BasePydanticVectorStore
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from lazyattn_rag.documents import Document
@@ -76,7 +77,8 @@ SAMPLING_KEY = "lazyattn_sampling"  # and: SamplingParams fields of the call (th
 logger = logging.getLogger("lazyattn_rag.integrations")
 _dispatcher = get_dispatcher(__name__)
 
-__all__ = ["DOCUMENTS_KEY", "SAMPLING_KEY", "FaissRetriever", "KVCacheWarmer", "LazyAttentionLLM", "LazyAttentionSynthesizer",
+__all__ = ["DOCUMENTS_KEY", "SAMPLING_KEY", "FaissRetriever", "KVCacheWarmer", "LazyAttentionLLM",
+           "LazyAttentionSynthesizer",
            "METADATA_KEY", "as_query_engine", "node_document"]
 
 
@@ -161,6 +163,19 @@ class LazyAttentionLLM(CustomLLM):
         window = self.engine.max_model_len
         return LLMMetadata(context_window=window, num_output=min(self.max_tokens, window - 1), is_chat_model=True,
                            model_name=self.model or self.engine.model_name)
+
+    # --- the id path ------------------------------------------------------------------------
+    def stream_rag(self, question: str, documents: Sequence[Document],
+                   sampling: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Stream the answer to ``question`` over ``documents`` placed by id (registered first),
+        in the engine's RAG prompt; no LlamaIndex events (the synthesizer's path emits them)."""
+        return rag_request(question, documents).stream(self.engine, sampling or self.sampling)
+
+    async def astream_rag(self, question: str, documents: Sequence[Document],
+                          sampling: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
+        """Async :meth:`stream_rag` (through ``AsyncLazyAttention``; the event loop is never blocked)."""
+        async for delta in rag_request(question, documents).astream(self.engine, sampling or self.sampling):
+            yield delta
 
     # --- requests --------------------------------------------------------------------------
     def _sampling_for(self, kwargs: dict, messages: Sequence[ChatMessage] = ()) -> SamplingParams:
@@ -449,17 +464,13 @@ class FaissRetriever(BaseRetriever):
         self.similarity_top_k = similarity_top_k
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        from lazyattn_rag.integrations.llamaindex_store import node_from_document  # (it imports this module)
+
         hits = self.store.search(query_bundle.query_str, self.similarity_top_k)
-        return [NodeWithScore(node=_text_node(doc), score=score) for doc, score in hits]
+        return [NodeWithScore(node=node_from_document(doc), score=score) for doc, score in hits]
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         return await asyncio.to_thread(self._retrieve, query_bundle)
-
-
-def _text_node(doc: Document) -> TextNode:
-    keys = list(doc.metadata)  # metadata is shown to neither the LLM nor the embedder: text == content
-    return TextNode(id_=doc.id, text=doc.text, metadata=dict(doc.metadata), excluded_llm_metadata_keys=keys,
-                    excluded_embed_metadata_keys=keys)
 
 
 class KVCacheWarmer(BaseNodePostprocessor):
@@ -500,7 +511,7 @@ class KVCacheWarmer(BaseNodePostprocessor):
 
 def as_query_engine(index_or_retriever: Any, llm: LazyAttentionLLM, similarity_top_k: int = 3,
                     streaming: bool = False, node_postprocessors: Sequence[BaseNodePostprocessor] = (),
-                    sampling: SamplingParams | None = None) -> RetrieverQueryEngine:
+                    sampling: SamplingParams | None = None, embed_model: Any = None) -> RetrieverQueryEngine:
     """A query engine that passes retrieved node ids to the engine (:class:`LazyAttentionSynthesizer`).
 
     ``index.as_query_engine(llm=llm)`` reuses cached documents too (through the prompt); this
@@ -508,23 +519,34 @@ def as_query_engine(index_or_retriever: Any, llm: LazyAttentionLLM, similarity_t
 
     Args:
         index_or_retriever: a ``VectorStoreIndex`` (any LlamaIndex index with
-            ``as_retriever``), a LlamaIndex ``BaseRetriever``, or a :class:`FaissDocumentStore`.
+            ``as_retriever``), a LlamaIndex vector store (e.g.
+            :class:`~lazyattn_rag.integrations.llamaindex_store.FaissVectorStore`), a LlamaIndex
+            ``BaseRetriever``, or a :class:`FaissDocumentStore`.
         llm: the :class:`LazyAttentionLLM`.
         similarity_top_k: documents per query (ignored for a ready retriever).
         streaming: responses stream (``response.response_gen``).
         node_postprocessors: applied to retrieved nodes before synthesis.
         sampling: overrides ``llm.sampling``.
+        embed_model: embeds queries for a vector store (default: the offline MiniLM,
+            :func:`~lazyattn_rag.integrations.embeddings.llamaindex_embedding`).
     Raises:
         TypeError: ``index_or_retriever`` is none of the above.
     """
-    if isinstance(index_or_retriever, BaseRetriever):
+    if isinstance(index_or_retriever, BasePydanticVectorStore):
+        from lazyattn_rag.integrations.embeddings import llamaindex_embedding
+        from llama_index.core import VectorStoreIndex
+
+        index = VectorStoreIndex.from_vector_store(index_or_retriever,
+                                                   embed_model=embed_model or llamaindex_embedding())
+        retriever = index.as_retriever(similarity_top_k=similarity_top_k)
+    elif isinstance(index_or_retriever, BaseRetriever):
         retriever = index_or_retriever
     elif isinstance(index_or_retriever, FaissDocumentStore):
         retriever = FaissRetriever(index_or_retriever, similarity_top_k)
     elif hasattr(index_or_retriever, "as_retriever"):
         retriever = index_or_retriever.as_retriever(similarity_top_k=similarity_top_k)
     else:
-        raise TypeError("as_query_engine needs a LlamaIndex index, a BaseRetriever or a FaissDocumentStore, "
-                        f"got {type(index_or_retriever).__name__}")
+        raise TypeError("as_query_engine needs a LlamaIndex index, vector store or BaseRetriever, or a "
+                        f"FaissDocumentStore, got {type(index_or_retriever).__name__}")
     return RetrieverQueryEngine(retriever, LazyAttentionSynthesizer(llm, streaming, sampling),
                                 node_postprocessors=list(node_postprocessors))

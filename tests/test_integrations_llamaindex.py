@@ -319,3 +319,23 @@ def test_nodes_with_metadata_headers_are_found_as_the_llm_sees_them(llm, engine)
     assert "".join(streamed.response_gen) is not None
     assert streamed.metadata["lazyattn"]["doc_ids"] == ["with-meta"]
     engine.remove_document("with-meta")
+
+
+def test_as_query_engine_over_the_llamaindex_vector_store_places_node_ids(llm, engine, spy):
+    from llama_index.core import StorageContext, VectorStoreIndex
+    from llama_index.core.schema import TextNode
+
+    from lazyattn_rag.integrations.embeddings import llamaindex_embedding
+    from lazyattn_rag.integrations.llamaindex_store import FaissVectorStore
+
+    store = FaissVectorStore(engine=engine)
+    nodes = [TextNode(id_="vs-cats", text="Cats purr when content. " + words(20, 5), metadata={"kind": "pet"}),
+             TextNode(id_="vs-stars", text="Stars shine by fusion. " + words(20, 90))]
+    VectorStoreIndex(nodes, storage_context=StorageContext.from_defaults(vector_store=store),
+                     embed_model=llamaindex_embedding())
+    response = as_query_engine(store, llm, similarity_top_k=1).query("Why do cats purr?")
+    assert [n.node.node_id for n in response.source_nodes] == ["vs-cats"]
+    assert response.source_nodes[0].node.metadata == {"kind": "pet"}  # the node that was added, whole
+    assert spy.last["doc_ids"] == ["vs-cats"]
+    for node in nodes:
+        engine.remove_document(node.node_id)
