@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pydantic import BaseModel, Field
+
 from lazyattn_rag.config import EngineConfig
 from lazyattn_rag.sampling import SamplingParams
 
@@ -87,3 +89,40 @@ def engine_config(model: str | None, context_window: int | None, engine_kwargs: 
     if clash:
         raise ValueError(f"set {clash} through the wrapper's model / context_window fields, not engine_kwargs")
     return EngineConfig.from_dict({**engine_kwargs, "model": model, "max_model_len": context_window})
+
+
+class WrapperSettings(BaseModel):
+    """The settings fields both framework wrappers share (a pydantic mixin; see the module).
+
+    Attributes:
+        model: local Hugging Face directory, or ``None`` for the offline default SmolLM2.
+        context_window: context limit in tokens (``None``: the model's).
+        temperature, max_tokens, top_p, stop: default sampling.
+        sampling_kwargs: other :class:`SamplingParams` fields (``top_k``, ``seed``, ...).
+        engine_kwargs: other :class:`~lazyattn_rag.config.EngineConfig` fields as a dict
+            (``device``, ``dtype``, ``cache``: {``anchor``, ...}, ...).
+    """
+
+    model: str | None = Field(default=None, description="Local HF model directory; None: the offline SmolLM2.")
+    context_window: int | None = Field(default=None, description="Context limit in tokens; None: the model's.")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy.")
+    max_tokens: int = Field(default=256, ge=1, description="Most tokens to generate.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus mass.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    sampling_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other SamplingParams fields.")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other EngineConfig fields.")
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The default :class:`SamplingParams` of calls."""
+        return default_sampling(self.temperature, self.max_tokens, self.top_p, self.stop, self.sampling_kwargs)
+
+    def engine_settings(self, model: str | None = None) -> EngineConfig:
+        """The :class:`EngineConfig` of these settings (``model`` overrides the field)."""
+        return engine_config(model or self.model, self.context_window, self.engine_kwargs)
+
+    def check_settings(self) -> None:
+        """Raise now for settings that would fail at the first call (see :func:`default_sampling`,
+        :func:`engine_config`)."""
+        self.sampling  # noqa: B018 - builds and validates the SamplingParams
+        self.engine_settings()

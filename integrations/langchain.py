@@ -52,7 +52,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 from lazyattn_rag.documents import Document
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.integrations import langchain_callbacks
-from lazyattn_rag.integrations.call_options import call_sampling, default_sampling, engine_config, split_sampling
+from lazyattn_rag.integrations.call_options import WrapperSettings, call_sampling, split_sampling
 from lazyattn_rag.integrations.prompt_match import Candidate
 from lazyattn_rag.integrations.requests import EngineRequest, PromptMatcher, looks_like_rag, rag_request
 from lazyattn_rag.llm import LazyAttention
@@ -137,7 +137,7 @@ def build_request(engine: LazyAttention, messages: Sequence[BaseMessage],
     return rag_request(question, list({(d.id, d.text): d for d in docs}.values()))
 
 
-class ChatLazyAttention(BaseChatModel):
+class ChatLazyAttention(BaseChatModel, WrapperSettings):
     """A LangChain chat model over a :class:`~lazyattn_rag.llm.LazyAttention` engine.
 
     Constructible from settings (``ChatLazyAttention(model=..., temperature=..., max_tokens=...)``:
@@ -171,14 +171,6 @@ class ChatLazyAttention(BaseChatModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
     engine_: LazyAttention | None = Field(default=None, alias="engine", exclude=True,
                                           description="A ready engine; None: built from the settings.")
-    model: str | None = Field(default=None, description="Local HF model directory; None: the offline SmolLM2.")
-    context_window: int | None = Field(default=None, description="Context limit in tokens; None: the model's.")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy.")
-    max_tokens: int = Field(default=256, ge=1, description="Most tokens to generate.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus mass.")
-    stop: list[str] = Field(default_factory=list, description="Stop strings.")
-    sampling_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other SamplingParams fields.")
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other EngineConfig fields.")
     _matchers: dict[int, PromptMatcher] = PrivateAttr(default_factory=dict)
     _warned: bool = PrivateAttr(default=False)
 
@@ -186,21 +178,15 @@ class ChatLazyAttention(BaseChatModel):
         if sampling is not None:
             kwargs = {**split_sampling(sampling), **kwargs}
         super().__init__(**kwargs)
-        self.sampling  # noqa: B018 - validates sampling_kwargs now
-        engine_config(self.model, self.context_window, self.engine_kwargs)  # and engine_kwargs
+        self.check_settings()
         langchain_callbacks.install()
 
     @property
     def engine(self) -> LazyAttention:
         """The engine (built, or taken from the process's shared ones, on first use)."""
         if self.engine_ is None:
-            self.engine_ = LazyAttention.shared(engine_config(self.model, self.context_window, self.engine_kwargs))
+            self.engine_ = LazyAttention.shared(self.engine_settings())
         return self.engine_
-
-    @property
-    def sampling(self) -> SamplingParams:
-        """The default :class:`SamplingParams` of calls."""
-        return default_sampling(self.temperature, self.max_tokens, self.top_p, self.stop, self.sampling_kwargs)
 
     @property
     def _llm_type(self) -> str:
@@ -215,7 +201,7 @@ class ChatLazyAttention(BaseChatModel):
         shared engine of that model (same other settings), loaded on first use."""
         if model is None or model == self.model:
             return self.engine
-        return LazyAttention.shared(engine_config(model, self.context_window, self.engine_kwargs))
+        return LazyAttention.shared(self.engine_settings(model))
 
     @property
     def _identifying_params(self) -> dict[str, Any]:

@@ -59,12 +59,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 
 from lazyattn_rag.documents import Document
 from lazyattn_rag.integrations import llamaindex_events
-from lazyattn_rag.integrations.call_options import (
-    call_sampling,
-    default_sampling,
-    engine_config,
-    split_sampling,
-)
+from lazyattn_rag.integrations.call_options import WrapperSettings, call_sampling, split_sampling
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.integrations.requests import EngineRequest, PromptMatcher, looks_like_rag, rag_request
 from lazyattn_rag.llm import LazyAttention
@@ -88,7 +83,7 @@ def node_document(node: NodeWithScore | TextNode) -> Document:
     return Document(node.node_id, node.get_content(metadata_mode=MetadataMode.LLM), dict(node.metadata))
 
 
-class LazyAttentionLLM(CustomLLM):
+class LazyAttentionLLM(CustomLLM, WrapperSettings):
     """A LlamaIndex LLM over a :class:`~lazyattn_rag.llm.LazyAttention` engine.
 
     Constructible from settings (``LazyAttentionLLM(model=..., temperature=..., max_tokens=...,
@@ -116,14 +111,6 @@ class LazyAttentionLLM(CustomLLM):
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
-    model: str | None = Field(default=None, description="Local HF model directory; None: the offline SmolLM2.")
-    context_window: int | None = Field(default=None, description="Context limit in tokens; None: the model's.")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy.")
-    max_tokens: int = Field(default=256, ge=1, description="Most tokens to generate.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus mass.")
-    stop: list[str] = Field(default_factory=list, description="Stop strings.")
-    sampling_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other SamplingParams fields.")
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other EngineConfig fields.")
     _engine: LazyAttention | None = PrivateAttr(default=None)
     _matcher: PromptMatcher | None = PrivateAttr(default=None)
     _warned: bool = PrivateAttr(default=False)
@@ -132,8 +119,7 @@ class LazyAttentionLLM(CustomLLM):
         if sampling is not None:
             kwargs = {**split_sampling(sampling), **kwargs}
         super().__init__(**kwargs)
-        self.sampling  # noqa: B018 - validates sampling_kwargs now
-        engine_config(self.model, self.context_window, self.engine_kwargs)  # and engine_kwargs
+        self.check_settings()
         self._engine = engine
         llamaindex_events.install()
 
@@ -150,13 +136,8 @@ class LazyAttentionLLM(CustomLLM):
     def engine(self) -> LazyAttention:
         """The engine (built, or taken from the process's shared ones, on first use)."""
         if self._engine is None:
-            self._engine = LazyAttention.shared(engine_config(self.model, self.context_window, self.engine_kwargs))
+            self._engine = LazyAttention.shared(self.engine_settings())
         return self._engine
-
-    @property
-    def sampling(self) -> SamplingParams:
-        """The default :class:`SamplingParams` of calls."""
-        return default_sampling(self.temperature, self.max_tokens, self.top_p, self.stop, self.sampling_kwargs)
 
     @property
     def metadata(self) -> LLMMetadata:
