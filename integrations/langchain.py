@@ -160,12 +160,10 @@ class ChatLazyAttention(BaseChatModel, WrapperSettings):
 
     Args:
         engine: a ready engine (else one is built from the settings).
-        sampling: default sampling as one :class:`SamplingParams` (else the fields below).
-        model: local Hugging Face directory, or ``None`` for the offline default SmolLM2.
-        context_window: context limit in tokens (``None``: the model's).
-        temperature, max_tokens, top_p, stop: default sampling.
-        sampling_kwargs: other :class:`SamplingParams` fields (``top_k``, ``seed``, ...).
-        engine_kwargs: other :class:`~lazyattn_rag.config.EngineConfig` fields as a dict.
+        sampling: default sampling as one :class:`SamplingParams` (else the settings' fields).
+        **settings: the fields of :class:`~lazyattn_rag.integrations.call_options.WrapperSettings`
+            (``model``, ``context_window``, ``temperature``, ``max_tokens``, ``top_p``, ``stop``,
+            ``sampling_kwargs``, ``engine_kwargs``) and the framework's own.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
