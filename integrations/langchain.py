@@ -54,7 +54,7 @@ from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.integrations import langchain_callbacks
 from lazyattn_rag.integrations.call_options import WrapperSettings, call_sampling, split_sampling
 from lazyattn_rag.integrations.prompt_match import Candidate
-from lazyattn_rag.integrations.requests import EngineRequest, PromptMatcher, looks_like_rag, rag_request
+from lazyattn_rag.integrations.requests import EngineRequest, PromptMatcher, deserves_warning, rag_request
 from lazyattn_rag.llm import LazyAttention
 from lazyattn_rag.outputs import StreamDelta
 from lazyattn_rag.sampling import SamplingParams
@@ -232,20 +232,22 @@ class ChatLazyAttention(BaseChatModel, WrapperSettings):
         matcher = self._matchers.setdefault(id(engine), PromptMatcher(engine))
         retrieved = langchain_callbacks.retrieved_candidates(run_manager.run_id if run_manager else None)
         request = build_request(engine, messages, kwargs.get("documents"), matcher, retrieved)
-        self._warn_once(request, messages, bool(retrieved))
+        nested = run_manager is not None and run_manager.parent_run_id is not None
+        self._warn_once(request, messages, bool(retrieved), nested)
         return request, sampling, engine
 
-    def _warn_once(self, request: EngineRequest, messages: Sequence[BaseMessage], retrieved: bool) -> None:
-        if self._warned or request.match is None or request.match.doc_ids:
-            return
-        if not (retrieved or any(looks_like_rag(_split_message(m)[1]) for m in messages)):
+    def _warn_once(self, request: EngineRequest, messages: Sequence[BaseMessage], retrieved: bool,
+                   nested: bool) -> None:
+        texts = [_split_message(m)[1] for m in messages]
+        if self._warned or not deserves_warning(request.match, texts, retrieved, nested):
             return
         self._warned = True
         logger.warning("lazyattn-rag: this prompt reuses no cached document: %s. Retrieve through a LangChain "
                        "retriever in the same chain (its documents are found in the prompt), pass documents "
-                       "by id (document_block, documents=), or register them with the engine. Said once per "
-                       "model; each call's reason is in response_metadata['lazyattn']['prompt_match'].",
-                       request.match.reason)
+                       "by id (document_block, documents=), or register them with the engine "
+                       "(lazyattn_rag.integrations.langchain_store.FaissVectorStore(..., engine=...), or "
+                       "engine.add_documents). Said once per model; each call's reason is in "
+                       "response_metadata['lazyattn']['prompt_match'].", request.match.reason)
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:

@@ -61,7 +61,7 @@ from lazyattn_rag.documents import Document
 from lazyattn_rag.integrations import llamaindex_events
 from lazyattn_rag.integrations.call_options import WrapperSettings, call_sampling, split_sampling
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
-from lazyattn_rag.integrations.requests import EngineRequest, PromptMatcher, looks_like_rag, rag_request
+from lazyattn_rag.integrations.requests import EngineRequest, PromptMatcher, deserves_warning, rag_request
 from lazyattn_rag.llm import LazyAttention
 from lazyattn_rag.outputs import StreamDelta
 from lazyattn_rag.sampling import SamplingParams
@@ -181,15 +181,15 @@ class LazyAttentionLLM(CustomLLM, WrapperSettings):
         return request
 
     def _warn_once(self, request: EngineRequest, turns: list[tuple[str, str]], retrieved: bool) -> None:
-        if self._warned or request.match is None or request.match.doc_ids:
-            return
-        if not (retrieved or any(looks_like_rag(text) for _, text in turns)):
+        nested = llamaindex_events.in_framework_query(f"{type(self).__name__}.")
+        if self._warned or not deserves_warning(request.match, [t for _, t in turns], retrieved, nested):
             return
         self._warned = True
         logger.warning("lazyattn-rag: this prompt reuses no cached document: %s. Retrieve through a LlamaIndex "
-                       "retriever or index (their nodes are found in the prompt), or register the documents "
-                       "(FaissDocumentStore(engine=...), KVCacheWarmer). Said once per LLM; the reason of each "
-                       "call is in its metadata['lazyattn']['prompt_match'].", request.match.reason)
+                       "retriever or index (their nodes are found in the prompt), or register the documents with "
+                       "the engine (lazyattn_rag.integrations.llamaindex_store.FaissVectorStore(engine=...), "
+                       "KVCacheWarmer). Said once per LLM; the reason of each call is in its "
+                       "metadata['lazyattn']['prompt_match'].", request.match.reason)
 
     def _completion_request(self, prompt: str) -> EngineRequest:
         if not isinstance(prompt, str):

@@ -136,6 +136,13 @@ def retrieved_candidates(span_id: str | None = None) -> list[Candidate]:
     return found + deferred.candidates if deferred is not None else found
 
 
+def in_framework_query(own_prefix: str, span_id: str | None = None) -> bool:
+    """Whether the span (default: the active one) runs inside a LlamaIndex operation other than
+    the LLM's own calls, whose span ids start with ``own_prefix`` (e.g. ``"LazyAttentionLLM."``)."""
+    node = current_span() if span_id is None else span_id
+    return any(not a.startswith(own_prefix) for a in _LOG.ancestors(node))
+
+
 def add_retrieved(nodes: list[Any], span_id: str | None = None) -> None:
     """Record ``nodes`` as retrieved in the query ``span_id`` (default: the active span) belongs to."""
     _LOG.add(current_span() if span_id is None else span_id, [c for n in nodes for c in node_candidates(n)])

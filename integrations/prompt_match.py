@@ -63,6 +63,7 @@ class PromptMatch:
             by the framework): computed as text, not reused.
         num_escaped: matches found only after decoding escape sequences.
         num_candidates: how many documents were looked for.
+        num_registered: how many of them the engine had registered (the rest were retrieved).
         reason: why nothing was placed (empty when something was).
     """
 
@@ -72,6 +73,7 @@ class PromptMatch:
     partial_ids: tuple[str, ...] = ()
     num_escaped: int = 0
     num_candidates: int = 0
+    num_registered: int = 0
     reason: str = ""
 
     @property

@@ -138,6 +138,29 @@ def looks_like_rag(text: str) -> bool:
     return len(text) >= RAG_PROMPT_MIN_CHARS and _RAG_WORDS.search(text) is not None
 
 
+def deserves_warning(match: PromptMatch | None, texts: Sequence[str], retrieved: bool, nested: bool) -> bool:
+    """Whether a call that placed no document should say so (once per LLM object).
+
+    Yes when its query retrieved documents and none is in the prompt, or one occurs only in
+    part. Otherwise only for a prompt that looks like RAG (:func:`looks_like_rag`) and either no
+    document is known at all, or the call is the user's own (not a step inside a framework's
+    query, such as a chat engine rewriting the question before it retrieves anything).
+
+    Args:
+        match: the call's :class:`PromptMatch` (``None``: an id path, nothing to say).
+        texts: the messages' texts.
+        retrieved: a retriever ran in the call's query (LlamaIndex span, LangChain run).
+        nested: the call runs inside a framework query or chain rather than on its own.
+    """
+    if match is None or match.doc_ids:
+        return False
+    if retrieved or match.partial_ids:
+        return True
+    if not any(looks_like_rag(t) for t in texts):
+        return False
+    return match.num_registered == 0 or not nested
+
+
 class PromptMatcher:
     """Finds documents in formatted chat messages for one engine.
 
@@ -187,7 +210,7 @@ class PromptMatcher:
         prompt_chars = sum(len(t) for _, t in messages)
         partial -= set(placed)
         match = PromptMatch(doc_ids, matched_chars, prompt_chars, tuple(sorted(partial)), escaped,
-                            registered.num_candidates + fresh.num_candidates,
+                            registered.num_candidates + fresh.num_candidates, registered.num_candidates,
                             "" if doc_ids else _reason(texts, own, partial))
         inline = [Document(c.doc_id, c.text) for c in placed.values() if texts.get(c.doc_id) != c.text]
         return EngineRequest(documents=inline, messages=parts, match=match)

@@ -39,7 +39,8 @@ class ReuseSummary(dict):
     ``num_prompt_tokens`` / ``num_cached_tokens`` / ``num_computed_tokens`` /
     ``num_output_tokens``, ``docs_hit`` and ``docs_missed`` of all, and the first call's
     ``ttft_ms``), ``finish_reason`` (the last call's), ``num_llm_calls``, ``num_finished`` and
-    ``calls`` (each :class:`CallReport`). Calls still streaming count once they finish.
+    ``calls`` (each :class:`CallReport`). Calls still streaming count once they finish: a
+    streamed response's ``stats`` are zeros (``finish_reason`` ``None``) until it is read.
     """
 
     def __init__(self, calls: list[CallReport] = ()):
@@ -61,9 +62,10 @@ class ReuseSummary(dict):
                     doc_ids=[d for c in self.calls for d in c["doc_ids"]], calls=list(self.calls))
         if len(self.calls) == 1 and finished:
             self.update(stats=finished[0]["stats"], finish_reason=finished[0]["finish_reason"])
-        elif finished:
-            stats = [c["stats"] for c in finished]
-            total = {key: sum(s[key] for s in stats) for key in _SUMMED}
-            total.update(docs_hit=[d for s in stats for d in s["docs_hit"]],
-                         docs_missed=[d for s in stats for d in s["docs_missed"]], ttft_ms=stats[0]["ttft_ms"])
-            self.update(stats=total, finish_reason=finished[-1]["finish_reason"])
+            return
+        stats = [c["stats"] for c in finished]  # none yet: a stream not read, zeros until its calls finish
+        total = {key: sum(s[key] for s in stats) for key in _SUMMED}
+        total.update(docs_hit=[d for s in stats for d in s["docs_hit"]],
+                     docs_missed=[d for s in stats for d in s["docs_missed"]],
+                     ttft_ms=stats[0]["ttft_ms"] if stats else None)
+        self.update(stats=total, finish_reason=finished[-1]["finish_reason"] if finished else None)

@@ -178,3 +178,34 @@ def test_synthesizer_prompts_are_customizable_and_it_emits_the_default_paths_eve
     meta = custom.metadata["lazyattn"]
     assert meta["doc_ids"] == ["n1", "n2"] and meta["stats"]["docs_hit"] == ["n1", "n2"]  # placed from the cache
     assert meta["calls"][0]["prompt_match"]["num_candidates"] >= 2
+
+
+def test_a_step_inside_a_framework_query_that_retrieved_nothing_yet_does_not_warn(engine, caplog):
+    """condense_question chat mode: the rewrite call runs before retrieval, its prompt speaks of
+    "context" and documents of earlier turns are registered; it is no RAG prompt: no warning."""
+    from llama_index.core import VectorStoreIndex
+    from llama_index.core.embeddings import MockEmbedding
+
+    caplog.set_level(logging.WARNING, logger="lazyattn_rag.integrations")
+    llm = LazyAttentionLLM(engine, SamplingParams(max_tokens=2, ignore_eos=True))
+    index = VectorStoreIndex([TextNode(id_="cq", text=LONG_TEXT)], embed_model=MockEmbedding(embed_dim=8))
+    chat = index.as_chat_engine(chat_mode="condense_question", llm=llm, similarity_top_k=1)
+    chat.chat("w1 w2")
+    second = chat.chat("w3 w4 " + "and what about the context of that? " * 10)
+    assert not [r for r in caplog.records if "reuses no cached document" in r.getMessage()]
+    assert second.response  # answered (the query engine placed the node)
+    engine.remove_document("cq")
+
+
+def test_a_streamed_summary_has_zero_stats_until_the_stream_is_read(engine):
+    from llama_index.core import VectorStoreIndex
+    from llama_index.core.embeddings import MockEmbedding
+
+    llm = LazyAttentionLLM(engine, SamplingParams(max_tokens=2, ignore_eos=True))
+    index = VectorStoreIndex([TextNode(id_="zs", text=LONG_TEXT)], embed_model=MockEmbedding(embed_dim=8))
+    response = index.as_query_engine(llm=llm, streaming=True).query("w1")
+    before = response.metadata["lazyattn"]
+    assert before["stats"]["num_prompt_tokens"] == 0 and before["finish_reason"] is None
+    "".join(response.response_gen)
+    assert before["stats"]["num_prompt_tokens"] > 0 and before["stats"]["docs_missed"] == ["zs"]
+    engine.remove_document("zs")

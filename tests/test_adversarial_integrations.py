@@ -1,0 +1,221 @@
+"""Adversarial reproducers for the framework integrations (tiny engine, no real model needed).
+
+Each test asserts the documented/expected behaviour; a failing test is a defect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import gc
+import hashlib
+import logging
+
+import numpy as np
+import pytest
+
+from lazyattn_rag import SamplingParams
+from tests.integrations_kit import PlanSpy, tiny_engine
+from tests.tiny import words
+
+
+def _bow(text: str, dim: int = 64) -> list[float]:
+    v = np.zeros(dim, dtype=np.float32)
+    for w in text.split():
+        v[int(hashlib.md5(w.encode()).hexdigest(), 16) % dim] += 1.0
+    n = np.linalg.norm(v)
+    return (v / n if n else v).tolist()
+
+
+def _li_embedding():
+    from llama_index.core.embeddings import BaseEmbedding
+
+    class Bow(BaseEmbedding):
+        def _get_text_embedding(self, text):
+            return _bow(text)
+
+        def _get_query_embedding(self, query):
+            return _bow(query)
+
+        async def _aget_query_embedding(self, query):
+            return _bow(query)
+
+    return Bow()
+
+
+def _lc_embedding():
+    from langchain_core.embeddings import Embeddings
+
+    class Bow(Embeddings):
+        def embed_documents(self, texts):
+            return [_bow(t) for t in texts]
+
+        def embed_query(self, text):
+            return _bow(text)
+
+    return Bow()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = tiny_engine(num_blocks=1024, max_model_len=1200)
+    yield e
+    e.shutdown()
+
+
+def _index(n=12):
+    from llama_index.core import VectorStoreIndex
+    from llama_index.core.schema import TextNode
+
+    nodes = [TextNode(id_=f"doc{i}", text=words(30, (i * 5) % 200)) for i in range(n)]
+    return VectorStoreIndex(nodes, embed_model=_li_embedding())
+
+
+# --- 1. memory: _REPORTS grows by one entry per streamed chat-engine turn -----------------------
+@pytest.mark.parametrize("mode", ["context", "condense_plus_context"])
+def test_streaming_chat_engine_turns_leave_nothing_behind_in_the_report_table(engine, mode):
+    """A chat engine's streamed reply calls the LLM in LlamaIndex's writer thread, under a span whose
+    parent (the chat engine's ``stream_chat`` span) has already ended. ``record_call`` files the
+    report under that ended parent too (``RetrievalLog.ancestors`` includes a parent that is no
+    longer open), and nothing ever pops it: ``llamaindex_events._REPORTS`` grows without bound."""
+    from llama_index.core.memory import ChatMemoryBuffer
+
+    from lazyattn_rag.integrations import llamaindex_events as ev
+    from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM
+
+    llm = LazyAttentionLLM(engine, SamplingParams(max_tokens=2, ignore_eos=True))
+    chat = _index().as_chat_engine(chat_mode=mode, llm=llm, similarity_top_k=2,
+                                   memory=ChatMemoryBuffer.from_defaults(token_limit=300))
+    before = len(ev._REPORTS)
+
+    async def turns():
+        for i in range(5):
+            s = await chat.astream_chat(words(3, i))
+            async for _ in s.async_response_gen():
+                pass
+
+    asyncio.run(turns())
+    gc.collect()
+    assert len(ev._REPORTS) == before, f"{len(ev._REPORTS) - before} report entries leaked after 5 turns"
+
+
+# --- 2. partial_ids: overlapping chunks and shared metadata headers ---------------------------------
+def test_partial_ids_are_not_every_node_that_shares_a_metadata_header(engine):
+    """MetadataMode.LLM puts ``file_path: ...`` first in every node of a file; the matcher indexes
+    candidates by their first 32 normalized characters and reports a candidate as "partial" when that
+    opening occurs anywhere. With a path of 30+ characters every other node of the file is reported as
+    cut/edited in every call (and, when nothing is placed, the warning blames truncation)."""
+    from lazyattn_rag.integrations.prompt_match import Candidate, DocumentMatcher
+
+    header = "file_path: /home/alice/projects/handbook/chapter1.txt\n\n"
+    cands = [Candidate(f"n{i}", header + words(30, 7 * i)) for i in range(50)]
+    prompt = "Context:\n" + cands[3].text + "\n\n" + cands[9].text + "\nQuestion: w1?"
+    occurrences, partial = DocumentMatcher(cands).occurrences(prompt)
+    assert sorted({m[2].doc_id for m in occurrences}) == ["n3", "n9"]
+    assert partial == set(), f"{len(partial)} whole, unplaced nodes reported as partial"
+
+
+def test_overlapping_chunks_are_not_reported_as_partial():
+    """Splitters overlap consecutive chunks (LlamaIndex's SentenceSplitter, LangChain's
+    RecursiveCharacterTextSplitter): chunk k+1 opens with chunk k's tail. Placing chunk k must
+    not report chunk k+1 as "cut to fit the context window, or edited"."""
+    from lazyattn_rag.integrations.prompt_match import Candidate, DocumentMatcher
+
+    a = Candidate("a", words(40, 0))
+    b = Candidate("b", words(40, 30))  # starts with a's last 10 words
+    occurrences, partial = DocumentMatcher([a, b]).occurrences("Context: " + a.text + " Question: w1")
+    assert [m[2].doc_id for m in occurrences] == ["a"]
+    assert partial == set()
+
+
+# --- 3. LlamaIndex id path drops the LLM's system_prompt ------------------------------------------
+def test_id_path_keeps_the_llms_system_prompt(engine):
+    """``LazyAttentionLLM(system_prompt=...)``: LlamaIndex's own synthesizer path
+    (``index.as_query_engine(llm=llm)``) puts it in the prompt; the id path
+    (``as_query_engine(index, llm)`` / ``LazyAttentionSynthesizer``) silently drops it:
+    ``LazyAttentionLLM._request`` keeps only the last message's content as the question."""
+    from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM, as_query_engine
+
+    spy = PlanSpy(engine)
+    marker = "w150 w151 w152 w153 w154 w155"
+    llm = LazyAttentionLLM(engine, SamplingParams(max_tokens=2, ignore_eos=True), system_prompt=marker)
+    index = _index(4)
+    w150 = engine.tokenizer.convert_tokens_to_ids("w150")
+    index.as_query_engine(llm=llm, similarity_top_k=1).query("w1 w2")
+    assert w150 in spy.last["plan"].token_ids()  # LlamaIndex's own synthesizer: kept
+    as_query_engine(index, llm, 1).query("w1 w2")
+    assert w150 in spy.last["plan"].token_ids(), "the id path dropped LazyAttentionLLM.system_prompt"
+
+
+# --- 4. spurious no-reuse warning on a standard idiom's condense step --------------------------------
+def test_condense_question_chat_engine_does_not_warn_about_reuse(caplog):
+    """``as_chat_engine(chat_mode="condense_question")``: its condense prompt (no documents, before
+    retrieval) says "context" and is long, so it "looks like RAG" and the once-per-LLM warning fires
+    with "none of the N known documents occurs in the prompt" (misleading, and it uses up the one
+    warning the user would get for a real problem)."""
+    from llama_index.core.memory import ChatMemoryBuffer
+
+    from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM
+
+    e = tiny_engine(num_blocks=512, max_model_len=1200)
+    llm = LazyAttentionLLM(e, SamplingParams(max_tokens=2, ignore_eos=True))
+    chat = _index().as_chat_engine(chat_mode="condense_question", llm=llm, similarity_top_k=2,
+                                   memory=ChatMemoryBuffer.from_defaults(token_limit=300))
+    with caplog.at_level(logging.WARNING, logger="lazyattn_rag.integrations"):
+        for i in range(3):
+            response = chat.chat(words(3, i))
+            assert response.metadata["lazyattn"]["doc_ids"]  # every answer did reuse its documents
+    e.shutdown()
+    assert not [r for r in caplog.records if "reuses no cached document" in r.getMessage()]
+
+
+# --- 5. persistence: a failing save destroys the previous good save ----------------------------------
+def test_a_failed_save_leaves_the_previous_save_loadable(tmp_path):
+    """``FaissVectorStore.add_texts`` accepts metadata that JSON cannot encode (a ``date``, as
+    several LangChain loaders produce); ``save_local`` then writes ``index.faiss`` first and fails
+    while writing ``documents.jsonl``: the folder that held a good index no longer loads."""
+    from lazyattn_rag.integrations.langchain_store import FaissVectorStore
+
+    store = FaissVectorStore.from_texts(["w1 w2 w3 w4", "w5 w6 w7"], _lc_embedding(), ids=["a", "b"])
+    store.save_local(tmp_path)
+    store.add_texts(["w8 w9"], metadatas=[{"when": datetime.date(2024, 1, 1)}], ids=["c"])
+    with pytest.raises(Exception):
+        store.save_local(tmp_path)
+    loaded = FaissVectorStore.load_local(tmp_path, _lc_embedding())  # ValueError: 3 vectors, 2 documents
+    assert len(loaded.store) == 2
+
+
+# --- 6. wrappers built from settings keep a shut-down shared engine ----------------------------------
+def _tiny_model_dir(path):
+    from tests.tiny import hf_and_ours, hf_config, word_tokenizer
+
+    hf, _ = hf_and_ours(hf_config())
+    hf.save_pretrained(path, safe_serialization=True)
+    word_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def test_settings_built_wrappers_follow_the_shared_engine_after_shutdown(tmp_path):
+    """``LazyAttention.shared``: "shutdown of a shared engine removes it, and the next call builds a
+    new one". New wrappers get the new engine; wrappers built before keep the stopped one forever
+    (``RuntimeError: the engine loop is shut down`` on every call), and no longer share with new ones."""
+    from langchain_core.messages import HumanMessage
+
+    from lazyattn_rag.integrations.langchain import ChatLazyAttention
+    from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM
+
+    model = _tiny_model_dir(tmp_path / "tiny")
+    kw = {"device": "cpu", "attention_backend": "torch", "cache": {"num_blocks": 64}}
+    chat = ChatLazyAttention(model=model, max_tokens=2, engine_kwargs=kw)
+    llm = LazyAttentionLLM(model=model, max_tokens=2, engine_kwargs=kw)
+    chat.invoke([HumanMessage("w1 w2")])
+    assert chat.engine is llm.engine
+    chat.engine.shutdown()
+    fresh = ChatLazyAttention(model=model, max_tokens=2, engine_kwargs=kw)
+    fresh.invoke([HumanMessage("w1 w2")])
+    try:
+        chat.invoke([HumanMessage("w1 w2")])
+        llm.complete("w1 w2")
+        assert chat.engine is fresh.engine is llm.engine
+    finally:
+        fresh.engine.shutdown()
