@@ -150,7 +150,13 @@ class LLMEngine:
         Raises:
             see :meth:`add_document` (naming the first bad document); nothing is registered then.
         """
-        prepared = [(doc_id, self._prepare_document(doc_id, text)) for doc_id, text in documents]
+        return self._bind(self._prepare_all(documents))
+
+    def _prepare_all(self, documents: list[tuple[str, str]]) -> list[tuple[str, _Document]]:
+        return [(doc_id, self._prepare_document(doc_id, text)) for doc_id, text in documents]
+
+    def _bind(self, prepared: list[tuple[str, _Document]]) -> int:
+        """Bind prepared documents to their ids (registry and cache); how many were new or changed."""
         changed = 0
         for doc_id, doc in prepared:
             old = self.documents.get(doc_id)
@@ -201,19 +207,21 @@ class LLMEngine:
         return self._with_inline(documents, lambda: self.plan_messages(messages))
 
     def _with_inline(self, documents: list[tuple[str, str]], make_plan: Callable[[], PromptPlan]) -> PromptPlan:
-        before = {doc_id: self.documents.get(doc_id) for doc_id, _ in documents}
-        self.add_documents(documents)
+        """Plan with inline ``documents`` in the registry, binding them only once the plan stands:
+        a refused plan leaves the registry and the cache as they were (cached K/V included)."""
+        prepared = self._prepare_all(documents)
+        before = {doc_id: self.documents.get(doc_id) for doc_id, _ in prepared}
+        self.documents.update(prepared)  # the plan reads the registry; nothing is bound yet
         try:
-            return make_plan()
-        except Exception:
+            plan = make_plan()
+        finally:  # back as it was: refused, nothing changed; planned, _bind compares with it
             for doc_id, old in before.items():
                 if old is None:
-                    self.remove_document(doc_id)
+                    del self.documents[doc_id]
                 else:
                     self.documents[doc_id] = old
-                    self.cache.bind_document(doc_id, old.key)
-            self.documents_version += 1
-            raise
+        self._bind(prepared)
+        return plan
 
     def _check_ids(self, doc_ids: list[str]) -> None:
         for d in doc_ids:

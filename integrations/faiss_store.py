@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -59,6 +60,14 @@ def _named(name: str | None) -> str:
 
 def _from(name: str | None) -> str:
     return f" from {name!r}" if name else ""
+
+
+def _check_json(doc: Document) -> None:
+    try:
+        json.dumps(doc.metadata)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"document {doc.id!r} has metadata that cannot be saved as JSON ({error}); "
+                         "convert such values (dates, objects) to strings first") from None
 
 
 class FaissDocumentStore:
@@ -191,8 +200,9 @@ class FaissDocumentStore:
         Returns:
             ids that were added or whose text changed (unchanged documents are skipped).
         Raises:
-            ValueError: an empty id or empty text, or the same id twice in one call; no embedder
-                and no vectors. EmbeddingDimensionError: vectors of another dimension than the
+            ValueError: an empty id or empty text, the same id twice in one call, metadata that
+                cannot be saved as JSON (a ``date``, say: convert it first); no embedder and no
+                vectors. EmbeddingDimensionError: vectors of another dimension than the
                 index's. With an engine attached, what its ``add_documents`` raises (e.g.
                 ``DocumentTooLongError``). Nothing is changed in any of these cases.
         """
@@ -205,6 +215,7 @@ class FaissDocumentStore:
                 raise ValueError(f"document {d.id!r} has empty text")
             if d.id in todo:
                 raise ValueError(f"document id {d.id!r} appears twice in one upsert")
+            _check_json(d)
             old = self._docs.get(d.id)
             if old is None or old.text != d.text or old.metadata != d.metadata:
                 todo[d.id] = d
@@ -311,13 +322,21 @@ class FaissDocumentStore:
             raise ValueError("nothing to save: the store has no dimension yet (add documents first)")
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        faiss.write_index(self.index, str(out / _INDEX_FILE))
-        with open(out / _DOCS_FILE, "w", encoding="utf-8") as f:
-            for d in self._docs.values():
-                f.write(json.dumps({"id": d.id, "int_id": self._int_ids[d.id], "text": d.text,
-                                    "metadata": d.metadata}, ensure_ascii=False) + "\n")
-        meta = {"format": _FORMAT, "embedder": self.embedder_name, "dim": self.dim, "next_id": self._next_id}
-        (out / _META_FILE).write_text(json.dumps(meta))
+        parts = {name: out / f".{name}.{os.getpid()}.tmp" for name in (_INDEX_FILE, _DOCS_FILE, _META_FILE)}
+        try:  # every file written in full before any replaces what a previous save left
+            faiss.write_index(self.index, str(parts[_INDEX_FILE]))
+            with open(parts[_DOCS_FILE], "w", encoding="utf-8") as f:
+                for d in self._docs.values():
+                    f.write(json.dumps({"id": d.id, "int_id": self._int_ids[d.id], "text": d.text,
+                                        "metadata": d.metadata}, ensure_ascii=False) + "\n")
+            meta = {"format": _FORMAT, "embedder": self.embedder_name, "dim": self.dim, "next_id": self._next_id}
+            parts[_META_FILE].write_text(json.dumps(meta))
+        except BaseException:
+            for tmp in parts.values():
+                tmp.unlink(missing_ok=True)
+            raise
+        for name, tmp in parts.items():
+            os.replace(tmp, out / name)
         return out
 
     @classmethod

@@ -170,6 +170,7 @@ class ChatLazyAttention(BaseChatModel, WrapperSettings):
     engine_: LazyAttention | None = Field(default=None, alias="engine", exclude=True,
                                           description="A ready engine; None: built from the settings.")
     _matchers: dict[int, PromptMatcher] = PrivateAttr(default_factory=dict)
+    _from_settings: bool = PrivateAttr(default=False)
     _warned: bool = PrivateAttr(default=False)
 
     def __init__(self, sampling: SamplingParams | None = None, **kwargs: Any):
@@ -181,9 +182,10 @@ class ChatLazyAttention(BaseChatModel, WrapperSettings):
 
     @property
     def engine(self) -> LazyAttention:
-        """The engine (built, or taken from the process's shared ones, on first use)."""
-        if self.engine_ is None:
-            self.engine_ = LazyAttention.shared(self.engine_settings())
+        """The engine: the one given, or the process's shared one for the settings (built on
+        first use, and again after it was shut down)."""
+        if self.engine_ is None or (self._from_settings and self.engine_.loop.stopped):
+            self.engine_, self._from_settings = LazyAttention.shared(self.engine_settings()), True
         return self.engine_
 
     @property
@@ -229,6 +231,7 @@ class ChatLazyAttention(BaseChatModel, WrapperSettings):
     def _prepare(self, messages, stop, kwargs, run_manager) -> tuple[EngineRequest, SamplingParams, LazyAttention]:
         sampling = call_sampling(self.sampling, kwargs, "ChatLazyAttention", _CALL_KEYWORDS, stop)
         engine = self._engine_for(kwargs.get("model"))
+        self._matchers = {k: m for k, m in self._matchers.items() if not m.llm.loop.stopped}
         matcher = self._matchers.setdefault(id(engine), PromptMatcher(engine))
         retrieved = langchain_callbacks.retrieved_candidates(run_manager.run_id if run_manager else None)
         request = build_request(engine, messages, kwargs.get("documents"), matcher, retrieved)

@@ -106,12 +106,11 @@ class FaissVectorStore(VectorStore):
         return ids
 
     def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool:
-        """Remove documents by id (all of them when ``ids`` is ``None``); returns ``True``.
-
-        Raises:
-            UnknownDocumentError: an id not in the store (nothing is removed then).
-        """
-        self.store.delete([d.id for d in self.store.documents()] if ids is None else ids)
+        """Remove documents by id (all of them when ``ids`` is ``None``), from the store and an
+        attached engine; ids the store does not hold are skipped (LangChain's contract: deleting
+        what is not there is no error). Returns ``True``."""
+        self.store.delete([d.id for d in self.store.documents()] if ids is None else
+                          [i for i in ids if i in self.store])
         return True
 
     # --- reading ----------------------------------------------------------------------------

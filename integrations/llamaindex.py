@@ -58,6 +58,7 @@ from llama_index.core.vector_stores.types import BasePydanticVectorStore
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from lazyattn_rag.documents import Document
+from lazyattn_rag.errors import PromptTooLongError
 from lazyattn_rag.integrations import llamaindex_events
 from lazyattn_rag.integrations.call_options import WrapperSettings, call_sampling, split_sampling
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
@@ -109,6 +110,8 @@ class LazyAttentionLLM(CustomLLM, WrapperSettings):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
     _engine: LazyAttention | None = PrivateAttr(default=None)
+    _from_settings: bool = PrivateAttr(default=False)
+    _margin: int | None = PrivateAttr(default=None)
     _matcher: PromptMatcher | None = PrivateAttr(default=None)
     _warned: bool = PrivateAttr(default=False)
 
@@ -131,16 +134,29 @@ class LazyAttentionLLM(CustomLLM, WrapperSettings):
 
     @property
     def engine(self) -> LazyAttention:
-        """The engine (built, or taken from the process's shared ones, on first use)."""
-        if self._engine is None:
-            self._engine = LazyAttention.shared(self.engine_settings())
+        """The engine: the one given, or the process's shared one for the settings (built on
+        first use, and again after it was shut down)."""
+        if self._engine is None or (self._from_settings and self._engine.loop.stopped):
+            self._engine, self._from_settings = LazyAttention.shared(self.engine_settings()), True
         return self._engine
 
     @property
     def metadata(self) -> LLMMetadata:
-        window = self.engine.max_model_len
+        """``context_window`` is the engine's limit less a margin (see :meth:`_window_margin`), so
+        a prompt LlamaIndex fills to the window fits the engine."""
+        window = self.engine.max_model_len - self._window_margin()
         return LLMMetadata(context_window=window, num_output=min(self.max_tokens, window - 1), is_chat_model=True,
                            model_name=self.model or self.engine.model_name)
+
+    def _window_margin(self) -> int:
+        """Tokens LlamaIndex's count of a prompt misses: the chat template's markup around a system
+        and a user turn, plus 1/64 of the window (at least 64) for the token boundaries at each
+        placed document (a document is tokenized on its own, so its edges do not merge with the
+        text around it as in one string)."""
+        if self._margin is None:
+            markup = self.engine.plan_chat([("system", ""), ("user", "")]).num_prompt_tokens
+            self._margin = markup + max(64, self.engine.max_model_len // 64)
+        return self._margin
 
     # --- the id path ------------------------------------------------------------------------
     def stream_rag(self, question: str, documents: Sequence[Document],
@@ -169,9 +185,10 @@ class LazyAttentionLLM(CustomLLM, WrapperSettings):
         last = messages[-1] if messages else None
         if last is not None and DOCUMENTS_KEY in last.additional_kwargs:
             docs = [Document(d["id"], d["text"]) for d in last.additional_kwargs[DOCUMENTS_KEY]]
-            request = rag_request(last.content or "", docs)
+            preamble = [(_role(m.role), m.content or "") for m in messages[:-1]]  # e.g. the LLM's system_prompt
+            request = rag_request(last.content or "", docs, preamble, self.engine.config.prompt)
         else:
-            if self._matcher is None:
+            if self._matcher is None or self._matcher.llm is not self.engine:
                 self._matcher = PromptMatcher(self.engine)
             retrieved = llamaindex_events.retrieved_candidates()
             turns = [(_role(m.role), m.content or "") for m in messages]
@@ -196,25 +213,45 @@ class LazyAttentionLLM(CustomLLM, WrapperSettings):
             raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
         return self._request([ChatMessage(role=MessageRole.USER, content=prompt)])
 
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer, for ``Settings.tokenizer = llm.tokenizer``: LlamaIndex then sizes
+        prompts (compact/refine repacking, truncation) in this model's tokens rather than
+        tiktoken's, so a full context window never exceeds the engine's limit."""
+        return self.engine.tokenizer
+
+    def _stream(self, request: EngineRequest, sampling: SamplingParams) -> Iterator[StreamDelta]:
+        try:
+            return request.stream(self.engine, sampling)
+        except PromptTooLongError as error:
+            raise _sized_elsewhere(error, self) from error
+
     def _stream_completion(self, prompt: str, kwargs: dict) -> CompletionResponseGen:
         sampling = self._sampling_for(kwargs)
         request = self._completion_request(prompt)
-        return _completions(request, request.stream(self.engine, sampling))
+        return _completions(request, self._stream(request, sampling))
 
     def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict) -> ChatResponseGen:
         sampling = self._sampling_for(kwargs, messages)
         request = self._request(messages)
-        return (_chat_response(c) for c in _completions(request, request.stream(self.engine, sampling)))
+        return (_chat_response(c) for c in _completions(request, self._stream(request, sampling)))
+
+    async def _astream(self, request: EngineRequest, sampling: SamplingParams) -> AsyncIterator[StreamDelta]:
+        try:
+            async for delta in request.astream(self.engine, sampling):
+                yield delta
+        except PromptTooLongError as error:
+            raise _sized_elsewhere(error, self) from error
 
     async def _astream_completion(self, prompt: str, kwargs: dict) -> CompletionResponseAsyncGen:
         sampling = self._sampling_for(kwargs)
         request = await asyncio.to_thread(self._completion_request, prompt)  # (copies the context: the active span)
-        return _acompletions(request, request.astream(self.engine, sampling))
+        return _acompletions(request, self._astream(request, sampling))
 
     async def _astream_chat(self, messages: Sequence[ChatMessage], kwargs: dict) -> ChatResponseAsyncGen:
         sampling = self._sampling_for(kwargs, messages)
         request = await asyncio.to_thread(self._request, messages)
-        completions = _acompletions(request, request.astream(self.engine, sampling))
+        completions = _acompletions(request, self._astream(request, sampling))
 
         async def gen() -> ChatResponseAsyncGen:
             async for c in completions:
@@ -263,6 +300,20 @@ class LazyAttentionLLM(CustomLLM, WrapperSettings):
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         return await self._astream_chat(messages, kwargs)
+
+
+def _sized_elsewhere(error: PromptTooLongError, llm: LazyAttentionLLM) -> PromptTooLongError:
+    """The engine's length error, with the fix when LlamaIndex counts tokens with another tokenizer."""
+    from llama_index.core import Settings
+
+    tokenizer = Settings.tokenizer
+    if getattr(tokenizer, "__self__", None) is llm.engine.tokenizer or (
+            getattr(tokenizer, "func", None) is not None and getattr(tokenizer.func, "__self__", None)
+            is llm.engine.tokenizer):
+        return error
+    return PromptTooLongError(f"{error}. LlamaIndex sized this prompt with its own tokenizer (Settings.tokenizer, "
+                              "tiktoken unless set), which counts fewer tokens than this model's: set "
+                              "`Settings.tokenizer = llm.tokenizer` so it fits the prompt to the engine's limit")
 
 
 def _role(role: MessageRole | str) -> str:

@@ -17,8 +17,10 @@ What it is robust to (each seen in LlamaIndex or LangChain prompts):
   shows it to an LLM (see the adapters), so a header is part of the document;
 * **repeated documents**: every occurrence is placed;
 * **truncation** (a framework cut a document to fit its context window): a document is
-  matched whole or not at all, never partly; one whose opening occurs without the rest is
-  reported in :attr:`PromptMatch.partial_ids` and stays text.
+  matched whole or not at all, never partly; one of which at least half occurs as an opening
+  without the rest is reported in :attr:`PromptMatch.partial_ids` and stays text (a shared
+  metadata header or a splitter's chunk overlap is not enough);
+* **word boundaries**: a document never matches inside a longer word of the prompt.
 
 Texts shorter than ``MIN_CHARS`` characters are never matched (they occur by accident).
 """
@@ -26,12 +28,14 @@ Texts shorter than ``MIN_CHARS`` characters are never matched (they occur by acc
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from lazyattn_rag.messages import DocumentRef, MessagePart
 
 MIN_CHARS = 32
+PARTIAL_FRACTION = 0.5  # a document counts as cut when at least this share of it occurs as an opening
 _KEY_CHARS = MIN_CHARS  # candidates are indexed by their first normalized characters
 _ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|[nrtabfv0'\"\\])")
 _SIMPLE = {"n": "\n", "r": "\r", "t": "\t", "a": "\a", "b": "\b", "f": "\f", "v": "\v", "0": "\0",
@@ -106,9 +110,12 @@ def _view(text: str, unescape: bool) -> _View:
     units: list[tuple[str, int, int]] = []  # (char, raw start, raw end)
     pos = 0
     for m in _ESCAPE.finditer(text) if unescape else ():
-        units += [(c, i, i + 1) for i, c in enumerate(text[pos:m.start()], pos)]
         code = m.group(1)
-        units.append((_SIMPLE.get(code) or chr(int(code[1:], 16)), m.start(), m.end()))
+        char = _SIMPLE.get(code) or (chr(int(code[1:], 16)) if int(code[1:], 16) <= sys.maxunicode else None)
+        if char is None:  # e.g. "\UFFFFFFFF" in a path or a hex dump: no escape, left as it is
+            continue
+        units += [(c, i, i + 1) for i, c in enumerate(text[pos:m.start()], pos)]
+        units.append((char, m.start(), m.end()))
         pos = m.end()
     units += [(c, i, i + 1) for i, c in enumerate(text[pos:], pos)]
     chars, spans = [], []
@@ -149,18 +156,24 @@ class DocumentMatcher:
             self.num_candidates += 1
 
     def _scan(self, view: _View) -> tuple[list[tuple[int, int, Candidate]], set[str]]:
-        """Raw spans of full matches, and ids of candidates whose opening matched somewhere."""
-        found, opened = [], set()
+        """Raw spans of full matches (whole words at both ends), and ids of candidates found only
+        in part: a long opening (``PARTIAL_FRACTION`` of the text, at least ``2 * MIN_CHARS``
+        characters) without the rest."""
+        found, partial = [], set()
         chars = view.chars
         for i in range(len(chars) - _KEY_CHARS + 1):
             bucket = self._by_key.get(chars[i:i + _KEY_CHARS])
-            if bucket is None:
+            if bucket is None or (i > 0 and chars[i - 1].isalnum() and chars[i].isalnum()):
                 continue
             for norm, c in bucket:
-                opened.add(c.doc_id)
+                end = i + len(norm)
                 if chars.startswith(norm, i):
-                    found.append((view.spans[i][0], view.spans[i + len(norm) - 1][1], c))
-        return found, opened
+                    if end < len(chars) and chars[end].isalnum() and chars[end - 1].isalnum():
+                        continue  # the prompt's word goes on: not this document's end
+                    found.append((view.spans[i][0], view.spans[end - 1][1], c))
+                elif _common_prefix(chars, i, norm) >= max(2 * MIN_CHARS, PARTIAL_FRACTION * len(norm)):
+                    partial.add(c.doc_id)
+        return found, partial
 
     def occurrences(self, text: str) -> tuple[list[tuple[int, int, Candidate, bool]], set[str]]:
         """Every occurrence ``(start, end, candidate, escaped)`` in ``text`` (raw character spans,
@@ -168,14 +181,27 @@ class DocumentMatcher:
         (their opening occurs, their whole text nowhere)."""
         if not self._by_key or len(text) < MIN_CHARS:
             return [], set()
-        plain, opened = self._scan(_view(text, unescape=False))
+        plain, partial = self._scan(_view(text, unescape=False))
         matches = [(s, e, c, False) for s, e, c in plain]
         if "\\" in text:
-            escaped, esc_opened = self._scan(_view(text, unescape=True))
+            escaped, esc_partial = self._scan(_view(text, unescape=True))
             known = {(s, e) for s, e, _ in plain}
             matches += [(s, e, c, True) for s, e, c in escaped if (s, e) not in known]
-            opened |= esc_opened
-        return matches, opened - {m[2].doc_id for m in matches}
+            partial |= esc_partial
+        return matches, partial - {m[2].doc_id for m in matches}
+
+
+def _common_prefix(chars: str, start: int, norm: str) -> int:
+    """Length of the common prefix of ``chars[start:]`` and ``norm``."""
+    n = min(len(norm), len(chars) - start)
+    lo, hi = _KEY_CHARS, n  # the key matched; binary search on slice equality (C speed)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if chars[start:start + mid] == norm[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def resolve(matches: Iterable[tuple[int, int, Candidate, bool]]) -> list[tuple[int, int, Candidate, bool]]:

@@ -32,10 +32,11 @@ from lazyattn_rag.integrations.prompt_match import (
     split_message,
 )
 from lazyattn_rag.integrations.reuse_report import CallReport
-from lazyattn_rag.messages import Message
+from lazyattn_rag.messages import DocumentRef, Message
 from lazyattn_rag.outputs import StreamDelta
 
 if TYPE_CHECKING:
+    from lazyattn_rag.config import PromptConfig
     from lazyattn_rag.llm import LazyAttention
     from lazyattn_rag.sampling import SamplingParams
 
@@ -112,13 +113,21 @@ class EngineRequest:
             await deltas.aclose()
 
 
-def rag_request(question: str, documents: Sequence[Document]) -> EngineRequest:
-    """Documents (by id) and a question.
+def rag_request(question: str, documents: Sequence[Document], preamble: Sequence[tuple[str, str]] = (),
+                prompt: "PromptConfig | None" = None) -> EngineRequest:
+    """Documents (by id) and a question, in the engine's RAG prompt.
 
     Whitespace-only documents carry nothing to attend to and are left out (a retriever can
     return an empty node). The same id twice with the same text is kept twice (placed twice);
     the same id with two different texts is ambiguous.
 
+    Args:
+        question: the question.
+        documents: placed by id, in order.
+        preamble: chat turns ``(role, text)`` before the RAG turn (a system prompt, a history);
+            with any, the request is the engine's RAG turn (``prompt``'s instruction, the
+            documents, its question prefix and the question) after them, as chat messages.
+        prompt: the engine's :class:`~lazyattn_rag.config.PromptConfig` (needed with a preamble).
     Raises:
         ValueError: one id with two different texts (the id is named).
     """
@@ -130,7 +139,11 @@ def rag_request(question: str, documents: Sequence[Document]) -> EngineRequest:
         if seen.setdefault(d.id, d.text) != d.text:
             raise ValueError(f"document id {d.id!r} is given twice with different texts in one request")
         kept.append(d)
-    return EngineRequest(question=question, documents=kept)
+    if not preamble:
+        return EngineRequest(question=question, documents=kept)
+    turn = (prompt.instruction, *(DocumentRef(d.id) for d in kept), prompt.question_prefix + question.strip())
+    messages = [Message(role, text) for role, text in preamble] + [Message("user", turn)]
+    return EngineRequest(documents=kept, messages=messages)
 
 
 def looks_like_rag(text: str) -> bool:

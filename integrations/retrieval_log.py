@@ -54,23 +54,21 @@ class RetrievalLog:
             return self._root(node_id)
 
     def ancestors(self, node_id: str | None) -> list[str]:
-        """``node_id`` and its known ancestors, innermost first."""
-        out: list[str] = []
+        """``node_id`` and its ancestors that are still open, innermost first (a span can outlive
+        its parent: LlamaIndex streams a chat engine's reply from a thread after the chat ended)."""
         with self._lock:
-            while node_id is not None and node_id not in out:
-                out.append(node_id)
-                node_id = self._parents.get(node_id)
+            return self._open_chain(node_id)
+
+    def _open_chain(self, node_id: str | None) -> list[str]:
+        out: list[str] = []
+        while node_id is not None and node_id in self._parents and node_id not in out:
+            out.append(node_id)
+            node_id = self._parents[node_id]
         return out
 
     def _root(self, node_id: str | None) -> str | None:
-        seen = set()
-        while node_id is not None and node_id not in seen:
-            seen.add(node_id)
-            parent = self._parents.get(node_id)
-            if parent is None:
-                return node_id
-            node_id = parent
-        return node_id
+        chain = self._open_chain(node_id)
+        return chain[-1] if chain else node_id
 
     def add(self, node_id: str | None, documents: Iterable[Candidate]) -> None:
         """Documents retrieved in ``node_id``'s trace."""

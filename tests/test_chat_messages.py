@@ -9,6 +9,7 @@ import pytest
 
 from lazyattn_rag import (
     CacheConfig,
+    Document,
     DocumentRef,
     EmptyInputError,
     EngineConfig,
@@ -159,3 +160,21 @@ def test_bad_messages_get_specific_errors_and_leave_the_cache_clean():
     cache = llm.engine.cache
     cache.check_integrity()
     assert all(e.pin_count == 0 for e in cache.entries() if e.key != llm.engine.anchor_key)
+
+
+def test_a_refused_inline_update_keeps_the_registered_documents_cached_kv():
+    """``stream_chat(messages, documents=[Document("x", new_text)])`` whose plan is refused
+    (here: too long) restores "x"'s registration ("all or none"), but the temporary rebinding
+    already marked the old entry dead and dropped it: the next request misses "x" and re-encodes
+    it. A failed call should change nothing, K/V included."""
+    hf, llm = make_llm("none", num_blocks=64, max_position_embeddings=200)
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    llm.add_document("x", words(20, 0))
+    first = llm.chat([("user", ("w1 ", DocumentRef("x"), "w2"))], sampling=sp)
+    assert first.stats.docs_missed == ["x"]
+    with pytest.raises(PromptTooLongError):
+        llm.chat([("user", ("w1 ", DocumentRef("x"), words(190), "w2"))],
+                 documents=[Document("x", words(20, 50))], sampling=sp)
+    assert llm.engine.documents["x"].text == words(20, 0)  # registration restored
+    again = llm.chat([("user", ("w1 ", DocumentRef("x"), "w2"))], sampling=sp)
+    assert again.stats.docs_hit == ["x"], "the refused call dropped x's cached K/V"

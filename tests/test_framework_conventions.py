@@ -55,7 +55,8 @@ def test_llamaindex_llm_from_settings_round_trips_through_to_dict(smollm2):
     assert again.engine is smollm2  # one engine per configuration per process
     out = again.complete("Say hello.")
     assert out.additional_kwargs["lazyattn"]["stats"]["num_output_tokens"] <= 3 and out.raw["usage"]
-    assert again.metadata.context_window == smollm2.max_model_len and again.metadata.num_output == 3
+    margin = smollm2.max_model_len - again.metadata.context_window  # chat markup and document token edges
+    assert 128 <= margin < 200 and again.metadata.num_output == 3
 
 
 def test_settings_are_validated_at_construction():

@@ -11,6 +11,10 @@ id path computes the engine's own tail instead; the difference is the framework'
 
 import asyncio
 import functools
+import hashlib
+import random
+
+import numpy as np
 
 import pytest
 from llama_index.core import Document as LIDocument
@@ -246,6 +250,79 @@ def test_langchain_runnable_with_message_history(engine):
     message = with_history.invoke({"question": QUESTIONS[1]}, config=config)
     assert len(histories["s1"].messages) == 4
     assert_reused(spy, since, message.response_metadata["lazyattn"]["stats"])
+
+
+def _bow_embedding():
+    from llama_index.core.embeddings import BaseEmbedding
+
+    def bow(text, dim=64):
+        v = np.zeros(dim, dtype=np.float32)
+        for w in text.split():
+            v[int(hashlib.md5(w.encode()).hexdigest(), 16) % dim] += 1.0
+        return (v / max(np.linalg.norm(v), 1e-9)).tolist()
+
+    class Bow(BaseEmbedding):
+        def _get_text_embedding(self, text):
+            return bow(text)
+
+        def _get_query_embedding(self, query):
+            return bow(query)
+
+        async def _aget_query_embedding(self, query):
+            return bow(query)
+
+    return Bow()
+
+
+@pytest.mark.parametrize("mode", ["simple_summarize", "tree_summarize"])
+def test_llamaindex_fits_full_windows_to_the_engine_with_its_tokenizer(smollm2, mode):
+    """LlamaIndex sizes prompts with ``Settings.tokenizer`` (tiktoken unless set). SmolLM2 splits
+    digits one per token, ~1.5x tiktoken's count on numeric text, so a window LlamaIndex fills
+    overflows the engine: the error says to set ``Settings.tokenizer = llm.tokenizer``, and with
+    it set the prompts fit (planned, not run: ~8k tokens of prefill on the CPU)."""
+    import llama_index.core
+    from llama_index.core import Settings
+
+    from lazyattn_rag.errors import PromptTooLongError
+    from llama_index.core import Document, VectorStoreIndex
+
+    from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM
+
+    llm = LazyAttentionLLM(smollm2, max_tokens=4)
+    rng = random.Random(0)
+
+    def report(i):
+        return f"Quarterly report {i}.\n" + "\n".join(
+            f"Item {j}: revenue {rng.randint(100000, 999999)} EUR, cost {rng.randint(10000, 99999)} EUR, "
+            f"margin {rng.randint(10, 99)}.{rng.randint(0, 9)}%" for j in range(300))
+
+    index = VectorStoreIndex.from_documents([Document(text=report(i)) for i in range(6)],
+                                            embed_model=_bow_embedding())
+    engine = index.as_query_engine(llm=llm, similarity_top_k=10, response_mode=mode)
+    with pytest.raises(PromptTooLongError, match=r"Settings.tokenizer = llm.tokenizer"):
+        engine.query("What was the revenue of item 7?")
+    submit = smollm2.engine.submit
+    planned = []
+
+    def plan_only(plan, params, sink, warm_only=False):
+        planned.append(plan.num_prompt_tokens)
+        raise _Planned()
+
+    default_tokenizer = llama_index.core.global_tokenizer
+    smollm2.engine.submit = plan_only
+    try:
+        Settings.tokenizer = llm.tokenizer
+        engine = index.as_query_engine(llm=llm, similarity_top_k=10, response_mode=mode)
+        with pytest.raises(_Planned):
+            engine.query("What was the revenue of item 7?")
+    finally:
+        smollm2.engine.submit = submit
+        llama_index.core.global_tokenizer = default_tokenizer
+    assert planned and max(planned) < smollm2.max_model_len
+
+
+class _Planned(Exception):
+    pass
 
 
 # Tokens of each framework's template that a request computes besides what the id path computes

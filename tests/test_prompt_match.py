@@ -52,8 +52,27 @@ def test_every_occurrence_is_placed_and_a_truncated_document_is_reported_not_mat
     out, partial, _ = parts(prompt, Candidate("a", A), Candidate("b", B))
     assert out == [DocumentRef("a"), DocumentRef("b"), DocumentRef("a"), "\n\n" + B[:45]]
     assert partial == set()  # "b" matched whole elsewhere
-    out, partial, _ = parts("x " + A[:50] + " y", Candidate("a", A))
-    assert out == ["x " + A[:50] + " y"] and partial == {"a"}
+    long = A + " " + B  # 139 characters
+    out, partial, _ = parts("x " + long[:100] + " y", Candidate("a", long))
+    assert out == ["x " + long[:100] + " y"] and partial == {"a"}  # most of it: cut, reported
+    out, partial, _ = parts("x " + long[:40] + " y", Candidate("a", long))
+    assert partial == set()  # an opening alone (a shared header, a chunk overlap) is not a cut document
+
+
+def test_a_document_never_matches_inside_a_longer_word():
+    doc = "cat sat on the mat and looked at the door for a while"
+    out, _, _ = parts("concat sat on the mat and looked at the door for a while.", Candidate("d", doc))
+    assert out == ["concat sat on the mat and looked at the door for a while."]
+    out, _, _ = parts("A " + doc + "s later.", Candidate("d", doc))
+    assert not [p for p in out if isinstance(p, DocumentRef)]
+    out, _, _ = parts("A " + doc + ". Later.", Candidate("d", doc))
+    assert out == ["A ", DocumentRef("d"), ". Later."]
+
+
+def test_escapes_outside_unicode_are_left_as_text():
+    prompt = r"open C:\U12345678\notes.txt and \UFFFFFFFF then " + A
+    out, _, _ = parts(prompt, Candidate("a", A))
+    assert out[-1] == DocumentRef("a")
 
 
 words = st.text(alphabet="abcdefghij", min_size=1, max_size=6)

@@ -1,7 +1,5 @@
-"""Adversarial reproducers for the framework integrations (tiny engine, no real model needed).
-
-Each test asserts the documented/expected behaviour; a failing test is a defect.
-"""
+"""Edge cases of the framework integrations found by an adversarial pass (tiny engine, no real
+model): each test was a reproducer of a defect, now fixed."""
 
 from __future__ import annotations
 
@@ -9,7 +7,6 @@ import asyncio
 import datetime
 import gc
 import hashlib
-import logging
 
 import numpy as np
 import pytest
@@ -147,42 +144,25 @@ def test_id_path_keeps_the_llms_system_prompt(engine):
     assert w150 in spy.last["plan"].token_ids(), "the id path dropped LazyAttentionLLM.system_prompt"
 
 
-# --- 4. spurious no-reuse warning on a standard idiom's condense step --------------------------------
-def test_condense_question_chat_engine_does_not_warn_about_reuse(caplog):
-    """``as_chat_engine(chat_mode="condense_question")``: its condense prompt (no documents, before
-    retrieval) says "context" and is long, so it "looks like RAG" and the once-per-LLM warning fires
-    with "none of the N known documents occurs in the prompt" (misleading, and it uses up the one
-    warning the user would get for a real problem)."""
-    from llama_index.core.memory import ChatMemoryBuffer
-
-    from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM
-
-    e = tiny_engine(num_blocks=512, max_model_len=1200)
-    llm = LazyAttentionLLM(e, SamplingParams(max_tokens=2, ignore_eos=True))
-    chat = _index().as_chat_engine(chat_mode="condense_question", llm=llm, similarity_top_k=2,
-                                   memory=ChatMemoryBuffer.from_defaults(token_limit=300))
-    with caplog.at_level(logging.WARNING, logger="lazyattn_rag.integrations"):
-        for i in range(3):
-            response = chat.chat(words(3, i))
-            assert response.metadata["lazyattn"]["doc_ids"]  # every answer did reuse its documents
-    e.shutdown()
-    assert not [r for r in caplog.records if "reuses no cached document" in r.getMessage()]
-
-
 # --- 5. persistence: a failing save destroys the previous good save ----------------------------------
-def test_a_failed_save_leaves_the_previous_save_loadable(tmp_path):
-    """``FaissVectorStore.add_texts`` accepts metadata that JSON cannot encode (a ``date``, as
-    several LangChain loaders produce); ``save_local`` then writes ``index.faiss`` first and fails
-    while writing ``documents.jsonl``: the folder that held a good index no longer loads."""
+def test_metadata_that_cannot_be_saved_is_refused_at_add_and_a_failed_save_keeps_the_last_one(tmp_path):
+    """Metadata JSON cannot encode (a ``date``, as some LangChain loaders produce) is refused when
+    added, naming the document; a save that fails part-way (metadata changed in place afterwards)
+    leaves the previous save loadable: every file is written in full before any is replaced."""
     from lazyattn_rag.integrations.langchain_store import FaissVectorStore
 
     store = FaissVectorStore.from_texts(["w1 w2 w3 w4", "w5 w6 w7"], _lc_embedding(), ids=["a", "b"])
     store.save_local(tmp_path)
-    store.add_texts(["w8 w9"], metadatas=[{"when": datetime.date(2024, 1, 1)}], ids=["c"])
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="document 'c' has metadata that cannot be saved as JSON"):
+        store.add_texts(["w8 w9"], metadatas=[{"when": datetime.date(2024, 1, 1)}], ids=["c"])
+    assert len(store.store) == 2
+    store.add_texts(["w8 w9"], ids=["c"])
+    store.store.get("a").metadata["when"] = datetime.date(2024, 1, 1)  # changed after it was added
+    with pytest.raises(TypeError):
         store.save_local(tmp_path)
-    loaded = FaissVectorStore.load_local(tmp_path, _lc_embedding())  # ValueError: 3 vectors, 2 documents
-    assert len(loaded.store) == 2
+    loaded = FaissVectorStore.load_local(tmp_path, _lc_embedding())
+    assert sorted(d.id for d in loaded.store.documents()) == ["a", "b"]
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")]  # no temporary files left
 
 
 # --- 6. wrappers built from settings keep a shut-down shared engine ----------------------------------
@@ -219,3 +199,23 @@ def test_settings_built_wrappers_follow_the_shared_engine_after_shutdown(tmp_pat
         assert chat.engine is fresh.engine is llm.engine
     finally:
         fresh.engine.shutdown()
+
+
+# --- 7. a prompt with an out-of-range \U escape makes every call fail --------------------------------
+@pytest.mark.parametrize("text", [r"What does \UFFFFFFFF mean in the log?", r"open C:\U12345678\notes.txt please"])
+def test_escape_sequences_outside_unicode_do_not_break_the_call(engine, text):
+    """``prompt_match._view(unescape=True)`` decodes ``\\U`` + 8 hex digits with ``chr(int(...))``
+    unguarded: above U+10FFFF it raises (OverflowError / ValueError) and the whole LLM call fails,
+    on both frameworks, whenever any document is registered. The text comes from the user's
+    question or from a retrieved document (hex dumps, paths, code)."""
+    from langchain_core.messages import HumanMessage
+
+    from lazyattn_rag.integrations.langchain import ChatLazyAttention
+    from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM
+    from lazyattn_rag.integrations.prompt_match import Candidate, DocumentMatcher
+
+    DocumentMatcher([Candidate("d", words(20, 3))]).occurrences(text)  # raises today
+    engine.add_document("registered", words(20, 3))
+    sampling = SamplingParams(max_tokens=2, ignore_eos=True)
+    ChatLazyAttention(engine=engine, sampling=sampling).invoke([HumanMessage(text)])
+    LazyAttentionLLM(engine, sampling).complete(text)
