@@ -20,7 +20,7 @@ import pytest
 from llama_index.core import Document as LIDocument
 from llama_index.core import VectorStoreIndex
 
-from lazyattn_rag import CacheConfig, EngineConfig, SamplingParams
+from lazyattn_rag import CacheConfig, EngineConfig
 from lazyattn_rag.integrations.embeddings import default_embedding_model_path
 from lazyattn_rag.llm import LazyAttention
 from tests.integrations_kit import PlanSpy
@@ -181,7 +181,6 @@ def format_docs(docs) -> str:
 
 
 def lcel_chain(retriever, model):
-    from langchain_core.output_parsers import StrOutputParser
     from langchain_core.prompts import ChatPromptTemplate
     from langchain_core.runnables import RunnablePassthrough
 
