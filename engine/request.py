@@ -81,11 +81,14 @@ class Request:
         """The whole prompt as one id list (for repetition penalties)."""
         return self.plan.token_ids()
 
+    @cached_property
+    def _text_token_ids(self) -> list[int]:
+        return [t for seg in self.plan.texts for t in seg.token_ids]
+
     @property
     def private_token_ids(self) -> list[int]:
         """Text segments, query tail, then generated tokens (the last one's K/V is written by the next step)."""
-        texts = [t for seg in self.plan.texts for t in seg.token_ids]
-        return texts + list(self.plan.query_token_ids[self.num_prefix_tokens:]) + self.output_ids
+        return self._text_token_ids + list(self.plan.query_token_ids[self.num_prefix_tokens:]) + self.output_ids
 
     @property
     def tail_position(self) -> int:

@@ -12,12 +12,15 @@ whole ``sampling=``); any other keyword is an error naming the accepted ones.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 from lazyattn_rag.config import EngineConfig
 from lazyattn_rag.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from lazyattn_rag.llm import LazyAttention
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 FIRST_CLASS = ("temperature", "max_tokens", "top_p", "stop")  # wrapper fields; the rest go in sampling_kwargs
@@ -92,7 +95,8 @@ def engine_config(model: str | None, context_window: int | None, engine_kwargs: 
 
 
 class WrapperSettings(BaseModel):
-    """The settings fields both framework wrappers share (a pydantic mixin; see the module).
+    """The settings fields both framework wrappers share, and the engine they give (a pydantic
+    mixin; see the module).
 
     Attributes:
         model: local Hugging Face directory, or ``None`` for the offline default SmolLM2.
@@ -111,6 +115,24 @@ class WrapperSettings(BaseModel):
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
     sampling_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other SamplingParams fields.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other EngineConfig fields.")
+
+    _engine: Any = PrivateAttr(default=None)  # the LazyAttention in use
+    _from_settings: bool = PrivateAttr(default=False)
+
+    def _use_settings(self, engine: Any) -> None:
+        """After construction: validate the settings now, and take ``engine`` if one was given."""
+        self.check_settings()
+        self._engine = engine
+
+    @property
+    def engine(self) -> "LazyAttention":
+        """The engine: the one given, or the process's shared one for the settings (built on
+        first use, and again after it was shut down)."""
+        from lazyattn_rag.llm import LazyAttention
+
+        if self._engine is None or (self._from_settings and self._engine.loop.stopped):
+            self._engine, self._from_settings = LazyAttention.shared(self.engine_settings()), True
+        return self._engine
 
     @property
     def sampling(self) -> SamplingParams:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -49,7 +48,7 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableLambda, RunnableParallel, RunnablePassthrough
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from lazyattn_rag.documents import Document
+from lazyattn_rag.documents import Document, content_id
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.integrations import langchain_callbacks
 from lazyattn_rag.integrations.call_options import WrapperSettings, call_sampling, split_sampling
@@ -74,8 +73,7 @@ def to_engine_document(doc: LCDocument | Document) -> Document:
     has none) and its ``page_content``."""
     if isinstance(doc, Document):
         return doc
-    doc_id = doc.id or "sha256:" + hashlib.sha256(doc.page_content.encode()).hexdigest()[:32]
-    return Document(doc_id, doc.page_content, dict(doc.metadata))
+    return Document(doc.id or content_id(doc.page_content), doc.page_content, dict(doc.metadata))
 
 
 def document_block(doc: LCDocument | Document) -> dict:
@@ -167,26 +165,15 @@ class ChatLazyAttention(BaseChatModel, WrapperSettings):
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
-    engine_: LazyAttention | None = Field(default=None, alias="engine", exclude=True,
-                                          description="A ready engine; None: built from the settings.")
     _matchers: dict[int, PromptMatcher] = PrivateAttr(default_factory=dict)
-    _from_settings: bool = PrivateAttr(default=False)
     _warned: bool = PrivateAttr(default=False)
 
-    def __init__(self, sampling: SamplingParams | None = None, **kwargs: Any):
+    def __init__(self, engine: LazyAttention | None = None, sampling: SamplingParams | None = None, **kwargs: Any):
         if sampling is not None:
             kwargs = {**split_sampling(sampling), **kwargs}
         super().__init__(**kwargs)
-        self.check_settings()
+        self._use_settings(engine)
         langchain_callbacks.install()
-
-    @property
-    def engine(self) -> LazyAttention:
-        """The engine: the one given, or the process's shared one for the settings (built on
-        first use, and again after it was shut down)."""
-        if self.engine_ is None or (self._from_settings and self.engine_.loop.stopped):
-            self.engine_, self._from_settings = LazyAttention.shared(self.engine_settings()), True
-        return self.engine_
 
     @property
     def _llm_type(self) -> str:

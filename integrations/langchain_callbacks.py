@@ -11,7 +11,6 @@ prompt. :class:`ChatLazyAttention` calls :func:`install` when constructed.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from contextvars import ContextVar
 from typing import Any
@@ -20,6 +19,7 @@ from uuid import UUID
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.tracers.context import register_configure_hook
 
+from lazyattn_rag.documents import content_id
 from lazyattn_rag.integrations.prompt_match import Candidate
 from lazyattn_rag.integrations.retrieval_log import RetrievalLog
 
@@ -30,8 +30,7 @@ _HOOK: ContextVar[BaseCallbackHandler | None] | None = None  # its default is th
 
 def document_candidate(doc: Any) -> Candidate:
     """A LangChain ``Document`` as a candidate: its ``id`` (or a hash of its text) and ``page_content``."""
-    doc_id = getattr(doc, "id", None) or "sha256:" + hashlib.sha256(doc.page_content.encode()).hexdigest()[:32]
-    return Candidate(doc_id, doc.page_content)
+    return Candidate(getattr(doc, "id", None) or content_id(doc.page_content), doc.page_content)
 
 
 class RetrievalCallbackHandler(BaseCallbackHandler):

@@ -57,7 +57,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, Te
 from llama_index.core.vector_stores.types import BasePydanticVectorStore
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from lazyattn_rag.documents import Document
+from lazyattn_rag.documents import Document, content_id
 from lazyattn_rag.errors import PromptTooLongError
 from lazyattn_rag.integrations import llamaindex_events
 from lazyattn_rag.integrations.call_options import WrapperSettings, call_sampling, split_sampling
@@ -109,8 +109,6 @@ class LazyAttentionLLM(CustomLLM, WrapperSettings):
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
-    _engine: LazyAttention | None = PrivateAttr(default=None)
-    _from_settings: bool = PrivateAttr(default=False)
     _margin: int | None = PrivateAttr(default=None)
     _matcher: PromptMatcher | None = PrivateAttr(default=None)
     _warned: bool = PrivateAttr(default=False)
@@ -119,8 +117,7 @@ class LazyAttentionLLM(CustomLLM, WrapperSettings):
         if sampling is not None:
             kwargs = {**split_sampling(sampling), **kwargs}
         super().__init__(**kwargs)
-        self.check_settings()
-        self._engine = engine
+        self._use_settings(engine)
         llamaindex_events.install()
 
     @classmethod
@@ -131,14 +128,6 @@ class LazyAttentionLLM(CustomLLM, WrapperSettings):
     @classmethod
     def class_name(cls) -> str:
         return "LazyAttentionLLM"
-
-    @property
-    def engine(self) -> LazyAttention:
-        """The engine: the one given, or the process's shared one for the settings (built on
-        first use, and again after it was shut down)."""
-        if self._engine is None or (self._from_settings and self._engine.loop.stopped):
-            self._engine, self._from_settings = LazyAttention.shared(self.engine_settings()), True
-        return self._engine
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -198,8 +187,10 @@ class LazyAttentionLLM(CustomLLM, WrapperSettings):
         return request
 
     def _warn_once(self, request: EngineRequest, turns: list[tuple[str, str]], retrieved: bool) -> None:
+        if self._warned:
+            return
         nested = llamaindex_events.in_framework_query(f"{type(self).__name__}.")
-        if self._warned or not deserves_warning(request.match, [t for _, t in turns], retrieved, nested):
+        if not deserves_warning(request.match, [t for _, t in turns], retrieved, nested):
             return
         self._warned = True
         logger.warning("lazyattn-rag: this prompt reuses no cached document: %s. Retrieve through a LlamaIndex "
@@ -470,9 +461,7 @@ class LazyAttentionSynthesizer(BaseSynthesizer):
 
 
 def _content_documents(text_chunks: Sequence[str]) -> list[Document]:
-    import hashlib
-
-    return [Document("sha256:" + hashlib.sha256(t.encode()).hexdigest()[:32], t) for t in text_chunks if t.strip()]
+    return [Document(content_id(t), t) for t in text_chunks if t.strip()]
 
 
 class FaissRetriever(BaseRetriever):

@@ -81,7 +81,3 @@ class RetrievalLog:
         """Documents retrieved so far in ``node_id``'s trace (first retrieval first)."""
         with self._lock:
             return list(self._documents.get(self._root(node_id), ()))
-
-    @property
-    def num_open(self) -> int:
-        return len(self._parents)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 ANCHOR_MODES = ("none", "bos", "head")
@@ -163,16 +163,11 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
-    def to_dict(self) -> dict:
-        """JSON-able fields (nested configs as dicts, ``cache_dir`` as a string)."""
-        out = asdict(self)
-        if out["cache_dir"] is not None:
-            out["cache_dir"] = str(out["cache_dir"])
-        return out
-
     @classmethod
     def from_dict(cls, data: dict) -> "EngineConfig":
-        """The inverse of :meth:`to_dict`; missing keys keep their defaults.
+        """An :class:`EngineConfig` from plain data (``dataclasses.asdict`` of one, or the
+        ``engine_kwargs`` of a framework wrapper); nested configs as dicts, missing keys keep
+        their defaults.
 
         Raises:
             ValueError: an unknown key (the accepted ones are named) or an invalid value.

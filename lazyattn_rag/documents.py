@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,3 +21,10 @@ class Document:
     id: str
     text: str
     metadata: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+
+def content_id(text: str) -> str:
+    """An id for a document that has none (a framework's text chunk, an id-less LangChain
+    ``Document``): ``sha256:`` and the first 32 hex digits of its text's hash, so equal texts
+    share one id and one cached K/V."""
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:32]

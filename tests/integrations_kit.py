@@ -123,3 +123,48 @@ class PlanSpy:
     @property
     def last(self) -> dict:
         return self.calls[-1]
+
+
+def bow_vector(text: str, dim: int = 64) -> list[float]:
+    """A unit bag-of-words vector (md5 of each word into ``dim`` buckets): retrieval by shared words,
+    no model to load."""
+    import hashlib
+
+    import numpy as np
+
+    v = np.zeros(dim, dtype=np.float32)
+    for w in text.split():
+        v[int(hashlib.md5(w.encode()).hexdigest(), 16) % dim] += 1.0
+    n = np.linalg.norm(v)
+    return (v / n if n else v).tolist()
+
+
+def bow_llamaindex_embedding():
+    """:func:`bow_vector` as a LlamaIndex embedding model."""
+    from llama_index.core.embeddings import BaseEmbedding
+
+    class Bow(BaseEmbedding):
+        def _get_text_embedding(self, text):
+            return bow_vector(text)
+
+        def _get_query_embedding(self, query):
+            return bow_vector(query)
+
+        async def _aget_query_embedding(self, query):
+            return bow_vector(query)
+
+    return Bow()
+
+
+def bow_langchain_embeddings():
+    """:func:`bow_vector` as LangChain ``Embeddings``."""
+    from langchain_core.embeddings import Embeddings
+
+    class Bow(Embeddings):
+        def embed_documents(self, texts):
+            return [bow_vector(t) for t in texts]
+
+        def embed_query(self, text):
+            return bow_vector(text)
+
+    return Bow()

@@ -11,10 +11,7 @@ id path computes the engine's own tail instead; the difference is the framework'
 
 import asyncio
 import functools
-import hashlib
 import random
-
-import numpy as np
 
 import pytest
 from llama_index.core import Document as LIDocument
@@ -23,7 +20,7 @@ from llama_index.core import VectorStoreIndex
 from lazyattn_rag import CacheConfig, EngineConfig
 from lazyattn_rag.integrations.embeddings import default_embedding_model_path
 from lazyattn_rag.llm import LazyAttention
-from tests.integrations_kit import PlanSpy
+from tests.integrations_kit import PlanSpy, bow_llamaindex_embedding
 
 FACTS = {
     "eiffel": "The Eiffel Tower is a wrought-iron lattice tower in Paris. It was completed in 1889 for the "
@@ -251,28 +248,6 @@ def test_langchain_runnable_with_message_history(engine):
     assert_reused(spy, since, message.response_metadata["lazyattn"]["stats"])
 
 
-def _bow_embedding():
-    from llama_index.core.embeddings import BaseEmbedding
-
-    def bow(text, dim=64):
-        v = np.zeros(dim, dtype=np.float32)
-        for w in text.split():
-            v[int(hashlib.md5(w.encode()).hexdigest(), 16) % dim] += 1.0
-        return (v / max(np.linalg.norm(v), 1e-9)).tolist()
-
-    class Bow(BaseEmbedding):
-        def _get_text_embedding(self, text):
-            return bow(text)
-
-        def _get_query_embedding(self, query):
-            return bow(query)
-
-        async def _aget_query_embedding(self, query):
-            return bow(query)
-
-    return Bow()
-
-
 @pytest.mark.parametrize("mode", ["simple_summarize", "tree_summarize"])
 def test_llamaindex_fits_full_windows_to_the_engine_with_its_tokenizer(smollm2, mode):
     """LlamaIndex sizes prompts with ``Settings.tokenizer`` (tiktoken unless set). SmolLM2 splits
@@ -296,7 +271,7 @@ def test_llamaindex_fits_full_windows_to_the_engine_with_its_tokenizer(smollm2, 
             f"margin {rng.randint(10, 99)}.{rng.randint(0, 9)}%" for j in range(300))
 
     index = VectorStoreIndex.from_documents([Document(text=report(i)) for i in range(6)],
-                                            embed_model=_bow_embedding())
+                                            embed_model=bow_llamaindex_embedding())
     engine = index.as_query_engine(llm=llm, similarity_top_k=10, response_mode=mode)
     with pytest.raises(PromptTooLongError, match=r"Settings.tokenizer = llm.tokenizer"):
         engine.query("What was the revenue of item 7?")

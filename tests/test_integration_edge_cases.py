@@ -6,51 +6,12 @@ from __future__ import annotations
 import asyncio
 import datetime
 import gc
-import hashlib
 
-import numpy as np
 import pytest
 
 from lazyattn_rag import SamplingParams
-from tests.integrations_kit import PlanSpy, tiny_engine
+from tests.integrations_kit import PlanSpy, bow_langchain_embeddings, bow_llamaindex_embedding, tiny_engine
 from tests.tiny import words
-
-
-def _bow(text: str, dim: int = 64) -> list[float]:
-    v = np.zeros(dim, dtype=np.float32)
-    for w in text.split():
-        v[int(hashlib.md5(w.encode()).hexdigest(), 16) % dim] += 1.0
-    n = np.linalg.norm(v)
-    return (v / n if n else v).tolist()
-
-
-def _li_embedding():
-    from llama_index.core.embeddings import BaseEmbedding
-
-    class Bow(BaseEmbedding):
-        def _get_text_embedding(self, text):
-            return _bow(text)
-
-        def _get_query_embedding(self, query):
-            return _bow(query)
-
-        async def _aget_query_embedding(self, query):
-            return _bow(query)
-
-    return Bow()
-
-
-def _lc_embedding():
-    from langchain_core.embeddings import Embeddings
-
-    class Bow(Embeddings):
-        def embed_documents(self, texts):
-            return [_bow(t) for t in texts]
-
-        def embed_query(self, text):
-            return _bow(text)
-
-    return Bow()
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +26,7 @@ def _index(n=12):
     from llama_index.core.schema import TextNode
 
     nodes = [TextNode(id_=f"doc{i}", text=words(30, (i * 5) % 200)) for i in range(n)]
-    return VectorStoreIndex(nodes, embed_model=_li_embedding())
+    return VectorStoreIndex(nodes, embed_model=bow_llamaindex_embedding())
 
 
 # --- 1. memory: _REPORTS grows by one entry per streamed chat-engine turn -----------------------
@@ -151,7 +112,7 @@ def test_metadata_that_cannot_be_saved_is_refused_at_add_and_a_failed_save_keeps
     leaves the previous save loadable: every file is written in full before any is replaced."""
     from lazyattn_rag.integrations.langchain_store import FaissVectorStore
 
-    store = FaissVectorStore.from_texts(["w1 w2 w3 w4", "w5 w6 w7"], _lc_embedding(), ids=["a", "b"])
+    store = FaissVectorStore.from_texts(["w1 w2 w3 w4", "w5 w6 w7"], bow_langchain_embeddings(), ids=["a", "b"])
     store.save_local(tmp_path)
     with pytest.raises(ValueError, match="document 'c' has metadata that cannot be saved as JSON"):
         store.add_texts(["w8 w9"], metadatas=[{"when": datetime.date(2024, 1, 1)}], ids=["c"])
@@ -160,7 +121,7 @@ def test_metadata_that_cannot_be_saved_is_refused_at_add_and_a_failed_save_keeps
     store.store.get("a").metadata["when"] = datetime.date(2024, 1, 1)  # changed after it was added
     with pytest.raises(TypeError):
         store.save_local(tmp_path)
-    loaded = FaissVectorStore.load_local(tmp_path, _lc_embedding())
+    loaded = FaissVectorStore.load_local(tmp_path, bow_langchain_embeddings())
     assert sorted(d.id for d in loaded.store.documents()) == ["a", "b"]
     assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")]  # no temporary files left
 
