@@ -79,7 +79,17 @@ class LRUPolicy(EvictionPolicy):
 
 
 class _PriorityPolicy(EvictionPolicy):
-    """Lowest priority first; ties broken by least recent access. Lazy-deletion heap."""
+    """Lowest priority first; ties broken by least recent access.
+
+    A lazy-deletion heap: a re-prioritized, pinned or removed key leaves its old heap entry
+    behind, skipped when it surfaces. Once stale entries outnumber live (evictable) ones by
+    ``_MAX_STALE_RATIO`` (and at least ``_MIN_REBUILD`` entries are held), the heap is rebuilt
+    from the live entries alone, so it holds at most about ``_MAX_STALE_RATIO + 1`` entries per
+    evictable key (amortized O(1) extra work per push).
+    """
+
+    _MAX_STALE_RATIO = 2
+    _MIN_REBUILD = 64
 
     def __init__(self):
         self._inflation = 0.0  # L: priority of the last victim
@@ -97,7 +107,19 @@ class _PriorityPolicy(EvictionPolicy):
         entry = (self._priority(key), next(self._tick))
         self._prio[key] = entry
         if key in self._evictable:
-            heapq.heappush(self._heap, (entry[0], entry[1], key))
+            self._push(key)
+
+    def _push(self, key: str) -> None:
+        p, t = self._prio[key]
+        heapq.heappush(self._heap, (p, t, key))
+        if len(self._heap) > max(self._MIN_REBUILD, (self._MAX_STALE_RATIO + 1) * len(self._evictable)):
+            self._heap = [(*self._prio[k], k) for k in self._evictable]
+            heapq.heapify(self._heap)
+
+    @property
+    def heap_size(self) -> int:
+        """Entries the heap holds, stale ones included (bounded; see the class docstring)."""
+        return len(self._heap)
 
     def on_insert(self, key, num_tokens, num_blocks):
         self._freq[key] = 1
@@ -118,8 +140,7 @@ class _PriorityPolicy(EvictionPolicy):
     def set_evictable(self, key, evictable):
         if evictable and key not in self._evictable:
             self._evictable.add(key)
-            p, t = self._prio[key]
-            heapq.heappush(self._heap, (p, t, key))
+            self._push(key)
         elif not evictable:
             self._evictable.discard(key)
 

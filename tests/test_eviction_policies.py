@@ -185,3 +185,54 @@ class CacheMachine(RuleBasedStateMachine):
 
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.parametrize("policy", ["lfu", "gdsf"])
+def test_priority_heap_stays_bounded_over_a_long_run(policy):
+    """10,000 requests over 5 chunks (pin, hit, unpin each): the lazy-deletion heap used to keep
+    one stale entry per hit and pin (60,005 entries); it must stay within a constant multiple of
+    the live entries, and its victims must stay those of an exact ordering."""
+    c = _cache(policy, num_blocks=5)
+    keys = [f"k{i}" for i in range(5)]
+    for k in keys:
+        _put(c, k)
+    rng = np.random.default_rng(0)
+    peak = 0
+    for _ in range(10_000):
+        key = keys[int(rng.integers(5))]
+        c.pin(key)
+        c.lookup(key)
+        c.unpin(key)
+        peak = max(peak, c.policy.heap_size)
+    assert peak <= max(c.policy._MIN_REBUILD, 3 * len(keys)) + 1
+    prio = {k: c.policy._prio[k] for k in keys}
+    assert c.eviction_order() == sorted(keys, key=prio.get)
+    assert c.policy.victim() == c.eviction_order()[0]
+    c.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["lfu", "gdsf"])
+def test_priority_heap_bounded_through_the_engine(policy):
+    """300 requests over 3 documents through a real engine (was 1,200 heap entries)."""
+    import dataclasses
+
+    from lazyattn_rag import LazyAttention, SamplingParams
+    from tests.integrations_kit import tiny_engine
+    from tests.tiny import words
+
+    base = tiny_engine(num_blocks=64)
+    config = dataclasses.replace(base.config, cache=dataclasses.replace(base.config.cache, eviction_policy=policy))
+    model, tokenizer = base.engine.runner.model, base.engine.tokenizer
+    base.shutdown()
+    llm = LazyAttention.from_model(model, tokenizer, config)
+    try:
+        for i in range(3):
+            llm.add_document(f"d{i}", words(20, 10 * i))
+        for i in range(300):
+            llm.generate("w1 w2", doc_ids=[f"d{i % 3}", f"d{(i + 1) % 3}"], sampling=SamplingParams(max_tokens=1))
+        cache = llm.engine.cache  # the engine is idle between calls
+        assert cache.num_entries <= 5  # the prompt head, the anchor, 3 documents
+        assert cache.policy.heap_size <= max(cache.policy._MIN_REBUILD, 3 * cache.num_entries) + 1
+        cache.check_integrity()
+    finally:
+        llm.shutdown()
