@@ -8,7 +8,6 @@ import logging
 import queue
 import threading
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +41,13 @@ def _tokenizer_sha256(tokenizer: Any) -> str:
     text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     extra = json.dumps([tokenizer.bos_token_id, tokenizer.eos_token_id, getattr(tokenizer, "chat_template", None)])
     return hashlib.sha256((text + extra).encode()).hexdigest()
+
+
+def _config_eos_ids(hf_config: Any) -> set[int]:
+    """``eos_token_id`` of an in-memory transformers config (an int, a list, or absent)."""
+    from lazyattn_rag.model_loading import token_ids_of
+
+    return token_ids_of(getattr(hf_config, "eos_token_id", None))
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -79,14 +85,14 @@ class LazyAttention:
         def build() -> LLMEngine:  # on the engine thread: every torch op of the engine runs there
             from transformers import AutoConfig, AutoTokenizer
 
-            from lazyattn_rag.model_loading import load_state_dict, resolve_model
+            from lazyattn_rag.model_loading import declared_eos_token_ids, load_state_dict, resolve_model
 
             source = resolve_model(config.model, config.resolved_cache_dir())
             hf_config = AutoConfig.from_pretrained(str(source.path), local_files_only=True)
             tokenizer = AutoTokenizer.from_pretrained(str(source.path), local_files_only=True)
             model = CausalLM(ModelArchConfig.from_hf_config(hf_config), RotaryEmbedding.from_hf_config(hf_config))
             model.load_hf_state_dict(load_state_dict(source.path))
-            eos = _generation_eos_ids(source.path)
+            eos = declared_eos_token_ids(source.path)
             return self._build(model, tokenizer, config, source.weights_sha256, source.name, eos, hf_config)
 
         self.loop = EngineLoop(build)
@@ -124,7 +130,7 @@ class LazyAttention:
         config = config or EngineConfig()
         self.loop = EngineLoop(lambda: self._build(model, tokenizer, config,
                                                    weights_sha256 or tensors_sha256(model.state_dict()),
-                                                   name, set(), hf_config))
+                                                   name, _config_eos_ids(hf_config), hf_config))
         self.engine = self.loop.engine
         return self
 
@@ -455,13 +461,3 @@ def _collect(deltas: Iterator[StreamDelta]) -> Completion:
             token_ids.append(delta.token_id)
         last = delta
     return Completion("".join(text), token_ids, last.finish_reason, last.stats)
-
-
-def _generation_eos_ids(path: Path) -> set[int]:
-    f = Path(path) / "generation_config.json"
-    if not f.is_file():
-        return set()
-    eos = json.loads(f.read_text()).get("eos_token_id")
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, list) else {eos}

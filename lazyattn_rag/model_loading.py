@@ -111,6 +111,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         if hasattr(config, "quantization_config"):  # the dequantized copy is plain float32
             del config.quantization_config
         config.save_pretrained(tmp)
+        _write_generation_config(tmp, config)
         tokenizer.save_pretrained(tmp)
         (tmp / "lazyattn_source.json").write_text(json.dumps({"gguf": gguf_path.name}))
         if out_dir.exists():
@@ -119,6 +120,41 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _write_generation_config(directory: Path, config: Any) -> None:
+    """Save the generation config transformers derives from the model config (its BOS, EOS and
+    pad ids), as ``save_pretrained`` of an HF checkpoint does, so the directory declares its stop
+    ids in both places."""
+    from transformers import GenerationConfig
+
+    GenerationConfig.from_model_config(config).save_pretrained(directory)
+
+
+def token_ids_of(value: Any) -> set[int]:
+    """A config's token-id field (an int, a list of ints, or ``None``) as a set."""
+    if value is None:
+        return set()
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return {int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def declared_eos_token_ids(path: Path) -> set[int]:
+    """End-of-sequence ids a model directory declares: the union of ``eos_token_id`` in
+    ``config.json`` (and its ``text_config``) and in ``generation_config.json``, each an int or a
+    list, as transformers' ``generate`` stops on any of them. The tokenizer's own EOS is added
+    by the engine. A missing or unreadable file contributes nothing.
+    """
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        try:
+            data = json.loads((Path(path) / name).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        ids |= token_ids_of(data.get("eos_token_id"))
+        if isinstance(data.get("text_config"), dict):
+            ids |= token_ids_of(data["text_config"].get("eos_token_id"))
+    return ids
 
 
 def resolve_model(model: str | None, cache_dir: Path) -> ModelSource:
@@ -137,6 +173,10 @@ def resolve_model(model: str | None, cache_dir: Path) -> ModelSource:
         out_dir = cache_dir / "models" / f"{DEFAULT_MODEL_NAME}-{sha[:16]}"
         if not (out_dir / "lazyattn_source.json").is_file():
             convert_gguf(gguf, out_dir)
+        elif not (out_dir / "generation_config.json").is_file():  # converted by an older version
+            from transformers import AutoConfig
+
+            _write_generation_config(out_dir, AutoConfig.from_pretrained(str(out_dir), local_files_only=True))
         return ModelSource(out_dir, DEFAULT_MODEL_NAME, sha)
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():

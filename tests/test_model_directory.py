@@ -1,0 +1,67 @@
+"""Loading a local model directory: the stop ids it declares (config.json, generation_config.json,
+the tokenizer) and the default model's converted directory."""
+
+import json
+
+from lazyattn_rag import EngineConfig, LazyAttention, SamplingParams
+from lazyattn_rag.config import CacheConfig
+from lazyattn_rag.model_loading import declared_eos_token_ids
+from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
+
+
+def _model_dir(path, eos):
+    """A tiny random Llama saved as a Hugging Face directory with ``eos_token_id=eos`` in
+    config.json and no generation_config.json."""
+    hf, _ = hf_and_ours(hf_config())
+    hf.save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
+    (path / "generation_config.json").unlink(missing_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = eos
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _engine(path, tmp_path):
+    return LazyAttention(EngineConfig(model=str(path), device="cpu", dtype="float32", attention_backend="torch",
+                                      cache_dir=tmp_path / "cache", cache=CacheConfig(num_blocks=64, block_size=16)))
+
+
+def test_declared_eos_ids_are_the_union_of_both_files(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [3, 25], "text_config": {"eos_token_id": 7}}))
+    assert declared_eos_token_ids(tmp_path) == {3, 7, 25}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 40}))
+    assert declared_eos_token_ids(tmp_path) == {3, 7, 25, 40}
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert declared_eos_token_ids(tmp_path) == {3, 7, 25}
+
+
+def test_generation_stops_on_every_eos_id_config_json_declares(tmp_path):
+    """config.json with ``eos_token_id: [3, t]`` and no generation_config.json: generation stops
+    on ``t`` (it ran to the length limit when only generation_config.json was read)."""
+    question = words(4, 30)
+    path = _model_dir(tmp_path / "model", [3])
+    llm = _engine(path, tmp_path)
+    try:
+        first = llm.generate(question, sampling=SamplingParams(max_tokens=6, ignore_eos=True)).token_ids
+    finally:
+        llm.shutdown()
+    stop = next(t for t in first if t != 3)  # the first token the greedy model emits that is not 3
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = [3, stop]
+    (path / "config.json").write_text(json.dumps(config))
+    llm = _engine(path, tmp_path)
+    try:
+        assert llm.engine.eos_token_ids == {3, stop}
+        out = llm.generate(question, sampling=SamplingParams(max_tokens=6))
+    finally:
+        llm.shutdown()
+    assert out.finish_reason == "stop"
+    assert out.token_ids == first[:first.index(stop)]
+
+
+def test_converted_default_model_carries_its_generation_config(smollm2_dir):
+    generation = json.loads((smollm2_dir / "generation_config.json").read_text())
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert generation["eos_token_id"] == config["eos_token_id"]
+    assert declared_eos_token_ids(smollm2_dir) == {config["eos_token_id"]}
