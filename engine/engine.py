@@ -35,7 +35,7 @@ from lazyattn_rag.errors import DocumentTooLongError, EmptyInputError, PromptToo
 from lazyattn_rag.fingerprint import anchor_fingerprint, chunk_key
 from lazyattn_rag.outputs import RequestStats, StreamDelta
 from lazyattn_rag.messages import DocumentRef, Message
-from lazyattn_rag.prompt import ChunkSegment, PromptPlan, PromptTemplate, TextSegment
+from lazyattn_rag.prompt import ChunkSegment, PromptPlan, PromptTemplate, PromptText, TextSegment
 from lazyattn_rag.sampling import SamplingParams, apply_penalties, sample
 
 logger = logging.getLogger(__name__)
@@ -275,11 +275,11 @@ class LLMEngine:
         self._check_ids(doc_ids)
         lead = self.template.leading_special_ids()
         if not doc_ids:
-            return self.plan_plain(lead + self.template.encode("".join(pieces)))
+            return self.plan_plain(lead + self.template.encode_runs(pieces[0].runs if pieces else ()))
         if isinstance(pieces[-1], DocumentRef):
             raise EmptyInputError("the messages end with a document: nothing follows it to answer from")
         if isinstance(pieces[0], DocumentRef):
-            pieces = ["", *pieces]
+            pieces = [PromptText(()), *pieces]
         chunks, texts, pos = [], [], 0
         for i, piece in enumerate(pieces[:-1]):
             if isinstance(piece, DocumentRef):
@@ -287,13 +287,13 @@ class LLMEngine:
                 chunks.append(ChunkSegment(doc.key, doc.token_ids, len(self.anchor_ids), pos, piece.id))
                 pos += len(doc.token_ids)
                 continue
-            ids = (lead if i == 0 else []) + self.template.encode(piece)
+            ids = (lead if i == 0 else []) + self.template.encode_runs(piece.runs)
             if i == 0 and ids:  # the head: an exact prefix, shared by every prompt that starts with it
                 chunks.append(ChunkSegment(chunk_key(self.model_digest, "prompt", ids), tuple(ids), 0, 0, None))
             elif ids:
                 texts.append(TextSegment(tuple(ids), pos))
             pos += len(ids)
-        tail = self.template.encode(pieces[-1])
+        tail = self.template.encode_runs(pieces[-1].runs)
         plan = PromptPlan(tuple(chunks), tuple(tail), texts=tuple(texts))
         self._check_length(plan, f"{len(messages)} messages, {len(doc_ids)} documents")
         return self._for_mode(plan)

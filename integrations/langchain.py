@@ -204,8 +204,9 @@ class ChatLazyAttention(BaseChatModel, WrapperSettings):
         return params
 
     def get_token_ids(self, text: str) -> list[int]:
-        """Token ids of ``text`` under the engine's own tokenizer (no special tokens added)."""
-        return list(self.engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Token ids of ``text`` under the engine's own tokenizer, as the engine tokenizes user text
+        (literal: no special tokens added, none parsed from the text)."""
+        return list(self.engine.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
     def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Runnable:
         raise NotImplementedError("ChatLazyAttention does not support tool calling: it answers from documents "

@@ -28,6 +28,7 @@ from lazyattn_rag.kernels.rope import RotaryEmbedding
 from lazyattn_rag.messages import Message, as_message
 from lazyattn_rag.outputs import Completion, StreamDelta
 from lazyattn_rag.sampling import SamplingParams
+from lazyattn_rag.self_check import check_engine
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,7 +94,8 @@ class LazyAttention:
             model = CausalLM(ModelArchConfig.from_hf_config(hf_config), RotaryEmbedding.from_hf_config(hf_config))
             model.load_hf_state_dict(load_state_dict(source.path))
             eos = declared_eos_token_ids(source.path)
-            return self._build(model, tokenizer, config, source.weights_sha256, source.name, eos, hf_config)
+            engine = self._build(model, tokenizer, config, source.weights_sha256, source.name, eos, hf_config)
+            return check_engine(engine, hf_config, config, source.path)  # refuses a model with wrong positions
 
         self.loop = EngineLoop(build)
         self.engine = self.loop.engine
@@ -128,9 +130,10 @@ class LazyAttention:
         """
         self = cls.__new__(cls)
         config = config or EngineConfig()
-        self.loop = EngineLoop(lambda: self._build(model, tokenizer, config,
-                                                   weights_sha256 or tensors_sha256(model.state_dict()),
-                                                   name, _config_eos_ids(hf_config), hf_config))
+        self.loop = EngineLoop(lambda: check_engine(self._build(model, tokenizer, config,
+                                                                weights_sha256 or tensors_sha256(model.state_dict()),
+                                                                name, _config_eos_ids(hf_config), hf_config),
+                                                    hf_config, config))  # rotary part only: no directory
         self.engine = self.loop.engine
         return self
 
@@ -299,7 +302,11 @@ class LazyAttention:
         """Stream a completion of a plain prompt, with no chunk reuse (a standard full prefill).
 
         Args:
-            prompt: text (tokenized with the tokenizer's special tokens, e.g. BOS) or token ids.
+            prompt: text or token ids. This is the raw-prompt path (as vLLM's ``generate`` of a
+                string): the text is the caller's own template, so the tokenizer adds its
+                special tokens (e.g. BOS) and parses special-token text in it (``<|im_end|>``
+                becomes the marker). User text belongs in :meth:`chat` or :meth:`generate`,
+                which tokenize it literally.
             sampling: :class:`SamplingParams`.
         Raises:
             EmptyInputError, PromptTooLongError: at the call.

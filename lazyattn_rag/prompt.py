@@ -15,11 +15,13 @@ re-tokenized, so a boundary tokenizes the same way on a cache hit as on a miss.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lazyattn_rag.config import PromptConfig
-from lazyattn_rag.messages import DocumentRef, Message, MessagePart
+from lazyattn_rag.messages import DocumentRef, Message
 
 _SENTINEL = "\u2063LAZYATTN_CONTENT\u2063"
 
@@ -117,8 +119,34 @@ class PromptPlan:
         return ids + list(self.query_token_ids)
 
 
+@dataclass(frozen=True)
+class PromptText:
+    """Prompt text between documents: runs of chat-template markup and of literal text.
+
+    Markup is the template's own text (turn markers, BOS written by the template): the text
+    of a special token in it becomes that token's id. Literal text is everything a user,
+    a document or a framework wrote: it never yields a special-token id, whatever it contains
+    (a document quoting ``<|im_end|>`` keeps those characters as ordinary text).
+
+    Attributes:
+        runs: ``(text, is_markup)`` pairs in order, none empty.
+    """
+
+    runs: tuple[tuple[str, bool], ...]
+
+    @property
+    def text(self) -> str:
+        return "".join(text for text, _ in self.runs)
+
+
 class PromptTemplate:
     """Renders the head, document and tail segments from a tokenizer's chat template.
+
+    Tokenization rule: template markup is parsed for special tokens; user text (documents,
+    questions, message content, the configured instruction and prefixes) is tokenized
+    literally (special-token parsing off), so no text a user controls can open or close a
+    turn. Without a chat template, a tokenizer that prepends BOS (base Llama, Mistral) gets it
+    exactly once, at position 0, in every prompt's head.
 
     Args:
         tokenizer: a transformers tokenizer; its chat template (if any) frames the user turn.
@@ -128,10 +156,12 @@ class PromptTemplate:
     def __init__(self, tokenizer: Any, config: PromptConfig):
         self.tokenizer = tokenizer
         self.config = config
+        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.opening, self.closing = self._split_template()
+        self._special = _special_tokens(tokenizer)
 
     def _split_template(self) -> tuple[str, str]:
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not self.has_chat_template:
             return "", "\nAnswer:"
         messages = []
         if self.config.system_prompt is not None:
@@ -143,9 +173,65 @@ class PromptTemplate:
         opening, closing = rendered.split(_SENTINEL)
         return opening, closing
 
+    # --- tokenizing ------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Token ids of literal ``text``: no special tokens added, none parsed from the text."""
+        if not text:
+            return []
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
+    def encode_runs(self, runs: Sequence[tuple[str, bool]]) -> list[int]:
+        """Token ids of ``(text, is_markup)`` runs, as the tokenizer would give for their joined
+        text with special tokens recognized inside markup runs only.
+
+        The joined text is split at the special tokens found in markup (their ``lstrip`` /
+        ``rstrip`` whitespace rules applied, as the tokenizer does), and each piece between them
+        is tokenized literally; so markup followed by user text tokenizes as one string would,
+        except that user text can never produce a special-token id.
+        """
+        text = "".join(t for t, _ in runs)
+        markup, pos = [], 0  # character spans of the markup runs in ``text``
+        for run, is_markup in runs:
+            if is_markup:
+                markup.append((pos, pos + len(run)))
+            pos += len(run)
+        ids: list[int] = []
+        cursor = 0
+        for match in self._special_matches(text, markup):
+            token = self._special[match.group(0)]
+            before = text[cursor:match.start()]
+            ids += self.encode(before.rstrip() if token.lstrip else before)
+            ids.append(self.tokenizer.convert_tokens_to_ids(token.content))
+            cursor = match.end()
+            if token.rstrip:
+                cursor += len(text[cursor:]) - len(text[cursor:].lstrip())
+        return ids + self.encode(text[cursor:])
+
+    def _special_matches(self, text: str, markup: list[tuple[int, int]]) -> list[re.Match]:
+        if not self._special or not markup:
+            return []
+        pattern = "|".join(re.escape(t) for t in sorted(self._special, key=len, reverse=True))
+        return [m for m in re.finditer(pattern, text)
+                if any(a <= m.start() and m.end() <= b for a, b in markup)]
+
+    def encode_markup(self, text: str) -> list[int]:
+        """Token ids of template-only text (special-token text in it is parsed)."""
+        return self.encode_runs([(text, True)])
+
+    def leading_special_ids(self) -> list[int]:
+        """Ids the tokenizer adds before any text (e.g. BOS) when there is no chat template to
+        write them; empty with a chat template (the template writes its own BOS, if any)."""
+        if self.has_chat_template:
+            return []
+        probe = "a"
+        plain = list(self.tokenizer(probe, add_special_tokens=False)["input_ids"])
+        full = list(self.tokenizer(probe, add_special_tokens=True)["input_ids"])
+        for i in range(len(full) - len(plain) + 1):
+            if full[i:i + len(plain)] == plain:
+                return full[:i]
+        return []
+
+    # --- the RAG prompt's segments -----------------------------------------------------------
     def head_text(self) -> str:
         return self.opening + self.config.instruction
 
@@ -156,43 +242,44 @@ class PromptTemplate:
         return self.config.question_prefix + question.strip() + self.closing
 
     def head_token_ids(self) -> list[int]:
-        return self.encode(self.head_text())
+        """BOS (where the tokenizer adds one and no template writes it), the template's opening
+        (markup), then the instruction (literal)."""
+        return self.leading_special_ids() + self.encode_runs(
+            _nonempty([(self.opening, True), (self.config.instruction, False)]))
 
     def document_token_ids(self, text: str) -> list[int]:
+        """A document's chunk: its text and the separator, literal."""
         return self.encode(self.document_text(text))
 
     def tail_token_ids(self, question: str) -> list[int]:
-        return self.encode(self.tail_text(question))
+        """The question prefix and the question (literal), then the template's closing (markup)."""
+        return self.encode_runs(_nonempty([(self.config.question_prefix + question.strip(), False),
+                                           (self.closing, True)]))
 
     # --- chat messages with placed documents ---------------------------------------------------
-    def leading_special_ids(self) -> list[int]:
-        """Ids the tokenizer adds before any text (e.g. BOS) when there is no chat template to write them."""
-        if getattr(self.tokenizer, "chat_template", None):
-            return []
-        return list(self.tokenizer("", add_special_tokens=True)["input_ids"])
+    def render_messages(self, messages: list[Message]) -> list[PromptText | DocumentRef]:
+        """Messages in the chat template, as text and :class:`DocumentRef` s in prompt order.
 
-    def render_messages(self, messages: list[Message]) -> list[MessagePart]:
-        """Messages in the chat template, as text runs and :class:`DocumentRef` s in prompt order.
-
-        The template's markup (turn markers, the assistant opening) becomes text around each
-        message's parts; adjacent text is merged, and whitespace right after a document
-        reference is dropped (the document's chunk ends with the separator). Without a chat
-        template: ``role: content`` lines, then ``assistant:``.
+        The template's markup (turn markers, the assistant opening) becomes markup runs around
+        each message's parts, whose text is literal; adjacent text is merged into one
+        :class:`PromptText`, and whitespace right after a document reference is dropped (the
+        document's chunk ends with the separator). Without a chat template: ``role: content``
+        lines, then ``assistant:``.
 
         Raises:
             ValueError: the chat template does not render every message's content exactly once.
         """
         markup = self._markup(messages)
-        pieces: list[MessagePart] = []
+        pieces: list[tuple[str, bool] | DocumentRef] = []
         for before, message in zip(markup, messages):
-            pieces.append(before)
-            pieces.extend(message.parts())
-        pieces.append(markup[-1])
+            pieces.append((before, True))
+            pieces.extend(p if isinstance(p, DocumentRef) else (p, False) for p in message.parts())
+        pieces.append((markup[-1], True))
         return _merge_text(pieces)
 
     def _markup(self, messages: list[Message]) -> list[str]:
         """The template text before each message's content, and after the last (``len + 1`` pieces)."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not self.has_chat_template:
             return [("\n" if i else "") + f"{m.role}: " for i, m in enumerate(messages)] + ["\nassistant:"]
         marks = [f"\u2063LAZYATTN_MESSAGE_{i}\u2063" for i in range(len(messages))]
         rendered = self.tokenizer.apply_chat_template(
@@ -207,16 +294,38 @@ class PromptTemplate:
         return out + [rendered]
 
 
-def _merge_text(pieces: list[MessagePart]) -> list[MessagePart]:
-    merged: list[MessagePart] = []
+def _special_tokens(tokenizer: Any) -> dict[str, Any]:
+    """Special added tokens by their text (``AddedToken`` objects carry the strip rules)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {t.content: t for t in decoder.values() if getattr(t, "special", False) and t.content}
+
+
+def _nonempty(runs: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+    return [(t, m) for t, m in runs if t]
+
+
+def _merge_text(pieces: list[tuple[str, bool] | DocumentRef]) -> list[PromptText | DocumentRef]:
+    merged: list[PromptText | DocumentRef] = []
+    runs: list[tuple[str, bool]] = []
+    after_document = False
     for piece in pieces:
-        if isinstance(piece, str):
-            if merged and isinstance(merged[-1], DocumentRef):
-                piece = piece.lstrip()
-            if not piece:
-                continue
-            if merged and isinstance(merged[-1], str):
-                merged[-1] += piece
-                continue
-        merged.append(piece)
+        if isinstance(piece, DocumentRef):
+            if runs:
+                merged.append(PromptText(tuple(runs)))
+                runs = []
+            merged.append(piece)
+            after_document = True
+            continue
+        text, is_markup = piece
+        if after_document:
+            text = text.lstrip()
+        if not text:
+            continue
+        after_document = False
+        if runs and runs[-1][1] == is_markup:
+            runs[-1] = (runs[-1][0] + text, is_markup)
+        else:
+            runs.append((text, is_markup))
+    if runs:
+        merged.append(PromptText(tuple(runs)))
     return merged

@@ -10,9 +10,13 @@ from lazyattn_rag.kernels.rope import RotaryEmbedding
 WORDS = [f"w{i}" for i in range(200)] + ["Answer", "Question", ":", "documents", "below", "."]
 
 
-def word_tokenizer():
-    """A whitespace word-level fast tokenizer: one token per word, ids 4.. (0 pad, 1 unk, 2 bos, 3 eos)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def word_tokenizer(prepend_bos: bool = False):
+    """A whitespace word-level fast tokenizer: one token per word, ids 4.. (0 pad, 1 unk, 2 bos, 3 eos).
+
+    ``prepend_bos`` gives it the shape of base Llama and Mistral tokenizers: BOS before the text
+    when special tokens are added, and no chat template.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"[PAD]": 0, "[UNK]": 1, "<s>": 2, "</s>": 3}
@@ -21,6 +25,8 @@ def word_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    if prepend_bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 2)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="[UNK]",
                                    pad_token="[PAD]")
 
