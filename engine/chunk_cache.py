@@ -29,6 +29,11 @@ from lazyattn_rag.engine.block_pool import BlockPool, NoFreeBlocksError
 from lazyattn_rag.engine.eviction import EvictionPolicy, LRUPolicy
 
 
+class ChunkKeyCollisionError(RuntimeError):
+    """Two different token sequences reached one content key (a digest collision, or a key
+    built without all of its content): the cached K/V is never served for the other one."""
+
+
 def block_table_entries(block_ids: list[int], num_tokens: int, delta: int, block_size: int
                         ) -> list[tuple[int, int, int]]:
     """``(block id, delta, valid slots)`` of ``num_tokens`` tokens laid out from the first block's
@@ -50,6 +55,8 @@ class ChunkEntry:
         pin_count: requests currently holding it.
         dead: no document id refers to it any more; dropped when unpinned.
         doc_ids: document ids bound to this key.
+        token_ids: the tokens whose K/V the blocks hold (compared on every hit), or ``None``
+            where the inserter did not give them.
     """
 
     key: str
@@ -62,6 +69,15 @@ class ChunkEntry:
     doc_ids: set[str] = field(default_factory=set)
     source_key: str | None = None  # block_attention mode: the document this is a positioned copy of
     listed_evictable: bool = False  # what the policy and the evictable count were last told
+    token_ids: tuple[int, ...] | None = None
+
+    def check_tokens(self, token_ids: tuple[int, ...] | list[int]) -> None:
+        """Raise :class:`ChunkKeyCollisionError` unless this entry holds exactly ``token_ids``
+        (a tuple comparison: cheap next to the attention it saves)."""
+        if self.token_ids is not None and self.token_ids != tuple(token_ids):
+            raise ChunkKeyCollisionError(
+                f"chunk key {self.key[:12]} holds {len(self.token_ids)} other tokens than the "
+                f"{len(token_ids)} requested; refusing to serve its K/V")
 
     @property
     def evictable(self) -> bool:
@@ -106,7 +122,8 @@ class ChunkCache:
         return self._entries[key]
 
     def insert_pending(self, key: str, block_ids: list[int], num_tokens: int, local_start: int,
-                       source_key: str | None = None, document: bool = False) -> ChunkEntry:
+                       source_key: str | None = None, document: bool = False,
+                       token_ids: tuple[int, ...] | None = None) -> ChunkEntry:
         """Add a pending entry (its encode is scheduled), pinned once for the encoder.
 
         The cache takes over the caller's one pool reference on each block. A ``document``
@@ -122,7 +139,10 @@ class ChunkCache:
         need = -(-num_tokens // self.block_size)
         if len(block_ids) != need:
             raise ValueError(f"{num_tokens} tokens need {need} blocks, got {len(block_ids)}")
-        entry = ChunkEntry(key, list(block_ids), num_tokens, local_start, pin_count=1, source_key=source_key)
+        if token_ids is not None and len(token_ids) != num_tokens:
+            raise ValueError(f"{len(token_ids)} token ids for {num_tokens} tokens")
+        entry = ChunkEntry(key, list(block_ids), num_tokens, local_start, pin_count=1, source_key=source_key,
+                           token_ids=None if token_ids is None else tuple(token_ids))
         bound = source_key or key
         entry.doc_ids.update(d for d, k in self._doc_keys.items() if k == bound)
         entry.dead = document and not entry.doc_ids
@@ -138,9 +158,10 @@ class ChunkCache:
         entry.ready = True
         self._sync_evictable(entry)
 
-    def insert(self, key: str, block_ids: list[int], num_tokens: int, local_start: int) -> ChunkEntry:
+    def insert(self, key: str, block_ids: list[int], num_tokens: int, local_start: int,
+               token_ids: tuple[int, ...] | None = None) -> ChunkEntry:
         """Insert an already-written entry, unpinned (``insert_pending`` + ``mark_ready`` + ``unpin``)."""
-        entry = self.insert_pending(key, block_ids, num_tokens, local_start)
+        entry = self.insert_pending(key, block_ids, num_tokens, local_start, token_ids=token_ids)
         self.mark_ready(key)
         self.unpin(key)
         return entry

@@ -126,7 +126,7 @@ class LLMEngine:
             return []
         n = len(self.anchor_ids)
         blocks = self.cache.allocate(-(-n // self.block_size))
-        entry = self.cache.insert_pending(self.anchor_key, blocks, n, 0)
+        entry = self.cache.insert_pending(self.anchor_key, blocks, n, 0, token_ids=self.anchor_ids)
         self.runner.execute([self._encode_sequence(EncodeJob(self.anchor_key, self.anchor_ids, 0, blocks, []))])
         self.cache.mark_ready(self.anchor_key)
         return block_table_entries(entry.block_ids, n, 0, self.block_size)
@@ -557,7 +557,7 @@ class LLMEngine:
             if self.cache.lookup(key, touch=False) is None:
                 block = r.private_blocks[j - hit_blocks]
                 self.cache.pool.incref([block])
-                self.cache.insert(key, [block], bs, j * bs)
+                self.cache.insert(key, [block], bs, j * bs, tuple(r.plan.query_token_ids[j * bs:(j + 1) * bs]))
                 # Pinned while the request also holds the block: evicting the entry now would not
                 # free it, so it must not count as evictable room.
                 self.cache.pin(key)

@@ -289,7 +289,10 @@ class Scheduler:
         hits, misses = [], []
         for key, chunk in chunks.items():
             # a dead entry still held by others holds exactly this content: a hit
-            (hits if self.cache.lookup(key, touch=False, include_dead=True) is not None else misses).append(chunk)
+            entry = self.cache.lookup(key, touch=False, include_dead=True)
+            if entry is not None:
+                entry.check_tokens(chunk.token_ids)  # never serve another sequence's K/V
+            (hits if entry is not None else misses).append(chunk)
         miss_tokens = sum(len(c.token_ids) for c in misses)
         if misses and miss_tokens > budget and not out.is_empty:
             return "wait"
@@ -365,7 +368,8 @@ class Scheduler:
             blocks = self.cache.allocate(self._blocks_for(len(chunk.token_ids)))
             try:
                 self.cache.insert_pending(chunk.key, blocks, len(chunk.token_ids), chunk.local_start,
-                                          chunk.source_key, document=chunk.doc_id is not None)
+                                          chunk.source_key, document=chunk.doc_id is not None,
+                                          token_ids=chunk.token_ids)
             except Exception:
                 self.cache.pool.decref(blocks)
                 raise
@@ -386,10 +390,12 @@ class Scheduler:
         """Prefix mode: pin the longest run of cached full blocks of the prompt (exact prefix)."""
         if not request.plan.prefix_block_keys:
             return
-        for key in request.plan.prefix_block_keys:
+        bs, prompt = self.block_size, request.plan.query_token_ids
+        for j, key in enumerate(request.plan.prefix_block_keys):
             entry = self.cache.lookup(key)
             if entry is None or not entry.ready:
                 break
+            entry.check_tokens(prompt[j * bs:(j + 1) * bs])
             self.cache.pin(key)
             request.pinned.append(key)
             request.num_prefix_tokens += self.block_size

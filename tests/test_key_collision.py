@@ -1,0 +1,60 @@
+"""A content-key collision never serves another sequence's K/V (issue 14, item 7): every hit
+compares the tokens the entry holds with the tokens the request places."""
+
+import dataclasses
+
+import pytest
+
+from lazyattn_rag import SamplingParams
+from lazyattn_rag.config import CacheConfig
+from lazyattn_rag.engine.chunk_cache import ChunkKeyCollisionError
+from lazyattn_rag.prompt import PromptPlan
+from tests.integrations_kit import tiny_engine
+from tests.tiny import words
+
+GREEDY = SamplingParams(max_tokens=3, ignore_eos=True)
+
+
+def _run(llm, plan):
+    return list(llm._submit(lambda sink: llm.engine.submit(plan, GREEDY, sink)))
+
+
+def test_a_forced_document_key_collision_fails_the_request_not_the_cache():
+    llm = tiny_engine(num_blocks=64)
+    try:
+        llm.add_document("a", words(20))
+        llm.add_document("b", words(20, 50))
+        first = llm.generate(words(3, 120), ["a"], sampling=GREEDY)
+        plan_b = llm.plan(words(3, 120), ["b"])
+        a_key = llm.plan(words(3, 120), ["a"]).chunks[-1].key
+        # b's tokens under a's key: a digest collision
+        forged = dataclasses.replace(plan_b, chunks=(*plan_b.chunks[:-1], dataclasses.replace(plan_b.chunks[-1], key=a_key)))
+        with pytest.raises(ChunkKeyCollisionError, match="refusing to serve"):
+            _run(llm, forged)
+        again = llm.generate(words(3, 120), ["a"], sampling=GREEDY)  # a is still cached and right
+        assert again.stats.docs_hit == ["a"] and again.token_ids == first.token_ids
+        llm.engine.cache.check_integrity()
+    finally:
+        llm.shutdown()
+
+
+def test_a_forced_prefix_block_collision_is_refused():
+    base = tiny_engine(num_blocks=64)
+    config = dataclasses.replace(base.config, cache=CacheConfig(num_blocks=64, block_size=16, mode="prefix"))
+    model, tokenizer = base.engine.runner.model, base.engine.tokenizer
+    base.shutdown()
+    from lazyattn_rag import LazyAttention
+
+    llm = LazyAttention.from_model(model, tokenizer, config)
+    try:
+        llm.add_document("a", words(40))
+        llm.generate(words(3, 120), ["a"], sampling=GREEDY)
+        plan = llm.plan(words(3, 120), ["a"])
+        other = list(plan.query_token_ids)
+        other[5] = other[5] + 1 if other[5] + 1 < 150 else 4  # another token in the first block
+        forged = PromptPlan((), tuple(other), plan.prefix_block_keys)
+        with pytest.raises(ChunkKeyCollisionError):
+            _run(llm, forged)
+        llm.engine.cache.check_integrity()
+    finally:
+        llm.shutdown()
