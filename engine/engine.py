@@ -31,7 +31,8 @@ from lazyattn_rag.engine.chunk_cache import ChunkCache, block_table_entries
 from lazyattn_rag.engine.request import Request, RequestStatus
 from lazyattn_rag.engine.runner import ModelRunner
 from lazyattn_rag.engine.scheduler import ComputeJob, EncodeJob, Scheduler, SchedulerOutput
-from lazyattn_rag.errors import DocumentTooLongError, EmptyInputError, PromptTooLongError, UnknownDocumentError
+from lazyattn_rag.errors import (CacheCapacityError, DocumentTooLongError, EmptyInputError, PromptTooLongError,
+                                 UnknownDocumentError)
 from lazyattn_rag.fingerprint import anchor_fingerprint, chunk_key
 from lazyattn_rag.outputs import RequestStats, StreamDelta
 from lazyattn_rag.messages import DocumentRef, Message
@@ -103,6 +104,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.scheduler = Scheduler(cache, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                    self._encode_anchor(), self.anchor_key, config.scheduler.prefill_with_encodes)
+        self.max_model_len = self._fit_max_model_len(max_model_len)
         # Called after each step that ran a forward pass with (scheduler output, seconds); when any is
         # registered the step synchronizes the device so the time is the step's own (benchmarks).
         self.step_listeners: list[Callable[[SchedulerOutput, float], None]] = []
@@ -119,6 +121,31 @@ class LLMEngine:
                 raise ValueError("anchor='bos' needs a tokenizer with a BOS token or a non-empty prompt head")
             bos = self.head_ids[0]
         return (bos,)
+
+    def _fit_max_model_len(self, max_model_len: int) -> int:
+        """The context limit the KV cache can hold for one request (start-up check).
+
+        One request of ``max_model_len`` tokens needs its blocks plus one for the boundary
+        between its cached head and its private tail. A limit the configuration set explicitly
+        (``EngineConfig.max_model_len``) that does not fit raises; one taken from the model is
+        lowered to what fits, with a log line.
+
+        Raises:
+            CacheCapacityError: the explicit limit does not fit, or not even two tokens do.
+        """
+        bs = self.block_size
+        fits = (self.scheduler.num_usable_blocks - 1) * bs
+        if max_model_len <= fits:
+            return max_model_len
+        advice = ("give the cache more memory (CacheConfig.kv_cache_bytes or num_blocks) or lower "
+                  f"max_model_len to at most {fits}")
+        if fits < 2 or self.config.max_model_len is not None:
+            raise CacheCapacityError(
+                f"max_model_len={max_model_len} needs {-(-max_model_len // bs) + 1} KV blocks for one request but "
+                f"the cache has {self.scheduler.describe_capacity()}: {advice}")
+        logger.info("the model's context of %d tokens does not fit the KV cache (%s); serving up to %d tokens "
+                    "per request", max_model_len, self.scheduler.describe_capacity(), fits)
+        return fits
 
     def _encode_anchor(self) -> list[tuple[int, int, int]]:
         """Encode the anchor once and pin it for the engine's lifetime; its block-table entries."""
@@ -350,7 +377,11 @@ class LLMEngine:
 
     # --- submission -----------------------------------------------------------------------
     def submit(self, plan: PromptPlan, params: SamplingParams, sink: Sink, warm_only: bool = False) -> Request:
-        """Queue a planned request; deltas (or an exception) go to ``sink`` from :meth:`step`."""
+        """Queue a planned request; deltas (or an exception) go to ``sink`` from :meth:`step`.
+
+        Raises:
+            CacheCapacityError: the prompt plus ``max_tokens`` could never fit the KV cache.
+        """
         rid = uuid.uuid4().hex[:16]
         stats = RequestStats(rid, num_prompt_tokens=plan.num_prompt_tokens)
         stats.num_computed_tokens = len(plan.query_token_ids) + plan.num_text_tokens
@@ -358,9 +389,27 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         request = Request(rid, plan, params, sink, stats, IncrementalDetokenizer(self.tokenizer, params.stop), gen,
                           stop_token_ids=stop_ids, warm_only=warm_only)
+        self._check_capacity(request)
         self.requests[rid] = request
         self.scheduler.add(request)
         return request
+
+    def _check_capacity(self, request: Request) -> None:
+        """Admission rule: refuse a request whose prompt and ``max_tokens`` could never fit the
+        KV cache, even alone, before it runs (never part-way through its stream).
+
+        Raises:
+            CacheCapacityError: naming the blocks needed, prompt tokens, max_tokens and the cache.
+        """
+        plan, params = request.plan, request.params
+        num_outputs = 0 if request.warm_only else min(params.max_tokens, self.max_model_len - plan.num_prompt_tokens)
+        need = self.scheduler.num_blocks_needed(request, len(request.private_token_ids) + num_outputs)
+        if need > self.scheduler.num_usable_blocks:
+            raise CacheCapacityError(
+                f"request needs {need} KV blocks for {plan.num_prompt_tokens} prompt tokens "
+                f"({sum(c.doc_id is not None for c in plan.chunks)} documents) and up to {num_outputs} output tokens (max_tokens={params.max_tokens}), but the cache has "
+                f"{self.scheduler.describe_capacity()}: lower max_tokens, place fewer documents, or give the cache "
+                "more memory")
 
     def submit_warm(self, doc_ids: list[str], sink: Sink) -> Request:
         """Queue a warm-up: encode the documents' chunks (no question). Raises ``UnknownDocumentError``."""

@@ -148,6 +148,24 @@ class Scheduler:
         request.num_prefix_tokens = 0
         request.num_prefix_registered = 0
 
+    # --- capacity -------------------------------------------------------------------------------
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks a request may ever hold: the pool less the anchor's (pinned for good)."""
+        return self.cache.pool.num_blocks - len(self.anchor_context)
+
+    def describe_capacity(self) -> str:
+        anchor = f", {len(self.anchor_context)} of them held by the anchor" if self.anchor_context else ""
+        return f"{self.cache.pool.num_blocks} blocks of {self.block_size} tokens{anchor}"
+
+    def num_blocks_needed(self, request: Request, num_private_tokens: int) -> int:
+        """Blocks ``request`` holds at once with ``num_private_tokens`` private tokens (text
+        segments, tail, generated) written: its chunks' (each starts a block; the anchor's are
+        not counted) plus its private blocks."""
+        chunks = {c.key: c for c in request.plan.chunks if c.key != self.anchor_key}
+        return (sum(self._blocks_for(len(c.token_ids)) for c in chunks.values())
+                + request.num_private_blocks(num_private_tokens, self.block_size))
+
     # --- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -278,13 +296,11 @@ class Scheduler:
     def _acquire(self, request: Request, out: SchedulerOutput, budget: int) -> str:
         """Pin hits and schedule encodes of misses: ``"ok"``, ``"wait"`` (no room now) or ``"failed"``."""
         chunks = {c.key: c for c in request.plan.chunks}  # unique, in prompt order
-        total_blocks = sum(self._blocks_for(len(c.token_ids)) for k, c in chunks.items() if k != self.anchor_key)
-        total_blocks += request.num_private_blocks(len(request.private_token_ids) + 1, self.block_size)
-        if total_blocks > self.cache.pool.num_blocks - len(self.anchor_context):
-            anchor = f", {len(self.anchor_context)} of them held by the anchor" if self.anchor_context else ""
+        total_blocks = self.num_blocks_needed(request, len(request.private_token_ids) + 1)
+        if total_blocks > self.num_usable_blocks:  # the engine's admission check makes this rare
             out.failed.append((request, CacheCapacityError(
                 f"request needs {total_blocks} KV blocks ({request.plan.num_prompt_tokens} prompt tokens) but "
-                f"the cache has {self.cache.pool.num_blocks} blocks of {self.block_size} tokens{anchor}")))
+                f"the cache has {self.describe_capacity()}")))
             return "failed"
         hits, misses = [], []
         for key, chunk in chunks.items():

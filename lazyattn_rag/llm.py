@@ -169,7 +169,9 @@ class LazyAttention:
         self.fingerprint = ModelFingerprint(weights_sha256, dtype_name, json.dumps(model.rotary.fingerprint(),
                                             sort_keys=True), _tokenizer_sha256(tokenizer), block_size)
         cache = ChunkCache(BlockPool(num_blocks), block_size, make_policy(config.cache.eviction_policy))
-        return LLMEngine(runner, cache, tokenizer, self.fingerprint.digest(), config, self.max_model_len, eos_ids)
+        engine = LLMEngine(runner, cache, tokenizer, self.fingerprint.digest(), config, self.max_model_len, eos_ids)
+        self.max_model_len = engine.max_model_len  # lowered to what the KV cache holds, if needed
+        return engine
 
     def _kv_budget(self) -> int:
         if self.config.cache.kv_cache_bytes is not None:

@@ -210,9 +210,16 @@ def test_eviction_under_small_cache_and_request_too_big_for_cache():
     assert llm.engine.cache.num_evictions > 0
     _, (tokens, _) = oracle_for(llm, hf, "w1", ["d2", "d3"], 4)
     assert out.token_ids == tokens
-    llm.add_document("long", words(150))
-    with pytest.raises(CacheCapacityError, match="need"):
-        llm.generate("w1", ["long"], sampling=SamplingParams(max_tokens=2))
+    # the context limit is what one request can hold: 8 blocks less one (head/tail boundary)
+    assert llm.max_model_len == llm.engine.max_model_len == (8 - 1) * 16
+    with pytest.raises(DocumentTooLongError, match="context limit of 112 tokens"):
+        llm.add_document("long", words(150))
+    # five 17-token documents fit the context but not the blocks (each starts a block of its own):
+    # head 1 + 5 x 2 + tail 1 = 12 blocks
+    for i in range(5):
+        llm.add_document(f"s{i}", words(17, start=100 + i))
+    with pytest.raises(CacheCapacityError, match=r"needs 12 KV blocks for 92 prompt tokens \(5 documents\) and up to 2 output"):
+        llm.stream("w1", [f"s{i}" for i in range(5)], sampling=SamplingParams(max_tokens=2))  # at the call
     _assert_clean(llm)
     again = llm.generate("w1", ["d2", "d3"], sampling=SamplingParams(max_tokens=4, ignore_eos=True))
     assert again.token_ids == tokens
@@ -220,9 +227,10 @@ def test_eviction_under_small_cache_and_request_too_big_for_cache():
 
 def test_capacity_error_names_the_blocks_the_anchor_holds():
     hf, llm = make_llm("bos", num_blocks=8)
-    llm.add_document("long", words(120))
+    for i in range(4):
+        llm.add_document(f"s{i}", words(17, start=100 + i))
     with pytest.raises(CacheCapacityError, match=r"has 8 blocks of 16 tokens, 1 of them held by the anchor"):
-        llm.generate("w1", ["long"], sampling=SamplingParams(max_tokens=2))
+        llm.generate("w1", [f"s{i}" for i in range(4)], sampling=SamplingParams(max_tokens=2))
 
 
 def test_stream_concatenates_to_generate_and_inline_documents():
