@@ -7,7 +7,9 @@ re-embeds it under the same id; deleting removes its vector. When an engine is a
 document added (or loaded, or held when :meth:`FaissDocumentStore.attach_engine` is called) is
 registered with it, so prompts that contain the document's text reuse its K/V, and updates and
 deletions reach the engine's registry too, so a stale or deleted document's cached K/V is
-dropped with it.
+dropped with it. Each change is all or none across index, documents and engine: what can fail
+(embedding, the engine's checks, the FAISS write) runs before anything is kept, and the
+engine's registrations are put back if the index write fails after the engine accepted.
 
 Framework-neutral. The frameworks see it through adapters: ``llamaindex_store.FaissVectorStore``
 (a LlamaIndex vector store), ``langchain_store.FaissVectorStore`` (a LangChain ``VectorStore``),
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -38,6 +41,21 @@ if TYPE_CHECKING:
 
 _INDEX_FILE, _DOCS_FILE, _META_FILE = "index.faiss", "documents.jsonl", "meta.json"
 _FORMAT = 1
+logger = logging.getLogger("lazyattn_rag.integrations")
+
+
+def _swap_vectors(index: Any, vectors: np.ndarray | None, new_ids: list[int], old_ids: list[int]) -> None:
+    """Add ``vectors`` under ``new_ids``, then remove the vectors ``old_ids``; if either step
+    raises, the index is left as it was (the new vectors are taken out again)."""
+    if new_ids:
+        index.add_with_ids(vectors, np.asarray(new_ids, dtype=np.int64))
+    try:
+        if old_ids:
+            index.remove_ids(np.asarray(old_ids, dtype=np.int64))
+    except BaseException:
+        if new_ids:
+            index.remove_ids(np.asarray(new_ids, dtype=np.int64))
+        raise
 
 
 class EmbeddingDimensionError(ValueError):
@@ -183,6 +201,16 @@ class FaissDocumentStore:
                              "adapter (llamaindex_store / langchain_store)")
         return self.embedder.encode
 
+    def _embed_documents(self, docs: list[Document], embed: Callable[[list[str]], Any] | None) -> Any:
+        """Embed ``docs``' texts; the store's own :class:`SentenceEmbedder` is told their ids, so
+        its warning about a text longer than its input names the document."""
+        from lazyattn_rag.integrations.embeddings import SentenceEmbedder
+
+        texts = [d.text for d in docs]
+        if embed is None and isinstance(self.embedder, SentenceEmbedder):
+            return self.embedder.encode(texts, ids=[d.id for d in docs])
+        return self._encoder(embed)(texts)
+
     # --- writing ----------------------------------------------------------------------------
     @_locked
     def upsert(self, documents: Iterable[Document], vectors: Any = None, *,
@@ -204,7 +232,13 @@ class FaissDocumentStore:
                 cannot be saved as JSON (a ``date``, say: convert it first); no embedder and no
                 vectors. EmbeddingDimensionError: vectors of another dimension than the
                 index's. With an engine attached, what its ``add_documents`` raises (e.g.
-                ``DocumentTooLongError``). Nothing is changed in any of these cases.
+                ``DocumentTooLongError``). Nothing is changed in any of these cases, in the store
+                or the engine: the engine checks the whole batch before the index changes, and an
+                error while the index is written (out of memory) puts the engine's registrations
+                back.
+        Warns:
+            EmbeddingTruncationWarning: the store's own :class:`SentenceEmbedder` embeds a text
+                longer than its input (one warning per document, naming it and both lengths).
         """
         documents = list(documents)
         todo: dict[str, Document] = {}
@@ -225,34 +259,46 @@ class FaissDocumentStore:
             rows = {d.id: i for i, d in enumerate(documents)}
             arr = arr[[rows[i] for i in todo]]
         elif todo:
-            arr = self._vectors(self._encoder(embed)([d.text for d in todo.values()]), len(todo), source,
+            arr = self._vectors(self._embed_documents(list(todo.values()), embed), len(todo), source,
                                 "the embeddings")
         if not todo:
             return []
-        if self.engine is not None:  # all or none: a document the engine refuses changes nothing
+        # Everything that can fail is done before anything changes: the index made (a store
+        # without a dimension takes the first vectors'), then the engine (all or none), then the
+        # index (all or none: new vectors go in under fresh FAISS ids before the old ones leave),
+        # and only then the maps, by plain assignment.
+        index = self.index if self.index is not None else self._new_index(arr.shape[1])
+        fresh = {doc_id: self._next_id + k for k, doc_id in enumerate(todo)}
+        stale = [self._int_ids[i] for i in todo if i in self._int_ids]
+        before = self._engine_texts(list(todo))
+        if self.engine is not None:
             self.engine.add_documents(list(todo.values()))
-        if self.index is None:  # a store without a dimension takes the first vectors'
-            self.index = self._new_index(arr.shape[1])
+        try:
+            _swap_vectors(index, arr, list(fresh.values()), stale)
+        except BaseException:
+            self._restore_engine(before)
+            raise
+        if self.index is None:
+            self.index = index
             self.embedder_name = self.embedder_name or source
-        replaced = [self._int_ids[i] for i in todo if i in self._int_ids]
-        if replaced:
-            self.index.remove_ids(np.asarray(replaced, dtype=np.int64))
-        int_ids = []
-        for doc_id, doc in todo.items():
-            if doc_id not in self._int_ids:
-                self._int_ids[doc_id], self._str_ids[self._next_id] = self._next_id, doc_id
-                self._next_id += 1
-            int_ids.append(self._int_ids[doc_id])
-            self._docs[doc_id] = doc
-        self.index.add_with_ids(arr, np.asarray(int_ids, dtype=np.int64))
+        for doc_id, int_id in fresh.items():
+            if doc_id in self._int_ids:
+                del self._str_ids[self._int_ids[doc_id]]
+            self._int_ids[doc_id], self._str_ids[int_id] = int_id, doc_id
+            self._docs[doc_id] = todo[doc_id]
+        self._next_id += len(fresh)
         return list(todo)
 
     @_locked
     def delete(self, doc_ids: Iterable[str]) -> None:
         """Remove documents from the index (and from the attached engine with their K/V).
 
+        All or none: the engine's registrations go first; if the engine refuses one (shut down,
+        say), those already removed are registered again and the store is unchanged.
+
         Raises:
-            UnknownDocumentError: an id not in the store (nothing is removed then).
+            UnknownDocumentError: an id not in the store (nothing is removed then). What the
+            engine's ``remove_document`` raises (nothing is removed then).
         """
         ids = list(dict.fromkeys(doc_ids))
         for d in ids:
@@ -260,12 +306,48 @@ class FaissDocumentStore:
                 raise UnknownDocumentError(f"unknown document id {d!r} in the FAISS store")
         if not ids:
             return
-        self.index.remove_ids(np.asarray([self._int_ids[d] for d in ids], dtype=np.int64))
+        before = self._engine_texts(ids)
+        try:
+            for d, text in (before or {}).items():
+                if text is not None:
+                    try:
+                        self.engine.remove_document(d)
+                    except UnknownDocumentError:  # removed meanwhile by someone else: gone either way
+                        pass
+            _swap_vectors(self.index, None, [], [self._int_ids[d] for d in ids])
+        except BaseException:
+            self._restore_engine(before)
+            raise
         for d in ids:
             del self._docs[d]
             del self._str_ids[self._int_ids.pop(d)]
-            if self.engine is not None and self.engine.has_document(d):
-                self.engine.remove_document(d)
+
+    # --- keeping the engine in step ---------------------------------------------------------
+    def _engine_texts(self, doc_ids: list[str]) -> dict[str, str | None] | None:
+        """The attached engine's registered text of each id (``None``: not registered), to put
+        back if a change fails part way; ``None`` without an engine."""
+        if self.engine is None:
+            return None
+        if not any(self.engine.has_document(d) for d in doc_ids):
+            return dict.fromkeys(doc_ids)
+        texts = self.engine.document_texts()
+        return {d: texts.get(d) for d in doc_ids}
+
+    def _restore_engine(self, before: dict[str, str | None] | None) -> None:
+        """Put the engine's registrations of these ids back as :meth:`_engine_texts` found them.
+        A failure here is logged, not raised: the caller re-raises the error that started it."""
+        if before is None:
+            return
+        try:
+            back = [(d, text) for d, text in before.items() if text is not None]
+            if back:
+                self.engine.add_documents(back)
+            for d, text in before.items():
+                if text is None and self.engine.has_document(d):
+                    self.engine.remove_document(d)
+        except Exception:
+            logger.exception("could not restore the engine's registrations of %s after a failed store change; "
+                             "call attach_engine(engine) again to re-register the store's documents", list(before))
 
     # --- searching --------------------------------------------------------------------------
     def search(self, query: str, k: int) -> list[tuple[Document, float]]:

@@ -11,7 +11,9 @@ found the same way. When a RAG-looking prompt places nothing the LLM logs one wa
 why; every response's ``metadata["lazyattn"]`` reports what was reused.
 
 :class:`LazyAttentionSynthesizer` is the id path: it hands nodes to the engine by id in the
-engine's own RAG prompt, no text matching.
+engine's own RAG prompt, no text matching. It also answers an empty retrieval from the LLM;
+LlamaIndex's own synthesizers (``index.as_query_engine()``, the context chat engines) return
+"Empty Response" for one without calling any LLM (``BaseSynthesizer.synthesize`` checks first).
 
 Example::
 

@@ -22,7 +22,9 @@ LlamaIndex shows it to an LLM (``MetadataMode.LLM``), as the synthesizer passes 
 itself (type, metadata, relationships, templates) is kept in the document's metadata the way
 LlamaIndex's own stores keep it (``_node_content``), so retrieval returns the node that was
 added. ``delete(ref_doc_id)`` removes every node of that source document from the index and
-the engine. Metadata filters, ``node_ids`` and ``doc_ids`` restrict a query exactly (every
+the engine. Adds and deletes are all or none across store and engine (a node the engine refuses
+changes nothing); LlamaIndex's ``update_ref_doc`` is a delete then an add, so a refused new text
+leaves the old nodes deleted: re-``add`` nodes under their ids to replace them all or none. Metadata filters, ``node_ids`` and ``doc_ids`` restrict a query exactly (every
 vector is scored); other query modes (hybrid, MMR) are refused.
 
 Needs the ``llamaindex`` and ``faiss`` extras.

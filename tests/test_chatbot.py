@@ -3,6 +3,7 @@ and multi-byte (CJK, emoji) streaming through both frameworks."""
 
 import asyncio
 import io
+import warnings
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,37 @@ def test_an_index_saved_before_the_llamaindex_vector_store_loads_offline(docs_di
     [(doc, score)] = before.search(MOON, 1)
     assert hit.node.node_id == doc.id == "moon#0" and hit.node.get_content() == doc.text
     assert hit.score == pytest.approx(score, abs=1e-5)
+
+
+def test_the_chatbot_chunks_below_the_embedder_limit_so_no_text_is_cut(tmp_path):
+    """The chatbot's ingestion splits a long text into chunks of at most 256 MiniLM tokens ([CLS]
+    and [SEP] included) before embedding: nothing warns of truncation, and a fact at the end of
+    the text is found. The same text embedded whole is cut, and the embed model says so."""
+    from lazyattn_rag.integrations.chatbot import load_or_build_store
+    from lazyattn_rag.integrations.corpus import Source
+    from lazyattn_rag.integrations.embeddings import (
+        EmbeddingTruncationWarning,
+        embedding_tokenizer,
+        llamaindex_embedding,
+    )
+
+    text = ("Cats purr when they are content. " + " ".join(f"Note {i} says the weather was mild that day."
+                                                           for i in range(60))
+            + " The treasure is buried under the old oak tree.")
+    embed_model, tokenizer = llamaindex_embedding(), embedding_tokenizer()
+    n = len(tokenizer(text)["input_ids"])
+    assert n > 2 * embed_model.max_length and embed_model.max_length == 256
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EmbeddingTruncationWarning)  # a cut chunk fails the test
+        store = load_or_build_store([Source("notes", text, {})], embed_model, tmp_path / "index", 16,
+                                    rebuild=True, log=io.StringIO())
+    chunks = store.client.documents()
+    assert len(chunks) >= 3 and [d.id for d in chunks] == [f"notes#{i}" for i in range(len(chunks))]
+    assert max(len(tokenizer(d.text)["input_ids"]) for d in chunks) <= 256
+    [(top, _)] = store.client.search_vector(embed_model.get_query_embedding("Where is the treasure buried?"), 1)
+    assert top.id == chunks[-1].id and top.text.endswith("The treasure is buried under the old oak tree.")
+    with pytest.warns(EmbeddingTruncationWarning, match=f"has {n}: only its first 256 are embedded"):
+        embed_model.get_text_embedding(text)
 
 
 def test_cli_chat_reports_a_missing_docs_path():

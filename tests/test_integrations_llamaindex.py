@@ -5,9 +5,11 @@ import asyncio
 import pytest
 
 
+from llama_index.core import VectorStoreIndex
 from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.chat_engine import ContextChatEngine
 from llama_index.core.memory import ChatMemoryBuffer
+from llama_index.core.query_engine import RetrieverQueryEngine
 
 from lazyattn_rag import Document, SamplingParams
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
@@ -18,7 +20,15 @@ from lazyattn_rag.integrations.llamaindex import (
     LazyAttentionSynthesizer,
     as_query_engine,
 )
-from tests.integrations_kit import GREEDY, StreamSpy, corpus_documents, embedder, tiny_engine
+from lazyattn_rag.integrations.llamaindex_store import FaissVectorStore as LIFaissVectorStore
+from tests.integrations_kit import (
+    GREEDY,
+    StreamSpy,
+    bow_llamaindex_embedding,
+    corpus_documents,
+    embedder,
+    tiny_engine,
+)
 from tests.tiny import words
 
 
@@ -134,7 +144,7 @@ def test_async_stream_does_not_block_the_event_loop(llm):
     assert len(ticks) - n_before >= 5  # the loop kept running while the engine generated
 
 
-def test_empty_retrieval_answers_without_documents_on_every_path(llm, engine, spy):
+def test_empty_retrieval_answers_without_documents_on_the_id_path(llm, engine, spy):
     empty = FaissDocumentStore(embedder(), engine=engine)
     question = "Why do cats purr?"
     expected = engine.generate(question, [], sampling=GREEDY).text
@@ -149,6 +159,34 @@ def test_empty_retrieval_answers_without_documents_on_every_path(llm, engine, sp
         return a.response
 
     assert asyncio.run(run()) == expected
+
+
+def test_empty_retrieval_on_each_path_the_docs_name(llm, engine, spy):
+    """docs/integrations.md, "Empty retrieval": LazyAttentionSynthesizer answers from the LLM with no
+    documents wherever it is the synthesizer; LlamaIndex's own synthesizers (``index.as_query_engine()``,
+    ``RetrieverQueryEngine.from_args`` without one, the context chat engines) return "Empty Response"
+    without calling any LLM."""
+    index = VectorStoreIndex.from_vector_store(LIFaissVectorStore(engine=engine), embed_model=bow_llamaindex_embedding())
+    question = "Why do cats purr?"
+    expected = engine.generate(question, [], sampling=GREEDY).text
+    calls = len(spy.calls)
+
+    for mode in ("compact", "refine", "tree_summarize", "simple_summarize", "accumulate"):
+        assert index.as_query_engine(llm=llm, response_mode=mode).query(question).response == "Empty Response"
+    assert "".join(index.as_query_engine(llm=llm, streaming=True).query(question).response_gen) == "Empty Response"
+    assert asyncio.run(index.as_query_engine(llm=llm).aquery(question)).response == "Empty Response"
+    assert RetrieverQueryEngine.from_args(index.as_retriever(), llm=llm).query(question).response == "Empty Response"
+    for mode in ("context", "condense_plus_context"):
+        assert index.as_chat_engine(chat_mode=mode, llm=llm).chat(question).response == "Empty Response"
+    assert len(spy.calls) == calls  # the LLM was never called
+
+    synthesizer = LazyAttentionSynthesizer(llm)
+    for query_engine in (as_query_engine(index, llm),
+                         index.as_query_engine(llm=llm, response_synthesizer=synthesizer),
+                         RetrieverQueryEngine.from_args(index.as_retriever(), llm=llm, response_synthesizer=synthesizer)):
+        r = query_engine.query(question)
+        assert r.response == expected and r.source_nodes == [] and spy.last["doc_ids"] == []
+    assert len(spy.calls) == calls + 3  # one LLM call each
 
 
 def test_top_k_larger_than_the_index_returns_only_real_documents(store):

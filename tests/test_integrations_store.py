@@ -1,12 +1,13 @@
 """FAISS document store, corpus loading and chunking, the prompt-match fallback."""
 
 import json
+import warnings
 
 import numpy as np
 import pytest
 
 
-from lazyattn_rag import Document, UnknownDocumentError
+from lazyattn_rag import Document, DocumentTooLongError, UnknownDocumentError
 from lazyattn_rag.integrations.corpus import (
     SPECIAL_TOKENS,
     Source,
@@ -15,8 +16,10 @@ from lazyattn_rag.integrations.corpus import (
     folder_sources,
     pydoc_sources,
 )
+from lazyattn_rag.integrations.embeddings import EmbeddingTruncationWarning
 from lazyattn_rag.integrations.faiss_store import EmbeddingDimensionError, FaissDocumentStore
-from tests.integrations_kit import CORPUS, corpus_documents, embedder, tiny_engine
+from tests.integrations_kit import CORPUS, bow_vector, corpus_documents, embedder, tiny_engine
+from tests.tiny import words
 
 
 @pytest.fixture
@@ -182,3 +185,113 @@ def test_rag_request_drops_empty_documents_and_rejects_conflicting_texts():
     assert [d.id for d in req.documents] == ["a", "a"]
     with pytest.raises(ValueError, match="'a' is given twice with different texts"):
         rag_request("q", [Document("a", "text a"), Document("a", "other")])
+
+
+# --- a change the engine (or the index) refuses leaves store and engine as they were -------------
+def small_store():
+    """A store of two short documents kept in step with an engine whose context is 64 tokens."""
+    engine = tiny_engine(max_model_len=64)
+    store = FaissDocumentStore(engine=engine, dim=64, embedder_name="bow")
+    docs = [Document("a", words(10, 0)), Document("b", words(10, 20))]
+    store.upsert(docs, vectors=[bow_vector(d.text) for d in docs])
+    return store, engine, docs
+
+
+def assert_holds(store, engine, docs, tmp_path):
+    """``store`` and its engine hold exactly ``docs``: contents, index size, retrieval of each by its
+    own vector (cosine 1), the engine's texts, and a save/load round trip."""
+    texts = {d.id: d.text for d in docs}
+    assert store.documents() == docs and store.index.ntotal == len(docs)
+    for d in docs:
+        [(top, score)] = store.search_vector(bow_vector(d.text), 1)
+        assert top == d and score == pytest.approx(1.0, abs=1e-6)
+    assert engine.document_texts() == texts
+    loaded = FaissDocumentStore.load(store.save(tmp_path / "saved"))
+    assert loaded.documents() == docs and loaded.index.ntotal == len(docs)
+    assert [d.id for d, _ in loaded.search_vector(bow_vector(docs[0].text), 1)] == [docs[0].id]
+
+
+def test_an_upsert_the_engine_refuses_changes_nothing_single_and_batch(tmp_path):
+    store, engine, docs = small_store()
+    too_long = Document("a", words(80, 100))  # 80 tokens: over the 64-token context
+    with pytest.raises(DocumentTooLongError, match="'a' has 80 tokens"):
+        store.upsert([too_long], vectors=[bow_vector(too_long.text)])
+    assert_holds(store, engine, docs, tmp_path / "single")
+    batch = [Document("b", words(12, 40)), Document("c", words(8, 60)), too_long]  # update, new, refused
+    with pytest.raises(DocumentTooLongError, match="'a' has 80 tokens"):
+        store.upsert(batch, vectors=[bow_vector(d.text) for d in batch])
+    assert_holds(store, engine, docs, tmp_path / "batch")
+
+
+class FailingIndex:
+    """The store's FAISS index with ``add_with_ids`` failing (as when memory runs out)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def add_with_ids(self, vectors, ids):
+        raise MemoryError("no room for the vectors")
+
+
+def test_an_index_failure_after_the_engine_accepted_puts_the_engine_back(tmp_path):
+    store, engine, docs = small_store()
+    store.index = FailingIndex(store.index)
+    batch = [Document("a", words(12, 40)), Document("c", words(8, 60))]  # an update and a new document
+    with pytest.raises(MemoryError):
+        store.upsert(batch, vectors=[bow_vector(d.text) for d in batch])
+    store.index = store.index.inner
+    assert_holds(store, engine, docs, tmp_path)  # the engine's "a" is the old text again, "c" unregistered
+    assert store.upsert(batch, vectors=[bow_vector(d.text) for d in batch]) == ["a", "c"]  # and it works after
+    assert_holds(store, engine, [batch[0], docs[1], batch[1]], tmp_path / "after")
+
+
+def test_a_delete_the_engine_refuses_part_way_changes_nothing(tmp_path, monkeypatch):
+    store, engine, docs = small_store()
+    remove = engine.remove_document
+
+    def refuse_b(doc_id):
+        if doc_id == "b":
+            raise RuntimeError("the engine loop is shut down")
+        remove(doc_id)
+
+    monkeypatch.setattr(engine, "remove_document", refuse_b)
+    with pytest.raises(RuntimeError, match="shut down"):
+        store.delete(["a", "b"])  # "a" left the engine before "b" was refused: it is registered again
+    assert_holds(store, engine, docs, tmp_path)
+    monkeypatch.undo()
+    store.delete(["a", "b"])
+    assert store.documents() == [] and store.index.ntotal == 0 and engine.document_ids() == []
+
+
+def test_a_shut_down_engine_refuses_a_delete_and_the_store_keeps_the_documents(tmp_path):
+    store, engine, docs = small_store()
+    engine.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        store.delete(["a"])
+    assert store.documents() == docs and store.index.ntotal == 2
+    assert [d.id for d, _ in store.search_vector(bow_vector(docs[0].text), 1)] == ["a"]
+    assert FaissDocumentStore.load(store.save(tmp_path / "saved")).documents() == docs
+
+
+# --- embedding truncation is visible -----------------------------------------------------------
+def test_the_store_warns_once_per_document_its_embedder_cuts():
+    e = embedder()
+    long_text = "Cats purr when they are content. " + "Their whiskers sense the air around them. " * 40 \
+        + "The treasure is buried under the old oak tree."
+    n = len(e.tokenizer(long_text)["input_ids"])  # with [CLS] and [SEP], as the model counts
+    assert n > e.max_seq_length == 256
+    store = FaissDocumentStore(e)
+    with pytest.warns(EmbeddingTruncationWarning) as record:
+        store.upsert([Document("short", CORPUS["dogs"]), Document("long", long_text)])
+    messages = [str(w.message) for w in record if w.category is EmbeddingTruncationWarning]
+    assert len(messages) == 1
+    assert messages[0].startswith(f"all-MiniLM-L6-v2 reads at most 256 tokens but document 'long' has {n}: "
+                                  "only its first 256 are embedded")
+    assert store.get("long").text == long_text  # still added: a warning, not an error
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EmbeddingTruncationWarning)
+        assert store.upsert([Document("long", long_text)]) == []  # unchanged: not embedded again, no warning
+        store.upsert([Document("fits", CORPUS["cats"])])  # a text that fits: no warning

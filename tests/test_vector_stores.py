@@ -3,6 +3,8 @@ with the frameworks' embedding classes over the offline MiniLM: round trips, the
 in step, wrong-dimension errors."""
 
 import functools
+import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -12,8 +14,9 @@ from llama_index.core import StorageContext, VectorStoreIndex, load_index_from_s
 from llama_index.core.schema import MetadataMode
 from llama_index.core.vector_stores import MetadataFilter, MetadataFilters
 
-from lazyattn_rag import Document
+from lazyattn_rag import Document, DocumentTooLongError
 from lazyattn_rag.integrations.embeddings import (
+    EmbeddingTruncationWarning,
     default_embedding_model_path,
     langchain_embeddings,
     llamaindex_embedding,
@@ -22,7 +25,18 @@ from lazyattn_rag.integrations.faiss_store import EmbeddingDimensionError, Faiss
 from lazyattn_rag.integrations.langchain import ChatLazyAttention, rag_chain
 from lazyattn_rag.integrations.langchain_store import FaissVectorStore as LCFaissVectorStore
 from lazyattn_rag.integrations.llamaindex_store import FaissVectorStore as LIFaissVectorStore
-from tests.integrations_kit import CORPUS, GREEDY, StreamSpy, corpus_documents, embedder, tiny_engine
+from tests.integrations_kit import (
+    CORPUS,
+    GREEDY,
+    StreamSpy,
+    bow_langchain_embeddings,
+    bow_llamaindex_embedding,
+    bow_vector,
+    corpus_documents,
+    embedder,
+    tiny_engine,
+)
+from tests.tiny import words
 
 CATS = "Why do cats purr?"
 
@@ -215,3 +229,142 @@ def test_wrong_dimension_is_a_clear_error_on_every_path(tmp_path):
     core.save(tmp_path / "idx")
     with pytest.raises(ValueError, match="built with 'all-MiniLM-L6-v2'"):
         FaissDocumentStore.load(tmp_path / "idx", embedder_name="other-model")
+
+
+# --- a change the engine refuses leaves store and engine as they were ----------------------------
+A, B, C, TOO_LONG = words(10, 0), words(10, 20), words(8, 60), words(80, 100)  # the engine's context: 64
+
+
+def refuse_removing(engine, monkeypatch, refused: str) -> None:
+    """``engine.remove_document(refused)`` fails as a shut-down engine's does; other ids go."""
+    remove = engine.remove_document
+
+    def remove_document(doc_id):
+        if doc_id == refused:
+            raise RuntimeError("the engine loop is shut down")
+        remove(doc_id)
+
+    monkeypatch.setattr(engine, "remove_document", remove_document)
+
+
+def li_node(node_id: str, text: str):
+    from llama_index.core.schema import NodeRelationship, RelatedNodeInfo, TextNode
+
+    return TextNode(id_=node_id, text=text, embedding=bow_vector(text),
+                    relationships={NodeRelationship.SOURCE: RelatedNodeInfo(node_id="source")})
+
+
+def test_llamaindex_vector_store_adds_and_deletes_all_or_none(tmp_path, monkeypatch):
+    from llama_index.core.vector_stores.types import VectorStoreQuery
+
+    engine = tiny_engine(max_model_len=64)
+    vector_store = LIFaissVectorStore(engine=engine, embed_model_name="bow")
+    vector_store.add([li_node("a", A), li_node("b", B)])
+
+    def assert_holds_a_and_b(where):
+        assert [(n.node_id, n.text) for n in vector_store.get_nodes()] == [("a", A), ("b", B)]
+        assert vector_store.client.index.ntotal == 2 and engine.document_texts() == {"a": A, "b": B}
+        for node_id, text in (("a", A), ("b", B)):
+            hit = vector_store.query(VectorStoreQuery(query_embedding=bow_vector(text), similarity_top_k=1))
+            assert hit.ids == [node_id] and hit.similarities[0] == pytest.approx(1.0, abs=1e-6)
+        vector_store.persist(str(tmp_path / where))
+        loaded = LIFaissVectorStore.from_persist_path(tmp_path / where)
+        assert [(n.node_id, n.text) for n in loaded.get_nodes()] == [("a", A), ("b", B)]
+
+    with pytest.raises(DocumentTooLongError, match="'a' has 80 tokens"):
+        vector_store.add([li_node("a", TOO_LONG)])
+    assert_holds_a_and_b("single")
+    with pytest.raises(DocumentTooLongError, match="'a' has 80 tokens"):
+        vector_store.add([li_node("b", C), li_node("c", C), li_node("a", TOO_LONG)])
+    assert_holds_a_and_b("batch")
+
+    refuse_removing(engine, monkeypatch, "b")
+    for delete in (lambda: vector_store.delete_nodes(["a", "b"]), lambda: vector_store.delete("source"),
+                   vector_store.clear):
+        with pytest.raises(RuntimeError, match="shut down"):
+            delete()
+        assert_holds_a_and_b("delete")
+
+
+def test_llamaindex_update_ref_doc_deletes_before_it_inserts():
+    """LlamaIndex's ``update_ref_doc`` (and ``refresh_ref_docs``) is two calls to the vector store,
+    delete then add: when the engine refuses the new text, the old nodes are already gone (as
+    docs/integrations.md says); store and engine still agree with each other."""
+    engine = tiny_engine(max_model_len=64)
+    vector_store = LIFaissVectorStore(engine=engine, embed_model_name="bow")
+    index = VectorStoreIndex.from_vector_store(vector_store, embed_model=bow_llamaindex_embedding())
+    index.insert_nodes([li_node("a", A)])
+    with pytest.raises(DocumentTooLongError):
+        index.update_ref_doc(LIDocument(id_="source", text=TOO_LONG))
+    assert vector_store.get_nodes() == [] and vector_store.client.index.ntotal == 0
+    assert engine.document_ids() == []
+
+
+def test_langchain_vector_store_adds_and_deletes_all_or_none(tmp_path, monkeypatch):
+    engine = tiny_engine(max_model_len=64)
+    store = LCFaissVectorStore.from_texts([A, B], bow_langchain_embeddings(), ids=["a", "b"], engine=engine)
+
+    def assert_holds_a_and_b(where):
+        assert [(d.id, d.page_content) for d in store.get_by_ids(["a", "b", "c"])] == [("a", A), ("b", B)]
+        assert store.store.index.ntotal == 2 and engine.document_texts() == {"a": A, "b": B}
+        for doc_id, text in (("a", A), ("b", B)):
+            [(top, score)] = store.similarity_search_with_score(text, k=1)
+            assert top.id == doc_id and score == pytest.approx(1.0, abs=1e-6)
+        store.save_local(tmp_path / where)
+        loaded = LCFaissVectorStore.load_local(tmp_path / where, bow_langchain_embeddings())
+        assert [d.id for d in loaded.get_by_ids(["a", "b", "c"])] == ["a", "b"]
+
+    with pytest.raises(DocumentTooLongError, match="'a' has 80 tokens"):
+        store.add_texts([TOO_LONG], ids=["a"])
+    assert_holds_a_and_b("single")
+    with pytest.raises(DocumentTooLongError, match="'a' has 80 tokens"):
+        store.add_documents([LCDocument(id="b", page_content=C), LCDocument(id="c", page_content=C),
+                             LCDocument(id="a", page_content=TOO_LONG)])
+    assert_holds_a_and_b("batch")
+
+    refuse_removing(engine, monkeypatch, "b")
+    for delete in (lambda: store.delete(["a", "b"]), store.delete):
+        with pytest.raises(RuntimeError, match="shut down"):
+            delete()
+        assert_holds_a_and_b("delete")
+
+
+# --- embedding truncation is visible --------------------------------------------------------------
+LONG = ("Cats purr when they are content. " + "Their whiskers sense the air around them. " * 40
+        + "The treasure is buried under the old oak tree.")
+
+
+def truncation_messages(record) -> list[str]:
+    return [str(w.message) for w in record if w.category is EmbeddingTruncationWarning]
+
+
+def test_the_embedding_helpers_warn_for_every_text_they_cut():
+    n = len(embedder().tokenizer(LONG)["input_ids"])  # with [CLS] and [SEP], as the model counts
+    assert n > embedder().max_seq_length == 256
+    said = f"all-MiniLM-L6-v2 reads at most 256 tokens but the text 'Cats purr when they are content. Their whiskers ...' " \
+           f"has {n}: only its first 256 are embedded"
+
+    # LlamaIndex: VectorStoreIndex over the FAISS vector store, documents taken as nodes
+    with pytest.warns(EmbeddingTruncationWarning) as record:
+        VectorStoreIndex.from_documents([LIDocument(id_="long", text=LONG), LIDocument(id_="cats", text=CORPUS["cats"])],
+                                        storage_context=StorageContext.from_defaults(vector_store=LIFaissVectorStore()),
+                                        embed_model=li_embed(), transformations=[])
+    assert [m[:len(said)] for m in truncation_messages(record)] == [said]
+
+    # LangChain: the FAISS VectorStore and the embeddings themselves
+    with pytest.warns(EmbeddingTruncationWarning) as record:
+        LCFaissVectorStore.from_texts([CORPUS["cats"], LONG], lc_embed(), ids=["cats", "long"])
+    assert [m[:len(said)] for m in truncation_messages(record)] == [said]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EmbeddingTruncationWarning)
+        li_embed().get_text_embedding_batch([CORPUS["cats"], CORPUS["dogs"]])  # texts that fit: no warning
+        lc_embed().embed_documents([CORPUS["cats"]])
+
+    # the helpers' classes are the frameworks' (subclasses), pickled by reference like them
+    from langchain_huggingface import HuggingFaceEmbeddings
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+
+    assert isinstance(li_embed(), HuggingFaceEmbedding) and isinstance(lc_embed(), HuggingFaceEmbeddings)
+    assert li_embed().class_name() == "HuggingFaceEmbedding"
+    for cls in (type(li_embed()), type(lc_embed())):
+        assert pickle.loads(pickle.dumps(cls)) is cls
