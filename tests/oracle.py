@@ -4,9 +4,16 @@ Each cached chunk is encoded alone by the HF model (after its anchor, positions
 ``0 .. l+L-1``), its K rotated to its offset ``delta = g - l`` with HF's own
 ``rotate_half`` formula, all chunks' K/V concatenated into a ``DynamicCache``, then the
 query tail is run and decoded greedily by the HF model.
+
+The caches are plain ``DynamicCache()`` objects, without the model's config: with one, a
+sliding-window model would get layers that keep only the window, and the oracle reads every
+chunk's whole K/V back out of them.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 
@@ -16,15 +23,26 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+@functools.cache
+def _cache_argument(model_class) -> str:
+    """The keyword ``model_class.forward`` takes its KV cache by: ``cache`` where transformers has
+    renamed it (there ``past_key_values`` is deprecated and warns), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def _forward(hf, ids: list[int], start: int, cache):
+    """``hf`` over ``ids`` at positions ``start ..``, appending their K/V to ``cache`` (no grad)."""
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor([list(ids)]), position_ids=torch.arange(start, start + len(ids))[None],
+                  use_cache=True, **{_cache_argument(type(hf)): cache})
+
+
 def _encode_alone(hf, anchor_ids: list[int], ids: list[int]):
     """Per-layer (K, V) ``[1, kv_heads, len(ids), d]`` of ``ids`` encoded after ``anchor_ids``."""
     from transformers import DynamicCache
 
-    full = list(anchor_ids) + list(ids)
     cache = DynamicCache()
-    with torch.no_grad():
-        hf(input_ids=torch.tensor([full]), position_ids=torch.arange(len(full))[None], past_key_values=cache,
-           use_cache=True)
+    _forward(hf, list(anchor_ids) + list(ids), 0, cache)
     n = len(anchor_ids)
     return [(layer.keys[:, :, n:], layer.values[:, :, n:]) for layer in cache.layers]
 
@@ -56,9 +74,7 @@ def oracle_generate(hf, chunks, query_ids: list[int], num_tokens: int):
         assert g == pos, "chunks must be contiguous"
         if anchor_ids is None:
             cache = _cache_of(per_layer)
-            with torch.no_grad():
-                hf(input_ids=torch.tensor([list(ids)]), position_ids=torch.arange(pos, pos + len(ids))[None],
-                   past_key_values=cache, use_cache=True)
+            _forward(hf, ids, pos, cache)
             per_layer = [(layer.keys, layer.values) for layer in cache.layers]
         else:
             kv = _encode_alone(hf, anchor_ids, ids)
@@ -69,15 +85,12 @@ def oracle_generate(hf, chunks, query_ids: list[int], num_tokens: int):
         pos += len(ids)
     cache = _cache_of(per_layer)
     tokens, first_logits, ids = [], None, list(query_ids)
-    with torch.no_grad():
-        for _ in range(num_tokens):
-            out = hf(input_ids=torch.tensor([ids]), position_ids=torch.arange(pos, pos + len(ids))[None],
-                     past_key_values=cache, use_cache=True)
-            logits = out.logits[0, -1]
-            first_logits = logits if first_logits is None else first_logits
-            pos += len(ids)
-            ids = [int(logits.argmax())]
-            tokens.append(ids[0])
+    for _ in range(num_tokens):
+        logits = _forward(hf, ids, pos, cache).logits[0, -1]
+        first_logits = logits if first_logits is None else first_logits
+        pos += len(ids)
+        ids = [int(logits.argmax())]
+        tokens.append(ids[0])
     return tokens, first_logits
 
 
