@@ -443,6 +443,7 @@ class LLMEngine:
             except Exception:  # noqa: BLE001 - logged; the caller must still hear of its failure
                 logger.exception("releasing request %s failed", request.request_id)
             self._fail(request, error, release=False)
+        self.scheduler.drop_encodes()
 
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> bool:
@@ -477,6 +478,7 @@ class LLMEngine:
             for copy in out.copies:
                 self.runner.copy_rotated(copy.src_blocks, copy.dst_blocks, copy.num_tokens, copy.delta)
                 self.cache.mark_ready(copy.dst_key)
+                self.cache.unpin(copy.dst_key)  # the writer's pin (insert_pending)
                 self.cache.unpin(copy.src_key)
                 num_copied += 1
             if not (out.encodes or out.computes):
@@ -491,7 +493,9 @@ class LLMEngine:
             self._abandon_step(out, out.copies[num_copied:], error)
             return out
         for job in out.encodes:
-            self.cache.mark_ready(job.key)
+            if job.final:  # the chunk's last piece: readable from now on; the encoder lets go
+                self.cache.mark_ready(job.key)
+                self.cache.unpin(job.key)
         rows = logits[last_rows]
         greedy = rows.argmax(dim=-1).tolist()  # one device sync for every greedy request of the step
         for job, row, token in zip(out.computes, rows, greedy):
@@ -503,7 +507,7 @@ class LLMEngine:
         return out
 
     def _encode_sequence(self, job: EncodeJob) -> SequenceInput:
-        return self._build(job.token_ids, job.local_start, job.context, job.block_ids, 0)
+        return self._build(job.token_ids, job.local_start + job.start, job.context, job.block_ids, job.start)
 
     def _compute_sequences(self, job: ComputeJob) -> list[SequenceInput]:
         """One sequence per private run the job's tokens fall in: a text segment's tokens attend
@@ -555,6 +559,7 @@ class LLMEngine:
                         if pending.intersection(r.pinned)})
         for r in victims.values():
             self.scheduler.remove(r)
+        self.scheduler.drop_encodes(pending)  # chunks whose encoding had more pieces to go
         for key in pending:
             if self.cache.lookup(key, touch=False, include_dead=True) is not None:
                 self.cache.discard_pending(key)

@@ -4,15 +4,21 @@ Each step mixes, under a token budget (``max_num_batched_tokens``):
 
 1. running requests, oldest first: one decode token each, or the next piece of a query
    prefill (long plain prompts are prefilled in pieces);
-2. requests whose chunks became ready: their query prefill;
-3. waiting requests, first come first served: acquire their chunks, once the cache has room
+2. chunks being encoded, oldest first: the next piece of each (chunked encoding: a chunk
+   larger than what is left of the budget is encoded over several steps, each piece
+   attending the pieces before it, so a cold document never waits for the batch to drain);
+3. requests whose chunks became ready: their query prefill;
+4. waiting requests, first come first served: acquire their chunks, once the cache has room
    for the misses and the request's own prompt tokens (else it waits). Hits are pinned
    (re-validated now: a chunk evicted while the request waited is simply a miss), misses
-   get blocks and a *pending* cache entry plus an encode job in this step. The request's
-   query prefill joins the same step when the budget allows: one forward pass, in which each
-   layer writes the whole batch's K/V before its attention reads any. A request that needs a
-   chunk another request is encoding pins the pending entry: a chunk is encoded once, and
-   read only in or after the forward pass that writes it.
+   get blocks, a *pending* cache entry and an encode task whose first piece runs in this
+   step if budget is left. The request's query prefill joins the step of its chunks' last
+   pieces when the budget allows: one forward pass, in which each layer writes the whole
+   batch's K/V before its attention reads any. A request that needs a chunk another request
+   is encoding pins the pending entry: a chunk is encoded once, and read only in or after
+   the forward pass that writes its last piece. The encode task holds a pin of its own, so
+   requests may leave mid-encode; the chunk is still finished (and cached) unless its
+   document is gone.
 
 When a running request needs a block and the cache cannot free one (everything else is
 pinned), the newest request is preempted: its private blocks are freed and its pins
@@ -35,13 +41,44 @@ from lazyattn_rag.prompt import ChunkSegment
 
 @dataclass
 class EncodeJob:
-    """Encode one chunk alone: ``token_ids`` at positions ``local_start ..``, after ``context``."""
+    """Encode a piece of one chunk alone, in this step's forward pass.
+
+    ``token_ids`` are the chunk's tokens ``start .. start + len(token_ids)`` at positions
+    ``local_start + start ..``; they attend ``context`` (the anchor), the chunk's first
+    ``start`` tokens (already in ``block_ids``, written by earlier steps) and themselves,
+    causally. ``final``: the piece completes the chunk (it is read from this step's pass on).
+    """
 
     key: str
     token_ids: tuple[int, ...]
     local_start: int
     block_ids: list[int]
     context: list[tuple[int, int, int]]
+    start: int = 0
+    final: bool = True
+
+
+@dataclass
+class EncodeTask:
+    """A chunk being encoded across steps (chunked encoding), in pieces under the step budget.
+
+    The task holds the pending entry's first pin (taken by ``insert_pending``) until its final
+    piece ran: requests that wait for the chunk pin it too, and may leave meanwhile.
+    """
+
+    key: str
+    token_ids: tuple[int, ...]
+    local_start: int
+    block_ids: list[int]
+    context: list[tuple[int, int, int]]
+    num_done: int = 0  # tokens scheduled in earlier steps
+
+    def next_piece(self, budget: int) -> EncodeJob:
+        n = min(len(self.token_ids) - self.num_done, budget)
+        job = EncodeJob(self.key, self.token_ids[self.num_done:self.num_done + n], self.local_start, self.block_ids,
+                        self.context, self.num_done, self.num_done + n == len(self.token_ids))
+        self.num_done += n
+        return job
 
 
 @dataclass
@@ -85,9 +122,9 @@ class SchedulerOutput:
         return not (self.encodes or self.copies or self.computes)
 
     def written_keys(self) -> set[str]:
-        """Chunks this step writes: encoded in its forward pass (each layer writes the batch's
-        K/V before its attention reads any of it) or copied before that pass."""
-        return {e.key for e in self.encodes} | {c.dst_key for c in self.copies}
+        """Chunks this step completes: their last piece encoded in its forward pass (each layer
+        writes the batch's K/V before its attention reads any of it) or copied before that pass."""
+        return {e.key for e in self.encodes if e.final} | {c.dst_key for c in self.copies}
 
 
 class Scheduler:
@@ -116,6 +153,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.acquired: list[Request] = []
         self.running: list[Request] = []
+        self.encoding: list[EncodeTask] = []  # chunks being encoded, oldest first
         self.num_preemptions = 0
 
     # --- queue management -----------------------------------------------------------------
@@ -123,7 +161,15 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.acquired or self.running)
+        return bool(self.waiting or self.acquired or self.running or self.encoding)
+
+    def drop_encodes(self, keys: set[str] | None = None) -> None:
+        """Abandon the encode tasks of ``keys`` (all when ``None``): their pending entries are
+        discarded (a step that wrote them failed, or every request was failed)."""
+        for task in [t for t in self.encoding if keys is None or t.key in keys]:
+            self.encoding.remove(task)
+            if self.cache.lookup(task.key, touch=False, include_dead=True) is not None:
+                self.cache.discard_pending(task.key)
 
     def remove(self, request: Request) -> None:
         """Take a request out of every queue and release what it holds."""
@@ -171,9 +217,32 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
+        budget = self._schedule_encodes(out, self.encoding, budget)
         budget = self._promote_ready(out, budget)
         self._schedule_waiting(out, budget)
         return out
+
+    def _schedule_encodes(self, out: SchedulerOutput, tasks: list[EncodeTask], budget: int) -> int:
+        """The next piece of each task, oldest first, within ``budget``; returns the budget left.
+
+        A chunk larger than a step's budget is encoded over several steps (as a long prompt is
+        prefilled in pieces), so a cold document never waits for the running batch to drain. A
+        task whose chunk no request wants any more (its document was removed) is dropped.
+        """
+        for task in list(tasks):
+            entry = self.cache.held(task.key)
+            if entry.dead and entry.pin_count == 1:  # only the encoder holds it: nobody will read it
+                self.encoding.remove(task)
+                self.cache.discard_pending(task.key)
+                continue
+            if budget <= 0:
+                break
+            job = task.next_piece(budget)
+            out.encodes.append(job)
+            budget -= len(job.token_ids)
+            if job.final:
+                self.encoding.remove(task)
+        return budget
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -274,7 +343,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and len(self.acquired) + len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_encodes = len(out.encodes)
+            num_tasks = len(self.encoding)
             try:
                 status = self._acquire(request, out, budget)
             except Exception as error:  # fails this request alone; what it took is given back
@@ -286,7 +355,7 @@ class Scheduler:
             self.waiting.popleft()
             if status == "failed":
                 continue
-            budget -= sum(len(e.token_ids) for e in out.encodes[num_encodes:])
+            budget = self._schedule_encodes(out, self.encoding[num_tasks:], budget)
             self.acquired.append(request)
             request.status = RequestStatus.ACQUIRED
             if request.first_scheduled_time is None:
@@ -309,9 +378,6 @@ class Scheduler:
             if entry is not None:
                 entry.check_tokens(chunk.token_ids)  # never serve another sequence's K/V
             (hits if entry is not None else misses).append(chunk)
-        miss_tokens = sum(len(c.token_ids) for c in misses)
-        if misses and miss_tokens > budget and not out.is_empty:
-            return "wait"
         self._acquire_prefix(request)
         for chunk in hits:
             self.cache.pin(chunk.key, allow_dead=True)
@@ -354,6 +420,7 @@ class Scheduler:
         mine = set(created)
         for job in [j for j in out.encodes if j.key in mine]:
             out.encodes.remove(job)
+        self.encoding = [t for t in self.encoding if t.key not in mine]
         for job in [j for j in out.copies if j.dst_key in mine]:
             out.copies.remove(job)
             self.cache.unpin(job.src_key)
@@ -390,6 +457,7 @@ class Scheduler:
                 self.cache.pool.decref(blocks)
                 raise
             created.append(chunk.key)
+            self.cache.pin(chunk.key, allow_dead=True)  # the request's pin; the first is the encoder's
             request.pinned.append(chunk.key)
             src = sources.get(chunk.key)
             if src is not None:  # position-aware cache: re-rotate another offset's copy into new blocks
@@ -399,7 +467,7 @@ class Scheduler:
                 continue
             request.encoded_keys.add(chunk.key)
             context = self.anchor_context if chunk.doc_id is not None and chunk.source_key is None else []
-            out.encodes.append(EncodeJob(chunk.key, chunk.token_ids, chunk.local_start, blocks, context))
+            self.encoding.append(EncodeTask(chunk.key, chunk.token_ids, chunk.local_start, blocks, context))
         return copied
 
     def _acquire_prefix(self, request: Request) -> None:
