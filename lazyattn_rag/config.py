@@ -134,6 +134,13 @@ class EngineConfig:
         cuda_graphs: on CUDA with the ``triton`` backend, capture decode steps in CUDA graphs for
             bucketed batch sizes up to ``scheduler.max_num_seqs`` at start-up and replay them
             (``engine/cuda_graphs.py``); ``False`` runs every step eagerly.
+        self_check: at start-up, compare the model's positions with transformers (the independent
+            reference) and refuse to start on a mismatch (``SelfCheckError``): the rotary tables
+            always (about a millisecond), and for a model directory small enough to load twice the
+            logits of a probe request with a cached chunk at a non-zero offset. A passing verdict
+            is cached per model fingerprint under ``<cache_dir>/self_check/``
+            (``lazyattn_rag/self_check.py``, ``docs/architecture.md``). ``False`` skips the check
+            at the user's own risk.
         cache: :class:`CacheConfig`.
         scheduler: :class:`SchedulerConfig`.
         prompt: :class:`PromptConfig`.
@@ -147,6 +154,7 @@ class EngineConfig:
     cache_dir: Path | str | None = None
     seed: int = 0
     cuda_graphs: bool = True
+    self_check: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
@@ -160,6 +168,8 @@ class EngineConfig:
         _check_int("seed", self.seed, 0)
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        if not isinstance(self.self_check, bool):
+            raise ValueError(f"self_check must be a bool, got {self.self_check!r}")  # noqa: TRY004 - as every field
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

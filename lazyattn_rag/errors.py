@@ -28,3 +28,20 @@ class EmptyInputError(LazyAttentionError):
 
 class CacheCapacityError(LazyAttentionError):
     """A request needs more KV blocks than the cache can ever free for it."""
+
+
+class SelfCheckError(LazyAttentionError):
+    """The start-up self-check found positions that differ from transformers' (see
+    ``EngineConfig.self_check`` and ``lazyattn_rag/self_check.py``).
+
+    The message names the part that failed (rotary tables or the logits of a probe request
+    with a cached chunk at a non-zero offset), the positions, the largest error, the model's
+    RoPE configuration and how to proceed.
+
+    Attributes:
+        report: the check's JSON-able report (per-position errors, tolerances), or ``None``.
+    """
+
+    def __init__(self, message: str, report: dict | None = None):
+        super().__init__(message)
+        self.report = report
