@@ -14,11 +14,11 @@ QUESTION ?= What does the break statement do?
 # there (a cache of its own), so the GGUF conversion runs at the floors too.
 LOWEST_VENV ?= .venv-lowest
 LOWEST_CACHE = build/lowest-cache
-# against transformers (logits, RoPE, the oracle), the default model (GGUF conversion, tokenizer,
-# detokenizer, CLI), model directories, literal tokenization, sampling
+# against transformers (logits, RoPE, the oracle, the start-up self-check), the default model (GGUF
+# conversion, tokenizer, detokenizer, CLI), model directories, literal tokenization, sampling
 MODEL_FLOOR_TESTS = tests/test_model_vs_hf.py tests/test_rope_and_block_table.py tests/test_chunk_reuse.py \
 	tests/test_cache_modes.py tests/test_qa_recompute.py tests/test_default_model.py tests/test_model_directory.py \
-	tests/test_literal_text.py tests/test_sampling.py
+	tests/test_literal_text.py tests/test_sampling.py tests/test_self_check.py
 FLOOR_TESTS = tests/test_prompt_match.py tests/test_chat_messages.py tests/test_integrations_llamaindex.py \
 	tests/test_integrations_langchain.py tests/test_framework_conventions.py tests/test_framework_idioms.py \
 	tests/test_integration_edge_cases.py tests/test_langchain_standard.py tests/test_langchain_store_standard.py \
