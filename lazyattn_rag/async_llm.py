@@ -84,7 +84,7 @@ class AsyncLazyAttention:
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                sampling: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
         """Async version of :meth:`LazyAttention.stream` (errors raise on the first ``__anext__``)."""
-        params = sampling or SamplingParams()
+        params = sampling or self.llm.default_sampling
         ids, docs = _ids(doc_ids), _pairs(documents)
         engine = self.llm.engine
 
@@ -97,7 +97,7 @@ class AsyncLazyAttention:
                     sampling: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
         """Async version of :meth:`LazyAttention.stream_chat` (errors raise on the first ``__anext__``)."""
         msgs = [as_message(m) for m in messages]
-        params, docs = sampling or SamplingParams(), _pairs(documents)
+        params, docs = sampling or self.llm.default_sampling, _pairs(documents)
         engine = self.llm.engine
         return self._submit(lambda sink: engine.submit(engine.plan_messages_with_documents(msgs, docs), params, sink))
 
@@ -109,7 +109,7 @@ class AsyncLazyAttention:
                       ) -> AsyncIterator[StreamDelta]:
         """Async version of :meth:`LazyAttention.stream_prompt` (no chunk reuse)."""
         ids = _prompt_ids(self.llm.tokenizer, prompt)
-        params = sampling or SamplingParams()
+        params = sampling or self.llm.default_sampling
         engine = self.llm.engine
         return self._submit(lambda sink: engine.submit(engine.plan_plain(ids), params, sink))
 

@@ -141,6 +141,11 @@ class EngineConfig:
             is cached per model fingerprint under ``<cache_dir>/self_check/``
             (``lazyattn_rag/self_check.py``, ``docs/architecture.md``). ``False`` skips the check
             at the user's own risk.
+        generation_config: ``"auto"``: a call without ``sampling`` uses the model's recommended
+            sampling from its ``generation_config.json`` (temperature, top_p, top_k when it sets
+            ``do_sample``; repetition_penalty), as vLLM's ``generation_config="auto"``; the
+            converted default model carries its model card's (temperature 0.2, top_p 0.9).
+            ``"none"``: greedy decoding (the :class:`SamplingParams` defaults).
         cache: :class:`CacheConfig`.
         scheduler: :class:`SchedulerConfig`.
         prompt: :class:`PromptConfig`.
@@ -155,6 +160,7 @@ class EngineConfig:
     seed: int = 0
     cuda_graphs: bool = True
     self_check: bool = True
+    generation_config: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
@@ -170,6 +176,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         if not isinstance(self.self_check, bool):
             raise ValueError(f"self_check must be a bool, got {self.self_check!r}")  # noqa: TRY004 - as every field
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config must be auto or none, got {self.generation_config!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

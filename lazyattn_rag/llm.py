@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -80,15 +81,27 @@ class LazyAttention:
     :class:`lazyattn_rag.AsyncLazyAttention` for asyncio.
     """
 
+    default_sampling = SamplingParams()
+    """Sampling when a call passes none: the model's recommended settings (its
+    ``generation_config.json``; :func:`~lazyattn_rag.model_loading.generation_defaults`) under
+    ``EngineConfig.generation_config="auto"``, else greedy (:class:`SamplingParams` defaults)."""
+
     def __init__(self, config: EngineConfig | None = None):
         config = config or EngineConfig()
 
         def build() -> LLMEngine:  # on the engine thread: every torch op of the engine runs there
             from transformers import AutoConfig, AutoTokenizer
 
-            from lazyattn_rag.model_loading import declared_eos_token_ids, load_state_dict, resolve_model
+            from lazyattn_rag.model_loading import (
+                declared_eos_token_ids,
+                generation_defaults,
+                load_state_dict,
+                resolve_model,
+            )
 
             source = resolve_model(config.model, config.resolved_cache_dir())
+            if config.generation_config == "auto":
+                self.default_sampling = SamplingParams(**generation_defaults(source.path))
             hf_config = AutoConfig.from_pretrained(str(source.path), local_files_only=True)
             tokenizer = AutoTokenizer.from_pretrained(str(source.path), local_files_only=True)
             model = CausalLM(ModelArchConfig.from_hf_config(hf_config), RotaryEmbedding.from_hf_config(hf_config))
@@ -241,7 +254,7 @@ class LazyAttention:
             question: the user's question (non-empty).
             doc_ids: ids of registered documents.
             documents: inline documents, registered (or updated) first and placed after ``doc_ids``.
-            sampling: :class:`SamplingParams` (greedy, 256 tokens by default).
+            sampling: :class:`SamplingParams`; ``None`` uses :attr:`default_sampling` (the model's own).
         Returns:
             A :class:`RequestStream` of :class:`StreamDelta` pieces, one per generated token (text
             may be empty while a character is incomplete); the last has ``finished=True`` and the
@@ -251,7 +264,7 @@ class LazyAttention:
             at the call, before anything is queued or registered. CacheCapacityError: from the iterator, when
             the request could not fit even in an empty cache. Other requests are unaffected.
         """
-        params = sampling or SamplingParams()
+        params = sampling or self.default_sampling
         ids, docs = _ids(doc_ids), _pairs(documents)
 
         def make(sink):
@@ -286,7 +299,7 @@ class LazyAttention:
             or registered.
         """
         msgs = [as_message(m) for m in messages]
-        params, docs = sampling or SamplingParams(), _pairs(documents)
+        params, docs = sampling or self.default_sampling, _pairs(documents)
         return self._submit(lambda sink: self.engine.submit(
             self.engine.plan_messages_with_documents(msgs, docs), params, sink))
 
@@ -314,7 +327,7 @@ class LazyAttention:
             EmptyInputError, PromptTooLongError: at the call.
         """
         ids = _prompt_ids(self.tokenizer, prompt)
-        params = sampling or SamplingParams()
+        params = sampling or self.default_sampling
         return self._submit(lambda sink: self.engine.submit(self.engine.plan_plain(ids), params, sink))
 
     def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Completion:
@@ -349,6 +362,8 @@ class LazyAttention:
             "dtype": str(self.dtype).removeprefix("torch."),
             "attention_backend": self.engine.runner.backend.name,
             "max_model_len": self.max_model_len,
+            "default_sampling": {k: v for k, v in dataclasses.asdict(self.default_sampling).items()
+                                 if v != getattr(SamplingParams(), k)},
             "block_size": cache.block_size,
             "num_blocks": cache.pool.num_blocks,
             "kv_cache_bytes": cache.pool.num_blocks * self.block_bytes,

@@ -122,13 +122,56 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         raise
 
 
+# The default model's recommended sampling: the SmolLM2-135M-Instruct model card's usage example
+# (``model.generate(..., temperature=0.2, top_p=0.9, do_sample=True)``); the GGUF carries none.
+DEFAULT_MODEL_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+
+
 def _write_generation_config(directory: Path, config: Any) -> None:
-    """Save the generation config transformers derives from the model config (its BOS, EOS and
-    pad ids), as ``save_pretrained`` of an HF checkpoint does, so the directory declares its stop
-    ids in both places."""
+    """Save the default model's generation config: the BOS, EOS and pad ids transformers derives
+    from the model config (so the directory declares its stop ids in both places, as an HF
+    checkpoint does) and the model card's recommended sampling (:data:`DEFAULT_MODEL_SAMPLING`)."""
     from transformers import GenerationConfig
 
-    GenerationConfig.from_model_config(config).save_pretrained(directory)
+    generation = GenerationConfig.from_model_config(config)
+    generation.update(**DEFAULT_MODEL_SAMPLING)
+    generation.save_pretrained(directory)
+
+
+def _generation_config_current(directory: Path) -> bool:
+    try:
+        data = json.loads((directory / "generation_config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return all(data.get(k) == v for k, v in DEFAULT_MODEL_SAMPLING.items())
+
+
+# generation_config.json fields a model's recommended sampling is read from, as SamplingParams names
+_GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                      "repetition_penalty": "repetition_penalty"}
+
+
+def generation_defaults(path: Path) -> dict[str, Any]:
+    """The sampling a model directory recommends, from its ``generation_config.json``, as
+    :class:`~lazyattn_rag.sampling.SamplingParams` keyword arguments (the meaning vLLM's
+    ``generation_config="auto"`` gives them).
+
+    ``temperature``, ``top_p`` and ``top_k`` apply only when the file sets ``do_sample: true``
+    (transformers samples only then; otherwise decoding stays greedy); ``repetition_penalty``
+    applies either way. Missing or unreadable file, or fields of the wrong type: nothing.
+    """
+    try:
+        data = json.loads((Path(path) / "generation_config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    out: dict[str, Any] = {}
+    for field, name in _GENERATION_FIELDS.items():
+        value = data.get(field)
+        if field != "repetition_penalty" and not data.get("do_sample"):
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = int(value) if name == "top_k" else float(value)
+    return out
 
 
 def token_ids_of(value: Any) -> set[int]:
@@ -173,7 +216,7 @@ def resolve_model(model: str | None, cache_dir: Path) -> ModelSource:
         out_dir = cache_dir / "models" / f"{DEFAULT_MODEL_NAME}-{sha[:16]}"
         if not (out_dir / "lazyattn_source.json").is_file():
             convert_gguf(gguf, out_dir)
-        elif not (out_dir / "generation_config.json").is_file():  # converted by an older version
+        elif not _generation_config_current(out_dir):  # converted by an older version
             from transformers import AutoConfig
 
             _write_generation_config(out_dir, AutoConfig.from_pretrained(str(out_dir), local_files_only=True))

@@ -65,3 +65,42 @@ def test_converted_default_model_carries_its_generation_config(smollm2_dir):
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert generation["eos_token_id"] == config["eos_token_id"]
     assert declared_eos_token_ids(smollm2_dir) == {config["eos_token_id"]}
+
+
+def test_generation_defaults_follow_transformers_do_sample_rule(tmp_path):
+    from lazyattn_rag.model_loading import generation_defaults
+
+    assert generation_defaults(tmp_path) == {}
+    cfg = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    (tmp_path / "generation_config.json").write_text(json.dumps(cfg))  # no do_sample: greedy, penalty kept
+    assert generation_defaults(tmp_path) == {"repetition_penalty": 1.05}
+    (tmp_path / "generation_config.json").write_text(json.dumps({**cfg, "do_sample": True, "top_p": "x"}))
+    assert generation_defaults(tmp_path) == {"temperature": 0.7, "top_k": 20, "repetition_penalty": 1.05}
+
+
+def test_calls_without_sampling_use_the_models_generation_config(tmp_path):
+    from lazyattn_rag.sampling import SamplingParams as Params
+
+    path = _model_dir(tmp_path / "model", 3)
+    (path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.5, "top_k": 7}))
+    llm = _engine(path, tmp_path)
+    try:
+        assert llm.default_sampling == Params(temperature=0.5, top_k=7)
+        assert llm.info()["default_sampling"] == {"temperature": 0.5, "top_k": 7}
+    finally:
+        llm.shutdown()
+    import dataclasses
+
+    config = dataclasses.replace(llm.config, generation_config="none")
+    llm = LazyAttention(config)
+    try:
+        assert llm.default_sampling == Params()
+    finally:
+        llm.shutdown()
+
+
+def test_converted_default_model_recommends_its_model_cards_sampling(smollm2_dir):
+    from lazyattn_rag.model_loading import DEFAULT_MODEL_SAMPLING, generation_defaults
+
+    assert generation_defaults(smollm2_dir) == {"temperature": 0.2, "top_p": 0.9}
+    assert DEFAULT_MODEL_SAMPLING["do_sample"] is True
