@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from lazyattn_rag.fingerprint import file_sha256
+from lazyattn_rag.progress import directory_bytes, format_bytes, stage
 
 logger = logging.getLogger(__name__)
 
@@ -96,30 +98,36 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.warning("converting %s to safetensors once (later loads are fast): %s", gguf_path.name, out_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                 dtype=torch.float32)
+    print(f"Converting the default model {gguf_path.name} to safetensors, once (later loads take about a "
+          f"second): {out_dir}", file=sys.stderr, flush=True)
+    with stage("  reading its tokenizer from the GGUF"):
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    with stage("  dequantizing its weights", has_own_bar=True):
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
-        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config = model.config
-        if hasattr(config, "quantization_config"):  # the dequantized copy is plain float32
-            del config.quantization_config
-        config.save_pretrained(tmp)
-        _write_generation_config(tmp, config)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "lazyattn_source.json").write_text(json.dumps({"gguf": gguf_path.name}))
+        with stage("  writing model.safetensors and the tokenizer"):
+            state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+            if model.config.tie_word_embeddings:
+                state.pop("lm_head.weight", None)
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            config = model.config
+            if hasattr(config, "quantization_config"):  # the dequantized copy is plain float32
+                del config.quantization_config
+            config.save_pretrained(tmp)
+            _write_generation_config(tmp, config)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "lazyattn_source.json").write_text(json.dumps({"gguf": gguf_path.name}))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    print(f"The converted model takes {format_bytes(directory_bytes(out_dir))} in {out_dir} (delete it to "
+          "convert again).", file=sys.stderr, flush=True)
 
 
 # The default model's recommended sampling: the SmolLM2-135M-Instruct model card's usage example
