@@ -88,17 +88,18 @@ def test_unsupported_head_layout_fails_at_construction():
         TritonAttentionBackend(make_rotary(96), 4, 2, 96, 0.1)
 
 
-def _engine_outputs(backend: str, run) -> tuple[list[int], torch.Tensor]:
+def _engine_outputs(backend: str, run, max_num_batched_tokens: int = 2048) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and first-token logits of ``run(llm)`` on a tiny random Llama with documents
     of 1, 15, 16, 17 and 37 tokens registered (``d<n>``)."""
-    from lazyattn_rag import CacheConfig, EngineConfig, PromptConfig
+    from lazyattn_rag import CacheConfig, EngineConfig, PromptConfig, SchedulerConfig
     from lazyattn_rag.llm import LazyAttention
     from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
 
     prompt = PromptConfig(instruction="w190 w191 w192 ", document_separator=" ", question_prefix="Question : ")
     _, model = hf_and_ours(hf_config("llama", head_dim=32), seed=3)  # rotary_dim/2 = 16: tl.dot minimum
     config = EngineConfig(device=DEVICE, dtype="float32", attention_backend=backend,
-                          cache=CacheConfig(anchor="head", num_blocks=128, block_size=16), prompt=prompt)
+                          cache=CacheConfig(anchor="head", num_blocks=128, block_size=16), prompt=prompt,
+                          scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens))
     llm = LazyAttention.from_model(model, word_tokenizer(), config)
     assert llm.engine.runner.backend.name == backend
     for i, n in enumerate([1, 15, 16, 17, 37]):
@@ -140,3 +141,20 @@ def test_engine_chat_with_text_between_documents_matches_torch_backend():
     (torch_ids, torch_logits), (triton_ids, triton_logits) = (_engine_outputs(b, run) for b in ("torch", "triton"))
     assert triton_ids == torch_ids
     assert (triton_logits - torch_logits).abs().max().item() <= 1e-3
+
+
+def test_engine_chunked_encoding_matches_torch_backend():
+    """A 12-token step budget: documents are encoded in pieces (each attending the anchor, its
+    earlier pieces in partly filled blocks, and itself); the triton backend agrees with the torch
+    backend and with the same request encoded whole."""
+    from lazyattn_rag import SamplingParams
+
+    def run(llm):
+        return llm.generate("w5 w6 w7", ["d37", "d17", "d16"], sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+
+    (torch_ids, torch_logits), (triton_ids, triton_logits) = (
+        _engine_outputs(b, run, max_num_batched_tokens=12) for b in ("torch", "triton"))
+    whole_ids, whole_logits = _engine_outputs("torch", run)
+    assert triton_ids == torch_ids == whole_ids
+    assert (triton_logits - torch_logits).abs().max().item() <= 1e-3
+    assert (torch_logits - whole_logits).abs().max().item() <= 1e-4
