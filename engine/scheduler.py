@@ -491,13 +491,16 @@ class Scheduler:
 
     @staticmethod
     def _account(request: Request, missed_keys: set[str], copied_keys: set[str]) -> None:
-        """Per-request stats: documents hit/missed (first acquisition), prompt tokens computed."""
+        """Per-request stats: documents hit/missed and prompt-head tokens cached (first acquisition),
+        prompt tokens computed."""
         stats = request.stats
         encoded = sum(len(c.token_ids) for c in {c.key: c for c in request.plan.chunks}.values()
                       if c.key in missed_keys and c.key not in copied_keys)
         stats.num_computed_tokens += encoded
         if request.num_preemptions == 0:
             stats.num_computed_tokens -= request.num_prefix_tokens
+            stats.num_cached_head_tokens = sum(len(c.token_ids) for c in request.plan.chunks if c.doc_id is None
+                                               and (c.key not in missed_keys or c.key in copied_keys))
             for c in request.plan.chunks:
                 if c.doc_id is not None:
                     (stats.docs_missed if c.key in missed_keys else stats.docs_hit).append(c.doc_id)

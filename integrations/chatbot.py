@@ -115,9 +115,20 @@ def load_or_build_store(sources: list[Source], embed_model: "BaseEmbedding", ind
 def format_stats(stats: dict) -> str:
     """One line of per-request cache stats."""
     ttft = f"{stats['ttft_ms']:.0f} ms" if stats.get("ttft_ms") is not None else "n/a"
-    return (f"[cache: {len(stats['docs_hit'])} docs hit, {len(stats['docs_missed'])} missed | prompt "
-            f"{stats['num_prompt_tokens']} tokens: {stats['num_cached_tokens']} cached, "
-            f"{stats['num_computed_tokens']} computed | TTFT {ttft} | {stats['num_output_tokens']} tokens]")
+    cached, head = stats["num_cached_tokens"], min(stats.get("num_cached_head_tokens", 0), stats["num_cached_tokens"])
+    if head:  # the prompt head (template text before the documents) is cached by the first question
+        cached = f"{cached} cached ({cached - head} from documents, {head} prompt head)" if head < cached \
+            else f"{cached} cached (prompt head)"
+    else:
+        cached = f"{cached} cached"
+    hit = len(stats["docs_hit"])
+    return (f"[cache: {hit} {'doc' if hit == 1 else 'docs'} hit, {len(stats['docs_missed'])} missed | prompt "
+            f"{stats['num_prompt_tokens']} tokens: {cached}, {stats['num_computed_tokens']} computed | TTFT {ttft} | "
+            f"{_plural(stats['num_output_tokens'], 'token')}]")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def answer(query_engine, question: str, out: TextIO) -> dict:
@@ -125,11 +136,17 @@ def answer(query_engine, question: str, out: TextIO) -> dict:
     print(f"\nQ: {question}\nA: ", end="", file=out, flush=True)
     response = query_engine.query(question)
     started = False
-    for piece in response.response_gen:
-        if not started:  # the model sometimes opens with a newline
-            piece = piece.lstrip()
-            started = bool(piece)
-        print(piece, end="", file=out, flush=True)
+    try:
+        for piece in response.response_gen:
+            if not started:  # the model sometimes opens with a newline
+                piece = piece.lstrip()
+                started = bool(piece)
+            print(piece, end="", file=out, flush=True)
+    except KeyboardInterrupt:  # Ctrl-C: closing the stream aborts the request (the engine stops computing it)
+        close = getattr(response.response_gen, "close", None)
+        if close is not None:
+            close()
+        raise
     print(file=out)
     for n in response.source_nodes:
         first_line = n.node.get_content().strip().splitlines()[0][:60]
@@ -139,27 +156,77 @@ def answer(query_engine, question: str, out: TextIO) -> dict:
     return stats
 
 
-def run_chat(options: ChatOptions, out: TextIO = sys.stdout, log: TextIO = sys.stderr,
-             stdin: TextIO = sys.stdin, engine: "LazyAttention | None" = None) -> list[dict]:
-    """Build or load the index and the LLM, then answer ``options.questions`` (or read questions
-    interactively until an empty line, ``exit`` or end of input).
+def interactive_input(stdin: TextIO | None) -> TextIO:
+    """``stdin`` checked for the interactive loop, before anything slow loads.
 
+    A terminal is returned as it is. A pipe or file is read up to its first question now (the
+    lines read are replayed), so input with no question is refused at once.
+
+    Raises:
+        ValueError: ``stdin`` is closed (``None``), or not a terminal and holds no question
+            (``chat < /dev/null``); the message says what to do instead.
+    """
+    if stdin is None or stdin.closed:
+        raise ValueError("standard input is closed: pass questions with -q/--question, or run the chat in a terminal")
+    if stdin.isatty():
+        return stdin
+    lines = []
+    while not lines or not lines[-1].strip():
+        line = stdin.readline()
+        if not line:
+            raise ValueError("standard input is not a terminal and holds no question (e.g. chat < /dev/null): pass "
+                             "questions with -q/--question, or pipe them in, one a line")
+        lines.append(line)
+    return _Replayed(lines, stdin)
+
+
+class _Replayed:
+    """``readline`` of ``lines``, then of ``rest``."""
+
+    def __init__(self, lines: list[str], rest: TextIO):
+        self._lines, self._rest = list(lines), rest
+
+    def readline(self) -> str:
+        return self._lines.pop(0) if self._lines else self._rest.readline()
+
+
+def run_chat(options: ChatOptions, out: TextIO | None = None, log: TextIO | None = None,
+             stdin: TextIO | None = None, engine: "LazyAttention | None" = None) -> list[dict]:
+    """Build or load the index and the LLM, then answer ``options.questions``, or read questions
+    from ``stdin`` until ``exit``, ``quit`` or end of input. ``out`` / ``log`` / ``stdin`` default
+    to ``sys.stdout`` / ``sys.stderr`` / ``sys.stdin`` as they are at the call.
+
+    Interactive: empty lines are ignored; Ctrl-C (``KeyboardInterrupt``) during an answer stops it
+    (its request is aborted) and asks for the next question; Ctrl-C at the prompt leaves.
     ``engine`` reuses a loaded :class:`LazyAttention` (``options.engine`` is then ignored).
 
     Returns:
-        the stats dict of every answer, in order.
+        the stats dict of every finished answer, in order.
     Raises:
-        FileNotFoundError, ValueError: a bad ``--docs`` path or file; ModuleNotFoundError: an
-        extra is missing (the message names it).
+        FileNotFoundError, ValueError: a bad ``--docs`` path, no text in it, or an interactive
+        ``stdin`` that is closed or empty (checked first, before anything loads);
+        ModuleNotFoundError: an extra is missing (the message names it).
     """
+    out, log = sys.stdout if out is None else out, sys.stderr if log is None else log
+    if not options.questions:
+        stdin = interactive_input(sys.stdin if stdin is None else stdin)
     from llama_index.core import VectorStoreIndex
 
     from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM, as_query_engine
     from lazyattn_rag.llm import LazyAttention
 
-    sources = folder_sources(options.docs) if options.docs is not None else pydoc_sources()
+    skipped: list[Path] = []
+
+    def skip(path: Path, reason: str) -> None:
+        skipped.append(path)
+        print(f"warning: skipped {path}: {reason}", file=log)
+
+    sources = folder_sources(options.docs, on_skip=skip) if options.docs is not None else pydoc_sources()
+    if skipped:
+        print(f"warning: {_plural(len(skipped), 'file')} skipped (not UTF-8 text); to include them, convert them "
+              "to UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE > NEW_FILE)", file=log)
     name = str(options.docs) if options.docs is not None else "Python's language reference (pydoc_data.topics)"
-    print(f"Corpus: {name}, {len(sources)} texts", file=log)
+    print(f"Corpus: {name}, {_plural(len(sources), 'text')}", file=log)
     embed_model = llamaindex_embedding()
     index_dir = options.index_dir or (options.engine.resolved_cache_dir() / "indexes" /
                                       corpus_fingerprint(sources, embed_model, options.chunk_overlap))
@@ -173,12 +240,24 @@ def run_chat(options: ChatOptions, out: TextIO = sys.stdout, log: TextIO = sys.s
     query_engine = as_query_engine(index, llm, similarity_top_k=options.top_k, streaming=True)
     if options.questions:
         return [answer(query_engine, q, out) for q in options.questions]
-    print("Ask about Python (empty line or 'exit' to quit).", file=log)
+    topic = "Python" if options.docs is None else f"the documents in {options.docs}"
+    print(f"Ask about {topic}: type a question and press Enter; exit, quit or Ctrl-D leaves; Ctrl-C stops an "
+          "answer.", file=log)
     results = []
     while True:
         print("\n> ", end="", file=out, flush=True)
-        line = stdin.readline()
-        question = line.strip()
-        if not line or not question or question.lower() in ("exit", "quit"):
+        try:
+            line = stdin.readline()
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: leave
+            print(file=out)
             return results
-        results.append(answer(query_engine, question, out))
+        question = line.strip()
+        if not line or question.lower() in ("exit", "quit"):
+            return results
+        if not question:
+            continue
+        try:
+            results.append(answer(query_engine, question, out))
+        except KeyboardInterrupt:
+            print("\n[stopped: the answer was cancelled. Ask another question, or press Ctrl-C again to leave]",
+                  file=out, flush=True)

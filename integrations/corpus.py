@@ -1,10 +1,11 @@
 """Demo corpora as chunked :class:`~lazyattn_rag.documents.Document` lists.
 
 Sources: Python's language reference (``pydoc_data.topics``, shipped with CPython), or a
-user's folder of ``.txt`` / ``.md`` files, or JSONL files (one ``{"text": ..., "id": ...}``
-object a line). Chunks are cut by LlamaIndex's ``SentenceSplitter`` (paragraphs, then
-sentences) counting tokens with the *embedder's* tokenizer, so every chunk is embedded whole
-(all-MiniLM-L6-v2 truncates at 256 tokens). Chunk ids are stable: ``<source id>#<index>``.
+user's folder of text files (``TEXT_SUFFIXES``: ``.txt``, ``.md``, ``.markdown``, ``.rst``) or
+JSONL files (one ``{"text": ..., "id": ...}`` object a line). Chunks are cut by LlamaIndex's
+``SentenceSplitter`` (paragraphs, then sentences) counting tokens with the *embedder's*
+tokenizer, so every chunk is embedded whole (all-MiniLM-L6-v2 truncates at 256 tokens). Chunk
+ids are stable: ``<source id>#<index>``.
 
 Needs the ``llamaindex`` extra (``llama-index-core``).
 """
@@ -45,17 +46,19 @@ def pydoc_sources() -> list[Source]:
             for name, text in sorted(topics.items()) if text.strip()]
 
 
-def folder_sources(path: str | Path) -> list[Source]:
-    """Texts from ``path``: a ``.txt``/``.md``/``.rst`` file, a ``.jsonl`` file, or a folder of them.
+def folder_sources(path: str | Path, on_skip: Callable[[Path, str], None] | None = None) -> list[Source]:
+    """Texts from ``path``: a text file (``TEXT_SUFFIXES``), a ``.jsonl`` file, or a folder of them.
 
     In a folder, files are read recursively in sorted order; ids are paths relative to it. A
     JSONL line is an object with a ``"text"`` string and optionally an ``"id"`` (default:
-    ``<file>:<line number>``); its other keys become metadata.
+    ``<file>:<line number>``); its other keys become metadata. A file that is not UTF-8 is
+    skipped: ``on_skip(file, reason)`` is called for it (default: a warning naming it).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: no supported file under ``path``; a JSONL line that is not an object with a
-            string ``"text"`` (file and line are named); a file that is not UTF-8.
+        ValueError: no supported file under ``path``; no text in them (every file empty or
+            skipped; the skipped ones are named); a JSONL line that is not an object with a
+            string ``"text"`` (file and line are named).
     """
     root = Path(path).expanduser()
     if not root.exists():
@@ -66,16 +69,29 @@ def folder_sources(path: str | Path) -> list[Source]:
         raise ValueError(f"no {'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files under {str(root)!r}")
     base = root.parent if root.is_file() else root
     out: list[Source] = []
+    skipped: list[Path] = []
     for f in files:
         rel = f.relative_to(base).as_posix()
+        data = f.read_bytes()
         try:
-            content = f.read_text(encoding="utf-8")
+            content = data.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{f} is not UTF-8 text: {e}") from e
+            skipped.append(f)
+            reason = f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"
+            if on_skip is None:
+                warnings.warn(f"skipped {f}: {reason}", stacklevel=2)
+            else:
+                on_skip(f, reason)
+            continue
         if f.suffix.lower() in JSONL_SUFFIXES:
             out += _jsonl_sources(content, rel)
         elif content.strip():
             out.append(Source(rel, content, {"source": rel}))
+    if not out:
+        why = (f"{len(skipped)} of {len(files)} files are not UTF-8 text ({', '.join(map(str, skipped[:3]))}"
+               f"{', ...' if len(skipped) > 3 else ''}): convert them, e.g. iconv -f latin1 -t utf-8"
+               if skipped else "no file holds any text")
+        raise ValueError(f"no text under {str(root)!r}: {why}")
     return out
 
 

@@ -11,22 +11,86 @@ import typer
 
 from lazyattn_rag import cli_options as cli_opts
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, cls=cli_opts.Group,
                   help="Retrieval-augmented generation with position-agnostic KV reuse (LazyAttention).")
+LONG_FILE_HINT = "lazyattn chat --docs {path} splits long files into chunks and retrieves the relevant ones"
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"lazyattn-rag {version('lazyattn-rag')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            typer.echo("lazyattn-rag (not installed: no distribution metadata; pip install -e .)")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", metavar=cli_opts.FLAG, is_eager=True, callback=_version,
+                                 help="Print the installed version and exit."),
+) -> None:
+    """Retrieval-augmented generation with position-agnostic KV reuse (LazyAttention)."""
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def _read_documents(paths: list[Path]) -> list[tuple[str, str]]:
+    """``(id, text)`` of every ``--doc`` file, read and checked before the model loads.
+
+    Raises:
+        ValueError: a file that is not UTF-8 text or holds no text; the message names it and
+            says what to do.
+    """
+    docs = []
+    for path in paths:
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            converted = path.with_name(f"{path.stem}.utf8{path.suffix}")
+            raise ValueError(f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}): convert "
+                             f"it first, e.g. iconv -f latin1 -t utf-8 {path} > {converted}") from e
+        if not text.strip():
+            raise ValueError(f"{path} is empty: a document needs some text (drop this --doc, or fill the file)")
+        docs.append((str(path), text))
+    return docs
+
+
+def _cached_label(num_cached: int, num_head: int) -> str:
+    """``"33 (prompt head)"``, ``"533 (500 from documents, 33 prompt head)"``: what the cached
+    prompt tokens are (the prompt head is the template's text before the documents, cached once
+    and shared by every question)."""
+    head = min(num_head, num_cached)
+    if not head:
+        return f"{num_cached}"
+    if head == num_cached:
+        return f"{num_cached} (prompt head)"
+    return f"{num_cached} ({num_cached - head} from documents, {head} prompt head)"
 
 
 def _format_stats(stats) -> str:
     ttft = f"{stats.ttft_ms:.0f} ms" if stats.ttft_ms is not None else "n/a"
-    return (f"[docs hit {len(stats.docs_hit)}, missed {len(stats.docs_missed)} | prompt tokens "
-            f"{stats.num_prompt_tokens}: cached {stats.num_cached_tokens}, computed {stats.num_computed_tokens} | "
-            f"TTFT {ttft} | {stats.num_output_tokens} output tokens]")
+    if stats.docs_hit or stats.docs_missed:
+        docs = f"docs hit {len(stats.docs_hit)}, missed {len(stats.docs_missed)}"
+    else:
+        docs = "no documents (answered from the model alone; add some with --doc FILE)"
+    cached = _cached_label(stats.num_cached_tokens, stats.num_cached_head_tokens)
+    return (f"[{docs} | prompt tokens {stats.num_prompt_tokens}: cached {cached}, computed "
+            f"{stats.num_computed_tokens} | TTFT {ttft} | {cli_opts.plural(stats.num_output_tokens, 'output token')}]")
 
 
-@app.command()
+@app.command(cls=cli_opts.Command)
 def ask(
-    question: str = typer.Argument(..., help="The question to answer."),
-    doc: list[Path] = typer.Option([], "--doc", "-d", exists=True, dir_okay=False, readable=True,
-                                   help="A text file to use as a document (repeatable); its path is its id."),
+    question: str = typer.Argument(..., metavar="QUESTION", help="The question to answer."),
+    doc: list[Path] = typer.Option([], "--doc", "-d", exists=True, dir_okay=False, readable=True, metavar="FILE",
+                                   help="A UTF-8 text file to use as a document (repeatable); its path is its id. "
+                                        "Without one the model answers alone."),
     max_tokens: int = typer.Option(256, help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, help="0 for greedy decoding."),
     seed: Optional[int] = typer.Option(None, help="Sampling seed."),
@@ -35,28 +99,43 @@ def ask(
     backend: str = cli_opts.BACKEND,
     anchor: str = cli_opts.ANCHOR,
     cache_dir: Optional[Path] = typer.Option(None, help="Where converted models are cached."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    as_json: bool = typer.Option(False, "--json", metavar=cli_opts.FLAG,
+                                 help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Answer QUESTION over the given documents, streaming the answer, then print the cache stats."""
-    from lazyattn_rag import LazyAttention, LazyAttentionError, SamplingParams
+    try:  # every input is checked before the model loads
+        if not question.strip():
+            raise ValueError("the question is empty")
+        documents = _read_documents(doc)
+    except (ValueError, OSError) as e:
+        raise _fail(str(e)) from e
+    from lazyattn_rag import DocumentTooLongError, LazyAttention, LazyAttentionError, PromptTooLongError, SamplingParams
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
         llm = LazyAttention(cli_opts.engine_config(model, device, backend, anchor, cache_dir))
         ids = []
-        for path in doc:
-            llm.add_document(str(path), path.read_text(encoding="utf-8"))
-            ids.append(str(path))
+        for doc_id, text in documents:
+            try:
+                llm.add_document(doc_id, text)
+            except DocumentTooLongError as e:
+                raise DocumentTooLongError(f"{e}; {LONG_FILE_HINT.format(path=doc_id)}") from e
+            ids.append(doc_id)
+        try:
+            stream = llm.stream(question, ids, sampling=params)
+        except PromptTooLongError as e:
+            raise PromptTooLongError(f"{e}; pass fewer --doc files, or {LONG_FILE_HINT.format(path='FOLDER')}") from e
         pieces, final = [], None
-        for delta in llm.stream(question, ids, sampling=params):
+        for delta in stream:
             pieces.append(delta.text)
             if not as_json:
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
             final = delta
     except (LazyAttentionError, ValueError, FileNotFoundError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
+        raise _fail(str(e)) from e
+    except KeyboardInterrupt as e:
+        raise _fail("interrupted", 130) from e
     if as_json:
         typer.echo(json.dumps({"answer": "".join(pieces), "finish_reason": final.finish_reason,
                                "stats": final.stats.as_dict()}))
@@ -65,7 +144,30 @@ def ask(
         typer.echo(_format_stats(final.stats), err=True)
 
 
-@app.command()
+def _labelled_info(llm) -> dict:
+    """``llm.info()`` with the chunks an engine caches before any document named: the anchor
+    (what every document chunk is encoded after; pinned from start-up) and the prompt head (the
+    template's text before the documents, cached by the first question and shared by all)."""
+    engine = llm.engine
+
+    def count() -> tuple[int, int]:
+        keys = {e.key for e in engine.cache.entries()}
+        anchor = int(engine.anchor_key in keys)
+        return anchor, int(engine.head_key in keys and engine.head_key != engine.anchor_key)
+
+    info, (anchors, heads) = llm.info(), llm.loop.call(count)
+    out = {}
+    for key, value in info.items():
+        out[key] = value
+        if key == "anchor":
+            out["anchor_tokens"] = len(engine.anchor_ids)
+            out["prompt_head_tokens"] = len(engine.head_ids)
+        if key == "num_cached_chunks":
+            out["cached_chunks"] = {"anchor": anchors, "prompt_head": heads, "documents": value - anchors - heads}
+    return out
+
+
+@app.command(cls=cli_opts.Command)
 def info(
     model: Optional[str] = cli_opts.MODEL,
     device: str = cli_opts.DEVICE,
@@ -73,21 +175,27 @@ def info(
     anchor: str = cli_opts.ANCHOR,
     cache_dir: Optional[Path] = typer.Option(None, help="Where converted models are cached."),
 ) -> None:
-    """Print the model, attention backend and cache configuration as JSON."""
+    """Print the model, attention backend and cache configuration as JSON.
+
+    anchor_tokens: what every document is encoded after; prompt_head_tokens: the text before them.
+
+    cached_chunks: what the KV cache holds, by kind (a fresh engine: only the anchor).
+    """
     from lazyattn_rag import LazyAttention
 
     try:
         llm = LazyAttention(cli_opts.engine_config(model, device, backend, anchor, cache_dir))
     except (ValueError, FileNotFoundError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
-    typer.echo(json.dumps(llm.info(), indent=2))
+        raise _fail(str(e)) from e
+    except KeyboardInterrupt as e:
+        raise _fail("interrupted", 130) from e
+    typer.echo(json.dumps(_labelled_info(llm), indent=2))
 
 
 def _register_chat() -> None:  # the chatbot's options live with it; its extras load only when it runs
     from lazyattn_rag.cli_chat import chat as chat_command
 
-    app.command("chat")(chat_command)
+    app.command("chat", cls=cli_opts.Command)(chat_command)
 
 
 _register_chat()

@@ -12,29 +12,43 @@ from typing import Optional
 import typer
 
 from lazyattn_rag import cli_options as cli_opts
+from lazyattn_rag.integrations.corpus import JSONL_SUFFIXES, TEXT_SUFFIXES
+
+DOCS_HELP = (f"A folder of {'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files (read recursively; files that are not "
+             "UTF-8 are skipped with a warning), or one such file (default: Python's language reference, "
+             "pydoc_data.topics).")
+
 
 def chat(
     question: list[str] = typer.Option([], "--question", "-q",
                                        help="Ask this and exit (repeatable; later questions reuse cached chunks). "
                                             "Without it: interactive."),
-    follow_up: bool = typer.Option(False, "--follow-up", help="After each --question, ask a follow-up on the same "
-                                   "topic: its retrieved chunks come from the KV cache."),
-    demo: bool = typer.Option(False, "--demo", help="Ask two built-in questions that share retrieved chunks."),
-    docs: Optional[Path] = typer.Option(None, "--docs", help="Folder of .txt/.md files or a .jsonl file "
-                                        "(default: Python's language reference, pydoc_data.topics)."),
+    follow_up: bool = typer.Option(False, "--follow-up", metavar=cli_opts.FLAG,
+                                   help="After each --question, ask a follow-up on the same topic: its retrieved "
+                                        "chunks come from the KV cache."),
+    demo: bool = typer.Option(False, "--demo", metavar=cli_opts.FLAG,
+                              help="Ask two built-in questions that share retrieved chunks."),
+    docs: Optional[Path] = typer.Option(None, "--docs", metavar="PATH", help=DOCS_HELP),
     top_k: int = typer.Option(3, "--top-k", min=1, help="Chunks retrieved per question."),
     max_tokens: int = typer.Option(128, min=1, help="Most tokens per answer."),
     index_dir: Optional[Path] = typer.Option(None, help="Where the FAISS index is kept "
                                              "(default: under the cache dir)."),
-    rebuild: bool = typer.Option(False, "--rebuild", help="Re-embed the corpus even if a saved index exists."),
+    rebuild: bool = typer.Option(False, "--rebuild", metavar=cli_opts.FLAG,
+                                 help="Re-embed the corpus even if a saved index exists."),
     model: Optional[str] = cli_opts.MODEL,
     device: str = cli_opts.DEVICE,
     backend: str = cli_opts.BACKEND,
     anchor: str = cli_opts.ANCHOR,
     cache_dir: Optional[Path] = typer.Option(None, help="Where converted models and indexes are cached."),
 ) -> None:
-    """Chat with a FAISS-backed RAG bot over Python's language reference: streams each answer,
-    then its sources and the KV-cache stats (documents hit/missed, TTFT)."""
+    """Chat with a FAISS-backed RAG bot over Python's language reference, or your --docs.
+
+    Streams each answer, then its sources and the KV-cache stats (documents hit/missed, TTFT).
+
+    Interactive (no --question): empty lines are ignored; exit, quit or Ctrl-D leaves.
+
+    Ctrl-C stops the answer being written; at the prompt it leaves. Questions may be piped in too.
+    """
     try:
         from lazyattn_rag.integrations.chatbot import DEMO_QUESTIONS, ChatOptions, follow_up_question, run_chat
         from lazyattn_rag.sampling import SamplingParams
@@ -52,6 +66,9 @@ def chat(
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
+    except KeyboardInterrupt as e:  # while loading: no traceback
+        typer.echo("\ninterrupted", err=True)
+        raise typer.Exit(130) from e
 
 
 if __name__ == "__main__":  # python -m lazyattn_rag.cli_chat

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from lazyattn_rag.config import ANCHOR_MODES, CacheConfig, EngineConfig
 
@@ -13,6 +14,33 @@ MODEL = typer.Option(None, help="Local Hugging Face model directory (default: th
 DEVICE = typer.Option("auto", help="auto, cpu or cuda.")
 BACKEND = typer.Option("auto", help="Attention backend: auto, torch or triton.")
 ANCHOR = typer.Option(CacheConfig().anchor, help=f"Chunk encoding anchor: one of {', '.join(ANCHOR_MODES)}.")
+# typer's rich help prints every option's type, on/off flags too ("--json <bool>"); an empty
+# metavar leaves a flag's type column empty ("--json"). Give it to every boolean flag.
+FLAG = ""
+
+
+class _FlagHelp:
+    """``--help`` shown as the flag it is: typer gives its built-in help option no metavar, so
+    its rich help prints ``--help <bool>``."""
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = FLAG
+        return option
+
+
+class Group(_FlagHelp, TyperGroup):
+    """The ``lazyattn`` command group (``typer.Typer(cls=Group)``)."""
+
+
+class Command(_FlagHelp, TyperCommand):
+    """A ``lazyattn`` command (``app.command(cls=Command)``)."""
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """``"1 text"``, ``"3 texts"``."""
+    return f"{n} {word if n == 1 else (words or word + 's')}"
 
 
 def engine_config(model: Optional[str], device: str, backend: str, anchor: str,

@@ -13,6 +13,10 @@ class RequestStats:
         request_id: the engine's id for the request.
         num_prompt_tokens: prompt length (head + documents + query tail).
         num_cached_tokens: prompt tokens whose K/V came from the chunk cache.
+        num_cached_head_tokens: of ``num_cached_tokens``, the prompt head's: the prompt's text
+            before the first document (template, instruction), cached by the first request and
+            shared by every prompt that starts with it. The rest came from documents (or, for a
+            plain prompt or ``CacheConfig(mode="prefix")``, from matching prefix blocks).
         num_computed_tokens: prompt tokens whose K/V this request computed (documents encoded on
             a miss, plus the query tail).
         num_output_tokens: tokens generated.
@@ -28,6 +32,7 @@ class RequestStats:
     request_id: str
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_cached_head_tokens: int = 0
     num_computed_tokens: int = 0
     num_output_tokens: int = 0
     docs_hit: list[str] = field(default_factory=list)
