@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from lazyattn_rag.config import EngineConfig
+from lazyattn_rag.progress import directory_bytes, format_bytes, stage
 from lazyattn_rag.integrations.corpus import (
     SPECIAL_TOKENS,
     Source,
@@ -97,18 +98,21 @@ def load_or_build_store(sources: list[Source], embed_model: "BaseEmbedding", ind
         print(f"Loaded the FAISS index ({len(store.client)} chunks) from {index_dir}", file=log)
         return store
     t0 = time.perf_counter()
-    docs = chunk_sources(sources, embedder_token_counter(embedding_tokenizer()),
-                         embed_model.max_length - SPECIAL_TOKENS, overlap)
-    seen: set[str] = set()  # pydoc repeats text (e.g. "else" == "if"): one copy, so top-k stays diverse
-    docs = [d for d in docs if not (d.text in seen or seen.add(d.text))]
+    with stage(f"Splitting {_plural(len(sources), 'text')} into chunks of at most {embed_model.max_length} embedder tokens",
+               file=log):
+        docs = chunk_sources(sources, embedder_token_counter(embedding_tokenizer()),
+                             embed_model.max_length - SPECIAL_TOKENS, overlap)
+        seen: set[str] = set()  # pydoc repeats text (e.g. "else" == "if"): one copy, so top-k stays diverse
+        docs = [d for d in docs if not (d.text in seen or seen.add(d.text))]
     name = embedding_model_name(embed_model.model_name)
-    print(f"Embedding {len(docs)} chunks of {len(sources)} texts with {name} (first run only)...", file=log,
+    print(f"Embedding {len(docs)} chunks with {name} and building the FAISS index (first run only):", file=log,
           flush=True)
     store = FaissVectorStore(embed_model_name=name)
-    VectorStoreIndex([node_from_document(d) for d in docs], embed_model=embed_model,
+    VectorStoreIndex([node_from_document(d) for d in docs], embed_model=embed_model, show_progress=True,
                      storage_context=StorageContext.from_defaults(vector_store=store))
     store.persist(str(index_dir))
-    print(f"Indexed {len(docs)} chunks in {time.perf_counter() - t0:.0f} s; saved to {index_dir}", file=log)
+    print(f"Indexed {len(docs)} chunks in {time.perf_counter() - t0:.0f} s; the index takes "
+          f"{format_bytes(directory_bytes(index_dir))} in {index_dir}", file=log)
     return store
 
 
