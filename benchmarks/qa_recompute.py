@@ -22,6 +22,8 @@ reference itself); with ``k >= `` every passage's length it is a full prefill.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 from pathlib import Path
 
@@ -44,6 +46,13 @@ def generation_eos_ids(model_dir: Path, tokenizer) -> set[int]:
         ids.add(tokenizer.eos_token_id)
     return ids
 
+
+
+@functools.cache
+def cache_argument(model_class) -> str:
+    """The keyword ``model_class.forward`` takes its KV cache by: ``cache`` where transformers has
+    renamed it (``past_key_values`` is deprecated there and warns), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 class RecomputeReference:
     """Greedy answers of chunk reuse with each chunk's first ``k`` tokens recomputed.
@@ -74,7 +83,8 @@ class RecomputeReference:
         """Run ``ids`` at positions ``start ..`` on top of ``cache``; logits of the last token."""
         x = torch.tensor([ids], device=self.device)
         pos = torch.arange(start, start + len(ids), device=self.device)[None]
-        return self.hf(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True).logits[0, -1]
+        return self.hf(input_ids=x, position_ids=pos, **{cache_argument(type(self.hf)): cache},
+                       use_cache=True).logits[0, -1]
 
     def _encode_alone(self, chunks: list[list[int]]):
         """Per-layer (K, V) ``[num_chunks, kv_heads, max_len, head_dim]``, each chunk from position 0."""
@@ -89,7 +99,7 @@ class RecomputeReference:
         cache = DynamicCache()
         pos = torch.arange(longest)[None].expand(len(chunks), -1)
         self.hf(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), position_ids=pos.to(self.device),
-                past_key_values=cache, use_cache=True)
+                **{cache_argument(type(self.hf)): cache}, use_cache=True)
         return [(layer.keys, layer.values) for layer in cache.layers]
 
     def _shift_keys(self, k: torch.Tensor, delta: int) -> torch.Tensor:

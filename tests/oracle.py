@@ -12,10 +12,9 @@ chunk's whole K/V back out of them.
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
+
+from benchmarks.qa_recompute import cache_argument
 
 
 def _rotate_half(x):
@@ -23,18 +22,12 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-@functools.cache
-def _cache_argument(model_class) -> str:
-    """The keyword ``model_class.forward`` takes its KV cache by: ``cache`` where transformers has
-    renamed it (there ``past_key_values`` is deprecated and warns), ``past_key_values`` before."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
 
 def _forward(hf, ids: list[int], start: int, cache):
     """``hf`` over ``ids`` at positions ``start ..``, appending their K/V to ``cache`` (no grad)."""
     with torch.no_grad():
         return hf(input_ids=torch.tensor([list(ids)]), position_ids=torch.arange(start, start + len(ids))[None],
-                  use_cache=True, **{_cache_argument(type(hf)): cache})
+                  use_cache=True, **{cache_argument(type(hf)): cache})
 
 
 def _encode_alone(hf, anchor_ids: list[int], ids: list[int]):
