@@ -116,6 +116,20 @@ def load_or_build_store(sources: list[Source], embed_model: "BaseEmbedding", ind
     return store
 
 
+def better_model_hint(candidates: list[Path] | None = None) -> str:
+    """What to say when the chat runs the small default model: the local models ``--model`` could
+    load instead (:func:`~lazyattn_rag.model_loading.local_model_candidates`), or how to give one."""
+    from lazyattn_rag.model_loading import local_model_candidates
+
+    candidates = local_model_candidates() if candidates is None else candidates
+    hint = ("SmolLM2-135M is a very small model: it answers from the passages but often gets details wrong. "
+            "For better answers pass --model with a local Hugging Face directory (Llama, Mistral, Qwen2, "
+            "Qwen3) or a .gguf file")
+    if not candidates:
+        return hint + "."
+    return hint + "; found on this machine:\n" + "\n".join(f"  --model {p}" for p in candidates)
+
+
 def format_stats(stats: dict) -> str:
     """One line of per-request cache stats."""
     ttft = f"{stats['ttft_ms']:.0f} ms" if stats.get("ttft_ms") is not None else "n/a"
@@ -238,6 +252,8 @@ def run_chat(options: ChatOptions, out: TextIO | None = None, log: TextIO | None
     t0 = time.perf_counter()
     engine = engine or LazyAttention(options.engine)
     print(f"Loaded {engine.model_name} on {engine.device} in {time.perf_counter() - t0:.1f} s", file=log)
+    if options.engine.model is None:
+        print(better_model_hint(), file=log)
     store.client.attach_engine(engine)  # every chunk registered; updates and deletions reach the KV cache too
     llm = LazyAttentionLLM(engine, options.sampling)
     index = VectorStoreIndex.from_vector_store(store, embed_model=embed_model)

@@ -10,7 +10,8 @@ from typer.core import TyperCommand, TyperGroup
 
 from lazyattn_rag.config import ANCHOR_MODES, CacheConfig, EngineConfig
 
-MODEL = typer.Option(None, help="Local Hugging Face model directory (default: the offline SmolLM2-135M-Instruct).")
+MODEL = typer.Option(None, help="A local Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3) or a .gguf "
+                     "file, converted once (default: the offline SmolLM2-135M-Instruct).")
 DEVICE = typer.Option("auto", help="auto, cpu or cuda.")
 BACKEND = typer.Option("auto", help="Attention backend: auto, torch or triton.")
 ANCHOR = typer.Option(CacheConfig().anchor, help=f"Chunk encoding anchor: one of {', '.join(ANCHOR_MODES)}.")

@@ -89,7 +89,7 @@ def _hash_cached(path: Path, cache_dir: Path) -> str:
     return memo[memo_key]
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+def convert_gguf(gguf_path: Path, out_dir: Path, sampling: dict[str, Any] | None = None) -> None:
     """Dequantize a GGUF with transformers and save model + tokenizer as safetensors in ``out_dir``.
 
     Written to a temporary sibling first and renamed, so an interrupted conversion never
@@ -98,7 +98,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"Converting the default model {gguf_path.name} to safetensors, once (later loads take about a "
+    print(f"Converting {gguf_path.name} to safetensors, once (later loads take about a "
           f"second): {out_dir}", file=sys.stderr, flush=True)
     with stage("  reading its tokenizer from the GGUF"):
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
@@ -117,7 +117,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             if hasattr(config, "quantization_config"):  # the dequantized copy is plain float32
                 del config.quantization_config
             config.save_pretrained(tmp)
-            _write_generation_config(tmp, config)
+            _write_generation_config(tmp, config, sampling)
             tokenizer.save_pretrained(tmp)
             (tmp / "lazyattn_source.json").write_text(json.dumps({"gguf": gguf_path.name}))
         if out_dir.exists():
@@ -135,14 +135,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 DEFAULT_MODEL_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
-def _write_generation_config(directory: Path, config: Any) -> None:
-    """Save the default model's generation config: the BOS, EOS and pad ids transformers derives
+def _write_generation_config(directory: Path, config: Any, sampling: dict[str, Any] | None = None) -> None:
+    """Save a converted model's generation config: the BOS, EOS and pad ids transformers derives
     from the model config (so the directory declares its stop ids in both places, as an HF
-    checkpoint does) and the model card's recommended sampling (:data:`DEFAULT_MODEL_SAMPLING`)."""
+    checkpoint does) and ``sampling`` (the default model's: :data:`DEFAULT_MODEL_SAMPLING`)."""
     from transformers import GenerationConfig
 
     generation = GenerationConfig.from_model_config(config)
-    generation.update(**DEFAULT_MODEL_SAMPLING)
+    generation.update(**(sampling or {}))
     generation.save_pretrained(directory)
 
 
@@ -212,7 +212,9 @@ def resolve_model(model: str | None, cache_dir: Path) -> ModelSource:
     """Find (and for the default, convert once) the model to load.
 
     Args:
-        model: a local model directory, or ``None`` for the default SmolLM2.
+        model: a local Hugging Face model directory, a ``.gguf`` file (dequantized once into
+            ``cache_dir/models/<stem>-<sha256 prefix>``, as the default model is), or ``None``
+            for the default SmolLM2.
         cache_dir: where converted models and file hashes are kept.
     Raises:
         ModelNotFoundError: the directory does not exist, has no ``config.json`` or no
@@ -223,16 +225,23 @@ def resolve_model(model: str | None, cache_dir: Path) -> ModelSource:
         sha = _hash_cached(gguf, cache_dir)
         out_dir = cache_dir / "models" / f"{DEFAULT_MODEL_NAME}-{sha[:16]}"
         if not (out_dir / "lazyattn_source.json").is_file():
-            convert_gguf(gguf, out_dir)
+            convert_gguf(gguf, out_dir, DEFAULT_MODEL_SAMPLING)
         elif not _generation_config_current(out_dir):  # converted by an older version
             from transformers import AutoConfig
 
-            _write_generation_config(out_dir, AutoConfig.from_pretrained(str(out_dir), local_files_only=True))
+            _write_generation_config(out_dir, AutoConfig.from_pretrained(str(out_dir), local_files_only=True),
+                                     DEFAULT_MODEL_SAMPLING)
         return ModelSource(out_dir, DEFAULT_MODEL_NAME, sha)
     path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":  # converted once, like the default model
+        sha = _hash_cached(path, cache_dir)
+        out_dir = cache_dir / "models" / f"{path.stem}-{sha[:16]}"
+        if not (out_dir / "lazyattn_source.json").is_file():
+            convert_gguf(path, out_dir)
+        return ModelSource(out_dir, path.stem, sha)
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(
-            f"{model!r} is not a local model directory with a config.json (no model hub is used)"
+            f"{model!r} is not a GGUF file or a local model directory with a config.json (no model hub is used)"
         )
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
@@ -251,3 +260,31 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     for f in sorted(path.glob("*.safetensors")):
         state.update(load_file(str(f)))
     return state
+
+
+def local_model_candidates(search_dirs: list[Path] | None = None, limit: int = 5) -> list[Path]:
+    """Models on this machine that ``--model`` could load, for the chat's hint: Hugging Face
+    snapshots of a supported architecture in the hub cache (``HF_HUB_CACHE``, or
+    ``~/.cache/huggingface/hub``) and ``.gguf`` files under it and llama.cpp's cache
+    (``~/.cache/llama.cpp``). Nothing is loaded; at most ``limit`` paths, largest first.
+    """
+    from lazyattn_rag.engine.model import SUPPORTED_MODEL_TYPES
+
+    if search_dirs is None:
+        hub = os.environ.get("HF_HUB_CACHE") or str(Path.home() / ".cache" / "huggingface" / "hub")
+        search_dirs = [Path(hub), Path.home() / ".cache" / "llama.cpp"]
+    found: list[tuple[int, Path]] = []
+    for root in search_dirs:
+        if not root.is_dir():
+            continue
+        for config in root.glob("models--*/snapshots/*/config.json"):
+            try:
+                model_type = json.loads(config.read_text()).get("model_type")
+            except (OSError, json.JSONDecodeError):
+                continue
+            weights = list(config.parent.glob("*.safetensors"))
+            if model_type in SUPPORTED_MODEL_TYPES and weights:
+                found.append((sum(w.stat().st_size for w in weights), config.parent))
+        for gguf in root.rglob("*.gguf"):
+            found.append((gguf.stat().st_size, gguf))
+    return [p for _, p in sorted(found, key=lambda item: -item[0])[:limit]]

@@ -3,6 +3,8 @@ the tokenizer) and the default model's converted directory."""
 
 import json
 
+import pytest
+
 from lazyattn_rag import EngineConfig, LazyAttention, SamplingParams
 from lazyattn_rag.config import CacheConfig
 from lazyattn_rag.model_loading import declared_eos_token_ids
@@ -104,3 +106,52 @@ def test_converted_default_model_recommends_its_model_cards_sampling(smollm2_dir
 
     assert generation_defaults(smollm2_dir) == {"temperature": 0.2, "top_p": 0.9}
     assert DEFAULT_MODEL_SAMPLING["do_sample"] is True
+
+
+def test_a_gguf_file_is_converted_once_into_the_cache(tmp_path, monkeypatch):
+    """``--model file.gguf`` goes through the same one-time conversion as the default model
+    (the conversion itself is exercised by the default model's tests)."""
+    from lazyattn_rag import model_loading
+
+    gguf = tmp_path / "Tiny-Q4.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    calls = []
+
+    def fake_convert(path, out_dir, sampling=None):
+        calls.append((path, out_dir, sampling))
+        out_dir.mkdir(parents=True)
+        (out_dir / "lazyattn_source.json").write_text("{}")
+
+    monkeypatch.setattr(model_loading, "convert_gguf", fake_convert)
+    cache = tmp_path / "cache"
+    first = model_loading.resolve_model(str(gguf), cache)
+    second = model_loading.resolve_model(str(gguf), cache)
+    assert first == second and len(calls) == 1 and calls[0][2] is None  # no default sampling for others
+    import hashlib
+
+    sha = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert first.path == cache / "models" / f"Tiny-Q4-{sha[:16]}" and first.weights_sha256 == sha
+    assert first.name == "Tiny-Q4"
+    with pytest.raises(model_loading.ModelNotFoundError, match="not a GGUF file or a local model directory"):
+        model_loading.resolve_model(str(tmp_path / "missing.gguf"), cache)
+
+
+def test_local_model_candidates_and_the_chat_hint(tmp_path):
+    from lazyattn_rag.integrations.chatbot import better_model_hint
+    from lazyattn_rag.model_loading import local_model_candidates
+
+    hub = tmp_path / "hub"
+    good = hub / "models--org--Llama-3.2-1B-Instruct" / "snapshots" / "abc"
+    other = hub / "models--org--bert" / "snapshots" / "def"
+    for path, model_type in ((good, "llama"), (other, "bert")):
+        path.mkdir(parents=True)
+        (path / "config.json").write_text(json.dumps({"model_type": model_type}))
+        (path / "model.safetensors").write_bytes(bytes(10))
+    (hub / "small.gguf").write_bytes(bytes(5))
+    (hub / "big.gguf").write_bytes(bytes(50))
+    found = local_model_candidates([hub, tmp_path / "absent"])
+    assert found == [hub / "big.gguf", good, hub / "small.gguf"]  # largest first; bert left out
+    assert local_model_candidates([hub], limit=1) == [hub / "big.gguf"]
+    hint = better_model_hint(found)
+    assert "pass --model" in hint and f"  --model {good}" in hint.splitlines()
+    assert better_model_hint([]).endswith("or a .gguf file.")
