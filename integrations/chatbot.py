@@ -12,11 +12,12 @@ cache at whatever position it lands. ``lazyattn chat`` and ``examples/chatbot.py
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -60,7 +61,10 @@ class ChatOptions:
         chunk_overlap: embedder tokens shared by consecutive chunks.
         index_dir: where the FAISS index lives; ``None`` = ``<cache dir>/indexes/<corpus hash>``.
         rebuild: re-embed even when a saved index exists.
-        sampling: answer sampling (greedy, at most 128 tokens, stop at a blank line by default).
+        sampling_overrides: :class:`SamplingParams` fields set by the user; the others are the
+            model's recommended sampling (``LazyAttention.default_sampling``, from its generation
+            config), with answers of at most 128 tokens that end at the template's end of turn.
+        sampling: the whole sampling instead (overrides are then ignored).
         engine: :class:`EngineConfig` of the LLM.
     """
 
@@ -70,7 +74,8 @@ class ChatOptions:
     chunk_overlap: int = 16
     index_dir: Path | None = None
     rebuild: bool = False
-    sampling: SamplingParams = SamplingParams(max_tokens=128, stop=("\n\n",))
+    sampling_overrides: dict = field(default_factory=lambda: {"max_tokens": 128})
+    sampling: SamplingParams | None = None
     engine: EngineConfig = EngineConfig()
 
 
@@ -255,7 +260,8 @@ def run_chat(options: ChatOptions, out: TextIO | None = None, log: TextIO | None
     if options.engine.model is None:
         print(better_model_hint(), file=log)
     store.client.attach_engine(engine)  # every chunk registered; updates and deletions reach the KV cache too
-    llm = LazyAttentionLLM(engine, options.sampling)
+    sampling = options.sampling or dataclasses.replace(engine.default_sampling, **options.sampling_overrides)
+    llm = LazyAttentionLLM(engine, sampling)
     index = VectorStoreIndex.from_vector_store(store, embed_model=embed_model)
     query_engine = as_query_engine(index, llm, similarity_top_k=options.top_k, streaming=True)
     if options.questions:

@@ -92,7 +92,9 @@ def ask(
                                    help="A UTF-8 text file to use as a document (repeatable); its path is its id. "
                                         "Without one the model answers alone."),
     max_tokens: int = typer.Option(256, help="Most tokens to generate."),
-    temperature: float = typer.Option(0.0, help="0 for greedy decoding."),
+    temperature: Optional[float] = cli_opts.TEMPERATURE,
+    top_p: Optional[float] = cli_opts.TOP_P,
+    repetition_penalty: Optional[float] = cli_opts.REPETITION_PENALTY,
     seed: Optional[int] = typer.Option(None, help="Sampling seed."),
     model: Optional[str] = cli_opts.MODEL,
     device: str = cli_opts.DEVICE,
@@ -106,14 +108,16 @@ def ask(
     try:  # every input is checked before the model loads
         if not question.strip():
             raise ValueError("the question is empty")
+        overrides = cli_opts.sampling_overrides(temperature, top_p, repetition_penalty, max_tokens=max_tokens,
+                                                seed=seed)
         documents = _read_documents(doc)
     except (ValueError, OSError) as e:
         raise _fail(str(e)) from e
-    from lazyattn_rag import DocumentTooLongError, LazyAttention, LazyAttentionError, PromptTooLongError, SamplingParams
+    from lazyattn_rag import DocumentTooLongError, LazyAttention, LazyAttentionError, PromptTooLongError
 
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
         llm = LazyAttention(cli_opts.engine_config(model, device, backend, anchor, cache_dir))
+        params = cli_opts.with_overrides(llm.default_sampling, overrides)
         ids = []
         for doc_id, text in documents:
             try:

@@ -31,6 +31,9 @@ def chat(
     docs: Optional[Path] = typer.Option(None, "--docs", metavar="PATH", help=DOCS_HELP),
     top_k: int = typer.Option(3, "--top-k", min=1, help="Chunks retrieved per question."),
     max_tokens: int = typer.Option(128, min=1, help="Most tokens per answer."),
+    temperature: Optional[float] = cli_opts.TEMPERATURE,
+    top_p: Optional[float] = cli_opts.TOP_P,
+    repetition_penalty: Optional[float] = cli_opts.REPETITION_PENALTY,
     index_dir: Optional[Path] = typer.Option(None, help="Where the FAISS index is kept "
                                              "(default: under the cache dir)."),
     rebuild: bool = typer.Option(False, "--rebuild", metavar=cli_opts.FLAG,
@@ -51,14 +54,14 @@ def chat(
     """
     try:
         from lazyattn_rag.integrations.chatbot import DEMO_QUESTIONS, ChatOptions, follow_up_question, run_chat
-        from lazyattn_rag.sampling import SamplingParams
 
         questions = [q for q0 in question for q in ((q0, follow_up_question(q0)) if follow_up else (q0,))]
         questions += DEMO_QUESTIONS if demo else ()
         engine = cli_opts.engine_config(model, device, backend, anchor, cache_dir)
         options = ChatOptions(questions=tuple(questions), docs=docs, top_k=top_k, index_dir=index_dir,
-                              rebuild=rebuild, sampling=SamplingParams(max_tokens=max_tokens, stop=("\n\n",)),
-                              engine=engine)
+                              rebuild=rebuild, engine=engine,
+                              sampling_overrides=cli_opts.sampling_overrides(temperature, top_p, repetition_penalty,
+                                                                             max_tokens=max_tokens))
         run_chat(options)
     except ModuleNotFoundError as e:
         typer.echo(f"error: {e}. The chatbot needs the integration extras: pip install 'lazyattn-rag[all]'", err=True)

@@ -49,3 +49,34 @@ def engine_config(model: Optional[str], device: str, backend: str, anchor: str,
     """The :class:`EngineConfig` the shared options describe."""
     return EngineConfig(model=model, device=device, attention_backend=backend, cache_dir=cache_dir,
                         cache=CacheConfig(anchor=anchor))
+
+
+TEMPERATURE = typer.Option(None, help="Sampling temperature, 0 for greedy (default: the model's recommended, from "
+                                      "its generation config; SmolLM2: 0.2).")
+TOP_P = typer.Option(None, "--top-p", help="Nucleus sampling mass in (0, 1] (default: the model's).")
+REPETITION_PENALTY = typer.Option(None, "--repetition-penalty",
+                                  help="> 1 discourages repeating tokens (default: the model's, usually 1).")
+
+
+def sampling_overrides(temperature: Optional[float], top_p: Optional[float], repetition_penalty: Optional[float],
+                       **fixed) -> dict:
+    """The sampling fields the user set on the command line, plus ``fixed`` ones (e.g. ``max_tokens``);
+    the rest stay the model's recommended ones.
+
+    Raises:
+        ValueError: a value out of range (checked now, before any model loads).
+    """
+    from lazyattn_rag.sampling import SamplingParams
+
+    overrides = {k: v for k, v in (("temperature", temperature), ("top_p", top_p),
+                                   ("repetition_penalty", repetition_penalty)) if v is not None}
+    overrides.update(fixed)
+    SamplingParams(**overrides)  # validates
+    return overrides
+
+
+def with_overrides(default, overrides: dict):
+    """``default`` (a :class:`SamplingParams`, the model's) with the user's ``overrides``."""
+    import dataclasses
+
+    return dataclasses.replace(default, **overrides)
