@@ -63,6 +63,7 @@ class EngineCounters:
     num_doc_hits: int = 0
     num_output_tokens: int = 0
     num_steps: int = 0
+    first_request_ttft_ms: float | None = None  # of the first request that produced a token
 
 
 class LLMEngine:
@@ -138,7 +139,8 @@ class LLMEngine:
         if max_model_len <= fits:
             return max_model_len
         advice = ("give the cache more memory (CacheConfig.kv_cache_bytes or num_blocks) or lower "
-                  f"max_model_len to at most {fits}")
+                  f"max_model_len to at most {fits}" if fits >= 2 else
+                  "it holds no request at all: give the cache more memory (CacheConfig.kv_cache_bytes or num_blocks)")
         if fits < 2 or self.config.max_model_len is not None:
             raise CacheCapacityError(
                 f"max_model_len={max_model_len} needs {-(-max_model_len // bs) + 1} KV blocks for one request but "
@@ -199,13 +201,31 @@ class LLMEngine:
         if not isinstance(text, str) or not text.strip():
             raise EmptyInputError(f"document {doc_id!r} is empty or not a string")
         ids = tuple(self.template.document_token_ids(text))
+        if not ids:
+            raise EmptyInputError(f"document {doc_id!r} has no tokens (its text tokenizes to nothing)")
         budget = self.max_model_len - len(self.head_ids) - self.min_tail_tokens - 1
         if len(ids) > budget or len(self.anchor_ids) + len(ids) > self.max_model_len:
             raise DocumentTooLongError(
                 f"document {doc_id!r} has {len(ids)} tokens; with the {len(self.head_ids)}-token prompt head and "
                 f"a question, at most {budget} fit the context limit of {self.max_model_len} tokens"
             )
+        self._check_document_blocks(doc_id, len(ids))
         return _Document(text, ids, chunk_key(self.model_digest, self.anchor_fp, list(ids)))
+
+    def _check_document_blocks(self, doc_id: str, num_tokens: int) -> None:
+        """A document must fit the KV cache in one request with the head and the shortest question
+        (a chunk starts a block of its own, so tokens under the context limit are not enough).
+
+        Raises:
+            DocumentTooLongError: naming the blocks needed and the cache's.
+        """
+        blocks = self.scheduler.blocks_for
+        head = 0 if self.head_key == self.anchor_key else blocks(len(self.head_ids))
+        need = head + blocks(num_tokens) + blocks(self.min_tail_tokens + 1)
+        if need > self.scheduler.num_usable_blocks:
+            raise DocumentTooLongError(
+                f"document {doc_id!r} has {num_tokens} tokens; with the prompt head and a question one request "
+                f"needs {need} KV blocks, but the cache has {self.scheduler.describe_capacity()}")
 
     def remove_document(self, doc_id: str) -> None:
         """Forget a document and drop its cached K/V once no running request reads it.
@@ -582,6 +602,8 @@ class LLMEngine:
         if r.first_token_time is None:
             r.first_token_time = now
             r.stats.ttft_ms = (now - r.arrival_time) * 1e3
+            if self.counters.first_request_ttft_ms is None:
+                self.counters.first_request_ttft_ms = r.stats.ttft_ms
         if token in r.stop_token_ids:
             self._finish(r, "stop")
             return
@@ -663,7 +685,8 @@ class LLMEngine:
 
     # --- introspection --------------------------------------------------------------------
     def stats(self) -> dict:
-        """Engine-wide stats: hit ratios (tokens, documents), blocks, evictions, preemptions, queues."""
+        """Engine-wide stats: hit ratios (tokens, documents), blocks, evictions, preemptions, queues,
+        and ``first_request_ttft_ms`` (the first request to produce a token; ``None`` before)."""
         c, cache, pool = self.counters, self.cache, self.cache.pool
         cached_blocks = cache.num_cached_blocks
         return {
@@ -687,4 +710,5 @@ class LLMEngine:
             "num_evictions": cache.num_evictions,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": c.num_steps,
+            "first_request_ttft_ms": c.first_request_ttft_ms,
         }

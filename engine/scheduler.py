@@ -209,7 +209,7 @@ class Scheduler:
         segments, tail, generated) written: its chunks' (each starts a block; the anchor's are
         not counted) plus its private blocks."""
         chunks = {c.key: c for c in request.plan.chunks if c.key != self.anchor_key}
-        return (sum(self._blocks_for(len(c.token_ids)) for c in chunks.values())
+        return (sum(self.blocks_for(len(c.token_ids)) for c in chunks.values())
                 + request.num_private_blocks(num_private_tokens, self.block_size))
 
     # --- one step ---------------------------------------------------------------------------
@@ -244,7 +244,7 @@ class Scheduler:
                 self.encoding.remove(task)
         return budget
 
-    def _blocks_for(self, num_tokens: int) -> int:
+    def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -334,7 +334,7 @@ class Scheduler:
                                                segment.global_start - entry.local_start, self.block_size)
             else:
                 run = next(text_runs)
-                blocks = request.private_blocks[run.first_block: run.first_block + self._blocks_for(run.length)]
+                blocks = request.private_blocks[run.first_block: run.first_block + self.blocks_for(run.length)]
                 entries += block_table_entries(blocks, run.length, 0, self.block_size)
         for key in request.plan.prefix_block_keys[: request.num_prefix_tokens // self.block_size]:
             entries.append((self.cache.held(key).block_ids[0], 0, self.block_size))
@@ -365,7 +365,8 @@ class Scheduler:
     def _acquire(self, request: Request, out: SchedulerOutput, budget: int) -> str:
         """Pin hits and schedule encodes of misses: ``"ok"``, ``"wait"`` (no room now) or ``"failed"``."""
         chunks = {c.key: c for c in request.plan.chunks}  # unique, in prompt order
-        total_blocks = self.num_blocks_needed(request, len(request.private_token_ids) + 1)
+        num_private = 0 if request.warm_only else len(request.private_token_ids) + 1  # + the next token
+        total_blocks = self.num_blocks_needed(request, num_private)
         if total_blocks > self.num_usable_blocks:  # the engine's admission check makes this rare
             out.failed.append((request, CacheCapacityError(
                 f"request needs {total_blocks} KV blocks ({request.plan.num_prompt_tokens} prompt tokens) but "
@@ -391,7 +392,7 @@ class Scheduler:
         # full mode), whose blocks are taken now: a request admitted without them would only be
         # preempted again at once, or take them from running requests and throw their work away.
         num_private = request.num_private_blocks(request.num_tokens_to_compute, self.block_size)
-        need = sum(self._blocks_for(len(c.token_ids)) for c in misses) + num_private
+        need = sum(self.blocks_for(len(c.token_ids)) for c in misses) + num_private
         if sources and not self.cache.can_allocate(need):  # room only by evicting the sources: encode instead
             for src in sources.values():
                 self.cache.unpin(src.key)
@@ -435,6 +436,7 @@ class Scheduler:
         for chunk in misses:
             ready = self.cache.ready_copies(chunk.source_key) if chunk.source_key else []
             if ready:
+                ready[0].check_tokens(chunk.token_ids)  # a copy must hold the tokens it is copied for
                 sources[chunk.key] = ready[0]
         return sources
 
@@ -448,7 +450,7 @@ class Scheduler:
         """
         copied = set()
         for chunk in misses:
-            blocks = self.cache.allocate(self._blocks_for(len(chunk.token_ids)))
+            blocks = self.cache.allocate(self.blocks_for(len(chunk.token_ids)))
             try:
                 self.cache.insert_pending(chunk.key, blocks, len(chunk.token_ids), chunk.local_start,
                                           chunk.source_key, document=chunk.doc_id is not None,

@@ -24,6 +24,7 @@ from lazyattn_rag.config import PromptConfig
 from lazyattn_rag.messages import DocumentRef, Message
 
 _SENTINEL = "\u2063LAZYATTN_CONTENT\u2063"
+_SYSTEM_SENTINEL = "\u2063LAZYATTN_SYSTEM\u2063"
 
 
 @dataclass(frozen=True)
@@ -157,21 +158,29 @@ class PromptTemplate:
         self.tokenizer = tokenizer
         self.config = config
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
-        self.opening, self.closing = self._split_template()
         self._special = _special_tokens(tokenizer)
+        self._special_ids = {tokenizer.convert_tokens_to_ids(t) for t in self._special}
+        self.opening_runs, self.closing = self._split_template()
+        self.opening = "".join(text for text, _ in self.opening_runs)
 
-    def _split_template(self) -> tuple[str, str]:
+    def _split_template(self) -> tuple[tuple[tuple[str, bool], ...], str]:
+        """The template's opening as runs (the configured system prompt literal, the rest
+        markup) and its closing (markup), around the user content."""
         if not self.has_chat_template:
-            return "", "\nAnswer:"
-        messages = []
-        if self.config.system_prompt is not None:
-            messages.append({"role": "system", "content": self.config.system_prompt})
+            return (), "\nAnswer:"
+        system = self.config.system_prompt
+        messages = [] if system is None else [{"role": "system", "content": _SYSTEM_SENTINEL}]
         messages.append({"role": "user", "content": _SENTINEL})
         rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if rendered.count(_SENTINEL) != 1:
             raise ValueError("the chat template does not render the user content exactly once")
         opening, closing = rendered.split(_SENTINEL)
-        return opening, closing
+        if system is None:
+            return _nonempty([(opening, True)]), closing
+        if opening.count(_SYSTEM_SENTINEL) != 1:
+            raise ValueError("the chat template does not render the system prompt exactly once")
+        before, after = opening.split(_SYSTEM_SENTINEL)
+        return _nonempty([(before, True), (system, False), (after, True)]), closing
 
     # --- tokenizing ------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -184,10 +193,12 @@ class PromptTemplate:
         """Token ids of ``(text, is_markup)`` runs, as the tokenizer would give for their joined
         text with special tokens recognized inside markup runs only.
 
-        The joined text is split at the special tokens found in markup (their ``lstrip`` /
-        ``rstrip`` whitespace rules applied, as the tokenizer does), and each piece between them
-        is tokenized literally; so markup followed by user text tokenizes as one string would,
-        except that user text can never produce a special-token id.
+        The joined text is tokenized whole, special tokens parsed (exactly what the tokenizer
+        gives for the rendered template), and kept if every special token in it lies inside a
+        markup run. Otherwise (user text that spells a special token, or a slow tokenizer
+        without offsets) the joined text is split at the special tokens found in markup (their
+        ``lstrip`` / ``rstrip`` whitespace rules applied) and each piece between them is
+        tokenized literally, so user text never produces a special-token id.
         """
         text = "".join(t for t, _ in runs)
         markup, pos = [], 0  # character spans of the markup runs in ``text``
@@ -195,6 +206,9 @@ class PromptTemplate:
             if is_markup:
                 markup.append((pos, pos + len(run)))
             pos += len(run)
+        joint = self._joint_ids(text, markup)
+        if joint is not None:
+            return joint
         ids: list[int] = []
         cursor = 0
         for match in self._special_matches(text, markup):
@@ -206,6 +220,24 @@ class PromptTemplate:
             if token.rstrip:
                 cursor += len(text[cursor:]) - len(text[cursor:].lstrip())
         return ids + self.encode(text[cursor:])
+
+    def _joint_ids(self, text: str, markup: list[tuple[int, int]]) -> list[int] | None:
+        """The tokenizer's ids for ``text`` with special tokens parsed, if each special token
+        comes from within a markup span; ``None`` if one does not (or offsets are unavailable)."""
+        if not text:
+            return []
+        try:
+            encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except (NotImplementedError, ValueError, TypeError):  # slow tokenizers have no offsets
+            return None
+        for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
+            if token not in self._special_ids:
+                continue
+            piece = text[start:end]  # without the whitespace an lstrip/rstrip token absorbs
+            start, end = start + len(piece) - len(piece.lstrip()), end - len(piece) + len(piece.rstrip())
+            if not any(a <= start and end <= b for a, b in markup):
+                return None
+        return list(encoded["input_ids"])
 
     def _special_matches(self, text: str, markup: list[tuple[int, int]]) -> list[re.Match]:
         if not self._special or not markup:
@@ -243,9 +275,9 @@ class PromptTemplate:
 
     def head_token_ids(self) -> list[int]:
         """BOS (where the tokenizer adds one and no template writes it), the template's opening
-        (markup), then the instruction (literal)."""
+        (markup, with the configured system prompt literal), then the instruction (literal)."""
         return self.leading_special_ids() + self.encode_runs(
-            _nonempty([(self.opening, True), (self.config.instruction, False)]))
+            _nonempty([*self.opening_runs, (self.config.instruction, False)]))
 
     def document_token_ids(self, text: str) -> list[int]:
         """A document's chunk: its text and the separator, literal."""

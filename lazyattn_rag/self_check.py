@@ -30,6 +30,7 @@ never cached: it raises :class:`~lazyattn_rag.errors.SelfCheckError` naming what
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -63,25 +64,41 @@ _REUSE_MODES = ("lazy", "block_attention")
 def check_engine(engine, hf_config: Any, config: EngineConfig, model_dir: Path | None = None):
     """Self-check a freshly built engine; returns it unchanged when the check passes.
 
+    See :func:`run_self_check` (which also says which parts ran).
+    """
+    run_self_check(engine, hf_config, config, model_dir)
+    return engine
+
+
+def run_self_check(engine, hf_config: Any, config: EngineConfig, model_dir: Path | None = None) -> str:
+    """Self-check a freshly built engine.
+
     Args:
         engine: the :class:`~lazyattn_rag.engine.engine.LLMEngine` just built (model on its device).
         hf_config: the model's transformers config; ``None`` skips the check (nothing to compare with).
         config: the engine configuration (``self_check``, ``cache_dir``, cache mode).
         model_dir: the model's directory: enables the logits part and the cached verdict. Without
             it (``LazyAttention.from_model``) only the rotary part runs, every time.
+    Returns:
+        What ran: ``"off"`` (``EngineConfig.self_check=False`` or no config), ``"rotary"`` (no
+        directory: the rotary part), ``"cached"`` (a cached passing verdict, nothing ran) or
+        ``"ran"`` (both parts ran now and the verdict was cached: the first start of a model).
     Raises:
         SelfCheckError: our positions differ from transformers' (the message says where and by
             how much, and how to proceed).
     """
     if not config.self_check or hf_config is None:
-        return engine
+        return "off"
     if model_dir is None:
         report = {"rotary": check_rotary(engine.runner.model.rotary, hf_config)}
         _raise_on_failure(report, hf_config, engine, config)
-        return engine
+        return "rotary"
     path = verdict_path(engine, config)
     if read_verdict(path) is not None:
-        return engine
+        return "cached"
+    # Shown (the CLI configures no logging: warnings reach stderr) because it makes this start slower.
+    logger.warning("first start of this model: checking its positions against transformers once "
+                   "(a few seconds on a CPU; later starts read the verdict from %s)", path.parent)
     start = time.perf_counter()
     report: dict[str, Any] = {"rotary": check_rotary(engine.runner.model.rotary, hf_config)}
     report["rotary"]["seconds"] = round(time.perf_counter() - start, 4)
@@ -91,7 +108,7 @@ def check_engine(engine, hf_config: Any, config: EngineConfig, model_dir: Path |
     _raise_on_failure(report, hf_config, engine, config)
     write_verdict(path, verdict_key(engine, config), report)
     logger.info("self-check passed in %.2f s (verdict cached in %s)", report["seconds"], path)
-    return engine
+    return "ran"
 
 
 # --- verdict cache ---------------------------------------------------------------------------
@@ -129,12 +146,20 @@ def read_verdict(path: Path) -> dict | None:
 
 
 def write_verdict(path: Path, key: dict, report: dict) -> None:
-    """Write a passing verdict atomically (a temporary file renamed over the target)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write a passing verdict atomically (a temporary file renamed over the target). A cache dir
+    that cannot hold it (read-only, or a file where a folder should be) costs only the cache:
+    the check runs again next time, and a warning says why."""
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"passed": True, "key": key, "report": report,
-                               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"passed": True, "key": key, "report": report,
+                                   "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))
+        tmp.replace(path)
+    except OSError as error:
+        logger.warning("the self-check passed but its verdict cannot be saved in %s (%s); it will run again "
+                       "at the next start", path.parent, error)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 # --- rotary ----------------------------------------------------------------------------------

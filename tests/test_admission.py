@@ -65,3 +65,43 @@ def test_a_request_that_can_never_fit_is_refused_at_submission_and_others_go_on(
         llm.engine.cache.check_integrity()
     finally:
         llm.shutdown()
+
+
+def test_a_document_that_can_never_fit_the_blocks_is_refused_at_registration(model):
+    """4 blocks of 16: the head (1 block), a 40-token document (3) and the tail (1) need 5, though
+    the document is under the 48-token context limit; a 32-token one fits, warm included."""
+    from lazyattn_rag.errors import DocumentTooLongError
+
+    llm = _llm(model, 4)
+    try:
+        assert llm.max_model_len == 48
+        with pytest.raises(DocumentTooLongError, match=r"'d' has 40 tokens; .* needs 5 KV blocks, but the cache has "
+                                                       r"4 blocks of 16 tokens"):
+            llm.add_document("d", words(40))
+        llm.add_document("e", words(32))
+        assert llm.warm(["e"]) == ["e"]
+        out = llm.generate(words(2, 100), ["e"], sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+        assert out.stats.docs_hit == ["e"] and len(out.token_ids) == 2
+    finally:
+        llm.shutdown()
+
+
+def test_a_document_that_tokenizes_to_nothing_is_refused(model):
+    from tokenizers import normalizers
+
+    from lazyattn_rag.errors import EmptyInputError
+
+    tokenizer = word_tokenizer()
+    tokenizer.backend_tokenizer.normalizer = normalizers.Replace("x", "")  # "xxx" tokenizes to nothing
+    llm = LazyAttention.from_model(model, tokenizer, EngineConfig(device="cpu", dtype="float32",
+                                                                  attention_backend="torch", prompt=PROMPT))
+    try:
+        with pytest.raises(EmptyInputError, match="'d' has no tokens"):
+            llm.add_document("d", "xxx")
+    finally:
+        llm.shutdown()
+
+
+def test_a_cache_that_holds_no_request_says_so(model):
+    with pytest.raises(CacheCapacityError, match="it holds no request at all: give the cache more memory"):
+        _llm(model, 2, anchor="bos")

@@ -58,3 +58,31 @@ def test_a_forced_prefix_block_collision_is_refused():
         llm.engine.cache.check_integrity()
     finally:
         llm.shutdown()
+
+
+def test_a_collision_on_the_copy_path_is_refused():
+    """block_attention mode copies a document's K/V from its copy at another offset: the copy's
+    tokens are compared too (a forged source key used to serve, and store, the other document)."""
+    from lazyattn_rag import LazyAttention
+    from lazyattn_rag.fingerprint import chunk_key
+
+    base = tiny_engine(num_blocks=64)
+    config = dataclasses.replace(base.config, cache=CacheConfig(num_blocks=64, block_size=16, mode="block_attention"))
+    model, tokenizer = base.engine.runner.model, base.engine.tokenizer
+    base.shutdown()
+    llm = LazyAttention.from_model(model, tokenizer, config)
+    try:
+        llm.add_document("a", words(20))
+        llm.add_document("b", words(20, 50))
+        llm.add_document("pad", words(7, 100))
+        llm.generate(words(3, 120), ["a"], sampling=GREEDY)  # a's copy at the head's end
+        a_source = llm.plan(words(3, 120), ["a"]).chunks[-1].source_key
+        plan = llm.plan(words(3, 120), ["pad", "b"])
+        b = plan.chunks[-1]
+        forged_b = dataclasses.replace(b, source_key=a_source, key=chunk_key(a_source, f"at:{b.global_start}", []))
+        with pytest.raises(ChunkKeyCollisionError):
+            _run(llm, dataclasses.replace(plan, chunks=(*plan.chunks[:-1], forged_b)))
+        assert llm.loop.call(lambda: llm.engine.cache.lookup(forged_b.key, touch=False)) is None  # nothing stored
+        llm.loop.call(llm.engine.cache.check_integrity)
+    finally:
+        llm.shutdown()

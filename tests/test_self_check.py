@@ -245,3 +245,17 @@ def test_reuse_off_probes_a_plain_prompt(model_dir, tmp_path, monkeypatch):
     logits = json.loads(_verdicts(tmp_path)[0].read_text())["report"]["logits"]
     assert logits["chunks"] == [] and logits["offset_sensitivity"] is None
     assert logits["max_abs_diff"] <= 1e-5
+
+
+def test_a_verdict_that_cannot_be_saved_costs_only_the_cache(model_dir, tmp_path, caplog):
+    """A file where the verdict folder should be: the model starts (the check passed), with a
+    warning, and checks again next time."""
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "self_check").write_text("not a folder")
+    with caplog.at_level("WARNING", logger="lazyattn_rag.self_check"):
+        llm = LazyAttention(_config(model_dir, tmp_path))
+    try:
+        assert len(llm.generate(words(3), sampling=SamplingParams(max_tokens=2, ignore_eos=True)).token_ids) == 2
+    finally:
+        llm.shutdown()
+    assert "verdict cannot be saved" in caplog.text and "will run again" in caplog.text
