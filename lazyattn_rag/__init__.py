@@ -16,7 +16,6 @@ from lazyattn_rag.errors import (
 )
 from lazyattn_rag.messages import DocumentRef, Message
 from lazyattn_rag.outputs import Completion, RequestStats, StreamDelta
-from lazyattn_rag.sampling import SamplingParams
 
 __version__ = "0.1.0"
 
@@ -27,7 +26,11 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # keeps `import lazyattn_rag` light (no model code until used)
+def __getattr__(name: str):  # keeps `import lazyattn_rag` light: no torch (~1-2 s) until used
+    if name == "SamplingParams":
+        from lazyattn_rag.sampling import SamplingParams
+
+        return SamplingParams
     if name == "LazyAttention":
         from lazyattn_rag.llm import LazyAttention
 

@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from lazyattn_rag import cli_options as cli_opts
+from lazyattn_rag import cli_runtime  # noqa: F401  (process settings, set before torch loads)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, cls=cli_opts.Group,
                   help="Retrieval-augmented generation with position-agnostic KV reuse (LazyAttention).")

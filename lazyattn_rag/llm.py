@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -29,7 +32,7 @@ from lazyattn_rag.kernels.rope import RotaryEmbedding
 from lazyattn_rag.messages import Message, as_message
 from lazyattn_rag.outputs import Completion, StreamDelta
 from lazyattn_rag.sampling import SamplingParams
-from lazyattn_rag.self_check import check_engine
+from lazyattn_rag.self_check import run_self_check
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,6 +59,43 @@ def _resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+@contextlib.contextmanager
+def _collect_once():
+    """Pause the cyclic garbage collector while an engine builds, then collect once.
+
+    Building imports transformers' config and tokenizer modules and loads the model: ~140k new
+    long-lived objects, for which CPython runs about four full collections of the whole heap
+    (~0.1 s each on 2 cores, 0.4 s of a CLI start). One collection at the end frees the same
+    garbage and leaves the next full collection ~75k allocations away, not in the first request.
+    The collector's state is restored (it stays off if it was off).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+            gc.collect()
+
+
+class _Stopwatch:
+    """Milliseconds of the named parts of an engine's start-up, lap by lap."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.parts: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.parts[name] = round((now - self.last) * 1e3, 1)
+        self.last = now
+
+    def summary(self, self_check: str) -> dict:
+        return {"startup_ms": round((time.perf_counter() - self.start) * 1e3, 1),
+                "startup_parts_ms": dict(self.parts), "self_check": self_check}
 
 
 class LazyAttention:
@@ -89,7 +129,7 @@ class LazyAttention:
     def __init__(self, config: EngineConfig | None = None):
         config = config or EngineConfig()
 
-        def build() -> LLMEngine:  # on the engine thread: every torch op of the engine runs there
+        def load(clock: _Stopwatch) -> tuple[LLMEngine, str]:
             from transformers import AutoConfig, AutoTokenizer
 
             from lazyattn_rag.model_loading import (
@@ -99,16 +139,37 @@ class LazyAttention:
                 resolve_model,
             )
 
+            clock.lap("import_transformers")  # its top level; the config and tokenizer modules load below
             source = resolve_model(config.model, config.resolved_cache_dir())
+            clock.lap("resolve_model")
             if config.generation_config == "auto":
                 self.default_sampling = SamplingParams(**generation_defaults(source.path))
             hf_config = AutoConfig.from_pretrained(str(source.path), local_files_only=True)
             tokenizer = AutoTokenizer.from_pretrained(str(source.path), local_files_only=True)
-            model = CausalLM(ModelArchConfig.from_hf_config(hf_config), RotaryEmbedding.from_hf_config(hf_config))
-            model.load_hf_state_dict(load_state_dict(source.path))
+            clock.lap("config_tokenizer")  # mostly importing transformers' config and tokenizer modules
+            model = CausalLM.from_hf_state_dict(ModelArchConfig.from_hf_config(hf_config),
+                                                RotaryEmbedding.from_hf_config(hf_config), load_state_dict(source.path))
+            clock.lap("weights")
             eos = declared_eos_token_ids(source.path)
-            engine = self._build(model, tokenizer, config, source.weights_sha256, source.name, eos, hf_config)
-            return check_engine(engine, hf_config, config, source.path)  # refuses a model with wrong positions
+            engine = self._build(model, tokenizer, config, source.weights_sha256, source.name, eos, hf_config, clock)
+            check = run_self_check(engine, hf_config, config, source.path)  # refuses a model with wrong positions
+            clock.lap("self_check")
+            return engine, check
+
+        self._start(load)
+
+    def _start(self, load: Callable[[_Stopwatch], tuple[LLMEngine, str]]) -> None:
+        """Start the engine thread and build the engine on it with ``load`` (every torch op of the
+        engine runs on that thread), timing its parts for :meth:`stats`. ``load`` returns the
+        engine and what its self-check did."""
+        clock = _Stopwatch()
+
+        def build() -> LLMEngine:
+            with _collect_once():
+                engine, check = load(clock)
+            clock.lap("collect_garbage")
+            self._startup = clock.summary(self_check=check)
+            return engine
 
         self.loop = EngineLoop(build)
         self.engine = self.loop.engine
@@ -143,15 +204,23 @@ class LazyAttention:
         """
         self = cls.__new__(cls)
         config = config or EngineConfig()
-        self.loop = EngineLoop(lambda: check_engine(self._build(model, tokenizer, config,
-                                                                weights_sha256 or tensors_sha256(model.state_dict()),
-                                                                name, _config_eos_ids(hf_config), hf_config),
-                                                    hf_config, config))  # rotary part only: no directory
-        self.engine = self.loop.engine
+
+        def load(clock: _Stopwatch) -> tuple[LLMEngine, str]:
+            digest = weights_sha256 or tensors_sha256(model.state_dict())
+            clock.lap("weights_hash")
+            engine = self._build(model, tokenizer, config, digest, name, _config_eos_ids(hf_config), hf_config, clock)
+            check = run_self_check(engine, hf_config, config)  # rotary part only: no directory
+            clock.lap("self_check")
+            return engine, check
+
+        self._start(load)
         return self
 
-    def _build(self, model, tokenizer, config, weights_sha256, name, eos_ids, hf_config) -> LLMEngine:
-        """Move the model to its device and build the engine (runs on the engine thread).
+    def _build(self, model, tokenizer, config, weights_sha256, name, eos_ids, hf_config,
+               clock: _Stopwatch) -> LLMEngine:
+        """Move the model to its device and build the engine (runs on the engine thread); ``clock``
+        times the parts ``kv_cache`` (model moved to its device, KV tensors) and ``engine_init``
+        (fingerprint, prompt template, the anchor's encode: the first forward pass).
 
         CPU note: PyTorch's OpenMP intra-op pool runs small matrix products ~40 % slower on a
         thread once another thread has its own pool (libgomp throttles its spinning when its
@@ -176,14 +245,17 @@ class LazyAttention:
         self.block_bytes = kv_bytes_per_block(model, block_size, self.dtype)
         num_blocks = config.cache.num_blocks or max(1, self._kv_budget() // self.block_bytes)
         runner = ModelRunner(self.model, backend, num_blocks, block_size, self.device, self.dtype)
+        clock.lap("kv_cache")
         if config.cuda_graphs and self.device.type == "cuda" and backend.supports_cuda_graphs:
             runner.enable_cuda_graphs(graph_batch_sizes(config.scheduler.max_num_seqs),
                                       graph_block_table_width(self.max_model_len, block_size))
+            clock.lap("cuda_graphs")
         self.fingerprint = ModelFingerprint(weights_sha256, dtype_name, json.dumps(model.rotary.fingerprint(),
                                             sort_keys=True), _tokenizer_sha256(tokenizer), block_size)
         cache = ChunkCache(BlockPool(num_blocks), block_size, make_policy(config.cache.eviction_policy))
         engine = LLMEngine(runner, cache, tokenizer, self.fingerprint.digest(), config, self.max_model_len, eos_ids)
         self.max_model_len = engine.max_model_len  # lowered to what the KV cache holds, if needed
+        clock.lap("engine_init")
         return engine
 
     def _kv_budget(self) -> int:
@@ -339,8 +411,23 @@ class LazyAttention:
         return self.loop.call(self.engine.plan, question, _ids(doc_ids))
 
     def stats(self) -> dict:
-        """Engine-wide stats (see :meth:`LLMEngine.stats`)."""
-        return self.loop.call(self.engine.stats)
+        """Engine-wide stats (see :meth:`LLMEngine.stats`, which includes ``first_request_ttft_ms``)
+        and the engine's start-up:
+
+        * ``startup_ms``: from the constructor's call to a ready engine;
+        * ``startup_parts_ms``: its parts, in order: ``import_transformers`` (its top level),
+          ``resolve_model`` (find the model, convert the default one on first use),
+          ``config_tokenizer`` (transformers' config and tokenizer, mostly importing their
+          modules), ``weights`` (safetensors to the model),
+          ``kv_cache`` (device move, KV tensors), ``cuda_graphs`` (when captured),
+          ``engine_init`` (prompt template, the anchor's encode: the first forward pass),
+          ``self_check``, ``collect_garbage`` (one collection for the whole build); :meth:`from_model`
+          has ``weights_hash`` instead of the first four;
+        * ``self_check``: ``"ran"`` (the first start of this model and version: both parts ran),
+          ``"cached"`` (its verdict was read), ``"rotary"`` or ``"off"`` (see
+          :func:`~lazyattn_rag.self_check.run_self_check`).
+        """
+        return {**self.loop.call(self.engine.stats), **self._startup}
 
     def shutdown(self) -> None:
         """Stop the engine thread (a shared engine stops being shared)."""

@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from lazyattn_rag.engine.attention.base import AttentionBackend, write_kv
 from lazyattn_rag.engine.attention.metadata import AttentionMetadata
-from lazyattn_rag.kernels.decode import paged_decode
-from lazyattn_rag.kernels.prefill import BlockRuns, block_key_starts, block_runs, paged_prefill, rope_layout
+
+if TYPE_CHECKING:
+    from lazyattn_rag.kernels.prefill import BlockRuns
+
+# The kernels (and triton, ~0.4 s to import) load on first use: the CPU engine imports this module
+# (engine/cuda_graphs.py uses plan_decode_batch) without ever running a kernel.
 
 
 @dataclass
@@ -42,6 +47,8 @@ def _plan(metadata: AttentionMetadata, device: torch.device) -> _TritonPlan:
     cached = metadata.backend_state.get("triton")
     if cached is not None:
         return cached
+    from lazyattn_rag.kernels.prefill import block_key_starts, block_runs
+
     decode = [i for i, q in enumerate(metadata.query_lens) if q == 1]
     prefill = [i for i, q in enumerate(metadata.query_lens) if q > 1]
 
@@ -68,6 +75,8 @@ def plan_decode_batch(metadata: AttentionMetadata, seq_ids: torch.Tensor) -> Non
     so the captured work is the same on every replay; ``seq_ids`` (``[num_seqs]`` int32) is a
     tensor made before capture and ``max_seq_len`` of the metadata sizes the split-KV launch.
     """
+    from lazyattn_rag.kernels.prefill import block_runs
+
     metadata.backend_state["triton"] = _TritonPlan(
         decode_ids=seq_ids,
         prefill_ids=None,
@@ -92,6 +101,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, rotary, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__(rotary, num_heads, num_kv_heads, head_dim, scale)
+        from lazyattn_rag.kernels.prefill import rope_layout
+
         rope_layout(head_dim, rotary.rotary_dim, rotary.interleaved)  # fail early on unsupported shapes
 
     def forward(self, query, key, value, key_cache, value_cache, metadata):
@@ -100,6 +111,9 @@ class TritonAttentionBackend(AttentionBackend):
                 "the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 for tests); "
                 "use the torch backend on the CPU"
             )
+        from lazyattn_rag.kernels.decode import paged_decode
+        from lazyattn_rag.kernels.prefill import paged_prefill
+
         write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
         plan = _plan(metadata, query.device)
         q = query if query.dtype == key_cache.dtype else query.to(key_cache.dtype)
