@@ -130,23 +130,23 @@ class LazyAttention:
         config = config or EngineConfig()
 
         def load(clock: _Stopwatch) -> tuple[LLMEngine, str]:
-            from transformers import AutoConfig, AutoTokenizer
+            import transformers  # noqa: F401  (its top level only, timed on its own)
 
             from lazyattn_rag.model_loading import (
                 declared_eos_token_ids,
                 generation_defaults,
+                load_config_and_tokenizer,
                 load_state_dict,
                 resolve_model,
             )
 
-            clock.lap("import_transformers")  # its top level; the config and tokenizer modules load below
+            clock.lap("import_transformers")
             source = resolve_model(config.model, config.resolved_cache_dir())
             clock.lap("resolve_model")
             if config.generation_config == "auto":
                 self.default_sampling = SamplingParams(**generation_defaults(source.path))
-            hf_config = AutoConfig.from_pretrained(str(source.path), local_files_only=True)
-            tokenizer = AutoTokenizer.from_pretrained(str(source.path), local_files_only=True)
-            clock.lap("config_tokenizer")  # mostly importing transformers' config and tokenizer modules
+            hf_config, tokenizer = load_config_and_tokenizer(source.path, config.resolved_cache_dir())
+            clock.lap("config_tokenizer")
             model = CausalLM.from_hf_state_dict(ModelArchConfig.from_hf_config(hf_config),
                                                 RotaryEmbedding.from_hf_config(hf_config), load_state_dict(source.path))
             clock.lap("weights")
@@ -417,8 +417,9 @@ class LazyAttention:
         * ``startup_ms``: from the constructor's call to a ready engine;
         * ``startup_parts_ms``: its parts, in order: ``import_transformers`` (its top level),
           ``resolve_model`` (find the model, convert the default one on first use),
-          ``config_tokenizer`` (transformers' config and tokenizer, mostly importing their
-          modules), ``weights`` (safetensors to the model),
+          ``config_tokenizer`` (transformers' config and tokenizer: see
+          :func:`~lazyattn_rag.model_loading.load_config_and_tokenizer`), ``weights``
+          (safetensors to the model),
           ``kv_cache`` (device move, KV tensors), ``cuda_graphs`` (when captured),
           ``engine_init`` (prompt template, the anchor's encode: the first forward pass),
           ``self_check``, ``collect_garbage`` (one collection for the whole build); :meth:`from_model`

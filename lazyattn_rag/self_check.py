@@ -96,6 +96,9 @@ def run_self_check(engine, hf_config: Any, config: EngineConfig, model_dir: Path
     path = verdict_path(engine, config)
     if read_verdict(path) is not None:
         return "cached"
+    from lazyattn_rag.model_loading import transformers_config
+
+    hf_config = transformers_config(hf_config)  # the real class: the check builds transformers' rotary from it
     # Shown (the CLI configures no logging: warnings reach stderr) because it makes this start slower.
     logger.warning("first start of this model: checking its positions against transformers once "
                    "(a few seconds on a CPU; later starts read the verdict from %s)", path.parent)
