@@ -2,13 +2,19 @@
 first, before anything loads torch. The library sets nothing of the kind; a program that embeds
 :class:`~lazyattn_rag.LazyAttention` decides these for its own process.
 
-* **OpenMP threads sleep when idle** (``OMP_WAIT_POLICY=PASSIVE``, unless the environment sets
-  it). A forward pass on the CPU is a few hundred short parallel regions with Python work
-  between them. With libgomp's default, each idle pool thread spins for its next region; on a
-  2-core machine that other processes also use, a spinning thread holds the core the engine
-  thread needs, and ``lazyattn ask`` took 20-70 s of wall time (25-40 s of CPU) for a 32-token
-  answer instead of 9 s (6 s of CPU) at a load average of 7-9 (``docs/benchmarks.md``, "Start-up").
-  libgomp reads the variable once, when torch loads it.
+* **OpenMP threads fit the idle cores.** A forward pass on the CPU is a few hundred short
+  parallel regions with Python work between them; libgomp's threads spin while they wait for
+  the next region and for each other. That is fastest on a quiet machine, and ruinous on a busy
+  one: a pool thread that loses its core stalls every region, and the spinning ones take the
+  cores the others need. Decode steps of the default SmolLM2 on 2 cores (``docs/benchmarks.md``,
+  "Start-up"): 41 ms quiet; beside one busy process 215-545 ms with libgomp's defaults, 65-74 ms
+  with one thread. So when other processes are running now (``procs_running`` of
+  ``/proc/stat``, the least of a few samples over ~10 ms: what stays busy, not a blip), the
+  pool gets the cores left (at least one) and waits passively (``OMP_NUM_THREADS``,
+  ``OMP_WAIT_POLICY=PASSIVE``); a quiet machine keeps libgomp's defaults. Either variable set
+  in the environment is left alone, and then nothing is changed. libgomp reads them once, when
+  torch loads it. (The load average would be a minute late: it counts the command's own
+  previous runs.)
 * **No full garbage collection at exit.** The interpreter's final collections walk the ~300k
   objects that torch and transformers leave (0.3-0.6 s on 2 cores); the command is over, so
   the last exit handler freezes them (``gc.freeze``) instead. Not when triton is loaded (CUDA):
@@ -21,8 +27,41 @@ import atexit
 import gc
 import os
 import sys
+import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+def openmp_settings(environ: dict[str, str], cores: int, busy_threads: int) -> dict[str, str]:
+    """The OpenMP variables to set on a machine with ``cores`` usable cores where
+    ``busy_threads`` threads of other processes are running (none when ``environ`` sets
+    either variable, or when nothing else runs)."""
+    if "OMP_NUM_THREADS" in environ or "OMP_WAIT_POLICY" in environ or busy_threads < 1:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, cores - busy_threads)), "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def others_running(samples: int = 5, interval_s: float = 0.002) -> int:
+    """Threads of other processes running or runnable now: the least ``procs_running`` of
+    ``/proc/stat`` over ``samples`` reads, less this thread; 0 where there is no ``/proc``."""
+    counts = []
+    for i in range(samples):
+        try:
+            with open("/proc/stat") as f:
+                counts.append(next(int(line.split()[1]) for line in f if line.startswith("procs_running")))
+        except (OSError, StopIteration, ValueError):
+            return 0
+        if i + 1 < samples:
+            time.sleep(interval_s)
+    return max(0, min(counts) - 1)
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+os.environ.update(openmp_settings(os.environ, _usable_cores(), others_running()))
 
 
 @atexit.register  # registered before the engine's own handler, so it runs after it

@@ -228,3 +228,15 @@ def test_a_changed_or_broken_memo_is_not_used(tmp_path):
     config, _ = load_config_and_tokenizer(path, cache)
     assert not isinstance(config, ResolvedConfig) and config.rms_norm_eps == 1e-5
     assert len(list((cache / "resolved").glob("*.json"))) == 2
+
+
+def test_the_cli_fits_openmp_to_the_idle_cores_unless_told():
+    from lazyattn_rag.cli_runtime import openmp_settings, others_running
+
+    assert openmp_settings({}, 2, 0) == {}  # quiet: libgomp's defaults
+    assert openmp_settings({}, 2, 1) == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert openmp_settings({}, 2, 5) == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert openmp_settings({}, 16, 3) == {"OMP_NUM_THREADS": "13", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert openmp_settings({"OMP_NUM_THREADS": "2"}, 2, 5) == {}  # the user's choice stands
+    assert openmp_settings({"OMP_WAIT_POLICY": "ACTIVE"}, 2, 5) == {}
+    assert others_running() >= 0
