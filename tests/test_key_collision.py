@@ -15,6 +15,17 @@ from tests.tiny import words
 GREEDY = SamplingParams(max_tokens=3, ignore_eos=True)
 
 
+def _tiny_in_mode(mode: str):
+    """The kit's tiny engine in another ``CacheConfig.mode`` (the same model and tokenizer)."""
+    from lazyattn_rag import LazyAttention
+
+    base = tiny_engine(num_blocks=64)
+    config = dataclasses.replace(base.config, cache=CacheConfig(num_blocks=64, block_size=16, mode=mode))
+    model, tokenizer = base.engine.runner.model, base.engine.tokenizer
+    base.shutdown()
+    return LazyAttention.from_model(model, tokenizer, config)
+
+
 def _run(llm, plan):
     return list(llm._submit(lambda sink: llm.engine.submit(plan, GREEDY, sink)))
 
@@ -39,13 +50,7 @@ def test_a_forced_document_key_collision_fails_the_request_not_the_cache():
 
 
 def test_a_forced_prefix_block_collision_is_refused():
-    base = tiny_engine(num_blocks=64)
-    config = dataclasses.replace(base.config, cache=CacheConfig(num_blocks=64, block_size=16, mode="prefix"))
-    model, tokenizer = base.engine.runner.model, base.engine.tokenizer
-    base.shutdown()
-    from lazyattn_rag import LazyAttention
-
-    llm = LazyAttention.from_model(model, tokenizer, config)
+    llm = _tiny_in_mode("prefix")
     try:
         llm.add_document("a", words(40))
         llm.generate(words(3, 120), ["a"], sampling=GREEDY)
@@ -63,14 +68,9 @@ def test_a_forced_prefix_block_collision_is_refused():
 def test_a_collision_on_the_copy_path_is_refused():
     """block_attention mode copies a document's K/V from its copy at another offset: the copy's
     tokens are compared too (a forged source key used to serve, and store, the other document)."""
-    from lazyattn_rag import LazyAttention
     from lazyattn_rag.fingerprint import chunk_key
 
-    base = tiny_engine(num_blocks=64)
-    config = dataclasses.replace(base.config, cache=CacheConfig(num_blocks=64, block_size=16, mode="block_attention"))
-    model, tokenizer = base.engine.runner.model, base.engine.tokenizer
-    base.shutdown()
-    llm = LazyAttention.from_model(model, tokenizer, config)
+    llm = _tiny_in_mode("block_attention")
     try:
         llm.add_document("a", words(20))
         llm.add_document("b", words(20, 50))
