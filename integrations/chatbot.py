@@ -246,7 +246,8 @@ def run_chat(options: ChatOptions, out: TextIO | None = None, log: TextIO | None
 
     sources = folder_sources(options.docs, on_skip=skip) if options.docs is not None else pydoc_sources()
     if skipped:
-        print(f"warning: {_plural(len(skipped), 'file')} skipped (not UTF-8 text); to include them, convert them "
+        them = "it" if len(skipped) == 1 else "them"
+        print(f"warning: {_plural(len(skipped), 'file')} skipped (not UTF-8 text); to include {them}, convert {them} "
               "to UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE > NEW_FILE)", file=log)
     name = str(options.docs) if options.docs is not None else "Python's language reference (pydoc_data.topics)"
     print(f"Corpus: {name}, {_plural(len(sources), 'text')}", file=log)
@@ -279,6 +280,8 @@ def run_chat(options: ChatOptions, out: TextIO | None = None, log: TextIO | None
             return results
         question = line.strip()
         if not line or question.lower() in ("exit", "quit"):
+            if not line:  # end of input: end the prompt's line
+                print(file=out)
             return results
         if not question:
             continue

@@ -244,7 +244,7 @@ def test_chat_docs_skips_a_non_utf8_file_with_a_warning_and_a_count(tmp_path, no
     assert no_model == ["embedding model"]
     out = result.output
     assert f"warning: skipped {tmp_path / 'old.txt'}: not UTF-8 text (byte 0xe9 at offset 3)" in out
-    assert "warning: 1 file skipped (not UTF-8 text); to include them, convert them to UTF-8" in out
+    assert "warning: 1 file skipped (not UTF-8 text); to include it, convert it to UTF-8" in out
     assert f"Corpus: {tmp_path}, 1 text\n" in out
 
 
