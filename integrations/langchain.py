@@ -204,9 +204,10 @@ class ChatLazyAttention(BaseChatModel, WrapperSettings):
         return params
 
     def get_token_ids(self, text: str) -> list[int]:
-        """Token ids of ``text`` under the engine's own tokenizer, as the engine tokenizes user text
-        (literal: no special tokens added, none parsed from the text)."""
-        return list(self.engine.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        """Token ids of ``text`` under the engine's own tokenizer (no special tokens added). The
+        shared tokenizer is only read here: turning its special-token parsing off would write to
+        it while the engine thread uses it."""
+        return list(self.engine.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Runnable:
         raise NotImplementedError("ChatLazyAttention does not support tool calling: it answers from documents "

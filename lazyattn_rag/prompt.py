@@ -15,6 +15,7 @@ re-tokenized, so a boundary tokenizes the same way on a cache hit as on a miss.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -156,6 +157,10 @@ class PromptTemplate:
 
     def __init__(self, tokenizer: Any, config: PromptConfig):
         self.tokenizer = tokenizer
+        # Literal tokenization flips the Rust tokenizer's ``encode_special_tokens`` flag, a write
+        # that races with any other thread using the same tokenizer ("Already borrowed"): it gets
+        # a private copy whose flag stays on, and the shared tokenizer's stays off.
+        self._literal_tokenizer = copy.deepcopy(tokenizer)
         self.config = config
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self._special = _special_tokens(tokenizer)
@@ -187,7 +192,7 @@ class PromptTemplate:
         """Token ids of literal ``text``: no special tokens added, none parsed from the text."""
         if not text:
             return []
-        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        return list(self._literal_tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
     def encode_runs(self, runs: Sequence[tuple[str, bool]]) -> list[int]:
         """Token ids of ``(text, is_markup)`` runs, as the tokenizer would give for their joined

@@ -189,3 +189,41 @@ def test_a_configured_system_prompt_is_literal(smollm2_dir):
     reference = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "x"}],
                                         tokenize=False, add_generation_prompt=True).split("x<|im_end|>")[0]
     assert plain.head_token_ids() == tok(reference + PromptConfig().instruction, add_special_tokens=False)["input_ids"]
+
+
+def test_literal_tokenization_never_writes_to_the_shared_tokenizer():
+    """Turning special-token parsing off flips a flag inside the Rust tokenizer; done on the
+    tokenizer other threads share, a concurrent call fails with "Already borrowed" (seen in CI).
+    The template keeps a private copy for literal text, so the shared one is only read."""
+    import threading
+
+    from lazyattn_rag.config import PromptConfig
+    from lazyattn_rag.prompt import PromptTemplate
+
+    tok = word_tokenizer()
+    template = PromptTemplate(tok, PromptConfig())
+    template.encode(words(3))
+    assert tok._tokenizer.encode_special_tokens is False  # the shared tokenizer was not written to
+    errors = []
+
+    def literal():
+        try:
+            for _ in range(300):
+                template.encode(words(30))
+        except Exception as error:  # noqa: BLE001 - collected and asserted below
+            errors.append(error)
+
+    def shared():
+        try:
+            for _ in range(300):
+                tok(words(30), add_special_tokens=False)
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=f) for f in (literal, shared, literal, shared)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert tok._tokenizer.encode_special_tokens is False  # never flipped on the shared tokenizer
