@@ -19,13 +19,13 @@ Each run is a fresh process, as a user's command is. Kinds of run (``--runs`` of
   self-check against transformers and the memo of transformers' config and tokenizer.
 
 Results go into ``benchmarks/results/startup_cpu.json`` under ``--label`` (``after`` by
-default): per-run records and medians. ``--source DIR`` runs another checkout's code (its
-``lazyattn_rag`` package first on ``PYTHONPATH``), e.g. the commit before a change:
+default): per-run records and medians. ``--baseline DIR`` also runs another checkout's code
+(its ``lazyattn_rag`` package first on ``PYTHONPATH``), e.g. the commit before a change, under
+``before``, each of its runs right after the working tree's:
 
-    .venv/bin/python benchmarks/startup.py --api --first-start
     git archive BASE | tar -x -C /tmp/base && for p in engine kernels integrations; do
         ln -s ../$p /tmp/base/lazyattn_rag/$p; done
-    .venv/bin/python benchmarks/startup.py --label before --source /tmp/base --api --first-start
+    .venv/bin/python benchmarks/startup.py --baseline /tmp/base --baseline-note "BASE" --api --first-start
 
 The machine may be shared: each record carries its load, and medians are of runs.
 """
@@ -92,6 +92,12 @@ def others_running() -> int:
     return max(0, min(counts) - 1)
 
 
+def _wait_quiet(seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while others_running() > 0 and time.monotonic() < deadline:
+        time.sleep(2.0)
+
+
 def _load() -> float:
     return os.getloadavg()[0]
 
@@ -101,12 +107,12 @@ def _child_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _run(argv: list[str], env: dict[str, str]) -> tuple[float, float, float, str]:
+def _run(argv: list[str], env: dict[str, str], cwd: Path = ROOT) -> tuple[float, float, float, str]:
     """Run ``argv``; (wall s, child CPU s, load average before, stdout). Raises on failure."""
     load, cpu = _load(), _child_cpu()
     _BUSY.append(others_running())  # what the command's OpenMP settings see (lazyattn_rag/cli_runtime.py)
     start = time.perf_counter()
-    proc = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:3])}... exited {proc.returncode}: {proc.stderr[-2000:]}")
@@ -155,55 +161,71 @@ def _machine() -> dict:
 
 
 def main(
-    label: Annotated[str, typer.Option(help="key of these results in the JSON file")] = "after",
+    label: Annotated[str, typer.Option(help="key of the working tree's results in the JSON file")] = "after",
+    baseline: Annotated[Optional[Path], typer.Option(help="also run this checkout's lazyattn_rag, each run "
+                                                          "right after the working tree's, as 'before'")] = None,
+    baseline_note: Annotated[str, typer.Option(help="what the baseline is (e.g. its commit), recorded")] = "",
     runs: Annotated[int, typer.Option(help="runs of each kind")] = 3,
-    source: Annotated[Optional[Path], typer.Option(help="run this checkout's lazyattn_rag instead")] = None,
     api: Annotated[bool, typer.Option("--api", help="also run the API probe (start-up parts, 3 questions)")] = False,
     first_start_runs: Annotated[bool, typer.Option("--first-start", help="also run with fresh caches")] = False,
     max_tokens: Annotated[int, typer.Option(help="the API probe's answer length")] = 32,
+    quiet_wait: Annotated[float, typer.Option(help="before each run, wait up to this many seconds until no "
+                                                  "other process runs")] = 0.0,
     out: Annotated[Path, typer.Option(help="JSON file to update")] = RESULTS,
 ) -> None:
-    env = dict(os.environ)
-    if source is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(source.resolve()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    sides = {label: dict(os.environ)}
+    if baseline is not None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(baseline.resolve()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        sides["before"] = env
     sys.path.insert(0, str(ROOT))
     from lazyattn_rag.config import EngineConfig
 
     default_cache = EngineConfig().resolved_cache_dir()
-    _cli_record(env, "greedy", [])  # unmeasured: converts the default model if needed, pages in the files
-    result: dict = {"machine": _machine(), "source": str(source) if source else "working tree",
-                    "commands": {kind: " ".join(_cli_argv(kind)) for kind in SAMPLING},
-                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    machine = _machine()
+    results: dict[str, dict] = {}
+    for name, env in sides.items():
+        _cli_record(env, "greedy", [])  # unmeasured: converts the default model if needed, pages in the files
+        results[name] = {"machine": machine, "source": f"{baseline} {baseline_note}".strip() if name == "before" else "working tree",
+                         "commands": {kind: " ".join(_cli_argv(kind)) for kind in SAMPLING},
+                         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
-    def api_record(cache: Path | None) -> dict:
+    def api_record(env: dict[str, str], cache: Path | None) -> dict:
         argv = [sys.executable, "-c", _API_PROBE, QUESTION, str(DOC), str(max_tokens), *([str(cache)] if cache else [])]
-        wall, cpu, load, stdout = _run(argv, env)
+        # Not from the repository: `python -c` puts the working directory first on sys.path, which would
+        # shadow the baseline's package on PYTHONPATH.
+        wall, cpu, load, stdout = _run(argv, env, cwd=Path(tempfile.gettempdir()))
         return {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "load_1min": load, "others_running": _BUSY[-1],
                 **json.loads(stdout.strip().splitlines()[-1])}
 
-    def first_start(record):  # each run in a cache directory of its own
+    def in_first_start_cache(record):  # a cache directory of its own
         cache = _first_start_cache(default_cache)
         try:
             return record(cache)
         finally:
             shutil.rmtree(cache, ignore_errors=True)
 
-    for sampling in SAMPLING:
-        result[f"cli_{sampling}"] = [_cli_record(env, sampling, []) for _ in range(runs)]
+    kinds = {f"cli_{sampling}": (lambda env, sampling=sampling: _cli_record(env, sampling, [])) for sampling in SAMPLING}
     if first_start_runs:
-        result["first_start_cli_greedy"] = [first_start(lambda c: _cli_record(env, "greedy", ["--cache-dir", str(c)]))
-                                            for _ in range(runs)]
+        kinds["first_start_cli_greedy"] = lambda env: in_first_start_cache(
+            lambda cache: _cli_record(env, "greedy", ["--cache-dir", str(cache)]))
     if api:
-        result["api"] = [api_record(None) for _ in range(runs)]
+        kinds["api"] = lambda env: api_record(env, None)
         if first_start_runs:
-            result["first_start_api"] = [first_start(api_record) for _ in range(runs)]
-    result["median"] = {kind: {key: _median(records, key) for key in ("wall_s", "cpu_s", "ttft_ms", "load_1min")}
-                        for kind, records in result.items() if kind.startswith(("cli_", "first_start_cli"))}
+            kinds["first_start_api"] = lambda env: in_first_start_cache(lambda cache: api_record(env, cache))
+    for kind, record in kinds.items():
+        for _ in range(runs):
+            for name, env in sides.items():  # interleaved: drift in the machine's speed hits both alike
+                _wait_quiet(quiet_wait)
+                results[name].setdefault(kind, []).append(record(env))
     data = json.loads(out.read_text()) if out.is_file() else {}
-    data[label] = result
+    for name, result in results.items():
+        result["median"] = {kind: {key: _median(records, key) for key in ("wall_s", "cpu_s", "ttft_ms", "load_1min")}
+                            for kind, records in result.items() if kind.startswith(("cli_", "first_start_cli"))}
+        data[name] = result
+        print(json.dumps({"label": name, "median": result["median"]}, indent=1))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
-    print(json.dumps({"label": label, "median": result["median"]}, indent=1))
 
 
 if __name__ == "__main__":
