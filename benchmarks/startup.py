@@ -28,6 +28,7 @@ default): per-run records and medians. ``--baseline DIR`` also runs another chec
     .venv/bin/python benchmarks/startup.py --baseline /tmp/base --baseline-note "BASE" --api --first-start
 
 The machine may be shared: each record carries its load, and medians are of runs.
+``--busy N`` measures a busy machine on purpose: N other processes spin during the runs.
 """
 
 from __future__ import annotations
@@ -171,13 +172,16 @@ def main(
     max_tokens: Annotated[int, typer.Option(help="the API probe's answer length")] = 32,
     quiet_wait: Annotated[float, typer.Option(help="before each run, wait up to this many seconds until no "
                                                   "other process runs")] = 0.0,
+    busy: Annotated[int, typer.Option(help="keep this many other processes spinning during the runs (a busy "
+                                            "machine); labels get a _busyN suffix")] = 0,
     out: Annotated[Path, typer.Option(help="JSON file to update")] = RESULTS,
 ) -> None:
-    sides = {label: dict(os.environ)}
+    suffix = f"_busy{busy}" if busy else ""
+    sides = {label + suffix: dict(os.environ)}
     if baseline is not None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(baseline.resolve()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        sides["before"] = env
+        sides["before" + suffix] = env
     sys.path.insert(0, str(ROOT))
     from lazyattn_rag.config import EngineConfig
 
@@ -186,7 +190,8 @@ def main(
     results: dict[str, dict] = {}
     for name, env in sides.items():
         _cli_record(env, "greedy", [])  # unmeasured: converts the default model if needed, pages in the files
-        results[name] = {"machine": machine, "source": f"{baseline} {baseline_note}".strip() if name == "before" else "working tree",
+        results[name] = {"machine": machine, "source": f"{baseline} {baseline_note}".strip() if name.startswith("before") else "working tree",
+                         "busy_processes": busy,
                          "commands": {kind: " ".join(_cli_argv(kind)) for kind in SAMPLING},
                          "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
@@ -213,11 +218,18 @@ def main(
         kinds["api"] = lambda env: api_record(env, None)
         if first_start_runs:
             kinds["first_start_api"] = lambda env: in_first_start_cache(lambda cache: api_record(env, cache))
-    for kind, record in kinds.items():
-        for _ in range(runs):
-            for name, env in sides.items():  # interleaved: drift in the machine's speed hits both alike
-                _wait_quiet(quiet_wait)
-                results[name].setdefault(kind, []).append(record(env))
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    try:
+        for kind, record in kinds.items():
+            for _ in range(runs):
+                for name, env in sides.items():  # interleaved: drift in the machine's speed hits both alike
+                    if not busy:
+                        _wait_quiet(quiet_wait)
+                    results[name].setdefault(kind, []).append(record(env))
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
     data = json.loads(out.read_text()) if out.is_file() else {}
     for name, result in results.items():
         result["median"] = {kind: {key: _median(records, key) for key in ("wall_s", "cpu_s", "ttft_ms", "load_1min")}

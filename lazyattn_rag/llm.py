@@ -65,11 +65,11 @@ def _resolve_device(name: str) -> torch.device:
 def _collect_once():
     """Pause the cyclic garbage collector while an engine builds, then collect once.
 
-    Building imports transformers' config and tokenizer modules and loads the model: ~140k new
-    long-lived objects, for which CPython runs about four full collections of the whole heap
-    (~0.1 s each on 2 cores, 0.4 s of a CLI start). One collection at the end frees the same
-    garbage and leaves the next full collection ~75k allocations away, not in the first request.
-    The collector's state is restored (it stays off if it was off).
+    Building imports transformers and loads the model and tokenizer: tens of thousands of new
+    long-lived objects (140k on a first start), for which CPython runs two to four full
+    collections of the whole heap (~0.07-0.1 s each on 2 cores). One collection at the end frees
+    the same garbage and resets the collector's count, so the next full one is not due in the
+    first request. The collector's state is restored (it stays off if it was off).
     """
     enabled = gc.isenabled()
     gc.disable()
