@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from lazyattn_rag.config import EngineConfig
-from lazyattn_rag.progress import directory_bytes, format_bytes, stage
+from lazyattn_rag.progress import directory_bytes, format_bytes, plural, stage
 from lazyattn_rag.integrations.corpus import (
     SPECIAL_TOKENS,
     Source,
@@ -103,7 +103,7 @@ def load_or_build_store(sources: list[Source], embed_model: "BaseEmbedding", ind
         print(f"Loaded the FAISS index ({len(store.client)} chunks) from {index_dir}", file=log)
         return store
     t0 = time.perf_counter()
-    with stage(f"Splitting {_plural(len(sources), 'text')} into chunks of at most {embed_model.max_length} embedder tokens",
+    with stage(f"Splitting {plural(len(sources), 'text')} into chunks of at most {embed_model.max_length} embedder tokens",
                file=log):
         docs = chunk_sources(sources, embedder_token_counter(embedding_tokenizer()),
                              embed_model.max_length - SPECIAL_TOKENS, overlap)
@@ -147,11 +147,8 @@ def format_stats(stats: dict) -> str:
     hit = len(stats["docs_hit"])
     return (f"[cache: {hit} {'doc' if hit == 1 else 'docs'} hit, {len(stats['docs_missed'])} missed | prompt "
             f"{stats['num_prompt_tokens']} tokens: {cached}, {stats['num_computed_tokens']} computed | TTFT {ttft} | "
-            f"{_plural(stats['num_output_tokens'], 'token')}]")
+            f"{plural(stats['num_output_tokens'], 'token')}]")
 
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def answer(query_engine, question: str, out: TextIO) -> dict:
@@ -247,10 +244,10 @@ def run_chat(options: ChatOptions, out: TextIO | None = None, log: TextIO | None
     sources = folder_sources(options.docs, on_skip=skip) if options.docs is not None else pydoc_sources()
     if skipped:
         them = "it" if len(skipped) == 1 else "them"
-        print(f"warning: {_plural(len(skipped), 'file')} skipped (not UTF-8 text); to include {them}, convert {them} "
+        print(f"warning: {plural(len(skipped), 'file')} skipped (not UTF-8 text); to include {them}, convert {them} "
               "to UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE > NEW_FILE)", file=log)
     name = str(options.docs) if options.docs is not None else "Python's language reference (pydoc_data.topics)"
-    print(f"Corpus: {name}, {_plural(len(sources), 'text')}", file=log)
+    print(f"Corpus: {name}, {plural(len(sources), 'text')}", file=log)
     embed_model = llamaindex_embedding()
     index_dir = options.index_dir or (options.engine.resolved_cache_dir() / "indexes" /
                                       corpus_fingerprint(sources, embed_model, options.chunk_overlap))

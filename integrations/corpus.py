@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lazyattn_rag.documents import Document
+from lazyattn_rag.documents import Document, NotUTF8Error, read_text_file
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst")
 JSONL_SUFFIXES = (".jsonl",)
@@ -72,12 +72,11 @@ def folder_sources(path: str | Path, on_skip: Callable[[Path, str], None] | None
     skipped: list[Path] = []
     for f in files:
         rel = f.relative_to(base).as_posix()
-        data = f.read_bytes()
         try:
-            content = data.decode("utf-8")
-        except UnicodeDecodeError as e:
+            content = read_text_file(f)
+        except NotUTF8Error as e:
             skipped.append(f)
-            reason = f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"
+            reason = e.reason
             if on_skip is None:
                 warnings.warn(f"skipped {f}: {reason}", stacklevel=2)
             else:

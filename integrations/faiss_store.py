@@ -328,9 +328,7 @@ class FaissDocumentStore:
         back if a change fails part way; ``None`` without an engine."""
         if self.engine is None:
             return None
-        if not any(self.engine.has_document(d) for d in doc_ids):
-            return dict.fromkeys(doc_ids)
-        texts = self.engine.document_texts()
+        texts = self.engine.document_texts(doc_ids)
         return {d: texts.get(d) for d in doc_ids}
 
     def _restore_engine(self, before: dict[str, str | None] | None) -> None:

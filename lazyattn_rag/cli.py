@@ -11,6 +11,8 @@ import typer
 
 from lazyattn_rag import cli_options as cli_opts
 from lazyattn_rag import cli_runtime  # noqa: F401  (process settings, set before torch loads)
+from lazyattn_rag.documents import NotUTF8Error, read_text_file
+from lazyattn_rag.progress import plural
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, cls=cli_opts.Group,
                   help="Retrieval-augmented generation with position-agnostic KV reuse (LazyAttention).")
@@ -50,13 +52,11 @@ def _read_documents(paths: list[Path]) -> list[tuple[str, str]]:
     """
     docs = []
     for path in paths:
-        data = path.read_bytes()
         try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
+            text = read_text_file(path)
+        except NotUTF8Error as e:
             converted = path.with_name(f"{path.stem}.utf8{path.suffix}")
-            raise ValueError(f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}): convert "
-                             f"it first, e.g. iconv -f latin1 -t utf-8 {path} > {converted}") from e
+            raise ValueError(f"{e}: convert it first, e.g. iconv -f latin1 -t utf-8 {path} > {converted}") from e
         if not text.strip():
             raise ValueError(f"{path} is empty: a document needs some text (drop this --doc, or fill the file)")
         docs.append((str(path), text))
@@ -83,7 +83,7 @@ def _format_stats(stats) -> str:
         docs = "no documents (answered from the model alone; add some with --doc FILE)"
     cached = _cached_label(stats.num_cached_tokens, stats.num_cached_head_tokens)
     return (f"[{docs} | prompt tokens {stats.num_prompt_tokens}: cached {cached}, computed "
-            f"{stats.num_computed_tokens} | TTFT {ttft} | {cli_opts.plural(stats.num_output_tokens, 'output token')}]")
+            f"{stats.num_computed_tokens} | TTFT {ttft} | {plural(stats.num_output_tokens, 'output token')}]")
 
 
 @app.command(cls=cli_opts.Command)

@@ -39,9 +39,6 @@ class Command(_FlagHelp, TyperCommand):
     """A ``lazyattn`` command (``app.command(cls=Command)``)."""
 
 
-def plural(n: int, word: str, words: str | None = None) -> str:
-    """``"1 text"``, ``"3 texts"``."""
-    return f"{n} {word if n == 1 else (words or word + 's')}"
 
 
 def engine_config(model: Optional[str], device: str, backend: str, anchor: str,

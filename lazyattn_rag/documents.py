@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -28,3 +29,26 @@ def content_id(text: str) -> str:
     ``Document``): ``sha256:`` and the first 32 hex digits of its text's hash, so equal texts
     share one id and one cached K/V."""
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class NotUTF8Error(ValueError):
+    """A document file that is not UTF-8 text; ``reason`` says where (``not UTF-8 text (byte 0xe9
+    at offset 3)``), for messages that name the file their own way."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{path} is {reason}")
+        self.path, self.reason = path, reason
+
+
+def read_text_file(path: Path) -> str:
+    """A document file's text.
+
+    Raises:
+        NotUTF8Error: the bytes are not UTF-8 (the first bad byte and its offset are named).
+        OSError: the file cannot be read.
+    """
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise NotUTF8Error(path, f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from e

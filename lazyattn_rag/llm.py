@@ -297,9 +297,14 @@ class LazyAttention:
         """A number that grows whenever a document is added, changed or removed (cheap to read)."""
         return self.engine.documents_version
 
-    def document_texts(self) -> dict[str, str]:
-        """Registered documents as ``{id: text}`` (a snapshot)."""
-        return self.loop.call(lambda: {d: doc.text for d, doc in self.engine.documents.items()})
+    def document_texts(self, doc_ids: Iterable[str] | None = None) -> dict[str, str]:
+        """Registered documents as ``{id: text}`` (a snapshot); with ``doc_ids``, only those of
+        them that are registered (no copy of the whole registry)."""
+        if doc_ids is None:
+            return self.loop.call(lambda: {d: doc.text for d, doc in self.engine.documents.items()})
+        ids = _ids(doc_ids)
+        documents = self.engine.documents
+        return self.loop.call(lambda: {d: documents[d].text for d in ids if d in documents})
 
     def warm(self, doc_ids: Iterable[str]) -> list[str]:
         """Encode documents' K/V ahead of queries (blocking); returns the ids encoded now (misses).
@@ -333,8 +338,8 @@ class LazyAttention:
             stats. The request runs from this call on; ``close()`` the stream to cancel it.
         Raises:
             UnknownDocumentError, EmptyInputError, PromptTooLongError, DocumentTooLongError:
-            at the call, before anything is queued or registered. CacheCapacityError: from the iterator, when
-            the request could not fit even in an empty cache. Other requests are unaffected.
+            at the call, before anything is queued or registered. CacheCapacityError: at the call, when the
+            prompt plus ``max_tokens`` could never fit the KV cache. Other requests are unaffected.
         """
         params = sampling or self.default_sampling
         ids, docs = _ids(doc_ids), _pairs(documents)

@@ -1,4 +1,4 @@
-"""Progress for the one-time steps a first run pays (model conversion, embedding, index build).
+"""Progress and wording for the one-time steps a first run pays (model conversion, embedding, index build).
 
 :func:`stage` prints what a step does and, when it ends, how long it took; while it runs on an
 interactive terminal, the elapsed time ticks every half second, so a step of tens of seconds is
@@ -76,3 +76,8 @@ def format_bytes(num_bytes: int) -> str:
         if num_bytes >= scale:
             return f"{num_bytes / scale:.0f} {unit}" if num_bytes >= 10 * scale else f"{num_bytes / scale:.1f} {unit}"
     return f"{num_bytes} B"
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """``1 text``, ``2 texts``; ``words`` for an irregular plural."""
+    return f"{n} {word if n == 1 else (words or word + 's')}"

@@ -251,10 +251,6 @@ class PromptTemplate:
         return [m for m in re.finditer(pattern, text)
                 if any(a <= m.start() and m.end() <= b for a, b in markup)]
 
-    def encode_markup(self, text: str) -> list[int]:
-        """Token ids of template-only text (special-token text in it is parsed)."""
-        return self.encode_runs([(text, True)])
-
     def leading_special_ids(self) -> list[int]:
         """Ids the tokenizer adds before any text (e.g. BOS) when there is no chat template to
         write them; empty with a chat template (the template writes its own BOS, if any)."""

@@ -61,15 +61,6 @@ LOGITS_RTOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 _REUSE_MODES = ("lazy", "block_attention")
 
 
-def check_engine(engine, hf_config: Any, config: EngineConfig, model_dir: Path | None = None):
-    """Self-check a freshly built engine; returns it unchanged when the check passes.
-
-    See :func:`run_self_check` (which also says which parts ran).
-    """
-    run_self_check(engine, hf_config, config, model_dir)
-    return engine
-
-
 def run_self_check(engine, hf_config: Any, config: EngineConfig, model_dir: Path | None = None) -> str:
     """Self-check a freshly built engine.
 
