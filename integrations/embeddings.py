@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import threading
 import warnings
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -51,6 +53,26 @@ class EmbeddingTruncationWarning(UserWarning):
 def _head(text: str, words: int = 8) -> str:
     parts = text.split()
     return " ".join(parts[:words]) + (" ..." if len(parts) > words else "")
+
+
+_MODEL_LOCKS: "weakref.WeakKeyDictionary[object, threading.Lock]" = weakref.WeakKeyDictionary()
+_MODEL_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model) -> threading.Lock:
+    """The one lock serializing calls into a sentence-transformers ``model``.
+
+    A fast tokenizer sets its truncation and padding on the shared Rust object on every call,
+    so two threads embedding through one model at once fail with ``RuntimeError: Already
+    borrowed`` (a concurrent LlamaIndex ``aquery`` runs retrieval in worker threads). Every
+    embedder here holds this lock around its tokenizer and forward pass; the lock lives beside
+    the model (weakly keyed), not on it, so the model still pickles.
+    """
+    with _MODEL_LOCKS_GUARD:
+        lock = _MODEL_LOCKS.get(model)
+        if lock is None:
+            lock = _MODEL_LOCKS[model] = threading.Lock()
+        return lock
 
 
 def warn_truncated(model, texts: Sequence[str], model_name: str, ids: Sequence[str] | None = None,
@@ -146,8 +168,9 @@ def _checked_llamaindex_class():
     class CheckedHuggingFaceEmbedding(HuggingFaceEmbedding):
         def _embed(self, inputs, prompt_name=None):
             texts = [t for t in inputs if isinstance(t, str)]  # images (BytesIO) are not tokenized
-            warn_truncated(self._model, texts, embedding_model_name(self.model_name), stacklevel=3)
-            return super()._embed(inputs, prompt_name)
+            with model_lock(self._model):
+                warn_truncated(self._model, texts, embedding_model_name(self.model_name), stacklevel=3)
+                return super()._embed(inputs, prompt_name)
 
     return _module_level(CheckedHuggingFaceEmbedding)
 
@@ -181,8 +204,9 @@ def _checked_langchain_class():
 
     class CheckedHuggingFaceEmbeddings(HuggingFaceEmbeddings):
         def _embed(self, texts, encode_kwargs):
-            warn_truncated(self._client, texts, embedding_model_name(self.model_name), stacklevel=3)
-            return super()._embed(texts, encode_kwargs)
+            with model_lock(self._client):
+                warn_truncated(self._client, texts, embedding_model_name(self.model_name), stacklevel=3)
+                return super()._embed(texts, encode_kwargs)
 
     return _module_level(CheckedHuggingFaceEmbeddings)
 
@@ -255,7 +279,8 @@ class SentenceEmbedder:
         """
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        warn_truncated(self.model, texts, self.name, ids)
-        out = self.model.encode(list(texts), batch_size=self.batch_size, normalize_embeddings=True,
-                                convert_to_numpy=True, show_progress_bar=False)
+        with model_lock(self.model):
+            warn_truncated(self.model, texts, self.name, ids)
+            out = self.model.encode(list(texts), batch_size=self.batch_size, normalize_embeddings=True,
+                                    convert_to_numpy=True, show_progress_bar=False)
         return np.ascontiguousarray(out, dtype=np.float32)

@@ -86,6 +86,26 @@ def test_embedding_helpers_match_the_sentence_embedder():
         langchain_embeddings("sentence-transformers/all-MiniLM-L6-v2")  # a hub name: refused, not fetched
 
 
+def test_every_embedder_embeds_from_many_threads_at_once():
+    """A fast tokenizer resets truncation on its shared Rust object per call: unserialized, two
+    threads in one model raise 'RuntimeError: Already borrowed' (seen in CI under concurrent
+    LlamaIndex aquery). Each embedder gives, from 8 threads at once, the vectors it gives alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = [words(n, start=n) for n in (3, 40, 7, 90, 15, 60, 2, 120)]
+    ref = embedder().encode(texts)
+    calls = {
+        "store": lambda i: embedder().encode([texts[i]])[0],
+        "llamaindex": lambda i: li_embed().get_text_embedding(texts[i]),
+        "langchain": lambda i: lc_embed().embed_query(texts[i]),
+    }
+    for name, call in calls.items():
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(call, [i % len(texts) for i in range(256)]))
+        for i, vec in enumerate(got):
+            assert np.allclose(vec, ref[i % len(texts)], atol=1e-5), (name, i)
+
+
 # --- LlamaIndex -----------------------------------------------------------------------------------
 def test_llamaindex_vector_store_registers_nodes_round_trips_and_deletes(tmp_path):
     engine = tiny_engine()
