@@ -32,6 +32,7 @@ from lazyattn_rag.integrations.corpus import (
     pydoc_sources,
 )
 from lazyattn_rag.integrations.embeddings import embedding_model_name, embedding_tokenizer, llamaindex_embedding
+from lazyattn_rag.outputs import RequestStats
 from lazyattn_rag.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -135,22 +136,6 @@ def better_model_hint(candidates: list[Path] | None = None) -> str:
     return hint + "; found on this machine:\n" + "\n".join(f"  --model {p}" for p in candidates)
 
 
-def format_stats(stats: dict) -> str:
-    """One line of per-request cache stats."""
-    ttft = f"{stats['ttft_ms']:.0f} ms" if stats.get("ttft_ms") is not None else "n/a"
-    cached, head = stats["num_cached_tokens"], min(stats.get("num_cached_head_tokens", 0), stats["num_cached_tokens"])
-    if head:  # the prompt head (template text before the documents) is cached by the first question
-        cached = f"{cached} cached ({cached - head} from documents, {head} prompt head)" if head < cached \
-            else f"{cached} cached (prompt head)"
-    else:
-        cached = f"{cached} cached"
-    hit = len(stats["docs_hit"])
-    return (f"[cache: {hit} {'doc' if hit == 1 else 'docs'} hit, {len(stats['docs_missed'])} missed | prompt "
-            f"{stats['num_prompt_tokens']} tokens: {cached}, {stats['num_computed_tokens']} computed | TTFT {ttft} | "
-            f"{plural(stats['num_output_tokens'], 'token')}]")
-
-
-
 def answer(query_engine, question: str, out: TextIO) -> dict:
     """Stream the answer to ``out``, then the sources and the cache stats; returns the stats."""
     print(f"\nQ: {question}\nA: ", end="", file=out, flush=True)
@@ -172,7 +157,7 @@ def answer(query_engine, question: str, out: TextIO) -> dict:
         first_line = n.node.get_content().strip().splitlines()[0][:60]
         print(f"   source {n.node.node_id} (score {n.score:.2f}): {first_line}", file=out)
     stats = response.metadata["lazyattn"]["stats"]
-    print("   " + format_stats(stats), file=out, flush=True)
+    print("   " + RequestStats(**stats).summary(), file=out, flush=True)
     return stats
 
 

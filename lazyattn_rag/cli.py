@@ -12,7 +12,6 @@ import typer
 from lazyattn_rag import cli_options as cli_opts
 from lazyattn_rag import cli_runtime  # noqa: F401  (process settings, set before torch loads)
 from lazyattn_rag.documents import NotUTF8Error, read_text_file
-from lazyattn_rag.progress import plural
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, cls=cli_opts.Group,
                   help="Retrieval-augmented generation with position-agnostic KV reuse (LazyAttention).")
@@ -63,27 +62,7 @@ def _read_documents(paths: list[Path]) -> list[tuple[str, str]]:
     return docs
 
 
-def _cached_label(num_cached: int, num_head: int) -> str:
-    """``"33 (prompt head)"``, ``"533 (500 from documents, 33 prompt head)"``: what the cached
-    prompt tokens are (the prompt head is the template's text before the documents, cached once
-    and shared by every question)."""
-    head = min(num_head, num_cached)
-    if not head:
-        return f"{num_cached}"
-    if head == num_cached:
-        return f"{num_cached} (prompt head)"
-    return f"{num_cached} ({num_cached - head} from documents, {head} prompt head)"
-
-
-def _format_stats(stats) -> str:
-    ttft = f"{stats.ttft_ms:.0f} ms" if stats.ttft_ms is not None else "n/a"
-    if stats.docs_hit or stats.docs_missed:
-        docs = f"docs hit {len(stats.docs_hit)}, missed {len(stats.docs_missed)}"
-    else:
-        docs = "no documents (answered from the model alone; add some with --doc FILE)"
-    cached = _cached_label(stats.num_cached_tokens, stats.num_cached_head_tokens)
-    return (f"[{docs} | prompt tokens {stats.num_prompt_tokens}: cached {cached}, computed "
-            f"{stats.num_computed_tokens} | TTFT {ttft} | {plural(stats.num_output_tokens, 'output token')}]")
+NO_DOCUMENTS = "no documents (answered from the model alone; add some with --doc FILE)"
 
 
 @app.command(cls=cli_opts.Command)
@@ -146,7 +125,7 @@ def ask(
                                "stats": final.stats.as_dict()}))
     else:
         typer.echo("")
-        typer.echo(_format_stats(final.stats), err=True)
+        typer.echo(final.stats.summary(NO_DOCUMENTS), err=True)
 
 
 def _labelled_info(llm) -> dict:

@@ -14,7 +14,7 @@ import typer
 from lazyattn_rag import cli_options as cli_opts
 from lazyattn_rag.integrations.corpus import JSONL_SUFFIXES, TEXT_SUFFIXES
 
-DOCS_HELP = (f"A folder of {'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files (read recursively; files that are not "
+DOCS_HELP = (f"A folder of {', '.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files (read recursively; files that are not "
              "UTF-8 are skipped with a warning), or one such file (default: Python's language reference, "
              "pydoc_data.topics).")
 

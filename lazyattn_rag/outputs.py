@@ -46,6 +46,32 @@ class RequestStats:
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
+    def summary(self, no_documents: str = "no documents") -> str:
+        """One console line, as ``lazyattn ask`` and ``lazyattn chat`` print it, e.g.
+        ``[docs hit 1, missed 1 | prompt 600 tokens: 533 cached (500 from documents, 33 prompt
+        head), 67 computed | TTFT 5 ms | 2 output tokens]``; ``no_documents`` replaces the
+        document counts when the request named none."""
+        from lazyattn_rag.progress import plural
+
+        ttft = f"{self.ttft_ms:.0f} ms" if self.ttft_ms is not None else "n/a"
+        docs = (f"docs hit {len(self.docs_hit)}, missed {len(self.docs_missed)}"
+                if self.docs_hit or self.docs_missed else no_documents)
+        return (f"[{docs} | prompt {self.num_prompt_tokens} tokens: {self._cached_label()}, "
+                f"{self.num_computed_tokens} computed | TTFT {ttft} | "
+                f"{plural(self.num_output_tokens, 'output token')}]")
+
+    def _cached_label(self) -> str:
+        """``"33 cached (prompt head)"``, ``"533 cached (500 from documents, 33 prompt head)"``:
+        the prompt head (the template's text before the documents) is cached by the first
+        request and shared by every later one, so a request whose documents all miss still
+        reads it from the cache."""
+        cached, head = self.num_cached_tokens, min(self.num_cached_head_tokens, self.num_cached_tokens)
+        if not head:
+            return f"{cached} cached"
+        if head == cached:
+            return f"{cached} cached (prompt head)"
+        return f"{cached} cached ({cached - head} from documents, {head} prompt head)"
+
 
 @dataclass
 class StreamDelta:

@@ -24,7 +24,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lazyattn_rag import RequestStats, SamplingParams
-from lazyattn_rag.cli import _format_stats, app
+from lazyattn_rag.cli import NO_DOCUMENTS, app
 from lazyattn_rag.integrations.chatbot import ChatOptions, run_chat
 from lazyattn_rag.integrations.corpus import JSONL_SUFFIXES, TEXT_SUFFIXES, folder_sources
 from lazyattn_rag.llm import LazyAttention, RequestStream
@@ -85,9 +85,13 @@ def test_help_shows_boolean_flags_as_flags(command):
 
 
 def test_chat_help_lists_every_accepted_docs_suffix():
-    out = runner().invoke(app, ["chat", "--help"]).output
+    """Every suffix is listed, and at 80 columns none is cut to an ellipsis (a slash-joined list
+    has no place to wrap)."""
+    out = runner().invoke(app, ["chat", "--help"], env={"COLUMNS": "80"}).output
     assert set(TEXT_SUFFIXES) == {".txt", ".md", ".markdown", ".rst"}
-    assert "/".join(TEXT_SUFFIXES + JSONL_SUFFIXES) in out
+    docs_help = out[out.index("--docs"):out.index("--top-k")]
+    assert all(f"{suffix}," in docs_help or f"{suffix} " in docs_help for suffix in TEXT_SUFFIXES + JSONL_SUFFIXES)
+    assert "…" not in docs_help and max(map(len, out.splitlines())) <= 80
 
 
 # --- ask: inputs checked before the model loads -----------------------------------------------------
@@ -142,7 +146,7 @@ def test_ask_too_long_doc_names_it_and_points_to_chat_docs(tmp_path, tiny_model)
 def test_ask_without_docs_says_no_documents_were_used(tiny_model):
     result = runner().invoke(app, ["ask", "w1 w2 w3", "--max-tokens", "3"])
     assert result.exit_code == 0, result.output
-    assert "[no documents (answered from the model alone; add some with --doc FILE) | prompt tokens" in result.output
+    assert "[no documents (answered from the model alone; add some with --doc FILE) | prompt 9 tokens: 0 cached, 9 computed |" in result.output
 
 
 def test_ask_json_stats_carry_the_cached_head_tokens(tmp_path, tiny_model):
@@ -167,16 +171,17 @@ def test_info_labels_the_anchor_and_the_prompt_head(tiny_model):
 
 def test_stats_line_labels_the_cached_prompt_head_and_plurals():
     def line(**kw):
-        return _format_stats(RequestStats("r", ttft_ms=5.0, **kw))
+        return RequestStats("r", ttft_ms=5.0, **kw).summary(NO_DOCUMENTS)
 
     head_only = line(num_prompt_tokens=50, num_cached_tokens=33, num_cached_head_tokens=33, num_computed_tokens=17,
                      num_output_tokens=1, docs_missed=["a"])
-    assert "prompt tokens 50: cached 33 (prompt head), computed 17" in head_only and "| 1 output token]" in head_only
+    assert "prompt 50 tokens: 33 cached (prompt head), 17 computed" in head_only and "| 1 output token]" in head_only
     both = line(num_prompt_tokens=600, num_cached_tokens=533, num_cached_head_tokens=33, num_computed_tokens=67,
                 num_output_tokens=2, docs_hit=["a"], docs_missed=["b"])
-    assert "docs hit 1, missed 1" in both and "cached 533 (500 from documents, 33 prompt head)" in both
+    assert "docs hit 1, missed 1" in both and "533 cached (500 from documents, 33 prompt head), 67 computed" in both
     assert "2 output tokens" in both
-    assert "cached 0, computed 9" in line(num_prompt_tokens=9, num_computed_tokens=9, docs_missed=["a"])
+    assert "prompt 9 tokens: 0 cached, 9 computed" in line(num_prompt_tokens=9, num_computed_tokens=9, docs_missed=["a"])
+    assert line(num_prompt_tokens=9, num_computed_tokens=9).startswith(f"[{NO_DOCUMENTS} | prompt 9 tokens")
 
 
 def test_request_stats_count_the_cached_prompt_head():
