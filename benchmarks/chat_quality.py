@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from lazyattn_rag.sampling import SamplingParams
+from lazyattn_rag.types.sampling_params import SamplingParams
 
 QUESTIONS = Path(__file__).parent / "data" / "chat_questions.json"
 MAX_TOKENS = 128

@@ -71,7 +71,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def prompt_config():
     """The benchmark's :class:`PromptConfig` (the model's chat template frames it)."""
-    from lazyattn_rag.config import PromptConfig
+    from lazyattn_rag.types.config import PromptConfig
 
     return PromptConfig(instruction=INSTRUCTION, document_separator="\n\n", question_prefix="Question: ")
 
@@ -328,9 +328,9 @@ def main(argv=None) -> dict:
         return results
     from transformers import AutoConfig, AutoTokenizer
 
-    from lazyattn_rag.config import EngineConfig
-    from lazyattn_rag.model_loading import resolve_model
-    from lazyattn_rag.prompt import PromptTemplate
+    from lazyattn_rag.types.config import EngineConfig
+    from lazyattn_rag.engine.model_loading import resolve_model
+    from lazyattn_rag.engine.prompt import PromptTemplate
 
     source = resolve_model(args.model, EngineConfig(cache_dir=args.cache_dir).resolved_cache_dir())
     tokenizer = AutoTokenizer.from_pretrained(str(source.path), local_files_only=True)

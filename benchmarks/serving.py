@@ -1,7 +1,7 @@
 """Serving benchmark: lazy (ours) vs block_attention, prefix and full recompute, in one engine.
 
 Every mode runs on the same model weights, the same request trace and the same KV budget;
-only ``CacheConfig.mode`` differs (see ``lazyattn_rag/config.py``). Models are random-weight
+only ``CacheConfig.mode`` differs (see ``lazyattn_rag/types/config.py``). Models are random-weight
 configs of real shapes (speed does not depend on weight values). Before any timing the
 ``check`` step verifies that modes computing the same function agree on a fixed set of
 requests (first-token logits within the bf16 tolerance of the kernel tests): ``lazy`` with
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.kernel_tol
 
 from lazyattn_rag import AsyncLazyAttention, CacheConfig, EngineConfig, PromptConfig, SamplingParams, SchedulerConfig
 from lazyattn_rag.engine.model import CausalLM, ModelArchConfig
-from lazyattn_rag.fingerprint import tensors_sha256
+from lazyattn_rag.engine.fingerprint import tensors_sha256
 from lazyattn_rag.kernels.rope import RotaryEmbedding
 from lazyattn_rag.llm import LazyAttention
 
@@ -675,7 +675,7 @@ def cpu(doc_words: int = 220, repeats: int = 5, out: str = "serving_cpu_smollm2"
 
 
 def llm_model_dir() -> Path:
-    from lazyattn_rag.model_loading import resolve_model
+    from lazyattn_rag.engine.model_loading import resolve_model
 
     return resolve_model(None, EngineConfig().resolved_cache_dir()).path
 

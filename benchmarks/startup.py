@@ -183,7 +183,7 @@ def main(
         env["PYTHONPATH"] = os.pathsep.join([str(baseline.resolve()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         sides["before" + suffix] = env
     sys.path.insert(0, str(ROOT))
-    from lazyattn_rag.config import EngineConfig
+    from lazyattn_rag.types.config import EngineConfig
 
     default_cache = EngineConfig().resolved_cache_dir()
     machine = _machine()

@@ -3,7 +3,7 @@
 A *chunk* is a token sequence encoded alone (a document, the prompt head, an anchor)
 whose K/V blocks are stored once, position-agnostic, and shared by every request that
 places it, at any offset. The cache maps a content key (see
-:mod:`lazyattn_rag.fingerprint`) to its blocks and maps document ids to their current key.
+:mod:`lazyattn_rag.engine.fingerprint`) to its blocks and maps document ids to their current key.
 
 Locking contract:
     * The cache holds one pool reference on each block of every entry.

@@ -7,7 +7,7 @@ Request lifecycle (``docs/architecture.md`` has the picture):
 2. ``step``: the :class:`~lazyattn_rag.engine.scheduler.Scheduler` picks encodes of missing
    chunks, query prefills and decodes under a token budget; the runner computes them in one
    forward pass; encoded chunks are marked ready; sampled tokens are detokenized and handed
-   to each request's sink as :class:`~lazyattn_rag.outputs.StreamDelta`.
+   to each request's sink as :class:`~lazyattn_rag.types.outputs.StreamDelta`.
 3. ``finish`` / ``abort``: private blocks are freed and pins dropped; the chunks stay cached.
 
 The engine is single-threaded: :mod:`lazyattn_rag.engine.loop` drives it from one thread
@@ -24,20 +24,21 @@ from dataclasses import dataclass
 
 import torch
 
-from lazyattn_rag.config import EngineConfig
-from lazyattn_rag.detokenizer import IncrementalDetokenizer
+from lazyattn_rag.types.config import EngineConfig
+from lazyattn_rag.engine.detokenizer import IncrementalDetokenizer
 from lazyattn_rag.engine.attention import SequenceInput
 from lazyattn_rag.engine.chunk_cache import ChunkCache, block_table_entries
 from lazyattn_rag.engine.request import Request, RequestStatus
 from lazyattn_rag.engine.runner import ModelRunner
 from lazyattn_rag.engine.scheduler import ComputeJob, EncodeJob, Scheduler, SchedulerOutput
-from lazyattn_rag.errors import (CacheCapacityError, DocumentTooLongError, EmptyInputError, PromptTooLongError,
+from lazyattn_rag.types.errors import (CacheCapacityError, DocumentTooLongError, EmptyInputError, PromptTooLongError,
                                  UnknownDocumentError)
-from lazyattn_rag.fingerprint import anchor_fingerprint, chunk_key
-from lazyattn_rag.outputs import RequestStats, StreamDelta
-from lazyattn_rag.messages import DocumentRef, Message
-from lazyattn_rag.prompt import ChunkSegment, PromptPlan, PromptTemplate, PromptText, TextSegment
-from lazyattn_rag.sampling import SamplingParams, apply_penalties, sample
+from lazyattn_rag.engine.fingerprint import anchor_fingerprint, chunk_key
+from lazyattn_rag.types.outputs import RequestStats, StreamDelta
+from lazyattn_rag.types.messages import DocumentRef, Message
+from lazyattn_rag.engine.prompt import ChunkSegment, PromptPlan, PromptTemplate, PromptText, TextSegment
+from lazyattn_rag.engine.sampler import apply_penalties, sample
+from lazyattn_rag.types.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 Sink = Callable[[StreamDelta | BaseException], None]

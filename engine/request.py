@@ -10,10 +10,10 @@ from functools import cached_property
 
 import torch
 
-from lazyattn_rag.detokenizer import IncrementalDetokenizer
-from lazyattn_rag.outputs import RequestStats, StreamDelta
-from lazyattn_rag.prompt import PromptPlan
-from lazyattn_rag.sampling import SamplingParams
+from lazyattn_rag.engine.detokenizer import IncrementalDetokenizer
+from lazyattn_rag.types.outputs import RequestStats, StreamDelta
+from lazyattn_rag.engine.prompt import PromptPlan
+from lazyattn_rag.types.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 from lazyattn_rag.engine.chunk_cache import ChunkCache, block_table_entries
 from lazyattn_rag.engine.request import Request, RequestStatus
-from lazyattn_rag.errors import CacheCapacityError
+from lazyattn_rag.types.errors import CacheCapacityError
 from lazyattn_rag.kernels.block_table import pack_entries
-from lazyattn_rag.prompt import ChunkSegment
+from lazyattn_rag.engine.prompt import ChunkSegment
 
 
 @dataclass
@@ -137,7 +137,7 @@ class Scheduler:
         anchor_context: block-table entries of the anchor documents are encoded after
             (permanently pinned by the engine; empty without an anchor).
         anchor_key: the anchor's chunk key (its blocks are not counted against requests).
-        prefill_with_encodes: see :class:`lazyattn_rag.config.SchedulerConfig`.
+        prefill_with_encodes: see :class:`lazyattn_rag.types.config.SchedulerConfig`.
     """
 
     def __init__(self, cache: ChunkCache, max_num_batched_tokens: int, max_num_seqs: int,

@@ -5,7 +5,7 @@ Both :class:`~lazyattn_rag.integrations.llamaindex.LazyAttentionLLM` and
 settings, as the frameworks' own LLM classes are (``model``, ``temperature``, ``max_tokens``,
 ``top_p``, ``stop``, ``context_window``; ``sampling_kwargs`` and ``engine_kwargs`` for the rest):
 the engine is :meth:`LazyAttention.shared` for that configuration, built on first use. A call
-may override any :class:`~lazyattn_rag.sampling.SamplingParams` field by keyword (or pass a
+may override any :class:`~lazyattn_rag.types.sampling_params.SamplingParams` field by keyword (or pass a
 whole ``sampling=``); any other keyword is an error naming the accepted ones.
 """
 
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field, PrivateAttr
 
-from lazyattn_rag.config import EngineConfig
-from lazyattn_rag.sampling import SamplingParams
+from lazyattn_rag.types.config import EngineConfig
+from lazyattn_rag.types.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from lazyattn_rag.llm import LazyAttention
@@ -103,7 +103,7 @@ class WrapperSettings(BaseModel):
         context_window: context limit in tokens (``None``: the model's).
         temperature, max_tokens, top_p, stop: default sampling.
         sampling_kwargs: other :class:`SamplingParams` fields (``top_k``, ``seed``, ...).
-        engine_kwargs: other :class:`~lazyattn_rag.config.EngineConfig` fields as a dict
+        engine_kwargs: other :class:`~lazyattn_rag.types.config.EngineConfig` fields as a dict
             (``device``, ``dtype``, ``cache``: {``anchor``, ...}, ...).
     """
 

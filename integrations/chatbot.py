@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from lazyattn_rag.config import EngineConfig
-from lazyattn_rag.progress import directory_bytes, format_bytes, plural, stage
+from lazyattn_rag.types.config import EngineConfig
+from lazyattn_rag.utils.progress import directory_bytes, format_bytes, plural, stage
 from lazyattn_rag.integrations.corpus import (
     SPECIAL_TOKENS,
     Source,
@@ -32,8 +32,8 @@ from lazyattn_rag.integrations.corpus import (
     pydoc_sources,
 )
 from lazyattn_rag.integrations.embeddings import embedding_model_name, embedding_tokenizer, llamaindex_embedding
-from lazyattn_rag.outputs import RequestStats
-from lazyattn_rag.sampling import SamplingParams
+from lazyattn_rag.types.outputs import RequestStats
+from lazyattn_rag.types.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -124,8 +124,8 @@ def load_or_build_store(sources: list[Source], embed_model: "BaseEmbedding", ind
 
 def better_model_hint(candidates: list[Path] | None = None) -> str:
     """What to say when the chat runs the small default model: the local models ``--model`` could
-    load instead (:func:`~lazyattn_rag.model_loading.local_model_candidates`), or how to give one."""
-    from lazyattn_rag.model_loading import local_model_candidates
+    load instead (:func:`~lazyattn_rag.engine.model_loading.local_model_candidates`), or how to give one."""
+    from lazyattn_rag.engine.model_loading import local_model_candidates
 
     candidates = local_model_candidates() if candidates is None else candidates
     hint = ("SmolLM2-135M is a very small model: it answers from the passages but often gets details wrong. "

@@ -1,4 +1,4 @@
-"""Demo corpora as chunked :class:`~lazyattn_rag.documents.Document` lists.
+"""Demo corpora as chunked :class:`~lazyattn_rag.types.documents.Document` lists.
 
 Sources: Python's language reference (``pydoc_data.topics``, shipped with CPython), or a
 user's folder of text files (``TEXT_SUFFIXES``: ``.txt``, ``.md``, ``.markdown``, ``.rst``) or
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lazyattn_rag.documents import Document, NotUTF8Error, read_text_file
+from lazyattn_rag.types.documents import Document, NotUTF8Error, read_text_file
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst")
 JSONL_SUFFIXES = (".jsonl",)

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lazyattn_rag.documents import Document
-from lazyattn_rag.errors import UnknownDocumentError
+from lazyattn_rag.types.documents import Document
+from lazyattn_rag.types.errors import UnknownDocumentError
 
 if TYPE_CHECKING:
     from lazyattn_rag.integrations.embeddings import SentenceEmbedder

@@ -48,15 +48,15 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableLambda, RunnableParallel, RunnablePassthrough
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from lazyattn_rag.documents import Document, content_id
+from lazyattn_rag.types.documents import Document, content_id
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.integrations import langchain_callbacks
 from lazyattn_rag.integrations.call_options import WrapperSettings, call_sampling, split_sampling
 from lazyattn_rag.integrations.prompt_match import Candidate
 from lazyattn_rag.integrations.requests import EngineRequest, PromptMatcher, deserves_warning, rag_request
 from lazyattn_rag.llm import LazyAttention
-from lazyattn_rag.outputs import StreamDelta
-from lazyattn_rag.sampling import SamplingParams
+from lazyattn_rag.types.outputs import StreamDelta
+from lazyattn_rag.types.sampling_params import SamplingParams
 
 METADATA_KEY = "lazyattn"
 _CALL_KEYWORDS = ("documents", "model")  # ChatLazyAttention's own call keywords, besides the sampling fields

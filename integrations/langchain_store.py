@@ -34,7 +34,7 @@ from langchain_core.documents import Document as LCDocument
 from langchain_core.embeddings import Embeddings
 from langchain_core.vectorstores import VectorStore
 
-from lazyattn_rag.documents import Document
+from lazyattn_rag.types.documents import Document
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 
 if TYPE_CHECKING:

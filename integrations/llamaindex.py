@@ -59,15 +59,15 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, Te
 from llama_index.core.vector_stores.types import BasePydanticVectorStore
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from lazyattn_rag.documents import Document, content_id
-from lazyattn_rag.errors import PromptTooLongError
+from lazyattn_rag.types.documents import Document, content_id
+from lazyattn_rag.types.errors import PromptTooLongError
 from lazyattn_rag.integrations import llamaindex_events
 from lazyattn_rag.integrations.call_options import WrapperSettings, call_sampling, split_sampling
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.integrations.requests import EngineRequest, PromptMatcher, deserves_warning, rag_request
 from lazyattn_rag.llm import LazyAttention
-from lazyattn_rag.outputs import StreamDelta
-from lazyattn_rag.sampling import SamplingParams
+from lazyattn_rag.types.outputs import StreamDelta
+from lazyattn_rag.types.sampling_params import SamplingParams
 
 METADATA_KEY = "lazyattn"
 DOCUMENTS_KEY = "lazyattn_documents"  # a ChatMessage's additional_kwargs key: documents placed by id

@@ -53,7 +53,7 @@ from llama_index.core.vector_stores.utils import (
     node_to_metadata_dict,
 )
 
-from lazyattn_rag.documents import Document
+from lazyattn_rag.types.documents import Document
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.integrations.llamaindex import node_document
 

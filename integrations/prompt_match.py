@@ -3,7 +3,7 @@
 Frameworks hand the LLM one formatted string with the retrieved texts pasted in. The matcher
 finds every occurrence of every candidate document (a registered document, or a node the
 framework retrieved in the same query) and splits the prompt into text pieces and
-:class:`~lazyattn_rag.messages.DocumentRef` s, so the engine places each document from its
+:class:`~lazyattn_rag.types.messages.DocumentRef` s, so the engine places each document from its
 cached K/V and computes the text around it as the request's own tokens.
 
 What it is robust to (each seen in LlamaIndex or LangChain prompts):
@@ -32,7 +32,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from lazyattn_rag.messages import DocumentRef, MessagePart
+from lazyattn_rag.types.messages import DocumentRef, MessagePart
 
 MIN_CHARS = 32
 PARTIAL_FRACTION = 0.5  # a document counts as cut when at least this share of it occurs as an opening

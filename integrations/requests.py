@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lazyattn_rag.documents import Document
+from lazyattn_rag.types.documents import Document
 from lazyattn_rag.integrations.prompt_match import (
     Candidate,
     DocumentMatcher,
@@ -32,13 +32,13 @@ from lazyattn_rag.integrations.prompt_match import (
     split_message,
 )
 from lazyattn_rag.integrations.reuse_report import CallReport
-from lazyattn_rag.messages import DocumentRef, Message
-from lazyattn_rag.outputs import StreamDelta
+from lazyattn_rag.types.messages import DocumentRef, Message
+from lazyattn_rag.types.outputs import StreamDelta
 
 if TYPE_CHECKING:
-    from lazyattn_rag.config import PromptConfig
+    from lazyattn_rag.types.config import PromptConfig
     from lazyattn_rag.llm import LazyAttention
-    from lazyattn_rag.sampling import SamplingParams
+    from lazyattn_rag.types.sampling_params import SamplingParams
 
 _RAG_WORDS = re.compile(r"\b(context|documents?|passages?|sources?|retrieved)\b", re.IGNORECASE)
 RAG_PROMPT_MIN_CHARS = 300
@@ -127,7 +127,7 @@ def rag_request(question: str, documents: Sequence[Document], preamble: Sequence
         preamble: chat turns ``(role, text)`` before the RAG turn (a system prompt, a history);
             with any, the request is the engine's RAG turn (``prompt``'s instruction, the
             documents, its question prefix and the question) after them, as chat messages.
-        prompt: the engine's :class:`~lazyattn_rag.config.PromptConfig` (needed with a preamble).
+        prompt: the engine's :class:`~lazyattn_rag.types.config.PromptConfig` (needed with a preamble).
     Raises:
         ValueError: one id with two different texts (the id is named).
     """

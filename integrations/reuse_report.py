@@ -10,7 +10,7 @@ refine and tree_summarize modes, a chat engine that condenses the question first
 
 from __future__ import annotations
 
-from lazyattn_rag.outputs import StreamDelta
+from lazyattn_rag.types.outputs import StreamDelta
 
 _SUMMED = ("num_prompt_tokens", "num_cached_tokens", "num_computed_tokens", "num_output_tokens")
 
@@ -35,7 +35,7 @@ class ReuseSummary(dict):
     """The calls of one query and what they reused (JSON-able).
 
     Keys: ``doc_ids`` (every document placed, in call order), ``stats`` (one call: its
-    :class:`~lazyattn_rag.outputs.RequestStats` as a dict; several: the summed token counts
+    :class:`~lazyattn_rag.types.outputs.RequestStats` as a dict; several: the summed token counts
     ``num_prompt_tokens`` / ``num_cached_tokens`` / ``num_computed_tokens`` /
     ``num_output_tokens``, ``docs_hit`` and ``docs_missed`` of all, and the first call's
     ``ttft_ms``), ``finish_reason`` (the last call's), ``num_llm_calls``, ``num_finished`` and

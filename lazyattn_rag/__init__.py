@@ -4,9 +4,11 @@ Documents' K/V are cached once and placed at any offset of any prompt; their rot
 position encoding is applied at attention time (LazyAttention, ICML 2026).
 """
 
-from lazyattn_rag.config import CacheConfig, EngineConfig, PromptConfig, SchedulerConfig
-from lazyattn_rag.documents import Document
-from lazyattn_rag.errors import (
+from importlib.metadata import version
+
+from lazyattn_rag.types.config import CacheConfig, EngineConfig, PromptConfig, SchedulerConfig
+from lazyattn_rag.types.documents import Document
+from lazyattn_rag.types.errors import (
     CacheCapacityError,
     DocumentTooLongError,
     EmptyInputError,
@@ -14,10 +16,11 @@ from lazyattn_rag.errors import (
     PromptTooLongError,
     UnknownDocumentError,
 )
-from lazyattn_rag.messages import DocumentRef, Message
-from lazyattn_rag.outputs import Completion, RequestStats, StreamDelta
+from lazyattn_rag.types.messages import DocumentRef, Message
+from lazyattn_rag.types.outputs import Completion, RequestStats, StreamDelta
+from lazyattn_rag.types.sampling_params import SamplingParams
 
-__version__ = "0.1.0"
+__version__ = version("lazyattn-rag")  # pyproject.toml's, as installed
 
 __all__ = [
     "AsyncLazyAttention", "CacheCapacityError", "CacheConfig", "Completion", "Document", "DocumentRef", "DocumentTooLongError", "EmptyInputError",
@@ -27,10 +30,6 @@ __all__ = [
 
 
 def __getattr__(name: str):  # keeps `import lazyattn_rag` light: no torch (~1-2 s) until used
-    if name == "SamplingParams":
-        from lazyattn_rag.sampling import SamplingParams
-
-        return SamplingParams
     if name == "LazyAttention":
         from lazyattn_rag.llm import LazyAttention
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterable
 
-from lazyattn_rag.documents import Document
+from lazyattn_rag.types.documents import Document
 from lazyattn_rag.llm import LazyAttention, _ids, _pairs, _prompt_ids
-from lazyattn_rag.messages import Message, as_message
-from lazyattn_rag.outputs import Completion, StreamDelta
-from lazyattn_rag.sampling import SamplingParams
+from lazyattn_rag.types.messages import Message, as_message
+from lazyattn_rag.types.outputs import Completion, StreamDelta
+from lazyattn_rag.types.sampling_params import SamplingParams
 
 
 class AsyncLazyAttention:

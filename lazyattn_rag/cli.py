@@ -11,7 +11,7 @@ import typer
 
 from lazyattn_rag import cli_options as cli_opts
 from lazyattn_rag import cli_runtime  # noqa: F401  (process settings, set before torch loads)
-from lazyattn_rag.documents import NotUTF8Error, read_text_file
+from lazyattn_rag.types.documents import NotUTF8Error, read_text_file
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, cls=cli_opts.Group,
                   help="Retrieval-augmented generation with position-agnostic KV reuse (LazyAttention).")

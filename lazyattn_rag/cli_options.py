@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from lazyattn_rag.config import ANCHOR_MODES, CacheConfig, EngineConfig
+from lazyattn_rag.types.config import ANCHOR_MODES, CacheConfig, EngineConfig
 
 MODEL = typer.Option(None, help="A local Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3) or a .gguf "
                      "file, converted once (default: the offline SmolLM2-135M-Instruct).")
@@ -63,7 +63,7 @@ def sampling_overrides(temperature: Optional[float], top_p: Optional[float], rep
     Raises:
         ValueError: a value out of range (checked now, before any model loads).
     """
-    from lazyattn_rag.sampling import SamplingParams
+    from lazyattn_rag.types.sampling_params import SamplingParams
 
     overrides = {k: v for k, v in (("temperature", temperature), ("top_p", top_p),
                                    ("repetition_penalty", repetition_penalty)) if v is not None}

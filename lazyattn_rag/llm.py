@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from lazyattn_rag.config import EngineConfig
-from lazyattn_rag.documents import Document
+from lazyattn_rag.types.config import EngineConfig
+from lazyattn_rag.types.documents import Document
 from lazyattn_rag.engine.attention import get_backend_class
 from lazyattn_rag.engine.block_pool import BlockPool
 from lazyattn_rag.engine.chunk_cache import ChunkCache
@@ -27,12 +27,12 @@ from lazyattn_rag.engine.eviction import make_policy
 from lazyattn_rag.engine.loop import EngineLoop
 from lazyattn_rag.engine.model import CausalLM, ModelArchConfig
 from lazyattn_rag.engine.runner import ModelRunner, kv_bytes_per_block
-from lazyattn_rag.fingerprint import ModelFingerprint, tensors_sha256
+from lazyattn_rag.engine.fingerprint import ModelFingerprint, tensors_sha256
 from lazyattn_rag.kernels.rope import RotaryEmbedding
-from lazyattn_rag.messages import Message, as_message
-from lazyattn_rag.outputs import Completion, StreamDelta
-from lazyattn_rag.sampling import SamplingParams
-from lazyattn_rag.self_check import run_self_check
+from lazyattn_rag.types.messages import Message, as_message
+from lazyattn_rag.types.outputs import Completion, StreamDelta
+from lazyattn_rag.types.sampling_params import SamplingParams
+from lazyattn_rag.engine.self_check import run_self_check
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,7 +50,7 @@ def _tokenizer_sha256(tokenizer: Any) -> str:
 
 def _config_eos_ids(hf_config: Any) -> set[int]:
     """``eos_token_id`` of an in-memory transformers config (an int, a list, or absent)."""
-    from lazyattn_rag.model_loading import token_ids_of
+    from lazyattn_rag.engine.model_loading import token_ids_of
 
     return token_ids_of(getattr(hf_config, "eos_token_id", None))
 
@@ -123,7 +123,7 @@ class LazyAttention:
 
     default_sampling = SamplingParams()
     """Sampling when a call passes none: the model's recommended settings (its
-    ``generation_config.json``; :func:`~lazyattn_rag.model_loading.generation_defaults`) under
+    ``generation_config.json``; :func:`~lazyattn_rag.engine.model_loading.generation_defaults`) under
     ``EngineConfig.generation_config="auto"``, else greedy (:class:`SamplingParams` defaults)."""
 
     def __init__(self, config: EngineConfig | None = None):
@@ -132,7 +132,7 @@ class LazyAttention:
         def load(clock: _Stopwatch) -> tuple[LLMEngine, str]:
             import transformers  # noqa: F401  (its top level only, timed on its own)
 
-            from lazyattn_rag.model_loading import (
+            from lazyattn_rag.engine.model_loading import (
                 declared_eos_token_ids,
                 generation_defaults,
                 load_config_and_tokenizer,
@@ -198,7 +198,7 @@ class LazyAttention:
 
         The weights' hash goes into the model fingerprint that keys the cached K/V. It is
         computed from ``model.state_dict()`` unless ``weights_sha256`` (a hex digest from
-        :func:`lazyattn_rag.fingerprint.tensors_sha256`) is given: an 8B model's 16 GB are copied
+        :func:`lazyattn_rag.engine.fingerprint.tensors_sha256`) is given: an 8B model's 16 GB are copied
         to the host and hashed (SHA-256 runs at ~1.8 GB/s on one CPU core), so pass it when
         wrapping the same model more than once.
         """
@@ -360,11 +360,11 @@ class LazyAttention:
 
         This is how a RAG framework's own prompt keeps reuse: the template's text (instructions,
         separators, the question, a chat history) is computed as the request's own tokens and
-        every :class:`~lazyattn_rag.messages.DocumentRef` is placed from the document's cached
+        every :class:`~lazyattn_rag.types.messages.DocumentRef` is placed from the document's cached
         K/V (see :meth:`LLMEngine.plan_messages`).
 
         Args:
-            messages: :class:`~lazyattn_rag.messages.Message` s, ``(role, content)`` pairs or
+            messages: :class:`~lazyattn_rag.types.messages.Message` s, ``(role, content)`` pairs or
                 OpenAI-style dicts; content is text or a list of text and document parts.
             documents: inline documents, registered (or updated) first, all or none.
             sampling: :class:`SamplingParams`.
@@ -423,7 +423,7 @@ class LazyAttention:
         * ``startup_parts_ms``: its parts, in order: ``import_transformers`` (its top level),
           ``resolve_model`` (find the model, convert the default one on first use),
           ``config_tokenizer`` (transformers' config and tokenizer: see
-          :func:`~lazyattn_rag.model_loading.load_config_and_tokenizer`), ``weights``
+          :func:`~lazyattn_rag.engine.model_loading.load_config_and_tokenizer`), ``weights``
           (safetensors to the model),
           ``kv_cache`` (device move, KV tensors), ``cuda_graphs`` (when captured),
           ``engine_init`` (prompt template, the anchor's encode: the first forward pass),
@@ -431,7 +431,7 @@ class LazyAttention:
           has ``weights_hash`` instead of the first four;
         * ``self_check``: ``"ran"`` (the first start of this model and version: both parts ran),
           ``"cached"`` (its verdict was read), ``"rotary"`` or ``"off"`` (see
-          :func:`~lazyattn_rag.self_check.run_self_check`).
+          :func:`~lazyattn_rag.engine.self_check.run_self_check`).
         """
         return {**self.loop.call(self.engine.stats), **self._startup}
 

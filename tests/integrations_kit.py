@@ -67,7 +67,7 @@ class StreamSpy:
         return self._record(inner, call)
 
     def _spy_chat(self, messages, documents=(), sampling=None):
-        from lazyattn_rag.messages import as_message
+        from lazyattn_rag.types.messages import as_message
 
         messages = [as_message(m) for m in messages]
         call = {"messages": messages, "doc_ids": [d for m in messages for d in m.document_ids()], "offsets": {},

@@ -3,8 +3,8 @@
 import pytest
 
 from lazyattn_rag import EngineConfig, LazyAttention, SamplingParams
-from lazyattn_rag.config import CacheConfig
-from lazyattn_rag.errors import CacheCapacityError, PromptTooLongError
+from lazyattn_rag.types.config import CacheConfig
+from lazyattn_rag.types.errors import CacheCapacityError, PromptTooLongError
 from tests.integrations_kit import PROMPT
 from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
 
@@ -70,7 +70,7 @@ def test_a_request_that_can_never_fit_is_refused_at_submission_and_others_go_on(
 def test_a_document_that_can_never_fit_the_blocks_is_refused_at_registration(model):
     """4 blocks of 16: the head (1 block), a 40-token document (3) and the tail (1) need 5, though
     the document is under the 48-token context limit; a 32-token one fits, warm included."""
-    from lazyattn_rag.errors import DocumentTooLongError
+    from lazyattn_rag.types.errors import DocumentTooLongError
 
     llm = _llm(model, 4)
     try:
@@ -89,7 +89,7 @@ def test_a_document_that_can_never_fit_the_blocks_is_refused_at_registration(mod
 def test_a_document_that_tokenizes_to_nothing_is_refused(model):
     from tokenizers import normalizers
 
-    from lazyattn_rag.errors import EmptyInputError
+    from lazyattn_rag.types.errors import EmptyInputError
 
     tokenizer = word_tokenizer()
     tokenizer.backend_tokenizer.normalizer = normalizers.Replace("x", "")  # "xxx" tokenizes to nothing

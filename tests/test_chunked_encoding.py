@@ -9,7 +9,7 @@ import time
 import pytest
 
 from lazyattn_rag import EngineConfig, LazyAttention, SamplingParams
-from lazyattn_rag.config import CacheConfig, SchedulerConfig
+from lazyattn_rag.types.config import CacheConfig, SchedulerConfig
 from tests.integrations_kit import PROMPT
 from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
 

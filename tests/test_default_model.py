@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lazyattn_rag import CacheConfig, EngineConfig, SamplingParams
-from lazyattn_rag.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from lazyattn_rag.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from lazyattn_rag.llm import LazyAttention
 from tests.oracle import full_prefill_generate
 from tests.test_model_vs_hf import our_logits

@@ -257,7 +257,7 @@ def test_llamaindex_fits_full_windows_to_the_engine_with_its_tokenizer(smollm2, 
     import llama_index.core
     from llama_index.core import Settings
 
-    from lazyattn_rag.errors import PromptTooLongError
+    from lazyattn_rag.types.errors import PromptTooLongError
     from llama_index.core import Document, VectorStoreIndex
 
     from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM

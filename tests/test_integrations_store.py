@@ -178,7 +178,7 @@ def test_folder_sources_reads_text_markdown_and_jsonl(tmp_path):
 
 
 def test_rag_request_drops_empty_documents_and_rejects_conflicting_texts():
-    from lazyattn_rag.documents import Document
+    from lazyattn_rag.types.documents import Document
     from lazyattn_rag.integrations.requests import rag_request
 
     req = rag_request("q", [Document("a", "text a"), Document("e", "  \n"), Document("a", "text a")])

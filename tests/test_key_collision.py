@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 
 from lazyattn_rag import SamplingParams
-from lazyattn_rag.config import CacheConfig
+from lazyattn_rag.types.config import CacheConfig
 from lazyattn_rag.engine.chunk_cache import ChunkKeyCollisionError
-from lazyattn_rag.prompt import PromptPlan
+from lazyattn_rag.engine.prompt import PromptPlan
 from tests.integrations_kit import tiny_engine
 from tests.tiny import words
 
@@ -68,7 +68,7 @@ def test_a_forced_prefix_block_collision_is_refused():
 def test_a_collision_on_the_copy_path_is_refused():
     """block_attention mode copies a document's K/V from its copy at another offset: the copy's
     tokens are compared too (a forged source key used to serve, and store, the other document)."""
-    from lazyattn_rag.fingerprint import chunk_key
+    from lazyattn_rag.engine.fingerprint import chunk_key
 
     llm = _tiny_in_mode("block_attention")
     try:

@@ -40,8 +40,8 @@ class _Settings:
     @property
     def model_override_value(self) -> str:
         """The default model's converted folder: a local path, as ``model=`` takes."""
-        from lazyattn_rag.config import EngineConfig
-        from lazyattn_rag.model_loading import resolve_model
+        from lazyattn_rag.types.config import EngineConfig
+        from lazyattn_rag.engine.model_loading import resolve_model
 
         return str(resolve_model(None, EngineConfig().resolved_cache_dir()).path)
 

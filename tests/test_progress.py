@@ -1,11 +1,11 @@
-"""Progress lines of the one-time steps (lazyattn_rag/progress.py)."""
+"""Progress lines of the one-time steps (lazyattn_rag/utils/progress.py)."""
 
 import io
 import re
 
 import pytest
 
-from lazyattn_rag.progress import directory_bytes, format_bytes, stage
+from lazyattn_rag.utils.progress import directory_bytes, format_bytes, stage
 
 
 class _Terminal(io.StringIO):

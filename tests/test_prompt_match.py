@@ -10,7 +10,7 @@ from lazyattn_rag.integrations.prompt_match import (
     resolve,
     split_message,
 )
-from lazyattn_rag.messages import DocumentRef
+from lazyattn_rag.types.messages import DocumentRef
 
 A = "file: a.txt\n\nAlpha line one is here.\nAlpha line two follows it."
 B = "Beta paragraph with words.\n\nBeta more text here, it's \"quoted\" \\ too."

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from lazyattn_rag.sampling import SamplingParams, apply_penalties, sample
+from lazyattn_rag.engine.sampler import apply_penalties, sample
+from lazyattn_rag.types.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("kwargs, field", [

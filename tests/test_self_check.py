@@ -1,4 +1,4 @@
-"""The start-up self-check against transformers (``lazyattn_rag/self_check.py``): a model whose
+"""The start-up self-check against transformers (``engine/self_check.py``): a model whose
 positions we would compute wrongly is refused, a correct one passes once and then reads its
 cached verdict."""
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 from lazyattn_rag.kernels.rope import RotaryEmbedding
 
-from lazyattn_rag import CacheConfig, EngineConfig, SamplingParams, self_check
-from lazyattn_rag.errors import SelfCheckError
+from lazyattn_rag import CacheConfig, EngineConfig, SamplingParams
+from lazyattn_rag.engine import self_check
+from lazyattn_rag.types.errors import SelfCheckError
 from lazyattn_rag.llm import LazyAttention
 from tests.oracle import oracle_generate
 from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
@@ -252,7 +253,7 @@ def test_a_verdict_that_cannot_be_saved_costs_only_the_cache(model_dir, tmp_path
     warning, and checks again next time."""
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "self_check").write_text("not a folder")
-    with caplog.at_level("WARNING", logger="lazyattn_rag.self_check"):
+    with caplog.at_level("WARNING", logger="lazyattn_rag.engine.self_check"):
         llm = LazyAttention(_config(model_dir, tmp_path))
     try:
         assert len(llm.generate(words(3), sampling=SamplingParams(max_tokens=2, ignore_eos=True)).token_ids) == 2

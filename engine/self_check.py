@@ -25,7 +25,7 @@ A passing verdict is written to ``<cache_dir>/self_check/<key>.json``; the key c
 model fingerprint (weights, dtype, RoPE, tokenizer, block size), :data:`CHECK_VERSION`, the
 package, transformers and torch versions, the device type, the attention backend and
 whether chunks are reused, so the check runs once per model and code version. A failure is
-never cached: it raises :class:`~lazyattn_rag.errors.SelfCheckError` naming what differed.
+never cached: it raises :class:`~lazyattn_rag.types.errors.SelfCheckError` naming what differed.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from lazyattn_rag.config import EngineConfig, PromptConfig, SchedulerConfig
-from lazyattn_rag.errors import DocumentTooLongError, PromptTooLongError, SelfCheckError
+from lazyattn_rag.types.config import EngineConfig, PromptConfig, SchedulerConfig
+from lazyattn_rag.types.errors import DocumentTooLongError, PromptTooLongError, SelfCheckError
 from lazyattn_rag.kernels.rope import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def run_self_check(engine, hf_config: Any, config: EngineConfig, model_dir: Path
     path = verdict_path(engine, config)
     if read_verdict(path) is not None:
         return "cached"
-    from lazyattn_rag.model_loading import transformers_config
+    from lazyattn_rag.engine.model_loading import transformers_config
 
     hf_config = transformers_config(hf_config)  # the real class: the check builds transformers' rotary from it
     # Shown (the CLI configures no logging: warnings reach stderr) because it makes this start slower.
@@ -108,13 +108,13 @@ def run_self_check(engine, hf_config: Any, config: EngineConfig, model_dir: Path
 # --- verdict cache ---------------------------------------------------------------------------
 def verdict_key(engine, config: EngineConfig) -> dict:
     """What a cached verdict is valid for (JSON-able)."""
-    import transformers
+    from importlib.metadata import version
 
-    from lazyattn_rag import __version__
+    import transformers
 
     return {
         "check_version": CHECK_VERSION,
-        "package": __version__,
+        "package": version("lazyattn-rag"),
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "model": engine.model_digest,
@@ -408,7 +408,7 @@ def _probe_engine(engine, instruction: str):
 def _run_probe(engine):
     """Run the probe request; returns (plan, token ids of prompt + fed-back outputs, the sampled
     rows' logits ``[vocab]`` each, whether the document chunk was read from the cache)."""
-    from lazyattn_rag.sampling import SamplingParams
+    from lazyattn_rag.types.sampling_params import SamplingParams
 
     instruction, document, question = _probe_texts(engine.tokenizer, engine.runner.model.config.vocab_size)
     probe = _probe_engine(engine, instruction)

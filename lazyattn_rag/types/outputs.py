@@ -51,7 +51,7 @@ class RequestStats:
         ``[docs hit 1, missed 1 | prompt 600 tokens: 533 cached (500 from documents, 33 prompt
         head), 67 computed | TTFT 5 ms | 2 output tokens]``; ``no_documents`` replaces the
         document counts when the request named none."""
-        from lazyattn_rag.progress import plural
+        from lazyattn_rag.utils.progress import plural
 
         ttft = f"{self.ttft_ms:.0f} ms" if self.ttft_ms is not None else "n/a"
         docs = (f"docs hit {len(self.docs_hit)}, missed {len(self.docs_missed)}"

@@ -139,7 +139,7 @@ class EngineConfig:
             always (about a millisecond), and for a model directory small enough to load twice the
             logits of a probe request with a cached chunk at a non-zero offset. A passing verdict
             is cached per model fingerprint under ``<cache_dir>/self_check/``
-            (``lazyattn_rag/self_check.py``, ``docs/architecture.md``). ``False`` skips the check
+            (``engine/self_check.py``, ``docs/architecture.md``). ``False`` skips the check
             at the user's own risk.
         generation_config: ``"auto"``: a call without ``sampling`` uses the model's recommended
             sampling from its ``generation_config.json`` (temperature, top_p, top_k when it sets

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from lazyattn_rag.fingerprint import file_sha256
-from lazyattn_rag.progress import directory_bytes, format_bytes, stage
+from lazyattn_rag.engine.fingerprint import file_sha256
+from lazyattn_rag.utils.progress import directory_bytes, format_bytes, stage
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ _GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "
 
 def generation_defaults(path: Path) -> dict[str, Any]:
     """The sampling a model directory recommends, from its ``generation_config.json``, as
-    :class:`~lazyattn_rag.sampling.SamplingParams` keyword arguments (the meaning vLLM's
+    :class:`~lazyattn_rag.types.sampling_params.SamplingParams` keyword arguments (the meaning vLLM's
     ``generation_config="auto"`` gives them).
 
     ``temperature``, ``top_p`` and ``top_k`` apply only when the file sets ``do_sample: true``

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lazyattn_rag.config import PromptConfig
-from lazyattn_rag.messages import DocumentRef, Message
+from lazyattn_rag.types.config import PromptConfig
+from lazyattn_rag.types.messages import DocumentRef, Message
 
 _SENTINEL = "\u2063LAZYATTN_CONTENT\u2063"
 _SYSTEM_SENTINEL = "\u2063LAZYATTN_SYSTEM\u2063"

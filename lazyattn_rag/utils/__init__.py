@@ -1,0 +1,1 @@
+"""Console helpers every layer may import (progress of long steps, sizes, plurals)."""
