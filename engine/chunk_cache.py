@@ -24,6 +24,7 @@ Locking contract:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from lazyattn_rag.engine.block_pool import BlockPool, NoFreeBlocksError
 from lazyattn_rag.engine.eviction import EvictionPolicy, LRUPolicy
@@ -34,11 +35,19 @@ class ChunkKeyCollisionError(RuntimeError):
     built without all of its content): the cached K/V is never served for the other one."""
 
 
-def block_table_entries(block_ids: list[int], num_tokens: int, delta: int, block_size: int
-                        ) -> list[tuple[int, int, int]]:
-    """``(block id, delta, valid slots)`` of ``num_tokens`` tokens laid out from the first block's
-    slot 0; blocks past the last token are left out."""
-    return [(b, delta, min(block_size, num_tokens - i * block_size))
+class BlockEntry(NamedTuple):
+    """One block-table entry before packing: a physical block, the RoPE offset ``delta`` of the
+    chunk that owns it (``g - l``; 0 for a request's private blocks) and its valid slots."""
+
+    block_id: int
+    delta: int
+    num_valid: int
+
+
+def block_table_entries(block_ids: list[int], num_tokens: int, delta: int, block_size: int) -> list[BlockEntry]:
+    """The entries of ``num_tokens`` tokens laid out from the first block's slot 0, all with
+    ``delta``; blocks past the last token are left out."""
+    return [BlockEntry(b, delta, min(block_size, num_tokens - i * block_size))
             for i, b in enumerate(block_ids) if num_tokens > i * block_size]
 
 

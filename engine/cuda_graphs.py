@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from lazyattn_rag.engine.attention import AttentionMetadata, SequenceInput, build_attention_metadata
-from lazyattn_rag.engine.attention.triton_backend import plan_decode_batch
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -73,6 +72,9 @@ class DecodeGraphs:
     Args:
         forward: ``forward(input_ids, positions, metadata) -> [num_rows, vocab_size]`` float32
             logits of every row (the model over the runner's KV caches and backend).
+        plan: the attention backend's capture hook
+            (:meth:`~lazyattn_rag.engine.attention.AttentionBackend.plan_graph_decode`), run inside
+            the graph before the forward pass.
         batch_sizes: bucket sizes, ascending.
         max_blocks_per_seq: static block-table width.
         block_size: slots per KV block.
@@ -82,9 +84,10 @@ class DecodeGraphs:
     """
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
-                 batch_sizes: list[int], max_blocks_per_seq: int, block_size: int, padding_slot: int,
-                 device: torch.device, capture: bool = True):
-        self.forward, self.batch_sizes = forward, sorted(batch_sizes)
+                 plan: Callable[[AttentionMetadata, torch.Tensor], None], batch_sizes: list[int],
+                 max_blocks_per_seq: int, block_size: int, padding_slot: int, device: torch.device,
+                 capture: bool = True):
+        self.forward, self.plan, self.batch_sizes = forward, plan, sorted(batch_sizes)
         self.max_blocks_per_seq, self.block_size = max_blocks_per_seq, block_size
         self.padding_slot, self.device = padding_slot, device
         n = self.batch_sizes[-1]
@@ -112,7 +115,7 @@ class DecodeGraphs:
     def _run_static(self, batch: int) -> torch.Tensor:
         """The captured work: plan and forward over the first ``batch`` rows of the buffers."""
         metadata = self._metadata(batch)
-        plan_decode_batch(metadata, self.inputs.seq_ids[:batch])
+        self.plan(metadata, self.inputs.seq_ids[:batch])
         return self.forward(self.inputs.input_ids[:batch], self.inputs.positions[:batch], metadata)
 
     def _capture_all(self) -> None:

@@ -133,6 +133,10 @@ class EngineLoop:
     def _fail_everything(self) -> None:
         error = RuntimeError("the engine was shut down")
         self.engine.fail_all(error)
+        try:
+            self.engine.close()  # frees the KV cache and CUDA graphs
+        except Exception:  # noqa: BLE001 - logged; the waiting callers must still be answered
+            logger.exception("closing the engine failed")
         while True:
             try:
                 *_, future = self._commands.get_nowait()
@@ -141,7 +145,8 @@ class EngineLoop:
             future.set_exception(error)
 
     def shutdown(self) -> None:
-        """Stop the thread after the current step; requests in flight fail with ``RuntimeError``."""
+        """Stop the thread after the current step; requests in flight fail with ``RuntimeError``
+        and the engine's KV cache and CUDA graphs are freed (:meth:`LLMEngine.close`)."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()

@@ -10,6 +10,7 @@ from functools import cached_property
 
 import torch
 
+from lazyattn_rag.engine.chunk_cache import BlockEntry
 from lazyattn_rag.engine.detokenizer import IncrementalDetokenizer
 from lazyattn_rag.types.outputs import RequestStats, StreamDelta
 from lazyattn_rag.engine.prompt import PromptPlan
@@ -37,10 +38,10 @@ class Request:
         arrival_time: ``time.perf_counter()`` at submission.
         pinned: chunk keys this request holds pins on.
         encoded_keys: chunk keys this request encoded (its misses).
-        context_words: packed block-table words of everything before the query tail: its chunks
+        context_entries: block-table entries of everything before the query tail: its chunks
             (``delta = g - l`` each) and its text segments' blocks (``delta = 0``), in prompt
-            order, set once the chunks are all written; ``context_len`` their valid slots.
-        context_entries: the same entries unpacked (text segments' prefills read a prefix of them).
+            order, set once the chunks are all written (the runner packs them once);
+            ``context_len`` their valid slots.
         private_blocks: blocks of the private tokens (delta 0): each text segment's blocks in
             order (each segment starts a block), then the query tail's and generated tokens'.
         num_computed: private tokens whose K/V is written (text segments first, then the tail).
@@ -62,9 +63,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     pinned: list[str] = field(default_factory=list)
     encoded_keys: set[str] = field(default_factory=set)
-    context_words: torch.Tensor | None = None
     context_len: int = 0
-    context_entries: list[tuple[int, int, int]] = field(default_factory=list)
+    context_entries: list[BlockEntry] = field(default_factory=list)
     private_blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
     output_ids: list[int] = field(default_factory=list)

@@ -9,7 +9,9 @@ import torch
 
 from lazyattn_rag.engine.attention import AttentionBackend, AttentionMetadata, SequenceInput, build_attention_metadata
 from lazyattn_rag.engine.cuda_graphs import DecodeGraphs
+from lazyattn_rag.engine.input_prep import InputPreparer
 from lazyattn_rag.engine.model import CausalLM
+from lazyattn_rag.engine.scheduler_output import SchedulerOutput
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -36,7 +38,11 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
 
 class ModelRunner:
-    """Runs :class:`CausalLM` over batches of :class:`SequenceInput` against a paged KV cache.
+    """Runs :class:`CausalLM` over a step's jobs against a paged KV cache.
+
+    It owns the KV tensors, model-input preparation (:class:`InputPreparer`: positions, slot
+    mapping, the packed block tables it keeps per running request) and the CUDA graphs of
+    decode steps.
 
     Args:
         model: the model (already on ``device`` in ``dtype``).
@@ -55,7 +61,36 @@ class ModelRunner:
         shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.padding_slot = num_blocks * block_size
         self.graphs: DecodeGraphs | None = None
+        self.inputs = InputPreparer(block_size)
         self.kv_caches = [(zeros(shape, dtype, device), zeros(shape, dtype, device)) for _ in range(cfg.num_layers)]
+
+    def close(self) -> None:
+        """Free the KV tensors, the CUDA graphs (they hold their own memory pool) and the kept
+        block tables; the runner cannot run afterwards."""
+        self.kv_caches = []
+        self.graphs = None
+        self.inputs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @torch.inference_mode()
+    def execute_step(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run a step: its copies, then one forward pass of its encodes and computes.
+
+        Returns:
+            ``[len(out.computes), vocab_size]`` float32 logits of each compute job's last token
+            (a graph's output buffer: valid until the next call); ``[0, vocab_size]`` without
+            compute jobs.
+        Raises:
+            whatever a copy or the forward pass raises; the caller abandons the whole step.
+        """
+        self.inputs.release(out.released_ids)
+        for copy in out.copies:
+            self.copy_rotated(copy.src_blocks, copy.dst_blocks, copy.num_tokens, copy.delta)
+        if not (out.encodes or out.computes):
+            return torch.zeros(0, self.model.config.vocab_size, device=self.device)
+        seqs, last_rows = self.inputs.prepare(out)
+        return self.execute(seqs)[last_rows]
 
     @torch.inference_mode()
     def copy_rotated(self, src_blocks: list[int], dst_blocks: list[int], num_tokens: int, delta: int) -> None:
@@ -90,8 +125,8 @@ class ModelRunner:
             raise ValueError(f"the {self.backend.name!r} attention backend cannot run in CUDA graphs")
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {self.device}")
-        self.graphs = DecodeGraphs(self._forward_all_rows, batch_sizes, max_blocks_per_seq, self.block_size,
-                                   self.padding_slot, self.device, capture)
+        self.graphs = DecodeGraphs(self._forward_all_rows, self.backend.plan_graph_decode, batch_sizes,
+                                   max_blocks_per_seq, self.block_size, self.padding_slot, self.device, capture)
 
     def _forward_all_rows(self, input_ids: torch.Tensor, positions: torch.Tensor,
                           metadata: AttentionMetadata) -> torch.Tensor:
@@ -99,7 +134,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[SequenceInput]) -> torch.Tensor:
-        """Write the batch's new K/V and return the logits of each sequence's last new token.
+        """Write the batch's new K/V and return the logits of each sequence's last new token
+        (sequences prepared by :class:`InputPreparer`, or by hand in tests and checks).
 
         A decode batch replays a captured CUDA graph when graphs are enabled and it fits one.
 

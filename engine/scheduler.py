@@ -30,104 +30,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
-from lazyattn_rag.engine.chunk_cache import ChunkCache, block_table_entries
-from lazyattn_rag.engine.request import Request, RequestStatus
-from lazyattn_rag.types.errors import CacheCapacityError
-from lazyattn_rag.kernels.block_table import pack_entries
+from lazyattn_rag.engine.admission import ChunkAdmission
+from lazyattn_rag.engine.chunk_cache import BlockEntry, ChunkCache, block_table_entries
+from lazyattn_rag.engine.counters import EngineCounters
 from lazyattn_rag.engine.prompt import ChunkSegment
+from lazyattn_rag.engine.request import Request, RequestStatus
+from lazyattn_rag.engine.scheduler_output import ComputeJob, EncodeTask, SchedulerOutput
 
 
-@dataclass
-class EncodeJob:
-    """Encode a piece of one chunk alone, in this step's forward pass.
-
-    ``token_ids`` are the chunk's tokens ``start .. start + len(token_ids)`` at positions
-    ``local_start + start ..``; they attend ``context`` (the anchor), the chunk's first
-    ``start`` tokens (already in ``block_ids``, written by earlier steps) and themselves,
-    causally. ``final``: the piece completes the chunk (it is read from this step's pass on).
-    """
-
-    key: str
-    token_ids: tuple[int, ...]
-    local_start: int
-    block_ids: list[int]
-    context: list[tuple[int, int, int]]
-    start: int = 0
-    final: bool = True
-
-
-@dataclass
-class EncodeTask:
-    """A chunk being encoded across steps (chunked encoding), in pieces under the step budget.
-
-    The task holds the pending entry's first pin (taken by ``insert_pending``) until its final
-    piece ran: requests that wait for the chunk pin it too, and may leave meanwhile.
-    """
-
-    key: str
-    token_ids: tuple[int, ...]
-    local_start: int
-    block_ids: list[int]
-    context: list[tuple[int, int, int]]
-    num_done: int = 0  # tokens scheduled in earlier steps
-
-    def next_piece(self, budget: int) -> EncodeJob:
-        n = min(len(self.token_ids) - self.num_done, budget)
-        job = EncodeJob(self.key, self.token_ids[self.num_done:self.num_done + n], self.local_start, self.block_ids,
-                        self.context, self.num_done, self.num_done + n == len(self.token_ids))
-        self.num_done += n
-        return job
-
-
-@dataclass
-class CopyJob:
-    """Copy a positioned chunk to a new offset: K rotated by ``delta``, V as is (``block_attention``)."""
-
-    src_key: str
-    dst_key: str
-    src_blocks: list[int]
-    dst_blocks: list[int]
-    num_tokens: int
-    delta: int
-
-
-@dataclass
-class ComputeJob:
-    """Compute ``num_tokens`` private tokens of ``request`` from index ``start``; sample if ``sample``."""
-
-    request: Request
-    start: int
-    num_tokens: int
-    sample: bool
-
-
-@dataclass
-class SchedulerOutput:
-    """Everything one step runs; the only contract between the scheduler and the engine."""
-
-    encodes: list[EncodeJob] = field(default_factory=list)
-    copies: list[CopyJob] = field(default_factory=list)
-    computes: list[ComputeJob] = field(default_factory=list)
-    failed: list[tuple[Request, Exception]] = field(default_factory=list)
-    warmed: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(len(e.token_ids) for e in self.encodes) + sum(c.num_tokens for c in self.computes)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.encodes or self.copies or self.computes)
-
-    def written_keys(self) -> set[str]:
-        """Chunks this step completes: their last piece encoded in its forward pass (each layer
-        writes the batch's K/V before its attention reads any of it) or copied before that pass."""
-        return {e.key for e in self.encodes if e.final} | {c.dst_key for c in self.copies}
-
-
-class Scheduler:
+class Scheduler(ChunkAdmission):
     """Continuous batching over the chunk cache.
 
     Args:
@@ -138,11 +50,12 @@ class Scheduler:
             (permanently pinned by the engine; empty without an anchor).
         anchor_key: the anchor's chunk key (its blocks are not counted against requests).
         prefill_with_encodes: see :class:`lazyattn_rag.types.config.SchedulerConfig`.
+        counters: the engine's counters (preemptions are counted here).
     """
 
     def __init__(self, cache: ChunkCache, max_num_batched_tokens: int, max_num_seqs: int,
-                 anchor_context: list[tuple[int, int, int]], anchor_key: str | None = None,
-                 prefill_with_encodes: bool = True):
+                 anchor_context: list[BlockEntry], anchor_key: str | None = None,
+                 prefill_with_encodes: bool = True, counters: EngineCounters | None = None):
         self.cache = cache
         self.prefill_with_encodes = prefill_with_encodes
         self.block_size = cache.block_size
@@ -154,7 +67,8 @@ class Scheduler:
         self.acquired: list[Request] = []
         self.running: list[Request] = []
         self.encoding: list[EncodeTask] = []  # chunks being encoded, oldest first
-        self.num_preemptions = 0
+        self.counters = counters if counters is not None else EngineCounters()
+        self._released: list[str] = []  # request ids released since the last schedule()
 
     # --- queue management -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -181,13 +95,15 @@ class Scheduler:
         self.release(request)
 
     def release(self, request: Request) -> None:
+        """Give back ``request``'s private blocks and pins and reset its progress (it is
+        recomputed if it runs again); the next output reports it in ``released_ids``."""
+        self._released.append(request.request_id)
         if request.private_blocks:
             self.cache.pool.decref(request.private_blocks)
             request.private_blocks = []
         for key in request.pinned:
             self.cache.unpin(key)
         request.pinned = []
-        request.context_words = None
         request.context_entries = []
         request.context_len = 0
         request.num_computed = 0
@@ -214,13 +130,67 @@ class Scheduler:
 
     # --- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        """The next step's work (see the module docstring for the order)."""
+        out = SchedulerOutput(released_ids=self._released)
+        self._released = []
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         budget = self._schedule_encodes(out, self.encoding, budget)
         budget = self._promote_ready(out, budget)
         self._schedule_waiting(out, budget)
         return out
+
+    def update_from_output(self, out: SchedulerOutput) -> None:
+        """After the step's forward pass ran: copied and fully encoded chunks become readable
+        (their writers let go), and each compute job's tokens count as computed (``prefix``
+        mode also hands newly completed full prompt blocks to the cache)."""
+        for copy in out.copies:
+            self.cache.mark_ready(copy.dst_key)
+            self.cache.unpin(copy.dst_key)  # the writer's pin (insert_pending)
+            self.cache.unpin(copy.src_key)
+        for job in out.encodes:
+            if job.final:  # the chunk's last piece: readable from now on; the encoder lets go
+                self.cache.mark_ready(job.key)
+                self.cache.unpin(job.key)
+        for job in out.computes:
+            job.request.num_computed += job.num_tokens
+            if job.request.plan.prefix_block_keys:
+                self._register_prefix_blocks(job.request)
+
+    def abandon(self, out: SchedulerOutput) -> list[Request]:
+        """The step's copies or forward pass raised: release the step's requests and every request
+        holding a chunk the step was writing (admitted or running), drop those chunks' pending
+        entries and the copies' source pins. Returns the released requests (they must fail)."""
+        pending = {job.key for job in out.encodes} | {c.dst_key for c in out.copies}
+        for copy in out.copies:
+            self.cache.unpin(copy.src_key)
+        victims = {id(j.request): j.request for j in out.computes}
+        victims.update({id(r): r for r in self.acquired + self.running if pending.intersection(r.pinned)})
+        for r in victims.values():
+            self.remove(r)
+        self.drop_encodes(pending)  # chunks whose encoding had more pieces to go
+        for key in pending:
+            if self.cache.lookup(key, touch=False, include_dead=True) is not None:
+                self.cache.discard_pending(key)
+        return list(victims.values())
+
+    def _register_prefix_blocks(self, r: Request) -> None:
+        """Prefix mode: hand the request's newly completed full prompt blocks to the cache."""
+        bs = self.block_size
+        hit_blocks = r.num_prefix_tokens // bs
+        prompt_done = min(r.num_computed, len(r.plan.query_token_ids) - r.num_prefix_tokens)
+        full = (r.num_prefix_tokens + prompt_done) // bs
+        for j in range(hit_blocks + r.num_prefix_registered, min(full, len(r.plan.prefix_block_keys))):
+            key = r.plan.prefix_block_keys[j]
+            if self.cache.lookup(key, touch=False) is None:
+                block = r.private_blocks[j - hit_blocks]
+                self.cache.pool.incref([block])
+                self.cache.insert(key, [block], bs, j * bs, tuple(r.plan.query_token_ids[j * bs:(j + 1) * bs]))
+                # Pinned while the request also holds the block: evicting the entry now would not
+                # free it, so it must not count as evictable room.
+                self.cache.pin(key)
+                r.pinned.append(key)
+            r.num_prefix_registered += 1
 
     def _schedule_encodes(self, out: SchedulerOutput, tasks: list[EncodeTask], budget: int) -> int:
         """The next piece of each task, oldest first, within ``budget``; returns the budget left.
@@ -289,7 +259,7 @@ class Scheduler:
         self.release(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
-        self.num_preemptions += 1
+        self.counters.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _promote_ready(self, out: SchedulerOutput, budget: int) -> int:
@@ -314,15 +284,14 @@ class Scheduler:
             return 0
         context = self._context_of(request)
         request.context_entries = context
-        request.context_words = pack_entries(context)
-        request.context_len = sum(e[2] for e in context)
+        request.context_len = sum(e.num_valid for e in context)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         if budget <= 0:
             return 0
         return self._schedule_compute(out, request, budget, may_preempt=False)
 
-    def _context_of(self, request: Request) -> list[tuple[int, int, int]]:
+    def _context_of(self, request: Request) -> list[BlockEntry]:
         """Block-table entries of everything before the query tail, in prompt order: chunks at
         their offsets, text segments in their own (private, delta 0) blocks, prefix-cache hits."""
         entries = []
@@ -337,7 +306,7 @@ class Scheduler:
                 blocks = request.private_blocks[run.first_block: run.first_block + self.blocks_for(run.length)]
                 entries += block_table_entries(blocks, run.length, 0, self.block_size)
         for key in request.plan.prefix_block_keys[: request.num_prefix_tokens // self.block_size]:
-            entries.append((self.cache.held(key).block_ids[0], 0, self.block_size))
+            entries.append(BlockEntry(self.cache.held(key).block_ids[0], 0, self.block_size))
         return entries
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -361,148 +330,3 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.perf_counter()
             budget -= self._promote(out, request, budget)  # all hits: prefill in this step
-
-    def _acquire(self, request: Request, out: SchedulerOutput, budget: int) -> str:
-        """Pin hits and schedule encodes of misses: ``"ok"``, ``"wait"`` (no room now) or ``"failed"``."""
-        chunks = {c.key: c for c in request.plan.chunks}  # unique, in prompt order
-        num_private = 0 if request.warm_only else len(request.private_token_ids) + 1  # + the next token
-        total_blocks = self.num_blocks_needed(request, num_private)
-        if total_blocks > self.num_usable_blocks:  # the engine's admission check makes this rare
-            out.failed.append((request, CacheCapacityError(
-                f"request needs {total_blocks} KV blocks ({request.plan.num_prompt_tokens} prompt tokens) but "
-                f"the cache has {self.describe_capacity()}")))
-            return "failed"
-        hits, misses = [], []
-        for key, chunk in chunks.items():
-            # a dead entry still held by others holds exactly this content: a hit
-            entry = self.cache.lookup(key, touch=False, include_dead=True)
-            if entry is not None:
-                entry.check_tokens(chunk.token_ids)  # never serve another sequence's K/V
-            (hits if entry is not None else misses).append(chunk)
-        self._acquire_prefix(request)
-        for chunk in hits:
-            self.cache.pin(chunk.key, allow_dead=True)
-            request.pinned.append(chunk.key)
-        # Copy sources (block_attention mode) are pinned before the room check: pinning them later
-        # would take their blocks out of the evictable ones the check counted.
-        sources = self._copy_sources(misses)
-        for src in sources.values():
-            self.cache.pin(src.key)
-        # Room for the misses and for the private prompt too (query tail, or the whole prompt in
-        # full mode), whose blocks are taken now: a request admitted without them would only be
-        # preempted again at once, or take them from running requests and throw their work away.
-        num_private = request.num_private_blocks(request.num_tokens_to_compute, self.block_size)
-        need = sum(self.blocks_for(len(c.token_ids)) for c in misses) + num_private
-        if sources and not self.cache.can_allocate(need):  # room only by evicting the sources: encode instead
-            for src in sources.values():
-                self.cache.unpin(src.key)
-            sources = {}
-        if not self.cache.can_allocate(need):
-            self.release(request)
-            return "wait"
-        created: list[str] = []
-        try:
-            copied = self._start_misses(request, misses, out, sources, created)
-            request.private_blocks += self.cache.allocate(num_private)
-        except Exception:  # never keep what a failed acquisition took
-            for key, src in sources.items():
-                if key not in created:  # its copy job was never made, so nothing else unpins it
-                    self.cache.unpin(src.key)
-            self._abandon_acquire(request, out, created)
-            raise
-        for chunk in hits:  # a hit for the eviction policy once per admission, not per step spent waiting
-            self.cache.lookup(chunk.key, include_dead=True)
-        self._account(request, {c.key for c in misses}, copied)
-        return "ok"
-
-    def _abandon_acquire(self, request: Request, out: SchedulerOutput, created: list[str]) -> None:
-        """Undo an acquisition that raised: drop the jobs and pending entries it ``created``
-        (never those of other requests that it merely pinned), then release its pins."""
-        mine = set(created)
-        for job in [j for j in out.encodes if j.key in mine]:
-            out.encodes.remove(job)
-        self.encoding = [t for t in self.encoding if t.key not in mine]
-        for job in [j for j in out.copies if j.dst_key in mine]:
-            out.copies.remove(job)
-            self.cache.unpin(job.src_key)
-        request.pinned = [k for k in request.pinned if k not in mine]
-        for key in created:
-            self.cache.discard_pending(key)
-        self.release(request)
-
-    def _copy_sources(self, misses) -> dict:
-        """block_attention mode: a ready copy of each missing chunk's document at another offset."""
-        sources = {}
-        for chunk in misses:
-            ready = self.cache.ready_copies(chunk.source_key) if chunk.source_key else []
-            if ready:
-                ready[0].check_tokens(chunk.token_ids)  # a copy must hold the tokens it is copied for
-                sources[chunk.key] = ready[0]
-        return sources
-
-    def _start_misses(self, request: Request, misses, out: SchedulerOutput, sources: dict,
-                      created: list[str]) -> set[str]:
-        """Blocks, pending entries and encode (or copy) jobs for missing chunks; returns copied keys.
-
-        ``sources`` maps a chunk key to its (already pinned) copy source; the copy job takes over
-        that pin (the engine drops it once the copy ran). Each inserted key is appended to
-        ``created`` at once, so a failure part-way can undo exactly what was made.
-        """
-        copied = set()
-        for chunk in misses:
-            blocks = self.cache.allocate(self.blocks_for(len(chunk.token_ids)))
-            try:
-                self.cache.insert_pending(chunk.key, blocks, len(chunk.token_ids), chunk.local_start,
-                                          chunk.source_key, document=chunk.doc_id is not None,
-                                          token_ids=chunk.token_ids)
-            except Exception:
-                self.cache.pool.decref(blocks)
-                raise
-            created.append(chunk.key)
-            self.cache.pin(chunk.key, allow_dead=True)  # the request's pin; the first is the encoder's
-            request.pinned.append(chunk.key)
-            src = sources.get(chunk.key)
-            if src is not None:  # position-aware cache: re-rotate another offset's copy into new blocks
-                out.copies.append(CopyJob(src.key, chunk.key, src.block_ids, blocks, src.num_tokens,
-                                          chunk.local_start - src.local_start))
-                copied.add(chunk.key)
-                continue
-            request.encoded_keys.add(chunk.key)
-            context = self.anchor_context if chunk.doc_id is not None and chunk.source_key is None else []
-            self.encoding.append(EncodeTask(chunk.key, chunk.token_ids, chunk.local_start, blocks, context))
-        return copied
-
-    def _acquire_prefix(self, request: Request) -> None:
-        """Prefix mode: pin the longest run of cached full blocks of the prompt (exact prefix)."""
-        if not request.plan.prefix_block_keys:
-            return
-        bs, prompt = self.block_size, request.plan.query_token_ids
-        for j, key in enumerate(request.plan.prefix_block_keys):
-            entry = self.cache.lookup(key)
-            if entry is None or not entry.ready:
-                break
-            entry.check_tokens(prompt[j * bs:(j + 1) * bs])
-            self.cache.pin(key)
-            request.pinned.append(key)
-            request.num_prefix_tokens += self.block_size
-        total = len(request.plan.query_token_ids)
-        if request.num_prefix_tokens >= total:  # keep at least one prompt token to compute
-            last = request.pinned.pop()
-            self.cache.unpin(last)
-            request.num_prefix_tokens -= self.block_size
-
-    @staticmethod
-    def _account(request: Request, missed_keys: set[str], copied_keys: set[str]) -> None:
-        """Per-request stats: documents hit/missed and prompt-head tokens cached (first acquisition),
-        prompt tokens computed."""
-        stats = request.stats
-        encoded = sum(len(c.token_ids) for c in {c.key: c for c in request.plan.chunks}.values()
-                      if c.key in missed_keys and c.key not in copied_keys)
-        stats.num_computed_tokens += encoded
-        if request.num_preemptions == 0:
-            stats.num_computed_tokens -= request.num_prefix_tokens
-            stats.num_cached_head_tokens = sum(len(c.token_ids) for c in request.plan.chunks if c.doc_id is None
-                                               and (c.key not in missed_keys or c.key in copied_keys))
-            for c in request.plan.chunks:
-                if c.doc_id is not None:
-                    (stats.docs_missed if c.key in missed_keys else stats.docs_hit).append(c.doc_id)

@@ -412,21 +412,17 @@ def _run_probe(engine):
 
     instruction, document, question = _probe_texts(engine.tokenizer, engine.runner.model.config.vocab_size)
     probe = _probe_engine(engine, instruction)
-    probe.add_document("self-check", document)
-    plan = probe.plan(question, ["self-check"])
+    probe.documents.add([("self-check", document)])
+    plan = probe.planner.plan(question, ["self-check"])
     if probe.config.cache.mode in _REUSE_MODES:  # encode the chunk first: the request then reads it from the cache
         _drive(probe, lambda sink: probe.submit_warm(["self-check"], sink))
-    last: list[torch.Tensor] = []
-    rows: list[torch.Tensor] = []
-    execute = probe.runner.execute
+    rows: list[torch.Tensor] = []  # the sampled row of each step (one request: one compute job)
 
-    def recording_execute(seqs):  # every forward pass's last row (a sampled request's row, when one samples)
-        logits = execute(seqs)
-        last[:] = [logits[-1].detach().to(torch.float32).clone()]
-        return logits
+    def record(step) -> None:
+        rows.extend(step.logits[i].to(torch.float32).clone() for i, job in enumerate(step.output.computes)
+                    if job.sample)
 
-    probe.runner.execute = recording_execute
-    probe.step_listeners.append(lambda out, _: rows.extend(last) if any(j.sample for j in out.computes) else None)
+    probe.step_listeners.append(record)
     params = SamplingParams(max_tokens=PROBE_TOKENS, ignore_eos=True)
     deltas = _drive(probe, lambda sink: probe.submit(plan, params, sink))
     outputs = [d.token_id for d in deltas if d.token_id is not None]

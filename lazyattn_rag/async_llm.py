@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterable
 
+from lazyattn_rag.client import MakeRequest, chat_request, prompt_request, question_request
+from lazyattn_rag.llm import LazyAttention
 from lazyattn_rag.types.documents import Document
-from lazyattn_rag.llm import LazyAttention, _ids, _pairs, _prompt_ids
-from lazyattn_rag.types.messages import Message, as_message
+from lazyattn_rag.types.messages import Message
 from lazyattn_rag.types.outputs import Completion, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
 
@@ -44,17 +45,17 @@ class AsyncLazyAttention:
     async def stats(self) -> dict:
         return await asyncio.to_thread(self.llm.stats)
 
-    async def _submit(self, make_request) -> AsyncIterator[StreamDelta]:
+    async def _submit(self, make: MakeRequest) -> AsyncIterator[StreamDelta]:
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
 
         def sink(item):  # called on the engine thread
             loop.call_soon_threadsafe(deltas.put_nowait, item)
 
-        engine, call = self.llm.engine, self.llm.loop.call
-        submission = asyncio.ensure_future(asyncio.to_thread(call, make_request, sink))
+        client = self.llm.client
+        submission = asyncio.ensure_future(asyncio.to_thread(client.submit, make, sink))
         try:
-            request = await asyncio.shield(submission)
+            request_id = await asyncio.shield(submission)
         except asyncio.CancelledError:  # the submission may still land: abort what it makes
             submission.add_done_callback(self._abort_when_submitted)
             raise
@@ -71,35 +72,23 @@ class AsyncLazyAttention:
                     return
         finally:
             if not finished:
-                try:
-                    await asyncio.shield(asyncio.to_thread(call, engine.abort, request.request_id))
-                except RuntimeError:  # the engine was shut down: the request is gone already
-                    pass
+                await asyncio.shield(asyncio.to_thread(client.abort, request_id))
 
     def _abort_when_submitted(self, submission: asyncio.Future) -> None:
         """Done-callback of a submission whose caller was cancelled while it waited."""
         if not submission.cancelled() and submission.exception() is None:
-            self.llm.loop.post(self.llm.engine.abort, submission.result().request_id)
+            self.llm.client.abort_soon(submission.result())
 
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                sampling: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
-        """Async version of :meth:`LazyAttention.stream` (errors raise on the first ``__anext__``)."""
-        params = sampling or self.llm.default_sampling
-        ids, docs = _ids(doc_ids), _pairs(documents)
-        engine = self.llm.engine
-
-        def make(sink):
-            return engine.submit(engine.plan_with_documents(question, ids, docs), params, sink)
-
-        return self._submit(make)
+        """Async version of :meth:`LazyAttention.stream` (argument errors raise here, engine errors
+        on the first ``__anext__``)."""
+        return self._submit(question_request(question, doc_ids, documents, sampling or self.llm.default_sampling))
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                     sampling: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
-        """Async version of :meth:`LazyAttention.stream_chat` (errors raise on the first ``__anext__``)."""
-        msgs = [as_message(m) for m in messages]
-        params, docs = sampling or self.llm.default_sampling, _pairs(documents)
-        engine = self.llm.engine
-        return self._submit(lambda sink: engine.submit(engine.plan_messages_with_documents(msgs, docs), params, sink))
+        """Async version of :meth:`LazyAttention.stream_chat` (errors as :meth:`stream`)."""
+        return self._submit(chat_request(messages, documents, sampling or self.llm.default_sampling))
 
     async def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                    sampling: SamplingParams | None = None) -> Completion:
@@ -108,10 +97,7 @@ class AsyncLazyAttention:
     def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None
                       ) -> AsyncIterator[StreamDelta]:
         """Async version of :meth:`LazyAttention.stream_prompt` (no chunk reuse)."""
-        ids = _prompt_ids(self.llm.tokenizer, prompt)
-        params = sampling or self.llm.default_sampling
-        engine = self.llm.engine
-        return self._submit(lambda sink: engine.submit(engine.plan_plain(ids), params, sink))
+        return self._submit(prompt_request(prompt, sampling or self.llm.default_sampling))
 
     async def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                        sampling: SamplingParams | None = None) -> Completion:

@@ -128,29 +128,6 @@ def ask(
         typer.echo(final.stats.summary(NO_DOCUMENTS), err=True)
 
 
-def _labelled_info(llm) -> dict:
-    """``llm.info()`` with the chunks an engine caches before any document named: the anchor
-    (what every document chunk is encoded after; pinned from start-up) and the prompt head (the
-    template's text before the documents, cached by the first question and shared by all)."""
-    engine = llm.engine
-
-    def count() -> tuple[int, int]:
-        keys = {e.key for e in engine.cache.entries()}
-        anchor = int(engine.anchor_key in keys)
-        return anchor, int(engine.head_key in keys and engine.head_key != engine.anchor_key)
-
-    info, (anchors, heads) = llm.info(), llm.loop.call(count)
-    out = {}
-    for key, value in info.items():
-        out[key] = value
-        if key == "anchor":
-            out["anchor_tokens"] = len(engine.anchor_ids)
-            out["prompt_head_tokens"] = len(engine.head_ids)
-        if key == "num_cached_chunks":
-            out["cached_chunks"] = {"anchor": anchors, "prompt_head": heads, "documents": value - anchors - heads}
-    return out
-
-
 @app.command(cls=cli_opts.Command)
 def info(
     model: Optional[str] = cli_opts.MODEL,
@@ -173,7 +150,7 @@ def info(
         raise _fail(str(e)) from e
     except KeyboardInterrupt as e:
         raise _fail("interrupted", 130) from e
-    typer.echo(json.dumps(_labelled_info(llm), indent=2))
+    typer.echo(json.dumps(llm.info(), indent=2))
 
 
 def _register_chat() -> None:  # the chatbot's options live with it; its extras load only when it runs

@@ -1,101 +1,38 @@
-"""``LazyAttention``: the public facade (load a model, register documents, ask questions)."""
+"""``LazyAttention``: the public class (load a model, register documents, ask questions).
+
+It is a thin front over :class:`~lazyattn_rag.client.EngineClient`: the engine is built by
+:mod:`lazyattn_rag.engine.factory` on the engine thread, and every call runs there.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import gc
-import hashlib
-import json
-import logging
 import queue
 import threading
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-import torch
-
+from lazyattn_rag.client import (
+    EngineClient,
+    MakeRequest,
+    chat_request,
+    document_ids,
+    document_pairs,
+    prompt_request,
+    question_request,
+    warm_request,
+)
+from lazyattn_rag.engine.engine import LLMEngine
+from lazyattn_rag.engine.factory import build_engine, build_engine_from_model, describe
+from lazyattn_rag.engine.loop import EngineLoop
+from lazyattn_rag.engine.model import CausalLM
 from lazyattn_rag.types.config import EngineConfig
 from lazyattn_rag.types.documents import Document
-from lazyattn_rag.engine.attention import get_backend_class
-from lazyattn_rag.engine.block_pool import BlockPool
-from lazyattn_rag.engine.chunk_cache import ChunkCache
-from lazyattn_rag.engine.cuda_graphs import graph_batch_sizes, graph_block_table_width
-from lazyattn_rag.engine.engine import LLMEngine
-from lazyattn_rag.engine.eviction import make_policy
-from lazyattn_rag.engine.loop import EngineLoop
-from lazyattn_rag.engine.model import CausalLM, ModelArchConfig
-from lazyattn_rag.engine.runner import ModelRunner, kv_bytes_per_block
-from lazyattn_rag.engine.fingerprint import ModelFingerprint, tensors_sha256
-from lazyattn_rag.kernels.rope import RotaryEmbedding
 from lazyattn_rag.types.messages import Message, as_message
 from lazyattn_rag.types.outputs import Completion, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
-from lazyattn_rag.engine.self_check import run_self_check
 
-logger = logging.getLogger(__name__)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CPU_DEFAULT_KV_BYTES = 512 * 2**20
 _SHARED: dict[EngineConfig, "LazyAttention"] = {}  # LazyAttention.shared(): one engine per configuration
 _SHARED_LOCK = threading.Lock()
-
-
-def _tokenizer_sha256(tokenizer: Any) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    extra = json.dumps([tokenizer.bos_token_id, tokenizer.eos_token_id, getattr(tokenizer, "chat_template", None)])
-    return hashlib.sha256((text + extra).encode()).hexdigest()
-
-
-def _config_eos_ids(hf_config: Any) -> set[int]:
-    """``eos_token_id`` of an in-memory transformers config (an int, a list, or absent)."""
-    from lazyattn_rag.engine.model_loading import token_ids_of
-
-    return token_ids_of(getattr(hf_config, "eos_token_id", None))
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-@contextlib.contextmanager
-def _collect_once():
-    """Pause the cyclic garbage collector while an engine builds, then collect once.
-
-    Building imports transformers and loads the model and tokenizer: tens of thousands of new
-    long-lived objects (140k on a first start), for which CPython runs two to four full
-    collections of the whole heap (~0.07-0.1 s each on 2 cores). One collection at the end frees
-    the same garbage and resets the collector's count, so the next full one is not due in the
-    first request. The collector's state is restored (it stays off if it was off).
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-            gc.collect()
-
-
-class _Stopwatch:
-    """Milliseconds of the named parts of an engine's start-up, lap by lap."""
-
-    def __init__(self):
-        self.start = self.last = time.perf_counter()
-        self.parts: dict[str, float] = {}
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.parts[name] = round((now - self.last) * 1e3, 1)
-        self.last = now
-
-    def summary(self, self_check: str) -> dict:
-        return {"startup_ms": round((time.perf_counter() - self.start) * 1e3, 1),
-                "startup_parts_ms": dict(self.parts), "self_check": self_check}
 
 
 class LazyAttention:
@@ -119,6 +56,18 @@ class LazyAttention:
     Thread safety: every public method may be called from several threads; one background
     engine thread batches all their requests (continuous batching). See
     :class:`lazyattn_rag.AsyncLazyAttention` for asyncio.
+
+    Attributes:
+        config: the :class:`EngineConfig`.
+        model, tokenizer: the loaded :class:`~lazyattn_rag.engine.model.CausalLM` (on its
+            device; another engine may share it through :meth:`from_model`) and its tokenizer.
+        model_name, fingerprint, device: the model's name, its
+            :class:`~lazyattn_rag.engine.fingerprint.ModelFingerprint` (what keys cached K/V)
+            and its ``torch.device``.
+        max_model_len: the context limit in tokens (what the KV cache holds for one request).
+        block_bytes: K/V bytes of one block over all layers.
+        loop, engine: the :class:`~lazyattn_rag.engine.loop.EngineLoop` and its engine (for
+            tools and tests; call into the engine only through ``loop.call``).
     """
 
     default_sampling = SamplingParams()
@@ -128,51 +77,19 @@ class LazyAttention:
 
     def __init__(self, config: EngineConfig | None = None):
         config = config or EngineConfig()
+        self._start(lambda: build_engine(config))
 
-        def load(clock: _Stopwatch) -> tuple[LLMEngine, str]:
-            import transformers  # noqa: F401  (its top level only, timed on its own)
-
-            from lazyattn_rag.engine.model_loading import (
-                declared_eos_token_ids,
-                generation_defaults,
-                load_config_and_tokenizer,
-                load_state_dict,
-                resolve_model,
-            )
-
-            clock.lap("import_transformers")
-            source = resolve_model(config.model, config.resolved_cache_dir())
-            clock.lap("resolve_model")
-            if config.generation_config == "auto":
-                self.default_sampling = SamplingParams(**generation_defaults(source.path))
-            hf_config, tokenizer = load_config_and_tokenizer(source.path, config.resolved_cache_dir())
-            clock.lap("config_tokenizer")
-            model = CausalLM.from_hf_state_dict(ModelArchConfig.from_hf_config(hf_config),
-                                                RotaryEmbedding.from_hf_config(hf_config), load_state_dict(source.path))
-            clock.lap("weights")
-            eos = declared_eos_token_ids(source.path)
-            engine = self._build(model, tokenizer, config, source.weights_sha256, source.name, eos, hf_config, clock)
-            check = run_self_check(engine, hf_config, config, source.path)  # refuses a model with wrong positions
-            clock.lap("self_check")
-            return engine, check
-
-        self._start(load)
-
-    def _start(self, load: Callable[[_Stopwatch], tuple[LLMEngine, str]]) -> None:
-        """Start the engine thread and build the engine on it with ``load`` (every torch op of the
-        engine runs on that thread), timing its parts for :meth:`stats`. ``load`` returns the
-        engine and what its self-check did."""
-        clock = _Stopwatch()
-
-        def build() -> LLMEngine:
-            with _collect_once():
-                engine, check = load(clock)
-            clock.lap("collect_garbage")
-            self._startup = clock.summary(self_check=check)
-            return engine
-
+    def _start(self, build) -> None:
+        """Start the engine thread, build the engine on it, and read its fixed facts once."""
         self.loop = EngineLoop(build)
-        self.engine = self.loop.engine
+        self.engine: LLMEngine = self.loop.engine
+        self.client = EngineClient(self.loop)
+        facts = self.client.call(lambda engine: (engine.config, engine.tokenizer, engine.max_model_len,
+                                                 engine.default_sampling, dict(engine.info), engine.runner.model,
+                                                 engine.fingerprint, engine.runner.device))
+        self.config, self.tokenizer, self.max_model_len, self.default_sampling, info = facts[:5]
+        self.model, self.fingerprint, self.device = facts[5:]
+        self.model_name, self.block_bytes = info["model"], info["block_bytes"]
 
     @classmethod
     def shared(cls, config: EngineConfig | None = None) -> "LazyAttention":
@@ -180,7 +97,7 @@ class LazyAttention:
 
         Framework wrappers constructed from configuration (``LazyAttentionLLM(model=...)``,
         ``ChatLazyAttention(model=...)``) share it, so two LLM objects over the same model hold
-        one copy of the weights and one KV cache. :meth:`shutdown` of a shared engine removes
+        one copy of the weights and one KV cache. :meth:`close` of a shared engine removes
         it, and the next call builds a new one.
         """
         config = config or EngineConfig()
@@ -194,77 +111,13 @@ class LazyAttention:
     def from_model(cls, model: CausalLM, tokenizer: Any, config: EngineConfig | None = None,
                    name: str = "in-memory", hf_config: Any = None,
                    weights_sha256: str | None = None) -> "LazyAttention":
-        """Wrap an already-built :class:`CausalLM` (tests, custom loading).
-
-        The weights' hash goes into the model fingerprint that keys the cached K/V. It is
-        computed from ``model.state_dict()`` unless ``weights_sha256`` (a hex digest from
-        :func:`lazyattn_rag.engine.fingerprint.tensors_sha256`) is given: an 8B model's 16 GB are copied
-        to the host and hashed (SHA-256 runs at ~1.8 GB/s on one CPU core), so pass it when
-        wrapping the same model more than once.
-        """
+        """Wrap an already-built :class:`CausalLM` (tests, custom loading); see
+        :func:`~lazyattn_rag.engine.factory.build_engine_from_model` (pass ``weights_sha256``
+        when wrapping the same large model more than once: hashing it copies every weight)."""
         self = cls.__new__(cls)
         config = config or EngineConfig()
-
-        def load(clock: _Stopwatch) -> tuple[LLMEngine, str]:
-            digest = weights_sha256 or tensors_sha256(model.state_dict())
-            clock.lap("weights_hash")
-            engine = self._build(model, tokenizer, config, digest, name, _config_eos_ids(hf_config), hf_config, clock)
-            check = run_self_check(engine, hf_config, config)  # rotary part only: no directory
-            clock.lap("self_check")
-            return engine, check
-
-        self._start(load)
+        self._start(lambda: build_engine_from_model(model, tokenizer, config, name, hf_config, weights_sha256))
         return self
-
-    def _build(self, model, tokenizer, config, weights_sha256, name, eos_ids, hf_config,
-               clock: _Stopwatch) -> LLMEngine:
-        """Move the model to its device and build the engine (runs on the engine thread); ``clock``
-        times the parts ``kv_cache`` (model moved to its device, KV tensors) and ``engine_init``
-        (fingerprint, prompt template, the anchor's encode: the first forward pass).
-
-        CPU note: PyTorch's OpenMP intra-op pool runs small matrix products ~40 % slower on a
-        thread once another thread has its own pool (libgomp throttles its spinning when its
-        threads outnumber the cores), so model loading and every forward pass run on one thread.
-        """
-        self.config = config
-        self.device = _resolve_device(config.device)
-        dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
-        self.dtype = _DTYPES[dtype_name]
-        backend_name = config.attention_backend
-        if backend_name == "auto":
-            backend_name = "triton" if self.device.type == "cuda" else "torch"
-        self.model_name = name
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.tokenizer = tokenizer
-        arch = model.config
-        window = getattr(hf_config, "sliding_window", None) if hf_config is not None else None
-        limit = arch.max_position_embeddings if not window else min(window, arch.max_position_embeddings)
-        self.max_model_len = min(config.max_model_len or limit, limit)
-        block_size = config.cache.block_size
-        backend = _make_backend(backend_name, config.attention_backend == "auto", model)
-        self.block_bytes = kv_bytes_per_block(model, block_size, self.dtype)
-        num_blocks = config.cache.num_blocks or max(1, self._kv_budget() // self.block_bytes)
-        runner = ModelRunner(self.model, backend, num_blocks, block_size, self.device, self.dtype)
-        clock.lap("kv_cache")
-        if config.cuda_graphs and self.device.type == "cuda" and backend.supports_cuda_graphs:
-            runner.enable_cuda_graphs(graph_batch_sizes(config.scheduler.max_num_seqs),
-                                      graph_block_table_width(self.max_model_len, block_size))
-            clock.lap("cuda_graphs")
-        self.fingerprint = ModelFingerprint(weights_sha256, dtype_name, json.dumps(model.rotary.fingerprint(),
-                                            sort_keys=True), _tokenizer_sha256(tokenizer), block_size)
-        cache = ChunkCache(BlockPool(num_blocks), block_size, make_policy(config.cache.eviction_policy))
-        engine = LLMEngine(runner, cache, tokenizer, self.fingerprint.digest(), config, self.max_model_len, eos_ids)
-        self.max_model_len = engine.max_model_len  # lowered to what the KV cache holds, if needed
-        clock.lap("engine_init")
-        return engine
-
-    def _kv_budget(self) -> int:
-        if self.config.cache.kv_cache_bytes is not None:
-            return self.config.cache.kv_cache_bytes
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * (self.config.cache.kv_cache_fraction or 0.4))
-        return CPU_DEFAULT_KV_BYTES
 
     # --- documents ------------------------------------------------------------------------
     def add_document(self, doc_id: str, text: str) -> bool:
@@ -273,38 +126,40 @@ class LazyAttention:
         Returns:
             ``True`` if the document is new or its text changed.
         Raises:
-            EmptyInputError, DocumentTooLongError: see :meth:`LLMEngine.add_document`.
+            EmptyInputError, DocumentTooLongError: naming the document (nothing is registered).
         """
-        return self.loop.call(self.engine.add_document, doc_id, text)
+        return self.add_documents([(doc_id, text)]) == 1
 
     def add_documents(self, documents: Iterable[Document | tuple[str, str]]) -> int:
-        """Register many documents; returns how many were new or changed."""
-        pairs = _pairs(documents)
-        return self.loop.call(self.engine.add_documents, pairs)
+        """Register many documents, all or none; returns how many were new or changed.
+
+        Raises:
+            ValueError: an item that is neither a :class:`Document` nor an ``(id, text)`` pair.
+            EmptyInputError, DocumentTooLongError: naming the first bad document.
+        """
+        pairs = document_pairs(documents)
+        return self.client.call(lambda engine: engine.documents.add(pairs))
 
     def remove_document(self, doc_id: str) -> None:
         """Forget a document and its cached K/V. Raises ``UnknownDocumentError``."""
-        self.loop.call(self.engine.remove_document, doc_id)
+        self.client.call(lambda engine: engine.documents.remove(doc_id))
 
     def has_document(self, doc_id: str) -> bool:
-        return doc_id in self.engine.documents
+        return self.client.call(lambda engine: doc_id in engine.documents)
 
     def document_ids(self) -> list[str]:
-        return self.loop.call(lambda: list(self.engine.documents))
+        return self.client.call(lambda engine: engine.documents.ids())
 
     @property
     def documents_version(self) -> int:
-        """A number that grows whenever a document is added, changed or removed (cheap to read)."""
-        return self.engine.documents_version
+        """A number that grows whenever a document is added, changed or removed."""
+        return self.client.call(lambda engine: engine.documents.version)
 
     def document_texts(self, doc_ids: Iterable[str] | None = None) -> dict[str, str]:
         """Registered documents as ``{id: text}`` (a snapshot); with ``doc_ids``, only those of
         them that are registered (no copy of the whole registry)."""
-        if doc_ids is None:
-            return self.loop.call(lambda: {d: doc.text for d, doc in self.engine.documents.items()})
-        ids = _ids(doc_ids)
-        documents = self.engine.documents
-        return self.loop.call(lambda: {d: documents[d].text for d in ids if d in documents})
+        ids = None if doc_ids is None else document_ids(doc_ids)
+        return self.client.call(lambda engine: engine.documents.texts(ids))
 
     def warm(self, doc_ids: Iterable[str]) -> list[str]:
         """Encode documents' K/V ahead of queries (blocking); returns the ids encoded now (misses).
@@ -312,19 +167,19 @@ class LazyAttention:
         Raises:
             UnknownDocumentError: an id that is not registered.
         """
-        ids = _ids(doc_ids)
-        final = _collect_deltas(self._submit(lambda sink: self.engine.submit_warm(ids, sink)))
+        final = None
+        for final in self._submit(warm_request(doc_ids)):
+            pass
         return final.stats.docs_missed
 
     # --- generation -----------------------------------------------------------------------
-    def _submit(self, make_request) -> "RequestStream":
+    def _submit(self, make: MakeRequest) -> "RequestStream":
         """Submit on the engine thread (errors raise here) and return the delta stream."""
         deltas: queue.SimpleQueue = queue.SimpleQueue()
-        request = self.loop.call(make_request, deltas.put)
-        return RequestStream(self.loop, self.engine, request.request_id, deltas)
+        return RequestStream(self.client, self.client.submit(make, deltas.put), deltas)
 
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
-               sampling: SamplingParams | None = None) -> RequestStream:
+               sampling: SamplingParams | None = None) -> "RequestStream":
         """Stream the answer to ``question`` over documents, in the order given.
 
         Args:
@@ -341,13 +196,7 @@ class LazyAttention:
             at the call, before anything is queued or registered. CacheCapacityError: at the call, when the
             prompt plus ``max_tokens`` could never fit the KV cache. Other requests are unaffected.
         """
-        params = sampling or self.default_sampling
-        ids, docs = _ids(doc_ids), _pairs(documents)
-
-        def make(sink):
-            return self.engine.submit(self.engine.plan_with_documents(question, ids, docs), params, sink)
-
-        return self._submit(make)
+        return self._submit(question_request(question, doc_ids, documents, sampling or self.default_sampling))
 
     def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                  sampling: SamplingParams | None = None) -> Completion:
@@ -355,13 +204,13 @@ class LazyAttention:
         return _collect(self.stream(question, doc_ids, documents, sampling))
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
-                    sampling: SamplingParams | None = None) -> RequestStream:
+                    sampling: SamplingParams | None = None) -> "RequestStream":
         """Stream the answer to chat ``messages`` whose content places documents by id.
 
         This is how a RAG framework's own prompt keeps reuse: the template's text (instructions,
         separators, the question, a chat history) is computed as the request's own tokens and
         every :class:`~lazyattn_rag.types.messages.DocumentRef` is placed from the document's cached
-        K/V (see :meth:`LLMEngine.plan_messages`).
+        K/V (see :meth:`~lazyattn_rag.engine.planner.PromptPlanner.plan_messages`).
 
         Args:
             messages: :class:`~lazyattn_rag.types.messages.Message` s, ``(role, content)`` pairs or
@@ -375,10 +224,7 @@ class LazyAttention:
             PromptTooLongError, DocumentTooLongError: at the call, before anything is queued
             or registered.
         """
-        msgs = [as_message(m) for m in messages]
-        params, docs = sampling or self.default_sampling, _pairs(documents)
-        return self._submit(lambda sink: self.engine.submit(
-            self.engine.plan_messages_with_documents(msgs, docs), params, sink))
+        return self._submit(chat_request(messages, documents, sampling or self.default_sampling))
 
     def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
              sampling: SamplingParams | None = None) -> Completion:
@@ -388,9 +234,9 @@ class LazyAttention:
     def plan_chat(self, messages: Iterable[Message | dict | tuple]):
         """The prompt plan chat ``messages`` would run (for inspection; registered documents only)."""
         msgs = [as_message(m) for m in messages]
-        return self.loop.call(self.engine.plan_messages, msgs)
+        return self.client.call(lambda engine: engine.planner.plan_messages(msgs))
 
-    def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> RequestStream:
+    def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> "RequestStream":
         """Stream a completion of a plain prompt, with no chunk reuse (a standard full prefill).
 
         Args:
@@ -401,11 +247,9 @@ class LazyAttention:
                 which tokenize it literally.
             sampling: :class:`SamplingParams`.
         Raises:
-            EmptyInputError, PromptTooLongError: at the call.
+            ValueError: neither text nor token ids. EmptyInputError, PromptTooLongError: at the call.
         """
-        ids = _prompt_ids(self.tokenizer, prompt)
-        params = sampling or self.default_sampling
-        return self._submit(lambda sink: self.engine.submit(self.engine.plan_plain(ids), params, sink))
+        return self._submit(prompt_request(prompt, sampling or self.default_sampling))
 
     def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Completion:
         """Complete a plain prompt (no chunk reuse); see :meth:`stream_prompt`."""
@@ -413,13 +257,14 @@ class LazyAttention:
 
     def plan(self, question: str, doc_ids: Iterable[str]):
         """The prompt plan a question over registered documents would run (for inspection)."""
-        return self.loop.call(self.engine.plan, question, _ids(doc_ids))
+        ids = document_ids(doc_ids)
+        return self.client.call(lambda engine: engine.planner.plan(question, ids))
 
     def stats(self) -> dict:
         """Engine-wide stats (see :meth:`LLMEngine.stats`, which includes ``first_request_ttft_ms``)
         and the engine's start-up:
 
-        * ``startup_ms``: from the constructor's call to a ready engine;
+        * ``startup_ms``: from the start of the build to a ready engine;
         * ``startup_parts_ms``: its parts, in order: ``import_transformers`` (its top level),
           ``resolve_model`` (find the model, convert the default one on first use),
           ``config_tokenizer`` (transformers' config and tokenizer: see
@@ -433,42 +278,27 @@ class LazyAttention:
           ``"cached"`` (its verdict was read), ``"rotary"`` or ``"off"`` (see
           :func:`~lazyattn_rag.engine.self_check.run_self_check`).
         """
-        return {**self.loop.call(self.engine.stats), **self._startup}
+        return self.client.call(lambda engine: {**engine.stats(), **engine.startup})
 
-    def shutdown(self) -> None:
-        """Stop the engine thread (a shared engine stops being shared)."""
+    def info(self) -> dict:
+        """Model, backend and cache configuration as a JSON-able dict."""
+        return self.client.call(describe)
+
+    def close(self) -> None:
+        """Stop the engine thread and free the KV cache and CUDA graphs; requests in flight fail
+        with ``RuntimeError``. A shared engine stops being shared. Idempotent."""
         with _SHARED_LOCK:
             for key in [k for k, v in _SHARED.items() if v is self]:
                 del _SHARED[key]
         self.loop.shutdown()
 
-    def info(self) -> dict:
-        """Model, backend and cache configuration as a JSON-able dict."""
-        return self.loop.call(self._info)
+    shutdown = close  # the name vLLM uses
 
-    def _info(self) -> dict:
-        cache = self.engine.cache
-        return {
-            "model": self.model_name,
-            "model_type": self.model.config.model_type,
-            "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "attention_backend": self.engine.runner.backend.name,
-            "max_model_len": self.max_model_len,
-            "default_sampling": {k: v for k, v in dataclasses.asdict(self.default_sampling).items()
-                                 if v != getattr(SamplingParams(), k)},
-            "block_size": cache.block_size,
-            "num_blocks": cache.pool.num_blocks,
-            "kv_cache_bytes": cache.pool.num_blocks * self.block_bytes,
-            "anchor": self.config.cache.anchor,
-            "eviction_policy": self.config.cache.eviction_policy,
-            "max_num_batched_tokens": self.config.scheduler.max_num_batched_tokens,
-            "max_num_seqs": self.config.scheduler.max_num_seqs,
-            "num_documents": len(self.engine.documents),
-            "num_cached_chunks": cache.num_entries,
-            "num_free_blocks": cache.pool.num_free,
-            "num_evictions": cache.num_evictions,
-        }
+    def __enter__(self) -> "LazyAttention":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class RequestStream(Iterator[StreamDelta]):
@@ -482,8 +312,8 @@ class RequestStream(Iterator[StreamDelta]):
         request_id: the engine's id of the request.
     """
 
-    def __init__(self, loop: EngineLoop, engine: LLMEngine, request_id: str, deltas: queue.SimpleQueue):
-        self._loop, self._engine, self.request_id, self._deltas = loop, engine, request_id, deltas
+    def __init__(self, client: EngineClient, request_id: str, deltas: queue.SimpleQueue):
+        self._client, self.request_id, self._deltas = client, request_id, deltas
         self._done = False
 
     def __iter__(self) -> "RequestStream":
@@ -504,10 +334,7 @@ class RequestStream(Iterator[StreamDelta]):
         if self._done:
             return
         self._done = True
-        try:
-            self._loop.call(self._engine.abort, self.request_id)
-        except RuntimeError:  # the engine is shut down: nothing is left to free
-            pass
+        self._client.abort(self.request_id)
 
     def __enter__(self) -> "RequestStream":
         return self
@@ -520,54 +347,6 @@ class RequestStream(Iterator[StreamDelta]):
             self.close()
         except Exception:  # interpreter shutdown
             pass
-
-
-def _ids(doc_ids: Iterable[str]) -> list[str]:
-    if isinstance(doc_ids, str):
-        raise ValueError(f"doc_ids must be a list of document ids, not the string {doc_ids!r}")
-    return list(doc_ids)
-
-
-def _pairs(documents: Iterable[Document | tuple[str, str]]) -> list[tuple[str, str]]:
-    """``(id, text)`` pairs from :class:`Document` objects or ``(id, text)`` tuples."""
-    pairs = []
-    for d in documents:
-        if isinstance(d, Document):
-            pairs.append((d.id, d.text))
-        elif isinstance(d, (tuple, list)) and len(d) == 2:
-            pairs.append((d[0], d[1]))
-        else:
-            raise ValueError(f"documents must be Document objects or (id, text) pairs, got {d!r}")
-    return pairs
-
-
-def _prompt_ids(tokenizer: Any, prompt: str | list[int] | tuple[int, ...]) -> list[int]:
-    if isinstance(prompt, str):
-        return list(tokenizer(prompt)["input_ids"])
-    if isinstance(prompt, (list, tuple)):
-        return list(prompt)
-    raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-
-
-def _make_backend(name: str, auto: bool, model: CausalLM):
-    """The attention backend; ``auto`` falls back to ``torch`` for head layouts the kernels do not cover."""
-    arch = model.config
-    args = (model.rotary, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
-    try:
-        return get_backend_class(name)(*args)
-    except NotImplementedError:
-        if not auto:
-            raise
-        logger.warning("the triton kernels do not cover head_dim %d / rotary_dim %d: using the torch backend",
-                       arch.head_dim, model.rotary.rotary_dim)
-        return get_backend_class("torch")(*args)
-
-
-def _collect_deltas(deltas: Iterator[StreamDelta]) -> StreamDelta:
-    last = None
-    for last in deltas:
-        pass
-    return last
 
 
 def _collect(deltas: Iterator[StreamDelta]) -> Completion:

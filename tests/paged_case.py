@@ -107,3 +107,13 @@ def make_case(
         scale=head_dim**-0.5,
         interleaved=interleaved,
     )
+
+
+def sequence_input(token_ids: list[int], positions: list[int], entries: list[tuple[int, int, int]],
+                   slot_mapping: list[int]):
+    """A runner :class:`SequenceInput` from plain ``(block_id, delta, valid)`` entries (packed
+    here as the runner's input preparation packs them)."""
+    from lazyattn_rag.engine.attention import SequenceInput
+
+    return SequenceInput(list(token_ids), list(positions), pack_entries(entries), sum(e[2] for e in entries),
+                         list(slot_mapping))

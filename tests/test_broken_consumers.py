@@ -30,7 +30,7 @@ def assert_idle_and_clean(llm):
     def check():
         engine = llm.engine
         engine.cache.check_integrity()
-        assert not engine.requests and not engine.has_unfinished()
+        assert not engine.outputs.requests and not engine.has_unfinished()
         assert engine.cache.pool.num_free + engine.cache.num_cached_blocks == engine.cache.pool.num_blocks
 
     llm.loop.call(check)
@@ -50,7 +50,7 @@ def test_cancelled_while_submitting_aborts_the_request_it_makes():
         gate.set()
         for _ in range(50):  # the abort is queued right after the submission lands
             await asyncio.sleep(0.02)
-            if not await asyncio.to_thread(lambda: llm.loop.call(lambda: bool(llm.engine.requests))):
+            if not await asyncio.to_thread(lambda: llm.loop.call(lambda: bool(llm.engine.outputs.requests))):
                 break
 
     asyncio.run(main())
@@ -68,8 +68,8 @@ def test_a_raising_sink_drops_only_its_own_request():
         raise RuntimeError("Event loop is closed")
 
     def scenario():
-        engine.submit(engine.plan("w1", ["a"]), LONG, closed_loop_sink)
-        engine.submit(engine.plan("w1", ["a"]), LONG, good.append)
+        engine.submit(engine.planner.plan("w1", ["a"]), LONG, closed_loop_sink)
+        engine.submit(engine.planner.plan("w1", ["a"]), LONG, good.append)
         while engine.has_unfinished():
             engine.step()
 

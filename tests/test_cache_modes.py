@@ -95,7 +95,7 @@ def test_every_mode_runs_concurrent_requests_under_memory_pressure(mode):
     rng = random.Random(5)
     requests = [(words(2, start=120 + i), rng.sample([f"d{j}" for j in range(10)], k=3)) for i in range(16)]
     sequential = [llm.generate(q, ids, sampling=GREEDY).token_ids for q, ids in requests]
-    llm.engine.step_listeners.append(lambda out, seconds: llm.engine.cache.check_integrity())
+    llm.engine.step_listeners.append(lambda step: llm.engine.cache.check_integrity())
     allm = AsyncLazyAttention(llm)
 
     async def run_all():

@@ -74,7 +74,7 @@ def test_text_between_documents_matches_the_oracle(anchor):
     assert plan.chunks[0].delta == 0 and plan.chunks[0].token_ids == tuple(head)
     seen = capture_first_logits(llm)
     out = llm.chat(messages, sampling=GREEDY)
-    tokens, first = plan_oracle(hf, plan, list(llm.engine.anchor_ids), GREEDY.max_tokens)
+    tokens, first = plan_oracle(hf, plan, list(llm.engine.planner.anchor_ids), GREEDY.max_tokens)
     assert out.token_ids == tokens
     assert (seen[-GREEDY.max_tokens] - first).abs().max().item() <= 1e-4
     assert out.stats.num_cached_tokens == 17  # everything was cold; "a" is encoded once for both places
@@ -95,7 +95,7 @@ def test_text_segments_split_across_steps_and_block_boundaries(budget):
         plan = llm.plan_chat(messages)
         assert len(plan.texts[0].token_ids) == n
         out = llm.chat(messages, sampling=GREEDY)
-        tokens, _ = plan_oracle(hf, plan, list(llm.engine.anchor_ids), GREEDY.max_tokens)
+        tokens, _ = plan_oracle(hf, plan, list(llm.engine.planner.anchor_ids), GREEDY.max_tokens)
         assert out.token_ids == tokens, n
     llm.engine.cache.check_integrity()
 
@@ -159,7 +159,7 @@ def test_bad_messages_get_specific_errors_and_leave_the_cache_clean():
         llm.chat([("user", (DocumentRef("b"), words(60), DocumentRef("b"), DocumentRef("a"), "w1"))])
     cache = llm.engine.cache
     cache.check_integrity()
-    assert all(e.pin_count == 0 for e in cache.entries() if e.key != llm.engine.anchor_key)
+    assert all(e.pin_count == 0 for e in cache.entries() if e.key != llm.engine.planner.anchor_key)
 
 
 def test_a_refused_inline_update_keeps_the_registered_documents_cached_kv():

@@ -49,8 +49,8 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 def oracle_for(llm, hf, question, doc_ids, num_tokens):
-    plan = llm.engine.plan(question, doc_ids)
-    anchor = list(llm.engine.anchor_ids)
+    plan = llm.engine.planner.plan(question, doc_ids)
+    anchor = list(llm.engine.planner.anchor_ids)
     chunks = [([] if c.doc_id is None else anchor, list(c.token_ids), c.global_start) for c in plan.chunks]
     return plan, oracle_generate(hf, chunks, list(plan.query_token_ids), num_tokens)
 
@@ -78,7 +78,7 @@ def test_single_chunk_at_delta_zero_equals_full_prefill():
     hf, llm = make_llm("head")
     llm.add_document("doc", words(40, start=3))
     question = "w9 w10 w11"
-    plan = llm.engine.plan(question, ["doc"])
+    plan = llm.engine.planner.plan(question, ["doc"])
     assert [c.delta for c in plan.chunks] == [0, 0]
     seen = capture_logits(llm)
     out = llm.generate(question, ["doc"], sampling=SamplingParams(max_tokens=20, ignore_eos=True))
@@ -99,8 +99,8 @@ def test_cold_documents_and_the_query_prefill_share_one_step(anchor, prefill_wit
     llm.add_document("a", words(21, start=5))
     llm.add_document("b", words(40, start=60))
     steps = []
-    llm.engine.step_listeners.append(lambda out, seconds: steps.append(out))
-    plan = llm.engine.plan("w5 w6", ["a", "b"])
+    llm.engine.step_listeners.append(lambda step: steps.append(step.output))
+    plan = llm.engine.planner.plan("w5 w6", ["a", "b"])
     out = llm.generate("w5 w6", ["a", "b"], sampling=GREEDY)
     llm.loop.call(lambda: None)  # the last step's listeners run after its token was streamed
     first = steps[0]
@@ -126,7 +126,7 @@ def test_same_document_many_offsets_leaves_stored_kv_bit_identical():
     offsets = set()
     for i in range(4):
         order = [f"pad{j}" for j in range(i + 1)] + ["hot"]
-        plan = llm.engine.plan("w2 w3", order)
+        plan = llm.engine.planner.plan("w2 w3", order)
         offsets.add(plan.chunks[-1].delta)
         out = llm.generate("w2 w3", order, sampling=SamplingParams(max_tokens=3))
         assert "hot" in out.stats.docs_hit
@@ -143,7 +143,7 @@ def test_second_question_computes_only_new_tokens_and_is_faster():
         llm.add_document(f"doc{i}", words(400, start=i))
     first = llm.generate("w1 w2 w3", ["doc0", "doc1", "doc2"], sampling=SamplingParams(max_tokens=2))
     second = llm.generate("w4 w5 w6 w7", ["doc2", "doc0", "doc1"], sampling=SamplingParams(max_tokens=2))
-    tail = len(llm.engine.template.tail_token_ids("w4 w5 w6 w7"))
+    tail = len(llm.engine.planner.template.tail_token_ids("w4 w5 w6 w7"))
     assert first.stats.docs_missed == ["doc0", "doc1", "doc2"] and first.stats.docs_hit == []
     assert second.stats.docs_hit == ["doc2", "doc0", "doc1"] and second.stats.docs_missed == []
     assert second.stats.num_computed_tokens == tail

@@ -46,7 +46,7 @@ def test_cold_documents_over_the_budget_start_within_a_few_steps_of_a_long_decod
         llm.add_document("hot", words(30, 7))
         llm.warm(["hot"])
         steps: list[tuple[int, object]] = []
-        llm.loop.call(lambda: engine.step_listeners.append(lambda out, _: steps.append((engine.counters.num_steps, out))))
+        llm.loop.call(lambda: engine.step_listeners.append(lambda step: steps.append((engine.counters.num_steps, step.output))))
         a = llm.stream(words(3, 120), sampling=SamplingParams(max_tokens=300, ignore_eos=True))
         next(iter(a))  # A is decoding
         sinks = {"b": queue.SimpleQueue(), "c": queue.SimpleQueue()}
@@ -92,11 +92,11 @@ def test_a_chunk_encoded_in_pieces_matches_the_oracle(hf_model, anchor):
             plan = llm.plan(question, ["d"])
             pieces = []
             llm.loop.call(lambda: llm.engine.step_listeners.append(  # noqa: B023 - called before the loop moves on
-                lambda out, _: pieces.extend(len(e.token_ids) for e in out.encodes if e.key == plan.chunks[-1].key)))
+                lambda step: pieces.extend(len(e.token_ids) for e in step.output.encodes if e.key == plan.chunks[-1].key)))
             sampling = SamplingParams(max_tokens=8, ignore_eos=True)
             tokens[budget] = llm.generate(question, ["d"], sampling=sampling).token_ids
             assert pieces == ([13, 16, 16, 16, 8] if budget == 16 else [69])  # the head's 3 tokens share step 1
-            expected, _ = plan_oracle(hf, plan, list(llm.engine.anchor_ids), 8)
+            expected, _ = plan_oracle(hf, plan, list(llm.engine.planner.anchor_ids), 8)
             again = llm.generate(question, ["d"], sampling=sampling)
             assert again.stats.docs_hit == ["d"] and again.token_ids == tokens[budget]
         finally:
@@ -110,8 +110,8 @@ def _after_first_piece(llm, key, action):
     piece of chunk ``key`` (between that step and the next)."""
     engine, done = llm.engine, []
 
-    def listener(out, _):
-        if not done and any(e.key == key and not e.final for e in out.encodes):
+    def listener(step):
+        if not done and any(e.key == key and not e.final for e in step.output.encodes):
             done.append(True)
             action(engine)
 
@@ -124,7 +124,7 @@ def _assert_clean(llm):
     llm.loop.call(cache.check_integrity)
     encoding, pins = llm.loop.call(lambda: (llm.engine.scheduler.encoding,
                                             [e.pin_count for e in cache.entries() if e.pin_count]))
-    assert encoding == [] and pins == [1] * (llm.engine.anchor_key is not None)  # only the anchor's pin is left
+    assert encoding == [] and pins == [1] * (llm.engine.planner.anchor_key is not None)  # only the anchor's pin is left
 
 
 @pytest.mark.parametrize("remove_document", [False, True])
@@ -141,7 +141,7 @@ def test_the_requester_leaving_mid_encode(model, remove_document):
         def leave(engine):
             engine.abort(stream.request_id)
             if remove_document:
-                engine.remove_document("d")
+                engine.documents.remove("d")
 
         done = _after_first_piece(llm, key, leave)
         assert list(stream)[-1].finish_reason == "abort" and done

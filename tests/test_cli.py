@@ -188,7 +188,7 @@ def test_request_stats_count_the_cached_prompt_head():
     """A question whose documents all miss still reads the prompt head from the cache: that is the
     "33 cached" of issue 15, now counted on its own."""
     llm = tiny_engine()
-    head = len(llm.engine.head_ids)
+    head = len(llm.engine.planner.head_ids)
     llm.add_documents([("a", words(20)), ("b", words(24, 50))])
     sampling = SamplingParams(max_tokens=2, ignore_eos=True)
     first = llm.generate("w1 w2", ["a"], sampling=sampling).stats

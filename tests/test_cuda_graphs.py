@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from lazyattn_rag import AsyncLazyAttention, CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
-from lazyattn_rag.engine.attention import SequenceInput
+from lazyattn_rag.engine.attention.triton_backend import plan_decode_batch
 from lazyattn_rag.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, graph_block_table_width
 from lazyattn_rag.llm import LazyAttention
 from tests.test_chunk_reuse import PROMPT
+from tests.paged_case import sequence_input
 from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
 
 CUDA = torch.cuda.is_available()
@@ -33,8 +34,8 @@ def test_graph_batch_sizes():
         graph_batch_sizes(0)
 
 
-def decode_seq(token: int, position: int, table: list[tuple[int, int, int]], slot: int) -> SequenceInput:
-    return SequenceInput([token], [position], table, [slot])
+def decode_seq(token: int, position: int, table: list[tuple[int, int, int]], slot: int):
+    return sequence_input([token], [position], table, [slot])
 
 
 def test_bucketing_padding_and_eager_fallbacks():
@@ -45,7 +46,8 @@ def test_bucketing_padding_and_eager_fallbacks():
                       metadata.backend_state["triton"].runs.num_runs.clone()))
         return torch.arange(input_ids.numel() * 3, dtype=torch.float32).view(-1, 3)
 
-    graphs = DecodeGraphs(forward, [1, 2, 4], max_blocks_per_seq=3, block_size=4, padding_slot=40,
+    graphs = DecodeGraphs(forward, plan_decode_batch, [1, 2, 4],  # the triton backend's capture hook
+                          max_blocks_per_seq=3, block_size=4, padding_slot=40,
                           device=torch.device("cpu"), capture=False)
     seqs = [decode_seq(7, 5, [(1, 9, 4), (2, 0, 2)], 9),  # a chunk at delta 9, then the request's block
             decode_seq(8, 0, [(3, 0, 1)], 12),
@@ -59,7 +61,7 @@ def test_bucketing_padding_and_eager_fallbacks():
     assert num_runs.tolist() == [2, 1, 1, 0]
     assert graphs.run(seqs[:1]) is not None and calls[-1][0].tolist() == [7]  # bucket 1
     assert graphs.num_replays == 2
-    prefill = SequenceInput([1, 2], [0, 1], [(5, 0, 2)], [20, 21])
+    prefill = sequence_input([1, 2], [0, 1], [(5, 0, 2)], [20, 21])
     assert graphs.run(seqs[:1] + [prefill]) is None  # a prefill row: eager
     assert graphs.run(seqs + seqs[:2]) is None  # 5 sequences > the largest bucket
     assert graphs.run([decode_seq(1, 12, [(1, 0, 4), (2, 0, 4), (3, 0, 4), (4, 0, 1)], 16)]) is None  # 4 blocks > 3

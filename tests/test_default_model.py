@@ -42,7 +42,7 @@ def test_delta_zero_chunk_gives_full_prefill_text(smollm2_dir, hf_smollm2):
                                      cache=CacheConfig(anchor="head", num_blocks=128)))
     llm.add_document("eiffel", FACT)
     question = "When was the Eiffel Tower completed?"
-    plan = llm.engine.plan(question, ["eiffel"])
+    plan = llm.engine.planner.plan(question, ["eiffel"])
     assert [c.delta for c in plan.chunks] == [0, 0]
     out = llm.generate(question, ["eiffel"], sampling=SamplingParams(max_tokens=20, ignore_eos=True))
     tokens, _ = full_prefill_generate(hf_smollm2, plan.token_ids(), 20)
@@ -60,7 +60,7 @@ def test_answers_from_cached_document_and_reuses_it(smollm2):
     question = "What is the highest mountain in Japan?"
     second = smollm2.generate(question, ["eiffel-en", "fuji"], sampling=SamplingParams(max_tokens=30))
     assert second.stats.docs_hit == ["eiffel-en", "fuji"]
-    assert second.stats.num_computed_tokens == len(smollm2.engine.template.tail_token_ids(question))
+    assert second.stats.num_computed_tokens == len(smollm2.engine.planner.template.tail_token_ids(question))
     assert "Fuji" in second.text
 
 

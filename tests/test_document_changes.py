@@ -34,8 +34,8 @@ def assert_clean(llm):
     def check():
         engine = llm.engine
         engine.cache.check_integrity()
-        assert not engine.has_unfinished() and not engine.requests
-        held = [e for e in engine.cache.entries() if e.pin_count and e.key != engine.anchor_key]
+        assert not engine.has_unfinished() and not engine.outputs.requests
+        held = [e for e in engine.cache.entries() if e.pin_count and e.key != engine.planner.anchor_key]
         assert not held, held
         pool = engine.cache.pool
         assert pool.num_free + engine.cache.num_cached_blocks == pool.num_blocks
@@ -56,13 +56,13 @@ def test_document_changed_between_its_encode_and_the_prefill(mode, change):
     engine, sink = llm.engine, []
 
     def scenario():
-        request = engine.submit(engine.plan("w1", ["A"]), LONG, sink.append)
+        request = engine.submit(engine.planner.plan("w1", ["A"]), LONG, sink.append)
         engine.step()  # encodes "A"; the request's prefill did not fit this step, so it waits for the next
         assert request.status.value == "acquired"
         if change == "remove":
-            engine.remove_document("A")
+            engine.documents.remove("A")
         else:
-            engine.add_document("A", words(20, start=50))
+            engine.documents.add([("A", words(20, start=50))])
         while engine.has_unfinished():
             engine.step()
 
@@ -97,12 +97,12 @@ def test_a_failed_acquisition_never_drops_another_requests_pending_encode():
     llm.add_document("B", words(25, start=60))  # cold again
 
     def scenario():
-        engine.submit(engine.plan("w1", ["A"]), LONG, sinks["R0"].append)
+        engine.submit(engine.planner.plan("w1", ["A"]), LONG, sinks["R0"].append)
         engine.step()
         engine.step()  # R0 running, pins "A"
-        plan2 = engine.plan("w2", ["B", "A"])  # planned before "A" is removed
-        engine.remove_document("A")  # "A" is dead, still held by R0
-        engine.submit(engine.plan("w3", ["B"]), LONG, sinks["R1"].append)  # R1 encodes "B"
+        plan2 = engine.planner.plan("w2", ["B", "A"])  # planned before "A" is removed
+        engine.documents.remove("A")  # "A" is dead, still held by R0
+        engine.submit(engine.planner.plan("w3", ["B"]), LONG, sinks["R1"].append)  # R1 encodes "B"
         engine.submit(plan2, LONG, sinks["R2"].append)  # R2 pins R1's pending "B" and reads dead "A"
         while engine.has_unfinished():
             engine.step()
@@ -120,9 +120,9 @@ def test_fail_all_reaches_every_request_even_if_releasing_one_raises():
 
     def scenario():
         for sink in sinks:
-            engine.submit(engine.plan("w1", ["A"]), LONG, sink.append)
+            engine.submit(engine.planner.plan("w1", ["A"]), LONG, sink.append)
         engine.step()
-        first = next(iter(engine.requests.values()))
+        first = next(iter(engine.outputs.requests.values()))
         first.pinned.append("no-such-key")  # its release will raise KeyError
         engine.fail_all(RuntimeError("boom"))
 
@@ -132,10 +132,10 @@ def test_fail_all_reaches_every_request_even_if_releasing_one_raises():
 
 def test_a_document_with_the_prompt_heads_tokens_is_a_separate_entry():
     llm = make_llm()  # anchor "none": documents and the head are encoded alike
-    head_text = " ".join(llm.engine.tokenizer.convert_ids_to_tokens(list(llm.engine.head_ids)))
+    head_text = " ".join(llm.engine.tokenizer.convert_ids_to_tokens(list(llm.engine.planner.head_ids)))
     llm.add_document("X", head_text)
-    assert llm.engine.documents["X"].token_ids == llm.engine.head_ids
-    assert llm.engine.documents["X"].key != llm.engine.head_key
+    assert llm.engine.documents["X"].token_ids == llm.engine.planner.head_ids
+    assert llm.engine.documents["X"].key != llm.engine.planner.head_key
     llm.add_document("B", words(20, start=60))
     running = llm.stream("w1", ["B", "X"], sampling=LONG)
     next(running)
@@ -149,7 +149,7 @@ def test_a_document_with_the_prompt_heads_tokens_is_a_separate_entry():
 def test_an_empty_prompt_head_is_left_out_of_the_plan(mode):
     prompt = PromptConfig(instruction="", document_separator=" ", question_prefix="Question : ")
     llm = make_llm(mode, anchor="bos", prompt=prompt)
-    assert llm.engine.head_ids == ()
+    assert llm.engine.planner.head_ids == ()
     llm.add_document("a", words(10, start=5))
     first = llm.generate("w1", ["a"], sampling=LONG)
     again = llm.generate("w1", ["a"], sampling=LONG)
@@ -161,7 +161,7 @@ def test_an_empty_prompt_head_is_left_out_of_the_plan(mode):
 
 def test_the_head_as_anchor_is_one_entry():
     llm = make_llm(anchor="head")
-    assert llm.engine.anchor_key == llm.engine.head_key
+    assert llm.engine.planner.anchor_key == llm.engine.planner.head_key
     llm.add_document("a", words(10, start=5))
     llm.generate("w1", ["a"], sampling=LONG)
     assert llm.stats()["num_cached_chunks"] == 2  # the head (= the anchor) and "a"

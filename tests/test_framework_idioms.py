@@ -95,7 +95,7 @@ def assert_reused(spy: PlanSpy, since: int, stats: dict | None = None) -> int:
 
 
 def id_path_computed(engine, question: str) -> int:
-    return len(engine.engine.template.tail_token_ids(question))
+    return len(engine.engine.planner.template.tail_token_ids(question))
 
 
 @pytest.mark.parametrize("mode", ["compact", "refine", "tree_summarize", "simple_summarize"])

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from lazyattn_rag.engine.attention import SequenceInput, build_attention_metadata
+from lazyattn_rag.engine.attention import build_attention_metadata
 from lazyattn_rag.engine.attention.torch_backend import TorchAttentionBackend
 from lazyattn_rag.engine.model import ModelArchConfig, UnsupportedModelError
 from lazyattn_rag.kernels.rope import RotaryEmbedding, UnsupportedRopeError
+from tests.paged_case import sequence_input
 from tests.tiny import hf_and_ours, hf_config
 
 BLOCK = 16
@@ -20,7 +21,7 @@ def our_logits(model, token_ids: list[int], start_pos: int) -> torch.Tensor:
     caches = [(torch.zeros(num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim),
                torch.zeros(num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
     table = [(b, 0, min(BLOCK, n - b * BLOCK)) for b in range(num_blocks)]
-    seq = SequenceInput(token_ids, list(range(start_pos, start_pos + n)), table, list(range(n)))
+    seq = sequence_input(token_ids, list(range(start_pos, start_pos + n)), table, list(range(n)))
     md = build_attention_metadata([seq], BLOCK, "cpu")
     backend = TorchAttentionBackend(model.rotary, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
     return model(torch.tensor(token_ids), torch.tensor(seq.positions), backend, caches, md)

@@ -51,7 +51,7 @@ def assert_no_leak(llm):
     engine = llm.engine
     llm.loop.call(lambda: None)  # let the engine thread settle
     engine.cache.check_integrity()
-    assert not engine.has_unfinished() and not engine.requests
+    assert not engine.has_unfinished() and not engine.outputs.requests
     assert all(e.pin_count == 0 for e in engine.cache.entries())
     pool = engine.cache.pool
     assert pool.num_free + engine.cache.num_cached_blocks == pool.num_blocks  # no private block left
@@ -273,26 +273,22 @@ def test_rebinding_old_text_while_a_request_reads_it_revives_the_entry():
     assert_no_leak(llm)
 
 
-def test_sampling_failure_fails_only_that_request():
+def test_sampling_failure_fails_only_that_request(monkeypatch):
     hf, llm = make_llm()
     llm.add_document("a", words(10))
     engine = llm.engine
-    sample_fn = __import__("lazyattn_rag.engine.engine", fromlist=["sample"])
 
     def broken(logits, params, generator):
         raise RuntimeError("sampler exploded")
 
-    original = sample_fn.sample
-    sample_fn.sample = broken
-    try:
-        bad = llm.stream("w1", ["a"], sampling=SamplingParams(max_tokens=4, temperature=1.0, seed=1))
-        good = llm.generate("w2", ["a"], sampling=SamplingParams(max_tokens=4, ignore_eos=True))
-        with pytest.raises(RuntimeError, match="sampler exploded"):
-            list(bad)
-    finally:
-        sample_fn.sample = original
+    monkeypatch.setattr("lazyattn_rag.engine.output_processor.sample", broken)
+    bad = llm.stream("w1", ["a"], sampling=SamplingParams(max_tokens=4, temperature=1.0, seed=1))
+    good = llm.generate("w2", ["a"], sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="sampler exploded"):
+        list(bad)
+    monkeypatch.undo()
     assert good.finish_reason == "length" and len(good.token_ids) == 4
-    assert not engine.requests
+    assert not engine.outputs.requests
     assert_no_leak(llm)
 
 
@@ -383,7 +379,7 @@ def test_a_failing_forward_fails_its_requests_and_drops_their_pending_encodes():
     calls = _fail_first_call(llm, "execute", "device fault")
     engine, sinks = llm.engine, [[], []]
     # both queued before the engine steps: one encodes "a", the other waits on its pending entry
-    llm.loop.call(lambda: [engine.submit(engine.plan("w1", ["a"]), GREEDY, sink.append) for sink in sinks])
+    llm.loop.call(lambda: [engine.submit(engine.planner.plan("w1", ["a"]), GREEDY, sink.append) for sink in sinks])
     _drain(engine, llm)
     assert calls[0] >= 1
     for sink in sinks:
@@ -408,8 +404,8 @@ def test_a_failed_encode_step_that_the_query_prefill_could_not_join_fails_that_r
     llm.add_document("b", words(20, start=100))  # cold again
     _fail_first_call(llm, "execute", "device fault")
     engine, sink_a, sink_b = llm.engine, [], []
-    llm.loop.call(lambda: (engine.submit(engine.plan("w1", ["a"]), GREEDY, sink_a.append),
-                           engine.submit(engine.plan("w2", ["b"]), long, sink_b.append)))
+    llm.loop.call(lambda: (engine.submit(engine.planner.plan("w1", ["a"]), GREEDY, sink_a.append),
+                           engine.submit(engine.planner.plan("w2", ["b"]), long, sink_b.append)))
     _drain(engine, llm)
     assert len(sink_a) == 1 and isinstance(sink_a[0], RuntimeError) and "device fault" in str(sink_a[0])
     assert not any(isinstance(d, BaseException) for d in sink_b)
@@ -446,9 +442,9 @@ def test_a_request_waiting_for_room_counts_its_cached_documents_once():
     def scenario():
         key = engine.documents["h"].key
         before = engine.cache.policy._freq[key]
-        engine.submit(engine.plan("w1", ["big"]), SamplingParams(max_tokens=40, ignore_eos=True), lambda d: None)
+        engine.submit(engine.planner.plan("w1", ["big"]), SamplingParams(max_tokens=40, ignore_eos=True), lambda d: None)
         engine.step()
-        waiting = engine.submit(engine.plan(words(40, start=150), ["h"]), GREEDY, lambda d: None)
+        waiting = engine.submit(engine.planner.plan(words(40, start=150), ["h"]), GREEDY, lambda d: None)
         num_waited = 0
         while waiting.status.value == "waiting":
             engine.step()

@@ -83,10 +83,10 @@ def test_a_burst_over_shared_cold_documents_takes_one_prefill_step():
     docs, trace = workload.documents(), workload.requests()
     llm, _ = serving.ready_engine(bench, "lazy", 2**24, "cpu", 4096, 8, workload, docs, cuda_graphs=False)
     steps = []
-    llm.engine.step_listeners.append(lambda out, seconds: steps.append(out))
+    llm.engine.step_listeners.append(lambda step: steps.append(step.output))
     sinks = [queue.SimpleQueue() for _ in trace]
     params = SamplingParams(max_tokens=3, ignore_eos=True)
-    requests = llm.loop.call(lambda: [llm.engine.submit(llm.engine.plan(q, ids), params, sink.put)
+    requests = llm.loop.call(lambda: [llm.engine.submit(llm.engine.planner.plan(q, ids), params, sink.put)
                                       for (q, ids), sink in zip(trace, sinks)])  # all queued before a step
     for sink in sinks:
         while not sink.get(timeout=120).finished:

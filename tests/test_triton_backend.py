@@ -8,9 +8,9 @@ backends write K/V into their own copy of the cache; the caches and the outputs 
 import pytest
 import torch
 from kernel_tolerances import assert_close
-from paged_case import make_rotary
+from paged_case import make_rotary, sequence_input
 
-from lazyattn_rag.engine.attention import SequenceInput, build_attention_metadata, get_backend_class
+from lazyattn_rag.engine.attention import build_attention_metadata, get_backend_class
 from lazyattn_rag.engine.attention.torch_backend import TorchAttentionBackend
 from lazyattn_rag.engine.attention.triton_backend import TritonAttentionBackend
 
@@ -39,8 +39,7 @@ def make_batch(kinds, block_size, num_kv_heads, head_dim, dtype, seed):
                 fills.append((b, min(v, max(0, own_before - start))))
             slots += [b * block_size + o for o in offsets if start + o >= own_before]
         seq_len = sum(e[2] for e in table)
-        seqs.append(SequenceInput(token_ids=[0] * query_len, positions=list(range(seq_len - query_len, seq_len)),
-                                  block_table=table, slot_mapping=slots))
+        seqs.append(sequence_input([0] * query_len, list(range(seq_len - query_len, seq_len)), table, slots))
     cache = torch.full((400, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
     k_cache, v_cache = cache.clone(), cache.clone()
     for b, v in fills:

@@ -36,7 +36,7 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
     # Decode steps may be captured in CUDA graphs: ``forward`` does no host sync or host-to-device
-    # copy once the metadata's plan is stored (``triton``: ``plan_decode_batch``).
+    # copy once :meth:`plan_graph_decode` has stored the metadata's plan.
     supports_cuda_graphs: bool = False
 
     def __init__(self, rotary: RotaryEmbedding, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
@@ -59,3 +59,16 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], dtype of query
         """Write K/V at ``metadata.slot_mapping`` then attend; see the class docstring."""
+
+    def plan_graph_decode(
+        self,
+        metadata: AttentionMetadata,  # a decode batch over static buffers (one row per sequence)
+        seq_ids: torch.Tensor,  # [num_seqs] int32, 0 .. num_seqs - 1
+    ) -> None:
+        """CUDA-graph capture hook: store in ``metadata.backend_state`` whatever ``forward`` needs,
+        computed from device tensors only (it runs inside the captured graph, before the model).
+
+        Raises:
+            NotImplementedError: the backend cannot be captured (``supports_cuda_graphs`` is false).
+        """
+        raise NotImplementedError(f"the {self.name!r} attention backend cannot run in CUDA graphs")

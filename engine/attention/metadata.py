@@ -9,7 +9,9 @@ sequence: their K/V are written to ``slot_mapping`` before attention, and new to
 attends key ``j`` iff ``j <= seq_len - query_len + i``.
 
 Each block-table entry is one packed int64 (``lazyattn_rag.kernels.block_table``):
-block id, the RoPE offset ``delta`` of the chunk that owns the block, and valid slots.
+block id, the RoPE offset ``delta`` of the chunk that owns the block, and valid slots. The
+runner's input preparation (``engine/input_prep.py``) packs them; this module only lays the
+packed rows out as one batch.
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ from typing import Any
 
 import torch
 
-from lazyattn_rag.kernels.block_table import pack_entries
-
 
 @dataclass
 class SequenceInput:
@@ -29,28 +29,21 @@ class SequenceInput:
     Attributes:
         token_ids: the ``query_len`` new token ids.
         positions: their global RoPE positions (``query_len`` ints).
-        block_table: ``(block_id, delta, valid_slots)`` per block, in order, after
-            ``context_words``; covers the new tokens' blocks (those have ``delta = 0``).
+        block_table: ``[num_blocks]`` int64 packed words (``kernels/block_table.py``: block id,
+            delta, valid slots), in key order; covers the new tokens' blocks (``delta = 0``).
+        seq_len: valid keys in ``block_table`` (the new tokens included).
         slot_mapping: flat slot (``block_id * block_size + offset``) per new token.
-        context_words: optional ``[n]`` int64 packed words of leading blocks that stay the same
-            from step to step (a request's cached chunks), packed once by the caller.
-        context_len: valid slots in ``context_words``.
     """
 
     token_ids: list[int]
     positions: list[int]
-    block_table: list[tuple[int, int, int]]
+    block_table: torch.Tensor
+    seq_len: int
     slot_mapping: list[int]
-    context_words: torch.Tensor | None = None
-    context_len: int = 0
 
     @property
     def query_len(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def seq_len(self) -> int:
-        return self.context_len + sum(e[2] for e in self.block_table)
 
 
 @dataclass
@@ -113,8 +106,7 @@ def build_attention_metadata(
             raise ValueError(f"sequence {i}: block table holds {s.seq_len} keys < {s.query_len} new tokens")
         query_lens.append(s.query_len)
         seq_lens.append(s.seq_len)
-        own = pack_entries(s.block_table)
-        rows.append(own if s.context_words is None else torch.cat((s.context_words, own)))
+        rows.append(s.block_table)
     max_blocks = max(r.numel() for r in rows)
     block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int64)
     for i, r in enumerate(rows):

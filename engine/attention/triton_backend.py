@@ -105,6 +105,9 @@ class TritonAttentionBackend(AttentionBackend):
 
         rope_layout(head_dim, rotary.rotary_dim, rotary.interleaved)  # fail early on unsupported shapes
 
+    def plan_graph_decode(self, metadata, seq_ids):
+        plan_decode_batch(metadata, seq_ids)
+
     def forward(self, query, key, value, key_cache, value_cache, metadata):
         if query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(

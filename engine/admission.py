@@ -1,0 +1,165 @@
+"""Admission: a waiting request acquires its chunks (the scheduler's half that touches the cache).
+
+Hits are pinned (re-validated now: a chunk evicted while the request waited is simply a miss,
+and a hit's tokens are checked against the request's, so another sequence's K/V is never
+served); misses get blocks, a pending cache entry and an encode task (or, in
+``block_attention`` mode, a copy of another offset's chunk). Everything is taken only if the
+cache has room for the misses and the request's own prompt blocks; an acquisition that raises
+gives back exactly what it took.
+"""
+
+from __future__ import annotations
+
+from lazyattn_rag.engine.request import Request
+from lazyattn_rag.engine.scheduler_output import CopyJob, EncodeTask, SchedulerOutput
+from lazyattn_rag.types.errors import CacheCapacityError
+
+
+class ChunkAdmission:
+    """The :class:`~lazyattn_rag.engine.scheduler.Scheduler`'s acquisition methods (a mixin: they
+    read its cache, encode tasks, capacity and release)."""
+
+    def _acquire(self, request: Request, out: SchedulerOutput, budget: int) -> str:
+        """Pin hits and schedule encodes of misses: ``"ok"``, ``"wait"`` (no room now) or ``"failed"``."""
+        chunks = {c.key: c for c in request.plan.chunks}  # unique, in prompt order
+        num_private = 0 if request.warm_only else len(request.private_token_ids) + 1  # + the next token
+        total_blocks = self.num_blocks_needed(request, num_private)
+        if total_blocks > self.num_usable_blocks:  # the engine's admission check makes this rare
+            out.failed.append((request, CacheCapacityError(
+                f"request needs {total_blocks} KV blocks ({request.plan.num_prompt_tokens} prompt tokens) but "
+                f"the cache has {self.describe_capacity()}")))
+            return "failed"
+        hits, misses = [], []
+        for key, chunk in chunks.items():
+            # a dead entry still held by others holds exactly this content: a hit
+            entry = self.cache.lookup(key, touch=False, include_dead=True)
+            if entry is not None:
+                entry.check_tokens(chunk.token_ids)  # never serve another sequence's K/V
+            (hits if entry is not None else misses).append(chunk)
+        self._acquire_prefix(request)
+        for chunk in hits:
+            self.cache.pin(chunk.key, allow_dead=True)
+            request.pinned.append(chunk.key)
+        # Copy sources (block_attention mode) are pinned before the room check: pinning them later
+        # would take their blocks out of the evictable ones the check counted.
+        sources = self._copy_sources(misses)
+        for src in sources.values():
+            self.cache.pin(src.key)
+        # Room for the misses and for the private prompt too (query tail, or the whole prompt in
+        # full mode), whose blocks are taken now: a request admitted without them would only be
+        # preempted again at once, or take them from running requests and throw their work away.
+        num_private = request.num_private_blocks(request.num_tokens_to_compute, self.block_size)
+        need = sum(self.blocks_for(len(c.token_ids)) for c in misses) + num_private
+        if sources and not self.cache.can_allocate(need):  # room only by evicting the sources: encode instead
+            for src in sources.values():
+                self.cache.unpin(src.key)
+            sources = {}
+        if not self.cache.can_allocate(need):
+            self.release(request)
+            return "wait"
+        created: list[str] = []
+        try:
+            copied = self._start_misses(request, misses, out, sources, created)
+            request.private_blocks += self.cache.allocate(num_private)
+        except Exception:  # never keep what a failed acquisition took
+            for key, src in sources.items():
+                if key not in created:  # its copy job was never made, so nothing else unpins it
+                    self.cache.unpin(src.key)
+            self._abandon_acquire(request, out, created)
+            raise
+        for chunk in hits:  # a hit for the eviction policy once per admission, not per step spent waiting
+            self.cache.lookup(chunk.key, include_dead=True)
+        self._account(request, {c.key for c in misses}, copied)
+        return "ok"
+
+    def _abandon_acquire(self, request: Request, out: SchedulerOutput, created: list[str]) -> None:
+        """Undo an acquisition that raised: drop the jobs and pending entries it ``created``
+        (never those of other requests that it merely pinned), then release its pins."""
+        mine = set(created)
+        for job in [j for j in out.encodes if j.key in mine]:
+            out.encodes.remove(job)
+        self.encoding = [t for t in self.encoding if t.key not in mine]
+        for job in [j for j in out.copies if j.dst_key in mine]:
+            out.copies.remove(job)
+            self.cache.unpin(job.src_key)
+        request.pinned = [k for k in request.pinned if k not in mine]
+        for key in created:
+            self.cache.discard_pending(key)
+        self.release(request)
+
+    def _copy_sources(self, misses) -> dict:
+        """block_attention mode: a ready copy of each missing chunk's document at another offset."""
+        sources = {}
+        for chunk in misses:
+            ready = self.cache.ready_copies(chunk.source_key) if chunk.source_key else []
+            if ready:
+                ready[0].check_tokens(chunk.token_ids)  # a copy must hold the tokens it is copied for
+                sources[chunk.key] = ready[0]
+        return sources
+
+    def _start_misses(self, request: Request, misses, out: SchedulerOutput, sources: dict,
+                      created: list[str]) -> set[str]:
+        """Blocks, pending entries and encode (or copy) jobs for missing chunks; returns copied keys.
+
+        ``sources`` maps a chunk key to its (already pinned) copy source; the copy job takes over
+        that pin (the engine drops it once the copy ran). Each inserted key is appended to
+        ``created`` at once, so a failure part-way can undo exactly what was made.
+        """
+        copied = set()
+        for chunk in misses:
+            blocks = self.cache.allocate(self.blocks_for(len(chunk.token_ids)))
+            try:
+                self.cache.insert_pending(chunk.key, blocks, len(chunk.token_ids), chunk.local_start,
+                                          chunk.source_key, document=chunk.doc_id is not None,
+                                          token_ids=chunk.token_ids)
+            except Exception:
+                self.cache.pool.decref(blocks)
+                raise
+            created.append(chunk.key)
+            self.cache.pin(chunk.key, allow_dead=True)  # the request's pin; the first is the encoder's
+            request.pinned.append(chunk.key)
+            src = sources.get(chunk.key)
+            if src is not None:  # position-aware cache: re-rotate another offset's copy into new blocks
+                out.copies.append(CopyJob(src.key, chunk.key, src.block_ids, blocks, src.num_tokens,
+                                          chunk.local_start - src.local_start))
+                copied.add(chunk.key)
+                continue
+            request.encoded_keys.add(chunk.key)
+            context = self.anchor_context if chunk.doc_id is not None and chunk.source_key is None else []
+            self.encoding.append(EncodeTask(chunk.key, chunk.token_ids, chunk.local_start, blocks, context))
+        return copied
+
+    def _acquire_prefix(self, request: Request) -> None:
+        """Prefix mode: pin the longest run of cached full blocks of the prompt (exact prefix)."""
+        if not request.plan.prefix_block_keys:
+            return
+        bs, prompt = self.block_size, request.plan.query_token_ids
+        for j, key in enumerate(request.plan.prefix_block_keys):
+            entry = self.cache.lookup(key)
+            if entry is None or not entry.ready:
+                break
+            entry.check_tokens(prompt[j * bs:(j + 1) * bs])
+            self.cache.pin(key)
+            request.pinned.append(key)
+            request.num_prefix_tokens += self.block_size
+        total = len(request.plan.query_token_ids)
+        if request.num_prefix_tokens >= total:  # keep at least one prompt token to compute
+            last = request.pinned.pop()
+            self.cache.unpin(last)
+            request.num_prefix_tokens -= self.block_size
+
+    @staticmethod
+    def _account(request: Request, missed_keys: set[str], copied_keys: set[str]) -> None:
+        """Per-request stats: documents hit/missed and prompt-head tokens cached (first acquisition),
+        prompt tokens computed."""
+        stats = request.stats
+        encoded = sum(len(c.token_ids) for c in {c.key: c for c in request.plan.chunks}.values()
+                      if c.key in missed_keys and c.key not in copied_keys)
+        stats.num_computed_tokens += encoded
+        if request.num_preemptions == 0:
+            stats.num_computed_tokens -= request.num_prefix_tokens
+            stats.num_cached_head_tokens = sum(len(c.token_ids) for c in request.plan.chunks if c.doc_id is None
+                                               and (c.key not in missed_keys or c.key in copied_keys))
+            for c in request.plan.chunks:
+                if c.doc_id is not None:
+                    (stats.docs_missed if c.key in missed_keys else stats.docs_hit).append(c.doc_id)

@@ -1,0 +1,25 @@
+"""The engine's counters, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineCounters:
+    """Engine-wide counters since start, in one place (the scheduler counts preemptions here,
+    the output processor everything else; the chunk cache keeps its own evictions).
+
+    Prompt tokens and documents count finished requests (a preempted request counts once)."""
+
+    num_requests_finished: int = 0
+    num_requests_failed: int = 0
+    num_requests_aborted: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_doc_lookups: int = 0
+    num_doc_hits: int = 0
+    num_output_tokens: int = 0
+    num_steps: int = 0
+    num_preemptions: int = 0
+    first_request_ttft_ms: float | None = None  # of the first request that produced a token

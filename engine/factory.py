@@ -1,0 +1,248 @@
+"""Building an :class:`LLMEngine` from an :class:`EngineConfig` (or an in-memory model).
+
+The factory resolves and loads the model (``engine/model_loading.py``), picks the device,
+dtype and attention backend, sizes the KV cache, builds the runner, the chunk cache and the
+engine, captures CUDA graphs when asked, and runs the start-up self-check
+(``engine/self_check.py``). Each part is timed (:class:`Startup`). It runs on the engine
+thread (``engine/loop.py``), so loading and every forward pass share one thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import hashlib
+import json
+import logging
+import time
+from typing import Any
+
+import torch
+
+from lazyattn_rag.engine.attention import get_backend_class
+from lazyattn_rag.engine.block_pool import BlockPool
+from lazyattn_rag.engine.chunk_cache import ChunkCache
+from lazyattn_rag.engine.cuda_graphs import graph_batch_sizes, graph_block_table_width
+from lazyattn_rag.engine.engine import LLMEngine
+from lazyattn_rag.engine.eviction import make_policy
+from lazyattn_rag.engine.fingerprint import ModelFingerprint, tensors_sha256
+from lazyattn_rag.engine.model import CausalLM, ModelArchConfig
+from lazyattn_rag.engine.runner import ModelRunner, kv_bytes_per_block
+from lazyattn_rag.engine.self_check import run_self_check
+from lazyattn_rag.kernels.rope import RotaryEmbedding
+from lazyattn_rag.types.config import EngineConfig
+from lazyattn_rag.types.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DEFAULT_KV_BYTES = 512 * 2**20
+
+
+class Startup:
+    """Milliseconds of the named parts of an engine's start-up, lap by lap."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.parts: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.parts[name] = round((now - self.last) * 1e3, 1)
+        self.last = now
+
+    def summary(self, self_check: str) -> dict:
+        return {"startup_ms": round((time.perf_counter() - self.start) * 1e3, 1),
+                "startup_parts_ms": dict(self.parts), "self_check": self_check}
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    """Load ``config.model`` and build its engine (see the module docstring).
+
+    Returns:
+        the engine, with ``default_sampling`` (the model's generation config under
+        ``generation_config="auto"``), ``info`` and ``startup`` set.
+    Raises:
+        FileNotFoundError, ValueError: the model cannot be found or loaded (named).
+        SelfCheckError: the model computes different logits here than in transformers.
+        CacheCapacityError: ``max_model_len`` does not fit the KV cache.
+    """
+    clock = Startup()
+    with _collect_once():
+        import transformers  # noqa: F401  (its top level only, timed on its own)
+
+        from lazyattn_rag.engine.model_loading import (
+            declared_eos_token_ids,
+            generation_defaults,
+            load_config_and_tokenizer,
+            load_state_dict,
+            resolve_model,
+        )
+
+        clock.lap("import_transformers")
+        source = resolve_model(config.model, config.resolved_cache_dir())
+        clock.lap("resolve_model")
+        hf_config, tokenizer = load_config_and_tokenizer(source.path, config.resolved_cache_dir())
+        clock.lap("config_tokenizer")
+        model = CausalLM.from_hf_state_dict(ModelArchConfig.from_hf_config(hf_config),
+                                            RotaryEmbedding.from_hf_config(hf_config), load_state_dict(source.path))
+        clock.lap("weights")
+        engine = _assemble(model, tokenizer, config, source.weights_sha256, source.name,
+                           declared_eos_token_ids(source.path), hf_config, clock)
+        if config.generation_config == "auto":
+            engine.default_sampling = SamplingParams(**generation_defaults(source.path))
+        check = run_self_check(engine, hf_config, config, source.path)  # refuses a model with wrong positions
+        clock.lap("self_check")
+    clock.lap("collect_garbage")
+    engine.startup = clock.summary(self_check=check)
+    return engine
+
+
+def build_engine_from_model(model: CausalLM, tokenizer: Any, config: EngineConfig, name: str = "in-memory",
+                            hf_config: Any = None, weights_sha256: str | None = None) -> LLMEngine:
+    """Build an engine over an already-built :class:`CausalLM` (tests, custom loading).
+
+    The weights' hash goes into the model fingerprint that keys the cached K/V: it is computed
+    from ``model.state_dict()`` (every weight copied to the host and hashed) unless
+    ``weights_sha256`` (a hex digest from :func:`~lazyattn_rag.engine.fingerprint.tensors_sha256`)
+    is given; pass it when wrapping the same large model more than once. The self-check covers
+    the rotary embedding only (there is no model directory to compare with).
+    """
+    from lazyattn_rag.engine.model_loading import token_ids_of
+
+    clock = Startup()
+    with _collect_once():
+        digest = weights_sha256 or tensors_sha256(model.state_dict())
+        clock.lap("weights_hash")
+        eos = token_ids_of(getattr(hf_config, "eos_token_id", None))
+        engine = _assemble(model, tokenizer, config, digest, name, eos, hf_config, clock)
+        check = run_self_check(engine, hf_config, config)
+        clock.lap("self_check")
+    clock.lap("collect_garbage")
+    engine.startup = clock.summary(self_check=check)
+    return engine
+
+
+def _assemble(model: CausalLM, tokenizer: Any, config: EngineConfig, weights_sha256: str, name: str,
+              eos_ids: set[int], hf_config: Any, clock: Startup) -> LLMEngine:
+    """Move the model to its device and build runner, cache and engine; ``clock`` times the parts
+    ``kv_cache`` (device move, KV tensors), ``cuda_graphs`` (when captured) and ``engine_init``
+    (prompt template, the anchor's encode: the first forward pass)."""
+    device = _resolve_device(config.device)
+    dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    dtype, arch = DTYPES[dtype_name], model.config
+    model = model.to(device=device, dtype=dtype).eval()
+    window = getattr(hf_config, "sliding_window", None) if hf_config is not None else None
+    limit = arch.max_position_embeddings if not window else min(window, arch.max_position_embeddings)
+    max_model_len, block_size = min(config.max_model_len or limit, limit), config.cache.block_size
+    backend = _make_backend(config.attention_backend, device, model)
+    block_bytes = kv_bytes_per_block(model, block_size, dtype)
+    num_blocks = config.cache.num_blocks or max(1, _kv_budget(config, device) // block_bytes)
+    runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype)
+    clock.lap("kv_cache")
+    if config.cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs:
+        runner.enable_cuda_graphs(graph_batch_sizes(config.scheduler.max_num_seqs),
+                                  graph_block_table_width(max_model_len, block_size))
+        clock.lap("cuda_graphs")
+    fingerprint = ModelFingerprint(weights_sha256, dtype_name, json.dumps(model.rotary.fingerprint(), sort_keys=True),
+                                   _tokenizer_sha256(tokenizer), block_size)
+    cache = ChunkCache(BlockPool(num_blocks), block_size, make_policy(config.cache.eviction_policy))
+    engine = LLMEngine(runner, cache, tokenizer, fingerprint.digest(), config, max_model_len, eos_ids)
+    engine.fingerprint = fingerprint
+    engine.info = {"model": name, "model_type": arch.model_type, "device": str(device),
+                   "dtype": dtype_name, "attention_backend": backend.name, "block_bytes": block_bytes}
+    clock.lap("engine_init")
+    return engine
+
+
+def describe(engine: LLMEngine) -> dict:
+    """Model, backend and cache configuration of ``engine`` as a JSON-able dict (on its thread).
+
+    ``cached_chunks`` splits ``num_cached_chunks`` into the chunks an engine caches before any
+    document is named, the anchor (what every document chunk is encoded after; pinned from
+    start-up) and the prompt head (the template's text before the documents, cached by the
+    first question and shared by all), and the documents'.
+    """
+    config, cache, info, planner = engine.config, engine.cache, engine.info, engine.planner
+    keys = {e.key for e in cache.entries()}
+    anchors = int(planner.anchor_key in keys)
+    heads = int(planner.head_key in keys and planner.head_key != planner.anchor_key)
+    return {
+        **{k: info[k] for k in ("model", "model_type", "device", "dtype", "attention_backend")},
+        "max_model_len": engine.max_model_len,
+        "default_sampling": {k: v for k, v in dataclasses.asdict(engine.default_sampling).items()
+                             if v != getattr(SamplingParams(), k)},
+        "block_size": cache.block_size,
+        "num_blocks": cache.pool.num_blocks,
+        "kv_cache_bytes": cache.pool.num_blocks * info["block_bytes"],
+        "anchor": config.cache.anchor,
+        "anchor_tokens": len(planner.anchor_ids),
+        "prompt_head_tokens": len(planner.head_ids),
+        "eviction_policy": config.cache.eviction_policy,
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        "max_num_seqs": config.scheduler.max_num_seqs,
+        "num_documents": len(engine.documents),
+        "num_cached_chunks": cache.num_entries,
+        "cached_chunks": {"anchor": anchors, "prompt_head": heads, "documents": cache.num_entries - anchors - heads},
+        "num_free_blocks": cache.pool.num_free,
+        "num_evictions": cache.num_evictions,
+    }
+
+
+@contextlib.contextmanager
+def _collect_once():
+    """Pause the cyclic garbage collector while an engine builds, then collect once.
+
+    Building imports transformers and loads the model and tokenizer: tens of thousands of new
+    long-lived objects, for which CPython would run several full collections of the whole heap.
+    One collection at the end frees the same garbage and resets the collector's count, so the
+    next full one is not due in the first request. The collector's state is restored (it stays
+    off if it was off).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+            gc.collect()
+
+
+def _tokenizer_sha256(tokenizer: Any) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    extra = json.dumps([tokenizer.bos_token_id, tokenizer.eos_token_id, getattr(tokenizer, "chat_template", None)])
+    return hashlib.sha256((text + extra).encode()).hexdigest()
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _kv_budget(config: EngineConfig, device: torch.device) -> int:
+    if config.cache.kv_cache_bytes is not None:
+        return config.cache.kv_cache_bytes
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * (config.cache.kv_cache_fraction or 0.4))
+    return CPU_DEFAULT_KV_BYTES
+
+
+def _make_backend(name: str, device: torch.device, model: CausalLM):
+    """The attention backend; ``auto`` (triton on CUDA, torch elsewhere) falls back to ``torch``
+    for head layouts the kernels do not cover."""
+    arch, auto = model.config, name == "auto"
+    if auto:
+        name = "triton" if device.type == "cuda" else "torch"
+    args = (model.rotary, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
+    try:
+        return get_backend_class(name)(*args)
+    except NotImplementedError:
+        if not auto:
+            raise
+        logger.warning("the triton kernels do not cover head_dim %d / rotary_dim %d: using the torch backend",
+                       arch.head_dim, model.rotary.rotary_dim)
+        return get_backend_class("torch")(*args)

@@ -1,0 +1,235 @@
+"""Prompt planning: a question, chat messages or a plain prompt -> a :class:`PromptPlan`.
+
+The plan lays the prompt out as DESIGN.md's "prompt plan" (``docs/architecture.md``): the
+head (the template's text before the documents, cached like an exact prefix), each
+document's cached chunk at its global offset, private text segments, and the query tail.
+Every check on the input (unknown ids, empty text, lengths against the context limit)
+happens here, before a request exists, so bad input raises at the call and touches nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lazyattn_rag.engine.fingerprint import anchor_fingerprint, chunk_key
+from lazyattn_rag.engine.prompt import ChunkSegment, PromptPlan, PromptTemplate, PromptText, TextSegment
+from lazyattn_rag.engine.registry import DocumentRegistry, RegisteredDocument
+from lazyattn_rag.types.config import EngineConfig
+from lazyattn_rag.types.errors import DocumentTooLongError, EmptyInputError, PromptTooLongError
+from lazyattn_rag.types.messages import DocumentRef, Message
+
+
+class PromptPlanner:
+    """Plans prompts over registered documents for one model and :class:`EngineConfig`.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        config: the engine configuration (prompt template, anchor, ``CacheConfig.mode``).
+        model_digest: the model fingerprint's digest (every chunk key starts from it).
+        block_size: KV slots per block (``prefix`` mode keys whole blocks).
+        vocab_size: the model's vocabulary (plain prompts' ids are checked against it).
+        max_model_len: the context limit in tokens (the engine lowers it to what its KV cache
+            holds before the first plan).
+        documents: the registered documents that plans place.
+
+    Attributes:
+        template: the :class:`PromptTemplate`.
+        head_ids, head_key: the prompt head's tokens and chunk key.
+        anchor_ids, anchor_key: the anchor's tokens (per ``CacheConfig.anchor``) and key
+            (``None`` without an anchor); documents are encoded after it.
+    """
+
+    def __init__(self, tokenizer: Any, config: EngineConfig, model_digest: str, block_size: int, vocab_size: int,
+                 max_model_len: int, documents: DocumentRegistry):
+        self.tokenizer, self.config, self.model_digest = tokenizer, config, model_digest
+        self.block_size, self.vocab_size, self.max_model_len = block_size, vocab_size, max_model_len
+        self.documents = documents
+        self.template = PromptTemplate(tokenizer, config.prompt)
+        self.head_ids = tuple(self.template.head_token_ids())
+        self.min_tail_tokens = len(self.template.tail_token_ids("?"))
+        self.anchor_ids = self._anchor_token_ids()
+        self.anchor_fp = anchor_fingerprint(config.cache.anchor, list(self.anchor_ids))
+        # The head and the anchor get keys of their own kind ("prompt"; with anchor="head" they are
+        # one entry): a document with the same tokens must not share (and, when removed, kill) them.
+        self.head_key = chunk_key(model_digest, "prompt", list(self.head_ids))
+        self.anchor_key = chunk_key(model_digest, "prompt", list(self.anchor_ids)) if self.anchor_ids else None
+
+    def _anchor_token_ids(self) -> tuple[int, ...]:
+        mode = self.config.cache.anchor
+        if mode == "none":
+            return ()
+        if mode == "head":
+            return self.head_ids
+        bos = self.tokenizer.bos_token_id
+        if bos is None:  # e.g. Qwen: the chat template's first token is the sink every prompt starts with
+            if not self.head_ids:
+                raise ValueError("anchor='bos' needs a tokenizer with a BOS token or a non-empty prompt head")
+            bos = self.head_ids[0]
+        return (bos,)
+
+    # --- documents ------------------------------------------------------------------------
+    def prepare_document(self, doc_id: str, text: str) -> RegisteredDocument:
+        """Validate and tokenize one document (nothing is registered here).
+
+        Raises:
+            EmptyInputError: empty id or text (or not strings), or text with no tokens.
+            DocumentTooLongError: the document plus the head and the shortest question exceeds
+                the context limit (the counts and the limit are in the message).
+        """
+        if not isinstance(doc_id, str) or not doc_id:
+            raise EmptyInputError(f"document id must be a non-empty string, got {doc_id!r}")
+        if not isinstance(text, str) or not text.strip():
+            raise EmptyInputError(f"document {doc_id!r} is empty or not a string")
+        ids = tuple(self.template.document_token_ids(text))
+        if not ids:
+            raise EmptyInputError(f"document {doc_id!r} has no tokens (its text tokenizes to nothing)")
+        budget = self.max_model_len - len(self.head_ids) - self.min_tail_tokens - 1
+        if len(ids) > budget or len(self.anchor_ids) + len(ids) > self.max_model_len:
+            raise DocumentTooLongError(
+                f"document {doc_id!r} has {len(ids)} tokens; with the {len(self.head_ids)}-token prompt head and "
+                f"a question, at most {budget} fit the context limit of {self.max_model_len} tokens")
+        return RegisteredDocument(text, ids, chunk_key(self.model_digest, self.anchor_fp, list(ids)))
+
+    def chunks(self, doc_ids: list[str]) -> list[ChunkSegment]:
+        """The head and the documents' chunks at their offsets, in order (ids must be registered)."""
+        chunks = [ChunkSegment(self.head_key, self.head_ids, 0, 0, None)] if self.head_ids else []
+        pos, local = len(self.head_ids), len(self.anchor_ids)
+        for d in doc_ids:
+            doc = self.documents[d]
+            chunks.append(ChunkSegment(doc.key, doc.token_ids, local, pos, d))
+            pos += len(doc.token_ids)
+        return chunks
+
+    # --- plans ----------------------------------------------------------------------------
+    def plan(self, question: str, doc_ids: list[str]) -> PromptPlan:
+        """The plan of a question over registered documents (per ``CacheConfig.mode``).
+
+        Raises:
+            EmptyInputError: empty question.
+            UnknownDocumentError: an id that is not registered (the first one is named).
+            PromptTooLongError: the prompt reaches ``max_model_len``.
+        """
+        if not isinstance(question, str) or not question.strip():
+            raise EmptyInputError("the question is empty")
+        self.documents.check_ids(doc_ids)
+        plan = PromptPlan(tuple(self.chunks(doc_ids)), tuple(self.template.tail_token_ids(question)))
+        self._check_length(plan, f"{len(doc_ids)} documents")
+        return self._for_mode(plan)
+
+    def plan_messages(self, messages: list[Message]) -> PromptPlan:
+        """The plan of chat ``messages`` whose content places registered documents (:class:`DocumentRef`).
+
+        The messages are rendered in the chat template (:meth:`PromptTemplate.render_messages`).
+        Text before the first document becomes the prompt head, a chunk cached like an exact
+        prefix (position 0, ``delta = 0``: its K/V equal a full prefill's); each document is
+        its cached chunk at its offset; text between documents becomes private text segments
+        and text after the last one the query tail, computed by the request (they attend to
+        everything before them). With no document the messages are a plain prompt.
+
+        Raises:
+            UnknownDocumentError: a document id that is not registered (the first one is named).
+            EmptyInputError: no messages, or nothing after the last document to answer from.
+            PromptTooLongError: the prompt reaches ``max_model_len``.
+            ValueError: the chat template drops a message.
+        """
+        if not messages:
+            raise EmptyInputError("no messages")
+        pieces = self.template.render_messages(messages)
+        doc_ids = [p.id for p in pieces if isinstance(p, DocumentRef)]
+        self.documents.check_ids(doc_ids)
+        lead = self.template.leading_special_ids()
+        if not doc_ids:
+            return self.plan_plain(lead + self.template.encode_runs(pieces[0].runs if pieces else ()))
+        if isinstance(pieces[-1], DocumentRef):
+            raise EmptyInputError("the messages end with a document: nothing follows it to answer from")
+        if isinstance(pieces[0], DocumentRef):
+            pieces = [PromptText(()), *pieces]
+        chunks, texts, pos = [], [], 0
+        for i, piece in enumerate(pieces[:-1]):
+            if isinstance(piece, DocumentRef):
+                doc = self.documents[piece.id]
+                chunks.append(ChunkSegment(doc.key, doc.token_ids, len(self.anchor_ids), pos, piece.id))
+                pos += len(doc.token_ids)
+                continue
+            ids = (lead if i == 0 else []) + self.template.encode_runs(piece.runs)
+            if i == 0 and ids:  # the head: an exact prefix, shared by every prompt that starts with it
+                chunks.append(ChunkSegment(chunk_key(self.model_digest, "prompt", ids), tuple(ids), 0, 0, None))
+            elif ids:
+                texts.append(TextSegment(tuple(ids), pos))
+            pos += len(ids)
+        tail = self.template.encode_runs(pieces[-1].runs)
+        plan = PromptPlan(tuple(chunks), tuple(tail), texts=tuple(texts))
+        self._check_length(plan, f"{len(messages)} messages, {len(doc_ids)} documents")
+        return self._for_mode(plan)
+
+    def plan_prompt(self, prompt: str | list[int] | tuple[int, ...]) -> PromptPlan:
+        """A raw prompt (text in the caller's own template, or token ids), computed whole.
+
+        Text is tokenized as the tokenizer does by default: its special tokens (e.g. BOS) are
+        added and special-token text in it is parsed (this is vLLM's ``generate`` of a string).
+
+        Raises:
+            ValueError: not a string or a list of token ids. EmptyInputError, PromptTooLongError:
+            see :meth:`plan_plain`.
+        """
+        if isinstance(prompt, str):
+            return self.plan_plain(list(self.tokenizer(prompt)["input_ids"]))
+        if isinstance(prompt, (list, tuple)):
+            return self.plan_plain(list(prompt))
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def plan_plain(self, prompt_ids: list[int]) -> PromptPlan:
+        """A plan without cached chunks: the whole prompt is computed (a standard prefill).
+
+        Raises:
+            EmptyInputError: empty prompt.
+            ValueError: an id outside the vocabulary.
+            PromptTooLongError: the prompt reaches ``max_model_len``.
+        """
+        if not prompt_ids:
+            raise EmptyInputError("the prompt is empty")
+        for t in prompt_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}")
+        plan = PromptPlan((), tuple(prompt_ids))
+        self._check_length(plan, "plain prompt")
+        return plan
+
+    def plan_warm(self, doc_ids: list[str]) -> PromptPlan:
+        """A warm-up's plan: the documents' chunks, no question. Raises ``UnknownDocumentError``."""
+        self.documents.check_ids(doc_ids)
+        return PromptPlan(tuple(self.chunks(doc_ids)), ())
+
+    def _check_length(self, plan: PromptPlan, what: str) -> None:
+        if plan.num_prompt_tokens >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {plan.num_prompt_tokens} tokens ({what}); the context limit is {self.max_model_len} "
+                "tokens and at least one must remain for the answer")
+
+    # --- comparison modes (CacheConfig.mode) ------------------------------------------------
+    def _for_mode(self, plan: PromptPlan) -> PromptPlan:
+        """The plan as ``CacheConfig.mode`` runs it (the comparison modes of the benchmarks)."""
+        mode = self.config.cache.mode
+        if mode == "full":
+            return PromptPlan((), tuple(plan.token_ids()))
+        if mode == "prefix":
+            return PromptPlan((), tuple(plan.token_ids()), self._prefix_keys(plan.token_ids()))
+        if mode == "block_attention":
+            return PromptPlan(tuple(self._positioned(c) for c in plan.chunks), plan.query_token_ids,
+                              texts=plan.texts)
+        return plan
+
+    @staticmethod
+    def _positioned(chunk: ChunkSegment) -> ChunkSegment:
+        """block_attention mode: a document's copy at its offset (encoded alone at ``g``, delta 0)."""
+        if chunk.doc_id is None:
+            return chunk
+        key = chunk_key(chunk.key, f"at:{chunk.global_start}", [])
+        return ChunkSegment(key, chunk.token_ids, chunk.global_start, chunk.global_start, chunk.doc_id, chunk.key)
+
+    def _prefix_keys(self, token_ids: list[int]) -> tuple[str, ...]:
+        keys, parent = [], self.model_digest
+        for i in range(len(token_ids) // self.block_size):
+            parent = chunk_key(parent, "prefix", token_ids[i * self.block_size: (i + 1) * self.block_size])
+            keys.append(parent)
+        return tuple(keys)

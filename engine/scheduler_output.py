@@ -1,0 +1,112 @@
+"""What one engine step runs: the scheduler's typed output, the only contract between the
+scheduler and the model runner (as vLLM v1's ``SchedulerOutput``).
+
+Jobs carry block ids and RoPE offsets (``delta``), never packed block-table words: the
+runner's input preparation (``engine/input_prep.py``) packs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lazyattn_rag.engine.chunk_cache import BlockEntry
+from lazyattn_rag.engine.request import Request
+
+
+@dataclass
+class EncodeJob:
+    """Encode a piece of one chunk alone, in this step's forward pass.
+
+    ``token_ids`` are the chunk's tokens ``start .. start + len(token_ids)`` at positions
+    ``local_start + start ..``; they attend ``context`` (the anchor), the chunk's first
+    ``start`` tokens (already in ``block_ids``, written by earlier steps) and themselves,
+    causally. ``final``: the piece completes the chunk (it is read from this step's pass on).
+    """
+
+    key: str
+    token_ids: tuple[int, ...]
+    local_start: int
+    block_ids: list[int]
+    context: list[BlockEntry]
+    start: int = 0
+    final: bool = True
+
+
+@dataclass
+class EncodeTask:
+    """A chunk being encoded across steps (chunked encoding), in pieces under the step budget.
+
+    The task holds the pending entry's first pin (taken by ``insert_pending``) until its final
+    piece ran: requests that wait for the chunk pin it too, and may leave meanwhile.
+    """
+
+    key: str
+    token_ids: tuple[int, ...]
+    local_start: int
+    block_ids: list[int]
+    context: list[BlockEntry]
+    num_done: int = 0  # tokens scheduled in earlier steps
+
+    def next_piece(self, budget: int) -> EncodeJob:
+        n = min(len(self.token_ids) - self.num_done, budget)
+        job = EncodeJob(self.key, self.token_ids[self.num_done:self.num_done + n], self.local_start, self.block_ids,
+                        self.context, self.num_done, self.num_done + n == len(self.token_ids))
+        self.num_done += n
+        return job
+
+
+@dataclass
+class CopyJob:
+    """Copy a positioned chunk to a new offset: K rotated by ``delta``, V as is (``block_attention``)."""
+
+    src_key: str
+    dst_key: str
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    num_tokens: int
+    delta: int
+
+
+@dataclass
+class ComputeJob:
+    """Compute ``num_tokens`` private tokens of ``request`` from index ``start``; sample if ``sample``."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything one step runs.
+
+    Attributes:
+        encodes: pieces of chunks to encode alone (each attends the anchor and its earlier pieces).
+        copies: positioned chunks to copy to a new offset (``block_attention`` mode), before the pass.
+        computes: requests' private tokens (query prefill, text segments, one decode token).
+        failed: requests refused while acquiring their chunks, with the error each gets.
+        warmed: warm-up requests whose chunks are all written (they finish now).
+        released_ids: requests released (finished, failed, aborted, preempted) since the previous
+            output: the runner drops their packed block tables.
+    """
+
+    encodes: list[EncodeJob] = field(default_factory=list)
+    copies: list[CopyJob] = field(default_factory=list)
+    computes: list[ComputeJob] = field(default_factory=list)
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
+    warmed: list[Request] = field(default_factory=list)
+    released_ids: list[str] = field(default_factory=list)  # released since the last step: the runner drops their tables
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(e.token_ids) for e in self.encodes) + sum(c.num_tokens for c in self.computes)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.encodes or self.copies or self.computes)
+
+    def written_keys(self) -> set[str]:
+        """Chunks this step completes: their last piece encoded in its forward pass (each layer
+        writes the batch's K/V before its attention reads any of it) or copied before that pass."""
+        return {e.key for e in self.encodes if e.final} | {c.dst_key for c in self.copies}

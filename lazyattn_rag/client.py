@@ -1,0 +1,101 @@
+"""The one client of the engine loop that :class:`LazyAttention` and :class:`AsyncLazyAttention` share.
+
+Every call reaches the engine on its own thread (``engine/loop.py``): submissions, aborts,
+document changes and reads of its state. The public classes differ only in how a request's
+deltas come back (a ``queue.SimpleQueue`` or an ``asyncio.Queue``) and in blocking or awaiting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from lazyattn_rag.engine.engine import LLMEngine
+from lazyattn_rag.engine.loop import EngineLoop
+from lazyattn_rag.engine.request import Request
+from lazyattn_rag.types.documents import Document
+from lazyattn_rag.types.messages import Message, as_message
+from lazyattn_rag.types.outputs import StreamDelta
+from lazyattn_rag.types.sampling_params import SamplingParams
+
+T = TypeVar("T")
+Sink = Callable[[StreamDelta | BaseException], None]
+MakeRequest = Callable[[LLMEngine, Sink], Request]
+
+
+class EngineClient:
+    """Submit, abort and call into one engine over its loop.
+
+    Args:
+        loop: the :class:`EngineLoop` running the engine.
+    """
+
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(engine, *args)`` on the engine thread; its result, or its exception raised here."""
+        return self.loop.call(fn, self.loop.engine, *args)
+
+    def submit(self, make: MakeRequest, sink: Sink) -> str:
+        """Plan and queue a request on the engine thread (its errors raise here); its id."""
+        return self.call(make, sink).request_id
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (a no-op once it finished, or once the engine is shut down)."""
+        try:
+            self.call(LLMEngine.abort, request_id)
+        except RuntimeError:  # the engine is shut down: nothing is left to free
+            pass
+
+    def abort_soon(self, request_id: str) -> None:
+        """Cancel a request without waiting (from a callback that must not block)."""
+        self.loop.post(LLMEngine.abort, self.loop.engine, request_id)
+
+
+# --- requests: what each public method submits (run on the engine thread) ------------------
+def question_request(question: str, doc_ids: Iterable[str], documents: Iterable[Document | tuple[str, str]],
+                     params: SamplingParams) -> MakeRequest:
+    ids, docs = document_ids(doc_ids), document_pairs(documents)
+    return lambda engine, sink: engine.submit_question(question, ids, docs, params, sink)
+
+
+def chat_request(messages: Iterable[Message | dict | tuple], documents: Iterable[Document | tuple[str, str]],
+                 params: SamplingParams) -> MakeRequest:
+    msgs, docs = [as_message(m) for m in messages], document_pairs(documents)
+    return lambda engine, sink: engine.submit_chat(msgs, docs, params, sink)
+
+
+def prompt_request(prompt: str | list[int], params: SamplingParams) -> MakeRequest:
+    prompt = list(prompt) if isinstance(prompt, tuple) else prompt
+    return lambda engine, sink: engine.submit_prompt(prompt, params, sink)
+
+
+def warm_request(doc_ids: Iterable[str]) -> MakeRequest:
+    ids = document_ids(doc_ids)
+    return lambda engine, sink: engine.submit_warm(ids, sink)
+
+
+# --- arguments ----------------------------------------------------------------------------
+def document_ids(doc_ids: Iterable[str]) -> list[str]:
+    """``doc_ids`` as a list. Raises ``ValueError`` for a bare string (a common slip)."""
+    if isinstance(doc_ids, str):
+        raise ValueError(f"doc_ids must be a list of document ids, not the string {doc_ids!r}")
+    return list(doc_ids)
+
+
+def document_pairs(documents: Iterable[Document | tuple[str, str]]) -> list[tuple[str, str]]:
+    """``(id, text)`` pairs from :class:`Document` objects or ``(id, text)`` tuples.
+
+    Raises:
+        ValueError: an item that is neither (named).
+    """
+    pairs = []
+    for d in documents:
+        if isinstance(d, Document):
+            pairs.append((d.id, d.text))
+        elif isinstance(d, (tuple, list)) and len(d) == 2:
+            pairs.append((d[0], d[1]))
+        else:
+            raise ValueError(f"documents must be Document objects or (id, text) pairs, got {d!r}")
+    return pairs
