@@ -27,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks.*`` (and ``tests.kernel_tolerances``) importable
@@ -37,10 +38,11 @@ import torch
 import typer
 
 from benchmarks.serving_equivalence import check_equivalence
-from benchmarks.serving_results import cell_medians, environment, previous_results, write
+from benchmarks.serving_results import cell_medians, command_line, environment, resumed, write, write_runs
 from benchmarks.serving_setup import MODES, Bench, make_engine, release
-from benchmarks.serving_timing import micro_request, ready_engine, three_hot, timed_run, warm_up
-from benchmarks.serving_workload import Workload
+from benchmarks.serving_timing import (micro_request, micro_times, ready_engine, three_hot, timed_run,
+                                       top_device_kernels, warm_up)
+from benchmarks.serving_workload import Workload, random_text
 from lazyattn_rag import EngineConfig, SamplingParams
 from lazyattn_rag.llm import LazyAttention
 
@@ -70,10 +72,9 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
                "docs_per_request": docs_per_request, "query_tokens": query_tokens, "output_tokens": output_tokens,
                "num_requests": num_requests, "concurrency": concurrency, "max_batched_tokens": max_batched_tokens,
                "seed": seed, "cuda_graphs": cuda_graphs, "prefill_with_encodes": prefill_with_encodes}
-    previous = previous_results(name, setting) if resume else {}
-    runs, report, commands = previous.get("runs", []), previous.get("equivalence", {}), previous.get("commands", [])
+    start = resumed(name, setting, resume)
+    runs, commands, report = start["runs"], start["commands"], start.get("equivalence", {})
     done = {(r["mode"], r["alpha"], r["budget_gb"], r.get("repeat", 0)) for r in runs}
-    commands.append(" ".join(sys.argv))
     bench = Bench.build(arch, device, dtype)
     _log("model ready")
     for a in alpha:
@@ -94,9 +95,8 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
                 print(json.dumps(row))
                 runs.append(row)
                 release(llm)
-                write(name, {  # after every run: a cut-short sweep keeps its rows (and --resume goes on from them)
-                    "environment": environment(), **setting, "commands": commands, "equivalence": report,
-                    "summary": cell_medians(runs), "runs": runs})
+                # after every run: a cut-short sweep keeps its rows (and --resume goes on from them)
+                write_runs(name, setting, commands, equivalence=report, summary=cell_medians(runs), runs=runs)
 
 
 @app.command()
@@ -110,10 +110,9 @@ def rates(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
     setting = {"arch": arch, "dtype": dtype, "budget_gb": budget_gb, "alpha": alpha, "num_docs": num_docs,
                "doc_tokens": doc_tokens, "num_requests": num_requests, "max_batched_tokens": max_batched_tokens,
                "max_num_seqs": max_num_seqs, "seed": seed, "cuda_graphs": cuda_graphs}
-    previous = previous_results(name, setting) if resume else {}
-    runs, commands = previous.get("runs", []), previous.get("commands", [])
+    start = resumed(name, setting, resume)
+    runs, commands = start["runs"], start["commands"]
     done = {(r["mode"], r["rate_per_s"]) for r in runs}
-    commands.append(" ".join(sys.argv))
     bench = Bench.build(arch, device, dtype)
     workload = Workload(num_docs, doc_tokens, 5, alpha, 64, 32, num_requests, seed)
     docs, requests = workload.documents(), workload.requests()
@@ -128,8 +127,7 @@ def rates(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
             print(json.dumps(row))
             runs.append(row)
             release(llm)
-            write(name, {  # after every run: a cut-short sweep keeps its rows (and --resume goes on from them)
-                "environment": environment(), **setting, "commands": commands, "runs": runs})
+            write_runs(name, setting, commands, runs=runs)  # after every run, as in sweep
 
 
 @app.command()
@@ -144,8 +142,7 @@ def micro(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
     steps that can be timed apart (``doc_processing_ms``, ``query_prefill_ms``, ``ttft_two_steps_ms``).
     """
     bench = Bench.build(arch, device, dtype)
-    rng = np.random.default_rng(7)
-    text = lambda n: " ".join(f"t{x}" for x in rng.integers(10, 30000, n))  # noqa: E731
+    text = partial(random_text, np.random.default_rng(7))
     rows = []
     for mode in MODES:
         engines = {merged: make_engine(bench, mode, int(budget_gb * 2**30), device, 32768, 4, cuda_graphs=cuda_graphs,
@@ -155,17 +152,8 @@ def micro(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
         for rep in range(repeats):
             row = {"mode": mode, "repeat": rep}
             for merged, llm in engines.items():
-                res, steps = micro_request(llm, [f"r{rep}-{merged}-d{i}" for i in range(5)], text, doc_tokens,
-                                            query_tokens, output_tokens)
-                decode = [s for kind, s, _ in steps if kind == "decode"]
-                if merged:
-                    row.update(ttft_ms=res.stats.ttft_ms, computed_prompt_tokens=res.stats.num_computed_tokens,
-                               decode_ms_per_token=1e3 * statistics.median(decode) if decode else None)
-                else:
-                    row.update(ttft_two_steps_ms=res.stats.ttft_ms,
-                               doc_processing_ms=1e3 * sum(s for kind, s, _ in steps if kind in ("encode", "copy")),
-                               query_prefill_ms=1e3 * sum(s for kind, s, _ in steps if kind == "prefill"))
-                row[f"steps_{'merged' if merged else 'two_steps'}"] = [(k, round(1e3 * s, 3), n) for k, s, n in steps[:6]]
+                ids = [f"r{rep}-{merged}-d{i}" for i in range(5)]
+                row.update(micro_times(*micro_request(llm, ids, text, doc_tokens, query_tokens, output_tokens), merged))
             rows.append(row)
             print(json.dumps(row))
         for llm in engines.values():
@@ -174,7 +162,7 @@ def micro(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
         summary = {m: {k: statistics.median(r[k] for r in rows if r["mode"] == m) for k in keys}
                    for m in MODES if any(r["mode"] == m for r in rows)}
         write(out or f"serving_micro_{arch}_{device}", {"environment": environment(), "arch": arch,
-                                                        "cuda_graphs": cuda_graphs, "command": " ".join(sys.argv),
+                                                        "cuda_graphs": cuda_graphs, "command": command_line(),
                                                         "summary": summary, "runs": rows})
 
 
@@ -187,8 +175,7 @@ def profile(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bflo
     from torch.profiler import profile as torch_profile
 
     bench = Bench.build(arch, device, dtype)
-    rng = np.random.default_rng(7)
-    text = lambda n: " ".join(f"t{x}" for x in rng.integers(10, 30000, n))  # noqa: E731
+    text = partial(random_text, np.random.default_rng(7))
     llm = make_engine(bench, mode, 20 * 2**30, device, 32768, 4, cuda_graphs=cuda_graphs)
     warm_up(llm, Workload(doc_tokens=256))
     ids = [f"d{i}" for i in range(5)]
@@ -197,16 +184,13 @@ def profile(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bflo
         res = llm.generate(text(query_tokens), ids, sampling=SamplingParams(max_tokens=output_tokens, ignore_eos=True))
         if device.startswith("cuda"):
             torch.cuda.synchronize()
-    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
-    total_us = sum(e.self_device_time_total for e in events)
-    rows = [{"name": e.key[:120], "calls": e.count, "device_ms": e.device_time_total / 1e3,
-             "self_device_ms": e.self_device_time_total / 1e3} for e in events[:top]]
+    rows, busy_ms = top_device_kernels(prof, top)
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=top))
     release(llm)
     write(out or f"serving_profile_{arch}_{mode}_{device}", {
         "environment": environment(), "arch": arch, "mode": mode, "cuda_graphs": cuda_graphs,
-        "command": " ".join(sys.argv), "ttft_ms": res.stats.ttft_ms, "tpot_ms": res.stats.tpot_ms,
-        "e2e_ms": res.stats.e2e_ms, "device_busy_ms": total_us / 1e3, "top_by_device_time": rows})
+        "command": command_line(), "ttft_ms": res.stats.ttft_ms, "tpot_ms": res.stats.tpot_ms,
+        "e2e_ms": res.stats.e2e_ms, "device_busy_ms": busy_ms, "top_by_device_time": rows})
 
 
 @app.command()
@@ -223,27 +207,27 @@ def cpu(doc_words: int = 220, repeats: int = 5, out: str = "serving_cpu_smollm2"
     # The baseline runs on the engine's thread too, so both share one intra-op thread pool (a second
     # OpenMP pool on a 2-core machine slows both; see LazyAttention._build).
     hf = llm.loop.call(lambda: AutoModelForCausalLM.from_pretrained(str(llm_model_dir()), dtype=torch.float32).eval())
-
-    def hf_ttft_ms(ids: torch.Tensor) -> float:
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            hf.generate(ids, max_new_tokens=1, do_sample=False)
-        return (time.perf_counter() - t0) * 1e3
-
     ours, theirs = [], []
     for i in range(repeats):
         question = f"What is said about item number {i}?"
         res = llm.generate(question, list(docs), sampling=SamplingParams(max_tokens=1))
         ours.append(res.stats.ttft_ms)
         ids = torch.tensor([llm.plan(question, list(docs)).token_ids()])
-        theirs.append(llm.loop.call(hf_ttft_ms, ids))
-    prompt_tokens = res.stats.num_prompt_tokens
-    summary = {"prompt_tokens": prompt_tokens, "computed_tokens": res.stats.num_computed_tokens,
+        theirs.append(llm.loop.call(_hf_ttft_ms, hf, ids))
+    summary = {"prompt_tokens": res.stats.num_prompt_tokens, "computed_tokens": res.stats.num_computed_tokens,
                "lazy_ttft_ms_median": statistics.median(ours), "hf_generate_ttft_ms_median": statistics.median(theirs),
                "speedup": statistics.median(theirs) / statistics.median(ours)}
     print(json.dumps(summary))
-    write(out, {"environment": environment(), "command": " ".join(sys.argv), "summary": summary,
+    write(out, {"environment": environment(), "command": command_line(), "summary": summary,
                 "lazy_ttft_ms": ours, "hf_generate_ttft_ms": theirs})
+
+
+def _hf_ttft_ms(hf, ids: torch.Tensor) -> float:
+    """transformers ``generate``'s time to the first token over prompt ``ids``, in ms."""
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        hf.generate(ids, max_new_tokens=1, do_sample=False)
+    return (time.perf_counter() - t0) * 1e3
 
 
 def llm_model_dir() -> Path:

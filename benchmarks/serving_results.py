@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -35,6 +36,11 @@ def environment() -> dict:
     return info
 
 
+def command_line() -> str:
+    """The command being run, as recorded in the results' ``command``/``commands`` fields."""
+    return " ".join(sys.argv)
+
+
 def result_path(name: str) -> Path:
     """Where ``--out name`` writes: ``benchmarks/results/<name>.json``, or ``name`` itself when it
     is a path ending in ``.json`` (relative to the working directory)."""
@@ -47,6 +53,12 @@ def write(name: str, payload: dict) -> Path:
     path.write_text(json.dumps(payload, indent=1))
     print(f"wrote {path}")
     return path
+
+
+def write_runs(name: str, setting: dict, commands: list[str], **fields) -> Path:
+    """Write a resumable command's file: the environment, its ``setting`` at the top level (what
+    ``--resume`` compares), every command that added runs to it, then ``fields``."""
+    return write(name, {"environment": environment(), **setting, "commands": commands, **fields})
 
 
 def previous_results(name: str, setting: dict) -> dict:
@@ -67,6 +79,13 @@ def previous_results(name: str, setting: dict) -> dict:
                                  f"({', '.join(f'{k}: {old!r} there, {new!r} now' for k, (old, new) in differ.items())}); "
                                  "pass another --out or the same options")
     return previous
+
+
+def resumed(name: str, setting: dict, resume: bool) -> dict:
+    """Where a resumable command starts: with ``resume``, what :func:`previous_results` read, else
+    nothing; its ``runs`` (a list) to go on from and its ``commands`` with this one appended."""
+    previous = previous_results(name, setting) if resume else {}
+    return {**previous, "runs": previous.get("runs", []), "commands": previous.get("commands", []) + [command_line()]}
 
 
 def cell_medians(runs: list[dict]) -> list[dict]:

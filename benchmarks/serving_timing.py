@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from benchmarks.serving_setup import Bench, make_engine
-from benchmarks.serving_workload import Workload
+from benchmarks.serving_workload import Workload, random_text
 from lazyattn_rag import AsyncLazyAttention, SamplingParams
 from lazyattn_rag.llm import LazyAttention
 
@@ -77,7 +77,7 @@ def warm_up(llm: LazyAttention, workload: Workload) -> None:
     ids = []
     for i in range(3):
         ids.append(f"warm{i}")
-        llm.add_document(ids[-1], " ".join(f"t{x}" for x in rng.integers(10, 30000, workload.doc_tokens)))
+        llm.add_document(ids[-1], random_text(rng, workload.doc_tokens))
     q = " ".join(["t5"] * workload.query_tokens)
     for n in (1, 3):
         llm.generate(q, ids[:n], sampling=SamplingParams(max_tokens=4, ignore_eos=True))
@@ -162,3 +162,28 @@ def micro_request(llm: LazyAttention, ids: list[str], text, doc_tokens: int, que
     llm.loop.call(lambda: None)  # the last step's listeners run after its token was streamed
     llm.engine.step_listeners.clear()
     return res, steps
+
+
+def micro_times(res, steps: list[tuple[str, float, int]], merged: bool) -> dict:
+    """The micro request's times from its result and steps: on an engine that encodes and
+    prefills in one step (``merged``: ``ttft_ms``, decode time), else with document processing
+    and query prefill apart (``doc_processing_ms``, ``query_prefill_ms``); and its first 6 steps."""
+    def ms(*kinds: str) -> float:
+        return 1e3 * sum(s for kind, s, _ in steps if kind in kinds)
+
+    first_steps = [(k, round(1e3 * s, 3), n) for k, s, n in steps[:6]]
+    if merged:
+        decode = [s for kind, s, _ in steps if kind == "decode"]
+        return {"ttft_ms": res.stats.ttft_ms, "computed_prompt_tokens": res.stats.num_computed_tokens,
+                "decode_ms_per_token": 1e3 * statistics.median(decode) if decode else None,
+                "steps_merged": first_steps}
+    return {"ttft_two_steps_ms": res.stats.ttft_ms, "doc_processing_ms": ms("encode", "copy"),
+            "query_prefill_ms": ms("prefill"), "steps_two_steps": first_steps}
+
+
+def top_device_kernels(prof, top: int) -> tuple[list[dict], float]:
+    """torch.profiler's ``top`` events by device time, and the device's busy time (all self times) in ms."""
+    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    rows = [{"name": e.key[:120], "calls": e.count, "device_ms": e.device_time_total / 1e3,
+             "self_device_ms": e.self_device_time_total / 1e3} for e in events[:top]]
+    return rows, sum(e.self_device_time_total for e in events) / 1e3

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def random_text(rng: np.random.Generator, num_tokens: int) -> str:
+    """``num_tokens`` random word tokens, one per whitespace-separated word."""
+    return " ".join(f"t{x}" for x in rng.integers(10, 30000, num_tokens))
+
+
 @dataclass(frozen=True)
 class Workload:
     """A RAG request trace.
@@ -33,7 +38,7 @@ class Workload:
 
     def documents(self) -> dict[str, str]:
         rng = np.random.default_rng(self.seed)
-        return {f"doc{i}": " ".join(f"t{x}" for x in rng.integers(10, 30000, self.doc_tokens)) for i in range(self.num_docs)}
+        return {f"doc{i}": random_text(rng, self.doc_tokens) for i in range(self.num_docs)}
 
     def requests(self) -> list[tuple[str, list[str]]]:
         """``(question, document ids)`` per request."""
@@ -43,6 +48,5 @@ class Workload:
         out = []
         for _ in range(self.num_requests):
             docs = rng.choice(self.num_docs, size=self.docs_per_request, replace=False, p=weights)
-            question = " ".join(f"t{x}" for x in rng.integers(10, 30000, self.query_tokens))
-            out.append((question, [f"doc{d}" for d in docs]))
+            out.append((random_text(rng, self.query_tokens), [f"doc{d}" for d in docs]))
         return out
