@@ -83,8 +83,8 @@ def word_tokenizer(vocab_size: int):
 @dataclass(frozen=True)
 class Bench:
     """The model every mode runs: random weights of ``arch``, its tokenizer, and its weights' hash
-    (computed once per model instead of once per engine: 16 GB through SHA-256, ~9 s at the
-    1.8 GB/s measured on a 2-core CPU, before the device-to-host copy)."""
+    (computed once per model instead of once per engine: hashing an 8B model's weights was most of
+    an engine's set-up time; see docs/benchmarks.md, "Set-up cost")."""
 
     model: CausalLM
     tokenizer: object
