@@ -7,6 +7,11 @@ import pytest
 from typer.testing import CliRunner
 
 serving = pytest.importorskip("benchmarks.serving")
+# after the skip: these need the benchmark's dependencies too
+from benchmarks import serving_results
+from benchmarks.serving_setup import Bench, release
+from benchmarks.serving_timing import ready_engine
+from benchmarks.serving_workload import Workload
 
 SMALL = ["--arch", "tiny", "--device", "cpu", "--dtype", "float32", "--num-docs", "6", "--doc-tokens", "32",
          "--num-requests", "6"]
@@ -14,7 +19,7 @@ SMALL = ["--arch", "tiny", "--device", "cpu", "--dtype", "float32", "--num-docs"
 
 @pytest.fixture
 def results(tmp_path, monkeypatch):
-    monkeypatch.setattr(serving, "RESULTS", tmp_path)
+    monkeypatch.setattr(serving_results, "RESULTS", tmp_path)
     return tmp_path
 
 
@@ -78,10 +83,10 @@ def test_a_burst_over_shared_cold_documents_takes_one_prefill_step():
 
     from lazyattn_rag import SamplingParams
 
-    bench = serving.Bench.build("tiny", "cpu", "float32")
-    workload = serving.Workload(num_docs=4, doc_tokens=24, docs_per_request=3, num_requests=6, output_tokens=3)
+    bench = Bench.build("tiny", "cpu", "float32")
+    workload = Workload(num_docs=4, doc_tokens=24, docs_per_request=3, num_requests=6, output_tokens=3)
     docs, trace = workload.documents(), workload.requests()
-    llm, _ = serving.ready_engine(bench, "lazy", 2**24, "cpu", 4096, 8, workload, docs, cuda_graphs=False)
+    llm, _ = ready_engine(bench, "lazy", 2**24, "cpu", 4096, 8, workload, docs, cuda_graphs=False)
     steps = []
     llm.engine.step_listeners.append(lambda step: steps.append(step.output))
     sinks = [queue.SimpleQueue() for _ in trace]
@@ -100,7 +105,7 @@ def test_a_burst_over_shared_cold_documents_takes_one_prefill_step():
     assert doc_keys <= set(encoded)
     assert all(not s.encodes and all(c.num_tokens == 1 for c in s.computes) for s in steps[1:])
     assert len(steps) == 3  # first tokens, then two decode steps
-    serving.release(llm)
+    release(llm)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -1,0 +1,124 @@
+"""The serving benchmark's model and engines: random-weight models of real architectures'
+shapes (speed does not depend on weight values), a word tokenizer over their vocabulary, and
+one engine per cache mode on the same weights, prompt and KV budget."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import torch
+import typer
+
+from lazyattn_rag import CacheConfig, EngineConfig, PromptConfig, SchedulerConfig
+from lazyattn_rag.engine.fingerprint import tensors_sha256
+from lazyattn_rag.engine.model import CausalLM, ModelArchConfig
+from lazyattn_rag.kernels.rope import RotaryEmbedding
+from lazyattn_rag.llm import LazyAttention
+
+MODES = ("lazy", "block_attention", "prefix", "full")
+PROMPT = PromptConfig(system_prompt=None, instruction="t1 t2 t3 t4 t5 t6 t7 t8 ", document_separator=" ",
+                      question_prefix="t9 ")
+
+ARCHS = {
+    "llama-3.1-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                   max_position_embeddings=131072, rms_norm_eps=1e-5,
+                                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 8192})),
+    "qwen3-8b": ("qwen3", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                               max_position_embeddings=40960, rms_norm_eps=1e-6,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "smollm2-135m": ("llama", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                                   max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
+    "tiny": ("llama", dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=65536,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
+
+
+def hf_config(arch: str):
+    import transformers
+
+    family, kwargs = ARCHS[arch]
+    cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[family]
+    return cls(**kwargs)
+
+
+def random_model(arch: str, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """A random-weight model of ``arch``'s real shapes, created directly on ``device`` in ``dtype``."""
+    cfg = hf_config(arch)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = CausalLM(ModelArchConfig.from_hf_config(cfg), RotaryEmbedding.from_hf_config(cfg))
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if p.dim() > 1:
+                        p.normal_(0.0, 0.02)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+def word_tokenizer(vocab_size: int):
+    """Whitespace word tokenizer over ``t0 .. t{n}`` (documents are random token sequences)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2}
+    for i in range(min(vocab_size, 32000) - 3):
+        vocab[f"t{i}"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="[UNK]")
+
+
+@dataclass(frozen=True)
+class Bench:
+    """The model every mode runs: random weights of ``arch``, its tokenizer, and its weights' hash
+    (computed once per model instead of once per engine: hashing an 8B model's weights was most of
+    an engine's set-up time; see docs/benchmarks.md, "Set-up cost")."""
+
+    model: CausalLM
+    tokenizer: object
+    weights_sha256: str
+
+    @classmethod
+    def build(cls, arch: str, device: str, dtype: str) -> Bench:
+        """Raises ``typer.BadParameter`` for an unknown ``arch`` or a CUDA device on a machine without one."""
+        if arch not in ARCHS:
+            raise typer.BadParameter(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise typer.BadParameter(f"--device {device}: no CUDA device here; pass --device cpu (and --dtype float32)")
+        model = random_model(arch, torch.device(device), getattr(torch, dtype))
+        return cls(model, word_tokenizer(model.config.vocab_size), tensors_sha256(model.state_dict()))
+
+
+def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_batched: int, max_seqs: int,
+                backend: str = "auto", cuda_graphs: bool = True, prefill_with_encodes: bool = True) -> LazyAttention:
+    """An engine over ``bench``'s model in cache ``mode`` with a KV budget of ``budget_bytes``."""
+    config = EngineConfig(device=device, dtype=str(next(bench.model.parameters()).dtype).removeprefix("torch."),
+                          attention_backend=backend, prompt=PROMPT, cuda_graphs=cuda_graphs,
+                          cache=CacheConfig(kv_cache_bytes=budget_bytes, mode=mode, eviction_policy="lfu",
+                                            anchor="none"),  # the papers' setting (block_attention has no anchor)
+                          scheduler=SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs,
+                                                    prefill_with_encodes=prefill_with_encodes))
+    return LazyAttention.from_model(bench.model, bench.tokenizer, config, name="random",
+                                    weights_sha256=bench.weights_sha256)
+
+
+def release(llm: LazyAttention) -> None:
+    """Shut ``llm`` down and free its KV cache and decode graphs before the next engine is built."""
+    llm.shutdown()
+    llm.engine.runner.kv_caches.clear()
+    llm.engine.runner.graphs = None  # its graphs hold their own memory pool
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
