@@ -57,21 +57,17 @@ def _corpus() -> dict[str, str]:
 
 
 def _recorder(engine) -> list:
-    calls = []
-    inner = engine.engine.submit
+    """Each request the engine runs from now on, as ``{"plan", "stats"}`` in order of its first
+    step (its stats are final once it finished)."""
+    calls, seen = [], set()
 
-    def submit(plan, params, sink, warm_only=False):
-        call = {"plan": plan, "stats": None}
+    def record(step) -> None:
+        for job in step.output.computes:
+            if job.request.request_id not in seen:
+                seen.add(job.request.request_id)
+                calls.append({"plan": job.request.plan, "stats": job.request.stats})
 
-        def sink_(item):
-            if getattr(item, "finished", False):
-                call["stats"] = item.stats
-            sink(item)
-
-        calls.append(call)
-        return inner(plan, params, sink_, warm_only)
-
-    engine.engine.submit = submit
+    engine.add_step_listener(record)
     return calls
 
 

@@ -29,17 +29,14 @@ BF16_MODEL_RTOL_OF_SCALE = 0.1
 def first_token_logits(llm: LazyAttention, requests) -> list[torch.Tensor]:
     """First-token logits of each request, run one at a time."""
     captured = []
-    postprocess = llm.engine._postprocess
 
-    def capture(job, logits, token):
-        if job.sample and job.request.first_token_time is None:
-            captured.append(logits.float().cpu())
-        postprocess(job, logits, token)
+    def capture(step) -> None:  # one request at a time, max_tokens=1: its one sampled row
+        captured.extend(step.logits[i].float().cpu() for i, job in enumerate(step.output.computes) if job.sample)
 
-    llm.engine._postprocess = capture
+    remove = llm.add_step_listener(capture)
     for question, ids in requests:
         llm.generate(question, ids, sampling=SamplingParams(max_tokens=1))
-    llm.engine._postprocess = postprocess
+    remove()
     return captured
 
 

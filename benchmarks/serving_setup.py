@@ -115,10 +115,8 @@ def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_bat
 
 
 def release(llm: LazyAttention) -> None:
-    """Shut ``llm`` down and free its KV cache and decode graphs before the next engine is built."""
-    llm.shutdown()
-    llm.engine.runner.kv_caches.clear()
-    llm.engine.runner.graphs = None  # its graphs hold their own memory pool
+    """Close ``llm`` (its KV cache and decode graphs are freed) before the next engine is built."""
+    llm.close()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

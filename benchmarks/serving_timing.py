@@ -106,15 +106,16 @@ def timed_run(llm: LazyAttention, requests, params: SamplingParams, concurrency:
               seed: int) -> dict:
     """Drive the trace through ``llm`` and summarize it, with the engine's steps tallied by kind."""
     before, tally = llm.stats(), StepTally()
-    llm.engine.step_listeners.append(tally)
+    remove = llm.add_step_listener(tally)
     results, wall = asyncio.run(drive(llm, requests, params, concurrency, rate, seed))
-    llm.loop.call(llm.engine.step_listeners.clear)
+    remove()
     return {**summarize(results, wall, before, llm.stats(), llm.block_bytes), "steps": tally.summary()}
 
 
-def _classify(out, seconds: float) -> tuple[str, float, int]:
-    """Name a step by what it computed: encode/copy (document processing), encode+prefill (both
-    in one step), prefill or decode."""
+def _classify(step) -> tuple[str, float, int]:
+    """Name a step (a ``StepResult``) by what it computed: encode/copy (document processing),
+    encode+prefill (both in one step), prefill or decode."""
+    out, seconds = step.output, step.seconds
     if out.encodes and any(c.num_tokens > 1 for c in out.computes):
         return "encode+prefill", seconds, sum(len(e.token_ids) for e in out.encodes) + sum(
             c.num_tokens for c in out.computes)
@@ -134,8 +135,8 @@ class StepTally:
         self.seconds: dict[str, list[float]] = {}
         self.tokens: dict[str, int] = {}
 
-    def __call__(self, out, seconds: float) -> None:
-        kind, seconds, tokens = _classify(out, seconds)
+    def __call__(self, step) -> None:
+        kind, seconds, tokens = _classify(step)
         self.seconds.setdefault(kind, []).append(seconds)
         self.tokens[kind] = self.tokens.get(kind, 0) + tokens
 
@@ -157,10 +158,9 @@ def micro_request(llm: LazyAttention, ids: list[str], text, doc_tokens: int, que
     Returns its result and its steps as ``(kind, seconds, tokens)``."""
     three_hot(llm, ids, text, doc_tokens, query_tokens)
     steps = []
-    llm.engine.step_listeners.append(lambda o, s: steps.append(_classify(o, s)))
+    remove = llm.add_step_listener(lambda step: steps.append(_classify(step)))
     res = llm.generate(text(query_tokens), ids, sampling=SamplingParams(max_tokens=output_tokens, ignore_eos=True))
-    llm.loop.call(lambda: None)  # the last step's listeners run after its token was streamed
-    llm.engine.step_listeners.clear()
+    remove()  # waits for the last step's listeners, which run after its token was streamed
     return res, steps
 
 

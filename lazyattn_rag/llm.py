@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from lazyattn_rag.client import (
@@ -21,7 +21,7 @@ from lazyattn_rag.client import (
     question_request,
     warm_request,
 )
-from lazyattn_rag.engine.engine import LLMEngine
+from lazyattn_rag.engine.engine import LLMEngine, StepResult
 from lazyattn_rag.engine.factory import build_engine, build_engine_from_model, describe
 from lazyattn_rag.engine.loop import EngineLoop
 from lazyattn_rag.engine.model import CausalLM
@@ -279,6 +279,19 @@ class LazyAttention:
           :func:`~lazyattn_rag.engine.self_check.run_self_check`).
         """
         return self.client.call(lambda engine: {**engine.stats(), **engine.startup})
+
+    def add_step_listener(self, listener: Callable[[StepResult], None]) -> Callable[[], None]:
+        """Call ``listener`` with a :class:`~lazyattn_rag.engine.engine.StepResult` (the step's
+        scheduler output, its compute jobs' logits, its wall time) after every engine step that
+        runs jobs, on the engine thread; it must be quick and must not call back into this
+        object. While any listener is registered each step synchronizes the device, so the
+        time is the step's own (benchmarks, diagnostics).
+
+        Returns:
+            a function that removes the listener; once it returns, the listener is not called again.
+        """
+        self.client.call(lambda engine: engine.step_listeners.append(listener))
+        return lambda: self.client.call(lambda engine: engine.step_listeners.remove(listener))
 
     def info(self) -> dict:
         """Model, backend and cache configuration as a JSON-able dict."""

@@ -88,7 +88,7 @@ def test_a_burst_over_shared_cold_documents_takes_one_prefill_step():
     docs, trace = workload.documents(), workload.requests()
     llm, _ = ready_engine(bench, "lazy", 2**24, "cpu", 4096, 8, workload, docs, cuda_graphs=False)
     steps = []
-    llm.engine.step_listeners.append(lambda step: steps.append(step.output))
+    remove = llm.add_step_listener(lambda step: steps.append(step.output))
     sinks = [queue.SimpleQueue() for _ in trace]
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     requests = llm.loop.call(lambda: [llm.engine.submit(llm.engine.planner.plan(q, ids), params, sink.put)
@@ -96,12 +96,12 @@ def test_a_burst_over_shared_cold_documents_takes_one_prefill_step():
     for sink in sinks:
         while not sink.get(timeout=120).finished:
             pass
-    llm.loop.call(lambda: None)  # the last step's listeners run after its token was streamed
+    remove()  # waits for the last step's listeners, which run after its token was streamed
     first = steps[0]
     assert sorted(c.request.request_id for c in first.computes if c.sample) == sorted(r.request_id for r in requests)
     encoded = [e.key for e in first.encodes]
     assert len(encoded) == len(set(encoded))  # each chunk once, however many requests share it
-    doc_keys = {llm.engine.documents[d].key for _, ids in trace for d in ids}
+    doc_keys = {c.key for q, ids in trace for c in llm.plan(q, ids).chunks if c.doc_id is not None}
     assert doc_keys <= set(encoded)
     assert all(not s.encodes and all(c.num_tokens == 1 for c in s.computes) for s in steps[1:])
     assert len(steps) == 3  # first tokens, then two decode steps
