@@ -27,7 +27,7 @@ def _tiny_in_mode(mode: str):
 
 
 def _run(llm, plan):
-    return list(llm._submit(lambda sink: llm.engine.submit(plan, GREEDY, sink)))
+    return list(llm._submit(lambda engine, sink: engine.submit(plan, GREEDY, sink)))
 
 
 def test_a_forced_document_key_collision_fails_the_request_not_the_cache():
