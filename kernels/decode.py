@@ -1,4 +1,6 @@
-"""Deferred-RoPE paged decode (one new token per sequence): Triton kernels, launcher, reference.
+"""Deferred-RoPE paged decode (one new token per sequence): Triton kernels and their launcher.
+
+Its pure-PyTorch reference is :func:`~lazyattn_rag.kernels.reference.decode_reference`.
 
 Decode is bandwidth-bound: every K/V byte of the context is read once per step, so the kernel
 rotates the *query* instead of the keys (LazyAttention, arXiv 2606.04302, Sec. 3):
@@ -31,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lazyattn_rag.kernels.block_table import unpack_block_table
 from lazyattn_rag.kernels.prefill import (
     BlockRuns,
     block_runs,
@@ -39,7 +40,6 @@ from lazyattn_rag.kernels.prefill import (
     cos_sin,
     dot_precision,
     mma,
-    rotate,
 )
 
 
@@ -323,37 +323,3 @@ def paged_decode(
         )
     return out
 
-
-def decode_reference(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    key_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64 packed
-    num_blocks_per_seq: torch.Tensor,  # [num_seqs] int32
-    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
-    inv_freq: torch.Tensor,  # [rotary_dim // 2] float32
-    scale: float,
-    interleaved: bool = False,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] float32 on the CPU
-    """Float32 reference of :func:`paged_decode`, one block at a time: the query row of each
-    sequence is rotated by ``-delta`` of every block and scored against the block's keys as
-    stored; then one softmax. Rows of sequences without blocks are zeros."""
-    num_tokens, num_heads, head_dim = query.shape
-    group = num_heads // key_cache.shape[2]
-    out = torch.zeros(num_tokens, num_heads, head_dim)
-    for s in range(block_tables.shape[0]):
-        row = int(cu_seqlens_q[s])
-        q = query[row].float().cpu()  # [H, D]
-        n = int(num_blocks_per_seq[s])
-        if n == 0:
-            continue
-        block_ids, deltas, valid = unpack_block_table(block_tables[s, :n].cpu())
-        scores, values = [], []
-        for b, d, v in zip(block_ids.tolist(), deltas.tolist(), valid.tolist()):
-            q_b = rotate(q[None], torch.tensor([-d]), inv_freq, interleaved)[0]  # [H, D]
-            k = key_cache[b, :v].float().cpu().repeat_interleave(group, dim=1)  # [v, H, D]
-            scores.append(torch.einsum("hd,khd->hk", q_b, k))
-            values.append(value_cache[b, :v].float().cpu().repeat_interleave(group, dim=1))
-        probs = torch.softmax(torch.cat(scores, dim=1) * scale, dim=1)  # [H, seq_len]
-        out[row] = torch.einsum("hk,khd->hd", probs, torch.cat(values))
-    return out

@@ -9,7 +9,8 @@ import torch
 from kernel_tolerances import assert_close
 from paged_case import SeqSpec, make_case
 
-from lazyattn_rag.kernels.decode import choose_num_splits, decode_reference, paged_decode
+from lazyattn_rag.kernels.decode import choose_num_splits, paged_decode
+from lazyattn_rag.kernels.reference import decode_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
