@@ -39,7 +39,8 @@ import triton.testing
 
 from lazyattn_rag.kernels.block_table import pack_entries
 from lazyattn_rag.kernels.decode import paged_decode
-from lazyattn_rag.kernels.prefill import block_key_starts, block_runs, paged_prefill
+from lazyattn_rag.kernels.launch import block_key_starts, block_runs
+from lazyattn_rag.kernels.prefill import paged_prefill
 
 MODELS = {
     "llama3.1-8b": dict(num_heads=32, num_kv_heads=8, head_dim=128, theta=500000.0),

@@ -11,7 +11,7 @@ Kernel structure (one program = one KV head of one sequence x one split of its b
 * The ``GROUP`` query heads that share the KV head are processed together (rows of one
   ``tl.dot``, padded to 16), so each K/V byte is loaded once for the whole group.
 * The walk goes one *run* at a time (consecutive blocks with one ``delta``, from
-  :func:`~lazyattn_rag.kernels.prefill.block_runs`: a chunk, the prefix, the request's own
+  :func:`~lazyattn_rag.kernels.launch.block_runs`: a chunk, the prefix, the request's own
   tokens). At a run whose ``delta`` differs from the one the query was last rotated for, the
   query is rotated again from the ORIGINAL query (never from the previous rotated one, so
   rounding does not accumulate): once per chunk. Inside a run the loop reads tiles of
@@ -27,20 +27,12 @@ Kernel structure (one program = one KV head of one sequence x one split of its b
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from lazyattn_rag.kernels.prefill import (
-    BlockRuns,
-    block_runs,
-    check_inputs,
-    cos_sin,
-    dot_precision,
-    mma,
-)
+from lazyattn_rag.kernels.launch import BlockRuns, block_runs, launch_prologue
+from lazyattn_rag.kernels.triton_helpers import cos_sin, mma
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_rsr"])  # step-varying widths: see prefill_kernel
@@ -77,7 +69,7 @@ def decode_kernel(
     TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
     NUM_SPLITS: tl.constexpr,
     ROTATE: tl.constexpr,  # False compiles the rotation out (benchmark of its cost only)
-    ACCURATE_TRIG: tl.constexpr,
+    ACCURATE_TRIG: tl.constexpr,  # libdevice cos/sin (GPU); tl.cos/tl.sin under the interpreter
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, None (default) for half types
     DOT_UPCAST: tl.constexpr,  # interpreter only: dots in float32
 ):
@@ -251,18 +243,20 @@ def paged_decode(
 
     Returns:
         ``out`` (allocated like ``query`` when not given).
+    Raises:
+        ValueError, NotImplementedError: inputs the kernel would misread
+            (:func:`~lazyattn_rag.kernels.launch.check_inputs`), a ``num_splits`` that is not a
+            power of two.
 
     Example:
         >>> out = paged_decode(q, kc, vc, md.block_tables, md.num_blocks_per_seq, md.cu_seqlens_q,
         ...                    md.max_seq_len, rotary.inv_freq.to(q.device), scale)
     """
-    num_tokens, num_heads, head_dim = query.shape
+    num_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = key_cache.shape
-    layout, interpreter = check_inputs(query, key_cache, value_cache, block_tables, inv_freq, interleaved)
-    if out is None:
-        out = torch.empty_like(query)
-    if seq_ids is None:
-        seq_ids = torch.arange(block_tables.shape[0], dtype=torch.int32, device=query.device)
+    launch = launch_prologue(query, key_cache, value_cache, block_tables, inv_freq, scale,
+                             interleaved=interleaved, out=out, seq_ids=seq_ids)
+    out, seq_ids, interpreter = launch.out, launch.seq_ids, launch.interpreter
     num_work = seq_ids.numel()
     if num_work == 0:
         return out
@@ -288,28 +282,14 @@ def paged_decode(
     decode_kernel[(num_work, num_kv_heads, num_splits)](
         query, key_cache, value_cache, out, part_out, part_lse,
         block_tables, runs.starts, runs.num_runs, num_blocks_per_seq, cu_seqlens_q, seq_ids,
-        inv_freq.to(device=query.device, dtype=torch.float32).contiguous(),
-        scale * math.log2(math.e),
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        out.stride(0), out.stride(1),
+        launch.inv_freq, launch.sm_scale_log2, *launch.strides,
         block_tables.stride(0), runs.starts.stride(0),
-        GROUP=group,
+        **launch.constexprs,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        HALF=layout.half,
-        REST=layout.rest,
-        PAIR_STRIDE=layout.pair_stride,
-        X2_OFF=layout.x2_offset,
-        BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         TILE_BLOCKS=tile_blocks,
         NUM_SPLITS=num_splits,
         ROTATE=rotate,
-        ACCURATE_TRIG=not interpreter,
-        DOT_PRECISION=dot_precision(query.dtype),
-        DOT_UPCAST=interpreter,
         num_warps=num_warps or 4,
         num_stages=num_stages or (1 if interpreter else 3),
     )
@@ -322,4 +302,3 @@ def paged_decode(
             num_warps=4,
         )
     return out
-

@@ -11,7 +11,8 @@ import torch
 from kernel_tolerances import assert_close
 from paged_case import SeqSpec, make_case
 
-from lazyattn_rag.kernels.prefill import block_key_starts, block_runs, paged_prefill
+from lazyattn_rag.kernels.launch import block_key_starts, block_runs
+from lazyattn_rag.kernels.prefill import paged_prefill
 from lazyattn_rag.kernels.reference import prefill_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
