@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lazyattn_rag.kernels.launch import BlockRuns, block_runs, launch_prologue
+from lazyattn_rag.kernels.launch import BlockRuns, Rotation, block_runs, launch_prologue, rotation_code
 from lazyattn_rag.kernels.triton_helpers import cos_sin, mma
 
 
@@ -68,7 +68,7 @@ def decode_kernel(
     BLOCK_N: tl.constexpr,  # key lanes per tile (a power of two >= BLOCK_SIZE)
     TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
     NUM_SPLITS: tl.constexpr,
-    ROTATE: tl.constexpr,  # False compiles the rotation out (benchmark of its cost only)
+    ROTATION: tl.constexpr,  # 0 none (benchmark of its cost only), 1 query by -delta per run
     ACCURATE_TRIG: tl.constexpr,  # libdevice cos/sin (GPU); tl.cos/tl.sin under the interpreter
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, None (default) for half types
     DOT_UPCAST: tl.constexpr,  # interpreter only: dots in float32
@@ -120,7 +120,7 @@ def decode_kernel(
         b0 = tl.maximum(tl.load(rs_row + r), split_lo)
         b1 = tl.minimum(tl.load(rs_row + r + 1), split_hi)
         if b0 < b1:  # this run overlaps this split
-            if ROTATE:
+            if ROTATION == 1:  # "query" (launch.ROTATION_CODES)
                 delta = tl.load(bt_row + b0) >> 38  # one delta per run (arithmetic shift)
                 if delta != cur_delta:  # a new chunk: rotate the ORIGINAL query (re-read) by -delta
                     cos, sin = cos_sin((-delta).to(tl.float32) * inv_freq, ACCURATE_TRIG)  # [HALF]
@@ -229,7 +229,7 @@ def paged_decode(
     seq_ids: torch.Tensor | None = None,  # [num_work] int32 decode sequences, default all
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     num_splits: int | None = None,  # power of two; default from choose_num_splits
-    rotate: bool = True,
+    rotation: Rotation = "query",  # see Rotation: "query" or "none" (decode never rotates K)
     block_n: int | None = None,  # key lanes per tile (rounded up to a power of two >= block_size)
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -238,15 +238,15 @@ def paged_decode(
     paged context, with the query rotated by ``-delta`` once per chunk (see module doc).
 
     ``max_seq_len`` (a host int) bounds the split count; a sequence with no blocks gets zeros.
-    ``rotate=False`` skips the rotation (only for measuring its cost: the result is then wrong
+    ``rotation="none"`` skips the rotation (only for measuring its cost: the result is then wrong
     for any block with a nonzero delta).
 
     Returns:
         ``out`` (allocated like ``query`` when not given).
     Raises:
         ValueError, NotImplementedError: inputs the kernel would misread
-            (:func:`~lazyattn_rag.kernels.launch.check_inputs`), a ``num_splits`` that is not a
-            power of two.
+            (:func:`~lazyattn_rag.kernels.launch.check_inputs`), a ``rotation`` other than
+            ``"query"`` or ``"none"``, a ``num_splits`` that is not a power of two.
 
     Example:
         >>> out = paged_decode(q, kc, vc, md.block_tables, md.num_blocks_per_seq, md.cu_seqlens_q,
@@ -257,6 +257,7 @@ def paged_decode(
     launch = launch_prologue(query, key_cache, value_cache, block_tables, inv_freq, scale,
                              interleaved=interleaved, out=out, seq_ids=seq_ids)
     out, seq_ids, interpreter = launch.out, launch.seq_ids, launch.interpreter
+    code = rotation_code(rotation, ("query", "none"))
     num_work = seq_ids.numel()
     if num_work == 0:
         return out
@@ -289,7 +290,7 @@ def paged_decode(
         BLOCK_N=block_n,
         TILE_BLOCKS=tile_blocks,
         NUM_SPLITS=num_splits,
-        ROTATE=rotate,
+        ROTATION=code,
         num_warps=num_warps or 4,
         num_stages=num_stages or (1 if interpreter else 3),
     )

@@ -1,5 +1,7 @@
 """What the paged prefill and decode launchers share, host side (torch only, no Triton import).
 
+* :data:`Rotation`, the one switch for where a block's RoPE offset ``delta`` is applied, and
+  :func:`rotation_code`, its value as the kernels' ``ROTATION`` constexpr.
 * :func:`rope_layout`: which head-dimension columns pair up, as constexprs.
 * :func:`check_inputs`: clear errors for inputs the kernels would otherwise misread.
 * :func:`block_key_starts` and :func:`block_runs`: views of the packed block table
@@ -14,10 +16,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from lazyattn_rag.kernels.block_table import unpack_block_table
+
+Rotation = Literal["query", "key", "none"]
+"""Where a kernel applies each block's offset ``delta`` (LazyAttention, arXiv 2606.04302, Sec. 3):
+
+* ``"query"`` (default): the query by ``-delta``, once per run of blocks with one delta;
+* ``"key"``: every K tile by ``delta`` in registers (prefill only; same scores, more work: kept to
+  measure the difference, docs/benchmarks.md);
+* ``"none"``: not at all (only for measuring the rotation's cost: the result is wrong for any
+  block with a nonzero delta).
+"""
+
+ROTATION_CODES: dict[str, int] = {"none": 0, "query": 1, "key": 2}  # the kernels' ROTATION constexpr
+
+
+def rotation_code(rotation: str, supported: tuple[str, ...] = ("query", "key", "none")) -> int:
+    """The ``ROTATION`` constexpr for ``rotation``; ``ValueError`` if the kernel does not support it."""
+    if rotation not in supported:
+        raise ValueError(f"rotation must be one of {sorted(supported)}, got {rotation!r}")
+    return ROTATION_CODES[rotation]
+
 
 @dataclass(frozen=True)
 class RopeLayout:

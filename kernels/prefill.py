@@ -44,9 +44,11 @@ import triton.language as tl
 
 from lazyattn_rag.kernels.launch import (
     BlockRuns,
+    Rotation,
     block_key_starts,
     block_runs,
     launch_prologue,
+    rotation_code,
 )
 from lazyattn_rag.kernels.triton_helpers import cos_sin, mma
 
@@ -271,9 +273,6 @@ def prefill_kernel(
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-ROTATION_MODES = {"none": 0, "query": 1, "key": 2}
-
-
 def _default_config(head_dim: int, block_size: int, interpreter: bool, element_size: int) -> dict:
     """Tile shapes: large on the GPU (tensor cores), small under the interpreter (fast tests)."""
     if interpreter:
@@ -302,7 +301,7 @@ def paged_prefill(
     runs: BlockRuns | None = None,  # from block_runs (computed when not given)
     seq_ids: torch.Tensor | None = None,  # [num_work] int32, default all sequences
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    rotation: str = "query",
+    rotation: Rotation = "query",  # see Rotation: "query", "key" or "none"
     block_m: int | None = None,
     block_n: int | None = None,  # key lanes per tile (rounded up to a power of two >= block_size)
     num_warps: int | None = None,
@@ -329,8 +328,7 @@ def paged_prefill(
     launch = launch_prologue(query, key_cache, value_cache, block_tables, inv_freq, scale,
                              interleaved=interleaved, out=out, seq_ids=seq_ids)
     out, seq_ids = launch.out, launch.seq_ids
-    if rotation not in ROTATION_MODES:
-        raise ValueError(f"rotation must be one of {sorted(ROTATION_MODES)}, got {rotation!r}")
+    code = rotation_code(rotation)
     if seq_ids.numel() == 0 or max_query_len == 0:
         return out
     cfg = _default_config(head_dim, block_size, launch.interpreter, query.element_size())
@@ -352,7 +350,7 @@ def paged_prefill(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         TILE_BLOCKS=block_n // block_size,
-        ROTATION=ROTATION_MODES[rotation],
+        ROTATION=code,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
     )

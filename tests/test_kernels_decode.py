@@ -104,8 +104,15 @@ def test_rows_follow_cu_seqlens_and_seq_ids():
 def test_rotation_compiled_out_matches_when_all_deltas_are_zero():
     specs = [SeqSpec([(37, 0), (17, 0)], own_len=9)]
     case = make_case(specs, num_heads=4, num_kv_heads=2, head_dim=64, device=DEVICE, seed=6)
-    out, ref = run(case, rotate=False)
+    out, ref = run(case, rotation="none")
     assert_close(out, ref, torch.float32)
+
+
+def test_key_tile_rotation_is_refused():
+    """Decode rotates only the query (once per chunk); ``rotation="key"`` is a prefill-only form."""
+    case = make_case(MIXED[:1], num_heads=4, num_kv_heads=2, head_dim=64, device=DEVICE, seed=6)
+    with pytest.raises(ValueError, match="rotation must be one of"):
+        run(case, rotation="key")
 
 
 def test_choose_num_splits():

@@ -160,6 +160,8 @@ def test_bad_inputs_raise_clear_errors():
         run(case.__class__(**{**case.__dict__, "block_tables": case.block_tables.to(torch.int32)}))
     with pytest.raises(NotImplementedError, match="power-of-two head_dim"):
         run(case.__class__(**{**case.__dict__, "query": case.query[..., :48]}))
+    with pytest.raises(ValueError, match="rotation must be one of"):
+        run(case, rotation="keys")
 
 
 def test_step_varying_int_arguments_are_not_specialized():
