@@ -202,9 +202,9 @@ def _num_sms(device: torch.device) -> int:
 
 def choose_num_splits(num_work: int, num_kv_heads: int, max_tiles: int, num_sms: int) -> int:
     """Splits per (sequence, KV head): the largest power of two that keeps all programs in one
-    resident wave (about 3 programs per multiprocessor at 4 warps: on the H200, 256 programs ran
-    at 3.4 TB/s, 512 at 2.8, 1024 at 3.5; see docs/benchmarks.md), with at least 4 tiles per
-    split so the partial-output traffic stays small."""
+    resident wave (about 3 programs per multiprocessor at 4 warps; a split count that spills into
+    a second wave was measured slower, docs/benchmarks.md "Decode split count"), with at least 4
+    tiles per split so the partial-output traffic stays small."""
     programs = max(1, num_work * num_kv_heads)
     cap = max(1, max_tiles // 4)
     splits = 1
