@@ -24,6 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from lazyattn_rag.kernels import decode, prefill
+from lazyattn_rag.kernels.launch import ROTATION_CODES
 
 POINTER_TYPES = {
     "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
@@ -72,15 +73,16 @@ def rope(head_dim: int) -> dict:
 def main() -> None:
     print("kernel   heads       tile               rotation  resources")
     for head_dim, group, (bm, bn, warps, stages) in ((128, 4, (128, 128, 8, 2)), (64, 3, (128, 64, 4, 3))):
-        for name, mode in (("none", 0), ("query", 1), ("key", 2)):
-            c = dict(rope(head_dim), GROUP=group, BLOCK_M=bm, BLOCK_N=bn, TILE_BLOCKS=bn // 16, ROTATION=mode)
-            print(f"prefill  d{head_dim:<3} g{group}    {bm}x{bn} w{warps} s{stages}    {name:<8}  "
+        for rotation in ("none", "query", "key"):
+            c = dict(rope(head_dim), GROUP=group, BLOCK_M=bm, BLOCK_N=bn, TILE_BLOCKS=bn // 16,
+                     ROTATION=ROTATION_CODES[rotation])
+            print(f"prefill  d{head_dim:<3} g{group}    {bm}x{bn} w{warps} s{stages}    {rotation:<8}  "
                   f"{resources(prefill.prefill_kernel, c, warps, stages)}")
     for head_dim, group, bn, splits in ((128, 4, 64, 1), (64, 3, 128, 4)):
-        for rotate in (False, True):
+        for rotation in ("none", "query"):
             c = dict(rope(head_dim), GROUP=group, BLOCK_G=16, BLOCK_N=bn, TILE_BLOCKS=bn // 16, NUM_SPLITS=splits,
-                     ROTATE=rotate)
-            print(f"decode   d{head_dim:<3} g{group}    n{bn} splits {splits} w4 s3   {'query' if rotate else 'none':<8}  "
+                     ROTATION=ROTATION_CODES[rotation])
+            print(f"decode   d{head_dim:<3} g{group}    n{bn} splits {splits} w4 s3   {rotation:<8}  "
                   f"{resources(decode.decode_kernel, c, 4, 3)}")
 
 

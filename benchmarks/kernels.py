@@ -12,8 +12,8 @@ Measures, for Llama-3.1-8B heads (32 q / 8 kv, d 128) and SmolLM2 heads (9 / 3, 
   time, against SDPA flash and cuDNN with ``is_causal``;
 * prefill of 4k new tokens after 12k cached tokens in 4 chunks at offsets, against SDPA with a
   bottom-right causal mask where the backend takes one;
-* rotation overhead: the same kernels with the rotation compiled out (``rotate=False`` /
-  ``rotation="none"``); for prefill also the K-tile rotation (``rotation="key"``) against the
+* rotation overhead: the same kernels with the rotation compiled out (``rotation="none"``);
+  for prefill also the K-tile rotation (``rotation="key"``) against the
   default query rotation once per chunk (``rotation="query"``).
 
 Every time is the median of many runs with the L2 cache flushed before each (triton's do_bench),
@@ -39,7 +39,8 @@ import triton.testing
 
 from lazyattn_rag.kernels.block_table import pack_entries
 from lazyattn_rag.kernels.decode import paged_decode
-from lazyattn_rag.kernels.prefill import block_key_starts, block_runs, paged_prefill
+from lazyattn_rag.kernels.launch import block_key_starts, block_runs
+from lazyattn_rag.kernels.prefill import paged_prefill
 
 MODELS = {
     "llama3.1-8b": dict(num_heads=32, num_kv_heads=8, head_dim=128, theta=500000.0),
@@ -193,27 +194,27 @@ def bench_decode(name: str, cfg: dict, copy_gbps: float, device, batch=32, conte
 
     runs = block_runs(P["block_tables"], P["num_blocks"], BLOCK_SIZE)  # once per batch, as the backend does
 
-    def ours(splits=None, block_n=None, rotate=True, warps=None, stages=None):
+    def ours(splits=None, block_n=None, rotation="query", warps=None, stages=None):
         return lambda: paged_decode(q, P["k_cache"], P["v_cache"], P["block_tables"], P["num_blocks"], cu, max_len,
-                                    inv_freq, scale, runs=runs, out=out, num_splits=splits, rotate=rotate, block_n=block_n,
-                                    num_warps=warps, num_stages=stages)
+                                    inv_freq, scale, runs=runs, out=out, num_splits=splits, rotation=rotation,
+                                    block_n=block_n, num_warps=warps, num_stages=stages)
 
     # sanity: rotation compiled out == SDPA on the stored (local-position) keys
     qd = q[:, :, None, :]  # [B, H, 1, D]
     ref = torch.nn.functional.scaled_dot_product_attention(
         qd.float(), P["k_dense"].float().repeat_interleave(Hq // Hkv, 1), P["v_dense"].float().repeat_interleave(Hq // Hkv, 1))
-    ours(rotate=False)()
+    ours(rotation="none")()
     res["check_rel_err_vs_sdpa_fp32"] = rel_err(out, ref[:, :, 0])
 
     if QUICK:  # defaults only (the sweeps of earlier runs are in results/kernels_h200_v*.json)
-        return finish_decode(res, lambda rotate: ours(rotate=rotate), "default", kv_bytes, copy_gbps, qd, P)
+        return finish_decode(res, lambda rotation: ours(rotation=rotation), "default", kv_bytes, copy_gbps, qd, P)
     sweep = {}
     for block_n in (max(64, 8192 // D),):  # 16 KB K tiles won every pairing in the first H200 sweep (v1 JSON)
         for splits in (1, 2, 4, 8):
             for warps, stages in ((4, 3),):  # 4 warps / 3 stages won every block_n, splits pair on the H200
                 key = f"block_n={block_n},splits={splits},warps={warps},stages={stages}"
                 try:
-                    ms = bench_ms(ours(splits, block_n, True, warps, stages), rep=100)
+                    ms = bench_ms(ours(splits, block_n, "query", warps, stages), rep=100)
                     sweep[key] = {"ms": ms, "GBps": kv_bytes / ms / 1e6}
                 except Exception as e:  # noqa: BLE001
                     sweep[key] = {"error": repr(e)[:200]}
@@ -223,12 +224,12 @@ def bench_decode(name: str, cfg: dict, copy_gbps: float, device, batch=32, conte
     best = dict(kv.split("=") for kv in best_key.split(","))
     bn, sp, wp, st = (int(best[x]) for x in ("block_n", "splits", "warps", "stages"))
     res["default_config_ms"] = bench_ms(ours())
-    return finish_decode(res, lambda rotate: ours(sp, bn, rotate, wp, st), best_key, kv_bytes, copy_gbps, qd, P)
+    return finish_decode(res, lambda rotation: ours(sp, bn, rotation, wp, st), best_key, kv_bytes, copy_gbps, qd, P)
 
 
 def finish_decode(res, make, config, kv_bytes, copy_gbps, qd, P) -> dict:
-    ms_on = [bench_ms(make(True)) for _ in range(2)]
-    ms_off = [bench_ms(make(False)) for _ in range(2)]
+    ms_on = [bench_ms(make("query")) for _ in range(2)]
+    ms_off = [bench_ms(make("none")) for _ in range(2)]
     res["config"] = config
     res["ours_ms"] = ms_on
     res["ours_GBps"] = kv_bytes / min(ms_on) / 1e6

@@ -1,4 +1,6 @@
-"""Deferred-RoPE paged decode (one new token per sequence): Triton kernels, launcher, reference.
+"""Deferred-RoPE paged decode (one new token per sequence): Triton kernels and their launcher.
+
+Its pure-PyTorch reference is :func:`~lazyattn_rag.kernels.reference.decode_reference`.
 
 Decode is bandwidth-bound: every K/V byte of the context is read once per step, so the kernel
 rotates the *query* instead of the keys (LazyAttention, arXiv 2606.04302, Sec. 3):
@@ -9,7 +11,7 @@ Kernel structure (one program = one KV head of one sequence x one split of its b
 * The ``GROUP`` query heads that share the KV head are processed together (rows of one
   ``tl.dot``, padded to 16), so each K/V byte is loaded once for the whole group.
 * The walk goes one *run* at a time (consecutive blocks with one ``delta``, from
-  :func:`~lazyattn_rag.kernels.prefill.block_runs`: a chunk, the prefix, the request's own
+  :func:`~lazyattn_rag.kernels.launch.block_runs`: a chunk, the prefix, the request's own
   tokens). At a run whose ``delta`` differs from the one the query was last rotated for, the
   query is rotated again from the ORIGINAL query (never from the previous rotated one, so
   rounding does not accumulate): once per chunk. Inside a run the loop reads tiles of
@@ -25,22 +27,12 @@ Kernel structure (one program = one KV head of one sequence x one split of its b
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from lazyattn_rag.kernels.block_table import unpack_block_table
-from lazyattn_rag.kernels.prefill import (
-    BlockRuns,
-    block_runs,
-    check_inputs,
-    cos_sin,
-    dot_precision,
-    mma,
-    rotate,
-)
+from lazyattn_rag.kernels.launch import BlockRuns, Rotation, block_runs, launch_prologue, rotation_code
+from lazyattn_rag.kernels.triton_helpers import cos_sin, mma
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_rsr"])  # step-varying widths: see prefill_kernel
@@ -76,8 +68,8 @@ def decode_kernel(
     BLOCK_N: tl.constexpr,  # key lanes per tile (a power of two >= BLOCK_SIZE)
     TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
     NUM_SPLITS: tl.constexpr,
-    ROTATE: tl.constexpr,  # False compiles the rotation out (benchmark of its cost only)
-    ACCURATE_TRIG: tl.constexpr,
+    ROTATION: tl.constexpr,  # 0 none (benchmark of its cost only), 1 query by -delta per run
+    ACCURATE_TRIG: tl.constexpr,  # libdevice cos/sin (GPU); tl.cos/tl.sin under the interpreter
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, None (default) for half types
     DOT_UPCAST: tl.constexpr,  # interpreter only: dots in float32
 ):
@@ -128,7 +120,7 @@ def decode_kernel(
         b0 = tl.maximum(tl.load(rs_row + r), split_lo)
         b1 = tl.minimum(tl.load(rs_row + r + 1), split_hi)
         if b0 < b1:  # this run overlaps this split
-            if ROTATE:
+            if ROTATION == 1:  # "query" (launch.ROTATION_CODES)
                 delta = tl.load(bt_row + b0) >> 38  # one delta per run (arithmetic shift)
                 if delta != cur_delta:  # a new chunk: rotate the ORIGINAL query (re-read) by -delta
                     cos, sin = cos_sin((-delta).to(tl.float32) * inv_freq, ACCURATE_TRIG)  # [HALF]
@@ -210,9 +202,9 @@ def _num_sms(device: torch.device) -> int:
 
 def choose_num_splits(num_work: int, num_kv_heads: int, max_tiles: int, num_sms: int) -> int:
     """Splits per (sequence, KV head): the largest power of two that keeps all programs in one
-    resident wave (about 3 programs per multiprocessor at 4 warps: on the H200, 256 programs ran
-    at 3.4 TB/s, 512 at 2.8, 1024 at 3.5; see docs/benchmarks.md), with at least 4 tiles per
-    split so the partial-output traffic stays small."""
+    resident wave (about 3 programs per multiprocessor at 4 warps; a split count that spills into
+    a second wave was measured slower, docs/benchmarks.md "Decode split count"), with at least 4
+    tiles per split so the partial-output traffic stays small."""
     programs = max(1, num_work * num_kv_heads)
     cap = max(1, max_tiles // 4)
     splits = 1
@@ -237,7 +229,7 @@ def paged_decode(
     seq_ids: torch.Tensor | None = None,  # [num_work] int32 decode sequences, default all
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     num_splits: int | None = None,  # power of two; default from choose_num_splits
-    rotate: bool = True,
+    rotation: Rotation = "query",  # see Rotation: "query" or "none" (decode never rotates K)
     block_n: int | None = None,  # key lanes per tile (rounded up to a power of two >= block_size)
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -246,23 +238,26 @@ def paged_decode(
     paged context, with the query rotated by ``-delta`` once per chunk (see module doc).
 
     ``max_seq_len`` (a host int) bounds the split count; a sequence with no blocks gets zeros.
-    ``rotate=False`` skips the rotation (only for measuring its cost: the result is then wrong
+    ``rotation="none"`` skips the rotation (only for measuring its cost: the result is then wrong
     for any block with a nonzero delta).
 
     Returns:
         ``out`` (allocated like ``query`` when not given).
+    Raises:
+        ValueError, NotImplementedError: inputs the kernel would misread
+            (:func:`~lazyattn_rag.kernels.launch.check_inputs`), a ``rotation`` other than
+            ``"query"`` or ``"none"``, a ``num_splits`` that is not a power of two.
 
     Example:
         >>> out = paged_decode(q, kc, vc, md.block_tables, md.num_blocks_per_seq, md.cu_seqlens_q,
         ...                    md.max_seq_len, rotary.inv_freq.to(q.device), scale)
     """
-    num_tokens, num_heads, head_dim = query.shape
+    num_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = key_cache.shape
-    layout, interpreter = check_inputs(query, key_cache, value_cache, block_tables, inv_freq, interleaved)
-    if out is None:
-        out = torch.empty_like(query)
-    if seq_ids is None:
-        seq_ids = torch.arange(block_tables.shape[0], dtype=torch.int32, device=query.device)
+    launch = launch_prologue(query, key_cache, value_cache, block_tables, inv_freq, scale,
+                             interleaved=interleaved, out=out, seq_ids=seq_ids)
+    out, seq_ids, interpreter = launch.out, launch.seq_ids, launch.interpreter
+    code = rotation_code(rotation, ("query", "none"))
     num_work = seq_ids.numel()
     if num_work == 0:
         return out
@@ -288,28 +283,14 @@ def paged_decode(
     decode_kernel[(num_work, num_kv_heads, num_splits)](
         query, key_cache, value_cache, out, part_out, part_lse,
         block_tables, runs.starts, runs.num_runs, num_blocks_per_seq, cu_seqlens_q, seq_ids,
-        inv_freq.to(device=query.device, dtype=torch.float32).contiguous(),
-        scale * math.log2(math.e),
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        out.stride(0), out.stride(1),
+        launch.inv_freq, launch.sm_scale_log2, *launch.strides,
         block_tables.stride(0), runs.starts.stride(0),
-        GROUP=group,
+        **launch.constexprs,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        HALF=layout.half,
-        REST=layout.rest,
-        PAIR_STRIDE=layout.pair_stride,
-        X2_OFF=layout.x2_offset,
-        BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         TILE_BLOCKS=tile_blocks,
         NUM_SPLITS=num_splits,
-        ROTATE=rotate,
-        ACCURATE_TRIG=not interpreter,
-        DOT_PRECISION=dot_precision(query.dtype),
-        DOT_UPCAST=interpreter,
+        ROTATION=code,
         num_warps=num_warps or 4,
         num_stages=num_stages or (1 if interpreter else 3),
     )
@@ -321,39 +302,4 @@ def paged_decode(
             NUM_SPLITS=num_splits,
             num_warps=4,
         )
-    return out
-
-
-def decode_reference(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    key_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64 packed
-    num_blocks_per_seq: torch.Tensor,  # [num_seqs] int32
-    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
-    inv_freq: torch.Tensor,  # [rotary_dim // 2] float32
-    scale: float,
-    interleaved: bool = False,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] float32 on the CPU
-    """Float32 reference of :func:`paged_decode`, one block at a time: the query row of each
-    sequence is rotated by ``-delta`` of every block and scored against the block's keys as
-    stored; then one softmax. Rows of sequences without blocks are zeros."""
-    num_tokens, num_heads, head_dim = query.shape
-    group = num_heads // key_cache.shape[2]
-    out = torch.zeros(num_tokens, num_heads, head_dim)
-    for s in range(block_tables.shape[0]):
-        row = int(cu_seqlens_q[s])
-        q = query[row].float().cpu()  # [H, D]
-        n = int(num_blocks_per_seq[s])
-        if n == 0:
-            continue
-        block_ids, deltas, valid = unpack_block_table(block_tables[s, :n].cpu())
-        scores, values = [], []
-        for b, d, v in zip(block_ids.tolist(), deltas.tolist(), valid.tolist()):
-            q_b = rotate(q[None], torch.tensor([-d]), inv_freq, interleaved)[0]  # [H, D]
-            k = key_cache[b, :v].float().cpu().repeat_interleave(group, dim=1)  # [v, H, D]
-            scores.append(torch.einsum("hd,khd->hk", q_b, k))
-            values.append(value_cache[b, :v].float().cpu().repeat_interleave(group, dim=1))
-        probs = torch.softmax(torch.cat(scores, dim=1) * scale, dim=1)  # [H, seq_len]
-        out[row] = torch.einsum("hk,khd->hd", probs, torch.cat(values))
     return out

@@ -1,4 +1,4 @@
-"""Deferred-RoPE paged prefill: a Triton kernel, its launcher and a pure-PyTorch reference.
+"""Deferred-RoPE paged prefill: a Triton kernel and its launcher (reference: ``reference.py``).
 
 A batch of sequences (varlen, ``cu_seqlens_q``) attends its paged KV context. Context keys are
 numbered ``0 .. seq_len-1`` over the valid slots of the block table, in table order; a sequence's
@@ -38,177 +38,19 @@ computes them; on the GPU ``cos``/``sin`` come from libdevice (full range reduct
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from lazyattn_rag.kernels.block_table import unpack_block_table
-from lazyattn_rag.kernels.rope import apply_rotation
-
-
-
-@dataclass(frozen=True)
-class RopeLayout:
-    """Which head-dimension columns pair up, as the kernels' constexpr arguments.
-
-    Attributes:
-        half: ``rotary_dim // 2`` (a power of two).
-        rest: ``head_dim - rotary_dim`` (0 or a power of two).
-        pair_stride: column step between consecutive pairs (1 half-split, 2 interleaved).
-        x2_offset: column of a pair's second element relative to its first (``half`` or 1).
-    """
-
-    half: int
-    rest: int
-    pair_stride: int
-    x2_offset: int
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def rope_layout(head_dim: int, rotary_dim: int, interleaved: bool) -> RopeLayout:
-    """Column layout for the kernels; raises ``NotImplementedError`` for shapes they do not cover."""
-    half, rest = rotary_dim // 2, head_dim - rotary_dim
-    if not _is_pow2(head_dim) or head_dim < 16:
-        raise NotImplementedError(f"Triton kernels need a power-of-two head_dim >= 16, got {head_dim}")
-    if rotary_dim % 2 or not _is_pow2(half) or not (rest == 0 or _is_pow2(rest)):
-        raise NotImplementedError(
-            f"Triton kernels need rotary_dim/2 and head_dim - rotary_dim to be powers of two "
-            f"(or 0 for the latter); got head_dim {head_dim}, rotary_dim {rotary_dim}"
-        )
-    if interleaved:
-        return RopeLayout(half, rest, 2, 1)
-    return RopeLayout(half, rest, 1, half)
-
-
-def on_interpreter(t: torch.Tensor) -> bool:
-    """True when kernels run under ``TRITON_INTERPRET=1`` (tensors on the CPU)."""
-    return t.device.type != "cuda"
-
-
-def dot_precision(dtype: torch.dtype) -> str | None:
-    """float32 inputs use exact float32 dots (tests); half types use the tensor cores' default."""
-    return "ieee" if dtype == torch.float32 else None
-
-
-def check_gpu_shapes(layout: RopeLayout) -> None:
-    """Compiled ``tl.dot`` needs an inner dimension of at least 16 for each head-dim part."""
-    if layout.half < 16 or 0 < layout.rest < 16:
-        raise NotImplementedError(
-            f"compiled kernels need rotary_dim/2 >= 16 and head_dim - rotary_dim in {{0}} or >= 16; got "
-            f"rotary_dim/2 = {layout.half}, rest = {layout.rest} (the interpreter takes any power of two)"
-        )
-
-
-def check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 block_tables: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool) -> tuple[RopeLayout, bool]:
-    """Clear errors for inputs the kernels would otherwise misread (both launchers' checks).
-
-    Returns:
-        the RoPE layout and whether the kernels run under Triton's interpreter.
-    Raises:
-        ValueError: heads that do not group, a layout not contiguous in head_dim, mixed dtypes or
-            devices, unequal caches, a block table that is not packed int64 rows.
-        NotImplementedError: a head layout the compiled kernels do not cover.
-    """
-    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
-    layout = rope_layout(query.shape[2], 2 * inv_freq.numel(), interleaved)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    for t, name in ((query, "query"), (key_cache, "key_cache"), (value_cache, "value_cache")):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in head_dim")
-    if not (query.dtype == key_cache.dtype == value_cache.dtype):
-        raise ValueError(f"query, key_cache and value_cache must share a dtype, got {query.dtype}, "
-                         f"{key_cache.dtype}, {value_cache.dtype}")
-    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
-        raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ")
-    if block_tables.dtype != torch.int64 or block_tables.dim() != 2 or block_tables.stride(1) != 1:
-        raise ValueError("block_tables must be a 2-d int64 tensor with contiguous rows (packed words)")
-    if query.device != key_cache.device or query.device != block_tables.device:
-        raise ValueError(f"tensors on different devices: query {query.device}, key_cache {key_cache.device}, "
-                         f"block_tables {block_tables.device}")
-    interpreter = on_interpreter(query)
-    if not interpreter:
-        check_gpu_shapes(layout)
-    return layout, interpreter
-
-
-def block_key_starts(block_tables: torch.Tensor, num_blocks_per_seq: torch.Tensor) -> torch.Tensor:
-    """Index of each block's first key (exclusive prefix sum of valid slots along each row).
-
-    Args:
-        block_tables: ``[num_seqs, max_blocks]`` int64 packed words.
-        num_blocks_per_seq: ``[num_seqs]`` int32 used entries per row.
-    Returns:
-        ``[num_seqs, max_blocks]`` int32 (entries past a row's blocks hold that row's key count).
-    """
-    _, _, valid = unpack_block_table(block_tables)
-    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < num_blocks_per_seq[:, None]
-    valid = torch.where(used, valid, torch.zeros_like(valid))
-    return (torch.cumsum(valid, dim=1) - valid).to(torch.int32)
-
-
-@dataclass
-class BlockRuns:
-    """Runs of consecutive blocks sharing one delta, only the last one partly filled (one run per
-    chunk; the prefix and the request's own tokens are runs with delta 0).
-
-    Attributes:
-        starts: ``[num_seqs, max_blocks + 1]`` int32: first block of run ``r`` at ``starts[s, r]``;
-            entries from ``num_runs[s]`` on hold the sequence's block count (so ``starts[s, r + 1]``
-            ends run ``r``).
-        num_runs: ``[num_seqs]`` int32.
-    """
-
-    starts: torch.Tensor
-    num_runs: torch.Tensor
-
-
-def block_runs(block_tables: torch.Tensor, num_blocks_per_seq: torch.Tensor, block_size: int) -> BlockRuns:
-    """Split every block-table row into runs of equal delta in which only the last block may be
-    partly filled (a new run starts after a partial block too). Device ops, no host sync."""
-    num_seqs, max_blocks = block_tables.shape
-    device = block_tables.device
-    _, deltas, valid = unpack_block_table(block_tables)
-    idx = torch.arange(max_blocks, device=device)[None, :].expand(num_seqs, max_blocks)
-    used = idx < num_blocks_per_seq[:, None].to(torch.int64)
-    changed = torch.ones_like(used)
-    changed[:, 1:] = (deltas[:, 1:] != deltas[:, :-1]) | (valid[:, :-1] < block_size)
-    is_start = used & changed
-    # Compact the run starts to the front of each row: start r goes to column r (its rank among
-    # the row's starts); every other block goes to a spare last column that is dropped after.
-    rank = torch.cumsum(is_start, dim=1) - 1
-    target = torch.where(is_start, rank, torch.full_like(rank, max_blocks + 1))
-    n_blocks = num_blocks_per_seq.to(torch.int64)[:, None]
-    starts = n_blocks.expand(num_seqs, max_blocks + 2).clone()
-    starts.scatter_(1, target, idx)
-    starts = starts[:, : max_blocks + 1].to(torch.int32)
-    return BlockRuns(starts=starts.contiguous(), num_runs=is_start.sum(dim=1).to(torch.int32))
-
-
-@triton.jit
-def cos_sin(angle, ACCURATE_TRIG: tl.constexpr):
-    """cos and sin of float32 angles; libdevice on the GPU, numpy under the interpreter."""
-    if ACCURATE_TRIG:
-        return libdevice.cos(angle), libdevice.sin(angle)
-    else:
-        return tl.cos(angle), tl.sin(angle)
-
-
-@triton.jit
-def mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc + a @ b``; ``UPCAST`` computes in float32 (the interpreter's half-type dot is wrong)."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc, input_precision=PRECISION)
+from lazyattn_rag.kernels.launch import (
+    BlockRuns,
+    Rotation,
+    block_key_starts,
+    block_runs,
+    launch_prologue,
+    rotation_code,
+)
+from lazyattn_rag.kernels.triton_helpers import cos_sin, mma
 
 
 @triton.jit
@@ -333,7 +175,7 @@ def prefill_kernel(
     BLOCK_N: tl.constexpr,  # key lanes per tile (a power of two >= BLOCK_SIZE)
     TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
     ROTATION: tl.constexpr,  # 0 none (benchmark only), 1 query by -delta per run, 2 each K tile by delta
-    ACCURATE_TRIG: tl.constexpr,
+    ACCURATE_TRIG: tl.constexpr,  # libdevice cos/sin (GPU); tl.cos/tl.sin under the interpreter
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, None (default) for half types
     DOT_UPCAST: tl.constexpr,  # interpreter only: dots in float32
 ):
@@ -431,9 +273,6 @@ def prefill_kernel(
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-ROTATION_MODES = {"none": 0, "query": 1, "key": 2}
-
-
 def _default_config(head_dim: int, block_size: int, interpreter: bool, element_size: int) -> dict:
     """Tile shapes: large on the GPU (tensor cores), small under the interpreter (fast tests)."""
     if interpreter:
@@ -462,7 +301,7 @@ def paged_prefill(
     runs: BlockRuns | None = None,  # from block_runs (computed when not given)
     seq_ids: torch.Tensor | None = None,  # [num_work] int32, default all sequences
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    rotation: str = "query",
+    rotation: Rotation = "query",  # see Rotation: "query", "key" or "none"
     block_m: int | None = None,
     block_n: int | None = None,  # key lanes per tile (rounded up to a power of two >= block_size)
     num_warps: int | None = None,
@@ -477,117 +316,42 @@ def paged_prefill(
 
     Returns:
         ``out`` (allocated like ``query`` when not given).
+    Raises:
+        ValueError, NotImplementedError: inputs the kernel would misread
+            (:func:`~lazyattn_rag.kernels.launch.check_inputs`), an unknown ``rotation``.
 
     Example:
         >>> out = paged_prefill(q, kc, vc, md.block_tables, md.num_blocks_per_seq, md.seq_lens,
         ...                     md.cu_seqlens_q, md.max_query_len, rotary.inv_freq.to(q.device), scale)
     """
-    num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    layout, interpreter = check_inputs(query, key_cache, value_cache, block_tables, inv_freq, interleaved)
-    cfg = _default_config(head_dim, block_size, interpreter, query.element_size())
+    num_heads, head_dim, block_size = query.shape[1], query.shape[2], key_cache.shape[1]
+    launch = launch_prologue(query, key_cache, value_cache, block_tables, inv_freq, scale,
+                             interleaved=interleaved, out=out, seq_ids=seq_ids)
+    out, seq_ids = launch.out, launch.seq_ids
+    code = rotation_code(rotation)
+    if seq_ids.numel() == 0 or max_query_len == 0:
+        return out
+    cfg = _default_config(head_dim, block_size, launch.interpreter, query.element_size())
     block_m = block_m or cfg["block_m"]
     block_n = triton.next_power_of_2(max(block_n or cfg["block_n"], block_size))
-    if out is None:
-        out = torch.empty_like(query)
     if key_starts is None:
         key_starts = block_key_starts(block_tables, num_blocks_per_seq)
     if runs is None:
         runs = block_runs(block_tables, num_blocks_per_seq, block_size)
-    if rotation not in ROTATION_MODES:
-        raise ValueError(f"rotation must be one of {sorted(ROTATION_MODES)}, got {rotation!r}")
-    if seq_ids is None:
-        seq_ids = torch.arange(block_tables.shape[0], dtype=torch.int32, device=query.device)
-    if seq_ids.numel() == 0 or max_query_len == 0:
-        return out
     max_blocks = block_tables.shape[1]
     grid = (num_heads, triton.cdiv(max_query_len, block_m), seq_ids.numel())
     prefill_kernel[grid](
         query, key_cache, value_cache, out,
         block_tables, key_starts, runs.starts, runs.num_runs, num_blocks_per_seq, seq_lens, cu_seqlens_q, seq_ids,
-        inv_freq.to(device=query.device, dtype=torch.float32).contiguous(),
-        scale * math.log2(math.e),
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        out.stride(0), out.stride(1),
+        launch.inv_freq, launch.sm_scale_log2, *launch.strides,
         block_tables.stride(0), key_starts.stride(0), runs.starts.stride(0),
         max(1, max_blocks + 1).bit_length(),
-        GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim,
-        HALF=layout.half,
-        REST=layout.rest,
-        PAIR_STRIDE=layout.pair_stride,
-        X2_OFF=layout.x2_offset,
-        BLOCK_SIZE=block_size,
+        **launch.constexprs,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         TILE_BLOCKS=block_n // block_size,
-        ROTATION=ROTATION_MODES[rotation],
-        ACCURATE_TRIG=not interpreter,
-        DOT_PRECISION=dot_precision(query.dtype),
-        DOT_UPCAST=interpreter,
+        ROTATION=code,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
     )
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Pure-PyTorch reference: written for clarity, one sequence and one key at a time.
-# --------------------------------------------------------------------------------------------
-
-
-def gather_keys(
-    cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
-    words: torch.Tensor,  # [n] int64 packed words of one sequence
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Valid slots of a sequence in key order: ``([seq_len, num_kv_heads, head_dim], [seq_len] deltas)``."""
-    block_ids, deltas, valid = unpack_block_table(words.cpu())
-    rows, row_deltas = [], []
-    for b, d, v in zip(block_ids.tolist(), deltas.tolist(), valid.tolist()):
-        rows.append(cache[b, :v])
-        row_deltas += [d] * v
-    if not rows:
-        return cache.new_zeros(0, *cache.shape[2:]), torch.zeros(0, dtype=torch.int64)
-    return torch.cat(rows), torch.tensor(row_deltas, dtype=torch.int64)
-
-
-def rotate(x: torch.Tensor, deltas: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """``R_delta x`` in float32: ``x`` ``[n, heads, head_dim]``, ``deltas`` ``[n]``."""
-    angles = deltas.to(torch.float32)[:, None] * inv_freq.float().cpu()[None, :]  # [n, rotary_dim/2]
-    return apply_rotation(x.float().cpu(), angles.cos(), angles.sin(), 2 * inv_freq.numel(), interleaved)
-
-
-def prefill_reference(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    key_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64 packed
-    num_blocks_per_seq: torch.Tensor,  # [num_seqs] int32
-    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
-    inv_freq: torch.Tensor,  # [rotary_dim // 2] float32
-    scale: float,
-    interleaved: bool = False,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] float32 on the CPU
-    """Float32 reference of :func:`paged_prefill`: rotate every cached key by its block's delta,
-    then causal softmax attention per sequence. Rows of sequences without keys are zeros."""
-    num_tokens, num_heads, head_dim = query.shape
-    group = num_heads // key_cache.shape[2]
-    out = torch.zeros(num_tokens, num_heads, head_dim)
-    cu = cu_seqlens_q.tolist()
-    for s in range(len(cu) - 1):
-        words = block_tables[s, : int(num_blocks_per_seq[s])]
-        k, deltas = gather_keys(key_cache, words)
-        v, _ = gather_keys(value_cache, words)
-        q = query[cu[s] : cu[s + 1]].float().cpu()  # [q_len, H, D]
-        q_len, seq_len = q.shape[0], k.shape[0]
-        if seq_len == 0 or q_len == 0:
-            continue
-        k = rotate(k, deltas, inv_freq, interleaved).repeat_interleave(group, dim=1)  # [seq_len, H, D]
-        v = v.float().cpu().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        allowed = torch.arange(seq_len)[None, :] <= (seq_len - q_len + torch.arange(q_len))[:, None]
-        scores = scores.masked_fill(~allowed[None], float("-inf"))
-        out[cu[s] : cu[s + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
     return out

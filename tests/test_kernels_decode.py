@@ -9,7 +9,8 @@ import torch
 from kernel_tolerances import assert_close
 from paged_case import SeqSpec, make_case
 
-from lazyattn_rag.kernels.decode import choose_num_splits, decode_reference, paged_decode
+from lazyattn_rag.kernels.decode import choose_num_splits, paged_decode
+from lazyattn_rag.kernels.reference import decode_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -103,8 +104,15 @@ def test_rows_follow_cu_seqlens_and_seq_ids():
 def test_rotation_compiled_out_matches_when_all_deltas_are_zero():
     specs = [SeqSpec([(37, 0), (17, 0)], own_len=9)]
     case = make_case(specs, num_heads=4, num_kv_heads=2, head_dim=64, device=DEVICE, seed=6)
-    out, ref = run(case, rotate=False)
+    out, ref = run(case, rotation="none")
     assert_close(out, ref, torch.float32)
+
+
+def test_key_tile_rotation_is_refused():
+    """Decode rotates only the query (once per chunk); ``rotation="key"`` is a prefill-only form."""
+    case = make_case(MIXED[:1], num_heads=4, num_kv_heads=2, head_dim=64, device=DEVICE, seed=6)
+    with pytest.raises(ValueError, match="rotation must be one of"):
+        run(case, rotation="key")
 
 
 def test_choose_num_splits():

@@ -11,7 +11,9 @@ import torch
 from kernel_tolerances import assert_close
 from paged_case import SeqSpec, make_case
 
-from lazyattn_rag.kernels.prefill import block_key_starts, block_runs, paged_prefill, prefill_reference
+from lazyattn_rag.kernels.launch import block_key_starts, block_runs
+from lazyattn_rag.kernels.prefill import paged_prefill
+from lazyattn_rag.kernels.reference import prefill_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -158,6 +160,8 @@ def test_bad_inputs_raise_clear_errors():
         run(case.__class__(**{**case.__dict__, "block_tables": case.block_tables.to(torch.int32)}))
     with pytest.raises(NotImplementedError, match="power-of-two head_dim"):
         run(case.__class__(**{**case.__dict__, "query": case.query[..., :48]}))
+    with pytest.raises(ValueError, match="rotation must be one of"):
+        run(case, rotation="keys")
 
 
 def test_step_varying_int_arguments_are_not_specialized():

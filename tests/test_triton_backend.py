@@ -82,6 +82,17 @@ def test_triton_backend_matches_torch_backend(kind, num_heads, num_kv_heads, hea
     torch.testing.assert_close(v_cache, v_ref, equal_nan=True)
 
 
+def test_torch_backend_refuses_a_rotation_it_has_no_form_for():
+    """The torch backend forces ``rotation`` "query" or "key" (None: its own choice); "none" has no form there."""
+    seqs, k_cache, v_cache, g = make_batch(KINDS["decode"], 16, 2, 64, torch.float32, seed=1)
+    n = sum(s.query_len for s in seqs)
+    backend = TorchAttentionBackend(make_rotary(64), 4, 2, 64, 0.125)
+    backend.rotation = "none"
+    query, key = torch.randn(n, 4, 64).to(DEVICE), torch.randn(n, 2, 64).to(DEVICE)
+    with pytest.raises(ValueError, match="rotation must be 'query', 'key' or None"):
+        backend.forward(query, key, key, k_cache, v_cache, build_attention_metadata(seqs, 16, DEVICE))
+
+
 def test_unsupported_head_layout_fails_at_construction():
     with pytest.raises(NotImplementedError):
         TritonAttentionBackend(make_rotary(96), 4, 2, 96, 0.1)

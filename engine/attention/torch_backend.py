@@ -12,7 +12,8 @@ global positions and runs a masked softmax in float32.
   ``(R_m q) . (R_(j+delta) k) = (R_(-delta) R_m q) . (R_j k)``. Used for decode rows and
   for short prefills (a question after long cached documents), where it is far cheaper.
 
-``rotation`` (``"auto"``, ``"key"``, ``"query"``) forces one form, for tests.
+``rotation`` (:data:`~lazyattn_rag.kernels.launch.Rotation`: ``"key"`` or ``"query"``; ``None``,
+the default, chooses per sequence as above) forces one form, for tests.
 
 Source: LazyAttention (ICML 2026, arXiv 2606.04302), Sec. 3 "deferred RoPE".
 """
@@ -26,6 +27,7 @@ import torch
 from lazyattn_rag.engine.attention.base import AttentionBackend, write_kv
 from lazyattn_rag.engine.attention.metadata import AttentionMetadata
 from lazyattn_rag.kernels.block_table import unpack_block_table
+from lazyattn_rag.kernels.launch import Rotation
 from lazyattn_rag.kernels.rope import apply_rotation
 
 
@@ -68,7 +70,7 @@ class TorchAttentionBackend(AttentionBackend):
     """Reference backend (float32 math, any device). See the module docstring."""
 
     name = "torch"
-    rotation = "auto"
+    rotation: Rotation | None = None  # None: per sequence, the cheaper form (see the module docstring)
 
     def forward(self, query, key, value, key_cache, value_cache, metadata):
         write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
@@ -118,7 +120,9 @@ class TorchAttentionBackend(AttentionBackend):
         return self._softmax_v(scores, v, seq_len)
 
     def _rotate_query(self, q_len: int, plan: _SeqGather) -> bool:
-        if self.rotation != "auto":
+        if self.rotation is not None:
+            if self.rotation not in ("query", "key"):
+                raise ValueError(f"the torch backend's rotation must be 'query', 'key' or None, got {self.rotation!r}")
             return self.rotation == "query"
         return q_len == 1 or q_len * len(plan.runs) <= plan.slots.numel()
 

@@ -26,7 +26,7 @@ from lazyattn_rag.engine.attention.base import AttentionBackend, write_kv
 from lazyattn_rag.engine.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from lazyattn_rag.kernels.prefill import BlockRuns
+    from lazyattn_rag.kernels.launch import BlockRuns
 
 # The kernels (and triton, ~0.4 s to import) load on first use: the CPU engine imports this module
 # (engine/cuda_graphs.py uses plan_decode_batch) without ever running a kernel.
@@ -47,7 +47,7 @@ def _plan(metadata: AttentionMetadata, device: torch.device) -> _TritonPlan:
     cached = metadata.backend_state.get("triton")
     if cached is not None:
         return cached
-    from lazyattn_rag.kernels.prefill import block_key_starts, block_runs
+    from lazyattn_rag.kernels.launch import block_key_starts, block_runs
 
     decode = [i for i, q in enumerate(metadata.query_lens) if q == 1]
     prefill = [i for i, q in enumerate(metadata.query_lens) if q > 1]
@@ -75,7 +75,7 @@ def plan_decode_batch(metadata: AttentionMetadata, seq_ids: torch.Tensor) -> Non
     so the captured work is the same on every replay; ``seq_ids`` (``[num_seqs]`` int32) is a
     tensor made before capture and ``max_seq_len`` of the metadata sizes the split-KV launch.
     """
-    from lazyattn_rag.kernels.prefill import block_runs
+    from lazyattn_rag.kernels.launch import block_runs
 
     metadata.backend_state["triton"] = _TritonPlan(
         decode_ids=seq_ids,
@@ -101,7 +101,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, rotary, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__(rotary, num_heads, num_kv_heads, head_dim, scale)
-        from lazyattn_rag.kernels.prefill import rope_layout
+        from lazyattn_rag.kernels.launch import rope_layout
 
         rope_layout(head_dim, rotary.rotary_dim, rotary.interleaved)  # fail early on unsupported shapes
 

@@ -1,0 +1,104 @@
+"""Pure-PyTorch references of the paged kernels: the oracle every kernel test compares against.
+
+Written for clarity, not speed: float32 on the CPU, one sequence and one key (prefill) or one
+block (decode) at a time, straight from the semantics in ``prefill.py`` and ``decode.py``. The
+two references move keys to their global positions in the two ways the kernels can: prefill's
+rotates every cached key by its block's ``delta``, decode's rotates the query by ``-delta``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lazyattn_rag.kernels.block_table import unpack_block_table
+from lazyattn_rag.kernels.rope import apply_rotation
+
+
+def gather_keys(
+    cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    words: torch.Tensor,  # [n] int64 packed words of one sequence
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid slots of a sequence in key order: ``([seq_len, num_kv_heads, head_dim], [seq_len] deltas)``."""
+    block_ids, deltas, valid = unpack_block_table(words.cpu())
+    rows, row_deltas = [], []
+    for b, d, v in zip(block_ids.tolist(), deltas.tolist(), valid.tolist()):
+        rows.append(cache[b, :v])
+        row_deltas += [d] * v
+    if not rows:
+        return cache.new_zeros(0, *cache.shape[2:]), torch.zeros(0, dtype=torch.int64)
+    return torch.cat(rows), torch.tensor(row_deltas, dtype=torch.int64)
+
+
+def rotate(x: torch.Tensor, deltas: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``R_delta x`` in float32: ``x`` ``[n, heads, head_dim]``, ``deltas`` ``[n]``."""
+    angles = deltas.to(torch.float32)[:, None] * inv_freq.float().cpu()[None, :]  # [n, rotary_dim/2]
+    return apply_rotation(x.float().cpu(), angles.cos(), angles.sin(), 2 * inv_freq.numel(), interleaved)
+
+
+def prefill_reference(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64 packed
+    num_blocks_per_seq: torch.Tensor,  # [num_seqs] int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    inv_freq: torch.Tensor,  # [rotary_dim // 2] float32
+    scale: float,
+    interleaved: bool = False,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] float32 on the CPU
+    """Float32 reference of :func:`~lazyattn_rag.kernels.prefill.paged_prefill`: rotate every cached key by its block's delta,
+    then causal softmax attention per sequence. Rows of sequences without keys are zeros."""
+    num_tokens, num_heads, head_dim = query.shape
+    group = num_heads // key_cache.shape[2]
+    out = torch.zeros(num_tokens, num_heads, head_dim)
+    cu = cu_seqlens_q.tolist()
+    for s in range(len(cu) - 1):
+        words = block_tables[s, : int(num_blocks_per_seq[s])]
+        k, deltas = gather_keys(key_cache, words)
+        v, _ = gather_keys(value_cache, words)
+        q = query[cu[s] : cu[s + 1]].float().cpu()  # [q_len, H, D]
+        q_len, seq_len = q.shape[0], k.shape[0]
+        if seq_len == 0 or q_len == 0:
+            continue
+        k = rotate(k, deltas, inv_freq, interleaved).repeat_interleave(group, dim=1)  # [seq_len, H, D]
+        v = v.float().cpu().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        allowed = torch.arange(seq_len)[None, :] <= (seq_len - q_len + torch.arange(q_len))[:, None]
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        out[cu[s] : cu[s + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+    return out
+
+
+def decode_reference(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64 packed
+    num_blocks_per_seq: torch.Tensor,  # [num_seqs] int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    inv_freq: torch.Tensor,  # [rotary_dim // 2] float32
+    scale: float,
+    interleaved: bool = False,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] float32 on the CPU
+    """Float32 reference of :func:`~lazyattn_rag.kernels.decode.paged_decode`, one block at a time: the query row of each
+    sequence is rotated by ``-delta`` of every block and scored against the block's keys as
+    stored; then one softmax. Rows of sequences without blocks are zeros."""
+    num_tokens, num_heads, head_dim = query.shape
+    group = num_heads // key_cache.shape[2]
+    out = torch.zeros(num_tokens, num_heads, head_dim)
+    for s in range(block_tables.shape[0]):
+        row = int(cu_seqlens_q[s])
+        q = query[row].float().cpu()  # [H, D]
+        n = int(num_blocks_per_seq[s])
+        if n == 0:
+            continue
+        block_ids, deltas, valid = unpack_block_table(block_tables[s, :n].cpu())
+        scores, values = [], []
+        for b, d, v in zip(block_ids.tolist(), deltas.tolist(), valid.tolist()):
+            q_b = rotate(q[None], torch.tensor([-d]), inv_freq, interleaved)[0]  # [H, D]
+            k = key_cache[b, :v].float().cpu().repeat_interleave(group, dim=1)  # [v, H, D]
+            scores.append(torch.einsum("hd,khd->hk", q_b, k))
+            values.append(value_cache[b, :v].float().cpu().repeat_interleave(group, dim=1))
+        probs = torch.softmax(torch.cat(scores, dim=1) * scale, dim=1)  # [H, seq_len]
+        out[row] = torch.einsum("hk,khd->hd", probs, torch.cat(values))
+    return out
