@@ -116,11 +116,11 @@ def _classify(step) -> tuple[str, float, int]:
     """Name a step (a ``StepResult``) by what it computed: encode/copy (document processing),
     encode+prefill (both in one step), prefill or decode."""
     out, seconds = step.output, step.seconds
-    if out.encodes and any(c.num_tokens > 1 for c in out.computes):
-        return "encode+prefill", seconds, sum(len(e.token_ids) for e in out.encodes) + sum(
+    if out.chunk_prefills and any(c.num_tokens > 1 for c in out.computes):
+        return "encode+prefill", seconds, sum(len(e.token_ids) for e in out.chunk_prefills) + sum(
             c.num_tokens for c in out.computes)
-    if out.encodes:
-        return "encode", seconds, sum(len(e.token_ids) for e in out.encodes)
+    if out.chunk_prefills:
+        return "encode", seconds, sum(len(e.token_ids) for e in out.chunk_prefills)
     if out.copies and not out.computes:
         return "copy", seconds, sum(c.num_tokens for c in out.copies)
     tokens = sum(c.num_tokens for c in out.computes)

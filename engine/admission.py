@@ -11,7 +11,7 @@ gives back exactly what it took.
 from __future__ import annotations
 
 from lazyattn_rag.engine.request import Request
-from lazyattn_rag.engine.scheduler_output import CopyJob, EncodeTask, SchedulerOutput
+from lazyattn_rag.engine.scheduler_output import CopyJob, ChunkPrefillTask, SchedulerOutput
 from lazyattn_rag.types.errors import CacheCapacityError
 
 
@@ -76,9 +76,9 @@ class ChunkAdmission:
         """Undo an acquisition that raised: drop the jobs and pending entries it ``created``
         (never those of other requests that it merely pinned), then release its pins."""
         mine = set(created)
-        for job in [j for j in out.encodes if j.key in mine]:
-            out.encodes.remove(job)
-        self.encoding = [t for t in self.encoding if t.key not in mine]
+        for job in [j for j in out.chunk_prefills if j.key in mine]:
+            out.chunk_prefills.remove(job)
+        self.chunk_tasks = [t for t in self.chunk_tasks if t.key not in mine]
         for job in [j for j in out.copies if j.dst_key in mine]:
             out.copies.remove(job)
             self.cache.unpin(job.src_key)
@@ -124,9 +124,9 @@ class ChunkAdmission:
                                           chunk.local_start - src.local_start))
                 copied.add(chunk.key)
                 continue
-            request.encoded_keys.add(chunk.key)
+            request.prefilled_keys.add(chunk.key)
             context = self.anchor_context if chunk.doc_id is not None and chunk.source_key is None else []
-            self.encoding.append(EncodeTask(chunk.key, chunk.token_ids, chunk.local_start, blocks, context))
+            self.chunk_tasks.append(ChunkPrefillTask(chunk.key, chunk.token_ids, chunk.local_start, blocks, context))
         return copied
 
     def _acquire_prefix(self, request: Request) -> None:

@@ -36,7 +36,7 @@ from lazyattn_rag.engine.registry import DocumentRegistry, RegisteredDocument
 from lazyattn_rag.engine.request import Request
 from lazyattn_rag.engine.runner import ModelRunner
 from lazyattn_rag.engine.scheduler import Scheduler
-from lazyattn_rag.engine.scheduler_output import EncodeJob, SchedulerOutput
+from lazyattn_rag.engine.scheduler_output import ChunkPrefillJob, SchedulerOutput
 from lazyattn_rag.types.config import EngineConfig
 from lazyattn_rag.types.errors import CacheCapacityError, DocumentTooLongError
 from lazyattn_rag.types.messages import Message
@@ -145,7 +145,7 @@ class LLMEngine:
             return []
         blocks = self.cache.allocate(-(-len(ids) // self.block_size))
         entry = self.cache.insert_pending(key, blocks, len(ids), 0, token_ids=ids)
-        self.runner.execute_step(SchedulerOutput(encodes=[EncodeJob(key, ids, 0, blocks, [])]))
+        self.runner.execute_step(SchedulerOutput(chunk_prefills=[ChunkPrefillJob(key, ids, 0, blocks, [])]))
         self.cache.mark_ready(key)
         return block_table_entries(entry.block_ids, len(ids), 0, self.block_size)
 
@@ -254,7 +254,7 @@ class LLMEngine:
             except Exception:  # noqa: BLE001 - logged; the caller must still hear of its failure
                 logger.exception("releasing request %s failed", request.request_id)
             self.outputs.fail(request, error, release=False)
-        self.scheduler.drop_encodes()
+        self.scheduler.drop_chunk_prefills()
 
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> bool:

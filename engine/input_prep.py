@@ -16,7 +16,7 @@ import torch
 from lazyattn_rag.engine.attention import SequenceInput
 from lazyattn_rag.engine.chunk_cache import BlockEntry, block_table_entries
 from lazyattn_rag.engine.request import Request
-from lazyattn_rag.engine.scheduler_output import ComputeJob, EncodeJob, SchedulerOutput
+from lazyattn_rag.engine.scheduler_output import ComputeJob, ChunkPrefillJob, SchedulerOutput
 from lazyattn_rag.kernels.block_table import pack_entries
 
 
@@ -48,14 +48,14 @@ class InputPreparer:
     def prepare(self, out: SchedulerOutput) -> tuple[list[SequenceInput], list[int]]:
         """The step's sequences (encodes first, then each compute job's) and, per compute job, the
         index of its last sequence (the row whose logits it samples from)."""
-        seqs = [self._encode_sequence(job) for job in out.encodes]
+        seqs = [self._encode_sequence(job) for job in out.chunk_prefills]
         last_rows = []
         for job in out.computes:
             seqs += self._compute_sequences(job)
             last_rows.append(len(seqs) - 1)
         return seqs, last_rows
 
-    def _encode_sequence(self, job: EncodeJob) -> SequenceInput:
+    def _encode_sequence(self, job: ChunkPrefillJob) -> SequenceInput:
         context = pack_entries(job.context)
         context_len = sum(e.num_valid for e in job.context)
         return self._sequence(job.token_ids, job.local_start + job.start, context, context_len, job.block_ids,

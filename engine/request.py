@@ -37,7 +37,7 @@ class Request:
         stats: per-request stats.
         arrival_time: ``time.perf_counter()`` at submission.
         pinned: chunk keys this request holds pins on.
-        encoded_keys: chunk keys this request encoded (its misses).
+        prefilled_keys: chunk keys this request encoded (its misses).
         context_entries: block-table entries of everything before the query tail: its chunks
             (``delta = g - l`` each) and its text segments' blocks (``delta = 0``), in prompt
             order, set once the chunks are all written (the runner packs them once);
@@ -62,7 +62,7 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     status: RequestStatus = RequestStatus.WAITING
     pinned: list[str] = field(default_factory=list)
-    encoded_keys: set[str] = field(default_factory=set)
+    prefilled_keys: set[str] = field(default_factory=set)
     context_len: int = 0
     context_entries: list[BlockEntry] = field(default_factory=list)
     private_blocks: list[int] = field(default_factory=list)

@@ -87,7 +87,7 @@ class ModelRunner:
         self.inputs.release(out.released_ids)
         for copy in out.copies:
             self.copy_rotated(copy.src_blocks, copy.dst_blocks, copy.num_tokens, copy.delta)
-        if not (out.encodes or out.computes):
+        if not (out.chunk_prefills or out.computes):
             return torch.zeros(0, self.model.config.vocab_size, device=self.device)
         seqs, last_rows = self.inputs.prepare(out)
         return self.execute(seqs)[last_rows]

@@ -36,7 +36,7 @@ from lazyattn_rag.engine.chunk_cache import BlockEntry, ChunkCache, block_table_
 from lazyattn_rag.engine.counters import EngineCounters
 from lazyattn_rag.engine.prompt import ChunkSegment
 from lazyattn_rag.engine.request import Request, RequestStatus
-from lazyattn_rag.engine.scheduler_output import ComputeJob, EncodeTask, SchedulerOutput
+from lazyattn_rag.engine.scheduler_output import ComputeJob, ChunkPrefillTask, SchedulerOutput
 
 
 class Scheduler(ChunkAdmission):
@@ -66,7 +66,7 @@ class Scheduler(ChunkAdmission):
         self.waiting: deque[Request] = deque()
         self.acquired: list[Request] = []
         self.running: list[Request] = []
-        self.encoding: list[EncodeTask] = []  # chunks being encoded, oldest first
+        self.chunk_tasks: list[ChunkPrefillTask] = []  # chunks being encoded, oldest first
         self.counters = counters if counters is not None else EngineCounters()
         self._released: list[str] = []  # request ids released since the last schedule()
 
@@ -75,13 +75,13 @@ class Scheduler(ChunkAdmission):
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.acquired or self.running or self.encoding)
+        return bool(self.waiting or self.acquired or self.running or self.chunk_tasks)
 
-    def drop_encodes(self, keys: set[str] | None = None) -> None:
+    def drop_chunk_prefills(self, keys: set[str] | None = None) -> None:
         """Abandon the encode tasks of ``keys`` (all when ``None``): their pending entries are
         discarded (a step that wrote them failed, or every request was failed)."""
-        for task in [t for t in self.encoding if keys is None or t.key in keys]:
-            self.encoding.remove(task)
+        for task in [t for t in self.chunk_tasks if keys is None or t.key in keys]:
+            self.chunk_tasks.remove(task)
             if self.cache.lookup(task.key, touch=False, include_dead=True) is not None:
                 self.cache.discard_pending(task.key)
 
@@ -135,7 +135,7 @@ class Scheduler(ChunkAdmission):
         self._released = []
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
-        budget = self._schedule_encodes(out, self.encoding, budget)
+        budget = self._schedule_chunk_prefills(out, self.chunk_tasks, budget)
         budget = self._promote_ready(out, budget)
         self._schedule_waiting(out, budget)
         return out
@@ -148,7 +148,7 @@ class Scheduler(ChunkAdmission):
             self.cache.mark_ready(copy.dst_key)
             self.cache.unpin(copy.dst_key)  # the writer's pin (insert_pending)
             self.cache.unpin(copy.src_key)
-        for job in out.encodes:
+        for job in out.chunk_prefills:
             if job.final:  # the chunk's last piece: readable from now on; the encoder lets go
                 self.cache.mark_ready(job.key)
                 self.cache.unpin(job.key)
@@ -161,14 +161,14 @@ class Scheduler(ChunkAdmission):
         """The step's copies or forward pass raised: release the step's requests and every request
         holding a chunk the step was writing (admitted or running), drop those chunks' pending
         entries and the copies' source pins. Returns the released requests (they must fail)."""
-        pending = {job.key for job in out.encodes} | {c.dst_key for c in out.copies}
+        pending = {job.key for job in out.chunk_prefills} | {c.dst_key for c in out.copies}
         for copy in out.copies:
             self.cache.unpin(copy.src_key)
         victims = {id(j.request): j.request for j in out.computes}
         victims.update({id(r): r for r in self.acquired + self.running if pending.intersection(r.pinned)})
         for r in victims.values():
             self.remove(r)
-        self.drop_encodes(pending)  # chunks whose encoding had more pieces to go
+        self.drop_chunk_prefills(pending)  # chunks whose encoding had more pieces to go
         for key in pending:
             if self.cache.lookup(key, touch=False, include_dead=True) is not None:
                 self.cache.discard_pending(key)
@@ -192,7 +192,7 @@ class Scheduler(ChunkAdmission):
                 r.pinned.append(key)
             r.num_prefix_registered += 1
 
-    def _schedule_encodes(self, out: SchedulerOutput, tasks: list[EncodeTask], budget: int) -> int:
+    def _schedule_chunk_prefills(self, out: SchedulerOutput, tasks: list[ChunkPrefillTask], budget: int) -> int:
         """The next piece of each task, oldest first, within ``budget``; returns the budget left.
 
         A chunk larger than a step's budget is encoded over several steps (as a long prompt is
@@ -202,16 +202,16 @@ class Scheduler(ChunkAdmission):
         for task in list(tasks):
             entry = self.cache.held(task.key)
             if entry.dead and entry.pin_count == 1:  # only the encoder holds it: nobody will read it
-                self.encoding.remove(task)
+                self.chunk_tasks.remove(task)
                 self.cache.discard_pending(task.key)
                 continue
             if budget <= 0:
                 break
             job = task.next_piece(budget)
-            out.encodes.append(job)
+            out.chunk_prefills.append(job)
             budget -= len(job.token_ids)
             if job.final:
-                self.encoding.remove(task)
+                self.chunk_tasks.remove(task)
         return budget
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -312,7 +312,7 @@ class Scheduler(ChunkAdmission):
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and len(self.acquired) + len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_tasks = len(self.encoding)
+            num_tasks = len(self.chunk_tasks)
             try:
                 status = self._acquire(request, out, budget)
             except Exception as error:  # fails this request alone; what it took is given back
@@ -324,7 +324,7 @@ class Scheduler(ChunkAdmission):
             self.waiting.popleft()
             if status == "failed":
                 continue
-            budget = self._schedule_encodes(out, self.encoding[num_tasks:], budget)
+            budget = self._schedule_chunk_prefills(out, self.chunk_tasks[num_tasks:], budget)
             self.acquired.append(request)
             request.status = RequestStatus.ACQUIRED
             if request.first_scheduled_time is None:

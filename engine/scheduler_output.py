@@ -14,7 +14,7 @@ from lazyattn_rag.engine.request import Request
 
 
 @dataclass
-class EncodeJob:
+class ChunkPrefillJob:
     """Encode a piece of one chunk alone, in this step's forward pass.
 
     ``token_ids`` are the chunk's tokens ``start .. start + len(token_ids)`` at positions
@@ -33,7 +33,7 @@ class EncodeJob:
 
 
 @dataclass
-class EncodeTask:
+class ChunkPrefillTask:
     """A chunk being encoded across steps (chunked encoding), in pieces under the step budget.
 
     The task holds the pending entry's first pin (taken by ``insert_pending``) until its final
@@ -47,9 +47,9 @@ class EncodeTask:
     context: list[BlockEntry]
     num_done: int = 0  # tokens scheduled in earlier steps
 
-    def next_piece(self, budget: int) -> EncodeJob:
+    def next_piece(self, budget: int) -> ChunkPrefillJob:
         n = min(len(self.token_ids) - self.num_done, budget)
-        job = EncodeJob(self.key, self.token_ids[self.num_done:self.num_done + n], self.local_start, self.block_ids,
+        job = ChunkPrefillJob(self.key, self.token_ids[self.num_done:self.num_done + n], self.local_start, self.block_ids,
                         self.context, self.num_done, self.num_done + n == len(self.token_ids))
         self.num_done += n
         return job
@@ -82,7 +82,7 @@ class SchedulerOutput:
     """Everything one step runs.
 
     Attributes:
-        encodes: pieces of chunks to encode alone (each attends the anchor and its earlier pieces).
+        chunk_prefills: pieces of chunks to prefill alone (each attends the anchor and its earlier pieces).
         copies: positioned chunks to copy to a new offset (``block_attention`` mode), before the pass.
         computes: requests' private tokens (query prefill, text segments, one decode token).
         failed: requests refused while acquiring their chunks, with the error each gets.
@@ -91,7 +91,7 @@ class SchedulerOutput:
             output: the runner drops their packed block tables.
     """
 
-    encodes: list[EncodeJob] = field(default_factory=list)
+    chunk_prefills: list[ChunkPrefillJob] = field(default_factory=list)
     copies: list[CopyJob] = field(default_factory=list)
     computes: list[ComputeJob] = field(default_factory=list)
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
@@ -100,13 +100,13 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(len(e.token_ids) for e in self.encodes) + sum(c.num_tokens for c in self.computes)
+        return sum(len(e.token_ids) for e in self.chunk_prefills) + sum(c.num_tokens for c in self.computes)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.encodes or self.copies or self.computes)
+        return not (self.chunk_prefills or self.copies or self.computes)
 
     def written_keys(self) -> set[str]:
         """Chunks this step completes: their last piece encoded in its forward pass (each layer
         writes the batch's K/V before its attention reads any of it) or copied before that pass."""
-        return {e.key for e in self.encodes if e.final} | {c.dst_key for c in self.copies}
+        return {e.key for e in self.chunk_prefills if e.final} | {c.dst_key for c in self.copies}

@@ -104,8 +104,8 @@ def test_cold_documents_and_the_query_prefill_share_one_step(anchor, prefill_wit
     out = llm.generate("w5 w6", ["a", "b"], sampling=GREEDY)
     llm.loop.call(lambda: None)  # the last step's listeners run after its token was streamed
     first = steps[0]
-    assert {e.key for e in first.encodes} == {c.key for c in plan.chunks}  # the head and both documents
-    assert {21, 40} <= {len(e.token_ids) for e in first.encodes}
+    assert {e.key for e in first.chunk_prefills} == {c.key for c in plan.chunks}  # the head and both documents
+    assert {21, 40} <= {len(e.token_ids) for e in first.chunk_prefills}
     prefill = steps[0] if prefill_with_encodes else steps[1]
     assert [(c.request.request_id, c.sample) for c in prefill.computes] == [(out.stats.request_id, True)]
     assert len(steps) == GREEDY.max_tokens + (0 if prefill_with_encodes else 1)

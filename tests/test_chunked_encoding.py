@@ -63,7 +63,7 @@ def test_cold_documents_over_the_budget_start_within_a_few_steps_of_a_long_decod
             while not getattr(item := q.get(timeout=60), "finished", False):
                 assert not isinstance(item, BaseException), item
         cold_keys = {ch.key for ch in plan_b.chunks if ch.doc_id}
-        b_encode_steps = sorted({n for n, out in steps for e in out.encodes if e.key in cold_keys})
+        b_encode_steps = sorted({n for n, out in steps for e in out.chunk_prefills if e.key in cold_keys})
         first_compute = {r: min(n for n, out in steps for j in out.computes if j.request is r) for r in (b, c)}
         assert b_encode_steps == [arrival + 1, arrival + 2]  # 2,100 tokens in two pieces under 2,048
         # B's prefill joins its last encode step, and C (admitted behind B, with the budget of
@@ -92,7 +92,7 @@ def test_a_chunk_encoded_in_pieces_matches_the_oracle(hf_model, anchor):
             plan = llm.plan(question, ["d"])
             pieces = []
             llm.loop.call(lambda: llm.engine.step_listeners.append(  # noqa: B023 - called before the loop moves on
-                lambda step: pieces.extend(len(e.token_ids) for e in step.output.encodes if e.key == plan.chunks[-1].key)))
+                lambda step: pieces.extend(len(e.token_ids) for e in step.output.chunk_prefills if e.key == plan.chunks[-1].key)))
             sampling = SamplingParams(max_tokens=8, ignore_eos=True)
             tokens[budget] = llm.generate(question, ["d"], sampling=sampling).token_ids
             assert pieces == ([13, 16, 16, 16, 8] if budget == 16 else [69])  # the head's 3 tokens share step 1
@@ -111,7 +111,7 @@ def _after_first_piece(llm, key, action):
     engine, done = llm.engine, []
 
     def listener(step):
-        if not done and any(e.key == key and not e.final for e in step.output.encodes):
+        if not done and any(e.key == key and not e.final for e in step.output.chunk_prefills):
             done.append(True)
             action(engine)
 
@@ -122,7 +122,7 @@ def _after_first_piece(llm, key, action):
 def _assert_clean(llm):
     cache = llm.engine.cache
     llm.loop.call(cache.check_integrity)
-    encoding, pins = llm.loop.call(lambda: (llm.engine.scheduler.encoding,
+    encoding, pins = llm.loop.call(lambda: (llm.engine.scheduler.chunk_tasks,
                                             [e.pin_count for e in cache.entries() if e.pin_count]))
     assert encoding == [] and pins == [1] * (llm.engine.planner.anchor_key is not None)  # only the anchor's pin is left
 

@@ -102,7 +102,7 @@ def test_same_unseen_document_in_one_step_is_encoded_once():
 
     def spy():
         out = schedule()
-        encodes.extend(e.key for e in out.encodes)
+        encodes.extend(e.key for e in out.chunk_prefills)
         return out
 
     llm.engine.scheduler.schedule = spy

@@ -99,11 +99,11 @@ def test_a_burst_over_shared_cold_documents_takes_one_prefill_step():
     remove()  # waits for the last step's listeners, which run after its token was streamed
     first = steps[0]
     assert sorted(c.request.request_id for c in first.computes if c.sample) == sorted(r.request_id for r in requests)
-    encoded = [e.key for e in first.encodes]
+    encoded = [e.key for e in first.chunk_prefills]
     assert len(encoded) == len(set(encoded))  # each chunk once, however many requests share it
     doc_keys = {c.key for q, ids in trace for c in llm.plan(q, ids).chunks if c.doc_id is not None}
     assert doc_keys <= set(encoded)
-    assert all(not s.encodes and all(c.num_tokens == 1 for c in s.computes) for s in steps[1:])
+    assert all(not s.chunk_prefills and all(c.num_tokens == 1 for c in s.computes) for s in steps[1:])
     assert len(steps) == 3  # first tokens, then two decode steps
     release(llm)
 
