@@ -268,7 +268,7 @@ class LazyAttention:
         * ``startup_parts_ms``: its parts, in order: ``import_transformers`` (its top level),
           ``resolve_model`` (find the model, convert the default one on first use),
           ``config_tokenizer`` (transformers' config and tokenizer: see
-          :func:`~lazyattn_rag.engine.model_loading.load_config_and_tokenizer`), ``weights``
+          :func:`~lazyattn_rag.engine.model_config.load_config_and_tokenizer`), ``weights``
           (safetensors to the model),
           ``kv_cache`` (device move, KV tensors), ``cuda_graphs`` (when captured),
           ``engine_init`` (prompt template, the anchor's encode: the first forward pass),
