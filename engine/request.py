@@ -10,10 +10,10 @@ from functools import cached_property
 
 import torch
 
-from lazyattn_rag.engine.chunk_cache import BlockEntry
+from lazyattn_rag.engine.block_table import BlockEntry
 from lazyattn_rag.engine.detokenizer import IncrementalDetokenizer
 from lazyattn_rag.types.outputs import RequestStats, StreamDelta
-from lazyattn_rag.engine.prompt import PromptPlan
+from lazyattn_rag.engine.prompt_plan import PromptPlan
 from lazyattn_rag.types.sampling_params import SamplingParams
 
 

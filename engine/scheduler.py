@@ -32,9 +32,10 @@ import time
 from collections import deque
 
 from lazyattn_rag.engine.admission import ChunkAdmission
-from lazyattn_rag.engine.chunk_cache import BlockEntry, ChunkCache, block_table_entries
+from lazyattn_rag.engine.block_table import BlockEntry, block_table_entries
+from lazyattn_rag.engine.chunk_cache import ChunkCache
 from lazyattn_rag.engine.counters import EngineCounters
-from lazyattn_rag.engine.prompt import ChunkSegment
+from lazyattn_rag.engine.prompt_plan import ChunkSegment
 from lazyattn_rag.engine.request import Request, RequestStatus
 from lazyattn_rag.engine.scheduler_output import ComputeJob, ChunkPrefillTask, SchedulerOutput
 

@@ -20,7 +20,7 @@ from lazyattn_rag import (
     UnknownDocumentError,
 )
 from lazyattn_rag.llm import LazyAttention
-from lazyattn_rag.engine.prompt import TextSegment
+from lazyattn_rag.engine.prompt_plan import TextSegment
 from tests.integrations_kit import PROMPT
 from tests.oracle import full_prefill_generate, plan_oracle
 from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
