@@ -50,7 +50,7 @@ def lint(tree: Path) -> int:
     """Run import-linter over ``tree`` with pyproject.toml's contracts; returns its exit status."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     command = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
-               "sys.exit(lint_imports_command())", "--config", str(ROOT / "pyproject.toml"), "--no-cache"]
+               "sys.exit(lint_imports_command())", str(ROOT / "pyproject.toml"), "--no-cache"]
     return subprocess.run(command, env=env, cwd=tree).returncode
 
 

@@ -38,8 +38,7 @@ class ChunkAdmission:
             (hits if entry is not None else misses).append(chunk)
         self._acquire_prefix(request)
         for chunk in hits:
-            self.cache.pin(chunk.key, allow_dead=True)
-            request.pinned.append(chunk.key)
+            self.cache.pin(chunk.key, allow_dead=True, holder=request.request_id)
         # Copy sources (block_attention mode) are pinned before the room check: pinning them later
         # would take their blocks out of the evictable ones the check counted.
         sources = self._copy_sources(misses)
@@ -82,7 +81,6 @@ class ChunkAdmission:
         for job in [j for j in out.copies if j.dst_key in mine]:
             out.copies.remove(job)
             self.cache.unpin(job.src_key)
-        request.pinned = [k for k in request.pinned if k not in mine]
         for key in created:
             self.cache.discard_pending(key)
         self.release(request)
@@ -116,8 +114,7 @@ class ChunkAdmission:
                 self.cache.pool.decref(blocks)
                 raise
             created.append(chunk.key)
-            self.cache.pin(chunk.key, allow_dead=True)  # the request's pin; the first is the encoder's
-            request.pinned.append(chunk.key)
+            self.cache.pin(chunk.key, allow_dead=True, holder=request.request_id)  # the first is the writer's
             src = sources.get(chunk.key)
             if src is not None:  # position-aware cache: re-rotate another offset's copy into new blocks
                 out.copies.append(CopyJob(src.key, chunk.key, src.block_ids, blocks, src.num_tokens,
@@ -139,13 +136,11 @@ class ChunkAdmission:
             if entry is None or not entry.ready:
                 break
             entry.check_tokens(prompt[j * bs:(j + 1) * bs])
-            self.cache.pin(key)
-            request.pinned.append(key)
+            self.cache.pin(key, holder=request.request_id)
             request.num_prefix_tokens += self.block_size
         total = len(request.plan.query_token_ids)
         if request.num_prefix_tokens >= total:  # keep at least one prompt token to compute
-            last = request.pinned.pop()
-            self.cache.unpin(last)
+            self.cache.unpin(self.cache.pins_of(request.request_id)[-1], holder=request.request_id)
             request.num_prefix_tokens -= self.block_size
 
     @staticmethod

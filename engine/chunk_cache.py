@@ -10,8 +10,9 @@ Locking contract:
     * An entry is inserted *pending* (``ready=False``) when a request schedules its encode,
       and marked ready once the forward pass that writes it has run. Nobody reads a
       pending entry; a request that needs it pins it and waits.
-    * A request that will read an entry pins it (:meth:`pin`) and unpins it when it
-      finishes or is preempted; pinned or pending entries are never evicted or dropped.
+    * A request that will read an entry pins it under its id (:meth:`pin`); the cache is the
+      one record of its pins, dropped together when it finishes or is preempted
+      (:meth:`release`); pinned or pending entries are never evicted or dropped.
     * Rebinding a document id to a new key (its text changed) or removing it marks the old
       entry dead once no other document id uses that key; a dead entry is dropped as soon
       as it is unpinned. :meth:`lookup` hides it from new plans, but a request planned before
@@ -19,12 +20,15 @@ Locking contract:
     * :meth:`allocate` evicts unpinned ready entries in the eviction policy's order until
       the pool can serve the request. An entry leaves the key map *before* its blocks
       return to the pool, so a reused block can never be found under its old key.
+
+The file is a little over the project's 350 lines on purpose: these rules hold across
+insertion, pinning, document binding and eviction, and :meth:`ChunkCache.check_integrity`
+checks them all, so they stay in one class.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from lazyattn_rag.engine.block_pool import BlockPool, NoFreeBlocksError
 from lazyattn_rag.engine.eviction import EvictionPolicy, LRUPolicy
@@ -33,22 +37,6 @@ from lazyattn_rag.engine.eviction import EvictionPolicy, LRUPolicy
 class ChunkKeyCollisionError(RuntimeError):
     """Two different token sequences reached one content key (a digest collision, or a key
     built without all of its content): the cached K/V is never served for the other one."""
-
-
-class BlockEntry(NamedTuple):
-    """One block-table entry before packing: a physical block, the RoPE offset ``delta`` of the
-    chunk that owns it (``g - l``; 0 for a request's private blocks) and its valid slots."""
-
-    block_id: int
-    delta: int
-    num_valid: int
-
-
-def block_table_entries(block_ids: list[int], num_tokens: int, delta: int, block_size: int) -> list[BlockEntry]:
-    """The entries of ``num_tokens`` tokens laid out from the first block's slot 0, all with
-    ``delta``; blocks past the last token are left out."""
-    return [BlockEntry(b, delta, min(block_size, num_tokens - i * block_size))
-            for i, b in enumerate(block_ids) if num_tokens > i * block_size]
 
 
 @dataclass
@@ -61,7 +49,8 @@ class ChunkEntry:
         num_tokens: tokens stored (valid slots over all blocks).
         local_start: position of the chunk's first token when it was encoded (``l``).
         ready: its K/V has been written.
-        pin_count: requests currently holding it.
+        pin_count: pins held on it: requests' (the cache records each request's, see
+            :meth:`ChunkCache.pins_of`) and anonymous ones (its writer, a copy's source, the anchor).
         dead: no document id refers to it any more; dropped when unpinned.
         doc_ids: document ids bound to this key.
         token_ids: the tokens whose K/V the blocks hold (compared on every hit), or ``None``
@@ -109,6 +98,7 @@ class ChunkCache:
         self._entries: dict[str, ChunkEntry] = {}
         self._doc_keys: dict[str, str] = {}
         self._copies: dict[str, set[str]] = {}  # source key -> keys of its positioned copies
+        self._held: dict[str, list[str]] = {}  # holder (a request id) -> keys it pinned, in order
         self._num_evictable_blocks = 0
         self.num_evictions = 0
 
@@ -180,6 +170,9 @@ class ChunkCache:
         entry = self._entries[key]
         if entry.ready:
             raise RuntimeError(f"chunk {key[:12]} is ready, not pending")
+        for keys in self._held.values():
+            while key in keys:
+                keys.remove(key)
         entry.pin_count = 0
         self._drop(entry, evicted=False)
 
@@ -189,20 +182,45 @@ class ChunkCache:
         return [e for e in entries if e is not None and e.ready and not e.dead]
 
     # --- pinning --------------------------------------------------------------------------
-    def pin(self, key: str, allow_dead: bool = False) -> ChunkEntry:
-        """Pin a live entry (not evictable until unpinned); ``allow_dead`` also pins a dead one
-        that is still held (see :meth:`lookup`). Raises ``KeyError`` if absent (or dead)."""
+    # A pin keeps an entry from eviction. Requests pin under their id (``holder``), and the cache
+    # is the one record of what each holds (:meth:`pins_of`, :meth:`release`); a pending entry's
+    # writer (its chunk prefill or copy), a copy's source and the anchor pin anonymously.
+    def pin(self, key: str, allow_dead: bool = False, holder: str | None = None) -> ChunkEntry:
+        """Pin a live entry (not evictable until unpinned), for ``holder`` if given;
+        ``allow_dead`` also pins a dead one that is still held (see :meth:`lookup`).
+        Raises ``KeyError`` if absent (or dead)."""
         entry = self._entries.get(key)
         if entry is None or (entry.dead and not allow_dead):
             raise KeyError(f"chunk {key[:12]} is not cached")
         entry.pin_count += 1
+        if holder is not None:
+            self._held.setdefault(holder, []).append(key)
         self._sync_evictable(entry)
         return entry
 
-    def unpin(self, key: str) -> None:
+    def pins_of(self, holder: str) -> list[str]:
+        """Keys ``holder`` has pinned, in the order it pinned them."""
+        return list(self._held.get(holder, ()))
+
+    def release(self, holder: str) -> None:
+        """Drop every pin ``holder`` holds (a request that finished, failed or was preempted)."""
+        for key in self._held.pop(holder, []):
+            self.unpin(key)
+
+    def unpin(self, key: str, holder: str | None = None) -> None:
+        """Drop one pin (``holder``'s, if given). A dead entry goes with its last pin.
+
+        Raises:
+            KeyError: no such entry. RuntimeError: it is not pinned (or not by ``holder``).
+        """
         entry = self._entries[key]
         if entry.pin_count <= 0:
             raise RuntimeError(f"unpin of unpinned chunk {key[:12]}")
+        if holder is not None:
+            keys = self._held.get(holder, [])
+            if key not in keys:
+                raise RuntimeError(f"chunk {key[:12]} is not pinned by {holder!r}")
+            keys.remove(key)
         entry.pin_count -= 1
         if entry.pin_count == 0 and entry.dead:
             self._drop(entry, evicted=False)
@@ -331,6 +349,13 @@ class ChunkCache:
         self.pool.check_integrity()
         seen: set[int] = set()
         evictable_blocks = 0
+        held: dict[str, int] = {}
+        for keys in self._held.values():
+            for key in keys:
+                held[key] = held.get(key, 0) + 1
+        for key, n in held.items():
+            assert key in self._entries and self._entries[key].pin_count >= n, \
+                f"chunk {key[:12]} has {n} holder pins but a pin count of {getattr(self._entries.get(key), 'pin_count', 0)}"
         for key, e in self._entries.items():
             assert e.key == key
             assert not (e.dead and e.pin_count == 0), f"dead unpinned entry {key[:12]} not dropped"

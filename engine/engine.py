@@ -26,12 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from lazyattn_rag.engine.chunk_cache import BlockEntry, ChunkCache, block_table_entries
+from lazyattn_rag.engine.block_table import BlockEntry, block_table_entries
+from lazyattn_rag.engine.chunk_cache import ChunkCache
 from lazyattn_rag.engine.counters import EngineCounters
 from lazyattn_rag.engine.detokenizer import IncrementalDetokenizer
 from lazyattn_rag.engine.output_processor import OutputProcessor, Sink
 from lazyattn_rag.engine.planner import PromptPlanner
-from lazyattn_rag.engine.prompt import PromptPlan
+from lazyattn_rag.engine.prompt_plan import PromptPlan
 from lazyattn_rag.engine.registry import DocumentRegistry, RegisteredDocument
 from lazyattn_rag.engine.request import Request
 from lazyattn_rag.engine.runner import ModelRunner

@@ -71,10 +71,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     with _collect_once():
         import transformers  # noqa: F401  (its top level only, timed on its own)
 
+        from lazyattn_rag.engine.model_config import load_config_and_tokenizer
         from lazyattn_rag.engine.model_loading import (
             declared_eos_token_ids,
             generation_defaults,
-            load_config_and_tokenizer,
             load_state_dict,
             resolve_model,
         )

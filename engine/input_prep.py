@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from lazyattn_rag.engine.attention import SequenceInput
-from lazyattn_rag.engine.chunk_cache import BlockEntry, block_table_entries
+from lazyattn_rag.engine.block_table import BlockEntry, block_table_entries
 from lazyattn_rag.engine.request import Request
 from lazyattn_rag.engine.scheduler_output import ComputeJob, ChunkPrefillJob, SchedulerOutput
 from lazyattn_rag.kernels.block_table import pack_entries

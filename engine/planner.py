@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from lazyattn_rag.engine.fingerprint import anchor_fingerprint, chunk_key
-from lazyattn_rag.engine.prompt import ChunkSegment, PromptPlan, PromptTemplate, PromptText, TextSegment
+from lazyattn_rag.engine.prompt import PromptTemplate, PromptText
+from lazyattn_rag.engine.prompt_plan import ChunkSegment, PromptPlan, TextSegment
 from lazyattn_rag.engine.registry import DocumentRegistry, RegisteredDocument
 from lazyattn_rag.types.config import EngineConfig
 from lazyattn_rag.types.errors import DocumentTooLongError, EmptyInputError, PromptTooLongError

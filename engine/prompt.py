@@ -1,12 +1,6 @@
-"""The RAG prompt plan: head, document chunks and query as separately tokenized segments.
+"""The prompt template: the head, document and tail segments a plan is made of, tokenized.
 
-::
-
-    global pos: 0 ..... P | g1 ...... g1+L1 | g2 ...... g2+L2 | ... | gq ..... gq+Lq | generated
-    segments:   [ head   ][ chunk doc A      ][ chunk doc B      ]     [ query tail    ][ decode ...
-    delta:        0        g1 - l             g2 - l                   0                0
-
-The head is the chat template's opening (system turn, start of the user turn) plus the
+The layout of a plan is in ``engine/prompt_plan.py``. The head is the chat template's opening (system turn, start of the user turn) plus the
 instruction; each document is its text plus a separator; the tail is the question and the
 template's closing (end of the user turn, start of the assistant turn). Segments are
 tokenized separately and concatenated as token ids; the joined string is never
@@ -26,99 +20,6 @@ from lazyattn_rag.types.messages import DocumentRef, Message
 
 _SENTINEL = "\u2063LAZYATTN_CONTENT\u2063"
 _SYSTEM_SENTINEL = "\u2063LAZYATTN_SYSTEM\u2063"
-
-
-@dataclass(frozen=True)
-class ChunkSegment:
-    """A cached chunk placed in a request.
-
-    Attributes:
-        key: the chunk's cache key.
-        token_ids: its tokens.
-        local_start: ``l``, the position its first token was encoded at.
-        global_start: ``g``, where it sits in this request.
-        doc_id: the document id, or ``None`` for the head.
-        source_key: for a position-aware copy (``block_attention`` mode), the document's
-            position-agnostic key; copies of one source can be made from each other.
-    """
-
-    key: str
-    token_ids: tuple[int, ...]
-    local_start: int
-    global_start: int
-    doc_id: str | None
-    source_key: str | None = None
-
-    @property
-    def delta(self) -> int:
-        """RoPE offset of this placement (``g - l``)."""
-        return self.global_start - self.local_start
-
-
-@dataclass(frozen=True)
-class TextSegment:
-    """Request-private prompt tokens placed between cached chunks.
-
-    A framework's template text between two documents (a header, a separator that is not
-    whitespace) is computed by the request like its query tail: its tokens are written rotated
-    at their global positions (``delta = 0``) and attend to everything before them (the chunks
-    and text segments earlier in the prompt). Documents placed after it do not attend to it
-    (each was encoded alone).
-
-    Attributes:
-        token_ids: its tokens (non-empty).
-        global_start: position of its first token in the request.
-    """
-
-    token_ids: tuple[int, ...]
-    global_start: int
-
-
-@dataclass(frozen=True)
-class PromptPlan:
-    """One request's prompt: cached chunks (head first), private text segments between them,
-    then the new query tokens.
-
-    Attributes:
-        chunks: head and documents in prompt order.
-        query_token_ids: the tail (question and template closing), computed per request.
-        prefix_block_keys: ``prefix`` mode only: the chained hash of every full block of
-            ``query_token_ids`` (exact-prefix reuse, as vLLM's automatic prefix caching).
-        texts: private text segments between chunks, in prompt order. Chunks and texts tile
-            positions ``0 .. tail_start - 1`` without gaps; the tail follows.
-    """
-
-    chunks: tuple[ChunkSegment, ...]
-    query_token_ids: tuple[int, ...]
-    prefix_block_keys: tuple[str, ...] = ()
-    texts: tuple[TextSegment, ...] = ()
-
-    @property
-    def num_cached_prompt_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
-
-    @property
-    def num_text_tokens(self) -> int:
-        """Tokens of the private text segments (computed per request, before the tail)."""
-        return sum(len(t.token_ids) for t in self.texts)
-
-    @property
-    def tail_start(self) -> int:
-        """Global position of the first query-tail token."""
-        return self.num_cached_prompt_tokens + self.num_text_tokens
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.tail_start + len(self.query_token_ids)
-
-    def segments(self) -> list[ChunkSegment | TextSegment]:
-        """Chunks and text segments in prompt order (the tail excluded)."""
-        return sorted([*self.chunks, *self.texts], key=lambda s: s.global_start)
-
-    def token_ids(self) -> list[int]:
-        """The whole prompt as one id list (what a full prefill would see)."""
-        ids = [t for s in self.segments() for t in s.token_ids]
-        return ids + list(self.query_token_ids)
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ from functools import cached_property
 
 import torch
 
-from lazyattn_rag.engine.chunk_cache import BlockEntry
+from lazyattn_rag.engine.block_table import BlockEntry
 from lazyattn_rag.engine.detokenizer import IncrementalDetokenizer
 from lazyattn_rag.types.outputs import RequestStats, StreamDelta
-from lazyattn_rag.engine.prompt import PromptPlan
+from lazyattn_rag.engine.prompt_plan import PromptPlan
 from lazyattn_rag.types.sampling_params import SamplingParams
 
 
@@ -36,7 +36,6 @@ class Request:
             exception that ends the request.
         stats: per-request stats.
         arrival_time: ``time.perf_counter()`` at submission.
-        pinned: chunk keys this request holds pins on.
         prefilled_keys: chunk keys this request encoded (its misses).
         context_entries: block-table entries of everything before the query tail: its chunks
             (``delta = g - l`` each) and its text segments' blocks (``delta = 0``), in prompt
@@ -61,7 +60,6 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.perf_counter)
     status: RequestStatus = RequestStatus.WAITING
-    pinned: list[str] = field(default_factory=list)
     prefilled_keys: set[str] = field(default_factory=set)
     context_len: int = 0
     context_entries: list[BlockEntry] = field(default_factory=list)

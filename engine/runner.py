@@ -26,7 +26,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
     On the CPU it lives in an anonymous mapping: the kernel hands out zero pages on first
     touch, so the default 512 MiB KV cache costs neither start-up time (``torch.zeros`` writes
-    every byte: ~0.3 s on 2 cores) nor resident memory until blocks are used. Elsewhere it is
+    every byte) nor resident memory until blocks are used. Elsewhere it is
     ``torch.zeros``.
     """
     numel = math.prod(shape)

@@ -32,9 +32,10 @@ import time
 from collections import deque
 
 from lazyattn_rag.engine.admission import ChunkAdmission
-from lazyattn_rag.engine.chunk_cache import BlockEntry, ChunkCache, block_table_entries
+from lazyattn_rag.engine.block_table import BlockEntry, block_table_entries
+from lazyattn_rag.engine.chunk_cache import ChunkCache
 from lazyattn_rag.engine.counters import EngineCounters
-from lazyattn_rag.engine.prompt import ChunkSegment
+from lazyattn_rag.engine.prompt_plan import ChunkSegment
 from lazyattn_rag.engine.request import Request, RequestStatus
 from lazyattn_rag.engine.scheduler_output import ComputeJob, ChunkPrefillTask, SchedulerOutput
 
@@ -101,9 +102,7 @@ class Scheduler(ChunkAdmission):
         if request.private_blocks:
             self.cache.pool.decref(request.private_blocks)
             request.private_blocks = []
-        for key in request.pinned:
-            self.cache.unpin(key)
-        request.pinned = []
+        self.cache.release(request.request_id)
         request.context_entries = []
         request.context_len = 0
         request.num_computed = 0
@@ -165,7 +164,8 @@ class Scheduler(ChunkAdmission):
         for copy in out.copies:
             self.cache.unpin(copy.src_key)
         victims = {id(j.request): j.request for j in out.computes}
-        victims.update({id(r): r for r in self.acquired + self.running if pending.intersection(r.pinned)})
+        victims.update({id(r): r for r in self.acquired + self.running
+                        if pending.intersection(self.cache.pins_of(r.request_id))})
         for r in victims.values():
             self.remove(r)
         self.drop_chunk_prefills(pending)  # chunks whose encoding had more pieces to go
@@ -188,8 +188,7 @@ class Scheduler(ChunkAdmission):
                 self.cache.insert(key, [block], bs, j * bs, tuple(r.plan.query_token_ids[j * bs:(j + 1) * bs]))
                 # Pinned while the request also holds the block: evicting the entry now would not
                 # free it, so it must not count as evictable room.
-                self.cache.pin(key)
-                r.pinned.append(key)
+                self.cache.pin(key, holder=r.request_id)
             r.num_prefix_registered += 1
 
     def _schedule_chunk_prefills(self, out: SchedulerOutput, tasks: list[ChunkPrefillTask], budget: int) -> int:
@@ -271,12 +270,13 @@ class Scheduler(ChunkAdmission):
         """Move an acquired request whose chunks are all written, or written by this step, to
         running; schedule its prefill (in the same forward pass as the encodes it waits for).
         A warm-up finishes only once its chunks are written."""
-        written = all(self.cache.held(k).ready for k in request.pinned)
+        pinned = self.cache.pins_of(request.request_id)
+        written = all(self.cache.held(k).ready for k in pinned)
         if not written:
             # Join this step only with a prefill to run in it: a request that waited here on a
             # step whose forward pass then failed would hold chunks that were never written.
             this_step = out.written_keys() if self.prefill_with_encodes and not request.warm_only else set()
-            if budget <= 0 or not all(self.cache.held(k).ready or k in this_step for k in request.pinned):
+            if budget <= 0 or not all(self.cache.held(k).ready or k in this_step for k in pinned):
                 return 0
         self.acquired.remove(request)
         if request.warm_only:

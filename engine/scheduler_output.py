@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lazyattn_rag.engine.chunk_cache import BlockEntry
+from lazyattn_rag.engine.block_table import BlockEntry
 from lazyattn_rag.engine.request import Request
 
 

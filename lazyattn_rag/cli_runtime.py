@@ -6,17 +6,18 @@ first, before anything loads torch. The library sets nothing of the kind; a prog
   parallel regions with Python work between them; libgomp's threads spin while they wait for
   the next region and for each other. That is fastest on a quiet machine, and ruinous on a busy
   one: a pool thread that loses its core stalls every region, and the spinning ones take the
-  cores the others need. Decode steps of the default SmolLM2 on 2 cores (``docs/benchmarks.md``,
-  "Start-up"): 41 ms quiet; beside one busy process 215-545 ms with libgomp's defaults, 65-74 ms
-  with one thread. So when other processes are running now (``procs_running`` of
-  ``/proc/stat``, the least of a few samples over ~10 ms: what stays busy, not a blip), the
+  cores the others need. Decode steps of the default SmolLM2 on 2 cores beside one busy
+  process are several times slower with libgomp's defaults than with one thread
+  (``docs/benchmarks.md``, "Start-up (CPU)"). So when other processes are running now
+  (``procs_running`` of ``/proc/stat``, the least of a few samples over ~10 ms: what stays busy, not a blip), the
   pool gets the cores left (at least one) and waits passively (``OMP_NUM_THREADS``,
   ``OMP_WAIT_POLICY=PASSIVE``); a quiet machine keeps libgomp's defaults. Either variable set
   in the environment is left alone, and then nothing is changed. libgomp reads them once, when
   torch loads it. (The load average would be a minute late: it counts the command's own
   previous runs.)
 * **No full garbage collection at exit.** The interpreter's final collections walk the ~300k
-  objects that torch and transformers leave (0.3-0.6 s on 2 cores); the command is over, so
+  objects that torch and transformers leave (a noticeable part of a short command's time on
+  2 cores: ``docs/benchmarks.md``, "Start-up (CPU)"); the command is over, so
   the last exit handler freezes them (``gc.freeze``) instead. Not when triton is loaded (CUDA):
   its nanobind bindings print a "leaked" line for each of its objects left uncollected.
 """

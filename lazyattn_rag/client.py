@@ -7,7 +7,8 @@ deltas come back (a ``queue.SimpleQueue`` or an ``asyncio.Queue``) and in blocki
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import queue
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from lazyattn_rag.engine.engine import LLMEngine
@@ -51,6 +52,54 @@ class EngineClient:
     def abort_soon(self, request_id: str) -> None:
         """Cancel a request without waiting (from a callback that must not block)."""
         self.loop.post(LLMEngine.abort, self.loop.engine, request_id)
+
+
+class RequestStream(Iterator[StreamDelta]):
+    """The deltas of one submitted request (the request runs from submission on).
+
+    Iterate it for :class:`StreamDelta` pieces; the last has ``finished=True``. ``close()`` (or
+    leaving a ``with`` block, or dropping the last reference) cancels a request that has not
+    finished and frees its KV blocks, also when it was never iterated.
+
+    Attributes:
+        request_id: the engine's id of the request.
+    """
+
+    def __init__(self, client: EngineClient, request_id: str, deltas: queue.SimpleQueue):
+        self._client, self.request_id, self._deltas = client, request_id, deltas
+        self._done = False
+
+    def __iter__(self) -> "RequestStream":
+        return self
+
+    def __next__(self) -> StreamDelta:
+        if self._done:
+            raise StopIteration
+        item = self._deltas.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+    def close(self) -> None:
+        """Cancel the request if it has not finished (idempotent)."""
+        if self._done:
+            return
+        self._done = True
+        self._client.abort(self.request_id)
+
+    def __enter__(self) -> "RequestStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
 
 
 # --- requests: what each public method submits (run on the engine thread) ------------------

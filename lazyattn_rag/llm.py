@@ -14,6 +14,7 @@ from typing import Any
 from lazyattn_rag.client import (
     EngineClient,
     MakeRequest,
+    RequestStream,
     chat_request,
     document_ids,
     document_pairs,
@@ -268,7 +269,7 @@ class LazyAttention:
         * ``startup_parts_ms``: its parts, in order: ``import_transformers`` (its top level),
           ``resolve_model`` (find the model, convert the default one on first use),
           ``config_tokenizer`` (transformers' config and tokenizer: see
-          :func:`~lazyattn_rag.engine.model_loading.load_config_and_tokenizer`), ``weights``
+          :func:`~lazyattn_rag.engine.model_config.load_config_and_tokenizer`), ``weights``
           (safetensors to the model),
           ``kv_cache`` (device move, KV tensors), ``cuda_graphs`` (when captured),
           ``engine_init`` (prompt template, the anchor's encode: the first forward pass),
@@ -312,54 +313,6 @@ class LazyAttention:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class RequestStream(Iterator[StreamDelta]):
-    """The deltas of one submitted request (the request runs from submission on).
-
-    Iterate it for :class:`StreamDelta` pieces; the last has ``finished=True``. ``close()`` (or
-    leaving a ``with`` block, or dropping the last reference) cancels a request that has not
-    finished and frees its KV blocks, also when it was never iterated.
-
-    Attributes:
-        request_id: the engine's id of the request.
-    """
-
-    def __init__(self, client: EngineClient, request_id: str, deltas: queue.SimpleQueue):
-        self._client, self.request_id, self._deltas = client, request_id, deltas
-        self._done = False
-
-    def __iter__(self) -> "RequestStream":
-        return self
-
-    def __next__(self) -> StreamDelta:
-        if self._done:
-            raise StopIteration
-        item = self._deltas.get()
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        self._done = item.finished
-        return item
-
-    def close(self) -> None:
-        """Cancel the request if it has not finished (idempotent)."""
-        if self._done:
-            return
-        self._done = True
-        self._client.abort(self.request_id)
-
-    def __enter__(self) -> "RequestStream":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown
-            pass
 
 
 def _collect(deltas: Iterator[StreamDelta]) -> Completion:

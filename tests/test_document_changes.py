@@ -109,17 +109,24 @@ def test_a_failed_acquisition_never_drops_another_requests_pending_encode(make_l
     assert_clean(llm)
 
 
-def test_fail_all_reaches_every_request_even_if_releasing_one_raises(make_llm):
+def test_fail_all_reaches_every_request_even_if_releasing_one_raises(make_llm, monkeypatch):
     _, llm = make_llm()
     llm.add_document("A", words(20, start=3))
     engine, sinks = llm.engine, [[], []]
+    remove = engine.scheduler.remove
 
     def scenario():
         for sink in sinks:
             engine.submit(engine.planner.plan("w1", ["A"]), LONG, sink.append)
         engine.step()
         first = next(iter(engine.outputs.requests.values()))
-        first.pinned.append("no-such-key")  # its release will raise KeyError
+
+        def remove_failing_first(request):  # releasing the first request raises
+            if request is first:
+                raise KeyError("no-such-key")
+            remove(request)
+
+        monkeypatch.setattr(engine.scheduler, "remove", remove_failing_first)
         engine.fail_all(RuntimeError("boom"))
 
     llm.loop.call(scenario)

@@ -7,7 +7,7 @@ import pytest
 
 from lazyattn_rag import SamplingParams
 from lazyattn_rag.engine.chunk_cache import ChunkKeyCollisionError
-from lazyattn_rag.engine.prompt import PromptPlan
+from lazyattn_rag.engine.prompt_plan import PromptPlan
 from tests.integrations_kit import tiny_engine
 from tests.tiny import words
 

@@ -9,11 +9,12 @@ first, then each freed block at the back in the order it was freed. Blocks hold 
 import zlib
 
 from lazyattn_rag.engine.block_pool import BlockPool
-from lazyattn_rag.engine.chunk_cache import BlockEntry, ChunkCache, block_table_entries
+from lazyattn_rag.engine.block_table import BlockEntry, block_table_entries
+from lazyattn_rag.engine.chunk_cache import ChunkCache
 from lazyattn_rag.engine.counters import EngineCounters
 from lazyattn_rag.engine.detokenizer import IncrementalDetokenizer
 from lazyattn_rag.engine.eviction import LRUPolicy
-from lazyattn_rag.engine.prompt import ChunkSegment, PromptPlan
+from lazyattn_rag.engine.prompt_plan import ChunkSegment, PromptPlan
 from lazyattn_rag.engine.request import Request, RequestStatus
 from lazyattn_rag.engine.scheduler import Scheduler
 from lazyattn_rag.engine.scheduler_output import ChunkPrefillJob, ComputeJob
@@ -99,7 +100,7 @@ def test_a_cold_request_gets_fifo_blocks_and_its_prefill_joins_the_encodes():
     assert (out.copies, out.failed, out.warmed, out.released_ids) == ([], [], [], [])
     assert out.num_batched_tokens == 5 + 6 + 4 + 3
     assert r.status is RequestStatus.RUNNING and s.running == [r] and not s.waiting and not s.acquired
-    assert r.pinned == ["H", "A", "B"] and r.private_blocks == [5]
+    assert cache.pins_of("r") == ["H", "A", "B"] and r.private_blocks == [5]
     # each chunk at its offset: delta = global start - local start
     assert r.context_entries == [BlockEntry(0, 0, 4), BlockEntry(1, 0, 1), BlockEntry(2, 5, 4), BlockEntry(3, 5, 2),
                                  BlockEntry(4, 11, 4)]
@@ -182,7 +183,7 @@ def test_a_cached_chunk_is_pinned_and_only_the_miss_is_prefilled():
     assert out.chunk_prefills == [job("B", 4, [3])]
     assert out.computes == [ComputeJob(r2, 0, 3, True)]
     assert out.released_ids == ["r1"]
-    assert r2.private_blocks == [4] and r2.pinned == ["A", "B"]
+    assert r2.private_blocks == [4] and cache.pins_of("r2") == ["A", "B"]
     assert r2.context_entries == [BlockEntry(0, 0, 4), BlockEntry(1, 0, 2), BlockEntry(3, 6, 4)]
     assert cache.lookup("A", touch=False).pin_count == 1 and cache.lookup("B", touch=False).pin_count == 2
     assert (r2.stats.docs_hit, r2.stats.docs_missed) == (["a"], ["b"])
@@ -227,7 +228,7 @@ def test_a_request_without_room_waits_then_is_admitted_once_blocks_free():
     assert out.chunk_prefills == [job("A", 8, [0, 1])]
     assert out.computes == [ComputeJob(r1, 0, 4, True)]
     assert list(s.waiting) == [r2] and r2.status is RequestStatus.WAITING
-    assert r2.pinned == [] and r2.private_blocks == [] and cache.lookup("B") is None  # took nothing
+    assert cache.pins_of("r2") == [] and r2.private_blocks == [] and cache.lookup("B") is None  # took nothing
     assert cache.pool.free_block_ids() == [3, 4, 5]
     cache.check_integrity()
 
@@ -299,7 +300,7 @@ def test_a_warm_up_finishes_once_its_chunks_are_written_without_a_compute():
     ran(s, out)
     out = s.schedule()
     assert out.warmed == [warm] and out.is_empty and not s.acquired
-    assert warm.pinned == ["A"]  # held until the engine finishes it
+    assert s.cache.pins_of("warm") == ["A"]  # held until the engine finishes it
     s.remove(warm)
     assert s.cache.lookup("A", touch=False).pin_count == 0 and s.cache.num_evictable_blocks == 2
     s.cache.check_integrity()
@@ -365,7 +366,7 @@ def test_the_newest_request_is_preempted_when_an_older_one_needs_a_block():
     # compute: 2 blocks) finds none free and A pinned by itself: it waits
     assert out.computes == [ComputeJob(r1, 4, 1, True), ComputeJob(r2, 4, 1, True)]
     assert (r1.private_blocks, r2.private_blocks) == ([0, 4], [1, 3])
-    assert r3.status is RequestStatus.WAITING and r3.private_blocks == [] and r3.pinned == []
+    assert r3.status is RequestStatus.WAITING and r3.private_blocks == [] and cache.pins_of("r3") == []
     assert r3.num_computed == 0 and r3.output_ids == [SAMPLED]  # recomputed later from what it streamed
     assert r3.num_preemptions == 1 and s.counters.num_preemptions == 1
     assert list(s.waiting) == [r3, r4] and s.running == [r1, r2]
@@ -413,7 +414,7 @@ def test_abandon_releases_the_steps_requests_and_the_holders_of_its_chunks():
     victims = s.abandon(out)  # the forward pass raised
     assert victims == [r0, r1, r2]
     assert s.running == [] and s.acquired == [] and s.chunk_tasks == [] and cache.num_entries == 0
-    assert all(r.private_blocks == [] and r.pinned == [] for r in victims)
+    assert all(r.private_blocks == [] and cache.pins_of(r.request_id) == [] for r in victims)
     # freed in order: r0's, r1's and r2's own blocks, then B's pending entry, then A's
     assert cache.pool.free_block_ids() == list(range(8, 16)) + [0, 3, 7, 4, 5, 6, 1, 2]
     cache.check_integrity()

@@ -9,7 +9,7 @@ import torch
 from lazyattn_rag.kernels.rope import RotaryEmbedding
 
 from lazyattn_rag import CacheConfig, EngineConfig, SamplingParams
-from lazyattn_rag.engine import self_check
+from lazyattn_rag.engine import self_check, self_check_logits, self_check_rotary
 from lazyattn_rag.types.errors import SelfCheckError
 from lazyattn_rag.llm import LazyAttention
 from tests.oracle import oracle_generate
@@ -66,7 +66,7 @@ def test_directory_model_passes_and_second_load_reads_the_cached_verdict(model_d
     assert max(rotary["encode"].values()) <= 1e-6  # the same float32 angles as transformers
     [chunk] = logits["chunks"]
     assert chunk["delta"] == chunk["global_start"] > 0 and logits["chunk_served_from_cache"]
-    assert len(logits["rows"]) == self_check.PROBE_TOKENS
+    assert len(logits["rows"]) == self_check_logits.PROBE_TOKENS
     assert logits["max_abs_diff"] <= 1e-5
     assert logits["offset_sensitivity"] > 100 * max(logits["tolerance"], logits["max_abs_diff"])
     mtime = path.stat().st_mtime_ns
@@ -100,7 +100,7 @@ def test_self_check_false_skips_the_check(tmp_path):
 
 
 def test_model_too_large_for_a_reference_skips_only_the_logits(model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(self_check, "reference_budget_bytes", lambda: 1000)
+    monkeypatch.setattr(self_check_logits, "reference_budget_bytes", lambda: 1000)
     LazyAttention(_config(model_dir, tmp_path)).shutdown()
     report = json.loads(_verdicts(tmp_path)[0].read_text())["report"]
     num_params = sum(p.numel() for p in hf_and_ours(hf_config())[1].parameters())
@@ -160,7 +160,7 @@ def test_inv_freq_one_ulp_off_is_caught_at_large_offsets(tmp_path):
                                   rotary.rotary_dim, rotary.interleaved, rotary.rope_type, rotary.params)
     report = self_check.check_rotary(ours.rotary, cfg)
     assert not report["passed"]
-    assert all(report["encode"][str(p)] <= self_check.ROTARY_TOLERANCE for p in (0, 1, 17))
+    assert all(report["encode"][str(p)] <= self_check_rotary.ROTARY_TOLERANCE for p in (0, 1, 17))
     assert report["encode"][str(2**20 - 1)] > 0.05
     with pytest.raises(SelfCheckError, match=r"positions \{4095: .*1048575: "):
         LazyAttention.from_model(ours, word_tokenizer(), EngineConfig(device="cpu", cache=CacheConfig(num_blocks=8)),
@@ -199,10 +199,10 @@ def test_reference_mask_equals_the_kv_shifting_oracle():
     head, doc, tail = list(range(4, 11)), list(range(30, 53)), list(range(60, 66))
     ids = head + doc + tail
     span = (len(head), len(head) + len(doc), len(head))
-    ours = self_check.reference_logits(hf, ids, [span])
+    ours = self_check_logits.reference_logits(hf, ids, [span])
     _, first = oracle_generate(hf, [([], head, 0), ([], doc, len(head))], tail, 1)
     assert (ours[-1] - first).abs().max().item() <= 1e-5
-    plain = self_check.reference_logits(hf, ids, [])
+    plain = self_check_logits.reference_logits(hf, ids, [])
     assert (plain[-1] - first).abs().max().item() > 1e-3
 
 

@@ -152,7 +152,7 @@ def _family_dir(path, family: str, rope: dict | None = None):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_a_memoized_config_and_tokenizer_build_the_same_engine(tmp_path, family):
-    from lazyattn_rag.engine.model_loading import ResolvedConfig, load_config_and_tokenizer
+    from lazyattn_rag.engine.model_config import ResolvedConfig, load_config_and_tokenizer
 
     path = _family_dir(tmp_path / "model", family)
     if family != "qwen2":  # AutoTokenizer picks Qwen2Tokenizer, whose byte-level pre-tokenizer finds no word
@@ -183,10 +183,10 @@ def test_a_memoized_config_and_tokenizer_build_the_same_engine(tmp_path, family)
 
 
 def test_a_memoized_config_still_runs_the_self_check_with_transformers_own(tmp_path, monkeypatch):
-    from lazyattn_rag.engine import model_loading, self_check
+    from lazyattn_rag.engine import model_config, self_check
 
     path = _family_dir(tmp_path / "model", "llama")
-    model_loading.load_config_and_tokenizer(path, tmp_path / "cache")  # the memo, without a verdict
+    model_config.load_config_and_tokenizer(path, tmp_path / "cache")  # the memo, without a verdict
     checked = []
     real_check_rotary = self_check.check_rotary
     monkeypatch.setattr(self_check, "check_rotary", lambda rotary, cfg: checked.append(cfg) or real_check_rotary(rotary, cfg))
@@ -196,11 +196,11 @@ def test_a_memoized_config_still_runs_the_self_check_with_transformers_own(tmp_p
     finally:
         llm.shutdown()
     [cfg] = checked
-    assert not isinstance(cfg, model_loading.ResolvedConfig) and type(cfg).__name__ == "LlamaConfig"
+    assert not isinstance(cfg, model_config.ResolvedConfig) and type(cfg).__name__ == "LlamaConfig"
 
 
 def test_configs_are_not_memoized_when_transformers_computes_the_rope(tmp_path):
-    from lazyattn_rag.engine.model_loading import ResolvedConfig, load_config_and_tokenizer
+    from lazyattn_rag.engine.model_config import ResolvedConfig, load_config_and_tokenizer
 
     llama3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
@@ -212,7 +212,7 @@ def test_configs_are_not_memoized_when_transformers_computes_the_rope(tmp_path):
 
 
 def test_a_changed_or_broken_memo_is_not_used(tmp_path):
-    from lazyattn_rag.engine.model_loading import ResolvedConfig, load_config_and_tokenizer
+    from lazyattn_rag.engine.model_config import ResolvedConfig, load_config_and_tokenizer
 
     path = _family_dir(tmp_path / "model", "llama")
     cache = tmp_path / "cache"

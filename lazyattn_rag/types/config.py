@@ -32,8 +32,7 @@ class CacheConfig:
             ``"none"``: local positions from 0, no context (the LazyAttention / Block-Attention
             setting); ``"head"``: after the prompt's fixed head (system turn and the opening of
             the user turn). Part of every chunk's cache key. The default is the quality
-            benchmark's decision (``docs/quality.md``: 891 questions, ``bos`` +2.7 points of
-            answer-contains-gold over ``none``, paired 95 % interval [0.6, 4.8]).
+            benchmark's decision (``docs/quality.md``, "Default encoding").
         eviction_policy: order in which unpinned chunks are evicted: ``"lru"``, ``"lfu"`` (LFU
             with dynamic aging; keeps a Zipf-popular working set) or ``"gdsf"``
             (Greedy-Dual-Size-Frequency). See ``engine/eviction.py``.
