@@ -30,3 +30,37 @@ def smollm2(smollm2_dir):
     from tests.integrations_kit import SMOLLM2_ENGINE_KWARGS
 
     return LazyAttention.shared(EngineConfig.from_dict(SMOLLM2_ENGINE_KWARGS))
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """``(hf, ours)``: the default tiny random Llama (``hf_config()``, seed 0) in transformers and
+    as our ``CausalLM``, built once and shared by the tests that only read it (engines over it
+    leave its weights alone)."""
+    from tests.tiny import hf_and_ours, hf_config
+
+    return hf_and_ours(hf_config())
+
+
+@pytest.fixture
+def make_llm():
+    """``make_llm(family="llama", seed=0, model_config=None, model=None, **config) -> (hf, llm)``:
+    a tiny random model of ``family`` (``hf_config(family, **model_config)``) and a
+    :class:`LazyAttention` over it configured by ``tests/tiny.py: tiny_config(**config)``; with
+    ``model=`` (a ``CausalLM``), an engine over that one and ``hf`` is ``None``. Every engine it
+    built is shut down after the test. A module narrows the defaults by overriding the fixture,
+    e.g. ``functools.partial(make_llm, anchor="none")``."""
+    from tests.tiny import hf_and_ours, hf_config, tiny_llm
+
+    built = []
+
+    def make(family: str = "llama", seed: int = 0, model_config: dict | None = None, model=None, **config):
+        hf = None
+        if model is None:
+            hf, model = hf_and_ours(hf_config(family, **(model_config or {})), seed=seed)
+        built.append(llm := tiny_llm(model, **config))
+        return hf, llm
+
+    yield make
+    for llm in built:
+        llm.shutdown()

@@ -1,16 +1,16 @@
-"""Shared pieces of the integration tests: a tiny engine, a tiny corpus, a stream spy."""
+"""Shared pieces of the integration tests: a tiny engine, a tiny corpus, a stream spy, a plan spy."""
 
 from __future__ import annotations
 
 import functools
 
-from lazyattn_rag import CacheConfig, Document, EngineConfig, PromptConfig, SamplingParams
+from lazyattn_rag import Document, SamplingParams
+from lazyattn_rag.engine.engine import StepResult
 from lazyattn_rag.llm import LazyAttention
-from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
+from tests.tiny import tiny_llm, words
 
 SMOLLM2_ENGINE_KWARGS = {"device": "cpu", "attention_backend": "torch", "cache": {"num_blocks": 512}}
 """The session's ``smollm2`` engine settings: wrappers built with ``engine_kwargs=`` these share it."""
-PROMPT = PromptConfig(instruction="w190 w191 w192 ", document_separator=" ", question_prefix="Question : ")
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 # English for the embedder, distinct w-words for the word-level tokenizer of the tiny model
@@ -34,12 +34,10 @@ def embedder():
     return SentenceEmbedder()
 
 
-def tiny_engine(num_blocks: int = 256, max_model_len: int | None = None) -> LazyAttention:
-    """A random 2-layer Llama with the word-level tokenizer (no chat template)."""
-    _, ours = hf_and_ours(hf_config())
-    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", max_model_len=max_model_len,
-                          cache=CacheConfig(num_blocks=num_blocks, block_size=16), prompt=PROMPT)
-    return LazyAttention.from_model(ours, word_tokenizer(), config)
+def tiny_engine(num_blocks: int = 256, max_model_len: int | None = None, **config) -> LazyAttention:
+    """A random 2-layer Llama with the word-level tokenizer (no chat template), the library's
+    default anchor (``bos``); ``config`` as ``tests/tiny.py: tiny_config``."""
+    return tiny_llm(num_blocks=num_blocks, max_model_len=max_model_len, **config)
 
 
 class StreamSpy:
@@ -97,28 +95,40 @@ class StreamSpy:
 
 
 class PlanSpy:
-    """Records every request submitted to one engine, on every path (sync, async, id, chat):
-    ``calls[i]`` is ``{"plan", "doc_ids", "stats"}`` (stats once the request finished)."""
+    """Records every request one engine computes, on every path (sync, async, id, chat), through
+    a step listener: ``calls[i]`` is ``{"plan", "doc_ids", "stats"}`` in the order the requests
+    first computed (warm-ups aside; ``stats`` once the request finished)."""
 
     def __init__(self, engine: LazyAttention):
-        self.calls: list[dict] = []
-        inner = engine.engine.submit
+        self.engine = engine
+        self._calls: list[dict] = []
+        self._requests: list = []  # the engine's requests, as calls
+        self.remove = engine.add_step_listener(self._record)
 
-        def submit(plan, params, sink, warm_only=False):
-            call = {"plan": plan, "doc_ids": [c.doc_id for c in plan.chunks if c.doc_id is not None],
-                    "stats": None}
+    def _record(self, step: StepResult) -> None:
+        known = {id(r) for r in self._requests}
+        for job in step.output.computes:
+            r = job.request
+            if id(r) not in known and not r.warm_only:
+                known.add(id(r))
+                self._requests.append(r)
+                self._calls.append({"plan": r.plan, "doc_ids": [c.doc_id for c in r.plan.chunks if c.doc_id is not None],
+                                    "stats": None})
+        self._fill_stats()
 
-            def recording_sink(item):
-                if getattr(item, "finished", False):
-                    call["stats"] = item.stats
-                sink(item)
+    def _fill_stats(self) -> None:
+        for call, r in zip(self._calls, self._requests):
+            if call["stats"] is None and r.finish_reason is not None:  # finished (aborts too), not failed
+                call["stats"] = r.stats
 
-            request = inner(plan, params, recording_sink, warm_only)
-            if not warm_only:
-                self.calls.append(call)
-            return request
-
-        engine.engine.submit = submit
+    @property
+    def calls(self) -> list[dict]:
+        """The calls so far (read on the engine thread between steps, so every step's listener ran)."""
+        try:
+            self.engine.loop.call(self._fill_stats)  # a request aborted between steps finished there
+        except RuntimeError:  # shut down: its last steps' listeners ran
+            pass
+        return self._calls
 
     @property
     def last(self) -> dict:

@@ -117,3 +117,21 @@ def sequence_input(token_ids: list[int], positions: list[int], entries: list[tup
 
     return SequenceInput(list(token_ids), list(positions), pack_entries(entries), sum(e[2] for e in entries),
                          list(slot_mapping))
+
+
+def our_logits(model, token_ids: list[int], start_pos: int, block_size: int = 16) -> torch.Tensor:
+    """All-row logits of our ``CausalLM`` over one sequence prefilled from scratch at positions
+    ``start_pos ..`` (torch backend, fresh KV blocks of ``block_size``, CPU)."""
+    from lazyattn_rag.engine.attention import build_attention_metadata
+    from lazyattn_rag.engine.attention.torch_backend import TorchAttentionBackend
+
+    cfg = model.config
+    n = len(token_ids)
+    num_blocks = -(-n // block_size)
+    caches = [(torch.zeros(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
+               torch.zeros(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
+    table = [(b, 0, min(block_size, n - b * block_size)) for b in range(num_blocks)]
+    seq = sequence_input(token_ids, list(range(start_pos, start_pos + n)), table, list(range(n)))
+    md = build_attention_metadata([seq], block_size, "cpu")
+    backend = TorchAttentionBackend(model.rotary, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+    return model(torch.tensor(token_ids), torch.tensor(seq.positions), backend, caches, md)

@@ -2,10 +2,8 @@
 
 import pytest
 
-from lazyattn_rag import EngineConfig, LazyAttention, SamplingParams
-from lazyattn_rag.types.config import CacheConfig
+from lazyattn_rag import SamplingParams
 from lazyattn_rag.types.errors import CacheCapacityError, PromptTooLongError
-from tests.integrations_kit import PROMPT
 from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
 
 
@@ -14,26 +12,29 @@ def model():
     return hf_and_ours(hf_config(max_position_embeddings=4096))[1]
 
 
-def _llm(model, num_blocks, anchor="none", max_model_len=None):
-    return LazyAttention.from_model(model, word_tokenizer(), EngineConfig(
-        device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT, max_model_len=max_model_len,
-        cache=CacheConfig(num_blocks=num_blocks, block_size=16, anchor=anchor)))
+@pytest.fixture
+def new_llm(make_llm, model):
+    """``new_llm(num_blocks, **config)``: an engine over the module's model (no anchor unless given)."""
+    def new(num_blocks, **config):
+        return make_llm(model=model, num_blocks=num_blocks, **{"anchor": "none", **config})[1]
+
+    return new
 
 
-def test_an_explicit_context_limit_the_cache_cannot_hold_fails_at_start_up(model):
+def test_an_explicit_context_limit_the_cache_cannot_hold_fails_at_start_up(new_llm):
     with pytest.raises(CacheCapacityError, match=r"max_model_len=1000 needs 64 KV blocks .* has 10 blocks of 16 tokens"
                                                   r".*lower max_model_len to at most 144"):
-        _llm(model, 10, max_model_len=1000)
+        new_llm(10, max_model_len=1000)
     with pytest.raises(CacheCapacityError, match="1 of them held by the anchor.*at most 128"):
-        _llm(model, 10, anchor="bos", max_model_len=1000)
-    llm = _llm(model, 10, max_model_len=144)  # exactly what fits
+        new_llm(10, anchor="bos", max_model_len=1000)
+    llm = new_llm(10, max_model_len=144)  # exactly what fits
     assert llm.max_model_len == 144
     llm.shutdown()
 
 
 @pytest.mark.parametrize("anchor", ["none", "bos"])
-def test_the_models_own_limit_is_lowered_to_what_the_cache_holds(model, anchor):
-    llm = _llm(model, 10, anchor=anchor)
+def test_the_models_own_limit_is_lowered_to_what_the_cache_holds(new_llm, anchor):
+    llm = new_llm(10, anchor=anchor)
     try:
         usable = 10 - (anchor == "bos")
         assert llm.max_model_len == (usable - 1) * 16 < 4096
@@ -48,10 +49,10 @@ def test_the_models_own_limit_is_lowered_to_what_the_cache_holds(model, anchor):
         llm.shutdown()
 
 
-def test_a_request_that_can_never_fit_is_refused_at_submission_and_others_go_on(model):
+def test_a_request_that_can_never_fit_is_refused_at_submission_and_others_go_on(new_llm):
     """Documents each start a block: head 1 + 4 x 2 + tail and 40 outputs 3 = 12 blocks of 9
     usable; refused when submitted (no token streamed), naming prompt tokens and max_tokens."""
-    llm = _llm(model, 10, anchor="bos")
+    llm = new_llm(10, anchor="bos")
     try:
         for i in range(4):
             llm.add_document(f"d{i}", words(17, 10 * i))
@@ -67,12 +68,12 @@ def test_a_request_that_can_never_fit_is_refused_at_submission_and_others_go_on(
         llm.shutdown()
 
 
-def test_a_document_that_can_never_fit_the_blocks_is_refused_at_registration(model):
+def test_a_document_that_can_never_fit_the_blocks_is_refused_at_registration(new_llm):
     """4 blocks of 16: the head (1 block), a 40-token document (3) and the tail (1) need 5, though
     the document is under the 48-token context limit; a 32-token one fits, warm included."""
     from lazyattn_rag.types.errors import DocumentTooLongError
 
-    llm = _llm(model, 4)
+    llm = new_llm(4)
     try:
         assert llm.max_model_len == 48
         with pytest.raises(DocumentTooLongError, match=r"'d' has 40 tokens; .* needs 5 KV blocks, but the cache has "
@@ -86,15 +87,14 @@ def test_a_document_that_can_never_fit_the_blocks_is_refused_at_registration(mod
         llm.shutdown()
 
 
-def test_a_document_that_tokenizes_to_nothing_is_refused(model):
+def test_a_document_that_tokenizes_to_nothing_is_refused(make_llm, model):
     from tokenizers import normalizers
 
     from lazyattn_rag.types.errors import EmptyInputError
 
     tokenizer = word_tokenizer()
     tokenizer.backend_tokenizer.normalizer = normalizers.Replace("x", "")  # "xxx" tokenizes to nothing
-    llm = LazyAttention.from_model(model, tokenizer, EngineConfig(device="cpu", dtype="float32",
-                                                                  attention_backend="torch", prompt=PROMPT))
+    _, llm = make_llm(model=model, tokenizer=tokenizer, num_blocks=None, anchor="bos")  # the default cache
     try:
         with pytest.raises(EmptyInputError, match="'d' has no tokens"):
             llm.add_document("d", "xxx")
@@ -102,6 +102,6 @@ def test_a_document_that_tokenizes_to_nothing_is_refused(model):
         llm.shutdown()
 
 
-def test_a_cache_that_holds_no_request_says_so(model):
+def test_a_cache_that_holds_no_request_says_so(new_llm):
     with pytest.raises(CacheCapacityError, match="it holds no request at all: give the cache more memory"):
-        _llm(model, 2, anchor="bos")
+        new_llm(2, anchor="bos")

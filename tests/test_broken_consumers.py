@@ -9,19 +9,18 @@
 import asyncio
 import threading
 
-from lazyattn_rag import AsyncLazyAttention, CacheConfig, EngineConfig, SamplingParams
-from lazyattn_rag.llm import LazyAttention
-from tests.test_chunk_reuse import PROMPT
-from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
+import pytest
+
+from lazyattn_rag import AsyncLazyAttention, SamplingParams
+from tests.tiny import words
 
 LONG = SamplingParams(max_tokens=40, ignore_eos=True)
 
 
-def make_llm():
-    _, ours = hf_and_ours(hf_config("llama"))
-    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
-                          cache=CacheConfig(num_blocks=128, anchor="none"))
-    llm = LazyAttention.from_model(ours, word_tokenizer(), config)
+@pytest.fixture
+def llm(make_llm):
+    """A tiny engine (no anchor, 128 blocks) with document "a" registered."""
+    _, llm = make_llm(anchor="none", num_blocks=128)
     llm.add_document("a", words(16, start=4))
     return llm
 
@@ -36,8 +35,7 @@ def assert_idle_and_clean(llm):
     llm.loop.call(check)
 
 
-def test_cancelled_while_submitting_aborts_the_request_it_makes():
-    llm = make_llm()
+def test_cancelled_while_submitting_aborts_the_request_it_makes(llm):
     allm = AsyncLazyAttention(llm)
     gate = threading.Event()
     llm.loop.post(gate.wait, 30)  # holds the engine thread: the submission queues behind it
@@ -59,8 +57,7 @@ def test_cancelled_while_submitting_aborts_the_request_it_makes():
     assert_idle_and_clean(llm)
 
 
-def test_a_raising_sink_drops_only_its_own_request():
-    llm = make_llm()
+def test_a_raising_sink_drops_only_its_own_request(llm):
     expected = llm.generate("w1", ["a"], sampling=LONG).token_ids
     engine, good = llm.engine, []
 
@@ -79,8 +76,7 @@ def test_a_raising_sink_drops_only_its_own_request():
     assert_idle_and_clean(llm)
 
 
-def test_leaving_an_async_stream_after_shutdown_is_quiet():
-    llm = make_llm()
+def test_leaving_an_async_stream_after_shutdown_is_quiet(llm):
     allm = AsyncLazyAttention(llm)
 
     async def main():

@@ -3,29 +3,27 @@
 ``lazy`` runs with ``anchor="none"`` here, the setting in which it computes the same function as
 ``block_attention`` (which encodes documents alone, as Block-Attention does)."""
 
+import functools
+
 import pytest
 
-from lazyattn_rag import CacheConfig, EngineConfig, SamplingParams
-from lazyattn_rag.llm import LazyAttention
+from lazyattn_rag import SamplingParams
 from tests.oracle import oracle_generate
-from tests.test_chunk_reuse import PROMPT
-from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
+from tests.tiny import tiny_llm, words
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 REQUESTS = [("w1 w2", ["a", "b", "c"]), ("w3", ["c", "a"]), ("w1 w2", ["a", "b", "c"]), ("w4", ["b", "c", "a"])]
 
 
-def mode_llm(mode, num_blocks, scheduler=None, **cache):
-    """A tiny-model engine in cache ``mode`` (no anchor) with ``num_blocks`` blocks; returns (hf, llm)."""
-    hf, ours = hf_and_ours(hf_config("llama"))
-    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
-                          cache=CacheConfig(num_blocks=num_blocks, mode=mode, anchor="none", **cache),
-                          **({"scheduler": scheduler} if scheduler else {}))
-    return hf, LazyAttention.from_model(ours, word_tokenizer(), config)
+@pytest.fixture
+def make_llm(make_llm):
+    """A tiny-model engine with no anchor; ``mode`` and ``num_blocks`` given by each test."""
+    return functools.partial(make_llm, anchor="none")
 
 
-def run_mode(mode, num_blocks=256):
-    hf, llm = mode_llm(mode, num_blocks)
+def run_mode(tiny_model, mode, num_blocks=256):
+    hf, ours = tiny_model
+    llm = tiny_llm(ours, mode=mode, num_blocks=num_blocks, anchor="none")
     for name, n, start in (("a", 21, 0), ("b", 16, 40), ("c", 35, 80)):
         llm.add_document(name, words(n, start=start))
     outs = [llm.generate(q, ids, sampling=GREEDY) for q, ids in REQUESTS]
@@ -34,8 +32,11 @@ def run_mode(mode, num_blocks=256):
 
 
 @pytest.fixture(scope="module")
-def results():
-    return {mode: run_mode(mode) for mode in ("lazy", "block_attention", "prefix", "full")}
+def results(tiny_model):
+    modes = {mode: run_mode(tiny_model, mode) for mode in ("lazy", "block_attention", "prefix", "full")}
+    yield modes
+    for _, llm, _ in modes.values():
+        llm.shutdown()
 
 
 def test_lazy_and_block_attention_compute_the_same_function(results):
@@ -79,7 +80,7 @@ NUM_PRESSURE_BLOCKS = 26  # 16 tokens each: room for about two requests of three
 
 
 @pytest.mark.parametrize("mode", ["lazy", "block_attention", "prefix", "full"])
-def test_every_mode_runs_concurrent_requests_under_memory_pressure(mode):
+def test_every_mode_runs_concurrent_requests_under_memory_pressure(make_llm, mode):
     """A budget of a few requests' blocks, many requests in flight, documents at shifting offsets:
     every request completes with its sequential output and the cache invariants hold after each
     step (a regression test: prefix mode once counted blocks still held by running requests as
@@ -87,15 +88,15 @@ def test_every_mode_runs_concurrent_requests_under_memory_pressure(mode):
     import asyncio
     import random
 
-    from lazyattn_rag import AsyncLazyAttention, SchedulerConfig
+    from lazyattn_rag import AsyncLazyAttention
 
-    _, llm = mode_llm(mode, NUM_PRESSURE_BLOCKS, SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8))
+    _, llm = make_llm(mode=mode, num_blocks=NUM_PRESSURE_BLOCKS, max_num_batched_tokens=128, max_num_seqs=8)
     for i in range(10):
         llm.add_document(f"d{i}", words(20 + 5 * i, start=17 * i))
     rng = random.Random(5)
     requests = [(words(2, start=120 + i), rng.sample([f"d{j}" for j in range(10)], k=3)) for i in range(16)]
     sequential = [llm.generate(q, ids, sampling=GREEDY).token_ids for q, ids in requests]
-    llm.engine.step_listeners.append(lambda step: llm.engine.cache.check_integrity())
+    llm.add_step_listener(lambda step: llm.engine.cache.check_integrity())  # on the engine thread
     allm = AsyncLazyAttention(llm)
 
     async def run_all():
@@ -108,16 +109,16 @@ def test_every_mode_runs_concurrent_requests_under_memory_pressure(mode):
     llm.shutdown()
 
 
-def test_full_mode_admits_a_request_only_when_its_prompt_fits():
+def test_full_mode_admits_a_request_only_when_its_prompt_fits(make_llm):
     """Eight concurrent full-mode prompts of 128 tokens (8 blocks; 9 with their 4 outputs) in 20
     blocks: two run at a time and the others wait. Admitting a request without room for its own
     prefill would preempt it (or a running one) at once, step after step (33 preemptions here
     before the admission check counted the private prompt)."""
     import asyncio
 
-    from lazyattn_rag import AsyncLazyAttention, SchedulerConfig
+    from lazyattn_rag import AsyncLazyAttention
 
-    _, llm = mode_llm("full", 20, SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8))
+    _, llm = make_llm(mode="full", num_blocks=20, max_num_batched_tokens=128, max_num_seqs=8)
     for i in range(3):
         llm.add_document(f"d{i}", words(40, start=17 * i))
     requests = [(words(2, start=120 + i), ["d0", "d1", "d2"]) for i in range(8)]
@@ -136,7 +137,7 @@ def test_full_mode_admits_a_request_only_when_its_prompt_fits():
     llm.shutdown()
 
 
-def test_block_attention_falls_back_to_encoding_when_room_needs_the_copy_source():
+def test_block_attention_falls_back_to_encoding_when_room_needs_the_copy_source(make_llm):
     """Request 2 places "a" at a new offset (its copy at the old offset is the source) and needs a
     new "c": the room for both exists only by evicting that source, so "a" is encoded instead
     of copied, and the request succeeds (it once failed: the source was pinned after the room
@@ -145,7 +146,7 @@ def test_block_attention_falls_back_to_encoding_when_room_needs_the_copy_source(
     blocks = lambda n: -(-n // block_size)  # noqa: E731
 
     def engine(mode, num_blocks):
-        _, llm = mode_llm(mode, num_blocks, block_size=block_size, eviction_policy="lru")
+        _, llm = make_llm(mode=mode, num_blocks=num_blocks, block_size=block_size, eviction_policy="lru")
         llm.add_documents([("a", words(40, start=3)), ("b", words(20, start=60)), ("c", words(40, start=90))])
         return llm
 

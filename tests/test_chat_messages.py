@@ -5,48 +5,30 @@ rotated to their offsets, the head and every text segment run by the HF model af
 before them.
 """
 
+import functools
+
 import pytest
 
 from lazyattn_rag import (
-    CacheConfig,
     Document,
     DocumentRef,
     EmptyInputError,
-    EngineConfig,
     Message,
     PromptTooLongError,
     SamplingParams,
-    SchedulerConfig,
     UnknownDocumentError,
 )
-from lazyattn_rag.llm import LazyAttention
 from lazyattn_rag.engine.prompt_plan import TextSegment
-from tests.integrations_kit import PROMPT
+from tests.observe import StepLog
 from tests.oracle import full_prefill_generate, plan_oracle
-from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
+from tests.tiny import words
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
-def make_llm(anchor="none", num_blocks=256, mode="lazy", max_num_batched_tokens=2048, **overrides):
-    hf, ours = hf_and_ours(hf_config(**overrides))
-    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
-                          cache=CacheConfig(anchor=anchor, num_blocks=num_blocks, block_size=16, mode=mode),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens))
-    return hf, LazyAttention.from_model(ours, word_tokenizer(), config)
-
-
-def capture_first_logits(llm):
-    seen = []
-    execute = llm.engine.runner.execute
-
-    def wrapped(seqs):
-        out = execute(seqs)
-        seen.append(out[-1].clone())
-        return out
-
-    llm.engine.runner.execute = wrapped
-    return seen
+@pytest.fixture
+def make_llm(make_llm):
+    return functools.partial(make_llm, anchor="none")
 
 
 def rag_messages(texts=("w150 w151", "w152 " + words(20, 160), "w185 w186")):
@@ -62,8 +44,8 @@ def register(llm):
 
 
 @pytest.mark.parametrize("anchor", ["none", "bos", "head"])
-def test_text_between_documents_matches_the_oracle(anchor):
-    hf, llm = make_llm(anchor)
+def test_text_between_documents_matches_the_oracle(make_llm, anchor):
+    hf, llm = make_llm(anchor=anchor)
     register(llm)
     messages = rag_messages()
     plan = llm.plan_chat(messages)
@@ -72,11 +54,11 @@ def test_text_between_documents_matches_the_oracle(anchor):
     assert all(isinstance(t, TextSegment) for t in plan.texts)
     head = llm.tokenizer("system: w100 w101 w102\nuser: w150 w151")["input_ids"]
     assert plan.chunks[0].delta == 0 and plan.chunks[0].token_ids == tuple(head)
-    seen = capture_first_logits(llm)
+    steps = StepLog(llm, logits=True)
     out = llm.chat(messages, sampling=GREEDY)
     tokens, first = plan_oracle(hf, plan, list(llm.engine.planner.anchor_ids), GREEDY.max_tokens)
     assert out.token_ids == tokens
-    assert (seen[-GREEDY.max_tokens] - first).abs().max().item() <= 1e-4
+    assert (steps.logits[-GREEDY.max_tokens][-1] - first).abs().max().item() <= 1e-4
     assert out.stats.num_cached_tokens == 17  # everything was cold; "a" is encoded once for both places
     again = llm.chat(messages, sampling=GREEDY)
     assert again.token_ids == tokens
@@ -86,9 +68,9 @@ def test_text_between_documents_matches_the_oracle(anchor):
 
 
 @pytest.mark.parametrize("budget", [7, 16, 33])
-def test_text_segments_split_across_steps_and_block_boundaries(budget):
+def test_text_segments_split_across_steps_and_block_boundaries(make_llm, budget):
     """Private text of 1, 16, 17 and 40 tokens, prefilled in pieces of ``budget`` tokens a step."""
-    hf, llm = make_llm("bos", max_num_batched_tokens=budget)
+    hf, llm = make_llm(anchor="bos", max_num_batched_tokens=budget)
     register(llm)
     for i, n in enumerate((1, 16, 17, 40)):
         messages = rag_messages(("w150", words(n, start=100 + i), "w185"))
@@ -100,7 +82,7 @@ def test_text_segments_split_across_steps_and_block_boundaries(budget):
     llm.engine.cache.check_integrity()
 
 
-def test_full_mode_runs_the_same_prompt_as_a_full_prefill():
+def test_full_mode_runs_the_same_prompt_as_a_full_prefill(make_llm):
     hf, llm = make_llm(mode="full")
     register(llm)
     plan = llm.plan_chat(rag_messages())
@@ -110,7 +92,7 @@ def test_full_mode_runs_the_same_prompt_as_a_full_prefill():
     assert out.token_ids == tokens
 
 
-def test_block_attention_mode_keeps_text_segments():
+def test_block_attention_mode_keeps_text_segments(make_llm):
     hf, llm = make_llm(mode="block_attention")
     register(llm)
     plan = llm.plan_chat(rag_messages())
@@ -120,7 +102,7 @@ def test_block_attention_mode_keeps_text_segments():
     assert out.token_ids == tokens
 
 
-def test_messages_without_documents_are_a_plain_prompt_and_inline_documents_register():
+def test_messages_without_documents_are_a_plain_prompt_and_inline_documents_register(make_llm):
     from lazyattn_rag import Document
 
     hf, llm = make_llm()
@@ -132,8 +114,8 @@ def test_messages_without_documents_are_a_plain_prompt_and_inline_documents_regi
     assert out.stats.docs_missed == ["x"] and llm.has_document("x")
 
 
-def test_preempted_request_with_text_segments_recomputes_the_same_answer():
-    hf, llm = make_llm("none", num_blocks=28)  # 6 blocks of chunks, 4 a request at admission, 5 to finish
+def test_preempted_request_with_text_segments_recomputes_the_same_answer(make_llm):
+    hf, llm = make_llm(anchor="none", num_blocks=28)  # 6 blocks of chunks, 4 a request at admission, 5 to finish
     register(llm)
     alone = llm.chat(rag_messages(), sampling=SamplingParams(max_tokens=20, ignore_eos=True))
     streams = [llm.stream_chat(rag_messages(), sampling=SamplingParams(max_tokens=20, ignore_eos=True))
@@ -144,8 +126,8 @@ def test_preempted_request_with_text_segments_recomputes_the_same_answer():
     llm.engine.cache.check_integrity()
 
 
-def test_bad_messages_get_specific_errors_and_leave_the_cache_clean():
-    hf, llm = make_llm("none", max_position_embeddings=128)
+def test_bad_messages_get_specific_errors_and_leave_the_cache_clean(make_llm):
+    hf, llm = make_llm(anchor="none", model_config=dict(max_position_embeddings=128))
     register(llm)
     with pytest.raises(UnknownDocumentError, match="'nope'"):
         llm.chat([("user", ("w1 ", DocumentRef("nope"), "w2"))])
@@ -162,12 +144,12 @@ def test_bad_messages_get_specific_errors_and_leave_the_cache_clean():
     assert all(e.pin_count == 0 for e in cache.entries() if e.key != llm.engine.planner.anchor_key)
 
 
-def test_a_refused_inline_update_keeps_the_registered_documents_cached_kv():
+def test_a_refused_inline_update_keeps_the_registered_documents_cached_kv(make_llm):
     """``stream_chat(messages, documents=[Document("x", new_text)])`` whose plan is refused
     (here: too long) restores "x"'s registration ("all or none"), but the temporary rebinding
     already marked the old entry dead and dropped it: the next request misses "x" and re-encodes
     it. A failed call should change nothing, K/V included."""
-    hf, llm = make_llm("none", num_blocks=64, max_position_embeddings=200)
+    hf, llm = make_llm(anchor="none", num_blocks=64, model_config=dict(max_position_embeddings=200))
     sp = SamplingParams(max_tokens=2, ignore_eos=True)
     llm.add_document("x", words(20, 0))
     first = llm.chat([("user", ("w1 ", DocumentRef("x"), "w2"))], sampling=sp)

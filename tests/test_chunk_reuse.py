@@ -5,44 +5,15 @@ import torch
 
 from lazyattn_rag import (
     CacheCapacityError,
-    CacheConfig,
     DocumentTooLongError,
     EmptyInputError,
-    EngineConfig,
-    PromptConfig,
     PromptTooLongError,
     SamplingParams,
     UnknownDocumentError,
 )
-from lazyattn_rag.llm import LazyAttention
+from tests.observe import StepLog
 from tests.oracle import full_prefill_generate, oracle_generate
-from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
-
-PROMPT = PromptConfig(instruction="w190 w191 w192 ", document_separator=" ", question_prefix="Question : ")
-
-
-def make_llm(anchor="none", num_blocks=256, family="llama", max_position_embeddings=16384, scheduler=None,
-             **cfg_overrides):
-    hf, ours = hf_and_ours(hf_config(family, max_position_embeddings=max_position_embeddings, **cfg_overrides))
-    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch",
-                          cache=CacheConfig(anchor=anchor, num_blocks=num_blocks, block_size=16), prompt=PROMPT,
-                          **({"scheduler": scheduler} if scheduler else {}))
-    llm = LazyAttention.from_model(ours, word_tokenizer(), config)
-    return hf, llm
-
-
-def capture_logits(llm):
-    """Record the logits the runner returns per step ([rows, vocab]; encode rows come before prefill rows)."""
-    seen = []
-    execute = llm.engine.runner.execute
-
-    def wrapped(seqs):
-        out = execute(seqs)
-        seen.append(out)
-        return out
-
-    llm.engine.runner.execute = wrapped
-    return seen
+from tests.tiny import words
 
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -56,53 +27,51 @@ def oracle_for(llm, hf, question, doc_ids, num_tokens):
 
 
 @pytest.mark.parametrize("anchor", ["none", "bos", "head"])
-def test_chunks_at_offsets_match_eager_oracle(anchor):
-    hf, llm = make_llm(anchor)
+def test_chunks_at_offsets_match_eager_oracle(make_llm, anchor):
+    hf, llm = make_llm(anchor=anchor)
     lengths = [1, 15, 16, 17, 37]
     for i, n in enumerate(lengths):
         llm.add_document(f"d{n}", words(n, start=i * 30))
     question = "w5 w6 w7"
     for order in (["d37", "d1", "d16", "d15", "d17"], ["d17", "d37", "d17", "d1"]):  # a doc twice
-        seen = capture_logits(llm)
+        steps = StepLog(llm, logits=True)
         out = llm.generate(question, order, sampling=GREEDY)
+        steps.remove()
         plan, (tokens, first_logits) = oracle_for(llm, hf, question, order, GREEDY.max_tokens)
         assert out.token_ids == tokens
-        # the first sampled row: last of its step (a step lists its encodes first, then its prefill)
-        assert (seen[-GREEDY.max_tokens][-1] - first_logits).abs().max().item() <= 1e-4
+        # the first sampled row: the last compute job of its step (the request's prefill)
+        assert (steps.logits[-GREEDY.max_tokens][-1] - first_logits).abs().max().item() <= 1e-4
         assert out.stats.num_prompt_tokens == plan.num_prompt_tokens
     llm.engine.cache.check_integrity()
 
 
-def test_single_chunk_at_delta_zero_equals_full_prefill():
+def test_single_chunk_at_delta_zero_equals_full_prefill(make_llm):
     """anchor=head, one document right after the head: delta = 0, so reuse == a full prefill."""
-    hf, llm = make_llm("head")
+    hf, llm = make_llm(anchor="head")
     llm.add_document("doc", words(40, start=3))
     question = "w9 w10 w11"
     plan = llm.engine.planner.plan(question, ["doc"])
     assert [c.delta for c in plan.chunks] == [0, 0]
-    seen = capture_logits(llm)
+    steps = StepLog(llm, logits=True)
     out = llm.generate(question, ["doc"], sampling=SamplingParams(max_tokens=20, ignore_eos=True))
     tokens, first = full_prefill_generate(hf, plan.token_ids(), 20)
-    assert (seen[-20][-1] - first).abs().max().item() <= 1e-3
+    assert (steps.logits[-20][-1] - first).abs().max().item() <= 1e-3
     assert out.token_ids == tokens
 
 
 @pytest.mark.parametrize("anchor", ["none", "bos"])
 @pytest.mark.parametrize("prefill_with_encodes", [True, False])
-def test_cold_documents_and_the_query_prefill_share_one_step(anchor, prefill_with_encodes):
+def test_cold_documents_and_the_query_prefill_share_one_step(make_llm, anchor, prefill_with_encodes):
     """A request whose documents are all missing samples its first token in the step that
     encodes them (one forward pass: each layer writes the documents' K/V before its attention),
     and matches the oracle; ``prefill_with_encodes=False`` runs the prefill a step later."""
-    from lazyattn_rag import SchedulerConfig
-
-    hf, llm = make_llm(anchor, scheduler=SchedulerConfig(prefill_with_encodes=prefill_with_encodes))
+    hf, llm = make_llm(anchor=anchor, prefill_with_encodes=prefill_with_encodes)
     llm.add_document("a", words(21, start=5))
     llm.add_document("b", words(40, start=60))
-    steps = []
-    llm.engine.step_listeners.append(lambda step: steps.append(step.output))
+    log = StepLog(llm)
     plan = llm.engine.planner.plan("w5 w6", ["a", "b"])
     out = llm.generate("w5 w6", ["a", "b"], sampling=GREEDY)
-    llm.loop.call(lambda: None)  # the last step's listeners run after its token was streamed
+    steps = log.outputs  # read once the last step's listeners ran (they run after its token was streamed)
     first = steps[0]
     assert {e.key for e in first.chunk_prefills} == {c.key for c in plan.chunks}  # the head and both documents
     assert {21, 40} <= {len(e.token_ids) for e in first.chunk_prefills}
@@ -114,8 +83,8 @@ def test_cold_documents_and_the_query_prefill_share_one_step(anchor, prefill_wit
     llm.engine.cache.check_integrity()
 
 
-def test_same_document_many_offsets_leaves_stored_kv_bit_identical():
-    hf, llm = make_llm("none")
+def test_same_document_many_offsets_leaves_stored_kv_bit_identical(make_llm):
+    hf, llm = make_llm(anchor="none")
     llm.add_document("hot", words(23, start=50))
     for i in range(4):
         llm.add_document(f"pad{i}", words(5 + 7 * i, start=i))
@@ -136,9 +105,9 @@ def test_same_document_many_offsets_leaves_stored_kv_bit_identical():
         assert torch.equal(k[blocks], k0) and torch.equal(v[blocks], v0)
 
 
-def test_second_question_computes_only_new_tokens_and_is_faster():
-    hf, llm = make_llm("none", num_blocks=512, hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                       num_key_value_heads=2, head_dim=32)
+def test_second_question_computes_only_new_tokens_and_is_faster(make_llm):
+    hf, llm = make_llm(anchor="none", num_blocks=512, model_config=dict(
+        hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=32))
     for i in range(3):
         llm.add_document(f"doc{i}", words(400, start=i))
     first = llm.generate("w1 w2 w3", ["doc0", "doc1", "doc2"], sampling=SamplingParams(max_tokens=2))
@@ -151,8 +120,8 @@ def test_second_question_computes_only_new_tokens_and_is_faster():
     assert second.stats.ttft_ms < first.stats.ttft_ms
 
 
-def test_changed_text_under_same_id_is_reencoded_and_stale_entry_dropped():
-    hf, llm = make_llm("none")
+def test_changed_text_under_same_id_is_reencoded_and_stale_entry_dropped(make_llm):
+    hf, llm = make_llm(anchor="none")
     llm.add_document("d", words(20))
     llm.generate("w1", ["d"], sampling=SamplingParams(max_tokens=1))
     n_entries = llm.engine.cache.num_entries
@@ -176,8 +145,8 @@ def _assert_clean(llm):
     assert cache.pool.num_free + cache.num_cached_blocks == cache.pool.num_blocks
 
 
-def test_bad_input_gets_specific_errors_and_cache_stays_usable():
-    hf, llm = make_llm("none", max_position_embeddings=256)
+def test_bad_input_gets_specific_errors_and_cache_stays_usable(make_llm):
+    hf, llm = make_llm(anchor="none", model_config=dict(max_position_embeddings=256))
     llm.add_document("ok", words(30))
     with pytest.raises(UnknownDocumentError, match="'missing'"):
         llm.generate("w1", ["ok", "missing"])
@@ -201,8 +170,8 @@ def test_bad_input_gets_specific_errors_and_cache_stays_usable():
     _assert_clean(llm)
 
 
-def test_eviction_under_small_cache_and_request_too_big_for_cache():
-    hf, llm = make_llm("none", num_blocks=8)  # 128 slots
+def test_eviction_under_small_cache_and_request_too_big_for_cache(make_llm):
+    hf, llm = make_llm(anchor="none", num_blocks=8)  # 128 slots
     for i in range(4):
         llm.add_document(f"d{i}", words(30, start=i * 9))  # 2 blocks each
     llm.generate("w1", ["d0", "d1"], sampling=SamplingParams(max_tokens=2))
@@ -225,18 +194,18 @@ def test_eviction_under_small_cache_and_request_too_big_for_cache():
     assert again.token_ids == tokens
 
 
-def test_capacity_error_names_the_blocks_the_anchor_holds():
-    hf, llm = make_llm("bos", num_blocks=8)
+def test_capacity_error_names_the_blocks_the_anchor_holds(make_llm):
+    hf, llm = make_llm(anchor="bos", num_blocks=8)
     for i in range(4):
         llm.add_document(f"s{i}", words(17, start=100 + i))
     with pytest.raises(CacheCapacityError, match=r"has 8 blocks of 16 tokens, 1 of them held by the anchor"):
         llm.generate("w1", [f"s{i}" for i in range(4)], sampling=SamplingParams(max_tokens=2))
 
 
-def test_stream_concatenates_to_generate_and_inline_documents():
+def test_stream_concatenates_to_generate_and_inline_documents(make_llm):
     from lazyattn_rag import Document
 
-    hf, llm = make_llm("none")
+    hf, llm = make_llm(anchor="none")
     docs = [Document("a", words(12)), Document("b", words(9, start=40))]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     pieces = list(llm.stream("w3", documents=docs, sampling=params))
@@ -247,8 +216,8 @@ def test_stream_concatenates_to_generate_and_inline_documents():
     assert full.stats.docs_hit == ["a", "b"]
 
 
-def test_stop_strings_and_seeded_sampling():
-    hf, llm = make_llm("none")
+def test_stop_strings_and_seeded_sampling(make_llm):
+    hf, llm = make_llm(anchor="none")
     llm.add_document("a", words(12))
     base = llm.generate("w3", ["a"], sampling=SamplingParams(max_tokens=8, ignore_eos=True))
     stop_word = base.text.split()[2]
@@ -266,8 +235,8 @@ def test_stop_strings_and_seeded_sampling():
     assert top1.token_ids == base.token_ids
 
 
-def test_plain_prompt_completion_equals_full_prefill():
-    hf, llm = make_llm("none")
+def test_plain_prompt_completion_equals_full_prefill(make_llm):
+    hf, llm = make_llm(anchor="none")
     prompt_ids = llm.tokenizer(words(25, start=11))["input_ids"]
     out = llm.complete(prompt_ids, SamplingParams(max_tokens=6, ignore_eos=True))
     tokens, _ = full_prefill_generate(hf, prompt_ids, 6)
@@ -279,8 +248,8 @@ def test_plain_prompt_completion_equals_full_prefill():
 
 
 @pytest.mark.parametrize("rotation", ["key", "query"])
-def test_both_rotation_forms_of_the_torch_backend_match_the_oracle(rotation):
-    hf, llm = make_llm("none")
+def test_both_rotation_forms_of_the_torch_backend_match_the_oracle(make_llm, rotation):
+    hf, llm = make_llm(anchor="none")
     llm.engine.runner.backend.rotation = rotation
     for i, n in enumerate((15, 16, 17)):
         llm.add_document(f"d{n}", words(n, start=i * 30))

@@ -8,37 +8,28 @@ import time
 
 import pytest
 
-from lazyattn_rag import EngineConfig, LazyAttention, SamplingParams
-from lazyattn_rag.types.config import CacheConfig, SchedulerConfig
-from tests.integrations_kit import PROMPT
-from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
+from lazyattn_rag import SamplingParams
+from tests.observe import fail_first_call
+from tests.tiny import words
 
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def hf_model():
-    return hf_and_ours(hf_config())
+@pytest.fixture
+def new_llm(make_llm, tiny_model):
+    """``new_llm(budget=2048, num_blocks=512, anchor="bos")``: an engine over the session's tiny model."""
+    def new(budget=2048, num_blocks=512, anchor="bos"):
+        return make_llm(model=tiny_model[1], max_num_batched_tokens=budget, num_blocks=num_blocks, anchor=anchor)[1]
+
+    return new
 
 
-@pytest.fixture(scope="module")
-def model(hf_model):
-    return hf_model[1]
-
-
-def _llm(model, budget=2048, num_blocks=512, anchor="bos"):
-    return LazyAttention.from_model(model, word_tokenizer(), EngineConfig(
-        device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget),
-        cache=CacheConfig(num_blocks=num_blocks, block_size=16, anchor=anchor)))
-
-
-def test_cold_documents_over_the_budget_start_within_a_few_steps_of_a_long_decode(model):
+def test_cold_documents_over_the_budget_start_within_a_few_steps_of_a_long_decode(new_llm):
     """The issue's case: A decodes 300 tokens; B needs 2,100 tokens of encoding (three cold
     700-token documents) against a 2,048-token budget; C is small over a cached document. Both
     started computing only after A's 300 decode steps; now B's encoding starts in the first
     step after they arrive and takes two, and both prefill in the second."""
-    llm = _llm(model)
+    llm = new_llm()
     engine = llm.engine
     try:
         for i in range(3):
@@ -46,7 +37,7 @@ def test_cold_documents_over_the_budget_start_within_a_few_steps_of_a_long_decod
         llm.add_document("hot", words(30, 7))
         llm.warm(["hot"])
         steps: list[tuple[int, object]] = []
-        llm.loop.call(lambda: engine.step_listeners.append(lambda step: steps.append((engine.counters.num_steps, step.output))))
+        llm.add_step_listener(lambda step: steps.append((engine.counters.num_steps, step.output)))  # on the engine thread
         a = llm.stream(words(3, 120), sampling=SamplingParams(max_tokens=300, ignore_eos=True))
         next(iter(a))  # A is decoding
         sinks = {"b": queue.SimpleQueue(), "c": queue.SimpleQueue()}
@@ -76,23 +67,23 @@ def test_cold_documents_over_the_budget_start_within_a_few_steps_of_a_long_decod
 
 
 @pytest.mark.parametrize("anchor", ["none", "bos"])
-def test_a_chunk_encoded_in_pieces_matches_the_oracle(hf_model, anchor):
+def test_a_chunk_encoded_in_pieces_matches_the_oracle(new_llm, tiny_model, anchor):
     """Budget 16: a 69-token document is encoded in five pieces, each attending the pieces before
     it and the anchor; the answer equals the transformers oracle's (the document encoded alone,
     placed at its offset) and the whole-chunk encode's."""
     from tests.oracle import plan_oracle
 
-    hf, ours = hf_model
+    hf, _ = tiny_model
     question, doc = words(3, 120), words(69, 3)
     tokens = {}
     for budget in (16, 4096):
-        llm = _llm(ours, budget=budget, anchor=anchor)
+        llm = new_llm(budget=budget, anchor=anchor)
         try:
             llm.add_document("d", doc)
             plan = llm.plan(question, ["d"])
             pieces = []
-            llm.loop.call(lambda: llm.engine.step_listeners.append(  # noqa: B023 - called before the loop moves on
-                lambda step: pieces.extend(len(e.token_ids) for e in step.output.chunk_prefills if e.key == plan.chunks[-1].key)))
+            llm.add_step_listener(  # noqa: B023 - called before the loop moves on
+                lambda step: pieces.extend(len(e.token_ids) for e in step.output.chunk_prefills if e.key == plan.chunks[-1].key))
             sampling = SamplingParams(max_tokens=8, ignore_eos=True)
             tokens[budget] = llm.generate(question, ["d"], sampling=sampling).token_ids
             assert pieces == ([13, 16, 16, 16, 8] if budget == 16 else [69])  # the head's 3 tokens share step 1
@@ -115,7 +106,7 @@ def _after_first_piece(llm, key, action):
             done.append(True)
             action(engine)
 
-    llm.loop.call(lambda: engine.step_listeners.append(listener))
+    llm.add_step_listener(listener)
     return done
 
 
@@ -128,11 +119,11 @@ def _assert_clean(llm):
 
 
 @pytest.mark.parametrize("remove_document", [False, True])
-def test_the_requester_leaving_mid_encode(model, remove_document):
+def test_the_requester_leaving_mid_encode(new_llm, remove_document):
     """The only request waiting for a chunk is aborted after its first piece: the encoding goes
     on and the chunk is cached (the next request hits it); if its document was removed too,
     the encoding stops and its blocks go back to the pool."""
-    llm = _llm(model, budget=16)
+    llm = new_llm(budget=16)
     try:
         llm.add_document("d", words(69, 3))
         key = llm.plan(words(3, 120), ["d"]).chunks[-1].key
@@ -156,19 +147,14 @@ def test_the_requester_leaving_mid_encode(model, remove_document):
         llm.shutdown()
 
 
-def test_a_step_failing_mid_encode_fails_its_requests_and_drops_the_chunk(model):
-    llm = _llm(model, budget=16)
+def test_a_step_failing_mid_encode_fails_its_requests_and_drops_the_chunk(new_llm, monkeypatch):
+    llm = new_llm(budget=16)
     try:
         llm.add_document("d", words(69, 3))
         key = llm.plan(words(3, 120), ["d"]).chunks[-1].key
 
-        def break_next_step(engine):
-            execute = engine.runner.execute
-
-            def fail_once(seqs):
-                engine.runner.execute = execute
-                raise RuntimeError("device lost")
-            engine.runner.execute = fail_once
+        def break_next_step(engine):  # the next forward pass raises, the ones after it run
+            fail_first_call(monkeypatch, engine.runner, "execute", "device lost")
 
         _after_first_piece(llm, key, break_next_step)
         with pytest.raises(RuntimeError, match="device lost"):

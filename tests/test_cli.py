@@ -29,6 +29,7 @@ from lazyattn_rag.integrations.chatbot import ChatOptions, run_chat
 from lazyattn_rag.integrations.corpus import JSONL_SUFFIXES, TEXT_SUFFIXES, folder_sources
 from lazyattn_rag.llm import LazyAttention, RequestStream
 from tests.integrations_kit import CORPUS, tiny_engine
+from tests.observe import StepLog
 from tests.tiny import words
 
 LATIN1 = "Caf\xe9 au lait is coffee with hot milk.\n".encode("latin-1")  # 0xe9 at offset 3: not UTF-8
@@ -397,33 +398,28 @@ def test_ctrl_c_at_the_prompt_leaves_cleanly(chat):
 # --- sampling: the model's recommended settings unless set on the command line ------------------
 @pytest.fixture
 def recorded_sampling(monkeypatch):
-    """The tiny engine recommends temperature 0.5 / top_p 0.7; ``seen`` records each call's sampling."""
-    seen = []
+    """The tiny engine recommends temperature 0.5 / top_p 0.7; ``recorded_sampling()`` lists the
+    sampling of each request the commands ran (seen by a step listener on each engine built)."""
+    logs = []
 
     def make(config):
         llm = tiny_engine(max_model_len=128)
         llm.default_sampling = SamplingParams(temperature=0.5, top_p=0.7, repetition_penalty=1.05)
-        stream = llm.stream
-
-        def recording(question, doc_ids=(), documents=(), sampling=None):
-            seen.append(sampling)
-            return stream(question, doc_ids, documents, sampling)
-
-        llm.stream = recording
+        logs.append(StepLog(llm))
         return llm
 
     monkeypatch.setattr("lazyattn_rag.llm.LazyAttention", make)
-    return seen
+    return lambda: [r.params for log in logs for r in log.requests]
 
 
 def test_ask_uses_the_models_sampling_unless_overridden(recorded_sampling):
     assert runner().invoke(app, ["ask", "w1 w2", "--max-tokens", "2", "--seed", "3"]).exit_code == 0
-    assert recorded_sampling[-1] == SamplingParams(max_tokens=2, temperature=0.5, top_p=0.7, repetition_penalty=1.05,
-                                                   seed=3)
+    assert recorded_sampling()[-1] == SamplingParams(max_tokens=2, temperature=0.5, top_p=0.7, repetition_penalty=1.05,
+                                                     seed=3)
     result = runner().invoke(app, ["ask", "w1 w2", "--max-tokens", "2", "--temperature", "0", "--top-p", "0.9",
                                    "--repetition-penalty", "1.2"])
     assert result.exit_code == 0, result.output
-    assert recorded_sampling[-1] == SamplingParams(max_tokens=2, temperature=0.0, top_p=0.9, repetition_penalty=1.2)
+    assert recorded_sampling()[-1] == SamplingParams(max_tokens=2, temperature=0.0, top_p=0.9, repetition_penalty=1.2)
 
 
 def test_ask_refuses_bad_sampling_values_before_the_model_loads(no_model):
@@ -439,12 +435,9 @@ def test_chat_answers_with_the_models_sampling_and_no_blank_line_stop(docs_dir, 
     monkeypatch.setattr(chatbot, "llamaindex_embedding", _embed_model)
     engine = tiny_engine(num_blocks=128, max_model_len=400)
     engine.default_sampling = SamplingParams(temperature=0.5, top_p=0.7)
-    used, stream_chat, stream = [], engine.stream_chat, engine.stream
-    engine.stream_chat = lambda messages, documents=(), sampling=None: used.append(sampling) or stream_chat(
-        messages, documents, sampling)
-    engine.stream = lambda question, doc_ids=(), documents=(), sampling=None: used.append(sampling) or stream(
-        question, doc_ids, documents, sampling)
+    steps = StepLog(engine)
     run_chat(ChatOptions(questions=("w1 w2",), docs=docs_dir, top_k=1, index_dir=tmp_path / "index",
                          sampling_overrides={"max_tokens": 3, "top_p": 0.8}), out=io.StringIO(), log=io.StringIO(),
              engine=engine)
+    used = [r.params for r in steps.requests]  # the sampling each request ran with
     assert used == [SamplingParams(max_tokens=3, temperature=0.5, top_p=0.8)]  # no stop at a blank line

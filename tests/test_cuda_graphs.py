@@ -11,13 +11,12 @@ import random
 import pytest
 import torch
 
-from lazyattn_rag import AsyncLazyAttention, CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
+from lazyattn_rag import AsyncLazyAttention, SamplingParams
 from lazyattn_rag.engine.attention.triton_backend import plan_decode_batch
 from lazyattn_rag.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, graph_block_table_width
 from lazyattn_rag.llm import LazyAttention
-from tests.test_chunk_reuse import PROMPT
 from tests.paged_case import sequence_input
-from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
+from tests.tiny import words
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -68,14 +67,13 @@ def test_bucketing_padding_and_eager_fallbacks():
     assert len(calls) == 2 and graphs.num_replays == 2
 
 
-def make_llm(cuda_graphs: bool, max_num_seqs: int = 3) -> LazyAttention:
-    _, ours = hf_and_ours(hf_config("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                                    head_dim=32), seed=3)
-    config = EngineConfig(device=DEVICE, dtype="float32", attention_backend="triton", cuda_graphs=cuda_graphs,
-                          prompt=PROMPT, max_model_len=MAX_MODEL_LEN,
-                          cache=CacheConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=max_num_seqs))
-    llm = LazyAttention.from_model(ours, word_tokenizer(), config)
+def graph_llm(make_llm, cuda_graphs: bool, max_num_seqs: int = 3) -> LazyAttention:
+    """A tiny Llama (head_dim 32) on the triton backend with documents d0..d4; ``make_llm`` is the fixture."""
+    _, llm = make_llm(seed=3, model_config=dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                                head_dim=32),
+                      device=DEVICE, attention_backend="triton", cuda_graphs=cuda_graphs, max_model_len=MAX_MODEL_LEN,
+                      num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_batched_tokens=256,
+                      max_num_seqs=max_num_seqs)
     if cuda_graphs and not CUDA:  # the same static-buffer path, run eagerly under the interpreter
         llm.loop.call(llm.engine.runner.enable_cuda_graphs, graph_batch_sizes(max_num_seqs),
                       graph_block_table_width(MAX_MODEL_LEN, BLOCK_SIZE), capture=False)
@@ -93,15 +91,15 @@ def run_concurrently(llm: LazyAttention, requests) -> list[list[int]]:
     return [c.token_ids for c in asyncio.run(run_all())]
 
 
-def test_graph_decode_steps_give_the_eager_outputs():
+def test_graph_decode_steps_give_the_eager_outputs(make_llm):
     rng = random.Random(1)
     requests = [(words(rng.randint(1, 3), start=150 + i), rng.sample([f"d{j}" for j in range(5)], k=rng.randint(1, 3)))
                 for i in range(5)]
-    eager = make_llm(cuda_graphs=False)
+    eager = graph_llm(make_llm, cuda_graphs=False)
     assert eager.engine.runner.graphs is None
     expected = run_concurrently(eager, requests)
     eager.shutdown()
-    llm = make_llm(cuda_graphs=True)
+    llm = graph_llm(make_llm, cuda_graphs=True)
     runner = llm.engine.runner
     assert runner.graphs is not None and runner.graphs.batch_sizes == [1, 2, 4]
     assert len(runner.graphs.graphs) == (3 if CUDA else 0)

@@ -9,7 +9,7 @@ from lazyattn_rag import CacheConfig, EngineConfig, SamplingParams
 from lazyattn_rag.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from lazyattn_rag.llm import LazyAttention
 from tests.oracle import full_prefill_generate
-from tests.test_model_vs_hf import our_logits
+from tests.paged_case import our_logits
 
 FACT = "The Eiffel Tower is a wrought-iron lattice tower in Paris, France. It was completed in 1889."
 

@@ -5,23 +5,19 @@ dead entry still holds exactly that content); other requests never notice; nothi
 Found by an adversarial pass over the engine; each test failed before its fix.
 """
 
+import functools
+
 import pytest
 
-from lazyattn_rag import CacheConfig, EngineConfig, PromptConfig, SamplingParams, SchedulerConfig, UnknownDocumentError
-from lazyattn_rag.llm import LazyAttention
-from tests.test_chunk_reuse import PROMPT
-from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
+from lazyattn_rag import PromptConfig, SamplingParams, UnknownDocumentError
+from tests.tiny import words
 
 LONG = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
-def make_llm(mode="lazy", anchor="none", prompt=PROMPT, max_num_seqs=8, num_blocks=256, max_num_batched_tokens=512):
-    _, ours = hf_and_ours(hf_config("llama"))
-    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=prompt,
-                          cache=CacheConfig(num_blocks=num_blocks, mode=mode, anchor=anchor),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                                    max_num_seqs=max_num_seqs))
-    return LazyAttention.from_model(ours, word_tokenizer(), config)
+@pytest.fixture
+def make_llm(make_llm):
+    return functools.partial(make_llm, anchor="none", max_num_seqs=8, max_num_batched_tokens=512)
 
 
 def tokens(sink) -> list[int]:
@@ -45,10 +41,10 @@ def assert_clean(llm):
 
 @pytest.mark.parametrize("mode", ["lazy", "block_attention"])
 @pytest.mark.parametrize("change", ["remove", "new_text"])
-def test_document_changed_between_its_encode_and_the_prefill(mode, change):
+def test_document_changed_between_its_encode_and_the_prefill(make_llm, mode, change):
     """A 20-token step budget fits the encode of "A" but not the query prefill that would
     otherwise join it in the same step, so the prefill runs a step later."""
-    llm = make_llm(mode, max_num_batched_tokens=20)
+    _, llm = make_llm(mode=mode, max_num_batched_tokens=20)
     llm.add_document("A", words(20, start=3))
     expected = llm.generate("w1", ["A"], sampling=LONG).token_ids
     llm.remove_document("A")
@@ -71,8 +67,8 @@ def test_document_changed_between_its_encode_and_the_prefill(mode, change):
     assert_clean(llm)
 
 
-def test_queued_request_over_a_removed_document_reads_the_entry_others_still_hold():
-    llm = make_llm(max_num_seqs=2)
+def test_queued_request_over_a_removed_document_reads_the_entry_others_still_hold(make_llm):
+    _, llm = make_llm(max_num_seqs=2)
     llm.add_document("A", words(20, start=3))
     expected = llm.generate("w1", ["A"], sampling=LONG).token_ids
     running = llm.stream("w1", ["A"], sampling=LONG)
@@ -87,8 +83,8 @@ def test_queued_request_over_a_removed_document_reads_the_entry_others_still_hol
     assert llm.stats()["num_cached_chunks"] == 1  # only the head: the removed document's entry is gone
 
 
-def test_a_failed_acquisition_never_drops_another_requests_pending_encode():
-    llm = make_llm()
+def test_a_failed_acquisition_never_drops_another_requests_pending_encode(make_llm):
+    _, llm = make_llm()
     llm.add_document("A", words(20, start=3))
     llm.add_document("B", words(25, start=60))
     engine, sinks = llm.engine, {name: [] for name in ("R0", "R1", "R2")}
@@ -113,8 +109,8 @@ def test_a_failed_acquisition_never_drops_another_requests_pending_encode():
     assert_clean(llm)
 
 
-def test_fail_all_reaches_every_request_even_if_releasing_one_raises(monkeypatch):
-    llm = make_llm()
+def test_fail_all_reaches_every_request_even_if_releasing_one_raises(make_llm, monkeypatch):
+    _, llm = make_llm()
     llm.add_document("A", words(20, start=3))
     engine, sinks = llm.engine, [[], []]
     remove = engine.scheduler.remove
@@ -137,8 +133,8 @@ def test_fail_all_reaches_every_request_even_if_releasing_one_raises(monkeypatch
     assert all(isinstance(sink[-1], RuntimeError) for sink in sinks)
 
 
-def test_a_document_with_the_prompt_heads_tokens_is_a_separate_entry():
-    llm = make_llm()  # anchor "none": documents and the head are encoded alike
+def test_a_document_with_the_prompt_heads_tokens_is_a_separate_entry(make_llm):
+    _, llm = make_llm()  # anchor "none": documents and the head are encoded alike
     head_text = " ".join(llm.engine.tokenizer.convert_ids_to_tokens(list(llm.engine.planner.head_ids)))
     llm.add_document("X", head_text)
     assert llm.engine.documents["X"].token_ids == llm.engine.planner.head_ids
@@ -153,9 +149,9 @@ def test_a_document_with_the_prompt_heads_tokens_is_a_separate_entry():
 
 
 @pytest.mark.parametrize("mode", ["lazy", "block_attention", "prefix", "full"])
-def test_an_empty_prompt_head_is_left_out_of_the_plan(mode):
+def test_an_empty_prompt_head_is_left_out_of_the_plan(make_llm, mode):
     prompt = PromptConfig(instruction="", document_separator=" ", question_prefix="Question : ")
-    llm = make_llm(mode, anchor="bos", prompt=prompt)
+    _, llm = make_llm(mode=mode, anchor="bos", prompt=prompt)
     assert llm.engine.planner.head_ids == ()
     llm.add_document("a", words(10, start=5))
     first = llm.generate("w1", ["a"], sampling=LONG)
@@ -166,16 +162,16 @@ def test_an_empty_prompt_head_is_left_out_of_the_plan(mode):
     assert_clean(llm)
 
 
-def test_the_head_as_anchor_is_one_entry():
-    llm = make_llm(anchor="head")
+def test_the_head_as_anchor_is_one_entry(make_llm):
+    _, llm = make_llm(anchor="head")
     assert llm.engine.planner.anchor_key == llm.engine.planner.head_key
     llm.add_document("a", words(10, start=5))
     llm.generate("w1", ["a"], sampling=LONG)
     assert llm.stats()["num_cached_chunks"] == 2  # the head (= the anchor) and "a"
 
 
-def test_a_failed_call_leaves_inline_documents_as_they_were():
-    llm = make_llm()
+def test_a_failed_call_leaves_inline_documents_as_they_were(make_llm):
+    _, llm = make_llm()
     llm.add_document("b", words(10, start=30))
     old_key = llm.engine.documents["b"].key
     with pytest.raises(UnknownDocumentError, match="nope"):

@@ -214,17 +214,11 @@ def test_priority_heap_stays_bounded_over_a_long_run(policy):
 @pytest.mark.parametrize("policy", ["lfu", "gdsf"])
 def test_priority_heap_bounded_through_the_engine(policy):
     """300 requests over 3 documents through a real engine (was 1,200 heap entries)."""
-    import dataclasses
-
-    from lazyattn_rag import LazyAttention, SamplingParams
+    from lazyattn_rag import SamplingParams
     from tests.integrations_kit import tiny_engine
     from tests.tiny import words
 
-    base = tiny_engine(num_blocks=64)
-    config = dataclasses.replace(base.config, cache=dataclasses.replace(base.config.cache, eviction_policy=policy))
-    model, tokenizer = base.engine.runner.model, base.engine.tokenizer
-    base.shutdown()
-    llm = LazyAttention.from_model(model, tokenizer, config)
+    llm = tiny_engine(num_blocks=64, eviction_policy=policy)
     try:
         for i in range(3):
             llm.add_document(f"d{i}", words(20, 10 * i))

@@ -249,7 +249,7 @@ def test_langchain_runnable_with_message_history(engine):
 
 
 @pytest.mark.parametrize("mode", ["simple_summarize", "tree_summarize"])
-def test_llamaindex_fits_full_windows_to_the_engine_with_its_tokenizer(smollm2, mode):
+def test_llamaindex_fits_full_windows_to_the_engine_with_its_tokenizer(smollm2, mode, monkeypatch):
     """LlamaIndex sizes prompts with ``Settings.tokenizer`` (tiktoken unless set). SmolLM2 splits
     digits one per token, ~1.5x tiktoken's count on numeric text, so a window LlamaIndex fills
     overflows the engine: the error says to set ``Settings.tokenizer = llm.tokenizer``, and with
@@ -275,23 +275,19 @@ def test_llamaindex_fits_full_windows_to_the_engine_with_its_tokenizer(smollm2, 
     engine = index.as_query_engine(llm=llm, similarity_top_k=10, response_mode=mode)
     with pytest.raises(PromptTooLongError, match=r"Settings.tokenizer = llm.tokenizer"):
         engine.query("What was the revenue of item 7?")
-    submit = smollm2.engine.submit
     planned = []
 
-    def plan_only(plan, params, sink, warm_only=False):
+    def plan_only(plan, params, sink, warm_only=False):  # refuses the plan it records: planned, not run
         planned.append(plan.num_prompt_tokens)
         raise _Planned()
 
-    default_tokenizer = llama_index.core.global_tokenizer
-    smollm2.engine.submit = plan_only
-    try:
-        Settings.tokenizer = llm.tokenizer
-        engine = index.as_query_engine(llm=llm, similarity_top_k=10, response_mode=mode)
-        with pytest.raises(_Planned):
-            engine.query("What was the revenue of item 7?")
-    finally:
-        smollm2.engine.submit = submit
-        llama_index.core.global_tokenizer = default_tokenizer
+    monkeypatch.setattr(smollm2.engine, "submit", plan_only)
+    monkeypatch.setattr(llama_index.core, "global_tokenizer", llama_index.core.global_tokenizer)  # restored after
+    Settings.tokenizer = llm.tokenizer
+    engine = index.as_query_engine(llm=llm, similarity_top_k=10, response_mode=mode)
+    with pytest.raises(_Planned):
+        engine.query("What was the revenue of item 7?")
+    monkeypatch.undo()
     assert planned and max(planned) < smollm2.max_model_len
 
 

@@ -236,13 +236,13 @@ class FailingIndex:
         raise MemoryError("no room for the vectors")
 
 
-def test_an_index_failure_after_the_engine_accepted_puts_the_engine_back(tmp_path):
+def test_an_index_failure_after_the_engine_accepted_puts_the_engine_back(tmp_path, monkeypatch):
     store, engine, docs = small_store()
-    store.index = FailingIndex(store.index)
+    monkeypatch.setattr(store, "index", FailingIndex(store.index))
     batch = [Document("a", words(12, 40)), Document("c", words(8, 60))]  # an update and a new document
     with pytest.raises(MemoryError):
         store.upsert(batch, vectors=[bow_vector(d.text) for d in batch])
-    store.index = store.index.inner
+    monkeypatch.undo()
     assert_holds(store, engine, docs, tmp_path)  # the engine's "a" is the old text again, "c" unregistered
     assert store.upsert(batch, vectors=[bow_vector(d.text) for d in batch]) == ["a", "c"]  # and it works after
     assert_holds(store, engine, [batch[0], docs[1], batch[1]], tmp_path / "after")

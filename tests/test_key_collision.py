@@ -6,24 +6,12 @@ import dataclasses
 import pytest
 
 from lazyattn_rag import SamplingParams
-from lazyattn_rag.types.config import CacheConfig
 from lazyattn_rag.engine.chunk_cache import ChunkKeyCollisionError
 from lazyattn_rag.engine.prompt_plan import PromptPlan
 from tests.integrations_kit import tiny_engine
 from tests.tiny import words
 
 GREEDY = SamplingParams(max_tokens=3, ignore_eos=True)
-
-
-def _tiny_in_mode(mode: str):
-    """The kit's tiny engine in another ``CacheConfig.mode`` (the same model and tokenizer)."""
-    from lazyattn_rag import LazyAttention
-
-    base = tiny_engine(num_blocks=64)
-    config = dataclasses.replace(base.config, cache=CacheConfig(num_blocks=64, block_size=16, mode=mode))
-    model, tokenizer = base.engine.runner.model, base.engine.tokenizer
-    base.shutdown()
-    return LazyAttention.from_model(model, tokenizer, config)
 
 
 def _run(llm, plan):
@@ -50,7 +38,7 @@ def test_a_forced_document_key_collision_fails_the_request_not_the_cache():
 
 
 def test_a_forced_prefix_block_collision_is_refused():
-    llm = _tiny_in_mode("prefix")
+    llm = tiny_engine(num_blocks=64, mode="prefix")
     try:
         llm.add_document("a", words(40))
         llm.generate(words(3, 120), ["a"], sampling=GREEDY)
@@ -70,7 +58,7 @@ def test_a_collision_on_the_copy_path_is_refused():
     tokens are compared too (a forged source key used to serve, and store, the other document)."""
     from lazyattn_rag.engine.fingerprint import chunk_key
 
-    llm = _tiny_in_mode("block_attention")
+    llm = tiny_engine(num_blocks=64, mode="block_attention")
     try:
         llm.add_document("a", words(20))
         llm.add_document("b", words(20, 50))

@@ -3,28 +3,10 @@
 import pytest
 import torch
 
-from lazyattn_rag.engine.attention import build_attention_metadata
-from lazyattn_rag.engine.attention.torch_backend import TorchAttentionBackend
 from lazyattn_rag.engine.model import ModelArchConfig, UnsupportedModelError
 from lazyattn_rag.kernels.rope import RotaryEmbedding, UnsupportedRopeError
-from tests.paged_case import sequence_input
-from tests.tiny import hf_and_ours, hf_config
-
-BLOCK = 16
-
-
-def our_logits(model, token_ids: list[int], start_pos: int) -> torch.Tensor:
-    """All-row logits of one sequence prefilled from scratch at positions start_pos..."""
-    cfg = model.config
-    n = len(token_ids)
-    num_blocks = -(-n // BLOCK)
-    caches = [(torch.zeros(num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim),
-               torch.zeros(num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
-    table = [(b, 0, min(BLOCK, n - b * BLOCK)) for b in range(num_blocks)]
-    seq = sequence_input(token_ids, list(range(start_pos, start_pos + n)), table, list(range(n)))
-    md = build_attention_metadata([seq], BLOCK, "cpu")
-    backend = TorchAttentionBackend(model.rotary, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
-    return model(torch.tensor(token_ids), torch.tensor(seq.positions), backend, caches, md)
+from tests.paged_case import our_logits
+from tests.tiny import MODEL_CASES, hf_and_ours, hf_config
 
 
 def hf_logits(hf, token_ids: list[int], start_pos: int) -> torch.Tensor:
@@ -34,26 +16,10 @@ def hf_logits(hf, token_ids: list[int], start_pos: int) -> torch.Tensor:
         return hf(input_ids=ids, position_ids=pos).logits[0]
 
 
-CASES = {
-    "llama": ("llama", None, {}),
-    "llama-gqa-9-3-tied": ("llama", None, dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=72,
-                                               head_dim=8, tie_word_embeddings=True)),
-    "llama-attention-bias": ("llama", None, dict(attention_bias=True, mlp_bias=True)),
-    "mistral": ("mistral", None, {}),
-    "qwen2-qkv-bias": ("qwen2", None, {}),
-    "qwen3-qk-norm": ("qwen3", None, {}),
-    "linear": ("llama", {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}, {}),
-    "llama3": ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192, "rope_theta": 500000.0}, {}),
-    "yarn": ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
-                       "rope_theta": 10000.0}, {}),
-}
-
-
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(MODEL_CASES))
 @pytest.mark.parametrize("start_pos", [0, 8200])
 def test_logits_match_transformers(name, start_pos):
-    family, rope, overrides = CASES[name]
+    family, rope, overrides = MODEL_CASES[name]
     hf, ours = hf_and_ours(hf_config(family, rope, **overrides))
     torch.manual_seed(1)
     ids = torch.randint(4, hf.config.vocab_size, (37,)).tolist()
@@ -63,7 +29,7 @@ def test_logits_match_transformers(name, start_pos):
 
 
 def test_inv_freq_equals_transformers_buffer():
-    for name, (family, rope, overrides) in CASES.items():
+    for name, (family, rope, overrides) in MODEL_CASES.items():
         hf, ours = hf_and_ours(hf_config(family, rope, **overrides))
         assert torch.equal(ours.rotary.inv_freq, hf.model.rotary_emb.inv_freq.float()), name
         assert ours.rotary.attention_scaling == pytest.approx(hf.model.rotary_emb.attention_scaling), name

@@ -12,13 +12,9 @@ from pathlib import Path
 SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
-from lazyattn_rag import CacheConfig, EngineConfig, SamplingParams
-from lazyattn_rag.llm import LazyAttention
-from tests.test_chunk_reuse import PROMPT
-from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
-_, model = hf_and_ours(hf_config("llama"))
-llm = LazyAttention.from_model(model, word_tokenizer(), EngineConfig(device="cpu", dtype="float32",
-                               prompt=PROMPT, cache=CacheConfig(num_blocks=64)))
+from lazyattn_rag import SamplingParams
+from tests.tiny import tiny_llm, words
+llm = tiny_llm(num_blocks=64)  # never shut down
 llm.add_document("a", words(20))
 print(len(llm.generate("w1", ["a"], sampling=SamplingParams(max_tokens=4, ignore_eos=True)).token_ids))
 """

@@ -39,11 +39,10 @@ def test_top_k_one_is_greedy_and_top_p_keeps_the_nucleus():
     assert picks <= {1, 2} and picks == {1, 2}  # the two top tokens hold ~0.99 of the mass, each < 0.6
 
 
-def test_engine_applies_penalties_before_greedy_choice():
-    from tests.test_chunk_reuse import make_llm
+def test_engine_applies_penalties_before_greedy_choice(make_llm):
     from tests.tiny import words
 
-    _, llm = make_llm("none")
+    _, llm = make_llm(anchor="none")
     llm.add_document("a", words(12))
     base = llm.generate("w3", ["a"], sampling=SamplingParams(max_tokens=12, ignore_eos=True)).token_ids
     same = llm.generate("w3", ["a"], sampling=SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.0))

@@ -180,9 +180,9 @@ def test_from_model_checks_rotary_only_with_an_hf_config(tmp_path):
 
 @pytest.mark.parametrize("name", ["linear", "llama3", "yarn"])
 def test_supported_rope_scalings_pass_the_rotary_check(name):
-    from tests.test_model_vs_hf import CASES
+    from tests.tiny import MODEL_CASES
 
-    family, rope, overrides = CASES[name]
+    family, rope, overrides = MODEL_CASES[name]
     cfg = hf_config(family, rope, **overrides)
     report = self_check.check_rotary(RotaryEmbedding.from_hf_config(cfg), cfg)
     assert report["passed"], report

@@ -1,6 +1,7 @@
 """Continuous batching, concurrency, memory pressure, preemption, soak and bad input in flight."""
 
 import asyncio
+import functools
 import random
 
 import pytest
@@ -10,41 +11,28 @@ from lazyattn_rag import (
     CacheConfig,
     DocumentTooLongError,
     EmptyInputError,
-    EngineConfig,
     PromptTooLongError,
     SamplingParams,
     SchedulerConfig,
     UnknownDocumentError,
 )
-from lazyattn_rag.llm import LazyAttention
+from tests.observe import StepLog, fail_first_call
 from tests.oracle import oracle_generate
-from tests.test_chunk_reuse import PROMPT
-from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
+from tests.tiny import words
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
-def make_llm(num_blocks=256, max_num_seqs=64, max_num_batched_tokens=512, policy="lfu", max_pos=16384,
-             anchor="none", mode="lazy"):
+@pytest.fixture
+def make_llm(make_llm):
     """Block counts in these tests assume no anchor (an anchor keeps one entry pinned for good)."""
-    hf, ours = hf_and_ours(hf_config("llama", max_position_embeddings=max_pos))
-    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", prompt=PROMPT,
-                          cache=CacheConfig(num_blocks=num_blocks, eviction_policy=policy, anchor=anchor, mode=mode),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                                    max_num_seqs=max_num_seqs))
-    return hf, LazyAttention.from_model(ours, word_tokenizer(), config)
+    return functools.partial(make_llm, anchor="none", max_num_batched_tokens=512)
 
 
-def record_batches(llm):
-    sizes = []
-    execute = llm.engine.runner.execute
-
-    def wrapped(seqs):
-        sizes.append(len(seqs))
-        return execute(seqs)
-
-    llm.engine.runner.execute = wrapped
-    return sizes
+def sequences_per_step(steps: StepLog) -> list[int]:
+    """Sequences of each step's forward pass: one per chunk piece and one per compute job (no
+    request here has text segments, which would add sequences)."""
+    return [len(out.chunk_prefills) + len(out.computes) for out in steps.outputs]
 
 
 def assert_no_leak(llm):
@@ -58,7 +46,7 @@ def assert_no_leak(llm):
 
 
 @pytest.mark.parametrize("anchor", ["none", "bos"])
-def test_32_concurrent_async_requests_equal_sequential_outputs(anchor):
+def test_32_concurrent_async_requests_equal_sequential_outputs(make_llm, anchor):
     hf, llm = make_llm(anchor=anchor)
     for i in range(8):
         llm.add_document(f"d{i}", words(9 + 5 * i, start=11 * i))
@@ -73,7 +61,7 @@ def test_32_concurrent_async_requests_equal_sequential_outputs(anchor):
     for i in range(8):  # start cold again so the concurrent run also shares encodes
         llm.remove_document(f"d{i}")
         llm.add_document(f"d{i}", words(9 + 5 * i, start=11 * i))
-    sizes = record_batches(llm)
+    steps = StepLog(llm)
     allm = AsyncLazyAttention(llm)
 
     async def run_all():
@@ -81,7 +69,7 @@ def test_32_concurrent_async_requests_equal_sequential_outputs(anchor):
 
     concurrent = asyncio.run(run_all())
     assert [c.token_ids for c in concurrent] == sequential
-    assert max(sizes) > 8  # requests really shared steps
+    assert max(sequences_per_step(steps)) > 8  # requests really shared steps
     # 8 documents + the head (+ the anchor), each encoded once
     assert llm.stats()["num_cached_chunks"] == 9 + (anchor != "none")
     if anchor != "none":  # the oracle below encodes documents alone
@@ -94,18 +82,10 @@ def test_32_concurrent_async_requests_equal_sequential_outputs(anchor):
     assert_no_leak(llm)
 
 
-def test_same_unseen_document_in_one_step_is_encoded_once():
+def test_same_unseen_document_in_one_step_is_encoded_once(make_llm):
     hf, llm = make_llm()
     llm.add_document("shared", words(40))
-    encodes = []
-    schedule = llm.engine.scheduler.schedule
-
-    def spy():
-        out = schedule()
-        encodes.extend(e.key for e in out.chunk_prefills)
-        return out
-
-    llm.engine.scheduler.schedule = spy
+    steps = StepLog(llm)
     allm = AsyncLazyAttention(llm)
 
     async def run():
@@ -113,12 +93,13 @@ def test_same_unseen_document_in_one_step_is_encoded_once():
 
     outs = asyncio.run(run())
     key = llm.engine.documents["shared"].key
+    encodes = [e.key for out in steps.outputs for e in out.chunk_prefills]
     assert encodes.count(key) == 1
     assert sum(o.stats.docs_missed == ["shared"] for o in outs) == 1
     assert_no_leak(llm)
 
 
-def test_oldest_request_survives_memory_pressure_and_preempted_ones_recompute_correctly():
+def test_oldest_request_survives_memory_pressure_and_preempted_ones_recompute_correctly(make_llm):
     hf, llm = make_llm(num_blocks=14, max_num_batched_tokens=64)
     for i in range(6):
         llm.add_document(f"d{i}", words(30, start=7 * i))  # 2 blocks each
@@ -133,7 +114,7 @@ def test_oldest_request_survives_memory_pressure_and_preempted_ones_recompute_co
     assert_no_leak(llm)
 
 
-def test_waiting_request_whose_document_was_evicted_reencodes_it():
+def test_waiting_request_whose_document_was_evicted_reencodes_it(make_llm):
     hf, llm = make_llm(num_blocks=8, max_num_seqs=1)
     llm.add_document("victim", words(20, start=3))
     for i in range(2):
@@ -150,10 +131,10 @@ def test_waiting_request_whose_document_was_evicted_reencodes_it():
     assert_no_leak(llm)
 
 
-def test_soak_1000_queries_under_small_budget():
+def test_soak_1000_queries_under_small_budget(make_llm):
     import resource
 
-    hf, llm = make_llm(num_blocks=40, max_num_batched_tokens=256, policy="lfu")
+    hf, llm = make_llm(num_blocks=40, max_num_batched_tokens=256, eviction_policy="lfu")
     docs = [f"doc{i}" for i in range(30)]
     rng = random.Random(1)
     for i, d in enumerate(docs):
@@ -181,8 +162,8 @@ def test_soak_1000_queries_under_small_budget():
     assert_no_leak(llm)
 
 
-def test_bad_input_and_cancellation_leave_other_requests_correct():
-    hf, llm = make_llm(max_pos=256)
+def test_bad_input_and_cancellation_leave_other_requests_correct(make_llm):
+    hf, llm = make_llm(model_config=dict(max_position_embeddings=256))
     llm.add_document("ok", words(20))
     long = SamplingParams(max_tokens=30, ignore_eos=True)
     solo = llm.generate("w1", ["ok"], sampling=long).token_ids
@@ -210,7 +191,7 @@ def test_bad_input_and_cancellation_leave_other_requests_correct():
     assert_no_leak(llm)
 
 
-def test_async_cancellation_frees_blocks():
+def test_async_cancellation_frees_blocks(make_llm):
     hf, llm = make_llm()
     llm.add_document("ok", words(20))
     allm = AsyncLazyAttention(llm)
@@ -238,7 +219,7 @@ def test_async_cancellation_frees_blocks():
     assert_no_leak(llm)
 
 
-def test_prometheus_metrics_match_stats():
+def test_prometheus_metrics_match_stats(make_llm):
     from prometheus_client import CollectorRegistry, generate_latest
 
     from lazyattn_rag.metrics import register_metrics
@@ -258,7 +239,7 @@ def test_prometheus_metrics_match_stats():
     assert out.stats.queue_ms is not None and out.stats.tpot_ms is not None
 
 
-def test_rebinding_old_text_while_a_request_reads_it_revives_the_entry():
+def test_rebinding_old_text_while_a_request_reads_it_revives_the_entry(make_llm):
     hf, llm = make_llm(num_blocks=64)
     text = words(40, start=9)
     llm.add_document("A", text)
@@ -273,7 +254,7 @@ def test_rebinding_old_text_while_a_request_reads_it_revives_the_entry():
     assert_no_leak(llm)
 
 
-def test_sampling_failure_fails_only_that_request(monkeypatch):
+def test_sampling_failure_fails_only_that_request(make_llm, monkeypatch):
     hf, llm = make_llm()
     llm.add_document("a", words(10))
     engine = llm.engine
@@ -292,7 +273,7 @@ def test_sampling_failure_fails_only_that_request(monkeypatch):
     assert_no_leak(llm)
 
 
-def test_shutdown_fails_requests_in_flight():
+def test_shutdown_fails_requests_in_flight(make_llm):
     hf, llm = make_llm()
     llm.add_document("a", words(10))
     stream = llm.stream("w1", ["a"], sampling=SamplingParams(max_tokens=100, ignore_eos=True))
@@ -304,7 +285,7 @@ def test_shutdown_fails_requests_in_flight():
         llm.add_document("b", words(3))
 
 
-def test_input_validation_is_atomic_and_specific():
+def test_input_validation_is_atomic_and_specific(make_llm):
     hf, llm = make_llm()
     with pytest.raises(ValueError, match="not the string"):
         llm.generate("w1", "abc")
@@ -332,7 +313,7 @@ def test_input_validation_is_atomic_and_specific():
     assert_no_leak(llm)
 
 
-def test_unread_or_dropped_streams_are_cancelled():
+def test_unread_or_dropped_streams_are_cancelled(make_llm):
     import gc
 
     hf, llm = make_llm()
@@ -349,34 +330,19 @@ def test_unread_or_dropped_streams_are_cancelled():
     assert llm.stats()["num_requests_aborted"] == 3
 
 
-def _fail_first_call(llm, name: str, message: str) -> list[int]:
-    """Make ``llm.engine.runner.<name>`` raise ``RuntimeError(message)`` on its first call only.
-    Returns the length of each call's first argument (the batch, or the blocks copied), in order."""
-    original, calls = getattr(llm.engine.runner, name), []
-
-    def fail_once(*args):
-        calls.append(len(args[0]))
-        if len(calls) == 1:
-            raise RuntimeError(message)
-        return original(*args)
-
-    setattr(llm.engine.runner, name, fail_once)
-    return calls
-
-
 def _drain(engine, llm):
     llm.loop.call(lambda: None)
     while engine.has_unfinished():
         llm.loop.call(lambda: None)
 
 
-def test_a_failing_forward_fails_its_requests_and_drops_their_pending_encodes():
+def test_a_failing_forward_fails_its_requests_and_drops_their_pending_encodes(make_llm, monkeypatch):
     hf, llm = make_llm()
     llm.add_document("a", words(20))
     solo = llm.generate("w1", ["a"], sampling=GREEDY).token_ids
     llm.remove_document("a")
     llm.add_document("a", words(20))  # cold again
-    calls = _fail_first_call(llm, "execute", "device fault")
+    calls = fail_first_call(monkeypatch, llm.engine.runner, "execute", "device fault")
     engine, sinks = llm.engine, [[], []]
     # both queued before the engine steps: one encodes "a", the other waits on its pending entry
     llm.loop.call(lambda: [engine.submit(engine.planner.plan("w1", ["a"]), GREEDY, sink.append) for sink in sinks])
@@ -389,7 +355,7 @@ def test_a_failing_forward_fails_its_requests_and_drops_their_pending_encodes():
     assert llm.generate("w1", ["a"], sampling=GREEDY).token_ids == solo
 
 
-def test_a_failed_encode_step_that_the_query_prefill_could_not_join_fails_that_request_alone():
+def test_a_failed_encode_step_that_the_query_prefill_could_not_join_fails_that_request_alone(make_llm, monkeypatch):
     """A 40-token document over a 32-token step budget is encoded alone in its step, so the
     request's prefill cannot join it. When that step's forward pass fails, the request fails
     (it must not run later over blocks that went back to the pool), and a request that was never
@@ -402,7 +368,7 @@ def test_a_failed_encode_step_that_the_query_prefill_could_not_join_fails_that_r
     solo_b = llm.generate("w2", ["b"], sampling=long).token_ids
     llm.remove_document("b")
     llm.add_document("b", words(20, start=100))  # cold again
-    _fail_first_call(llm, "execute", "device fault")
+    fail_first_call(monkeypatch, llm.engine.runner, "execute", "device fault")
     engine, sink_a, sink_b = llm.engine, [], []
     llm.loop.call(lambda: (engine.submit(engine.planner.plan("w1", ["a"]), GREEDY, sink_a.append),
                            engine.submit(engine.planner.plan("w2", ["b"]), long, sink_b.append)))
@@ -413,7 +379,7 @@ def test_a_failed_encode_step_that_the_query_prefill_could_not_join_fails_that_r
     assert_no_leak(llm)
 
 
-def test_a_failed_copy_fails_its_request_and_leaves_the_cache_clean():
+def test_a_failed_copy_fails_its_request_and_leaves_the_cache_clean(make_llm, monkeypatch):
     """block_attention: the copy of "a" to a new offset raises. Its request fails alone, the
     copy's pending entry and its source pin are dropped, and the same request then succeeds.
     (The copy used to run outside the step's failure handling: a pending entry with no holder
@@ -421,7 +387,7 @@ def test_a_failed_copy_fails_its_request_and_leaves_the_cache_clean():
     _, llm = make_llm(num_blocks=64, mode="block_attention")
     llm.add_documents([("a", words(20)), ("b", words(10, start=50))])
     llm.generate("w1", ["a"], sampling=GREEDY)
-    _fail_first_call(llm, "copy_rotated", "copy fault")
+    fail_first_call(monkeypatch, llm.engine.runner, "copy_rotated", "copy fault")
     with pytest.raises(RuntimeError, match="copy fault"):
         llm.generate("w1", ["b", "a"], sampling=GREEDY)
     assert_no_leak(llm)
@@ -431,7 +397,7 @@ def test_a_failed_copy_fails_its_request_and_leaves_the_cache_clean():
     llm.shutdown()
 
 
-def test_a_request_waiting_for_room_counts_its_cached_documents_once():
+def test_a_request_waiting_for_room_counts_its_cached_documents_once(make_llm):
     """LFU frequency is one hit per admission, not one per step spent waiting for room."""
     hf, llm = make_llm(num_blocks=12)
     llm.add_document("h", words(16, start=50))  # 1 block

@@ -101,24 +101,21 @@ def test_unsupported_head_layout_fails_at_construction():
 def _engine_outputs(backend: str, run, max_num_batched_tokens: int = 2048) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and first-token logits of ``run(llm)`` on a tiny random Llama with documents
     of 1, 15, 16, 17 and 37 tokens registered (``d<n>``)."""
-    from lazyattn_rag import CacheConfig, EngineConfig, PromptConfig, SchedulerConfig
-    from lazyattn_rag.llm import LazyAttention
-    from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
+    from tests.observe import StepLog
+    from tests.tiny import hf_and_ours, hf_config, tiny_llm, words
 
-    prompt = PromptConfig(instruction="w190 w191 w192 ", document_separator=" ", question_prefix="Question : ")
     _, model = hf_and_ours(hf_config("llama", head_dim=32), seed=3)  # rotary_dim/2 = 16: tl.dot minimum
-    config = EngineConfig(device=DEVICE, dtype="float32", attention_backend=backend,
-                          cache=CacheConfig(anchor="head", num_blocks=128, block_size=16), prompt=prompt,
-                          scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens))
-    llm = LazyAttention.from_model(model, word_tokenizer(), config)
-    assert llm.engine.runner.backend.name == backend
-    for i, n in enumerate([1, 15, 16, 17, 37]):
-        llm.add_document(f"d{n}", words(n, start=i * 30))
-    seen = []
-    execute = llm.engine.runner.execute
-    llm.engine.runner.execute = lambda seqs: seen.append(execute(seqs)) or seen[-1]
-    out = run(llm)
-    return out.token_ids, seen[-len(out.token_ids)][-1]  # the sampled row is the last of its step
+    llm = tiny_llm(model, device=DEVICE, attention_backend=backend, anchor="head", num_blocks=128,
+                   max_num_batched_tokens=max_num_batched_tokens)
+    try:
+        assert llm.engine.runner.backend.name == backend
+        for i, n in enumerate([1, 15, 16, 17, 37]):
+            llm.add_document(f"d{n}", words(n, start=i * 30))
+        steps = StepLog(llm, logits=True)
+        out = run(llm)
+        return out.token_ids, steps.logits[-len(out.token_ids)][-1]  # the sampled row: its step's last compute job
+    finally:
+        llm.shutdown()
 
 
 def test_engine_greedy_tokens_match_torch_backend():

@@ -1,13 +1,43 @@
-"""Tiny random models and a word-level tokenizer, built in code (no files, no hub)."""
+"""Tiny random models, a word-level tokenizer and engines over them, built in code (no files, no hub).
+
+The engines' one home: :func:`tiny_config` and :func:`tiny_llm` here, and the ``make_llm`` and
+``tiny_model`` fixtures of ``tests/conftest.py`` over them.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 
+from lazyattn_rag import CacheConfig, EngineConfig, PromptConfig, SchedulerConfig
 from lazyattn_rag.engine.model import CausalLM, ModelArchConfig
 from lazyattn_rag.kernels.rope import RotaryEmbedding
+from lazyattn_rag.llm import LazyAttention
 
 WORDS = [f"w{i}" for i in range(200)] + ["Answer", "Question", ":", "documents", "below", "."]
+
+PROMPT = PromptConfig(instruction="w190 w191 w192 ", document_separator=" ", question_prefix="Question : ")
+"""The tiny engines' prompt: every piece is whole words of :func:`word_tokenizer` (no chat template)."""
+
+MODEL_CASES = {
+    "llama": ("llama", None, {}),
+    "llama-gqa-9-3-tied": ("llama", None, dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=72,
+                                               head_dim=8, tie_word_embeddings=True)),
+    "llama-attention-bias": ("llama", None, dict(attention_bias=True, mlp_bias=True)),
+    "mistral": ("mistral", None, {}),
+    "qwen2-qkv-bias": ("qwen2", None, {}),
+    "qwen3-qk-norm": ("qwen3", None, {}),
+    "linear": ("llama", {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}, {}),
+    "llama3": ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_theta": 500000.0}, {}),
+    "yarn": ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                       "rope_theta": 10000.0}, {}),
+}
+"""Tiny model variants by name: ``(family, rope, overrides)`` for :func:`hf_config`."""
+
+_SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 
 
 def word_tokenizer(prepend_bos: bool = False):
@@ -67,3 +97,26 @@ def hf_and_ours(cfg, seed: int = 0):
     ours = CausalLM(ModelArchConfig.from_hf_config(cfg), RotaryEmbedding.from_hf_config(cfg))
     ours.load_hf_state_dict(hf.state_dict())
     return hf, ours.eval()
+
+
+def tiny_config(*, device: str = "cpu", attention_backend: str = "torch", prompt: PromptConfig = PROMPT,
+                max_model_len: int | None = None, cuda_graphs: bool = True, **cache_and_scheduler: Any) -> EngineConfig:
+    """The tiny engines' configuration: float32, :data:`PROMPT`, 256 blocks of 16 tokens unless
+    ``num_blocks`` says otherwise; the other keywords are :class:`SchedulerConfig` fields
+    (``max_num_batched_tokens``, ``max_num_seqs``, ``prefill_with_encodes``) or
+    :class:`CacheConfig` fields (``anchor``, ``mode``, ``eviction_policy``, ...); what is not
+    given is the library's default."""
+    scheduler = {k: cache_and_scheduler.pop(k) for k in list(cache_and_scheduler) if k in _SCHEDULER_FIELDS}
+    cache = {"num_blocks": 256, **cache_and_scheduler}
+    return EngineConfig(device=device, dtype="float32", attention_backend=attention_backend, max_model_len=max_model_len,
+                        cuda_graphs=cuda_graphs, prompt=prompt, cache=CacheConfig(**cache),
+                        scheduler=SchedulerConfig(**scheduler))
+
+
+def tiny_llm(model: CausalLM | None = None, tokenizer: Any = None, **config: Any) -> LazyAttention:
+    """A :class:`LazyAttention` over ``model`` (a fresh default tiny Llama when ``None``) and
+    ``tokenizer`` (:func:`word_tokenizer` when ``None``), configured by :func:`tiny_config`.
+    The caller closes it (the ``make_llm`` fixture does that for a test)."""
+    if model is None:
+        model = hf_and_ours(hf_config())[1]
+    return LazyAttention.from_model(model, tokenizer or word_tokenizer(), tiny_config(**config))

@@ -1,0 +1,423 @@
+"""The scheduler on its own: a real chunk cache and block pool, hand-made requests, no model, no runner.
+
+Each test plays the engine's part by hand: ``schedule()``, then (as if the forward pass ran)
+``update_from_output`` and one sampled token per sampling compute job, ``remove`` when a request
+ends. Expected block ids follow from the pool's FIFO free list: blocks ``0 .. n-1`` in order at
+first, then each freed block at the back in the order it was freed. Blocks hold 4 tokens.
+"""
+
+import zlib
+
+from lazyattn_rag.engine.block_pool import BlockPool
+from lazyattn_rag.engine.block_table import BlockEntry, block_table_entries
+from lazyattn_rag.engine.chunk_cache import ChunkCache
+from lazyattn_rag.engine.counters import EngineCounters
+from lazyattn_rag.engine.detokenizer import IncrementalDetokenizer
+from lazyattn_rag.engine.eviction import LRUPolicy
+from lazyattn_rag.engine.prompt_plan import ChunkSegment, PromptPlan
+from lazyattn_rag.engine.request import Request, RequestStatus
+from lazyattn_rag.engine.scheduler import Scheduler
+from lazyattn_rag.engine.scheduler_output import ChunkPrefillJob, ComputeJob
+from lazyattn_rag.types.errors import CacheCapacityError
+from lazyattn_rag.types.outputs import RequestStats
+from lazyattn_rag.types.sampling_params import SamplingParams
+from tests.tiny import word_tokenizer
+
+BS = 4  # tokens per block
+TOKENIZER = word_tokenizer()  # for the requests' detokenizers, which the scheduler never reads
+SAMPLED = 7  # the token every sampling compute job "samples"
+
+
+def scheduler(num_blocks: int, budget: int = 64, max_num_seqs: int = 8, prefill_with_encodes: bool = True,
+              anchor_tokens: int = 0) -> Scheduler:
+    """A scheduler over a fresh pool of ``num_blocks``; with ``anchor_tokens``, an anchor chunk
+    ("anchor") encoded into the first blocks and pinned for good, as the engine does at start."""
+    cache = ChunkCache(BlockPool(num_blocks), BS, LRUPolicy())
+    context = []
+    if anchor_tokens:
+        blocks = cache.allocate(-(-anchor_tokens // BS))
+        entry = cache.insert_pending("anchor", blocks, anchor_tokens, 0, token_ids=tuple(range(anchor_tokens)))
+        cache.mark_ready("anchor")
+        context = block_table_entries(entry.block_ids, anchor_tokens, 0, BS)
+    return Scheduler(cache, budget, max_num_seqs, context, "anchor" if anchor_tokens else None,
+                     prefill_with_encodes, EngineCounters())
+
+
+def tokens_of(key: str, n: int) -> tuple[int, ...]:
+    """A chunk's tokens: a function of its key (a hit compares them with the entry's)."""
+    base = 1000 + zlib.crc32(key.encode()) % 1000 * 100
+    return tuple(range(base, base + n))
+
+
+def plan(*chunks: tuple, tail: int, local_start: int = 0) -> PromptPlan:
+    """Chunks ``(key, num_tokens, doc_id)`` back to back from position 0 (a document chunk encoded
+    at ``local_start``, the head at 0), then a query tail of ``tail`` tokens."""
+    segments, g = [], 0
+    for key, n, doc_id in chunks:
+        segments.append(ChunkSegment(key, tokens_of(key, n), 0 if doc_id is None else local_start, g, doc_id))
+        g += n
+    return PromptPlan(tuple(segments), tuple(range(500, 500 + tail)))
+
+
+def request(rid: str, p: PromptPlan, arrival: float, warm_only: bool = False) -> Request:
+    """A request as ``LLMEngine.submit`` makes it (its tail counted as computed from the start)."""
+    stats = RequestStats(rid, num_prompt_tokens=p.num_prompt_tokens)
+    stats.num_computed_tokens = len(p.query_token_ids) + p.num_text_tokens
+    return Request(rid, p, SamplingParams(max_tokens=16), [].append, stats, IncrementalDetokenizer(TOKENIZER), None,
+                   arrival_time=arrival, warm_only=warm_only)
+
+
+def ran(sched: Scheduler, out) -> None:
+    """What the engine does once a step's forward pass ran: the scheduler's update, then one
+    sampled token for each compute job that samples."""
+    sched.update_from_output(out)
+    for compute in out.computes:
+        if compute.sample:
+            compute.request.output_ids.append(SAMPLED)
+
+
+def job(key: str, n: int, blocks: list[int], context=(), start: int = 0, length: int | None = None,
+        local_start: int = 0) -> ChunkPrefillJob:
+    """The expected piece ``start .. start + length`` of chunk ``key`` (``n`` tokens in all)."""
+    length = n - start if length is None else length
+    return ChunkPrefillJob(key, tokens_of(key, n)[start:start + length], local_start, blocks, list(context), start,
+                           start + length == n)
+
+
+# --- admission: misses started, hits pinned ---------------------------------------------------------
+def test_a_cold_request_gets_fifo_blocks_and_its_prefill_joins_the_encodes():
+    s = scheduler(16)
+    cache = s.cache
+    cache.bind_document("a", "A")
+    cache.bind_document("b", "B")
+    r = request("r", plan(("H", 5, None), ("A", 6, "a"), ("B", 4, "b"), tail=3), 1.0)
+    s.add(r)
+
+    out = s.schedule()
+    # chunks in prompt order, then the request's own prompt block: H 0-1, A 2-3, B 4, private 5
+    assert out.chunk_prefills == [job("H", 5, [0, 1]), job("A", 6, [2, 3]), job("B", 4, [4])]
+    assert out.computes == [ComputeJob(r, 0, 3, True)]
+    assert (out.copies, out.failed, out.warmed, out.released_ids) == ([], [], [], [])
+    assert out.num_batched_tokens == 5 + 6 + 4 + 3
+    assert r.status is RequestStatus.RUNNING and s.running == [r] and not s.waiting and not s.acquired
+    assert cache.pins_of("r") == ["H", "A", "B"] and r.private_blocks == [5]
+    # each chunk at its offset: delta = global start - local start
+    assert r.context_entries == [BlockEntry(0, 0, 4), BlockEntry(1, 0, 1), BlockEntry(2, 5, 4), BlockEntry(3, 5, 2),
+                                 BlockEntry(4, 11, 4)]
+    assert r.context_len == 15
+    # pending entries: pinned by the encoder and by the request
+    assert [(e.key, e.ready, e.pin_count) for e in cache.entries()] == [("H", False, 2), ("A", False, 2),
+                                                                         ("B", False, 2)]
+    assert r.stats.docs_missed == ["a", "b"] and r.stats.docs_hit == []
+    assert r.stats.num_computed_tokens == 3 + 15
+    assert cache.pool.free_block_ids() == list(range(6, 16))
+    cache.check_integrity()
+
+    ran(s, out)  # the chunks are written: readable, the encoder lets go; the tail counts as computed
+    assert [(e.key, e.ready, e.pin_count) for e in cache.entries()] == [("H", True, 1), ("A", True, 1),
+                                                                         ("B", True, 1)]
+    assert r.num_computed == 3
+    cache.check_integrity()
+
+    out = s.schedule()  # decode: the 4th private token still fits block 5
+    assert out.chunk_prefills == [] and out.computes == [ComputeJob(r, 3, 1, True)]
+    assert r.private_blocks == [5]
+    ran(s, out)
+    out = s.schedule()  # the 5th needs a block: the next free one
+    assert out.computes == [ComputeJob(r, 4, 1, True)] and r.private_blocks == [5, 6]
+    ran(s, out)
+    assert r.num_computed == 5
+    cache.check_integrity()
+
+    s.remove(r)  # finished: private blocks back at the end of the free list, pins dropped, chunks kept
+    assert cache.pool.free_block_ids() == list(range(7, 16)) + [5, 6]
+    assert [(e.key, e.pin_count) for e in cache.entries()] == [("H", 0), ("A", 0), ("B", 0)]
+    assert cache.num_evictable_blocks == 5
+    out = s.schedule()
+    assert out.is_empty and out.released_ids == ["r"] and not s.has_unfinished()
+    cache.check_integrity()
+
+
+def test_a_chunk_two_requests_need_in_one_step_is_prefilled_once():
+    s = scheduler(16)
+    cache = s.cache
+    cache.bind_document("a", "A")
+    r1 = request("r1", plan(("A", 6, "a"), tail=3), 1.0)
+    r2 = request("r2", plan(("A", 6, "a"), tail=2), 2.0)
+    s.add(r1)
+    s.add(r2)
+
+    out = s.schedule()
+    # r1 starts A (blocks 0-1) and takes block 2; r2 pins the pending entry and takes block 3
+    assert out.chunk_prefills == [job("A", 6, [0, 1])]
+    assert out.computes == [ComputeJob(r1, 0, 3, True), ComputeJob(r2, 0, 2, True)]
+    assert r1.private_blocks == [2] and r2.private_blocks == [3]
+    assert r1.context_entries == r2.context_entries == [BlockEntry(0, 0, 4), BlockEntry(1, 0, 2)]
+    assert cache.lookup("A", touch=False).pin_count == 3  # the encoder and both requests
+    assert r1.prefilled_keys == {"A"} and r2.prefilled_keys == set()
+    assert (r1.stats.docs_missed, r1.stats.docs_hit) == (["a"], [])
+    assert (r2.stats.docs_missed, r2.stats.docs_hit) == ([], ["a"])
+    assert r1.stats.num_computed_tokens == 3 + 6 and r2.stats.num_computed_tokens == 2
+    cache.check_integrity()
+
+    ran(s, out)
+    entry = cache.lookup("A", touch=False)
+    assert entry.ready and entry.pin_count == 2
+    assert (r1.num_computed, r2.num_computed) == (3, 2)
+    cache.check_integrity()
+
+
+def test_a_cached_chunk_is_pinned_and_only_the_miss_is_prefilled():
+    s = scheduler(8)
+    cache = s.cache
+    cache.bind_document("a", "A")
+    cache.bind_document("b", "B")
+    r1 = request("r1", plan(("A", 6, "a"), tail=3), 1.0)
+    s.add(r1)
+    ran(s, s.schedule())  # A in blocks 0-1, r1's tail in block 2
+    s.remove(r1)  # block 2 goes to the back of the free list: 3 4 5 6 7 2
+
+    r2 = request("r2", plan(("A", 6, "a"), ("B", 4, "b"), tail=3), 2.0)
+    s.add(r2)
+    out = s.schedule()
+    assert out.chunk_prefills == [job("B", 4, [3])]
+    assert out.computes == [ComputeJob(r2, 0, 3, True)]
+    assert out.released_ids == ["r1"]
+    assert r2.private_blocks == [4] and cache.pins_of("r2") == ["A", "B"]
+    assert r2.context_entries == [BlockEntry(0, 0, 4), BlockEntry(1, 0, 2), BlockEntry(3, 6, 4)]
+    assert cache.lookup("A", touch=False).pin_count == 1 and cache.lookup("B", touch=False).pin_count == 2
+    assert (r2.stats.docs_hit, r2.stats.docs_missed) == (["a"], ["b"])
+    assert r2.stats.num_computed_tokens == 3 + 4
+    assert cache.pool.free_block_ids() == [5, 6, 7, 2]
+    cache.check_integrity()
+
+
+def test_a_miss_evicts_an_unpinned_chunk_and_reuses_its_blocks():
+    s = scheduler(5)
+    cache = s.cache
+    cache.bind_document("a", "A")
+    cache.bind_document("b", "B")
+    r1 = request("r1", plan(("A", 8, "a"), tail=3), 1.0)
+    s.add(r1)
+    ran(s, s.schedule())  # A 0-1, private 2
+    s.remove(r1)  # free: 3 4 2; A (0-1) evictable
+
+    r2 = request("r2", plan(("B", 12, "b"), tail=3), 2.0)  # B needs 3 blocks and its tail 1: 4 > 3 free
+    s.add(r2)
+    out = s.schedule()
+    # B takes the three free blocks; its tail's block comes from evicting A (0, 1 freed in that order)
+    assert out.chunk_prefills == [job("B", 12, [3, 4, 2])]
+    assert out.computes == [ComputeJob(r2, 0, 3, True)]
+    assert r2.private_blocks == [0]
+    assert cache.lookup("A") is None and cache.num_evictions == 1
+    assert cache.pool.free_block_ids() == [1]
+    cache.check_integrity()
+
+
+def test_a_request_without_room_waits_then_is_admitted_once_blocks_free():
+    s = scheduler(6)
+    cache = s.cache
+    cache.bind_document("a", "A")
+    cache.bind_document("b", "B")
+    r1 = request("r1", plan(("A", 8, "a"), tail=4), 1.0)
+    r2 = request("r2", plan(("B", 8, "b"), tail=5), 2.0)  # B 2 blocks + its tail 2: 4, fits the cache alone
+    s.add(r1)
+    s.add(r2)
+
+    out = s.schedule()  # r1: A 0-1, private 2; r2 needs 4 with 3 free and nothing evictable: it waits
+    assert out.chunk_prefills == [job("A", 8, [0, 1])]
+    assert out.computes == [ComputeJob(r1, 0, 4, True)]
+    assert list(s.waiting) == [r2] and r2.status is RequestStatus.WAITING
+    assert cache.pins_of("r2") == [] and r2.private_blocks == [] and cache.lookup("B") is None  # took nothing
+    assert cache.pool.free_block_ids() == [3, 4, 5]
+    cache.check_integrity()
+
+    ran(s, out)
+    out = s.schedule()  # r1's 5th token takes block 3; r2 still finds 2 free and waits again
+    assert out.computes == [ComputeJob(r1, 4, 1, True)] and r1.private_blocks == [2, 3]
+    assert out.chunk_prefills == [] and list(s.waiting) == [r2]
+    assert out.released_ids == ["r2"]  # a request that waits is released (it holds nothing) and so reported
+    ran(s, out)
+    cache.check_integrity()
+
+    s.remove(r1)  # frees 2, 3 after 4, 5; A stays cached, unpinned
+    out = s.schedule()
+    assert out.released_ids == ["r2", "r1"]
+    assert out.chunk_prefills == [job("B", 8, [4, 5])]
+    assert out.computes == [ComputeJob(r2, 0, 5, True)]
+    assert r2.private_blocks == [2, 3] and r2.status is RequestStatus.RUNNING and not s.waiting
+    assert cache.lookup("A", touch=False) is not None and cache.num_evictions == 0  # free blocks sufficed
+    assert cache.pool.free_block_ids() == []
+    cache.check_integrity()
+
+
+def test_at_most_max_num_seqs_requests_hold_blocks():
+    s = scheduler(16, max_num_seqs=2)
+    r1, r2, r3 = (request(f"r{i}", plan(tail=4), float(i)) for i in (1, 2, 3))
+    for r in (r1, r2, r3):
+        s.add(r)
+
+    out = s.schedule()
+    assert out.computes == [ComputeJob(r1, 0, 4, True), ComputeJob(r2, 0, 4, True)]
+    assert (r1.private_blocks, r2.private_blocks) == ([0], [1])
+    assert list(s.waiting) == [r3] and r3.status is RequestStatus.WAITING
+    ran(s, out)
+
+    s.remove(r1)  # free: 2 .. 15, 0
+    out = s.schedule()  # r2 decodes into a new block first, then r3 is admitted
+    assert out.released_ids == ["r1"]
+    assert out.computes == [ComputeJob(r2, 4, 1, True), ComputeJob(r3, 0, 4, True)]
+    assert (r2.private_blocks, r3.private_blocks) == ([1, 2], [3])
+    s.cache.check_integrity()
+
+
+def test_a_request_that_could_never_fit_fails_alone_at_admission():
+    s = scheduler(4)
+    s.cache.bind_document("a", "A")
+    big = request("big", plan(("A", 12, "a"), tail=4), 1.0)  # A 3 blocks + tail and next token 2: 5 > 4
+    small = request("small", plan(tail=4), 2.0)
+    s.add(big)
+    s.add(small)
+
+    out = s.schedule()
+    [(failed, error)] = out.failed
+    assert failed is big and isinstance(error, CacheCapacityError)
+    assert str(error) == "request needs 5 KV blocks (16 prompt tokens) but the cache has 4 blocks of 4 tokens"
+    assert out.chunk_prefills == [] and out.computes == [ComputeJob(small, 0, 4, True)]
+    assert small.private_blocks == [0] and big.private_blocks == [] and s.cache.num_entries == 0
+    s.cache.check_integrity()
+
+
+def test_a_warm_up_finishes_once_its_chunks_are_written_without_a_compute():
+    s = scheduler(8)
+    s.cache.bind_document("a", "A")
+    warm = request("warm", plan(("A", 6, "a"), tail=0), 1.0, warm_only=True)
+    s.add(warm)
+
+    out = s.schedule()
+    assert out.chunk_prefills == [job("A", 6, [0, 1])] and out.computes == [] and out.warmed == []
+    assert s.acquired == [warm] and warm.private_blocks == []  # it waits for the pass that writes A
+    ran(s, out)
+    out = s.schedule()
+    assert out.warmed == [warm] and out.is_empty and not s.acquired
+    assert s.cache.pins_of("warm") == ["A"]  # held until the engine finishes it
+    s.remove(warm)
+    assert s.cache.lookup("A", touch=False).pin_count == 0 and s.cache.num_evictable_blocks == 2
+    s.cache.check_integrity()
+
+
+# --- chunked encoding ---------------------------------------------------------------------------
+def test_a_chunk_over_the_budget_is_encoded_in_pieces_after_the_anchor():
+    """A 1-token anchor in block 0; a 10-token document at local position 1 and global 3 (delta 2),
+    after a 3-token head; a budget of 8 tokens a step."""
+    s = scheduler(16, budget=8, anchor_tokens=1)
+    cache = s.cache
+    anchor = [BlockEntry(0, 0, 1)]
+    assert s.anchor_context == anchor and s.num_usable_blocks == 15
+    cache.bind_document("a", "A")
+    r = request("r", plan(("H", 3, None), ("A", 10, "a"), tail=2, local_start=1), 1.0)
+    s.add(r)
+
+    out = s.schedule()
+    # the head alone (no context), then A's first 5 tokens after the anchor; the budget is spent,
+    # so the request's prefill waits for A's last piece
+    assert out.chunk_prefills == [job("H", 3, [1]), job("A", 10, [2, 3, 4], anchor, 0, 5, local_start=1)]
+    assert out.computes == [] and s.acquired == [r] and r.private_blocks == [5]
+    assert [t.key for t in s.chunk_tasks] == ["A"]
+    ran(s, out)
+    assert cache.lookup("H", touch=False).ready and not cache.lookup("A", touch=False).ready
+    assert cache.lookup("A", touch=False).pin_count == 2
+    cache.check_integrity()
+
+    out = s.schedule()
+    assert out.chunk_prefills == [job("A", 10, [2, 3, 4], anchor, 5, local_start=1)]
+    assert out.computes == [ComputeJob(r, 0, 2, True)]  # joins the pass that writes A's last piece
+    assert out.num_batched_tokens == 7 and s.chunk_tasks == []
+    assert r.context_entries == [BlockEntry(1, 0, 3), BlockEntry(2, 2, 4), BlockEntry(3, 2, 4), BlockEntry(4, 2, 2)]
+    ran(s, out)
+    assert cache.lookup("A", touch=False).ready and cache.lookup("A", touch=False).pin_count == 1
+    assert r.num_computed == 2
+    cache.check_integrity()
+
+
+# --- preemption ---------------------------------------------------------------------------------
+def test_the_newest_request_is_preempted_when_an_older_one_needs_a_block():
+    s = scheduler(5)
+    cache = s.cache
+    cache.bind_document("a", "A")
+    r1 = request("r1", plan(tail=4), 1.0)
+    r2 = request("r2", plan(tail=4), 2.0)
+    r3 = request("r3", plan(("A", 4, "a"), tail=4), 3.0)
+    for r in (r1, r2, r3):
+        s.add(r)
+    out = s.schedule()  # r1: block 0; r2: 1; r3: A in 2, its tail in 3
+    assert out.chunk_prefills == [job("A", 4, [2])]
+    assert out.computes == [ComputeJob(r1, 0, 4, True), ComputeJob(r2, 0, 4, True), ComputeJob(r3, 0, 4, True)]
+    assert (r1.private_blocks, r2.private_blocks, r3.private_blocks) == ([0], [1], [3])
+    assert cache.pool.free_block_ids() == [4]
+    ran(s, out)
+    r4 = request("r4", plan(tail=4), 4.0)
+    s.add(r4)
+
+    out = s.schedule()
+    # Each needs a block for its 5th token. r1 takes 4, the last; for r2 nothing is free or
+    # evictable, so the newest request not in this step, r3, gives back block 3 and its pin on A
+    # and goes back first in line, before r4; r2 takes block 3. r3's re-admission (5 tokens to
+    # compute: 2 blocks) finds none free and A pinned by itself: it waits
+    assert out.computes == [ComputeJob(r1, 4, 1, True), ComputeJob(r2, 4, 1, True)]
+    assert (r1.private_blocks, r2.private_blocks) == ([0, 4], [1, 3])
+    assert r3.status is RequestStatus.WAITING and r3.private_blocks == [] and cache.pins_of("r3") == []
+    assert r3.num_computed == 0 and r3.output_ids == [SAMPLED]  # recomputed later from what it streamed
+    assert r3.num_preemptions == 1 and s.counters.num_preemptions == 1
+    assert list(s.waiting) == [r3, r4] and s.running == [r1, r2]
+    entry = cache.lookup("A", touch=False)
+    assert entry.ready and entry.pin_count == 0 and cache.num_evictable_blocks == 1  # A stays cached
+    assert cache.pool.free_block_ids() == []
+    cache.check_integrity()
+    ran(s, out)
+
+    s.remove(r1)  # frees 0 and 4
+    out = s.schedule()
+    assert out.released_ids == ["r3", "r3", "r1"]  # preempted, released again while it waited, finished
+    assert out.chunk_prefills == []  # A was kept: a hit now
+    assert out.computes == [ComputeJob(r2, 5, 1, True), ComputeJob(r3, 0, 5, True)]
+    assert r3.private_blocks == [0, 4] and r3.context_entries == [BlockEntry(2, 0, 4)]
+    assert (r3.stats.docs_missed, r3.stats.docs_hit) == (["a"], [])  # counted at its first admission only
+    assert cache.lookup("A", touch=False).pin_count == 1
+    assert list(s.waiting) == [r4]  # no block free and nothing evictable
+    cache.check_integrity()
+
+
+# --- a failed step -----------------------------------------------------------------------------
+def test_abandon_releases_the_steps_requests_and_the_holders_of_its_chunks():
+    """prefill_with_encodes=False keeps r1 and r2 out of the step that encodes their chunks:
+    they are released because they hold those chunks; r0 because its decode was in the step.
+    B was to take two steps: its task goes too."""
+    s = scheduler(16, budget=16, prefill_with_encodes=False)
+    cache = s.cache
+    cache.bind_document("a", "A")
+    cache.bind_document("b", "B")
+    r0 = request("r0", plan(tail=4), 0.0)
+    r1 = request("r1", plan(("A", 6, "a"), tail=3), 1.0)
+    r2 = request("r2", plan(("B", 10, "b"), tail=3), 2.0)
+    for r in (r0, r1, r2):
+        s.add(r)
+
+    out = s.schedule()
+    # budget 16: r0's 4 tokens, A's 6, then the first 6 of B's 10
+    assert out.computes == [ComputeJob(r0, 0, 4, True)]
+    assert out.chunk_prefills == [job("A", 6, [1, 2]), job("B", 10, [4, 5, 6], (), 0, 6)]
+    assert (r0.private_blocks, r1.private_blocks, r2.private_blocks) == ([0], [3], [7])
+    assert s.running == [r0] and s.acquired == [r1, r2] and [t.key for t in s.chunk_tasks] == ["B"]
+    cache.check_integrity()
+
+    victims = s.abandon(out)  # the forward pass raised
+    assert victims == [r0, r1, r2]
+    assert s.running == [] and s.acquired == [] and s.chunk_tasks == [] and cache.num_entries == 0
+    assert all(r.private_blocks == [] and cache.pins_of(r.request_id) == [] for r in victims)
+    # freed in order: r0's, r1's and r2's own blocks, then B's pending entry, then A's
+    assert cache.pool.free_block_ids() == list(range(8, 16)) + [0, 3, 7, 4, 5, 6, 1, 2]
+    cache.check_integrity()
+    out = s.schedule()
+    assert out.is_empty and out.released_ids == ["r0", "r1", "r2"] and not s.has_unfinished()
+
