@@ -97,8 +97,10 @@ class Scheduler(ChunkAdmission):
 
     def release(self, request: Request) -> None:
         """Give back ``request``'s private blocks and pins and reset its progress (it is
-        recomputed if it runs again); the next output reports it in ``released_ids``."""
-        self._released.append(request.request_id)
+        recomputed if it runs again). A request that was running (so the runner may keep its
+        block table) is reported in the next output's ``released_ids``."""
+        if request.status is RequestStatus.RUNNING:
+            self._released.append(request.request_id)
         if request.private_blocks:
             self.cache.pool.decref(request.private_blocks)
             request.private_blocks = []

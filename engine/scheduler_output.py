@@ -87,8 +87,8 @@ class SchedulerOutput:
         computes: requests' private tokens (query prefill, text segments, one decode token).
         failed: requests refused while acquiring their chunks, with the error each gets.
         warmed: warm-up requests whose chunks are all written (they finish now).
-        released_ids: requests released (finished, failed, aborted, preempted) since the previous
-            output: the runner drops their packed block tables.
+        released_ids: running requests released (finished, failed, aborted, preempted) since the
+            previous output: the runner drops their packed block tables.
     """
 
     chunk_prefills: list[ChunkPrefillJob] = field(default_factory=list)
@@ -96,7 +96,7 @@ class SchedulerOutput:
     computes: list[ComputeJob] = field(default_factory=list)
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
     warmed: list[Request] = field(default_factory=list)
-    released_ids: list[str] = field(default_factory=list)  # released since the last step: the runner drops their tables
+    released_ids: list[str] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

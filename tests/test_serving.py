@@ -423,3 +423,18 @@ def test_a_request_waiting_for_room_counts_its_cached_documents_once(make_llm):
     assert num_waited > 5  # it really waited for room
     assert (after, hits) == (before + 1, ["h"])
     assert_no_leak(llm)
+
+
+def test_the_runner_keeps_block_tables_only_for_running_requests(make_llm):
+    """Each request's packed context is kept by the runner while it runs and dropped once the
+    scheduler reports it released (with the next step): sequential requests never pile up."""
+    hf, llm = make_llm()
+    llm.add_documents([("a", words(12)), ("b", words(20, start=40))])
+    counts = []
+    for i in range(6):
+        llm.generate(f"w{i}", ["a", "b"][: 1 + i % 2], sampling=GREEDY)
+        counts.append(llm.loop.call(lambda: llm.engine.runner.inputs.num_tables))
+    assert counts == [1] * 6  # the request that just finished, until the next step
+    llm.generate("w9", [], sampling=GREEDY)
+    assert llm.loop.call(lambda: llm.engine.runner.inputs.num_tables) == 1
+    assert_no_leak(llm)
