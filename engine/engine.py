@@ -267,10 +267,19 @@ class LLMEngine:
         ran = self._step()
         self._synchronize()
         if ran is not None and ran[1] is not None:
-            result = StepResult(ran[0], ran[1], time.perf_counter() - start)
-            for listener in list(self.step_listeners):
-                listener(result)
+            self._notify(StepResult(ran[0], ran[1], time.perf_counter() - start))
         return ran is not None
+
+    def _notify(self, result: StepResult) -> None:
+        """Call each step listener; one that raises is logged and removed (a broken diagnostic
+        costs only itself, never the requests)."""
+        for listener in list(self.step_listeners):
+            try:
+                listener(result)
+            except Exception:  # noqa: BLE001 - logged; the step and its requests are unaffected
+                logger.exception("step listener %r raised; removed", listener)
+                if listener in self.step_listeners:
+                    self.step_listeners.remove(listener)
 
     def _step(self) -> tuple[SchedulerOutput, torch.Tensor | None] | None:
         """One step: what was scheduled and the logits of its compute jobs (``None`` when no

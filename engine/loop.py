@@ -63,15 +63,16 @@ class EngineLoop:
         """Run ``fn(*args, **kwargs)`` on the engine thread between steps; return its result.
 
         Raises:
-            whatever ``fn`` raises; ``RuntimeError`` once the loop is shut down.
+            whatever ``fn`` raises; ``RuntimeError`` once the loop is shut down, or when called
+            from inside a step on the engine thread (where no answer can be given; see :meth:`post`).
         """
-        if threading.current_thread() is self._thread:
+        if self.on_engine_thread():
             if not self._in_step:
                 return fn(*args, **kwargs)
-            # Re-entered from inside a step (a garbage-collected stream aborting its request):
-            # run it after the step so the batch being computed is never changed under it.
-            self._commands.put((fn, args, kwargs, Future()))
-            return None
+            raise RuntimeError(
+                "called into the engine from inside a step (a step listener, or a stream consumer on the engine "
+                "thread): it cannot answer there; read what you need from the step's result, or call after the "
+                "step (post() queues a call without waiting for it)")
         future: Future = Future()
         with self._cond:
             if self._stopped:
@@ -79,6 +80,10 @@ class EngineLoop:
             self._commands.put((fn, args, kwargs, future))
             self._cond.notify_all()
         return future.result()
+
+    def on_engine_thread(self) -> bool:
+        """The caller runs on the engine thread (inside a step, a step listener or a sink)."""
+        return threading.current_thread() is self._thread
 
     def post(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Queue ``fn(*args)`` to run on the engine thread between steps without waiting for it

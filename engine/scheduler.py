@@ -131,14 +131,18 @@ class Scheduler(ChunkAdmission):
 
     # --- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """The next step's work (see the module docstring for the order)."""
-        out = SchedulerOutput(released_ids=self._released)
-        self._released = []
+        """The next step's work (see the module docstring for the order).
+
+        ``released_ids`` is handed over last: it includes requests preempted in this very call,
+        which may be admitted again in it (their old block tables must go before this step's
+        inputs are prepared)."""
+        out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         budget = self._schedule_chunk_prefills(out, self.chunk_tasks, budget)
         budget = self._promote_ready(out, budget)
         self._schedule_waiting(out, budget)
+        out.released_ids, self._released = self._released, []
         return out
 
     def update_from_output(self, out: SchedulerOutput) -> None:

@@ -43,11 +43,22 @@ class EngineClient:
         return self.call(make, sink).request_id
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request (a no-op once it finished, or once the engine is shut down)."""
+        """Cancel a request (a no-op once it finished, or once the engine is shut down). On the
+        engine thread (a stream garbage-collected during a step) it runs after the step."""
+        if self.loop.on_engine_thread():
+            self.abort_soon(request_id)
+            return
         try:
             self.call(LLMEngine.abort, request_id)
         except RuntimeError:  # the engine is shut down: nothing is left to free
             pass
+
+    def run_on_engine(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """``fn(engine)`` now, or right after the current step when called from inside one."""
+        if self.loop.on_engine_thread():
+            self.loop.post(fn, self.loop.engine)
+        else:
+            self.call(fn)
 
     def abort_soon(self, request_id: str) -> None:
         """Cancel a request without waiting (from a callback that must not block)."""

@@ -285,14 +285,22 @@ class LazyAttention:
         """Call ``listener`` with a :class:`~lazyattn_rag.engine.engine.StepResult` (the step's
         scheduler output, its compute jobs' logits, its wall time) after every engine step that
         runs jobs, on the engine thread; it must be quick and must not call back into this
-        object. While any listener is registered each step synchronizes the device, so the
-        time is the step's own (benchmarks, diagnostics).
+        object (that raises ``RuntimeError``). A listener that raises is logged and removed; the
+        requests go on. While any listener is registered each step synchronizes the device, so
+        the time is the step's own (benchmarks, diagnostics).
 
         Returns:
-            a function that removes the listener; once it returns, the listener is not called again.
+            a function that removes the listener (idempotent; from another thread it returns once
+            the listener will not be called again, from inside a listener it takes effect after
+            the step).
         """
-        self.client.call(lambda engine: engine.step_listeners.append(listener))
-        return lambda: self.client.call(lambda engine: engine.step_listeners.remove(listener))
+        self.client.run_on_engine(lambda engine: engine.step_listeners.append(listener))
+
+        def remove() -> None:
+            self.client.run_on_engine(lambda engine: listener in engine.step_listeners
+                                      and engine.step_listeners.remove(listener))
+
+        return remove
 
     def info(self) -> dict:
         """Model, backend and cache configuration as a JSON-able dict."""

@@ -369,6 +369,7 @@ def test_the_newest_request_is_preempted_when_an_older_one_needs_a_block():
     assert r3.status is RequestStatus.WAITING and r3.private_blocks == [] and cache.pins_of("r3") == []
     assert r3.num_computed == 0 and r3.output_ids == [SAMPLED]  # recomputed later from what it streamed
     assert r3.num_preemptions == 1 and s.counters.num_preemptions == 1
+    assert out.released_ids == ["r3"]  # preempted while running: its block table goes with this step
     assert list(s.waiting) == [r3, r4] and s.running == [r1, r2]
     entry = cache.lookup("A", touch=False)
     assert entry.ready and entry.pin_count == 0 and cache.num_evictable_blocks == 1  # A stays cached
@@ -378,7 +379,7 @@ def test_the_newest_request_is_preempted_when_an_older_one_needs_a_block():
 
     s.remove(r1)  # frees 0 and 4
     out = s.schedule()
-    assert out.released_ids == ["r3", "r1"]  # preempted while running, then finished (not while it waited)
+    assert out.released_ids == ["r1"]  # finished; r3 waiting released nothing the runner keeps
     assert out.chunk_prefills == []  # A was kept: a hit now
     assert out.computes == [ComputeJob(r2, 5, 1, True), ComputeJob(r3, 0, 5, True)]
     assert r3.private_blocks == [0, 4] and r3.context_entries == [BlockEntry(2, 0, 4)]
@@ -421,3 +422,38 @@ def test_abandon_releases_the_steps_requests_and_the_holders_of_its_chunks():
     out = s.schedule()
     assert out.is_empty and out.released_ids == ["r0"] and not s.has_unfinished()  # r1, r2 never ran
 
+
+
+def test_a_request_preempted_and_readmitted_in_one_step_is_reported_released_in_that_step():
+    """Found by an adversarial review: r4 is preempted for r1's next block, a dead chunk's
+    prefill task is dropped in the same schedule() (freeing its blocks) and r4 is admitted again
+    at once. Its old packed context (kept by the runner) must be dropped before this very step's
+    inputs are prepared, so r4 is in this output's released_ids, not the next one's."""
+    s = scheduler(12, budget=6)
+    cache = s.cache
+    cache.bind_document("x", "X")
+    r1 = request("r1", plan(tail=4), 1.0)
+    s.add(r1)
+    ran(s, s.schedule())  # r1: 4 tokens in block 0
+    r3 = request("r3", plan(("X", 24, "x"), tail=1), 3.0)
+    s.add(r3)
+    out = s.schedule()  # r1's 5th token takes block 1; X gets 2-7 and its first piece, r3's tail 8
+    assert out.chunk_prefills == [job("X", 24, [2, 3, 4, 5, 6, 7], length=5)] and r3.private_blocks == [8]
+    ran(s, out)
+    s.remove(r3)  # r3's caller leaves: X's prefill goes on under its own pin; block 8 is free again
+    r4 = request("r4", plan(tail=16), 4.0)
+    s.add(r4)
+    for _ in range(3):  # r4 is admitted into 9, 10, 11, 8 and runs; the pool is full
+        ran(s, s.schedule())
+    assert r4.status is RequestStatus.RUNNING and r4.private_blocks == [9, 10, 11, 8] and r4.num_computed > 0
+    assert r1.private_blocks == [0, 1] and cache.pool.num_free == 0 and [t.key for t in s.chunk_tasks] == ["X"]
+    while r1.num_private_blocks(r1.num_computed + 1, BS) == len(r1.private_blocks):  # until r1 needs a block
+        ran(s, s.schedule())
+    assert cache.pool.num_free == 0 and cache.num_evictable_blocks == 0 and r4.num_preemptions == 0
+    cache.unbind_document("x")  # X's document goes: only its prefill task holds it
+    out = s.schedule()
+    assert r4.num_preemptions == 1 and r4.status is RequestStatus.RUNNING  # preempted, then admitted again
+    assert s.chunk_tasks == [] and cache.lookup("X", touch=False, include_dead=True) is None
+    assert [c.request for c in out.computes] == [r1, r4] and out.computes[1].start == 0
+    assert out.released_ids == ["r4"]  # in this step's output: its stale table goes before inputs are prepared
+    cache.check_integrity()

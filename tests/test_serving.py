@@ -438,3 +438,48 @@ def test_the_runner_keeps_block_tables_only_for_running_requests(make_llm):
     llm.generate("w9", [], sampling=GREEDY)
     assert llm.loop.call(lambda: llm.engine.runner.inputs.num_tables) == 1
     assert_no_leak(llm)
+
+
+def test_a_raising_step_listener_is_removed_and_costs_no_request(make_llm, caplog):
+    """Found by an adversarial review: a diagnostic hook that raised failed every request in
+    flight (and every later one, as it stayed registered)."""
+    hf, llm = make_llm()
+    llm.add_document("a", words(10))
+    calls = []
+
+    def broken(step):
+        calls.append(step.output)
+        if len(calls) == 3:
+            raise ValueError("diagnostic listener bug")
+
+    llm.add_step_listener(broken)
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True)
+    with caplog.at_level("ERROR", logger="lazyattn_rag.engine.engine"):
+        streams = [llm.stream(f"w{i}", ["a"], sampling=sampling) for i in range(2)]
+        outputs = [[d.token_id for d in s if d.token_id is not None] for s in streams]
+    assert [len(o) for o in outputs] == [12, 12] and len(calls) == 3  # removed after raising
+    assert "diagnostic listener bug" in caplog.text and llm.stats()["num_requests_failed"] == 0
+    assert outputs[0] == llm.generate("w0", ["a"], sampling=sampling).token_ids
+    assert_no_leak(llm)
+
+
+def test_calling_back_from_a_step_listener_raises_instead_of_answering_none(make_llm):
+    """A listener runs inside the step: reading the engine through the public class there cannot
+    be answered (it used to return None); removing the listener from inside itself works."""
+    hf, llm = make_llm()
+    llm.add_document("a", words(10))
+    seen = []
+
+    def listener(step):
+        try:
+            seen.append(llm.has_document("a"))
+        except RuntimeError as error:
+            seen.append(str(error))
+        remove()
+
+    remove = llm.add_step_listener(listener)
+    llm.generate("w1", ["a"], sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(seen) == 1 and "from inside a step" in seen[0]  # called once: it removed itself
+    remove()  # idempotent
+    assert llm.has_document("a")
+    assert_no_leak(llm)
