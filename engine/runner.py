@@ -101,17 +101,58 @@ class ModelRunner:
             num_tokens: valid tokens of the chunk (the last block may be partial).
             delta: RoPE offset between the copies (destination position minus source position).
         """
-        bs, device = self.block_size, self.device
-        offsets = torch.arange(num_tokens, device=device)
-        src = torch.tensor(src_blocks, device=device)[offsets // bs] * bs + offsets % bs
-        dst = torch.tensor(dst_blocks, device=device)[offsets // bs] * bs + offsets % bs
-        deltas = torch.full((num_tokens,), delta, device=device)
+        src, dst = self._slots(src_blocks, num_tokens), self._slots(dst_blocks, num_tokens)
+        deltas = torch.full((num_tokens,), delta, device=self.device)
         rotary = self.model.rotary
         for key_cache, value_cache in self.kv_caches:
             flat_k = key_cache.view(-1, *key_cache.shape[2:])
             flat_v = value_cache.view(-1, *value_cache.shape[2:])
             flat_k[dst] = rotary.rotate_by(flat_k[src], deltas)
             flat_v[dst] = flat_v[src]
+
+    def _slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """``[num_tokens]`` flat slots of tokens laid out from the first block's slot 0."""
+        offsets = torch.arange(num_tokens, device=self.device)
+        return torch.tensor(block_ids, device=self.device)[offsets // self.block_size] * self.block_size \
+            + offsets % self.block_size
+
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk's K/V copied to the host (to store it in a tier below the pool).
+
+        Args:
+            block_ids: the chunk's blocks, in order.
+            num_tokens: its valid tokens (the last block may be partly filled).
+        Returns:
+            ``(keys, values)``, each ``[num_layers, num_tokens, num_kv_heads, head_dim]`` in the
+            pool's dtype, on the CPU.
+        """
+        slots = self._slots(block_ids, num_tokens)
+        keys = torch.stack([k.view(-1, *k.shape[2:])[slots] for k, _ in self.kv_caches])
+        values = torch.stack([v.view(-1, *v.shape[2:])[slots] for _, v in self.kv_caches])
+        return keys.cpu(), values.cpu()
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Load a chunk's K/V (as :meth:`read_blocks` returns it) into ``block_ids``.
+
+        Raises:
+            ValueError: the tensors do not match this pool's layers, heads, head size or dtype,
+                or the blocks cannot hold their tokens.
+        """
+        layers, num_tokens = len(self.kv_caches), keys.shape[1] if keys.dim() == 4 else -1
+        cache = self.kv_caches[0][0]
+        expected = (layers, num_tokens, *cache.shape[2:])
+        if keys.shape != expected or values.shape != expected or keys.dtype != cache.dtype \
+                or values.dtype != cache.dtype:
+            raise ValueError(f"chunk K/V {tuple(keys.shape)} {keys.dtype} does not fit this pool "
+                             f"({expected}, {cache.dtype})")
+        if len(block_ids) * self.block_size < num_tokens:
+            raise ValueError(f"{len(block_ids)} blocks cannot hold {num_tokens} tokens")
+        slots = self._slots(block_ids, num_tokens)
+        for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
+            key_cache.view(-1, *key_cache.shape[2:])[slots] = keys[layer].to(self.device)
+            value_cache.view(-1, *value_cache.shape[2:])[slots] = values[layer].to(self.device)
 
     @torch.inference_mode()
     def enable_cuda_graphs(self, batch_sizes: list[int], max_blocks_per_seq: int, capture: bool = True) -> None:

@@ -1,0 +1,129 @@
+"""A cached chunk's K/V as bytes, for the storage tiers below the KV pool (issue 17).
+
+A position-agnostic chunk's K/V does not depend on where a prompt places it, so one stored
+copy serves every request, process and replica on the same model. The payload is a
+safetensors file (no pickle): tensors ``keys`` and ``values``
+``[num_layers, num_tokens, num_kv_heads, head_dim]`` in the pool's dtype and ``token_ids``
+``[num_tokens]`` int64, with string metadata:
+
+* ``format``: :data:`FORMAT_VERSION`; ``key``: the chunk's content key; ``model``: the model
+  fingerprint's digest (weights, dtype, RoPE, tokenizer, block size);
+* ``local_start``: the position its first token was encoded at (the anchor's length);
+* ``sha256``: over the three tensors' bytes, in that order (safetensors checks the layout;
+  the digest catches flipped bits inside it).
+
+:func:`decode_chunk` checks all of it against what the caller expects and raises
+:class:`CorruptChunkError` (saying what was wrong) rather than return K/V that could be
+another model's, another sequence's or damaged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+
+import torch
+
+FORMAT_VERSION = 1
+
+
+class CorruptChunkError(ValueError):
+    """A stored chunk cannot be used: truncated, damaged, or made for another model, key or format."""
+
+
+@dataclass(frozen=True)
+class ChunkKV:
+    """One chunk's K/V on the host, as a tier stores it.
+
+    Attributes:
+        key: the chunk's content key (``engine/fingerprint.py``).
+        model_digest: the model fingerprint's digest it was computed with.
+        token_ids: its tokens.
+        local_start: the position its first token was encoded at.
+        keys, values: ``[num_layers, num_tokens, num_kv_heads, head_dim]``, the pool's dtype, CPU.
+    """
+
+    key: str
+    model_digest: str
+    token_ids: tuple[int, ...]
+    local_start: int
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def num_bytes(self) -> int:
+        """K and V bytes (what a tier's byte budget counts)."""
+        return self.keys.numel() * self.keys.element_size() * 2
+
+
+def encode_chunk(chunk: ChunkKV) -> bytes:
+    """The chunk as safetensors bytes with its checks in the metadata (see the module docstring).
+
+    Raises:
+        ValueError: keys and values differ in shape or dtype, or their token count differs
+            from ``token_ids``.
+    """
+    if chunk.keys.shape != chunk.values.shape or chunk.keys.dtype != chunk.values.dtype:
+        raise ValueError(f"keys {tuple(chunk.keys.shape)} {chunk.keys.dtype} and values "
+                         f"{tuple(chunk.values.shape)} {chunk.values.dtype} differ")
+    if chunk.keys.dim() != 4 or chunk.keys.shape[1] != len(chunk.token_ids):
+        raise ValueError(f"keys {tuple(chunk.keys.shape)} must be [num_layers, {len(chunk.token_ids)} tokens, "
+                         "num_kv_heads, head_dim]")
+    from safetensors.torch import save
+
+    tensors = {"keys": chunk.keys.contiguous().cpu(), "values": chunk.values.contiguous().cpu(),
+               "token_ids": torch.tensor(chunk.token_ids, dtype=torch.int64)}
+    metadata = {"format": str(FORMAT_VERSION), "key": chunk.key, "model": chunk.model_digest,
+                "local_start": str(chunk.local_start), "sha256": _digest(tensors)}
+    return save(tensors, metadata)
+
+
+def decode_chunk(data: bytes, key: str, model_digest: str) -> ChunkKV:
+    """The chunk stored in ``data``, checked against the ``key`` and ``model_digest`` expected.
+
+    Raises:
+        CorruptChunkError: not a readable safetensors payload (truncated or damaged), another
+            format version, key or model, tensors of the wrong shapes, or a checksum mismatch.
+    """
+    metadata = _metadata(data)
+    if metadata.get("format") != str(FORMAT_VERSION):
+        raise CorruptChunkError(f"chunk format {metadata.get('format')!r}, this version reads {FORMAT_VERSION}")
+    if metadata.get("key") != key:
+        raise CorruptChunkError(f"stored under {key[:12]} but holds chunk {str(metadata.get('key'))[:12]}")
+    if metadata.get("model") != model_digest:
+        raise CorruptChunkError(f"chunk {key[:12]} was computed by model {str(metadata.get('model'))[:12]}, "
+                                f"not {model_digest[:12]}")
+    from safetensors.torch import load
+
+    try:
+        tensors = load(data)
+    except Exception as error:  # safetensors' own errors vary by version
+        raise CorruptChunkError(f"chunk {key[:12]}: unreadable payload ({error})") from error
+    keys, values, token_ids = tensors.get("keys"), tensors.get("values"), tensors.get("token_ids")
+    if keys is None or values is None or token_ids is None or keys.shape != values.shape or keys.dim() != 4 \
+            or token_ids.shape != (keys.shape[1],):
+        raise CorruptChunkError(f"chunk {key[:12]}: tensors {sorted(tensors)} do not form a chunk")
+    if _digest(tensors) != metadata.get("sha256"):
+        raise CorruptChunkError(f"chunk {key[:12]}: checksum mismatch (damaged payload)")
+    return ChunkKV(key, model_digest, tuple(token_ids.tolist()), int(metadata["local_start"]), keys, values)
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in ("keys", "values", "token_ids"):
+        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """The safetensors header's ``__metadata__`` (an 8-byte little-endian length, then JSON)."""
+    try:
+        (length,) = struct.unpack("<Q", data[:8])
+        if length > len(data) - 8:
+            raise ValueError(f"header of {length} bytes in a {len(data)}-byte payload")
+        header = json.loads(data[8:8 + length])
+        return dict(header.get("__metadata__") or {})
+    except (struct.error, ValueError, UnicodeDecodeError, AttributeError) as error:
+        raise CorruptChunkError(f"not a chunk payload ({error})") from error
