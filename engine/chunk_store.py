@@ -1,0 +1,215 @@
+"""Storage tiers below the KV pool: content key -> a chunk's encoded K/V, within a byte budget.
+
+Each tier stores the bytes of :func:`~lazyattn_rag.engine.chunk_format.encode_chunk` under the
+chunk's content key, keeps within its own ``capacity_bytes`` by evicting in the order of an
+engine eviction policy (``engine/eviction.py``), and counts what happened (:class:`StoreStats`).
+Storage is separate from policy, as in the chunk cache. A tier never interprets the bytes:
+the caller decodes them (which checks format, key, model and checksum) and calls
+:meth:`ChunkStore.discard` for a payload that fails, so it is counted and never served again.
+
+* :class:`HostMemoryStore`: bytes in this process's memory.
+* :class:`DiskStore`: one file per chunk under a directory. Writes are atomic (a temporary
+  name in the same directory, flushed and fsynced, then renamed over the final name), so a
+  reader, in this process or another, sees a whole old file or a whole new one, and two
+  writers of one key leave one whole file. A store opened on an existing directory indexes
+  the files there (oldest first), so a restarted process finds what the last one stored.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+from lazyattn_rag.engine.eviction import EvictionPolicy, LRUPolicy
+
+SUFFIX = ".lakv"
+
+
+@dataclass
+class StoreStats:
+    """What a tier did since it was opened (bytes are encoded chunk sizes)."""
+
+    num_hits: int = 0
+    num_misses: int = 0
+    num_puts: int = 0
+    num_evictions: int = 0
+    num_errors: int = 0  # unreadable or corrupt payloads (each discarded), failed writes
+    num_bytes_read: int = 0
+    num_bytes_written: int = 0
+
+
+class ChunkStore(ABC):
+    """One tier: content key -> encoded chunk bytes, at most ``capacity_bytes`` in all.
+
+    Args:
+        capacity_bytes: the tier's budget; storing past it evicts in ``policy``'s order.
+        policy: eviction order (default LRU); every stored key is evictable.
+    """
+
+    name = "abstract"
+
+    def __init__(self, capacity_bytes: int, policy: EvictionPolicy | None = None):
+        if capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.policy = policy or LRUPolicy()
+        self.stats = StoreStats()
+        self._sizes: dict[str, int] = {}
+        self.num_bytes = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def get(self, key: str) -> bytes | None:
+        """The bytes stored under ``key`` (a hit for the policy), or ``None`` (a miss; also when
+        the tier could not read them, which is counted as an error and forgets the key)."""
+        if key not in self._sizes:
+            self.stats.num_misses += 1
+            return None
+        try:
+            data = self._read(key)
+        except OSError:
+            self.discard(key)
+            self.stats.num_misses += 1
+            return None
+        self.policy.on_hit(key)
+        self.stats.num_hits += 1
+        self.stats.num_bytes_read += len(data)
+        return data
+
+    def put(self, key: str, data: bytes) -> bool:
+        """Store ``data`` under ``key`` (replacing what was there), evicting others to make room.
+
+        Returns:
+            ``False`` when ``data`` alone exceeds the capacity or the write failed (counted as an
+            error); nothing is stored then.
+        """
+        if len(data) > self.capacity_bytes:
+            return False
+        if key in self._sizes:
+            self._forget(key, evicted=False)
+        while self.num_bytes + len(data) > self.capacity_bytes:
+            victim = self.policy.victim()
+            self._remove(victim)
+            self._forget(victim, evicted=True)
+            self.stats.num_evictions += 1
+        try:
+            self._write(key, data)
+        except OSError:
+            self.stats.num_errors += 1
+            return False
+        self._sizes[key] = len(data)
+        self.num_bytes += len(data)
+        self.policy.on_insert(key, 1, 1)
+        self.policy.set_evictable(key, True)
+        self.stats.num_puts += 1
+        self.stats.num_bytes_written += len(data)
+        return True
+
+    def discard(self, key: str) -> None:
+        """Drop a payload the caller found corrupt (or the tier could not read): counted as an
+        error; a later :meth:`get` misses."""
+        if key in self._sizes:
+            self._remove(key)
+            self._forget(key, evicted=False)
+        self.stats.num_errors += 1
+
+    def delete(self, key: str) -> None:
+        """Drop ``key`` if stored (e.g. ``lazyattn cache clear``)."""
+        if key in self._sizes:
+            self._remove(key)
+            self._forget(key, evicted=False)
+
+    def _forget(self, key: str, evicted: bool) -> None:
+        self.num_bytes -= self._sizes.pop(key)
+        self.policy.on_remove(key, evicted)
+
+    def _index(self, key: str, size: int) -> None:
+        """Record an entry found at start-up (counts as stored, not as a put)."""
+        self._sizes[key] = size
+        self.num_bytes += size
+        self.policy.on_insert(key, 1, 1)
+        self.policy.set_evictable(key, True)
+
+    @abstractmethod
+    def _read(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def _write(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def _remove(self, key: str) -> None: ...
+
+
+class HostMemoryStore(ChunkStore):
+    """Chunks in this process's memory (gone with it)."""
+
+    name = "host"
+
+    def __init__(self, capacity_bytes: int, policy: EvictionPolicy | None = None):
+        super().__init__(capacity_bytes, policy)
+        self._data: dict[str, bytes] = {}
+
+    def _read(self, key: str) -> bytes:
+        return self._data[key]
+
+    def _write(self, key: str, data: bytes) -> None:
+        self._data[key] = bytes(data)
+
+    def _remove(self, key: str) -> None:
+        self._data.pop(key, None)
+
+
+class DiskStore(ChunkStore):
+    """Chunks as files ``<directory>/<key>.lakv`` (see the module docstring).
+
+    Args:
+        directory: created if missing; files already there are indexed, oldest first.
+        capacity_bytes, policy: as :class:`ChunkStore`; entries beyond the capacity at opening
+            are evicted, oldest first.
+    """
+
+    name = "disk"
+
+    def __init__(self, directory: Path, capacity_bytes: int, policy: EvictionPolicy | None = None):
+        super().__init__(capacity_bytes, policy)
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        found = sorted((f for f in self.directory.glob(f"*{SUFFIX}") if f.is_file()), key=lambda f: f.stat().st_mtime)
+        for f in found:
+            self._index(f.name[: -len(SUFFIX)], f.stat().st_size)
+        while self.num_bytes > self.capacity_bytes:
+            victim = self.policy.victim()
+            self._remove(victim)
+            self._forget(victim, evicted=True)
+            self.stats.num_evictions += 1
+
+    def _path(self, key: str) -> Path:
+        if not key or not all(c.isalnum() or c in "-_" for c in key):
+            raise ValueError(f"not a chunk key: {key!r} (content keys are hex digests)")
+        return self.directory / f"{key}{SUFFIX}"
+
+    def _read(self, key: str) -> bytes:
+        return self._path(key).read_bytes()
+
+    def _write(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=self.directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def _remove(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
