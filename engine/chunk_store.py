@@ -94,20 +94,14 @@ class ChunkStore(ABC):
             return False
         if key in self._sizes:
             self._forget(key, evicted=False)
-        while self.num_bytes + len(data) > self.capacity_bytes:
-            victim = self.policy.victim()
-            self._remove(victim)
-            self._forget(victim, evicted=True)
-            self.stats.num_evictions += 1
+        self._make_room(len(data))
         try:
             self._write(key, data)
         except OSError:
+            self._remove(key)  # neither a partial nor the replaced payload stays behind untracked
             self.stats.num_errors += 1
             return False
-        self._sizes[key] = len(data)
-        self.num_bytes += len(data)
-        self.policy.on_insert(key, 1, 1)
-        self.policy.set_evictable(key, True)
+        self._record(key, len(data))
         self.stats.num_puts += 1
         self.stats.num_bytes_written += len(data)
         return True
@@ -130,8 +124,16 @@ class ChunkStore(ABC):
         self.num_bytes -= self._sizes.pop(key)
         self.policy.on_remove(key, evicted)
 
-    def _index(self, key: str, size: int) -> None:
-        """Record an entry found at start-up (counts as stored, not as a put)."""
+    def _make_room(self, num_bytes: int) -> None:
+        """Evict in the policy's order until ``num_bytes`` more fit the capacity."""
+        while self.num_bytes + num_bytes > self.capacity_bytes:
+            victim = self.policy.victim()
+            self._remove(victim)
+            self._forget(victim, evicted=True)
+            self.stats.num_evictions += 1
+
+    def _record(self, key: str, size: int) -> None:
+        """Count ``key``'s ``size`` stored bytes (a write, or a file found at start-up)."""
         self._sizes[key] = size
         self.num_bytes += size
         self.policy.on_insert(key, 1, 1)
@@ -183,12 +185,8 @@ class DiskStore(ChunkStore):
         self.directory.mkdir(parents=True, exist_ok=True)
         found = sorted((f for f in self.directory.glob(f"*{SUFFIX}") if f.is_file()), key=lambda f: f.stat().st_mtime)
         for f in found:
-            self._index(f.name[: -len(SUFFIX)], f.stat().st_size)
-        while self.num_bytes > self.capacity_bytes:
-            victim = self.policy.victim()
-            self._remove(victim)
-            self._forget(victim, evicted=True)
-            self.stats.num_evictions += 1
+            self._record(f.name[: -len(SUFFIX)], f.stat().st_size)
+        self._make_room(0)
 
     def _path(self, key: str) -> Path:
         if not key or not all(c.isalnum() or c in "-_" for c in key):

@@ -285,12 +285,12 @@ class LLMEngine:
         """One step: what was scheduled and the logits of its compute jobs (``None`` when no
         forward pass ran); ``None`` when there was nothing to do."""
         out = self.scheduler.schedule()
+        self.runner.inputs.release(out.released_ids)  # before any of this step's inputs are prepared
         for request, error in out.failed:
             self.outputs.fail(request, error)
         for request in out.warmed:
             self.outputs.finish(request, "warm")
         if out.is_empty:
-            self.runner.inputs.release(out.released_ids)
             return (out, None) if out.failed or out.warmed or out.released_ids else None
         self.counters.num_steps += 1
         try:

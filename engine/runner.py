@@ -75,7 +75,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_step(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run a step: its copies, then one forward pass of its encodes and computes.
+        """Run a step: its copies, then one forward pass of its chunk prefills and computes (the
+        caller has released the tables of ``out.released_ids`` first: :meth:`InputPreparer.release`).
 
         Returns:
             ``[len(out.computes), vocab_size]`` float32 logits of each compute job's last token
@@ -84,7 +85,6 @@ class ModelRunner:
         Raises:
             whatever a copy or the forward pass raises; the caller abandons the whole step.
         """
-        self.inputs.release(out.released_ids)
         for copy in out.copies:
             self.copy_rotated(copy.src_blocks, copy.dst_blocks, copy.num_tokens, copy.delta)
         if not (out.chunk_prefills or out.computes):

@@ -45,11 +45,8 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         """Cancel a request (a no-op once it finished, or once the engine is shut down). On the
         engine thread (a stream garbage-collected during a step) it runs after the step."""
-        if self.loop.on_engine_thread():
-            self.abort_soon(request_id)
-            return
         try:
-            self.call(LLMEngine.abort, request_id)
+            self.run_on_engine(lambda engine: engine.abort(request_id))
         except RuntimeError:  # the engine is shut down: nothing is left to free
             pass
 

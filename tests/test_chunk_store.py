@@ -113,3 +113,18 @@ def test_keys_that_are_not_content_keys_are_refused(tmp_path):
             store.put(bad, b"x")
     with pytest.raises(ValueError, match="capacity_bytes"):
         HostMemoryStore(0)
+
+
+def test_a_failed_write_leaves_no_untracked_payload(tmp_path, monkeypatch):
+    """Replacing a key whose write then fails: the old payload is not left on disk, unaccounted."""
+    store = DiskStore(tmp_path / "tier", 10**6)
+    key = "r" * 64
+    store.put(key, payload(key))
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("lazyattn_rag.engine.chunk_store.os.replace", full_disk)
+    assert not store.put(key, payload(key, 8))
+    assert key not in store and store.num_bytes == 0 and store.stats.num_errors == 1
+    assert os.listdir(tmp_path / "tier") == []  # neither the old file nor the temporary
