@@ -7,6 +7,10 @@ Storage is separate from policy, as in the chunk cache. A tier never interprets 
 the caller decodes them (which checks format, key, model and checksum) and calls
 :meth:`ChunkStore.discard` for a payload that fails, so it is counted and never served again.
 
+Every tier, in-process or shared (``engine/redis_store.py``), offers the :class:`Tier` protocol:
+``get``, ``put``, ``discard``, ``delete``, ``in``, ``keys``, ``clear``, ``close``, ``stats``,
+``available``, ``num_bytes``, ``capacity_bytes`` (``None`` where the server keeps the budget).
+
 * :class:`HostMemoryStore`: bytes in this process's memory.
 * :class:`DiskStore`: one file per chunk under a directory. Writes are atomic (a temporary
   name in the same directory, flushed and fsynced, then renamed over the final name), so a
@@ -22,6 +26,7 @@ import tempfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from lazyattn_rag.engine.eviction import EvictionPolicy, LRUPolicy
 
@@ -39,6 +44,33 @@ class StoreStats:
     num_errors: int = 0  # unreadable or corrupt payloads (each discarded), failed writes
     num_bytes_read: int = 0
     num_bytes_written: int = 0
+    num_outages: int = 0  # times a server tier became unreachable (always 0 in-process)
+
+
+class Tier(Protocol):
+    """What the engine needs of a storage tier (see the module docstring).
+
+    ``get`` returns ``None`` on a miss and also when the tier cannot answer (a server down:
+    ``available`` is then false and the outage is counted in ``stats``); ``put`` returns
+    whether the bytes were stored. Neither raises for a tier's own failures.
+    """
+
+    name: str
+    stats: StoreStats
+    capacity_bytes: int | None
+
+    @property
+    def available(self) -> bool: ...
+    @property
+    def num_bytes(self) -> int: ...
+    def __contains__(self, key: str) -> bool: ...
+    def get(self, key: str) -> bytes | None: ...
+    def put(self, key: str, data: bytes) -> bool: ...
+    def discard(self, key: str) -> None: ...
+    def delete(self, key: str) -> None: ...
+    def keys(self) -> list[str]: ...
+    def clear(self) -> int: ...
+    def close(self) -> None: ...
 
 
 class ChunkStore(ABC):
@@ -59,6 +91,7 @@ class ChunkStore(ABC):
         self.stats = StoreStats()
         self._sizes: dict[str, int] = {}
         self.num_bytes = 0
+        self.available = True  # an in-process tier always answers
 
     def __contains__(self, key: str) -> bool:
         return key in self._sizes
@@ -119,6 +152,20 @@ class ChunkStore(ABC):
         if key in self._sizes:
             self._remove(key)
             self._forget(key, evicted=False)
+
+    def keys(self) -> list[str]:
+        """The keys stored now."""
+        return list(self._sizes)
+
+    def clear(self) -> int:
+        """Drop every stored chunk; returns how many."""
+        keys = self.keys()
+        for key in keys:
+            self.delete(key)
+        return len(keys)
+
+    def close(self) -> None:
+        """Nothing to release for an in-process tier (a server tier closes its connections)."""
 
     def _forget(self, key: str, evicted: bool) -> None:
         self.num_bytes -= self._sizes.pop(key)
