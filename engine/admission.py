@@ -2,8 +2,9 @@
 
 Hits are pinned (re-validated now: a chunk evicted while the request waited is simply a miss,
 and a hit's tokens are checked against the request's, so another sequence's K/V is never
-served); misses get blocks, a pending cache entry and an encode task (or, in
-``block_attention`` mode, a copy of another offset's chunk). Everything is taken only if the
+served); misses get blocks, a pending cache entry and an encode task (or a load from a
+storage tier below the pool that holds it, or, in ``block_attention`` mode, a copy of another
+offset's chunk). Everything is taken only if the
 cache has room for the misses and the request's own prompt blocks; an acquisition that raises
 gives back exactly what it took.
 """
@@ -11,7 +12,7 @@ gives back exactly what it took.
 from __future__ import annotations
 
 from lazyattn_rag.engine.request import Request
-from lazyattn_rag.engine.scheduler_output import CopyJob, ChunkPrefillTask, SchedulerOutput
+from lazyattn_rag.engine.scheduler_output import CopyJob, ChunkPrefillTask, LoadJob, SchedulerOutput
 from lazyattn_rag.types.errors import CacheCapacityError
 
 
@@ -81,6 +82,7 @@ class ChunkAdmission:
         for job in [j for j in out.copies if j.dst_key in mine]:
             out.copies.remove(job)
             self.cache.unpin(job.src_key)
+        out.loads[:] = [j for j in out.loads if j.key not in mine]
         for key in created:
             self.cache.discard_pending(key)
         self.release(request)
@@ -97,7 +99,8 @@ class ChunkAdmission:
 
     def _start_misses(self, request: Request, misses, out: SchedulerOutput, sources: dict,
                       created: list[str]) -> set[str]:
-        """Blocks, pending entries and encode (or copy) jobs for missing chunks; returns copied keys.
+        """Blocks, pending entries and encode (or copy, or load) jobs for missing chunks; returns
+        the keys copied or loaded (not computed).
 
         ``sources`` maps a chunk key to its (already pinned) copy source; the copy job takes over
         that pin (the engine drops it once the copy ran). Each inserted key is appended to
@@ -119,6 +122,12 @@ class ChunkAdmission:
             if src is not None:  # position-aware cache: re-rotate another offset's copy into new blocks
                 out.copies.append(CopyJob(src.key, chunk.key, src.block_ids, blocks, src.num_tokens,
                                           chunk.local_start - src.local_start))
+                copied.add(chunk.key)
+                continue
+            found = self.tiers.find(chunk.key, chunk.token_ids) if self.tiers is not None else None
+            if found is not None:  # in a storage tier: written into the blocks before the pass
+                out.loads.append(LoadJob(chunk.key, blocks, found.chunk, found.tier))
+                request.loaded_tiers[chunk.key] = found.tier
                 copied.add(chunk.key)
                 continue
             request.prefilled_keys.add(chunk.key)
@@ -156,5 +165,8 @@ class ChunkAdmission:
             stats.num_cached_head_tokens = sum(len(c.token_ids) for c in request.plan.chunks if c.doc_id is None
                                                and (c.key not in missed_keys or c.key in copied_keys))
             for c in request.plan.chunks:
-                if c.doc_id is not None:
-                    (stats.docs_missed if c.key in missed_keys else stats.docs_hit).append(c.doc_id)
+                if c.doc_id is None:
+                    continue
+                loaded = c.key in request.loaded_tiers  # from a storage tier: not computed, a hit
+                (stats.docs_missed if c.key in missed_keys and not loaded else stats.docs_hit).append(c.doc_id)
+                stats.doc_tiers[c.doc_id] = request.loaded_tiers.get(c.key, "computed" if c.key in missed_keys else "kv")

@@ -28,6 +28,7 @@ checks them all, so they stay in one class.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lazyattn_rag.engine.block_pool import BlockPool, NoFreeBlocksError
@@ -101,6 +102,9 @@ class ChunkCache:
         self._held: dict[str, list[str]] = {}  # holder (a request id) -> keys it pinned, in order
         self._num_evictable_blocks = 0
         self.num_evictions = 0
+        # Called with each entry evicted for room, before its blocks go back to the pool (their
+        # K/V still intact): the engine's write-back to the host-memory tier.
+        self.on_evict: Callable[[ChunkEntry], None] | None = None
 
     # --- lookup and insertion -------------------------------------------------------------
     def lookup(self, key: str, touch: bool = True, include_dead: bool = False) -> ChunkEntry | None:
@@ -314,6 +318,8 @@ class ChunkCache:
         if not entry.evictable:
             raise RuntimeError(f"cannot evict chunk {key[:12]}: pinned or pending")
         self.num_evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(entry)
         self._drop(entry, evicted=True)
 
     def _drop(self, entry: ChunkEntry, evicted: bool) -> None:

@@ -9,8 +9,10 @@ safetensors file (no pickle): tensors ``keys`` and ``values``
 * ``format``: :data:`FORMAT_VERSION`; ``key``: the chunk's content key; ``model``: the model
   fingerprint's digest (weights, dtype, RoPE, tokenizer, block size);
 * ``local_start``: the position its first token was encoded at (the anchor's length);
-* ``sha256``: over the three tensors' bytes, in that order (safetensors checks the layout;
-  the digest catches flipped bits inside it).
+* ``xxh3_128``: an XXH3 128-bit checksum over the three tensors' bytes, in that order
+  (safetensors checks the layout; the checksum catches flipped bits inside it). XXH3 runs at
+  memory speed (about 13 GB/s here against sha256's 1.3 GB/s), so checking a 64 MiB chunk of an
+  8B model costs ~5 ms, not the 50 ms that would make loading slower than recomputing it.
 
 :func:`decode_chunk` checks all of it against what the caller expects and raises
 :class:`CorruptChunkError` (saying what was wrong) rather than return K/V that could be
@@ -19,7 +21,6 @@ another model's, another sequence's or damaged.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ def encode_chunk(chunk: ChunkKV) -> bytes:
     tensors = {"keys": chunk.keys.contiguous().cpu(), "values": chunk.values.contiguous().cpu(),
                "token_ids": torch.tensor(chunk.token_ids, dtype=torch.int64)}
     metadata = {"format": str(FORMAT_VERSION), "key": chunk.key, "model": chunk.model_digest,
-                "local_start": str(chunk.local_start), "sha256": _digest(tensors)}
+                "local_start": str(chunk.local_start), "xxh3_128": _digest(tensors)}
     return save(tensors, metadata)
 
 
@@ -105,15 +106,17 @@ def decode_chunk(data: bytes, key: str, model_digest: str) -> ChunkKV:
     if keys is None or values is None or token_ids is None or keys.shape != values.shape or keys.dim() != 4 \
             or token_ids.shape != (keys.shape[1],):
         raise CorruptChunkError(f"chunk {key[:12]}: tensors {sorted(tensors)} do not form a chunk")
-    if _digest(tensors) != metadata.get("sha256"):
+    if _digest(tensors) != metadata.get("xxh3_128"):
         raise CorruptChunkError(f"chunk {key[:12]}: checksum mismatch (damaged payload)")
     return ChunkKV(key, model_digest, tuple(token_ids.tolist()), int(metadata["local_start"]), keys, values)
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
+    import xxhash
+
+    h = xxhash.xxh3_128()
     for name in ("keys", "values", "token_ids"):
-        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(tensors[name].contiguous().view(torch.uint8).numpy())  # the buffer, not a copy
     return h.hexdigest()
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,7 @@ class ChunkStore(ABC):
         self._sizes: dict[str, int] = {}
         self.num_bytes = 0
         self.available = True  # an in-process tier always answers
+        self._lock = threading.RLock()  # the engine thread reads while the tiers' writer writes
 
     def __contains__(self, key: str) -> bool:
         return key in self._sizes
@@ -102,22 +104,32 @@ class ChunkStore(ABC):
     def get(self, key: str) -> bytes | None:
         """The bytes stored under ``key`` (a hit for the policy), or ``None`` (a miss; also when
         the tier could not read them, which is counted as an error and forgets the key)."""
-        if key not in self._sizes:
-            self.stats.num_misses += 1
-            return None
+        with self._lock:
+            if key not in self._sizes:
+                self.stats.num_misses += 1
+                return None
         try:
-            data = self._read(key)
+            data = self._read(key)  # outside the lock: a disk read may take a while
         except OSError:
-            self.discard(key)
-            self.stats.num_misses += 1
+            with self._lock:
+                if key in self._sizes:  # else it was evicted or replaced meanwhile: a plain miss
+                    self._remove(key)
+                    self._forget(key, evicted=False)
+                    self.stats.num_errors += 1
+                self.stats.num_misses += 1
             return None
-        self.policy.on_hit(key)
-        self.stats.num_hits += 1
-        self.stats.num_bytes_read += len(data)
+        with self._lock:
+            if key in self._sizes:
+                self.policy.on_hit(key)
+            self.stats.num_hits += 1
+            self.stats.num_bytes_read += len(data)
         return data
 
     def put(self, key: str, data: bytes) -> bool:
         """Store ``data`` under ``key`` (replacing what was there), evicting others to make room.
+
+        Thread-safe: the payload is staged (a disk tier writes and fsyncs a temporary file)
+        outside the store's lock, then committed (renamed) under it.
 
         Returns:
             ``False`` when ``data`` alone exceeds the capacity or the write failed (counted as an
@@ -125,37 +137,45 @@ class ChunkStore(ABC):
         """
         if len(data) > self.capacity_bytes:
             return False
-        if key in self._sizes:
-            self._forget(key, evicted=False)
-        self._make_room(len(data))
         try:
-            self._write(key, data)
+            staged = self._stage(key, data)
         except OSError:
-            self._remove(key)  # neither a partial nor the replaced payload stays behind untracked
-            self.stats.num_errors += 1
+            with self._lock:
+                self.stats.num_errors += 1
             return False
-        self._record(key, len(data))
-        self.stats.num_puts += 1
-        self.stats.num_bytes_written += len(data)
+        with self._lock:
+            if key in self._sizes:
+                self._forget(key, evicted=False)
+            self._make_room(len(data))
+            try:
+                self._commit(key, staged)
+            except OSError:
+                self._remove(key)  # neither a partial nor the replaced payload stays behind untracked
+                self.stats.num_errors += 1
+                return False
+            self._record(key, len(data))
+            self.stats.num_puts += 1
+            self.stats.num_bytes_written += len(data)
         return True
 
     def discard(self, key: str) -> None:
         """Drop a payload the caller found corrupt (or the tier could not read): counted as an
         error; a later :meth:`get` misses."""
-        if key in self._sizes:
-            self._remove(key)
-            self._forget(key, evicted=False)
-        self.stats.num_errors += 1
+        with self._lock:
+            self.delete(key)
+            self.stats.num_errors += 1
 
     def delete(self, key: str) -> None:
         """Drop ``key`` if stored (e.g. ``lazyattn cache clear``)."""
-        if key in self._sizes:
-            self._remove(key)
-            self._forget(key, evicted=False)
+        with self._lock:
+            if key in self._sizes:
+                self._remove(key)
+                self._forget(key, evicted=False)
 
     def keys(self) -> list[str]:
         """The keys stored now."""
-        return list(self._sizes)
+        with self._lock:
+            return list(self._sizes)
 
     def clear(self) -> int:
         """Drop every stored chunk; returns how many."""
@@ -189,8 +209,13 @@ class ChunkStore(ABC):
     @abstractmethod
     def _read(self, key: str) -> bytes: ...
 
+    def _stage(self, key: str, data: bytes):
+        """Prepare ``data`` for :meth:`_commit` (outside the lock); raises ``OSError``."""
+        return data
+
     @abstractmethod
-    def _write(self, key: str, data: bytes) -> None: ...
+    def _commit(self, key: str, staged) -> None:
+        """Make the staged payload the one under ``key`` (under the lock); raises ``OSError``."""
 
     @abstractmethod
     def _remove(self, key: str) -> None: ...
@@ -208,8 +233,11 @@ class HostMemoryStore(ChunkStore):
     def _read(self, key: str) -> bytes:
         return self._data[key]
 
-    def _write(self, key: str, data: bytes) -> None:
-        self._data[key] = bytes(data)
+    def _stage(self, key: str, data: bytes) -> bytes:
+        return bytes(data)
+
+    def _commit(self, key: str, staged: bytes) -> None:
+        self._data[key] = staged
 
     def _remove(self, key: str) -> None:
         self._data.pop(key, None)
@@ -243,17 +271,25 @@ class DiskStore(ChunkStore):
     def _read(self, key: str) -> bytes:
         return self._path(key).read_bytes()
 
-    def _write(self, key: str, data: bytes) -> None:
-        path = self._path(key)
+    def _stage(self, key: str, data: bytes) -> str:
+        """Write and fsync a temporary file in the directory; its name."""
+        self._path(key)  # a bad key fails before anything is written
         fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=self.directory)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
+            raise
+        return tmp
+
+    def _commit(self, key: str, staged: str) -> None:
+        try:
+            os.replace(staged, self._path(key))  # atomic: readers see the old file or the new one
+        except BaseException:
+            Path(staged).unlink(missing_ok=True)
             raise
 
     def _remove(self, key: str) -> None:

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from lazyattn_rag.engine.block_table import BlockEntry, block_table_entries
-from lazyattn_rag.engine.chunk_cache import ChunkCache
+from lazyattn_rag.engine.chunk_cache import ChunkCache, ChunkEntry
+from lazyattn_rag.engine.chunk_format import ChunkKV
+from lazyattn_rag.engine.chunk_tiers import ChunkTiers
 from lazyattn_rag.engine.counters import EngineCounters
 from lazyattn_rag.engine.detokenizer import IncrementalDetokenizer
 from lazyattn_rag.engine.output_processor import OutputProcessor, Sink
@@ -77,6 +79,10 @@ class LLMEngine:
         config: engine configuration (anchor mode, prompt, scheduler limits).
         max_model_len: context limit in tokens (lowered to what the KV cache holds).
         eos_token_ids: end-of-sequence ids besides the tokenizer's own.
+        tiers: storage tiers below the KV pool (``engine/chunk_tiers.py``), or ``None``. The
+            engine copies a chunk's K/V off the device when the pool evicts it (for the host
+            tier) and when a step computes it (for the persistent tiers); the tiers' writer
+            thread encodes and stores it.
 
     Attributes:
         documents: the :class:`DocumentRegistry`.
@@ -92,8 +98,10 @@ class LLMEngine:
     """
 
     def __init__(self, runner: ModelRunner, cache: ChunkCache, tokenizer, model_digest: str,
-                 config: EngineConfig, max_model_len: int, eos_token_ids: set[int] | None = None):
+                 config: EngineConfig, max_model_len: int, eos_token_ids: set[int] | None = None,
+                 tiers: ChunkTiers | None = None):
         self.runner, self.cache, self.tokenizer, self.config = runner, cache, tokenizer, config
+        self.tiers = tiers
         self.model_digest, self.block_size = model_digest, cache.block_size
         self.documents = DocumentRegistry(cache, self._prepare_document)
         self.planner = PromptPlanner(tokenizer, config, model_digest, cache.block_size,
@@ -105,7 +113,9 @@ class LLMEngine:
         self.counters = EngineCounters()
         sched = config.scheduler
         self.scheduler = Scheduler(cache, sched.max_num_batched_tokens, sched.max_num_seqs, self._encode_anchor(),
-                                   self.planner.anchor_key, sched.prefill_with_encodes, self.counters)
+                                   self.planner.anchor_key, sched.prefill_with_encodes, self.counters, tiers)
+        if tiers is not None and tiers.host is not None:
+            cache.on_evict = self._write_back
         self.max_model_len = self.planner.max_model_len = self._fit_max_model_len(max_model_len)
         self.outputs = OutputProcessor(self.scheduler, self.counters, self.max_model_len)
         self.step_listeners: list[StepListener] = []
@@ -149,6 +159,36 @@ class LLMEngine:
         self.runner.execute_step(SchedulerOutput(chunk_prefills=[ChunkPrefillJob(key, ids, 0, blocks, [])]))
         self.cache.mark_ready(key)
         return block_table_entries(entry.block_ids, len(ids), 0, self.block_size)
+
+    # --- storage tiers ------------------------------------------------------------------------
+    def _chunk_kv(self, entry: ChunkEntry) -> ChunkKV:
+        keys, values = self.runner.read_blocks(entry.block_ids, entry.num_tokens)
+        return ChunkKV(entry.key, self.model_digest, entry.token_ids, entry.local_start, keys, values)
+
+    def _storable(self, entry: ChunkEntry | None) -> bool:
+        return entry is not None and entry.ready and entry.token_ids is not None and entry.source_key is None
+
+    def _write_back(self, entry: ChunkEntry) -> None:
+        """The pool evicts ``entry`` (its blocks still hold its K/V): queue it for the host tier."""
+        host = self.tiers.host
+        if not self._storable(entry) or entry.key in host:
+            return
+        try:
+            self.tiers.save(self._chunk_kv(entry), [host])
+        except Exception:  # noqa: BLE001 - a lost write-back costs a recompute, never the step
+            logger.exception("write-back of chunk %s failed", entry.key[:12])
+
+    def _persist(self, out: SchedulerOutput) -> None:
+        """Queue the chunks this step computed for the persistent tiers (disk, Redis)."""
+        tiers = self.tiers.persistent
+        for job in out.chunk_prefills:
+            entry = self.cache.lookup(job.key, touch=False, include_dead=True) if job.final else None
+            targets = [t for t in tiers if job.key not in t] if self._storable(entry) else []
+            if targets:
+                try:
+                    self.tiers.save(self._chunk_kv(entry), targets)
+                except Exception:  # noqa: BLE001 - as _write_back
+                    logger.exception("storing chunk %s failed", job.key[:12])
 
     def _prepare_document(self, doc_id: str, text: str) -> RegisteredDocument:
         """The planner's checks, then: one request with the document must fit the KV cache (a
@@ -293,6 +333,10 @@ class LLMEngine:
         if out.is_empty:
             return (out, None) if out.failed or out.warmed or out.released_ids else None
         self.counters.num_steps += 1
+        measure = self.tiers is not None and bool(out.chunk_prefills)
+        if measure:
+            self._synchronize()
+            start = time.perf_counter()
         try:
             logits = self.runner.execute_step(out)
         except Exception as error:  # a broken step fails its requests, never the cache
@@ -301,6 +345,11 @@ class LLMEngine:
             return out, None
         self.scheduler.update_from_output(out)
         self.outputs.process(out.computes, logits)
+        if measure:  # prefill speed, against which loading from a tier is weighed
+            self._synchronize()
+            self.tiers.costs.record_prefill(out.num_batched_tokens, time.perf_counter() - start)
+            if self.tiers.persistent:
+                self._persist(out)
         return out, logits
 
     def _synchronize(self) -> None:
@@ -310,12 +359,15 @@ class LLMEngine:
     def close(self) -> None:
         """Fail what is unfinished and free the KV cache and CUDA graphs (on the engine thread)."""
         self.fail_all(RuntimeError("the engine was closed"))
+        if self.tiers is not None:
+            self.tiers.close()  # the queued writes finish first
         self.runner.close()
 
     # --- introspection --------------------------------------------------------------------
     def stats(self) -> dict:
         """Engine-wide stats: hit ratios (tokens, documents), blocks, evictions, preemptions, queues,
-        and ``first_request_ttft_ms`` (the first request to produce a token; ``None`` before)."""
+        ``first_request_ttft_ms`` (the first request to produce a token; ``None`` before) and
+        ``tiers``: per storage tier below the pool, :meth:`ChunkTiers.stats` (empty without tiers)."""
         c, cache, pool, sched = self.counters, self.cache, self.cache.pool, self.scheduler
         cached_blocks = cache.num_cached_blocks
         return {
@@ -340,4 +392,5 @@ class LLMEngine:
             "num_preemptions": c.num_preemptions,
             "num_steps": c.num_steps,
             "first_request_ttft_ms": c.first_request_ttft_ms,
+            "tiers": self.tiers.stats() if self.tiers is not None else {},
         }

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,8 @@ import torch
 from lazyattn_rag.engine.attention import get_backend_class
 from lazyattn_rag.engine.block_pool import BlockPool
 from lazyattn_rag.engine.chunk_cache import ChunkCache
+from lazyattn_rag.engine.chunk_store import DiskStore, HostMemoryStore
+from lazyattn_rag.engine.chunk_tiers import ChunkTiers
 from lazyattn_rag.engine.cuda_graphs import graph_batch_sizes, graph_block_table_width
 from lazyattn_rag.engine.engine import LLMEngine
 from lazyattn_rag.engine.eviction import make_policy
@@ -31,7 +34,7 @@ from lazyattn_rag.engine.model import CausalLM, ModelArchConfig
 from lazyattn_rag.engine.runner import ModelRunner, kv_bytes_per_block
 from lazyattn_rag.engine.self_check import run_self_check
 from lazyattn_rag.kernels.rope import RotaryEmbedding
-from lazyattn_rag.types.config import EngineConfig
+from lazyattn_rag.types.config import CacheConfig, EngineConfig
 from lazyattn_rag.types.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -147,12 +150,32 @@ def _assemble(model: CausalLM, tokenizer: Any, config: EngineConfig, weights_sha
     fingerprint = ModelFingerprint(weights_sha256, dtype_name, json.dumps(model.rotary.fingerprint(), sort_keys=True),
                                    _tokenizer_sha256(tokenizer), block_size)
     cache = ChunkCache(BlockPool(num_blocks), block_size, make_policy(config.cache.eviction_policy))
-    engine = LLMEngine(runner, cache, tokenizer, fingerprint.digest(), config, max_model_len, eos_ids)
+    tiers = build_tiers(config.cache, fingerprint.digest(), block_bytes // block_size)
+    engine = LLMEngine(runner, cache, tokenizer, fingerprint.digest(), config, max_model_len, eos_ids, tiers)
     engine.fingerprint = fingerprint
     engine.info = {"model": name, "model_type": arch.model_type, "device": str(device),
                    "dtype": dtype_name, "attention_backend": backend.name, "block_bytes": block_bytes}
     clock.lap("engine_init")
     return engine
+
+
+def build_tiers(cache: CacheConfig, model_digest: str, bytes_per_token: int) -> ChunkTiers | None:
+    """The storage tiers ``cache`` configures, fastest first (``None`` when none is).
+
+    Raises:
+        ImportError: ``redis_url`` is set but redis-py is not installed (the ``redis`` extra).
+    """
+    tiers: list = []
+    if cache.host_memory_bytes:
+        tiers.append(HostMemoryStore(cache.host_memory_bytes, make_policy(cache.tier_eviction_policy)))
+    if cache.disk_dir:
+        tiers.append(DiskStore(Path(cache.disk_dir).expanduser(), cache.disk_bytes,
+                               make_policy(cache.tier_eviction_policy)))
+    if cache.redis_url:
+        from lazyattn_rag.engine.redis_store import RedisStore
+
+        tiers.append(RedisStore(cache.redis_url, ttl_seconds=cache.redis_ttl_seconds))
+    return ChunkTiers(tiers, model_digest, bytes_per_token) if tiers else None
 
 
 def describe(engine: LLMEngine) -> dict:

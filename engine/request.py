@@ -37,6 +37,7 @@ class Request:
         stats: per-request stats.
         arrival_time: ``time.perf_counter()`` at submission.
         prefilled_keys: chunk keys this request encoded (its misses).
+        loaded_tiers: chunk keys this request loaded from a storage tier, and the tier's name.
         context_entries: block-table entries of everything before the query tail: its chunks
             (``delta = g - l`` each) and its text segments' blocks (``delta = 0``), in prompt
             order, set once the chunks are all written (the runner packs them once);
@@ -61,6 +62,7 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     status: RequestStatus = RequestStatus.WAITING
     prefilled_keys: set[str] = field(default_factory=set)
+    loaded_tiers: dict[str, str] = field(default_factory=dict)  # chunk key -> the tier it was loaded from
     context_len: int = 0
     context_entries: list[BlockEntry] = field(default_factory=list)
     private_blocks: list[int] = field(default_factory=list)

@@ -75,7 +75,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_step(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run a step: its copies, then one forward pass of its chunk prefills and computes (the
+        """Run a step: its loads and copies, then one forward pass of its chunk prefills and computes (the
         caller has released the tables of ``out.released_ids`` first: :meth:`InputPreparer.release`).
 
         Returns:
@@ -85,6 +85,8 @@ class ModelRunner:
         Raises:
             whatever a copy or the forward pass raises; the caller abandons the whole step.
         """
+        for load in out.loads:
+            self.write_blocks(load.block_ids, load.chunk.keys, load.chunk.values)
         for copy in out.copies:
             self.copy_rotated(copy.src_blocks, copy.dst_blocks, copy.num_tokens, copy.delta)
         if not (out.chunk_prefills or out.computes):

@@ -34,6 +34,7 @@ from collections import deque
 from lazyattn_rag.engine.admission import ChunkAdmission
 from lazyattn_rag.engine.block_table import BlockEntry, block_table_entries
 from lazyattn_rag.engine.chunk_cache import ChunkCache
+from lazyattn_rag.engine.chunk_tiers import ChunkTiers
 from lazyattn_rag.engine.counters import EngineCounters
 from lazyattn_rag.engine.prompt_plan import ChunkSegment
 from lazyattn_rag.engine.request import Request, RequestStatus
@@ -52,12 +53,15 @@ class Scheduler(ChunkAdmission):
         anchor_key: the anchor's chunk key (its blocks are not counted against requests).
         prefill_with_encodes: see :class:`lazyattn_rag.types.config.SchedulerConfig`.
         counters: the engine's counters (preemptions are counted here).
+        tiers: storage tiers below the pool where a missing chunk is looked up before it is
+            encoded (``engine/chunk_tiers.py``); ``None``: none.
     """
 
     def __init__(self, cache: ChunkCache, max_num_batched_tokens: int, max_num_seqs: int,
                  anchor_context: list[BlockEntry], anchor_key: str | None = None,
-                 prefill_with_encodes: bool = True, counters: EngineCounters | None = None):
-        self.cache = cache
+                 prefill_with_encodes: bool = True, counters: EngineCounters | None = None,
+                 tiers: ChunkTiers | None = None):
+        self.cache, self.tiers = cache, tiers
         self.prefill_with_encodes = prefill_with_encodes
         self.block_size = cache.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -153,6 +157,9 @@ class Scheduler(ChunkAdmission):
             self.cache.mark_ready(copy.dst_key)
             self.cache.unpin(copy.dst_key)  # the writer's pin (insert_pending)
             self.cache.unpin(copy.src_key)
+        for load in out.loads:
+            self.cache.mark_ready(load.key)
+            self.cache.unpin(load.key)  # the writer's pin
         for job in out.chunk_prefills:
             if job.final:  # the chunk's last piece: readable from now on; the encoder lets go
                 self.cache.mark_ready(job.key)
@@ -163,10 +170,10 @@ class Scheduler(ChunkAdmission):
                 self._register_prefix_blocks(job.request)
 
     def abandon(self, out: SchedulerOutput) -> list[Request]:
-        """The step's copies or forward pass raised: release the step's requests and every request
-        holding a chunk the step was writing (admitted or running), drop those chunks' pending
-        entries and the copies' source pins. Returns the released requests (they must fail)."""
-        pending = {job.key for job in out.chunk_prefills} | {c.dst_key for c in out.copies}
+        """The step's loads, copies or forward pass raised: release the step's requests and every
+        request holding a chunk the step was writing (admitted or running), drop those chunks'
+        pending entries and the copies' source pins. Returns the released requests (they must fail)."""
+        pending = {job.key for job in out.chunk_prefills} | {c.dst_key for c in out.copies} | {j.key for j in out.loads}
         for copy in out.copies:
             self.cache.unpin(copy.src_key)
         victims = {id(j.request): j.request for j in out.computes}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lazyattn_rag.engine.block_table import BlockEntry
+from lazyattn_rag.engine.chunk_format import ChunkKV
 from lazyattn_rag.engine.request import Request
 
 
@@ -68,6 +69,16 @@ class CopyJob:
 
 
 @dataclass
+class LoadJob:
+    """Write a chunk found in a storage tier (``tier``) into new blocks, before the pass."""
+
+    key: str
+    block_ids: list[int]
+    chunk: ChunkKV
+    tier: str
+
+
+@dataclass
 class ComputeJob:
     """Compute ``num_tokens`` private tokens of ``request`` from index ``start``; sample if ``sample``."""
 
@@ -84,6 +95,8 @@ class SchedulerOutput:
     Attributes:
         chunk_prefills: pieces of chunks to prefill alone (each attends the anchor and its earlier pieces).
         copies: positioned chunks to copy to a new offset (``block_attention`` mode), before the pass.
+        loads: chunks found in a storage tier below the pool, written into their blocks before
+            the pass (``engine/chunk_tiers.py``).
         computes: requests' private tokens (query prefill, text segments, one decode token).
         failed: requests refused while acquiring their chunks, with the error each gets.
         warmed: warm-up requests whose chunks are all written (they finish now).
@@ -93,6 +106,7 @@ class SchedulerOutput:
 
     chunk_prefills: list[ChunkPrefillJob] = field(default_factory=list)
     copies: list[CopyJob] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
     computes: list[ComputeJob] = field(default_factory=list)
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
     warmed: list[Request] = field(default_factory=list)
@@ -104,9 +118,11 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.chunk_prefills or self.copies or self.computes)
+        return not (self.chunk_prefills or self.copies or self.loads or self.computes)
 
     def written_keys(self) -> set[str]:
         """Chunks this step completes: their last piece encoded in its forward pass (each layer
-        writes the batch's K/V before its attention reads any of it) or copied before that pass."""
-        return {e.key for e in self.chunk_prefills if e.final} | {c.dst_key for c in self.copies}
+        writes the batch's K/V before its attention reads any of it), or copied or loaded
+        before that pass."""
+        return ({e.key for e in self.chunk_prefills if e.final} | {c.dst_key for c in self.copies}
+                | {j.key for j in self.loads})

@@ -42,6 +42,20 @@ class CacheConfig:
             offset re-rotates another copy into new blocks; documents are encoded alone, no anchor),
             ``"prefix"`` (exact-prefix block reuse only, as vLLM's automatic prefix caching) or
             ``"full"`` (no reuse: every prompt is prefilled in full).
+        host_memory_bytes: budget of the host-memory tier below the KV pool (0, the default:
+            off). A chunk the pool evicts is copied there (write-back) and a later miss loads it
+            instead of recomputing it (``engine/chunk_tiers.py``).
+        disk_dir: directory of the disk tier (``None``, the default: off; ``lazyattn chat`` and
+            ``ask`` use one under the user cache directory). Chunks are written there when
+            computed, so a restarted process, or another on the same machine, loads them.
+        disk_bytes: the disk tier's budget (default 4 GiB); past it, the least recently used go.
+        redis_url: a Redis server shared by processes and replicas (``redis://host:port/db``;
+            ``None``, the default: off; needs the ``redis`` extra). Chunks are written there when
+            computed. The server keeps the budget: give it ``maxmemory`` and
+            ``maxmemory-policy allkeys-lru``. A server that is down or slow costs only speed.
+        redis_ttl_seconds: expiry of chunks written to Redis (``None``: none).
+        tier_eviction_policy: eviction order within the host and disk tiers (lru, lfu or gdsf).
+        Tiers serve ``mode="lazy"`` only (the other modes are baselines).
     """
 
     block_size: int = 16
@@ -51,6 +65,17 @@ class CacheConfig:
     anchor: str = "bos"
     eviction_policy: str = "lfu"
     mode: str = "lazy"
+    host_memory_bytes: int = 0
+    disk_dir: str | None = None
+    disk_bytes: int = 4 << 30
+    redis_url: str | None = None
+    redis_ttl_seconds: int | None = None
+    tier_eviction_policy: str = "lru"
+
+    @property
+    def has_tiers(self) -> bool:
+        """Whether any storage tier below the KV pool is configured."""
+        return bool(self.host_memory_bytes or self.disk_dir or self.redis_url)
 
     def __post_init__(self):
         _check_int("block_size", self.block_size, 1)
@@ -71,6 +96,18 @@ class CacheConfig:
             raise ValueError(f"mode must be one of {CACHE_MODES}, got {self.mode!r}")
         if self.eviction_policy not in ("lru", "lfu", "gdsf"):
             raise ValueError(f"eviction_policy must be lru, lfu or gdsf, got {self.eviction_policy!r}")
+        _check_int("host_memory_bytes", self.host_memory_bytes, 0)
+        _check_int("disk_bytes", self.disk_bytes, 1)
+        _check_int("redis_ttl_seconds", self.redis_ttl_seconds, 1, optional=True)
+        if self.tier_eviction_policy not in ("lru", "lfu", "gdsf"):
+            raise ValueError(f"tier_eviction_policy must be lru, lfu or gdsf, got {self.tier_eviction_policy!r}")
+        if self.disk_dir is not None and not str(self.disk_dir):
+            raise ValueError("disk_dir must be a directory path or None")
+        if self.redis_url is not None and not str(self.redis_url).startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if self.has_tiers and self.mode != "lazy":
+            raise ValueError(f"storage tiers (host_memory_bytes, disk_dir, redis_url) serve position-agnostic "
+                             f"chunks: mode must be 'lazy', got {self.mode!r}")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,9 @@ class RequestStats:
         num_output_tokens: tokens generated.
         docs_hit: document ids served from the cache, in prompt order.
         docs_missed: document ids encoded for this request, in prompt order.
+        doc_tiers: where each document's K/V came from: ``"kv"`` (already in the KV pool),
+            ``"host"``, ``"disk"`` or ``"redis"`` (loaded from that storage tier: a hit, not
+            computed) or ``"computed"`` (a miss; ``block_attention`` mode's re-rotated copies too).
         ttft_ms: time to first token, from submission, in milliseconds.
         tpot_ms: mean time per output token after the first, in milliseconds.
         e2e_ms: submission to finish, in milliseconds.
@@ -37,6 +40,7 @@ class RequestStats:
     num_output_tokens: int = 0
     docs_hit: list[str] = field(default_factory=list)
     docs_missed: list[str] = field(default_factory=list)
+    doc_tiers: dict[str, str] = field(default_factory=dict)
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2e_ms: float | None = None
@@ -54,11 +58,19 @@ class RequestStats:
         from lazyattn_rag.utils.progress import plural
 
         ttft = f"{self.ttft_ms:.0f} ms" if self.ttft_ms is not None else "n/a"
-        docs = (f"docs hit {len(self.docs_hit)}, missed {len(self.docs_missed)}"
+        docs = (f"docs hit {len(self.docs_hit)}{self._tiers_label()}, missed {len(self.docs_missed)}"
                 if self.docs_hit or self.docs_missed else no_documents)
         return (f"[{docs} | prompt {self.num_prompt_tokens} tokens: {self._cached_label()}, "
                 f"{self.num_computed_tokens} computed | TTFT {ttft} | "
                 f"{plural(self.num_output_tokens, 'output token')}]")
+
+    def _tiers_label(self) -> str:
+        """``" (1 from disk)"``: hits loaded from storage tiers below the KV pool, by tier."""
+        counts: dict[str, int] = {}
+        for tier in self.doc_tiers.values():
+            if tier not in ("kv", "computed"):
+                counts[tier] = counts.get(tier, 0) + 1
+        return f" ({', '.join(f'{n} from {t}' for t, n in counts.items())})" if counts else ""
 
     def _cached_label(self) -> str:
         """``"33 cached (prompt head)"``, ``"533 cached (500 from documents, 33 prompt head)"``:
