@@ -190,14 +190,14 @@ class LLMEngine:
                 except Exception:  # noqa: BLE001 - as _write_back
                     logger.exception("storing chunk %s failed", job.key[:12])
 
-    def _prepare_document(self, doc_id: str, text: str) -> RegisteredDocument:
+    def _prepare_document(self, doc_id: str, text: str, namespace: str = "") -> RegisteredDocument:
         """The planner's checks, then: one request with the document must fit the KV cache (a
         chunk starts a block of its own, so tokens under the context limit are not enough).
 
         Raises:
             EmptyInputError, DocumentTooLongError: naming the document (and the blocks needed).
         """
-        doc = self.planner.prepare_document(doc_id, text)
+        doc = self.planner.prepare_document(doc_id, text, namespace)
         blocks, planner = self.scheduler.blocks_for, self.planner
         head = 0 if planner.head_key == planner.anchor_key else blocks(len(planner.head_ids))
         need = head + blocks(len(doc.token_ids)) + blocks(planner.min_tail_tokens + 1)
@@ -209,31 +209,32 @@ class LLMEngine:
 
     # --- submission -----------------------------------------------------------------------
     def submit_question(self, question: str, doc_ids: list[str], documents: list[tuple[str, str]],
-                        params: SamplingParams, sink: Sink) -> Request:
+                        params: SamplingParams, sink: Sink, namespace: str = "") -> Request:
         """Plan ``question`` over ``doc_ids`` then the inline ``documents`` (registered first, all
-        or none, and only if the request is accepted) and queue it.
+        or none, and only if the request is accepted), all in ``namespace``, and queue it.
 
         Raises:
             what :meth:`DocumentRegistry.add`, :meth:`PromptPlanner.plan` and :meth:`submit`
             raise; then nothing is registered or queued.
         """
-        with self.documents.inline(documents):
-            return self.submit(self.planner.plan(question, doc_ids + [d for d, _ in documents]), params, sink)
+        with self.documents.inline(documents, namespace):
+            return self.submit(self.planner.plan(question, doc_ids + [d for d, _ in documents], namespace), params,
+                               sink)
 
     def submit_chat(self, messages: list[Message], documents: list[tuple[str, str]], params: SamplingParams,
-                    sink: Sink) -> Request:
+                    sink: Sink, namespace: str = "") -> Request:
         """Plan chat ``messages`` (:meth:`PromptPlanner.plan_messages`) with inline ``documents``
-        and queue it; errors as :meth:`submit_question`."""
-        with self.documents.inline(documents):
-            return self.submit(self.planner.plan_messages(messages), params, sink)
+        in ``namespace`` and queue it; errors as :meth:`submit_question`."""
+        with self.documents.inline(documents, namespace):
+            return self.submit(self.planner.plan_messages(messages, namespace), params, sink)
 
     def submit_prompt(self, prompt: str | list[int], params: SamplingParams, sink: Sink) -> Request:
         """Queue a raw prompt, computed whole (:meth:`PromptPlanner.plan_prompt`)."""
         return self.submit(self.planner.plan_prompt(prompt), params, sink)
 
-    def submit_warm(self, doc_ids: list[str], sink: Sink) -> Request:
+    def submit_warm(self, doc_ids: list[str], sink: Sink, namespace: str = "") -> Request:
         """Queue a warm-up: encode the documents' chunks (no question). Raises ``UnknownDocumentError``."""
-        return self.submit(self.planner.plan_warm(doc_ids), SamplingParams(max_tokens=1), sink,
+        return self.submit(self.planner.plan_warm(doc_ids, namespace), SamplingParams(max_tokens=1), sink,
                            warm_only=True)
 
     def submit(self, plan: PromptPlan, params: SamplingParams, sink: Sink, warm_only: bool = False) -> Request:

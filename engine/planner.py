@@ -69,16 +69,20 @@ class PromptPlanner:
         return (bos,)
 
     # --- documents ------------------------------------------------------------------------
-    def prepare_document(self, doc_id: str, text: str) -> RegisteredDocument:
-        """Validate and tokenize one document (nothing is registered here).
+    def prepare_document(self, doc_id: str, text: str, namespace: str = "") -> RegisteredDocument:
+        """Validate and tokenize one document (nothing is registered here); its content key
+        includes ``namespace`` (a non-empty one keys its chunks apart from every other).
 
         Raises:
             EmptyInputError: empty id or text (or not strings), or text with no tokens.
+            ValueError: an id containing a NUL character.
             DocumentTooLongError: the document plus the head and the shortest question exceeds
                 the context limit (the counts and the limit are in the message).
         """
         if not isinstance(doc_id, str) or not doc_id:
             raise EmptyInputError(f"document id must be a non-empty string, got {doc_id!r}")
+        if "\x00" in doc_id:
+            raise ValueError(f"document id {doc_id!r} contains a NUL character")
         if not isinstance(text, str) or not text.strip():
             raise EmptyInputError(f"document {doc_id!r} is empty or not a string")
         ids = tuple(self.template.document_token_ids(text))
@@ -89,21 +93,23 @@ class PromptPlanner:
             raise DocumentTooLongError(
                 f"document {doc_id!r} has {len(ids)} tokens; with the {len(self.head_ids)}-token prompt head and "
                 f"a question, at most {budget} fit the context limit of {self.max_model_len} tokens")
-        return RegisteredDocument(text, ids, chunk_key(self.model_digest, self.anchor_fp, list(ids)))
+        anchor = self.anchor_fp if not namespace else f"{self.anchor_fp}|namespace:{namespace}"
+        return RegisteredDocument(text, ids, chunk_key(self.model_digest, anchor, list(ids)))
 
-    def chunks(self, doc_ids: list[str]) -> list[ChunkSegment]:
-        """The head and the documents' chunks at their offsets, in order (ids must be registered)."""
+    def chunks(self, doc_ids: list[str], namespace: str = "") -> list[ChunkSegment]:
+        """The head and the documents' chunks at their offsets, in order (ids must be registered
+        in ``namespace``)."""
         chunks = [ChunkSegment(self.head_key, self.head_ids, 0, 0, None)] if self.head_ids else []
         pos, local = len(self.head_ids), len(self.anchor_ids)
         for d in doc_ids:
-            doc = self.documents[d]
+            doc = self.documents.get(d, namespace)
             chunks.append(ChunkSegment(doc.key, doc.token_ids, local, pos, d))
             pos += len(doc.token_ids)
         return chunks
 
     # --- plans ----------------------------------------------------------------------------
-    def plan(self, question: str, doc_ids: list[str]) -> PromptPlan:
-        """The plan of a question over registered documents (per ``CacheConfig.mode``).
+    def plan(self, question: str, doc_ids: list[str], namespace: str = "") -> PromptPlan:
+        """The plan of a question over documents registered in ``namespace`` (per ``CacheConfig.mode``).
 
         Raises:
             EmptyInputError: empty question.
@@ -112,13 +118,14 @@ class PromptPlanner:
         """
         if not isinstance(question, str) or not question.strip():
             raise EmptyInputError("the question is empty")
-        self.documents.check_ids(doc_ids)
-        plan = PromptPlan(tuple(self.chunks(doc_ids)), tuple(self.template.tail_token_ids(question)))
+        self.documents.check_ids(doc_ids, namespace)
+        plan = PromptPlan(tuple(self.chunks(doc_ids, namespace)), tuple(self.template.tail_token_ids(question)))
         self._check_length(plan, f"{len(doc_ids)} documents")
         return self._for_mode(plan)
 
-    def plan_messages(self, messages: list[Message]) -> PromptPlan:
-        """The plan of chat ``messages`` whose content places registered documents (:class:`DocumentRef`).
+    def plan_messages(self, messages: list[Message], namespace: str = "") -> PromptPlan:
+        """The plan of chat ``messages`` whose content places documents registered in
+        ``namespace`` (:class:`DocumentRef`).
 
         The messages are rendered in the chat template (:meth:`PromptTemplate.render_messages`).
         Text before the first document becomes the prompt head, a chunk cached like an exact
@@ -137,7 +144,7 @@ class PromptPlanner:
             raise EmptyInputError("no messages")
         pieces = self.template.render_messages(messages)
         doc_ids = [p.id for p in pieces if isinstance(p, DocumentRef)]
-        self.documents.check_ids(doc_ids)
+        self.documents.check_ids(doc_ids, namespace)
         lead = self.template.leading_special_ids()
         if not doc_ids:
             return self.plan_plain(lead + self.template.encode_runs(pieces[0].runs if pieces else ()))
@@ -148,7 +155,7 @@ class PromptPlanner:
         chunks, texts, pos = [], [], 0
         for i, piece in enumerate(pieces[:-1]):
             if isinstance(piece, DocumentRef):
-                doc = self.documents[piece.id]
+                doc = self.documents.get(piece.id, namespace)
                 chunks.append(ChunkSegment(doc.key, doc.token_ids, len(self.anchor_ids), pos, piece.id))
                 pos += len(doc.token_ids)
                 continue
@@ -196,10 +203,10 @@ class PromptPlanner:
         self._check_length(plan, "plain prompt")
         return plan
 
-    def plan_warm(self, doc_ids: list[str]) -> PromptPlan:
+    def plan_warm(self, doc_ids: list[str], namespace: str = "") -> PromptPlan:
         """A warm-up's plan: the documents' chunks, no question. Raises ``UnknownDocumentError``."""
-        self.documents.check_ids(doc_ids)
-        return PromptPlan(tuple(self.chunks(doc_ids)), ())
+        self.documents.check_ids(doc_ids, namespace)
+        return PromptPlan(tuple(self.chunks(doc_ids, namespace)), ())
 
     def _check_length(self, plan: PromptPlan, what: str) -> None:
         if plan.num_prompt_tokens >= self.max_model_len:

@@ -4,22 +4,46 @@ A document is validated and tokenized once, when it is registered (the planner's
 :meth:`~lazyattn_rag.engine.planner.PromptPlanner.prepare_document`); a prompt then places it by
 id. Registering several documents is all or none, and inline documents of one request are
 bound only once the request's plan stands (:meth:`DocumentRegistry.inline`).
+
+**Namespaces** (tenancy): every method takes ``namespace`` (``""``, the default, is shared).
+Document ids are looked up within their namespace only, and the namespace is part of the
+chunk's content key (the planner's), so one tenant is never served another tenant's document,
+nor its cached K/V, in the KV pool or in any storage tier, even for identical text.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+import re
 from dataclasses import dataclass
 
 from lazyattn_rag.engine.chunk_cache import ChunkCache
 from lazyattn_rag.types.errors import UnknownDocumentError
 
+NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_.:@/-]{1,128}")
+
+
+def check_namespace(namespace: str) -> str:
+    """``namespace`` if valid: ``""`` (shared) or 1-128 of letters, digits and ``_.:@/-``.
+
+    Raises:
+        ValueError: anything else (named).
+    """
+    if namespace == "" or (isinstance(namespace, str) and NAMESPACE_PATTERN.fullmatch(namespace)):
+        return namespace
+    raise ValueError(f"namespace must be '' or 1-128 letters, digits and _.:@/- characters, got {namespace!r}")
+
+
+def scoped_id(doc_id: str, namespace: str) -> str:
+    """The registry's key of ``doc_id`` in ``namespace`` (the id itself in the shared one)."""
+    return f"{namespace}\x00{doc_id}" if namespace else doc_id
+
 
 @dataclass(frozen=True)
 class RegisteredDocument:
     """A registered document: its text, its tokens (special-token text tokenized literally) and
-    its chunk's content key (model fingerprint + anchor + tokens)."""
+    its chunk's content key (model fingerprint + anchor + namespace + tokens)."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -32,39 +56,52 @@ class DocumentRegistry:
     Args:
         cache: the chunk cache (a document's binding lets a changed or removed document's stale
             chunk be dropped once no request reads it).
-        prepare: ``prepare(doc_id, text) -> RegisteredDocument``; validates and tokenizes,
-            raising ``EmptyInputError`` / ``DocumentTooLongError`` naming the document.
+        prepare: ``prepare(doc_id, text, namespace) -> RegisteredDocument``; validates and
+            tokenizes, raising ``EmptyInputError`` / ``DocumentTooLongError`` naming the document.
     """
 
-    def __init__(self, cache: ChunkCache, prepare: Callable[[str, str], RegisteredDocument]):
+    def __init__(self, cache: ChunkCache, prepare: Callable[[str, str, str], RegisteredDocument]):
         self.cache, self.prepare = cache, prepare
         self._documents: dict[str, RegisteredDocument] = {}
         self.version = 0  # grows whenever a document is added, changed or removed
 
-    def __contains__(self, doc_id: str) -> bool:
-        return doc_id in self._documents
-
     def __len__(self) -> int:
         return len(self._documents)
 
-    def __getitem__(self, doc_id: str) -> RegisteredDocument:
-        return self._documents[doc_id]
+    def __contains__(self, doc_id: str) -> bool:  # the shared namespace
+        return self.contains(doc_id)
 
-    def ids(self) -> list[str]:
-        return list(self._documents)
+    def __getitem__(self, doc_id: str) -> RegisteredDocument:  # the shared namespace
+        return self.get(doc_id)
 
-    def texts(self, doc_ids: list[str] | None = None) -> dict[str, str]:
-        """``{id: text}`` of every registered document, or of those of ``doc_ids`` that are."""
-        ids = self._documents if doc_ids is None else [d for d in doc_ids if d in self._documents]
-        return {d: self._documents[d].text for d in ids}
+    def contains(self, doc_id: str, namespace: str = "") -> bool:
+        return scoped_id(doc_id, namespace) in self._documents
 
-    def check_ids(self, doc_ids: list[str]) -> None:
-        """Raises ``UnknownDocumentError`` naming the first id that is not registered."""
+    def get(self, doc_id: str, namespace: str = "") -> RegisteredDocument:
+        """The registered document. Raises ``KeyError`` if it is not registered (in ``namespace``)."""
+        return self._documents[scoped_id(doc_id, namespace)]
+
+    def ids(self, namespace: str = "") -> list[str]:
+        """Ids registered in ``namespace``."""
+        if not namespace:
+            return [d for d in self._documents if "\x00" not in d]
+        prefix = scoped_id("", namespace)
+        return [d[len(prefix):] for d in self._documents if d.startswith(prefix)]
+
+    def texts(self, doc_ids: list[str] | None = None, namespace: str = "") -> dict[str, str]:
+        """``{id: text}`` of every document registered in ``namespace``, or of those of
+        ``doc_ids`` that are."""
+        ids = self.ids(namespace) if doc_ids is None else [d for d in doc_ids if self.contains(d, namespace)]
+        return {d: self.get(d, namespace).text for d in ids}
+
+    def check_ids(self, doc_ids: list[str], namespace: str = "") -> None:
+        """Raises ``UnknownDocumentError`` naming the first id that is not registered (in ``namespace``)."""
         for d in doc_ids:
-            if d not in self._documents:
-                raise UnknownDocumentError(f"unknown document id {d!r}: register it first (add_document)")
+            if not self.contains(d, namespace):
+                where = f" in namespace {namespace!r}" if namespace else ""
+                raise UnknownDocumentError(f"unknown document id {d!r}{where}: register it first (add_document)")
 
-    def add(self, documents: list[tuple[str, str]]) -> int:
+    def add(self, documents: list[tuple[str, str]], namespace: str = "") -> int:
         """Register (or update) documents, all or none: each is validated before any is bound.
 
         Returns:
@@ -72,26 +109,30 @@ class DocumentRegistry:
         Raises:
             what ``prepare`` raises, naming the first bad document; nothing is registered then.
         """
-        return self._bind([(doc_id, self.prepare(doc_id, text)) for doc_id, text in documents])
+        return self._bind(self._prepare(documents, namespace))
 
-    def remove(self, doc_id: str) -> None:
+    def _prepare(self, documents: list[tuple[str, str]], namespace: str) -> list[tuple[str, RegisteredDocument]]:
+        check_namespace(namespace)
+        return [(scoped_id(doc_id, namespace), self.prepare(doc_id, text, namespace)) for doc_id, text in documents]
+
+    def remove(self, doc_id: str, namespace: str = "") -> None:
         """Forget a document; its cached K/V is dropped once no running request reads it.
 
         Raises:
-            UnknownDocumentError: the id is not registered.
+            UnknownDocumentError: the id is not registered (in ``namespace``).
         """
-        if doc_id not in self._documents:
-            raise UnknownDocumentError(f"unknown document id {doc_id!r}")
-        del self._documents[doc_id]
+        self.check_ids([doc_id], namespace)
+        key = scoped_id(doc_id, namespace)
+        del self._documents[key]
         self.version += 1
-        self.cache.unbind_document(doc_id)
+        self.cache.unbind_document(key)
 
     @contextlib.contextmanager
-    def inline(self, documents: list[tuple[str, str]]) -> Iterator[None]:
+    def inline(self, documents: list[tuple[str, str]], namespace: str = "") -> Iterator[None]:
         """Inside the block, ``documents`` read as registered but nothing is bound; on a normal
         exit they are bound (as :meth:`add`). When the block raises (a refused plan), the
         registry and the cache stay as they were, cached K/V included."""
-        prepared = [(doc_id, self.prepare(doc_id, text)) for doc_id, text in documents]
+        prepared = self._prepare(documents, namespace)
         before = {doc_id: self._documents.get(doc_id) for doc_id, _ in prepared}
         self._documents.update(prepared)
         try:

@@ -105,6 +105,9 @@ class WrapperSettings(BaseModel):
         sampling_kwargs: other :class:`SamplingParams` fields (``top_k``, ``seed``, ...).
         engine_kwargs: other :class:`~lazyattn_rag.types.config.EngineConfig` fields as a dict
             (``device``, ``dtype``, ``cache``: {``anchor``, ...}, ...).
+        namespace: the tenant namespace of every document this wrapper registers and places
+            (``""``: shared). Ids resolve within it and its chunks are keyed apart, so a tenant is
+            never served another tenant's document or cached K/V (``LazyAttention.add_document``).
     """
 
     model: str | None = Field(default=None, description="Local HF model directory; None: the offline SmolLM2.")
@@ -115,6 +118,8 @@ class WrapperSettings(BaseModel):
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
     sampling_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other SamplingParams fields.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other EngineConfig fields.")
+    namespace: str = Field(default="", pattern=r"^[A-Za-z0-9_.:@/-]{0,128}$",
+                           description="Tenant namespace of the documents; '' is shared.")
 
     _engine: Any = PrivateAttr(default=None)  # the LazyAttention in use
     _from_settings: bool = PrivateAttr(default=False)

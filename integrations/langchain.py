@@ -221,7 +221,7 @@ class ChatLazyAttention(BaseChatModel, WrapperSettings):
         sampling = call_sampling(self.sampling, kwargs, "ChatLazyAttention", _CALL_KEYWORDS, stop)
         engine = self._engine_for(kwargs.get("model"))
         self._matchers = {k: m for k, m in self._matchers.items() if not m.llm.loop.stopped}
-        matcher = self._matchers.setdefault(id(engine), PromptMatcher(engine))
+        matcher = self._matchers.setdefault(id(engine), PromptMatcher(engine, self.namespace))
         retrieved = langchain_callbacks.retrieved_candidates(run_manager.run_id if run_manager else None)
         request = build_request(engine, messages, kwargs.get("documents"), matcher, retrieved)
         nested = run_manager is not None and run_manager.parent_run_id is not None
@@ -253,7 +253,7 @@ class ChatLazyAttention(BaseChatModel, WrapperSettings):
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         request, sampling, engine = self._prepare(messages, stop, kwargs, run_manager)
-        for delta in request.stream(engine, sampling):
+        for delta in request.stream(engine, sampling, self.namespace):
             chunk = self._chunk(request, delta, kwargs.get("model"))
             if chunk is not None:
                 if run_manager and delta.text:
@@ -264,7 +264,7 @@ class ChatLazyAttention(BaseChatModel, WrapperSettings):
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         request, sampling, engine = await asyncio.to_thread(self._prepare, messages, stop, kwargs, run_manager)
-        async for delta in request.astream(engine, sampling):
+        async for delta in request.astream(engine, sampling, self.namespace):
             chunk = self._chunk(request, delta, kwargs.get("model"))
             if chunk is not None:
                 if run_manager and delta.text:

@@ -73,15 +73,17 @@ class EngineRequest:
             return [d for m in self.messages for d in m.document_ids()]
         return [d.id for d in self.documents]
 
-    def stream(self, llm: "LazyAttention", sampling: "SamplingParams") -> Iterator[StreamDelta]:
-        """Run on ``llm``. Errors of :meth:`LazyAttention.stream` are raised before the first delta."""
+    def stream(self, llm: "LazyAttention", sampling: "SamplingParams", namespace: str = "") -> Iterator[StreamDelta]:
+        """Run on ``llm``, the documents in ``namespace``. Errors of :meth:`LazyAttention.stream`
+        are raised before the first delta."""
         if self.messages is not None:
-            deltas = llm.stream_chat(self.messages, self.documents, sampling)
+            deltas = llm.stream_chat(self.messages, self.documents, sampling, namespace)
         else:
-            deltas = llm.stream(self.question, documents=self.documents, sampling=sampling)
+            deltas = llm.stream(self.question, documents=self.documents, sampling=sampling, namespace=namespace)
         return self._reported(deltas)
 
-    def astream(self, llm: "LazyAttention", sampling: "SamplingParams") -> AsyncIterator[StreamDelta]:
+    def astream(self, llm: "LazyAttention", sampling: "SamplingParams",
+                namespace: str = "") -> AsyncIterator[StreamDelta]:
         """Async :meth:`stream` through :class:`~lazyattn_rag.async_llm.AsyncLazyAttention`: the
         event loop is never blocked, and leaving the stream early aborts the request. Errors
         raise on the first ``__anext__``."""
@@ -89,8 +91,9 @@ class EngineRequest:
 
         allm = AsyncLazyAttention(llm)
         if self.messages is not None:
-            return self._areported(allm.stream_chat(self.messages, self.documents, sampling))
-        return self._areported(allm.stream(self.question, documents=self.documents, sampling=sampling))
+            return self._areported(allm.stream_chat(self.messages, self.documents, sampling, namespace))
+        return self._areported(allm.stream(self.question, documents=self.documents, sampling=sampling,
+                                           namespace=namespace))
 
     def _reported(self, deltas: Iterator[StreamDelta]) -> Iterator[StreamDelta]:
         try:
@@ -182,10 +185,11 @@ class PromptMatcher:
 
     Args:
         llm: the engine.
+        namespace: the namespace whose registered documents are looked for.
     """
 
-    def __init__(self, llm: "LazyAttention"):
-        self.llm = llm
+    def __init__(self, llm: "LazyAttention", namespace: str = ""):
+        self.llm, self.namespace = llm, namespace
         self._version = -1
         self._texts: dict[str, str] = {}
         self._registered = DocumentMatcher(())
@@ -194,7 +198,7 @@ class PromptMatcher:
         """The matcher over the engine's registered documents, and their texts by id."""
         version = self.llm.documents_version
         if version != self._version:
-            texts = self.llm.document_texts()
+            texts = self.llm.document_texts(namespace=self.namespace)
             self._registered = DocumentMatcher(Candidate(d, t) for d, t in texts.items())
             self._texts, self._version = texts, version
         return self._registered, self._texts

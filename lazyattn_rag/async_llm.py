@@ -33,14 +33,14 @@ class AsyncLazyAttention:
     def __init__(self, llm: LazyAttention):
         self.llm = llm
 
-    async def add_document(self, doc_id: str, text: str) -> bool:
-        return await asyncio.to_thread(self.llm.add_document, doc_id, text)
+    async def add_document(self, doc_id: str, text: str, namespace: str = "") -> bool:
+        return await asyncio.to_thread(self.llm.add_document, doc_id, text, namespace)
 
-    async def remove_document(self, doc_id: str) -> None:
-        await asyncio.to_thread(self.llm.remove_document, doc_id)
+    async def remove_document(self, doc_id: str, namespace: str = "") -> None:
+        await asyncio.to_thread(self.llm.remove_document, doc_id, namespace)
 
-    async def warm(self, doc_ids: Iterable[str]) -> list[str]:
-        return await asyncio.to_thread(self.llm.warm, list(doc_ids))
+    async def warm(self, doc_ids: Iterable[str], namespace: str = "") -> list[str]:
+        return await asyncio.to_thread(self.llm.warm, list(doc_ids), namespace)
 
     async def stats(self) -> dict:
         return await asyncio.to_thread(self.llm.stats)
@@ -80,19 +80,20 @@ class AsyncLazyAttention:
             self.llm.client.abort_soon(submission.result())
 
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
-               sampling: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
+               sampling: SamplingParams | None = None, namespace: str = "") -> AsyncIterator[StreamDelta]:
         """Async version of :meth:`LazyAttention.stream` (argument errors raise here, engine errors
         on the first ``__anext__``)."""
-        return self._submit(question_request(question, doc_ids, documents, sampling or self.llm.default_sampling))
+        return self._submit(question_request(question, doc_ids, documents, sampling or self.llm.default_sampling,
+                                             namespace))
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
-                    sampling: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
+                    sampling: SamplingParams | None = None, namespace: str = "") -> AsyncIterator[StreamDelta]:
         """Async version of :meth:`LazyAttention.stream_chat` (errors as :meth:`stream`)."""
-        return self._submit(chat_request(messages, documents, sampling or self.llm.default_sampling))
+        return self._submit(chat_request(messages, documents, sampling or self.llm.default_sampling, namespace))
 
     async def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
-                   sampling: SamplingParams | None = None) -> Completion:
-        return await _collect(self.stream_chat(messages, documents, sampling))
+                   sampling: SamplingParams | None = None, namespace: str = "") -> Completion:
+        return await _collect(self.stream_chat(messages, documents, sampling, namespace))
 
     def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None
                       ) -> AsyncIterator[StreamDelta]:
@@ -100,8 +101,8 @@ class AsyncLazyAttention:
         return self._submit(prompt_request(prompt, sampling or self.llm.default_sampling))
 
     async def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
-                       sampling: SamplingParams | None = None) -> Completion:
-        return await _collect(self.stream(question, doc_ids, documents, sampling))
+                       sampling: SamplingParams | None = None, namespace: str = "") -> Completion:
+        return await _collect(self.stream(question, doc_ids, documents, sampling, namespace))
 
     async def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Completion:
         return await _collect(self.stream_prompt(prompt, sampling))

@@ -112,15 +112,15 @@ class RequestStream(Iterator[StreamDelta]):
 
 # --- requests: what each public method submits (run on the engine thread) ------------------
 def question_request(question: str, doc_ids: Iterable[str], documents: Iterable[Document | tuple[str, str]],
-                     params: SamplingParams) -> MakeRequest:
+                     params: SamplingParams, namespace: str = "") -> MakeRequest:
     ids, docs = document_ids(doc_ids), document_pairs(documents)
-    return lambda engine, sink: engine.submit_question(question, ids, docs, params, sink)
+    return lambda engine, sink: engine.submit_question(question, ids, docs, params, sink, namespace)
 
 
 def chat_request(messages: Iterable[Message | dict | tuple], documents: Iterable[Document | tuple[str, str]],
-                 params: SamplingParams) -> MakeRequest:
+                 params: SamplingParams, namespace: str = "") -> MakeRequest:
     msgs, docs = [as_message(m) for m in messages], document_pairs(documents)
-    return lambda engine, sink: engine.submit_chat(msgs, docs, params, sink)
+    return lambda engine, sink: engine.submit_chat(msgs, docs, params, sink, namespace)
 
 
 def prompt_request(prompt: str | list[int], params: SamplingParams) -> MakeRequest:
@@ -128,9 +128,9 @@ def prompt_request(prompt: str | list[int], params: SamplingParams) -> MakeReque
     return lambda engine, sink: engine.submit_prompt(prompt, params, sink)
 
 
-def warm_request(doc_ids: Iterable[str]) -> MakeRequest:
+def warm_request(doc_ids: Iterable[str], namespace: str = "") -> MakeRequest:
     ids = document_ids(doc_ids)
-    return lambda engine, sink: engine.submit_warm(ids, sink)
+    return lambda engine, sink: engine.submit_warm(ids, sink, namespace)
 
 
 # --- arguments ----------------------------------------------------------------------------

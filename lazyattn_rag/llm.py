@@ -121,55 +121,61 @@ class LazyAttention:
         return self
 
     # --- documents ------------------------------------------------------------------------
-    def add_document(self, doc_id: str, text: str) -> bool:
+    def add_document(self, doc_id: str, text: str, namespace: str = "") -> bool:
         """Register or update a document (K/V is encoded on first use or by :meth:`warm`).
+
+        ``namespace`` (every document method takes it; ``""``, the default, is shared) keeps a
+        tenant's documents apart: ids resolve within their namespace only and the namespace is
+        part of the chunk's cache key, so no tenant is served another's document or cached K/V,
+        in the KV pool or any storage tier, even for identical text.
 
         Returns:
             ``True`` if the document is new or its text changed.
         Raises:
             EmptyInputError, DocumentTooLongError: naming the document (nothing is registered).
         """
-        return self.add_documents([(doc_id, text)]) == 1
+        return self.add_documents([(doc_id, text)], namespace) == 1
 
-    def add_documents(self, documents: Iterable[Document | tuple[str, str]]) -> int:
+    def add_documents(self, documents: Iterable[Document | tuple[str, str]], namespace: str = "") -> int:
         """Register many documents, all or none; returns how many were new or changed.
 
         Raises:
-            ValueError: an item that is neither a :class:`Document` nor an ``(id, text)`` pair.
+            ValueError: an item that is neither a :class:`Document` nor an ``(id, text)`` pair,
+                or a malformed ``namespace``.
             EmptyInputError, DocumentTooLongError: naming the first bad document.
         """
         pairs = document_pairs(documents)
-        return self.client.call(lambda engine: engine.documents.add(pairs))
+        return self.client.call(lambda engine: engine.documents.add(pairs, namespace))
 
-    def remove_document(self, doc_id: str) -> None:
+    def remove_document(self, doc_id: str, namespace: str = "") -> None:
         """Forget a document and its cached K/V. Raises ``UnknownDocumentError``."""
-        self.client.call(lambda engine: engine.documents.remove(doc_id))
+        self.client.call(lambda engine: engine.documents.remove(doc_id, namespace))
 
-    def has_document(self, doc_id: str) -> bool:
-        return self.client.call(lambda engine: doc_id in engine.documents)
+    def has_document(self, doc_id: str, namespace: str = "") -> bool:
+        return self.client.call(lambda engine: engine.documents.contains(doc_id, namespace))
 
-    def document_ids(self) -> list[str]:
-        return self.client.call(lambda engine: engine.documents.ids())
+    def document_ids(self, namespace: str = "") -> list[str]:
+        return self.client.call(lambda engine: engine.documents.ids(namespace))
 
     @property
     def documents_version(self) -> int:
         """A number that grows whenever a document is added, changed or removed."""
         return self.client.call(lambda engine: engine.documents.version)
 
-    def document_texts(self, doc_ids: Iterable[str] | None = None) -> dict[str, str]:
+    def document_texts(self, doc_ids: Iterable[str] | None = None, namespace: str = "") -> dict[str, str]:
         """Registered documents as ``{id: text}`` (a snapshot); with ``doc_ids``, only those of
         them that are registered (no copy of the whole registry)."""
         ids = None if doc_ids is None else document_ids(doc_ids)
-        return self.client.call(lambda engine: engine.documents.texts(ids))
+        return self.client.call(lambda engine: engine.documents.texts(ids, namespace))
 
-    def warm(self, doc_ids: Iterable[str]) -> list[str]:
+    def warm(self, doc_ids: Iterable[str], namespace: str = "") -> list[str]:
         """Encode documents' K/V ahead of queries (blocking); returns the ids encoded now (misses).
 
         Raises:
             UnknownDocumentError: an id that is not registered.
         """
         final = None
-        for final in self._submit(warm_request(doc_ids)):
+        for final in self._submit(warm_request(doc_ids, namespace)):
             pass
         return final.stats.docs_missed
 
@@ -180,7 +186,7 @@ class LazyAttention:
         return RequestStream(self.client, self.client.submit(make, deltas.put), deltas)
 
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
-               sampling: SamplingParams | None = None) -> "RequestStream":
+               sampling: SamplingParams | None = None, namespace: str = "") -> "RequestStream":
         """Stream the answer to ``question`` over documents, in the order given.
 
         Args:
@@ -188,6 +194,7 @@ class LazyAttention:
             doc_ids: ids of registered documents.
             documents: inline documents, registered (or updated) first and placed after ``doc_ids``.
             sampling: :class:`SamplingParams`; ``None`` uses :attr:`default_sampling` (the model's own).
+            namespace: the documents' namespace (see :meth:`add_document`).
         Returns:
             A :class:`RequestStream` of :class:`StreamDelta` pieces, one per generated token (text
             may be empty while a character is incomplete); the last has ``finished=True`` and the
@@ -197,15 +204,16 @@ class LazyAttention:
             at the call, before anything is queued or registered. CacheCapacityError: at the call, when the
             prompt plus ``max_tokens`` could never fit the KV cache. Other requests are unaffected.
         """
-        return self._submit(question_request(question, doc_ids, documents, sampling or self.default_sampling))
+        return self._submit(question_request(question, doc_ids, documents, sampling or self.default_sampling,
+                                             namespace))
 
     def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
-                 sampling: SamplingParams | None = None) -> Completion:
+                 sampling: SamplingParams | None = None, namespace: str = "") -> Completion:
         """Answer ``question``; same arguments and errors as :meth:`stream`."""
-        return _collect(self.stream(question, doc_ids, documents, sampling))
+        return _collect(self.stream(question, doc_ids, documents, sampling, namespace))
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
-                    sampling: SamplingParams | None = None) -> "RequestStream":
+                    sampling: SamplingParams | None = None, namespace: str = "") -> "RequestStream":
         """Stream the answer to chat ``messages`` whose content places documents by id.
 
         This is how a RAG framework's own prompt keeps reuse: the template's text (instructions,
@@ -218,6 +226,7 @@ class LazyAttention:
                 OpenAI-style dicts; content is text or a list of text and document parts.
             documents: inline documents, registered (or updated) first, all or none.
             sampling: :class:`SamplingParams`.
+            namespace: the documents' namespace (see :meth:`add_document`).
         Returns:
             A :class:`RequestStream`, as :meth:`stream`.
         Raises:
@@ -225,17 +234,17 @@ class LazyAttention:
             PromptTooLongError, DocumentTooLongError: at the call, before anything is queued
             or registered.
         """
-        return self._submit(chat_request(messages, documents, sampling or self.default_sampling))
+        return self._submit(chat_request(messages, documents, sampling or self.default_sampling, namespace))
 
     def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
-             sampling: SamplingParams | None = None) -> Completion:
+             sampling: SamplingParams | None = None, namespace: str = "") -> Completion:
         """Answer chat ``messages``; same arguments and errors as :meth:`stream_chat`."""
-        return _collect(self.stream_chat(messages, documents, sampling))
+        return _collect(self.stream_chat(messages, documents, sampling, namespace))
 
-    def plan_chat(self, messages: Iterable[Message | dict | tuple]):
+    def plan_chat(self, messages: Iterable[Message | dict | tuple], namespace: str = ""):
         """The prompt plan chat ``messages`` would run (for inspection; registered documents only)."""
         msgs = [as_message(m) for m in messages]
-        return self.client.call(lambda engine: engine.planner.plan_messages(msgs))
+        return self.client.call(lambda engine: engine.planner.plan_messages(msgs, namespace))
 
     def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> "RequestStream":
         """Stream a completion of a plain prompt, with no chunk reuse (a standard full prefill).
@@ -256,10 +265,10 @@ class LazyAttention:
         """Complete a plain prompt (no chunk reuse); see :meth:`stream_prompt`."""
         return _collect(self.stream_prompt(prompt, sampling))
 
-    def plan(self, question: str, doc_ids: Iterable[str]):
+    def plan(self, question: str, doc_ids: Iterable[str], namespace: str = ""):
         """The prompt plan a question over registered documents would run (for inspection)."""
         ids = document_ids(doc_ids)
-        return self.client.call(lambda engine: engine.planner.plan(question, ids))
+        return self.client.call(lambda engine: engine.planner.plan(question, ids, namespace))
 
     def stats(self) -> dict:
         """Engine-wide stats (see :meth:`LLMEngine.stats`, which includes ``first_request_ttft_ms``)
