@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 QUESTION ?= What does the break statement do?
 
 # The model, tokenizer and integration tests again with transformers, tokenizers, the framework
-# packages and the rest .ci/floors.py lists at the floors pyproject.toml declares, in a virtual
+# packages, redis-py and the rest .ci/floors.py lists at the floors pyproject.toml declares, in a virtual
 # environment of their own: a declared floor is a tested one. The default model is converted again
 # there (a cache of its own), so the GGUF conversion runs at the floors too.
 LOWEST_VENV ?= .venv-lowest
@@ -22,7 +22,8 @@ MODEL_FLOOR_TESTS = tests/test_model_vs_hf.py tests/test_rope_and_block_table.py
 FLOOR_TESTS = tests/test_prompt_match.py tests/test_chat_messages.py tests/test_integrations_llamaindex.py \
 	tests/test_integrations_langchain.py tests/test_framework_conventions.py tests/test_framework_idioms.py \
 	tests/test_integration_edge_cases.py tests/test_langchain_standard.py tests/test_langchain_store_standard.py \
-	tests/test_vector_stores.py tests/test_integrations_store.py tests/test_chatbot.py $(MODEL_FLOOR_TESTS)
+	tests/test_vector_stores.py tests/test_integrations_store.py tests/test_chatbot.py tests/test_redis_store.py \
+	$(MODEL_FLOOR_TESTS)
 
 .PHONY: setup chat ask test test-lowest clean
 

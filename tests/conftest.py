@@ -64,3 +64,25 @@ def make_llm():
     yield make
     for llm in built:
         llm.shutdown()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh ``redis-server`` on a free loopback port (``tests/redis_server.py: RedisServer``:
+    ``.url``, ``.port``, ``.stop()``, ``.start()`` again on the same port), stopped after the test.
+    Without ``redis-server`` on PATH the test fails when ``CI=true`` (CI must run it: ``.ci/run``
+    installs it) and is skipped elsewhere."""
+    from tests.redis_server import RedisServer, redis_server_path
+
+    executable = redis_server_path()
+    if executable is None:
+        message = "redis-server is not on PATH (Debian/Ubuntu: apt-get install redis-server)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{message}; CI must run the Redis tier's tests", pytrace=False)
+        pytest.skip(message)
+    server = RedisServer(tmp_path / "redis", executable=executable)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
