@@ -223,12 +223,14 @@ class ChunkTiers:
     # --- introspection ----------------------------------------------------------------------
     def stats(self) -> dict[str, dict]:
         """Per tier: hits, misses, puts, evictions, errors, outages, bytes read and written,
-        bytes held, availability, corrupt payloads found, load and store latency histograms
+        bytes held (``None`` for a server tier), availability, corrupt payloads found, load and store latency histograms
         and the measured load speed."""
         out = {}
         for tier in self.tiers:
             times = self.times[tier.name]
-            out[tier.name] = {**tier.stats.__dict__, "available": tier.available, "num_bytes": tier.num_bytes,
+            # a server tier's size is a scan of the server (``lazyattn cache info``), not a stat
+            num_bytes = tier.num_bytes if tier.capacity_bytes is not None else None
+            out[tier.name] = {**tier.stats.__dict__, "available": tier.available, "num_bytes": num_bytes,
                               "capacity_bytes": tier.capacity_bytes, "num_corrupt": times.num_corrupt,
                               "load_seconds": times.load.as_dict(), "store_seconds": times.store.as_dict(),
                               "load_bytes_per_s": self.costs.tier_bytes_per_s.get(tier.name)}
