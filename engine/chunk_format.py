@@ -120,6 +120,15 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def read_metadata(path) -> dict[str, str]:
+    """The metadata of a stored chunk file (its header only, not the tensors): ``format``, ``key``,
+    ``model``, ``local_start``, ``xxh3_128``. Raises ``CorruptChunkError`` or ``OSError``."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        (length,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
+        return _metadata(head + f.read(min(length, 1 << 20)))
+
+
 def _metadata(data: bytes) -> dict[str, str]:
     """The safetensors header's ``__metadata__`` (an 8-byte little-endian length, then JSON)."""
     try:

@@ -122,6 +122,11 @@ class RedisStore:
     # -- state ---------------------------------------------------------------------------------
 
     @property
+    def location(self) -> str:
+        """The server's URL without its password (for messages and ``lazyattn cache info``)."""
+        return _redacted(self.url)
+
+    @property
     def available(self) -> bool:
         """Whether the last attempt to reach the server succeeded (false during an outage or after
         :meth:`close`)."""

@@ -218,6 +218,21 @@ def run_chat(options: ChatOptions, out: TextIO | None = None, log: TextIO | None
     from llama_index.core import VectorStoreIndex
 
     from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM, as_query_engine
+
+    store, embed_model, engine = open_corpus(options, log, engine)
+    sampling = options.sampling or dataclasses.replace(engine.default_sampling, **options.sampling_overrides)
+    llm = LazyAttentionLLM(engine, sampling)
+    index = VectorStoreIndex.from_vector_store(store, embed_model=embed_model)
+    query_engine = as_query_engine(index, llm, similarity_top_k=options.top_k, streaming=True)
+    if options.questions:
+        return [answer(query_engine, q, out) for q in options.questions]
+    return _interactive(options, query_engine, stdin, out, log)
+
+
+def open_corpus(options: ChatOptions, log: TextIO, engine: "LazyAttention | None" = None
+                ) -> tuple["FaissVectorStore", "BaseEmbedding", "LazyAttention"]:
+    """Read the corpus, load or build its FAISS index, load the LLM (unless ``engine`` is given)
+    and register every chunk with it. Errors as :func:`run_chat`."""
     from lazyattn_rag.llm import LazyAttention
 
     skipped: list[Path] = []
@@ -243,12 +258,41 @@ def run_chat(options: ChatOptions, out: TextIO | None = None, log: TextIO | None
     if options.engine.model is None:
         print(better_model_hint(), file=log)
     store.client.attach_engine(engine)  # every chunk registered; updates and deletions reach the KV cache too
-    sampling = options.sampling or dataclasses.replace(engine.default_sampling, **options.sampling_overrides)
-    llm = LazyAttentionLLM(engine, sampling)
-    index = VectorStoreIndex.from_vector_store(store, embed_model=embed_model)
-    query_engine = as_query_engine(index, llm, similarity_top_k=options.top_k, streaming=True)
-    if options.questions:
-        return [answer(query_engine, q, out) for q in options.questions]
+    return store, embed_model, engine
+
+
+def warm_corpus(options: ChatOptions, log: TextIO | None = None, batch_size: int = 8) -> dict:
+    """``lazyattn cache warm``: compute every chunk of the chatbot's corpus (the same chunks, so the
+    same cache keys, as :func:`run_chat` places) into the engine's persistent tiers (disk, Redis),
+    with a progress bar. Chunks a tier already holds are loaded, not computed.
+
+    Returns:
+        ``{"num_chunks", "num_computed", "num_stored_before", "tiers"}`` (``tiers``: each persistent
+        tier's stats after the writes landed).
+    Raises:
+        ValueError: the engine has no persistent tier to warm; errors of :func:`run_chat`.
+    """
+    from tqdm import tqdm
+
+    log = sys.stderr if log is None else log
+    if not (options.engine.cache.disk_dir or options.engine.cache.redis_url):
+        raise ValueError("nothing to warm: no disk cache or Redis server is configured")
+    store, _, engine = open_corpus(options, log)
+    ids = engine.document_ids()
+    computed = 0
+    with tqdm(total=len(ids), desc="Warming chunks", unit="chunk", file=log) as bar:
+        for i in range(0, len(ids), batch_size):
+            computed += len(engine.warm(ids[i:i + batch_size]))
+            bar.update(len(ids[i:i + batch_size]))
+    engine.client.call(lambda e: e.tiers.flush())
+    tiers = {k: v for k, v in engine.stats()["tiers"].items() if k != "host"}
+    engine.close()
+    return {"num_chunks": len(ids), "num_computed": computed, "num_stored_before": len(ids) - computed,
+            "tiers": tiers}
+
+
+def _interactive(options: ChatOptions, query_engine, stdin: TextIO, out: TextIO, log: TextIO) -> list[dict]:
+    """Answer questions read from ``stdin`` (see :func:`run_chat`)."""
     topic = "Python" if options.docs is None else f"the documents in {options.docs}"
     print(f"Ask about {topic}: type a question and press Enter; exit, quit or Ctrl-D leaves; Ctrl-C stops an "
           "answer.", file=log)

@@ -81,6 +81,11 @@ def ask(
     backend: str = cli_opts.BACKEND,
     anchor: str = cli_opts.ANCHOR,
     cache_dir: Optional[Path] = typer.Option(None, help="Where converted models are cached."),
+    disk_cache: Optional[Path] = cli_opts.DISK_CACHE,
+    no_disk_cache: bool = cli_opts.NO_DISK_CACHE,
+    disk_cache_bytes: str = cli_opts.DISK_CACHE_BYTES,
+    host_cache_bytes: str = cli_opts.HOST_CACHE_BYTES,
+    redis_url: Optional[str] = cli_opts.REDIS_URL,
     as_json: bool = typer.Option(False, "--json", metavar=cli_opts.FLAG,
                                  help="Print one JSON object instead of streaming text."),
 ) -> None:
@@ -91,12 +96,14 @@ def ask(
         overrides = cli_opts.sampling_overrides(temperature, top_p, repetition_penalty, max_tokens=max_tokens,
                                                 seed=seed)
         documents = _read_documents(doc)
+        tiers = cli_opts.tier_settings(cache_dir, disk_cache, no_disk_cache, disk_cache_bytes, host_cache_bytes,
+                                       redis_url)
     except (ValueError, OSError) as e:
         raise _fail(str(e)) from e
     from lazyattn_rag import DocumentTooLongError, LazyAttention, LazyAttentionError, PromptTooLongError
 
     try:
-        llm = LazyAttention(cli_opts.engine_config(model, device, backend, anchor, cache_dir))
+        llm = LazyAttention(cli_opts.engine_config(model, device, backend, anchor, cache_dir, tiers))
         params = cli_opts.with_overrides(llm.default_sampling, overrides)
         ids = []
         for doc_id, text in documents:
@@ -135,6 +142,11 @@ def info(
     backend: str = cli_opts.BACKEND,
     anchor: str = cli_opts.ANCHOR,
     cache_dir: Optional[Path] = typer.Option(None, help="Where converted models are cached."),
+    disk_cache: Optional[Path] = cli_opts.DISK_CACHE,
+    no_disk_cache: bool = cli_opts.NO_DISK_CACHE,
+    disk_cache_bytes: str = cli_opts.DISK_CACHE_BYTES,
+    host_cache_bytes: str = cli_opts.HOST_CACHE_BYTES,
+    redis_url: Optional[str] = cli_opts.REDIS_URL,
 ) -> None:
     """Print the model, attention backend and cache configuration as JSON.
 
@@ -145,7 +157,9 @@ def info(
     from lazyattn_rag import LazyAttention
 
     try:
-        llm = LazyAttention(cli_opts.engine_config(model, device, backend, anchor, cache_dir))
+        tiers = cli_opts.tier_settings(cache_dir, disk_cache, no_disk_cache, disk_cache_bytes, host_cache_bytes,
+                                       redis_url)
+        llm = LazyAttention(cli_opts.engine_config(model, device, backend, anchor, cache_dir, tiers))
     except (ValueError, FileNotFoundError) as e:
         raise _fail(str(e)) from e
     except KeyboardInterrupt as e:
@@ -160,6 +174,15 @@ def _register_chat() -> None:  # the chatbot's options live with it; its extras 
 
 
 _register_chat()
+
+
+def _register_cache() -> None:
+    from lazyattn_rag.cli_cache import app as cache_app
+
+    app.add_typer(cache_app, name="cache")
+
+
+_register_cache()
 
 if __name__ == "__main__":
     app()

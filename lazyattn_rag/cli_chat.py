@@ -43,6 +43,11 @@ def chat(
     backend: str = cli_opts.BACKEND,
     anchor: str = cli_opts.ANCHOR,
     cache_dir: Optional[Path] = typer.Option(None, help="Where converted models and indexes are cached."),
+    disk_cache: Optional[Path] = cli_opts.DISK_CACHE,
+    no_disk_cache: bool = cli_opts.NO_DISK_CACHE,
+    disk_cache_bytes: str = cli_opts.DISK_CACHE_BYTES,
+    host_cache_bytes: str = cli_opts.HOST_CACHE_BYTES,
+    redis_url: Optional[str] = cli_opts.REDIS_URL,
 ) -> None:
     """Chat with a FAISS-backed RAG bot over Python's language reference, or your --docs.
 
@@ -57,7 +62,9 @@ def chat(
 
         questions = [q for q0 in question for q in ((q0, follow_up_question(q0)) if follow_up else (q0,))]
         questions += DEMO_QUESTIONS if demo else ()
-        engine = cli_opts.engine_config(model, device, backend, anchor, cache_dir)
+        tiers = cli_opts.tier_settings(cache_dir, disk_cache, no_disk_cache, disk_cache_bytes, host_cache_bytes,
+                                       redis_url)
+        engine = cli_opts.engine_config(model, device, backend, anchor, cache_dir, tiers)
         options = ChatOptions(questions=tuple(questions), docs=docs, top_k=top_k, index_dir=index_dir,
                               rebuild=rebuild, engine=engine,
                               sampling_overrides=cli_opts.sampling_overrides(temperature, top_p, repetition_penalty,

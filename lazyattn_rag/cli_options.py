@@ -41,11 +41,58 @@ class Command(_FlagHelp, TyperCommand):
 
 
 
+# Storage tiers below the KV cache (docs/architecture.md, "Storage tiers"). The commands keep
+# computed document chunks on disk by default, so a second run (or `lazyattn cache warm`) loads
+# them instead of computing them again: docs/benchmarks.md, "Storage tiers", has the measurements.
+DEFAULT_DISK_CACHE_BYTES = "2GiB"
+DISK_CACHE = typer.Option(None, "--disk-cache", metavar="DIR",
+                          help="Where computed document chunks are kept for later runs (default: chunks/ under the "
+                               "cache dir).")
+NO_DISK_CACHE = typer.Option(False, "--no-disk-cache", metavar=FLAG, help="Keep no chunks on disk.")
+DISK_CACHE_BYTES = typer.Option(DEFAULT_DISK_CACHE_BYTES, "--disk-cache-bytes", metavar="SIZE",
+                                help="Budget of the disk cache, e.g. 500MiB or 4GiB; the least recently used go.")
+HOST_CACHE_BYTES = typer.Option("0", "--host-cache-bytes", metavar="SIZE",
+                                help="Budget of a host-memory tier for chunks evicted from the KV cache (default "
+                                     "0: off).")
+REDIS_URL = typer.Option(None, "--redis-url", metavar="URL",
+                         help="A Redis server shared by processes and machines, e.g. redis://localhost:6379/0 "
+                              "(needs the redis extra).")
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_bytes(text: str, what: str) -> int:
+    """``"2GiB"`` -> 2147483648 (B, kB/KiB, MB/MiB, GB/GiB, TB/TiB; case-insensitive; a plain number is bytes).
+
+    Raises:
+        ValueError: not a size (the message names the option ``what``).
+    """
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{what} must be a size such as 512MiB or 4GiB, got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def tier_settings(cache_dir: Optional[Path], disk_cache: Optional[Path], no_disk_cache: bool,
+                  disk_cache_bytes: str, host_cache_bytes: str, redis_url: Optional[str]) -> dict:
+    """The :class:`CacheConfig` fields the tier options set (the disk tier under the cache dir unless
+    ``--no-disk-cache``). Raises ``ValueError`` for a malformed size or URL."""
+    settings = {"host_memory_bytes": parse_bytes(host_cache_bytes, "--host-cache-bytes"), "redis_url": redis_url}
+    if not no_disk_cache:
+        root = EngineConfig(cache_dir=cache_dir).resolved_cache_dir()
+        settings.update(disk_dir=str(disk_cache or root / "chunks"),
+                        disk_bytes=parse_bytes(disk_cache_bytes, "--disk-cache-bytes"))
+    CacheConfig(**settings)  # validates now, before any model loads
+    return settings
+
+
 def engine_config(model: Optional[str], device: str, backend: str, anchor: str,
-                  cache_dir: Optional[Path]) -> EngineConfig:
-    """The :class:`EngineConfig` the shared options describe."""
+                  cache_dir: Optional[Path], tiers: dict | None = None) -> EngineConfig:
+    """The :class:`EngineConfig` the shared options describe (``tiers``: :func:`tier_settings`)."""
     return EngineConfig(model=model, device=device, attention_backend=backend, cache_dir=cache_dir,
-                        cache=CacheConfig(anchor=anchor))
+                        cache=CacheConfig(anchor=anchor, **(tiers or {})))
 
 
 TEMPERATURE = typer.Option(None, help="Sampling temperature, 0 for greedy (default: the model's recommended, from "

@@ -48,7 +48,7 @@ class CacheConfig:
         disk_dir: directory of the disk tier (``None``, the default: off; ``lazyattn chat`` and
             ``ask`` use one under the user cache directory). Chunks are written there when
             computed, so a restarted process, or another on the same machine, loads them.
-        disk_bytes: the disk tier's budget (default 4 GiB); past it, the least recently used go.
+        disk_bytes: the disk tier's budget (default 2 GiB); past it, the least recently used go.
         redis_url: a Redis server shared by processes and replicas (``redis://host:port/db``;
             ``None``, the default: off; needs the ``redis`` extra). Chunks are written there when
             computed. The server keeps the budget: give it ``maxmemory`` and
@@ -67,7 +67,7 @@ class CacheConfig:
     mode: str = "lazy"
     host_memory_bytes: int = 0
     disk_dir: str | None = None
-    disk_bytes: int = 4 << 30
+    disk_bytes: int = 2 << 30
     redis_url: str | None = None
     redis_ttl_seconds: int | None = None
     tier_eviction_policy: str = "lru"
