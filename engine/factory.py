@@ -181,6 +181,9 @@ def build_tiers(cache: CacheConfig, model_digest: str, bytes_per_token: int) -> 
 def describe(engine: LLMEngine) -> dict:
     """Model, backend and cache configuration of ``engine`` as a JSON-able dict (on its thread).
 
+    ``tiers``: each storage tier below the KV pool, fastest first: where it keeps chunks, its
+    budget (``None`` for a server's own) and whether it answers.
+
     ``cached_chunks`` splits ``num_cached_chunks`` into the chunks an engine caches before any
     document is named, the anchor (what every document chunk is encoded after; pinned from
     start-up) and the prompt head (the template's text before the documents, cached by the
@@ -209,6 +212,9 @@ def describe(engine: LLMEngine) -> dict:
         "cached_chunks": {"anchor": anchors, "prompt_head": heads, "documents": cache.num_entries - anchors - heads},
         "num_free_blocks": cache.pool.num_free,
         "num_evictions": cache.num_evictions,
+        "tiers": {t.name: {"location": str(getattr(t, "directory", "") or getattr(t, "location", "process memory")),
+                           "capacity_bytes": t.capacity_bytes, "available": t.available}
+                  for t in (engine.tiers.tiers if engine.tiers is not None else [])},
     }
 
 

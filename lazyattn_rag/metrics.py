@@ -41,6 +41,52 @@ _GAUGES = {
 }
 
 
+# Per storage tier (label ``tier``: host, disk, redis), from ``stats()["tiers"]``.
+_TIER_COUNTERS = {
+    "num_hits": ("tier_hits", "Chunks found in the tier."),
+    "num_misses": ("tier_misses", "Chunks looked up and not found (or not readable)."),
+    "num_puts": ("tier_puts", "Chunks written to the tier."),
+    "num_evictions": ("tier_evictions", "Chunks the tier evicted for room (not Redis: the server evicts)."),
+    "num_errors": ("tier_errors", "Failed reads and writes, and corrupt payloads deleted."),
+    "num_corrupt": ("tier_corrupt", "Payloads that failed the format, model, key or checksum checks (deleted)."),
+    "num_outages": ("tier_outages", "Times the tier became unreachable."),
+    "num_bytes_read": ("tier_read_bytes", "Encoded chunk bytes read."),
+    "num_bytes_written": ("tier_written_bytes", "Encoded chunk bytes written."),
+}
+_TIER_HISTOGRAMS = {
+    "load_seconds": ("tier_load_seconds", "Time to read, decode and check a chunk from the tier."),
+    "store_seconds": ("tier_store_seconds", "Time to encode and write a chunk to the tier (writer thread)."),
+}
+
+
+def _tier_metrics(prefix: str, tiers: dict):
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    for key, (name, doc) in _TIER_COUNTERS.items():
+        family = CounterMetricFamily(f"{prefix}_{name}", doc, labels=["tier"])
+        for tier, stats in tiers.items():
+            family.add_metric([tier], stats[key])
+        yield family
+    up = GaugeMetricFamily(f"{prefix}_tier_available", "1 when the tier answers, 0 during an outage.", labels=["tier"])
+    held = GaugeMetricFamily(f"{prefix}_tier_bytes", "Encoded chunk bytes held (in-process tiers).", labels=["tier"])
+    for tier, stats in tiers.items():
+        up.add_metric([tier], float(stats["available"]))
+        if stats["num_bytes"] is not None:
+            held.add_metric([tier], stats["num_bytes"])
+    yield up
+    yield held
+    for key, (name, doc) in _TIER_HISTOGRAMS.items():
+        family = HistogramMetricFamily(f"{prefix}_{name}", doc, labels=["tier"])
+        for tier, stats in tiers.items():
+            h, total = stats[key], 0
+            buckets = []
+            for bound, count in zip([*map(str, h["buckets_s"]), "+Inf"], h["counts"]):
+                total += count
+                buckets.append((bound, total))
+            family.add_metric([tier], buckets, h["sum_s"])
+        yield family
+
+
 class EngineCollector:
     """A ``prometheus_client`` collector over one :class:`LazyAttention` (metrics prefixed ``lazyattn_``).
 
@@ -61,6 +107,8 @@ class EngineCollector:
             yield CounterMetricFamily(f"{self.namespace}_{name}", doc, value=stats[key])
         for key, (name, doc) in _GAUGES.items():
             yield GaugeMetricFamily(f"{self.namespace}_{name}", doc, value=stats[key])
+        if stats.get("tiers"):
+            yield from _tier_metrics(self.namespace, stats["tiers"])
 
 
 def register_metrics(llm: Any, registry=None, namespace: str = "lazyattn") -> EngineCollector:

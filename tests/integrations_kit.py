@@ -45,7 +45,7 @@ class StreamSpy:
     their offsets, the stats.
 
     Installed on one engine instance; ``calls[i]`` is ``{"question", "doc_ids", "offsets",
-    "stats"}`` (``"messages"`` instead of ``"question"`` for a chat) where ``offsets`` maps each
+    "stats", "namespace"}`` (``"messages"`` instead of ``"question"`` for a chat) where ``offsets`` maps each
     document id to its global start in the prompt.
     """
 
@@ -55,24 +55,24 @@ class StreamSpy:
         self._stream, self._stream_chat = engine.stream, engine.stream_chat
         engine.stream, engine.stream_chat = self._spy, self._spy_chat
 
-    def _spy(self, question, doc_ids=(), documents=(), sampling=None):
+    def _spy(self, question, doc_ids=(), documents=(), sampling=None, namespace=""):
         documents = list(documents)
         ids = list(doc_ids) + [d.id for d in documents]
-        call = {"question": question, "doc_ids": ids, "offsets": {}, "stats": None}
+        call = {"question": question, "doc_ids": ids, "offsets": {}, "stats": None, "namespace": namespace}
         self.calls.append(call)
-        inner = self._stream(question, doc_ids, documents, sampling)
-        call["offsets"] = self._offsets(self.engine.plan(question, ids))
+        inner = self._stream(question, doc_ids, documents, sampling, namespace)
+        call["offsets"] = self._offsets(self.engine.plan(question, ids, namespace))
         return self._record(inner, call)
 
-    def _spy_chat(self, messages, documents=(), sampling=None):
+    def _spy_chat(self, messages, documents=(), sampling=None, namespace=""):
         from lazyattn_rag.types.messages import as_message
 
         messages = [as_message(m) for m in messages]
         call = {"messages": messages, "doc_ids": [d for m in messages for d in m.document_ids()], "offsets": {},
-                "stats": None}
+                "stats": None, "namespace": namespace}
         self.calls.append(call)
-        inner = self._stream_chat(messages, documents, sampling)
-        call["offsets"] = self._offsets(self.engine.plan_chat(messages))
+        inner = self._stream_chat(messages, documents, sampling, namespace)
+        call["offsets"] = self._offsets(self.engine.plan_chat(messages, namespace))
         return self._record(inner, call)
 
     @staticmethod

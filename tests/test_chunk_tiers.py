@@ -291,3 +291,29 @@ def test_writes_past_the_queue_budget_are_dropped_and_counted():
     assert not tiers.save(ChunkKV("k" * 64, "m" * 64, (1, 2), 0, kv, kv), tiers.tiers)
     assert tiers.num_dropped_writes == 1
     tiers.close()
+
+
+def test_prometheus_metrics_carry_each_tier(make_llm, tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from lazyattn_rag.metrics import register_metrics
+
+    _, llm = make_llm(num_blocks=40, host_memory_bytes=1 << 26, disk_dir=str(tmp_path / "tier"),
+                      eviction_policy="lru")
+    llm.add_documents(docs(6))
+    for doc_id, _ in docs(6) * 2:
+        answer(llm, doc_id)
+    flush(llm)
+    registry = CollectorRegistry()
+    register_metrics(llm, registry)
+    text = generate_latest(registry).decode()
+    stats = llm.stats()["tiers"]
+    assert stats["host"]["num_hits"] > 0 and stats["disk"]["num_puts"] > 0
+    for tier in ("host", "disk"):
+        assert f'lazyattn_tier_hits_total{{tier="{tier}"}} {float(stats[tier]["num_hits"])}' in text
+        assert f'lazyattn_tier_puts_total{{tier="{tier}"}} {float(stats[tier]["num_puts"])}' in text
+        assert f'lazyattn_tier_available{{tier="{tier}"}} 1.0' in text
+        assert f'lazyattn_tier_bytes{{tier="{tier}"}} {float(stats[tier]["num_bytes"])}' in text
+    loads = stats["host"]["load_seconds"]["count"]
+    assert f'lazyattn_tier_load_seconds_bucket{{le="+Inf",tier="host"}} {float(loads)}' in text
+    assert f'lazyattn_tier_load_seconds_count{{tier="host"}} {float(loads)}' in text
