@@ -60,13 +60,15 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
           docs_per_request: int = 5, query_tokens: int = 64, output_tokens: int = 32, num_requests: int = 200,
           concurrency: int = 16, max_batched_tokens: int = 16384, check: bool = True, seed: int = 0,
           cuda_graphs: bool = True, prefill_with_encodes: bool = True, repeats: int = 1, resume: bool = False,
-          out: str = "") -> None:
+          host_memory_gb: float = 16.0, out: str = "") -> None:
     """Closed-loop runs of every mode at each (alpha, budget): TTFT, throughput, hit ratio, KV used.
 
     ``--repeats R`` runs every (alpha, budget) cell R times, the modes in a rotated order each
     time so that no mode always runs first; ``summary`` in the JSON holds each metric's median
     over the repeats. ``--resume`` keeps the runs already in the output file and runs only the
-    missing (mode, alpha, budget, repeat) runs, so one sweep can span several time-limited calls."""
+    missing (mode, alpha, budget, repeat) runs, so one sweep can span several time-limited calls.
+    Mode ``lazy+host`` is ``lazy`` with a host-memory tier of ``--host-memory-gb`` below the KV
+    budget (chunks the pool evicts are written back there and loaded on their next miss)."""
     name = out or f"serving_sweep_{arch}_{device}"
     setting = {"arch": arch, "dtype": dtype, "num_docs": num_docs, "doc_tokens": doc_tokens,
                "docs_per_request": docs_per_request, "query_tokens": query_tokens, "output_tokens": output_tokens,
@@ -88,9 +90,11 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
                 if (mode, a, gb, rep) in done:
                     continue
                 llm, setup = ready_engine(bench, mode, int(gb * 2**30), device, max_batched_tokens, concurrency,
-                                          workload, docs, cuda_graphs, prefill_with_encodes)
+                                          workload, docs, cuda_graphs, prefill_with_encodes,
+                                          int(host_memory_gb * 2**30))
                 params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
                 row = {"mode": mode, "alpha": a, "budget_gb": gb, "repeat": rep, **setup,
+                       **({"host_memory_gb": host_memory_gb} if mode == "lazy+host" else {}),
                        **timed_run(llm, requests, params, concurrency, None, seed)}
                 print(json.dumps(row))
                 runs.append(row)

@@ -17,6 +17,7 @@ from lazyattn_rag.kernels.rope import RotaryEmbedding
 from lazyattn_rag.llm import LazyAttention
 
 MODES = ("lazy", "block_attention", "prefix", "full")
+TIERED_MODES = ("lazy+host",)  # lazy with a host-memory tier below the KV budget (issue 17)
 PROMPT = PromptConfig(system_prompt=None, instruction="t1 t2 t3 t4 t5 t6 t7 t8 ", document_separator=" ",
                       question_prefix="t9 ")
 
@@ -102,12 +103,17 @@ class Bench:
 
 
 def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_batched: int, max_seqs: int,
-                backend: str = "auto", cuda_graphs: bool = True, prefill_with_encodes: bool = True) -> LazyAttention:
-    """An engine over ``bench``'s model in cache ``mode`` with a KV budget of ``budget_bytes``."""
+                backend: str = "auto", cuda_graphs: bool = True, prefill_with_encodes: bool = True,
+                host_memory_bytes: int = 0) -> LazyAttention:
+    """An engine over ``bench``'s model in cache ``mode`` with a KV budget of ``budget_bytes``
+    (``"lazy+host"``: ``lazy`` with a host-memory tier of ``host_memory_bytes``)."""
+    host = host_memory_bytes if mode == "lazy+host" else 0
+    mode = "lazy" if mode == "lazy+host" else mode
     config = EngineConfig(device=device, dtype=str(next(bench.model.parameters()).dtype).removeprefix("torch."),
                           attention_backend=backend, prompt=PROMPT, cuda_graphs=cuda_graphs,
                           cache=CacheConfig(kv_cache_bytes=budget_bytes, mode=mode, eviction_policy="lfu",
-                                            anchor="none"),  # the papers' setting (block_attention has no anchor)
+                                            anchor="none",  # the papers' setting (block_attention has no anchor)
+                                            host_memory_bytes=host),
                           scheduler=SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs,
                                                     prefill_with_encodes=prefill_with_encodes))
     return LazyAttention.from_model(bench.model, bench.tokenizer, config, name="random",

@@ -212,13 +212,15 @@ class ChunkTiers:
         """Wait until every queued write ran (tests, ``lazyattn cache warm``, closing)."""
         self._queue.join()
 
-    def close(self) -> None:
-        """Finish the queued writes, stop the writer and close the tiers (idempotent)."""
+    def close(self, close_tiers: bool = True) -> None:
+        """Finish the queued writes, stop the writer and (unless ``close_tiers`` is false: tiers
+        shared with another user) close the tiers. Idempotent."""
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
-            for tier in self.tiers:
-                tier.close()
+            if close_tiers:
+                for tier in self.tiers:
+                    tier.close()
 
     # --- introspection ----------------------------------------------------------------------
     def stats(self) -> dict[str, dict]:
