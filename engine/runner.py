@@ -152,9 +152,10 @@ class ModelRunner:
         if len(block_ids) * self.block_size < num_tokens:
             raise ValueError(f"{len(block_ids)} blocks cannot hold {num_tokens} tokens")
         slots = self._slots(block_ids, num_tokens)
+        keys, values = keys.to(self.device), values.to(self.device)  # one host-to-device copy each
         for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
-            key_cache.view(-1, *key_cache.shape[2:])[slots] = keys[layer].to(self.device)
-            value_cache.view(-1, *value_cache.shape[2:])[slots] = values[layer].to(self.device)
+            key_cache.view(-1, *key_cache.shape[2:])[slots] = keys[layer]
+            value_cache.view(-1, *value_cache.shape[2:])[slots] = values[layer]
 
     @torch.inference_mode()
     def enable_cuda_graphs(self, batch_sizes: list[int], max_blocks_per_seq: int, capture: bool = True) -> None:
