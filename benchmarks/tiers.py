@@ -5,7 +5,10 @@ For each repeat a fresh random document of ``--doc-tokens`` tokens is encoded al
 engine's chunk prefill: a forward pass over the chunk after the anchor, which is what a miss
 costs) and its K/V read off the pool and encoded (``engine/chunk_format.py``). Then, per tier:
 
-* ``store``: encode + write (what the background writer spends; never on a step's path);
+* ``read``: gathering the chunk's K/V from the pool and copying it to the host (pinned memory
+  on a GPU); the engine thread only starts this copy, the background writer waits for it;
+* ``store``: what the writer then spends: for ``host``, the XXH3 checksum of the tensors kept
+  as they are (``HostChunk``); for the others, encoding + write;
 * ``load``: read + decode + checks (format, model, key, tokens, XXH3 checksum) + writing the
   K/V into fresh blocks of the pool (host -> device on a GPU), the device synchronized:
   exactly what a miss served by the tier costs instead of the recompute.
@@ -38,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.serving_results import command_line, environment, write  # noqa: E402
 from benchmarks.serving_setup import ARCHS, Bench, make_engine, release  # noqa: E402
 from benchmarks.serving_workload import random_text  # noqa: E402
-from lazyattn_rag.engine.chunk_format import ChunkKV, encode_chunk  # noqa: E402
+from lazyattn_rag.engine.chunk_format import ChunkKV, HostChunk, encode_chunk  # noqa: E402
 from lazyattn_rag.engine.chunk_store import DiskStore, HostMemoryStore  # noqa: E402
 from lazyattn_rag.engine.chunk_tiers import ChunkTiers, LoadCosts  # noqa: E402
 from lazyattn_rag.engine.scheduler_output import ChunkPrefillJob, SchedulerOutput  # noqa: E402
@@ -72,12 +75,13 @@ def measure_document(engine, tiers: ChunkTiers, token_ids: tuple[int, ...], cold
     context = engine.scheduler.anchor_context
     job = ChunkPrefillJob("bench", token_ids, len(engine.planner.anchor_ids), blocks, context)
     _, recompute_s = _timed(lambda: runner.execute_step(SchedulerOutput(chunk_prefills=[job])), device)
-    keys, values = runner.read_blocks(blocks, len(token_ids))
+    (keys, values), read_s = _timed(lambda: runner.read_blocks(blocks, len(token_ids)), device)
     key = f"bench{time.perf_counter_ns()}"
     chunk = ChunkKV(key, engine.model_digest, token_ids, job.local_start, keys, values)
-    row = {"recompute_ms": recompute_s * 1e3, "chunk_bytes": len(encode_chunk(chunk))}
+    row = {"recompute_ms": recompute_s * 1e3, "chunk_bytes": len(encode_chunk(chunk)), "read_ms": read_s * 1e3}
     for tier in tiers.tiers:
-        ok, store_s = _timed(lambda: tier.put(key, encode_chunk(chunk)), device)
+        stored = (lambda: HostChunk.of(chunk)) if tier.name == "host" else (lambda: encode_chunk(chunk))
+        ok, store_s = _timed(lambda: tier.put(key, stored()), device)
         if not ok:
             raise RuntimeError(f"the {tier.name} tier refused a {row['chunk_bytes']}-byte chunk")
         if tier.name == "disk" and cold_disk:

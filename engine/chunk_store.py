@@ -11,7 +11,8 @@ Every tier, in-process or shared (``engine/redis_store.py``), offers the :class:
 ``get``, ``put``, ``discard``, ``delete``, ``in``, ``keys``, ``clear``, ``close``, ``stats``,
 ``available``, ``num_bytes``, ``capacity_bytes`` (``None`` where the server keeps the budget).
 
-* :class:`HostMemoryStore`: bytes in this process's memory.
+* :class:`HostMemoryStore`: chunks in this process's memory (the engine keeps decoded,
+  checksummed K/V there, :class:`~lazyattn_rag.engine.chunk_format.HostChunk`, not bytes).
 * :class:`DiskStore`: one file per chunk under a directory. Writes are atomic (a temporary
   name in the same directory, flushed and fsynced, then renamed over the final name), so a
   reader, in this process or another, sees a whole old file or a whole new one, and two
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from lazyattn_rag.engine.chunk_format import HostChunk
 from lazyattn_rag.engine.eviction import EvictionPolicy, LRUPolicy
 
 SUFFIX = ".lakv"
@@ -122,7 +124,7 @@ class ChunkStore(ABC):
             if key in self._sizes:
                 self.policy.on_hit(key)
             self.stats.num_hits += 1
-            self.stats.num_bytes_read += len(data)
+            self.stats.num_bytes_read += self._size_of(data)
         return data
 
     def put(self, key: str, data: bytes) -> bool:
@@ -135,7 +137,8 @@ class ChunkStore(ABC):
             ``False`` when ``data`` alone exceeds the capacity or the write failed (counted as an
             error); nothing is stored then.
         """
-        if len(data) > self.capacity_bytes:
+        size = self._size_of(data)
+        if size > self.capacity_bytes:
             return False
         try:
             staged = self._stage(key, data)
@@ -146,16 +149,16 @@ class ChunkStore(ABC):
         with self._lock:
             if key in self._sizes:
                 self._forget(key, evicted=False)
-            self._make_room(len(data))
+            self._make_room(size)
             try:
                 self._commit(key, staged)
             except OSError:
                 self._remove(key)  # neither a partial nor the replaced payload stays behind untracked
                 self.stats.num_errors += 1
                 return False
-            self._record(key, len(data))
+            self._record(key, size)
             self.stats.num_puts += 1
-            self.stats.num_bytes_written += len(data)
+            self.stats.num_bytes_written += size
         return True
 
     def discard(self, key: str) -> None:
@@ -209,6 +212,11 @@ class ChunkStore(ABC):
     @abstractmethod
     def _read(self, key: str) -> bytes: ...
 
+    @staticmethod
+    def _size_of(data) -> int:
+        """Bytes a stored value takes (its length; the host tier stores K/V tensors)."""
+        return len(data)
+
     def _stage(self, key: str, data: bytes):
         """Prepare ``data`` for :meth:`_commit` (outside the lock); raises ``OSError``."""
         return data
@@ -222,21 +230,30 @@ class ChunkStore(ABC):
 
 
 class HostMemoryStore(ChunkStore):
-    """Chunks in this process's memory (gone with it)."""
+    """Chunks in this process's memory (gone with it).
+
+    The engine stores :class:`~lazyattn_rag.engine.chunk_format.HostChunk` values here (K/V
+    tensors as they came off the device, with their checksum; a value's size is its
+    ``num_bytes``). Encoded bytes are stored as they are.
+    """
 
     name = "host"
 
     def __init__(self, capacity_bytes: int, policy: EvictionPolicy | None = None):
         super().__init__(capacity_bytes, policy)
-        self._data: dict[str, bytes] = {}
+        self._data: dict[str, HostChunk | bytes] = {}
 
-    def _read(self, key: str) -> bytes:
+    @staticmethod
+    def _size_of(data: HostChunk | bytes) -> int:
+        return data.num_bytes if isinstance(data, HostChunk) else len(data)
+
+    def _read(self, key: str) -> HostChunk | bytes:
         return self._data[key]
 
-    def _stage(self, key: str, data: bytes) -> bytes:
-        return bytes(data)
+    def _stage(self, key: str, data: HostChunk | bytes) -> HostChunk | bytes:
+        return data
 
-    def _commit(self, key: str, staged: bytes) -> None:
+    def _commit(self, key: str, staged: HostChunk | bytes) -> None:
         self._data[key] = staged
 
     def _remove(self, key: str) -> None:

@@ -4,14 +4,17 @@ A chunk's K/V is position-agnostic, so one stored copy serves every request, pro
 replica on the same model. Tiers (``engine/chunk_store.py``, ``engine/redis_store.py``) hold
 encoded chunks (``engine/chunk_format.py``) under the chunk's content key:
 
-* **host memory** is filled by *write-back*: a chunk the KV pool evicts is read off the device
-  and stored there, so a later miss loads it instead of recomputing it;
+* **host memory** is filled by *write-back*: a chunk the KV pool evicts is copied off the device
+  (into pinned memory on a GPU) and kept there decoded, with its checksum
+  (:class:`~lazyattn_rag.engine.chunk_format.HostChunk`), so a later miss loads it with one
+  host-to-device copy instead of recomputing it;
 * **persistent tiers** (disk, Redis) are filled when a chunk is *computed*, so a restarted
   process, or another worker sharing the directory or the server, loads it on its first use;
   a chunk loaded from Redis is also written to the local disk tier.
 
-Writes run on one background thread: the engine thread only copies the K/V off the device and
-queues it (never encoding or writing inside a step); past ``max_queued_bytes`` a write is
+Writes run on one background thread: the engine thread only gathers the K/V on the device and
+queues it; the writer copies it to the host, checksums it, encodes it for the persistent tiers
+and writes it, so a step never waits for any of that. Past ``max_queued_bytes`` a write is
 dropped and counted, never waited for. A miss looks the tiers up fastest first and loads the
 first whole, checked copy; a payload that fails the checks (truncated, damaged, another
 model, key or format, other tokens) is counted, deleted from its tier and the chunk recomputed.
@@ -21,14 +24,21 @@ Whether loading beats recomputing is decided per tier from measured speeds
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from lazyattn_rag.engine.chunk_format import ChunkKV, CorruptChunkError, decode_chunk, encode_chunk
+from lazyattn_rag.engine.chunk_format import (ChunkKV, CorruptChunkError, HostChunk, check_host_chunk, decode_chunk,
+                                              encode_chunk)
 from lazyattn_rag.engine.chunk_store import Tier
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +168,8 @@ class ChunkTiers:
             if data is None:
                 continue
             try:
-                chunk = decode_chunk(data, key, self.model_digest)
+                chunk = check_host_chunk(data, key, self.model_digest) if isinstance(data, HostChunk) \
+                    else decode_chunk(data, key, self.model_digest)
                 if chunk.token_ids != tuple(token_ids):
                     raise CorruptChunkError(f"chunk {key[:12]} holds {len(chunk.token_ids)} other tokens")
             except CorruptChunkError as error:
@@ -167,7 +178,7 @@ class ChunkTiers:
                 self.times[tier.name].num_corrupt += 1
                 continue
             seconds = time.perf_counter() - start
-            self.costs.record_load(tier.name, len(data), seconds)
+            self.costs.record_load(tier.name, chunk.num_bytes, seconds)
             self.times[tier.name].load.observe(seconds)
             if tier.name == "redis":  # a shared copy: keep one on the local disk too
                 self.save(chunk, [t for t in self.persistent if t.name == "disk" and key not in t])
@@ -175,9 +186,12 @@ class ChunkTiers:
         return None
 
     # --- writing (queued from the engine thread, run on the writer thread) ----------------------
-    def save(self, chunk: ChunkKV, tiers: list[Tier]) -> bool:
+    def save(self, chunk: ChunkKV, tiers: list[Tier],
+             to_host: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None) -> bool:
         """Queue ``chunk`` to be encoded and written to ``tiers``; ``False`` when nothing is to
-        be written or the queue is over ``max_queued_bytes`` (the write is dropped, counted)."""
+        be written or the queue is over ``max_queued_bytes`` (the write is dropped, counted).
+        ``to_host``: when ``chunk``'s tensors are still on the device, called by the writer for
+        their host copies (:meth:`ModelRunner.read_blocks_async`)."""
         if not tiers:
             return False
         with self._lock:
@@ -185,7 +199,7 @@ class ChunkTiers:
                 self.num_dropped_writes += 1
                 return False
             self._queued_bytes += chunk.num_bytes
-        self._queue.put((chunk, tiers))
+        self._queue.put((chunk, tiers, to_host))
         return True
 
     def _write_loop(self) -> None:
@@ -194,18 +208,26 @@ class ChunkTiers:
             if item is None:
                 self._queue.task_done()
                 return
-            chunk, tiers = item
+            chunk, tiers, to_host = item
+            size = chunk.num_bytes
             try:
-                data = encode_chunk(chunk)
+                if to_host is not None:
+                    keys, values = to_host()
+                    chunk = dataclasses.replace(chunk, keys=keys, values=values)
+                data = None
                 for tier in tiers:
                     start = time.perf_counter()
-                    if tier.put(chunk.key, data):
+                    if tier.name == "host":  # decoded, with its checksum: no encoding either way
+                        value = HostChunk.of(chunk)
+                    else:
+                        value = data = data if data is not None else encode_chunk(chunk)
+                    if tier.put(chunk.key, value):
                         self.times[tier.name].store.observe(time.perf_counter() - start)
             except Exception:  # noqa: BLE001 - a failed write costs only a later recompute
                 logger.exception("writing chunk %s to the storage tiers failed", chunk.key[:12])
             finally:
                 with self._lock:
-                    self._queued_bytes -= chunk.num_bytes
+                    self._queued_bytes -= size
                 self._queue.task_done()
 
     def flush(self) -> None:

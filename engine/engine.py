@@ -161,9 +161,12 @@ class LLMEngine:
         return block_table_entries(entry.block_ids, len(ids), 0, self.block_size)
 
     # --- storage tiers ------------------------------------------------------------------------
-    def _chunk_kv(self, entry: ChunkEntry) -> ChunkKV:
-        keys, values = self.runner.read_blocks(entry.block_ids, entry.num_tokens)
-        return ChunkKV(entry.key, self.model_digest, entry.token_ids, entry.local_start, keys, values)
+    def _save(self, entry: ChunkEntry, tiers: list) -> None:
+        """Queue ``entry``'s K/V for ``tiers``: gathered on the device now, copied to the host by
+        the tiers' writer thread, so the step neither waits for the copy nor allocates for it."""
+        keys, values, to_host = self.runner.read_blocks_async(entry.block_ids, entry.num_tokens)
+        chunk = ChunkKV(entry.key, self.model_digest, entry.token_ids, entry.local_start, keys, values)
+        self.tiers.save(chunk, tiers, to_host)
 
     def _storable(self, entry: ChunkEntry | None) -> bool:
         return entry is not None and entry.ready and entry.token_ids is not None and entry.source_key is None
@@ -174,7 +177,7 @@ class LLMEngine:
         if not self._storable(entry) or entry.key in host:
             return
         try:
-            self.tiers.save(self._chunk_kv(entry), [host])
+            self._save(entry, [host])
         except Exception:  # noqa: BLE001 - a lost write-back costs a recompute, never the step
             logger.exception("write-back of chunk %s failed", entry.key[:12])
 
@@ -186,7 +189,7 @@ class LLMEngine:
             targets = [t for t in tiers if job.key not in t] if self._storable(entry) else []
             if targets:
                 try:
-                    self.tiers.save(self._chunk_kv(entry), targets)
+                    self._save(entry, targets)
                 except Exception:  # noqa: BLE001 - as _write_back
                     logger.exception("storing chunk %s failed", job.key[:12])
 

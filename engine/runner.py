@@ -129,10 +129,31 @@ class ModelRunner:
             ``(keys, values)``, each ``[num_layers, num_tokens, num_kv_heads, head_dim]`` in the
             pool's dtype, on the CPU.
         """
+        _, _, to_host = self.read_blocks_async(block_ids, num_tokens)
+        return to_host()
+
+    @torch.inference_mode()
+    def read_blocks_async(self, block_ids: list[int], num_tokens: int):
+        """:meth:`read_blocks` in two halves, for the storage tiers' writer thread: the K/V are
+        gathered on the device now (stream-ordered, so no later kernel can overwrite them
+        first); ``to_host()``, called later from any thread, copies them into pinned host
+        memory on a side stream and returns ``(keys, values)`` as :meth:`read_blocks` does. The
+        caller's thread never waits for the copy nor allocates the pinned buffers (a fresh
+        pinned allocation costs milliseconds). Until ``to_host()`` has run, the gathered
+        tensors take device memory beside the KV pool.
+
+        Returns:
+            ``(keys, values, to_host)``: ``keys``/``values`` are the gathered tensors (on the
+            runner's device), ``[num_layers, num_tokens, num_kv_heads, head_dim]`` each.
+        """
         slots = self._slots(block_ids, num_tokens)
         keys = torch.stack([k.view(-1, *k.shape[2:])[slots] for k, _ in self.kv_caches])
         values = torch.stack([v.view(-1, *v.shape[2:])[slots] for _, v in self.kv_caches])
-        return keys.cpu(), values.cpu()
+        if self.device.type != "cuda":
+            return keys, values, lambda: (keys, values)
+        gathered = torch.cuda.Event()
+        gathered.record()
+        return keys, values, lambda: _to_pinned_host(keys, values, gathered)
 
     @torch.inference_mode()
     def write_blocks(self, block_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -152,7 +173,9 @@ class ModelRunner:
         if len(block_ids) * self.block_size < num_tokens:
             raise ValueError(f"{len(block_ids)} blocks cannot hold {num_tokens} tokens")
         slots = self._slots(block_ids, num_tokens)
-        keys, values = keys.to(self.device), values.to(self.device)  # one host-to-device copy each
+        # one host-to-device copy each; asynchronous from pinned memory (torch keeps the pinned
+        # buffer from being reused until the copy has run)
+        keys, values = keys.to(self.device, non_blocking=True), values.to(self.device, non_blocking=True)
         for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
             key_cache.view(-1, *key_cache.shape[2:])[slots] = keys[layer]
             value_cache.view(-1, *value_cache.shape[2:])[slots] = values[layer]
@@ -195,3 +218,16 @@ class ModelRunner:
         positions = torch.tensor([p for s in seqs for p in s.positions], dtype=torch.int64, device=self.device)
         last_rows = (metadata.cu_seqlens_q[1:] - 1).to(torch.int64)
         return self.model(input_ids, positions, self.backend, self.kv_caches, metadata, last_rows)
+
+
+def _to_pinned_host(keys: torch.Tensor, values: torch.Tensor, gathered) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy device ``keys``/``values`` into new pinned host tensors on a side stream, once
+    ``gathered`` (a CUDA event) has happened; returns when the copy is done."""
+    stream = torch.cuda.Stream(device=keys.device)
+    with torch.cuda.stream(stream):
+        stream.wait_event(gathered)
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (keys, values))
+        for dst, src in zip(host, (keys, values)):
+            dst.copy_(src, non_blocking=True)
+    stream.synchronize()
+    return host

@@ -18,13 +18,14 @@ import pytest
 import torch
 
 from lazyattn_rag import SamplingParams
-from lazyattn_rag.engine.chunk_format import ChunkKV, decode_chunk, encode_chunk
+from lazyattn_rag.engine.chunk_format import ChunkKV, HostChunk, decode_chunk, encode_chunk
 from lazyattn_rag.engine.chunk_tiers import ChunkTiers, LoadCosts
 from lazyattn_rag.engine.chunk_store import HostMemoryStore
 from tests.observe import StepLog, settle
 from tests.tiny import words
 
 ROOT = Path(__file__).resolve().parents[1]
+CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 GREEDY = SamplingParams(max_tokens=3)
 DOC_TOKENS = 100  # 7 blocks of 16
 
@@ -58,12 +59,14 @@ def stored_kv(llm, doc_id: str) -> tuple[torch.Tensor, torch.Tensor]:
     return llm.client.call(read)
 
 
-def test_host_tier_write_back_serves_evicted_chunks_bit_identical(make_llm):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_host_tier_write_back_serves_evicted_chunks_bit_identical(make_llm, device):
     """A 40-block pool holds 5 documents of 7 blocks: with 6, each is evicted in turn, written back
     to host memory and loaded on its next use: its K/V bytes equal the fresh encode's, and the
     logits equal those of a hit on the fresh encode (the first answer's own pass also encoded the
-    document, a batch of another shape, so its logits may differ in the last bits)."""
-    _, llm = make_llm(num_blocks=40, host_memory_bytes=1 << 26, eviction_policy="lru")
+    document, a batch of another shape, so its logits may differ in the last bits). On a GPU the
+    host tier holds the K/V in pinned memory, copied there by the writer thread."""
+    _, llm = make_llm(num_blocks=40, host_memory_bytes=1 << 26, eviction_policy="lru", device=device)
     llm.add_documents(docs(6))
     first = {}
     for doc_id, _ in docs(6):
@@ -83,6 +86,8 @@ def test_host_tier_write_back_serves_evicted_chunks_bit_identical(make_llm):
     stats = tier_stats(llm, "host")
     assert stats["num_hits"] == 6 and stats["num_corrupt"] == 0 and stats["load_seconds"]["count"] == 6
     assert stats["num_bytes"] <= stats["capacity_bytes"]
+    held = llm.client.call(lambda engine: [engine.tiers.host.get(engine.documents[d].key) for d, _ in docs(6)])
+    assert all(isinstance(h, HostChunk) and h.chunk.keys.is_pinned() == (device == "cuda") for h in held)
     llm.client.call(lambda engine: engine.cache.check_integrity())
 
 
@@ -147,6 +152,22 @@ def _damage(kind: str, good: bytes, key: str, model_digest: str) -> bytes:
                                 chunk.values))
 
 
+def _damage_host(kind: str, good: HostChunk) -> HostChunk:
+    """The host tier holds decoded K/V with its checksum: the same four faults in that form."""
+    c = good.chunk
+    if kind == "truncated":  # tensors shorter than the tokens they claim
+        return HostChunk(ChunkKV(c.key, c.model_digest, c.token_ids, c.local_start, c.keys[:, :-3], c.values[:, :-3]),
+                         good.checksum)
+    if kind == "flipped":
+        values = c.values.clone()
+        values.view(-1).view(torch.uint8)[-7] ^= 0x01
+        return HostChunk(ChunkKV(c.key, c.model_digest, c.token_ids, c.local_start, c.keys, values), good.checksum)
+    if kind == "other model":
+        return HostChunk.of(ChunkKV(c.key, "0" * 64, c.token_ids, c.local_start, c.keys, c.values))
+    assert kind == "other tokens"
+    return HostChunk.of(ChunkKV(c.key, c.model_digest, tuple(reversed(c.token_ids)), c.local_start, c.keys, c.values))
+
+
 @pytest.mark.parametrize("tier", ["host", "disk", "redis"])
 @pytest.mark.parametrize("kind", ["truncated", "flipped", "other model", "other tokens"])
 def test_a_damaged_entry_is_detected_deleted_and_recomputed(make_llm, tmp_path, request, tier, kind):
@@ -169,7 +190,12 @@ def test_a_damaged_entry_is_detected_deleted_and_recomputed(make_llm, tmp_path, 
         engine.cache.evict(key)  # with a host tier this queues a (good) write-back: let it land first
         engine.tiers.flush()
         store = next(t for t in engine.tiers.tiers if t.name == tier)
-        assert store.put(key, _damage(kind, good, key, engine.model_digest))
+        if tier == "host":  # what write-back stored: decoded K/V, bit-identical to the pool's
+            held = store.get(key)
+            assert isinstance(held, HostChunk) and torch.equal(held.chunk.keys, keys)
+            assert store.put(key, _damage_host(kind, held))
+        else:
+            assert store.put(key, _damage(kind, good, key, engine.model_digest))
         return key
 
     key = llm.client.call(plant)
