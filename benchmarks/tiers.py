@@ -6,12 +6,14 @@ engine's chunk prefill: a forward pass over the chunk after the anchor, which is
 costs) and its K/V read off the pool and encoded (``engine/chunk_format.py``). Then, per tier:
 
 * ``read``: gathering the chunk's K/V from the pool and copying it to the host (pinned memory
-  on a GPU); the engine thread only starts this copy, the background writer waits for it;
-* ``store``: what the writer then spends: for ``host``, the XXH3 checksum of the tensors kept
-  as they are (``HostChunk``); for the others, encoding + write;
-* ``load``: read + decode + checks (format, model, key, tokens, XXH3 checksum) + writing the
-  K/V into fresh blocks of the pool (host -> device on a GPU), the device synchronized:
-  exactly what a miss served by the tier costs instead of the recompute.
+  on a GPU, with the host tier's checksum taken on the device); the engine thread only
+  gathers, the background writer does the rest;
+* ``store``: what the writer then spends: for ``host``, keeping the tensors as they are
+  (``HostChunk``; on a CPU, with their XXH3 taken now); for the others, encoding + write;
+* ``load``: read + decode + checks (format, model, key, tokens, checksum: XXH3 on the host for
+  disk and Redis, ``kv_checksum`` on the device after the copy for host memory) + writing the K/V
+  into fresh blocks of the pool (host -> device on a GPU), the device synchronized: exactly
+  what a miss served by the tier costs instead of the recompute.
 
 Tiers: ``host`` (process memory), ``disk`` (a directory: ``--disk-dir``, default a temporary
 one; the page cache is dropped for the file when ``--cold-disk`` so the read comes from the
@@ -75,18 +77,19 @@ def measure_document(engine, tiers: ChunkTiers, token_ids: tuple[int, ...], cold
     context = engine.scheduler.anchor_context
     job = ChunkPrefillJob("bench", token_ids, len(engine.planner.anchor_ids), blocks, context)
     _, recompute_s = _timed(lambda: runner.execute_step(SchedulerOutput(chunk_prefills=[job])), device)
-    (keys, values), read_s = _timed(lambda: runner.read_blocks(blocks, len(token_ids)), device)
+    (keys, values, checksum), read_s = _timed(lambda: runner.read_blocks_async(blocks, len(token_ids))[2](), device)
     key = f"bench{time.perf_counter_ns()}"
     chunk = ChunkKV(key, engine.model_digest, token_ids, job.local_start, keys, values)
     row = {"recompute_ms": recompute_s * 1e3, "chunk_bytes": len(encode_chunk(chunk)), "read_ms": read_s * 1e3}
-    for tier in tiers.tiers:
-        stored = (lambda: HostChunk.of(chunk)) if tier.name == "host" else (lambda: encode_chunk(chunk))
+    for tier in tiers.tiers:  # as the engine's writer stores (chunk_tiers.ChunkTiers._write_loop)
+        stored = (lambda: HostChunk(chunk, checksum) if checksum else HostChunk.of(chunk)) if tier.name == "host" \
+            else (lambda: encode_chunk(chunk))
         ok, store_s = _timed(lambda: tier.put(key, stored()), device)
         if not ok:
             raise RuntimeError(f"the {tier.name} tier refused a {row['chunk_bytes']}-byte chunk")
         if tier.name == "disk" and cold_disk:
             _drop_page_cache(tier.directory / f"{key}.lakv")
-        only = ChunkTiers([tier], engine.model_digest, tiers.costs.bytes_per_token)
+        only = ChunkTiers([tier], engine.model_digest, tiers.costs.bytes_per_token, device=device)
         hit, load_s = _timed(lambda: (h := only.find(key, token_ids)) and runner.write_blocks(
             blocks, h.chunk.keys, h.chunk.values) is None and h, device)
         only.close(close_tiers=False)

@@ -7,7 +7,7 @@ encoded chunks (``engine/chunk_format.py``) under the chunk's content key:
 * **host memory** is filled by *write-back*: a chunk the KV pool evicts is copied off the device
   (into pinned memory on a GPU) and kept there decoded, with its checksum
   (:class:`~lazyattn_rag.engine.chunk_format.HostChunk`), so a later miss loads it with one
-  host-to-device copy instead of recomputing it;
+  host-to-device copy, checked on the device, instead of recomputing it;
 * **persistent tiers** (disk, Redis) are filled when a chunk is *computed*, so a restarted
   process, or another worker sharing the directory or the server, loads it on its first use;
   a chunk loaded from Redis is also written to the local disk tier.
@@ -117,7 +117,8 @@ class LoadCosts:
 
 @dataclass(frozen=True)
 class TierHit:
-    """A chunk found below the pool: its K/V and where it came from."""
+    """A chunk found below the pool: its K/V (on the pool's device for a host-tier hit, on the
+    CPU otherwise) and where it came from."""
 
     tier: str
     chunk: ChunkKV
@@ -133,11 +134,13 @@ class ChunkTiers:
         model_digest: the model fingerprint's digest (checked on every load).
         bytes_per_token: K/V bytes of one token over all layers (for :class:`LoadCosts`).
         max_queued_bytes: K/V waiting to be written beyond which a write is dropped (counted).
+        device: the KV pool's device: a host-tier hit is copied there and checked there
+            (:func:`~lazyattn_rag.engine.chunk_format.check_host_chunk`).
     """
 
     def __init__(self, tiers: list[Tier], model_digest: str, bytes_per_token: int,
-                 max_queued_bytes: int = 1 << 30):
-        self.tiers, self.model_digest = list(tiers), model_digest
+                 max_queued_bytes: int = 1 << 30, device: torch.device | str = "cpu"):
+        self.tiers, self.model_digest, self.device = list(tiers), model_digest, device
         self.costs = LoadCosts(bytes_per_token)
         self.times = {t.name: TierTimes() for t in self.tiers}
         self.max_queued_bytes = max_queued_bytes
@@ -168,7 +171,7 @@ class ChunkTiers:
             if data is None:
                 continue
             try:
-                chunk = check_host_chunk(data, key, self.model_digest) if isinstance(data, HostChunk) \
+                chunk = check_host_chunk(data, key, self.model_digest, self.device) if isinstance(data, HostChunk) \
                     else decode_chunk(data, key, self.model_digest)
                 if chunk.token_ids != tuple(token_ids):
                     raise CorruptChunkError(f"chunk {key[:12]} holds {len(chunk.token_ids)} other tokens")
@@ -187,11 +190,11 @@ class ChunkTiers:
 
     # --- writing (queued from the engine thread, run on the writer thread) ----------------------
     def save(self, chunk: ChunkKV, tiers: list[Tier],
-             to_host: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None) -> bool:
+             to_host: Callable[[], tuple[torch.Tensor, torch.Tensor, str | None]] | None = None) -> bool:
         """Queue ``chunk`` to be encoded and written to ``tiers``; ``False`` when nothing is to
         be written or the queue is over ``max_queued_bytes`` (the write is dropped, counted).
         ``to_host``: when ``chunk``'s tensors are still on the device, called by the writer for
-        their host copies (:meth:`ModelRunner.read_blocks_async`)."""
+        their host copies and device checksum (:meth:`ModelRunner.read_blocks_async`)."""
         if not tiers:
             return False
         with self._lock:
@@ -209,16 +212,16 @@ class ChunkTiers:
                 self._queue.task_done()
                 return
             chunk, tiers, to_host = item
-            size = chunk.num_bytes
+            size, checksum = chunk.num_bytes, None
             try:
                 if to_host is not None:
-                    keys, values = to_host()
+                    keys, values, checksum = to_host()
                     chunk = dataclasses.replace(chunk, keys=keys, values=values)
                 data = None
                 for tier in tiers:
                     start = time.perf_counter()
                     if tier.name == "host":  # decoded, with its checksum: no encoding either way
-                        value = HostChunk.of(chunk)
+                        value = HostChunk(chunk, checksum) if checksum else HostChunk.of(chunk)
                     else:
                         value = data = data if data is not None else encode_chunk(chunk)
                     if tier.put(chunk.key, value):

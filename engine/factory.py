@@ -150,7 +150,7 @@ def _assemble(model: CausalLM, tokenizer: Any, config: EngineConfig, weights_sha
     fingerprint = ModelFingerprint(weights_sha256, dtype_name, json.dumps(model.rotary.fingerprint(), sort_keys=True),
                                    _tokenizer_sha256(tokenizer), block_size)
     cache = ChunkCache(BlockPool(num_blocks), block_size, make_policy(config.cache.eviction_policy))
-    tiers = build_tiers(config.cache, fingerprint.digest(), block_bytes // block_size)
+    tiers = build_tiers(config.cache, fingerprint.digest(), block_bytes // block_size, device)
     engine = LLMEngine(runner, cache, tokenizer, fingerprint.digest(), config, max_model_len, eos_ids, tiers)
     engine.fingerprint = fingerprint
     engine.info = {"model": name, "model_type": arch.model_type, "device": str(device),
@@ -159,8 +159,10 @@ def _assemble(model: CausalLM, tokenizer: Any, config: EngineConfig, weights_sha
     return engine
 
 
-def build_tiers(cache: CacheConfig, model_digest: str, bytes_per_token: int) -> ChunkTiers | None:
-    """The storage tiers ``cache`` configures, fastest first (``None`` when none is).
+def build_tiers(cache: CacheConfig, model_digest: str, bytes_per_token: int,
+                device: torch.device | str = "cpu") -> ChunkTiers | None:
+    """The storage tiers ``cache`` configures, fastest first (``None`` when none is), for a KV
+    pool on ``device``.
 
     Raises:
         ImportError: ``redis_url`` is set but redis-py is not installed (the ``redis`` extra).
@@ -175,7 +177,7 @@ def build_tiers(cache: CacheConfig, model_digest: str, bytes_per_token: int) -> 
         from lazyattn_rag.engine.redis_store import RedisStore
 
         tiers.append(RedisStore(cache.redis_url, ttl_seconds=cache.redis_ttl_seconds))
-    return ChunkTiers(tiers, model_digest, bytes_per_token) if tiers else None
+    return ChunkTiers(tiers, model_digest, bytes_per_token, device=device) if tiers else None
 
 
 def describe(engine: LLMEngine) -> dict:

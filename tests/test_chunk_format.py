@@ -55,6 +55,52 @@ def test_damaged_or_foreign_payloads_are_refused_with_the_reason(monkeypatch):
         decode_chunk(data, KEY, MODEL)
 
 
+def _reference_sums(t: torch.Tensor) -> list[int]:
+    """kv_sums' three numbers for one tensor in plain Python integers, reduced mod 2**64."""
+    rows = t.reshape(-1, t.shape[-2] * t.shape[-1]).contiguous().view(torch.int32).tolist()
+    wrap = lambda x: (x + 2**63) % 2**64 - 2**63  # noqa: E731 - int64 two's complement
+    row_sums = [sum(r) for r in rows]
+    col_sums = [sum(c) for c in zip(*rows)]
+    return [wrap(sum(row_sums)), wrap(sum(i * x for i, x in enumerate(row_sums, 1))),
+            wrap(sum(i * x for i, x in enumerate(col_sums, 1)))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_sums_match_a_plain_integer_reference_and_change_with_any_bit(dtype):
+    c = chunk(dtype, num_tokens=7)
+    sums = chunk_format.kv_sums(c.keys, c.values)
+    assert list(sums) == _reference_sums(c.keys) + _reference_sums(c.values)
+    raw = c.values.clone().view(-1).view(torch.uint8)
+    for byte in range(0, raw.numel(), 5):  # a flipped bit anywhere changes them
+        for bit in (0, 7):
+            flipped = raw.clone()
+            flipped[byte] ^= 1 << bit
+            assert chunk_format.kv_sums(c.keys, flipped.view(dtype).view(c.values.shape)) != sums
+    swapped = c.keys.clone()
+    swapped[:, [0, 1]] = swapped[:, [1, 0]]  # two tokens' rows exchanged
+    assert chunk_format.kv_sums(swapped, c.values) != sums
+
+
+def test_host_chunks_are_checked_like_payloads():
+    good = chunk_format.HostChunk.of(chunk())
+    back = chunk_format.check_host_chunk(good, KEY, MODEL)
+    assert torch.equal(back.keys, good.chunk.keys) and back.token_ids == good.chunk.token_ids
+    c = good.chunk
+    values = c.values.clone()
+    values[2, 3, 1, 5] = values[2, 3, 1, 5].neg()  # the sign bit of one value
+    cases = {
+        "checksum mismatch": (chunk_format.HostChunk(ChunkKV(KEY, MODEL, c.token_ids, 1, c.keys, values), good.checksum),
+                              KEY, MODEL),
+        "do not hold its 5 tokens": (chunk_format.HostChunk(
+            ChunkKV(KEY, MODEL, c.token_ids, 1, c.keys[:, :4], c.values[:, :4]), good.checksum), KEY, MODEL),
+        "computed by model": (good, KEY, "n" * 64),
+        "holds chunk": (good, "j" * 64, MODEL),
+    }
+    for message, (value, key, model) in cases.items():
+        with pytest.raises(CorruptChunkError, match=message):
+            chunk_format.check_host_chunk(value, key, model)
+
+
 def test_mismatched_tensors_are_not_encoded():
     c = chunk()
     with pytest.raises(ValueError, match="differ"):

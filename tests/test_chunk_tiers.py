@@ -153,7 +153,7 @@ def _damage(kind: str, good: bytes, key: str, model_digest: str) -> bytes:
 
 
 def _damage_host(kind: str, good: HostChunk) -> HostChunk:
-    """The host tier holds decoded K/V with its checksum: the same four faults in that form."""
+    """The host tier holds decoded K/V with their checksum: the same four faults in that form."""
     c = good.chunk
     if kind == "truncated":  # tensors shorter than the tokens they claim
         return HostChunk(ChunkKV(c.key, c.model_digest, c.token_ids, c.local_start, c.keys[:, :-3], c.values[:, :-3]),
