@@ -109,7 +109,13 @@ def timed_run(llm: LazyAttention, requests, params: SamplingParams, concurrency:
     remove = llm.add_step_listener(tally)
     results, wall = asyncio.run(drive(llm, requests, params, concurrency, rate, seed))
     remove()
-    return {**summarize(results, wall, before, llm.stats(), llm.block_bytes), "steps": tally.summary()}
+    after = llm.stats()
+    row = {**summarize(results, wall, before, after, llm.block_bytes), "steps": tally.summary()}
+    if after["tiers"]:  # what the storage tiers did (cumulative since the engine started: the warm-up too)
+        counts = ("num_hits", "num_misses", "num_puts", "num_evictions", "num_errors", "num_corrupt")
+        row["tiers"] = {name: {k: t[k] for k in counts} for name, t in after["tiers"].items()}
+        row["num_tier_writes_dropped"] = after["num_tier_writes_dropped"]
+    return row
 
 
 def _classify(step) -> tuple[str, float, int]:

@@ -5,11 +5,11 @@ For each repeat a fresh random document of ``--doc-tokens`` tokens is encoded al
 engine's chunk prefill: a forward pass over the chunk after the anchor, which is what a miss
 costs) and its K/V read off the pool and encoded (``engine/chunk_format.py``). Then, per tier:
 
-* ``read``: gathering the chunk's K/V from the pool and copying it to the host (pinned memory
-  on a GPU, with the host tier's checksum taken on the device); the engine thread only
-  gathers, the background writer does the rest;
-* ``store``: what the writer then spends: for ``host``, keeping the tensors as they are
-  (``HostChunk``; on a CPU, with their XXH3 taken now); for the others, encoding + write;
+* ``read``: copying the gathered K/V to the CPU (what the writer does before encoding for disk
+  and Redis); the engine thread only gathers them on the device;
+* ``store``: what the writer spends: for ``host``, copying them into the pages of a pinned
+  arena (``engine/host_arena.py``) with their checksum taken on the device; for the others,
+  ``read`` + encoding + write;
 * ``load``: read + decode + checks (format, model, key, tokens, checksum: XXH3 on the host for
   disk and Redis, ``kv_checksum`` on the device after the copy for host memory) + writing the K/V
   into fresh blocks of the pool (host -> device on a GPU), the device synchronized: exactly
@@ -43,9 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.serving_results import command_line, environment, write  # noqa: E402
 from benchmarks.serving_setup import ARCHS, Bench, make_engine, release  # noqa: E402
 from benchmarks.serving_workload import random_text  # noqa: E402
-from lazyattn_rag.engine.chunk_format import ChunkKV, HostChunk, encode_chunk  # noqa: E402
+from lazyattn_rag.engine.chunk_format import ChunkKV, encode_chunk  # noqa: E402
 from lazyattn_rag.engine.chunk_store import DiskStore, HostMemoryStore  # noqa: E402
 from lazyattn_rag.engine.chunk_tiers import ChunkTiers, LoadCosts  # noqa: E402
+from lazyattn_rag.engine.host_arena import HostArena, copy_to_host, gather_event  # noqa: E402
 from lazyattn_rag.engine.scheduler_output import ChunkPrefillJob, SchedulerOutput  # noqa: E402
 
 app = typer.Typer(add_completion=False, help=__doc__)
@@ -77,14 +78,15 @@ def measure_document(engine, tiers: ChunkTiers, token_ids: tuple[int, ...], cold
     context = engine.scheduler.anchor_context
     job = ChunkPrefillJob("bench", token_ids, len(engine.planner.anchor_ids), blocks, context)
     _, recompute_s = _timed(lambda: runner.execute_step(SchedulerOutput(chunk_prefills=[job])), device)
-    (keys, values, checksum), read_s = _timed(lambda: runner.read_blocks_async(blocks, len(token_ids))[2](), device)
+    keys, values = runner.gather_blocks(blocks, len(token_ids))  # as write-back does, on the engine thread
     key = f"bench{time.perf_counter_ns()}"
     chunk = ChunkKV(key, engine.model_digest, token_ids, job.local_start, keys, values)
-    row = {"recompute_ms": recompute_s * 1e3, "chunk_bytes": len(encode_chunk(chunk)), "read_ms": read_s * 1e3}
+    host_chunk, read_s = _timed(lambda: copy_to_host(chunk, gather_event(device)), device)
+    row = {"recompute_ms": recompute_s * 1e3, "chunk_bytes": len(encode_chunk(host_chunk)), "read_ms": read_s * 1e3}
     for tier in tiers.tiers:  # as the engine's writer stores (chunk_tiers.ChunkTiers._write_loop)
-        stored = (lambda: HostChunk(chunk, checksum) if checksum else HostChunk.of(chunk)) if tier.name == "host" \
-            else (lambda: encode_chunk(chunk))
-        ok, store_s = _timed(lambda: tier.put(key, stored()), device)
+        store = (lambda: tier.put_kv(chunk, gather_event(device))) if tier.name == "host" \
+            else (lambda: tier.put(key, encode_chunk(copy_to_host(chunk, gather_event(device)))))
+        ok, store_s = _timed(store, device)
         if not ok:
             raise RuntimeError(f"the {tier.name} tier refused a {row['chunk_bytes']}-byte chunk")
         if tier.name == "disk" and cold_disk:
@@ -93,7 +95,7 @@ def measure_document(engine, tiers: ChunkTiers, token_ids: tuple[int, ...], cold
         hit, load_s = _timed(lambda: (h := only.find(key, token_ids)) and runner.write_blocks(
             blocks, h.chunk.keys, h.chunk.values) is None and h, device)
         only.close(close_tiers=False)
-        if not hit or not torch.equal(runner.read_blocks(blocks, len(token_ids))[0], keys):
+        if not hit or not torch.equal(runner.read_blocks(blocks, len(token_ids))[0], host_chunk.keys):
             raise RuntimeError(f"the {tier.name} tier did not give the chunk back bit-identical")
         tier.delete(key)
         row[f"{tier.name}_store_ms"], row[f"{tier.name}_load_ms"] = store_s * 1e3, load_s * 1e3
@@ -112,7 +114,8 @@ def main(arch: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32"
     bench = Bench.build(arch, device, dtype)
     llm = make_engine(bench, "lazy", 4 << 30 if device.startswith("cuda") else 1 << 30, device, 16384, 16)
     directory = Path(disk_dir or tempfile.mkdtemp(prefix="lazyattn-tiers-"))
-    stores = [HostMemoryStore(1 << 34), DiskStore(directory, 1 << 40)]
+    arena = HostArena(4 << 30, llm.block_bytes // 2, pin=device.startswith("cuda"))  # as engine/factory.py
+    stores = [HostMemoryStore(arena.capacity_bytes, arena=arena), DiskStore(directory, 1 << 40)]
     if redis_url:
         from lazyattn_rag.engine.redis_store import RedisStore
 

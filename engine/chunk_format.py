@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import struct
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -95,55 +94,6 @@ def kv_checksum(keys: torch.Tensor, values: torch.Tensor) -> str:
     if keys.device.type != "cpu":
         return "sums:" + ",".join(map(str, kv_sums(keys, values)))
     return "xxh3:" + _digest({"keys": keys, "values": values, "token_ids": torch.empty(0, dtype=torch.int64)})
-
-
-@dataclass(frozen=True)
-class HostChunk:
-    """A chunk as the host-memory tier keeps it: its K/V tensors as they came off the device
-    (pinned on a GPU machine, so a load is one asynchronous host-to-device copy and nothing is
-    encoded either way) and their :func:`kv_checksum` on the pool's device, taken when it was
-    stored (before the copy to the host, on a GPU).
-
-    Attributes:
-        chunk: the K/V, ``[num_layers, num_tokens, num_kv_heads, head_dim]`` each, on the CPU.
-        checksum: :func:`kv_checksum` of ``chunk.keys, chunk.values`` on the pool's device.
-    """
-
-    chunk: ChunkKV
-    checksum: str
-
-    @classmethod
-    def of(cls, chunk: ChunkKV) -> HostChunk:
-        """``chunk`` with its checksum computed where its tensors are."""
-        return cls(chunk, kv_checksum(chunk.keys, chunk.values))
-
-    @property
-    def num_bytes(self) -> int:
-        return self.chunk.num_bytes
-
-
-def check_host_chunk(value: HostChunk, key: str, model_digest: str, device: torch.device | str = "cpu") -> ChunkKV:
-    """``value``'s chunk copied to ``device`` and checked there, as :func:`decode_chunk` checks a
-    payload: key, model, shapes, then :func:`kv_checksum` of the copies against the stored one.
-
-    Returns:
-        the chunk with its K/V on ``device``.
-    Raises:
-        CorruptChunkError: saying which check failed.
-    """
-    chunk = value.chunk
-    if chunk.key != key:
-        raise CorruptChunkError(f"stored under {key[:12]} but holds chunk {chunk.key[:12]}")
-    if chunk.model_digest != model_digest:
-        raise CorruptChunkError(f"chunk {key[:12]} was computed by model {chunk.model_digest[:12]}, "
-                                f"not {model_digest[:12]}")
-    if chunk.keys.shape != chunk.values.shape or chunk.keys.dim() != 4 or chunk.keys.shape[1] != len(chunk.token_ids):
-        raise CorruptChunkError(f"chunk {key[:12]}: keys {tuple(chunk.keys.shape)} and values "
-                                f"{tuple(chunk.values.shape)} do not hold its {len(chunk.token_ids)} tokens")
-    keys, values = (t.to(device, non_blocking=True) for t in (chunk.keys, chunk.values))
-    if kv_checksum(keys, values) != value.checksum:
-        raise CorruptChunkError(f"chunk {key[:12]}: checksum mismatch (damaged K/V in host memory)")
-    return dataclasses.replace(chunk, keys=keys, values=values)
 
 
 def encode_chunk(chunk: ChunkKV) -> bytes:

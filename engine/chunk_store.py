@@ -11,8 +11,8 @@ Every tier, in-process or shared (``engine/redis_store.py``), offers the :class:
 ``get``, ``put``, ``discard``, ``delete``, ``in``, ``keys``, ``clear``, ``close``, ``stats``,
 ``available``, ``num_bytes``, ``capacity_bytes`` (``None`` where the server keeps the budget).
 
-* :class:`HostMemoryStore`: chunks in this process's memory (the engine keeps decoded,
-  checksummed K/V there, :class:`~lazyattn_rag.engine.chunk_format.HostChunk`, not bytes).
+* :class:`HostMemoryStore`: chunks in this process's memory; the engine keeps their K/V there
+  as they are, in the pages of a preallocated arena (``engine/host_arena.py``), not as bytes.
 * :class:`DiskStore`: one file per chunk under a directory. Writes are atomic (a temporary
   name in the same directory, flushed and fsynced, then renamed over the final name), so a
   reader, in this process or another, sees a whole old file or a whole new one, and two
@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from lazyattn_rag.engine.chunk_format import HostChunk
+from lazyattn_rag.engine.chunk_format import ChunkKV
+from lazyattn_rag.engine.host_arena import HostArena, HostChunk, store_in_arena
 from lazyattn_rag.engine.eviction import EvictionPolicy, LRUPolicy
 
 SUFFIX = ".lakv"
@@ -232,16 +233,47 @@ class ChunkStore(ABC):
 class HostMemoryStore(ChunkStore):
     """Chunks in this process's memory (gone with it).
 
-    The engine stores :class:`~lazyattn_rag.engine.chunk_format.HostChunk` values here (K/V
-    tensors as they came off the device, with their checksum; a value's size is its
-    ``num_bytes``). Encoded bytes are stored as they are.
+    Args:
+        capacity_bytes: the budget (with ``arena``, the arena's size).
+        policy: the eviction order.
+        arena: where :meth:`put_kv` keeps K/V tensors as they are
+            (:class:`~lazyattn_rag.engine.host_arena.HostChunk`, a value's size is its pages);
+            without one, only encoded bytes can be stored (:meth:`put`).
     """
 
     name = "host"
 
-    def __init__(self, capacity_bytes: int, policy: EvictionPolicy | None = None):
-        super().__init__(capacity_bytes, policy)
+    def __init__(self, capacity_bytes: int, policy: EvictionPolicy | None = None, arena: HostArena | None = None):
+        super().__init__(arena.capacity_bytes if arena is not None else capacity_bytes, policy)
+        self.arena = arena
         self._data: dict[str, HostChunk | bytes] = {}
+
+    def put_kv(self, chunk: ChunkKV, gathered=None) -> bool:
+        """Store ``chunk``'s K/V (on the pool's device; ``gathered``: the event after which they
+        may be read, from :func:`~lazyattn_rag.engine.host_arena.gather_event`) in the arena,
+        evicting others to make room; the copy runs outside the store's lock. One writer at a
+        time (the tiers' writer thread).
+
+        Returns:
+            ``False`` when it cannot fit, or its pages are still being read out (counted as an
+            error); nothing is stored then.
+        Raises:
+            ValueError: the store has no arena.
+        """
+        if self.arena is None:
+            raise ValueError("this host store has no arena for K/V tensors; store encoded bytes with put()")
+        need = 2 * self.arena.pages_for(chunk.num_bytes // 2) * self.arena.page_bytes
+        if need > self.capacity_bytes:
+            return False
+        with self._lock:
+            self.delete(chunk.key)
+            self._make_room(need)
+        value = store_in_arena(self.arena, chunk, gathered)
+        if value is None:  # freed pages a load is still copying from come back when it ends
+            with self._lock:
+                self.stats.num_errors += 1
+            return False
+        return self.put(chunk.key, value)
 
     @staticmethod
     def _size_of(data: HostChunk | bytes) -> int:
@@ -254,10 +286,13 @@ class HostMemoryStore(ChunkStore):
         return data
 
     def _commit(self, key: str, staged: HostChunk | bytes) -> None:
+        self._remove(key)  # a replaced chunk's pages go back
         self._data[key] = staged
 
     def _remove(self, key: str) -> None:
-        self._data.pop(key, None)
+        value = self._data.pop(key, None)
+        if isinstance(value, HostChunk):
+            value.release()
 
 
 class DiskStore(ChunkStore):

@@ -5,9 +5,9 @@ replica on the same model. Tiers (``engine/chunk_store.py``, ``engine/redis_stor
 encoded chunks (``engine/chunk_format.py``) under the chunk's content key:
 
 * **host memory** is filled by *write-back*: a chunk the KV pool evicts is copied off the device
-  (into pinned memory on a GPU) and kept there decoded, with its checksum
-  (:class:`~lazyattn_rag.engine.chunk_format.HostChunk`), so a later miss loads it with one
-  host-to-device copy, checked on the device, instead of recomputing it;
+  into pages of a preallocated (on a GPU, pinned) arena and kept there as it is, with its
+  checksum (``engine/host_arena.py``), so a later miss loads it with host-to-device copies,
+  checked on the device, instead of recomputing it;
 * **persistent tiers** (disk, Redis) are filled when a chunk is *computed*, so a restarted
   process, or another worker sharing the directory or the server, loads it on its first use;
   a chunk loaded from Redis is also written to the local disk tier.
@@ -24,18 +24,16 @@ Whether loading beats recomputing is decided per tier from measured speeds
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lazyattn_rag.engine.chunk_format import (ChunkKV, CorruptChunkError, HostChunk, check_host_chunk, decode_chunk,
-                                              encode_chunk)
+from lazyattn_rag.engine.chunk_format import ChunkKV, CorruptChunkError, decode_chunk, encode_chunk
 from lazyattn_rag.engine.chunk_store import Tier
+from lazyattn_rag.engine.host_arena import HostChunk, copy_to_host
 
 if TYPE_CHECKING:
     import torch
@@ -135,7 +133,7 @@ class ChunkTiers:
         bytes_per_token: K/V bytes of one token over all layers (for :class:`LoadCosts`).
         max_queued_bytes: K/V waiting to be written beyond which a write is dropped (counted).
         device: the KV pool's device: a host-tier hit is copied there and checked there
-            (:func:`~lazyattn_rag.engine.chunk_format.check_host_chunk`).
+            (:meth:`~lazyattn_rag.engine.host_arena.HostChunk.load`).
     """
 
     def __init__(self, tiers: list[Tier], model_digest: str, bytes_per_token: int,
@@ -171,7 +169,7 @@ class ChunkTiers:
             if data is None:
                 continue
             try:
-                chunk = check_host_chunk(data, key, self.model_digest, self.device) if isinstance(data, HostChunk) \
+                chunk = data.load(key, self.model_digest, self.device) if isinstance(data, HostChunk) \
                     else decode_chunk(data, key, self.model_digest)
                 if chunk.token_ids != tuple(token_ids):
                     raise CorruptChunkError(f"chunk {key[:12]} holds {len(chunk.token_ids)} other tokens")
@@ -189,12 +187,13 @@ class ChunkTiers:
         return None
 
     # --- writing (queued from the engine thread, run on the writer thread) ----------------------
-    def save(self, chunk: ChunkKV, tiers: list[Tier],
-             to_host: Callable[[], tuple[torch.Tensor, torch.Tensor, str | None]] | None = None) -> bool:
-        """Queue ``chunk`` to be encoded and written to ``tiers``; ``False`` when nothing is to
-        be written or the queue is over ``max_queued_bytes`` (the write is dropped, counted).
-        ``to_host``: when ``chunk``'s tensors are still on the device, called by the writer for
-        their host copies and device checksum (:meth:`ModelRunner.read_blocks_async`)."""
+    def save(self, chunk: ChunkKV, tiers: list[Tier], gathered=None) -> bool:
+        """Queue ``chunk`` to be written to ``tiers``; ``False`` when nothing is to be written or
+        the queue is over ``max_queued_bytes`` (the write is dropped, counted). ``chunk``'s K/V
+        may still be on the pool's device, gathered before the event ``gathered``
+        (:func:`~lazyattn_rag.engine.host_arena.gather_event`): the writer copies them from
+        there, on a side stream, into the host tier's arena and, for the others, to the CPU to
+        encode."""
         if not tiers:
             return False
         with self._lock:
@@ -202,7 +201,7 @@ class ChunkTiers:
                 self.num_dropped_writes += 1
                 return False
             self._queued_bytes += chunk.num_bytes
-        self._queue.put((chunk, tiers, to_host))
+        self._queue.put((chunk, tiers, gathered))
         return True
 
     def _write_loop(self) -> None:
@@ -211,26 +210,23 @@ class ChunkTiers:
             if item is None:
                 self._queue.task_done()
                 return
-            chunk, tiers, to_host = item
-            size, checksum = chunk.num_bytes, None
+            chunk, tiers, gathered = item
             try:
-                if to_host is not None:
-                    keys, values, checksum = to_host()
-                    chunk = dataclasses.replace(chunk, keys=keys, values=values)
                 data = None
                 for tier in tiers:
                     start = time.perf_counter()
-                    if tier.name == "host":  # decoded, with its checksum: no encoding either way
-                        value = HostChunk(chunk, checksum) if checksum else HostChunk.of(chunk)
+                    if tier.name == "host":  # K/V as they are, in the arena: no encoding either way
+                        stored = tier.put_kv(chunk, gathered)
                     else:
-                        value = data = data if data is not None else encode_chunk(chunk)
-                    if tier.put(chunk.key, value):
+                        data = data if data is not None else encode_chunk(copy_to_host(chunk, gathered))
+                        stored = tier.put(chunk.key, data)
+                    if stored:
                         self.times[tier.name].store.observe(time.perf_counter() - start)
             except Exception:  # noqa: BLE001 - a failed write costs only a later recompute
                 logger.exception("writing chunk %s to the storage tiers failed", chunk.key[:12])
             finally:
                 with self._lock:
-                    self._queued_bytes -= size
+                    self._queued_bytes -= chunk.num_bytes
                 self._queue.task_done()
 
     def flush(self) -> None:

@@ -32,6 +32,7 @@ from lazyattn_rag.engine.chunk_format import ChunkKV
 from lazyattn_rag.engine.chunk_tiers import ChunkTiers
 from lazyattn_rag.engine.counters import EngineCounters
 from lazyattn_rag.engine.detokenizer import IncrementalDetokenizer
+from lazyattn_rag.engine.host_arena import gather_event
 from lazyattn_rag.engine.output_processor import OutputProcessor, Sink
 from lazyattn_rag.engine.planner import PromptPlanner
 from lazyattn_rag.engine.prompt_plan import PromptPlan
@@ -162,11 +163,12 @@ class LLMEngine:
 
     # --- storage tiers ------------------------------------------------------------------------
     def _save(self, entry: ChunkEntry, tiers: list) -> None:
-        """Queue ``entry``'s K/V for ``tiers``: gathered on the device now, copied to the host by
-        the tiers' writer thread, so the step neither waits for the copy nor allocates for it."""
-        keys, values, to_host = self.runner.read_blocks_async(entry.block_ids, entry.num_tokens)
+        """Queue ``entry``'s K/V for ``tiers``: gathered on the device now (before any later kernel
+        can reuse its blocks), copied off it by the tiers' writer thread, so the step neither
+        waits for the copy nor allocates for it."""
+        keys, values = self.runner.gather_blocks(entry.block_ids, entry.num_tokens)
         chunk = ChunkKV(entry.key, self.model_digest, entry.token_ids, entry.local_start, keys, values)
-        self.tiers.save(chunk, tiers, to_host)
+        self.tiers.save(chunk, tiers, gather_event(self.runner.device))
 
     def _storable(self, entry: ChunkEntry | None) -> bool:
         return entry is not None and entry.ready and entry.token_ids is not None and entry.source_key is None
@@ -397,4 +399,5 @@ class LLMEngine:
             "num_steps": c.num_steps,
             "first_request_ttft_ms": c.first_request_ttft_ms,
             "tiers": self.tiers.stats() if self.tiers is not None else {},
+            "num_tier_writes_dropped": self.tiers.num_dropped_writes if self.tiers is not None else 0,
         }

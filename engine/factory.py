@@ -25,6 +25,7 @@ from lazyattn_rag.engine.attention import get_backend_class
 from lazyattn_rag.engine.block_pool import BlockPool
 from lazyattn_rag.engine.chunk_cache import ChunkCache
 from lazyattn_rag.engine.chunk_store import DiskStore, HostMemoryStore
+from lazyattn_rag.engine.host_arena import HostArena
 from lazyattn_rag.engine.chunk_tiers import ChunkTiers
 from lazyattn_rag.engine.cuda_graphs import graph_batch_sizes, graph_block_table_width
 from lazyattn_rag.engine.engine import LLMEngine
@@ -162,14 +163,21 @@ def _assemble(model: CausalLM, tokenizer: Any, config: EngineConfig, weights_sha
 def build_tiers(cache: CacheConfig, model_digest: str, bytes_per_token: int,
                 device: torch.device | str = "cpu") -> ChunkTiers | None:
     """The storage tiers ``cache`` configures, fastest first (``None`` when none is), for a KV
-    pool on ``device``.
+    pool on ``device``. The host tier's arena is allocated here, whole (pinned on a GPU), in
+    pages of one block's keys (``cache.block_size * bytes_per_token / 2``).
 
     Raises:
         ImportError: ``redis_url`` is set but redis-py is not installed (the ``redis`` extra).
+        ValueError: ``host_memory_bytes`` is set below two pages.
     """
     tiers: list = []
+    page_bytes = cache.block_size * bytes_per_token // 2
     if cache.host_memory_bytes:
-        tiers.append(HostMemoryStore(cache.host_memory_bytes, make_policy(cache.tier_eviction_policy)))
+        if cache.host_memory_bytes < 2 * page_bytes:
+            raise ValueError(f"CacheConfig.host_memory_bytes={cache.host_memory_bytes} holds no chunk: the host tier "
+                             f"keeps K/V in pages of one block's keys ({page_bytes} bytes), at least 2 per chunk")
+        arena = HostArena(cache.host_memory_bytes, page_bytes, pin=torch.device(device).type == "cuda")
+        tiers.append(HostMemoryStore(arena.capacity_bytes, make_policy(cache.tier_eviction_policy), arena))
     if cache.disk_dir:
         tiers.append(DiskStore(Path(cache.disk_dir).expanduser(), cache.disk_bytes,
                                make_policy(cache.tier_eviction_policy)))

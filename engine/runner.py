@@ -8,7 +8,6 @@ import mmap
 import torch
 
 from lazyattn_rag.engine.attention import AttentionBackend, AttentionMetadata, SequenceInput, build_attention_metadata
-from lazyattn_rag.engine.chunk_format import kv_checksum
 from lazyattn_rag.engine.cuda_graphs import DecodeGraphs
 from lazyattn_rag.engine.input_prep import InputPreparer
 from lazyattn_rag.engine.model import CausalLM
@@ -120,45 +119,26 @@ class ModelRunner:
             + offsets % self.block_size
 
     @torch.inference_mode()
-    def read_blocks(self, block_ids: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A chunk's K/V copied to the host (to store it in a tier below the pool).
+    def gather_blocks(self, block_ids: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk's K/V gathered out of the pool into new tensors on its device (stream-ordered:
+        what later kernels write into the blocks does not reach them).
 
         Args:
             block_ids: the chunk's blocks, in order.
             num_tokens: its valid tokens (the last block may be partly filled).
         Returns:
             ``(keys, values)``, each ``[num_layers, num_tokens, num_kv_heads, head_dim]`` in the
-            pool's dtype, on the CPU.
-        """
-        _, _, to_host = self.read_blocks_async(block_ids, num_tokens)
-        keys, values, _ = to_host()
-        return keys, values
-
-    @torch.inference_mode()
-    def read_blocks_async(self, block_ids: list[int], num_tokens: int):
-        """:meth:`read_blocks` in two halves, for the storage tiers' writer thread: the K/V are
-        gathered on the device now (stream-ordered, so no later kernel can overwrite them
-        first); ``to_host()``, called later from any thread, copies them into pinned host
-        memory on a side stream, with their
-        :func:`~lazyattn_rag.engine.chunk_format.kv_checksum` taken on the device. The
-        caller's thread never waits for the copy nor allocates the pinned buffers (a fresh
-        pinned allocation costs milliseconds). Until ``to_host()`` has run, the gathered
-        tensors take device memory beside the KV pool.
-
-        Returns:
-            ``(keys, values, to_host)``: ``keys``/``values`` are the gathered tensors (on the
-            runner's device), ``[num_layers, num_tokens, num_kv_heads, head_dim]`` each;
-            ``to_host()`` returns ``(host_keys, host_values, checksum)``, ``checksum`` ``None``
-            on a CPU runner (nothing to save by taking it early).
+            pool's dtype, on the runner's device.
         """
         slots = self._slots(block_ids, num_tokens)
         keys = torch.stack([k.view(-1, *k.shape[2:])[slots] for k, _ in self.kv_caches])
         values = torch.stack([v.view(-1, *v.shape[2:])[slots] for _, v in self.kv_caches])
-        if self.device.type != "cuda":
-            return keys, values, lambda: (keys, values, None)
-        gathered = torch.cuda.Event()
-        gathered.record()
-        return keys, values, lambda: _to_pinned_host(keys, values, gathered)
+        return keys, values
+
+    def read_blocks(self, block_ids: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`gather_blocks`, copied to the CPU (waits for the device)."""
+        keys, values = self.gather_blocks(block_ids, num_tokens)
+        return keys.cpu(), values.cpu()
 
     @torch.inference_mode()
     def write_blocks(self, block_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -178,9 +158,7 @@ class ModelRunner:
         if len(block_ids) * self.block_size < num_tokens:
             raise ValueError(f"{len(block_ids)} blocks cannot hold {num_tokens} tokens")
         slots = self._slots(block_ids, num_tokens)
-        # one host-to-device copy each; asynchronous from pinned memory (torch keeps the pinned
-        # buffer from being reused until the copy has run)
-        keys, values = keys.to(self.device, non_blocking=True), values.to(self.device, non_blocking=True)
+        keys, values = keys.to(self.device), values.to(self.device)  # one host-to-device copy each (or none)
         for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
             key_cache.view(-1, *key_cache.shape[2:])[slots] = keys[layer]
             value_cache.view(-1, *value_cache.shape[2:])[slots] = values[layer]
@@ -224,16 +202,3 @@ class ModelRunner:
         last_rows = (metadata.cu_seqlens_q[1:] - 1).to(torch.int64)
         return self.model(input_ids, positions, self.backend, self.kv_caches, metadata, last_rows)
 
-
-def _to_pinned_host(keys: torch.Tensor, values: torch.Tensor, gathered) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """Once ``gathered`` (a CUDA event) has happened, on a side stream: the device ``keys`` and
-    ``values``' checksum and their copies in new pinned host tensors; returns when done."""
-    stream = torch.cuda.Stream(device=keys.device)
-    with torch.cuda.stream(stream):
-        stream.wait_event(gathered)
-        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (keys, values))
-        for dst, src in zip(host, (keys, values)):
-            dst.copy_(src, non_blocking=True)
-        checksum = kv_checksum(keys, values)  # waits for this stream only
-    stream.synchronize()
-    return host[0], host[1], checksum

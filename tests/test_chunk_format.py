@@ -81,26 +81,6 @@ def test_kv_sums_match_a_plain_integer_reference_and_change_with_any_bit(dtype):
     assert chunk_format.kv_sums(swapped, c.values) != sums
 
 
-def test_host_chunks_are_checked_like_payloads():
-    good = chunk_format.HostChunk.of(chunk())
-    back = chunk_format.check_host_chunk(good, KEY, MODEL)
-    assert torch.equal(back.keys, good.chunk.keys) and back.token_ids == good.chunk.token_ids
-    c = good.chunk
-    values = c.values.clone()
-    values[2, 3, 1, 5] = values[2, 3, 1, 5].neg()  # the sign bit of one value
-    cases = {
-        "checksum mismatch": (chunk_format.HostChunk(ChunkKV(KEY, MODEL, c.token_ids, 1, c.keys, values), good.checksum),
-                              KEY, MODEL),
-        "do not hold its 5 tokens": (chunk_format.HostChunk(
-            ChunkKV(KEY, MODEL, c.token_ids, 1, c.keys[:, :4], c.values[:, :4]), good.checksum), KEY, MODEL),
-        "computed by model": (good, KEY, "n" * 64),
-        "holds chunk": (good, "j" * 64, MODEL),
-    }
-    for message, (value, key, model) in cases.items():
-        with pytest.raises(CorruptChunkError, match=message):
-            chunk_format.check_host_chunk(value, key, model)
-
-
 def test_mismatched_tensors_are_not_encoded():
     c = chunk()
     with pytest.raises(ValueError, match="differ"):

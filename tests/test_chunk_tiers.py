@@ -18,7 +18,10 @@ import pytest
 import torch
 
 from lazyattn_rag import SamplingParams
-from lazyattn_rag.engine.chunk_format import ChunkKV, HostChunk, decode_chunk, encode_chunk
+from dataclasses import replace
+
+from lazyattn_rag.engine.chunk_format import ChunkKV, decode_chunk, encode_chunk
+from lazyattn_rag.engine.host_arena import HostChunk
 from lazyattn_rag.engine.chunk_tiers import ChunkTiers, LoadCosts
 from lazyattn_rag.engine.chunk_store import HostMemoryStore
 from tests.observe import StepLog, settle
@@ -87,7 +90,7 @@ def test_host_tier_write_back_serves_evicted_chunks_bit_identical(make_llm, devi
     assert stats["num_hits"] == 6 and stats["num_corrupt"] == 0 and stats["load_seconds"]["count"] == 6
     assert stats["num_bytes"] <= stats["capacity_bytes"]
     held = llm.client.call(lambda engine: [engine.tiers.host.get(engine.documents[d].key) for d, _ in docs(6)])
-    assert all(isinstance(h, HostChunk) and h.chunk.keys.is_pinned() == (device == "cuda") for h in held)
+    assert all(isinstance(h, HostChunk) and h.arena.pages.is_pinned() == (device == "cuda") for h in held)
     llm.client.call(lambda engine: engine.cache.check_integrity())
 
 
@@ -153,19 +156,22 @@ def _damage(kind: str, good: bytes, key: str, model_digest: str) -> bytes:
 
 
 def _damage_host(kind: str, good: HostChunk) -> HostChunk:
-    """The host tier holds decoded K/V with their checksum: the same four faults in that form."""
-    c = good.chunk
-    if kind == "truncated":  # tensors shorter than the tokens they claim
-        return HostChunk(ChunkKV(c.key, c.model_digest, c.token_ids, c.local_start, c.keys[:, :-3], c.values[:, :-3]),
-                         good.checksum)
+    """The host tier holds K/V in arena pages with their checksum: the same four faults in that
+    form, each on a copy in pages of its own (storing it releases the good one's pages)."""
+    arena = good.arena
+    pages = [arena.allocate(len(p)) for p in (good.key_pages, good.value_pages)]
+    for src, dst in zip((good.key_pages, good.value_pages), pages):
+        arena.pages[list(dst)] = arena.pages[list(src)]
+    copy = replace(good, key_pages=tuple(pages[0]), value_pages=tuple(pages[1]))
+    if kind == "truncated":  # fewer tokens' K/V than the tokens it claims
+        return replace(copy, shape=(copy.shape[0], copy.shape[1] - 3, *copy.shape[2:]))
     if kind == "flipped":
-        values = c.values.clone()
-        values.view(-1).view(torch.uint8)[-7] ^= 0x01
-        return HostChunk(ChunkKV(c.key, c.model_digest, c.token_ids, c.local_start, c.keys, values), good.checksum)
+        arena.pages[copy.value_pages[-1], 5] ^= 0x10  # one bit of the values: only the checksum can tell
+        return copy
     if kind == "other model":
-        return HostChunk.of(ChunkKV(c.key, "0" * 64, c.token_ids, c.local_start, c.keys, c.values))
+        return replace(copy, meta=replace(copy.meta, model_digest="0" * 64))
     assert kind == "other tokens"
-    return HostChunk.of(ChunkKV(c.key, c.model_digest, tuple(reversed(c.token_ids)), c.local_start, c.keys, c.values))
+    return replace(copy, meta=replace(copy.meta, token_ids=tuple(reversed(copy.meta.token_ids))))
 
 
 @pytest.mark.parametrize("tier", ["host", "disk", "redis"])
@@ -192,7 +198,7 @@ def test_a_damaged_entry_is_detected_deleted_and_recomputed(make_llm, tmp_path, 
         store = next(t for t in engine.tiers.tiers if t.name == tier)
         if tier == "host":  # what write-back stored: decoded K/V, bit-identical to the pool's
             held = store.get(key)
-            assert isinstance(held, HostChunk) and torch.equal(held.chunk.keys, keys)
+            assert isinstance(held, HostChunk) and torch.equal(held.load(key, engine.model_digest, "cpu").keys, keys)
             assert store.put(key, _damage_host(kind, held))
         else:
             assert store.put(key, _damage(kind, good, key, engine.model_digest))
