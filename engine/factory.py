@@ -173,10 +173,11 @@ def build_tiers(cache: CacheConfig, model_digest: str, bytes_per_token: int,
     tiers: list = []
     page_bytes = cache.block_size * bytes_per_token // 2
     if cache.host_memory_bytes:
-        if cache.host_memory_bytes < 2 * page_bytes:
+        arena = HostArena(cache.host_memory_bytes, page_bytes, pin=torch.device(device).type == "cuda") \
+            if cache.host_memory_bytes >= 2 * page_bytes else None
+        if arena is None or arena.num_pages < 2:
             raise ValueError(f"CacheConfig.host_memory_bytes={cache.host_memory_bytes} holds no chunk: the host tier "
                              f"keeps K/V in pages of one block's keys ({page_bytes} bytes), at least 2 per chunk")
-        arena = HostArena(cache.host_memory_bytes, page_bytes, pin=torch.device(device).type == "cuda")
         tiers.append(HostMemoryStore(arena.capacity_bytes, make_policy(cache.tier_eviction_policy), arena))
     if cache.disk_dir:
         tiers.append(DiskStore(Path(cache.disk_dir).expanduser(), cache.disk_bytes,

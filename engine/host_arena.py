@@ -1,7 +1,7 @@
 """Host memory for chunk K/V below the KV pool: one arena of fixed-size pages (issue 17).
 
 The host tier keeps each chunk's K/V in pages of one arena allocated once, at start-up, for the
-tier's whole budget: pinned on a GPU machine, so a chunk moves between the pool and host memory
+tier's whole budget (in slabs of at most 1 GiB): pinned on a GPU machine, so a chunk moves between the pool and host memory
 with asynchronous copies and no allocation on the way (a fresh pinned allocation costs
 milliseconds and holds the CUDA driver while it runs, stalling the engine's launches; vLLM's CPU
 swap space and LMCache's CPU backend preallocate pinned memory for the same reason). A page
@@ -30,28 +30,48 @@ import torch
 
 from lazyattn_rag.engine.chunk_format import ChunkKV, CorruptChunkError, kv_checksum
 
+SLAB_BYTES = 1 << 30  # the largest single allocation of an arena
+
 
 class HostArena:
-    """``capacity_bytes // page_bytes`` pages of host memory, allocated at once.
+    """``capacity_bytes // page_bytes`` pages of host memory (or a few fewer), allocated at once.
+
+    The memory comes in slabs of a power-of-two size, at most :data:`SLAB_BYTES` each, because
+    torch's pinned-memory allocator rounds every allocation up to a power of two: a budget that
+    is not one would otherwise pin up to twice its size. Pages tile each slab; what is left of a
+    slab (less than a page) and of the budget (less than the smallest slab worth a page) is unused.
 
     Args:
-        capacity_bytes: the arena's size (the host tier's budget).
+        capacity_bytes: the budget (the host tier's).
         page_bytes: bytes per page.
         pin: pin the memory (a GPU machine); pinning 16 GiB takes a few seconds, once.
     Raises:
-        ValueError: fewer than one page fits.
+        ValueError: not even one page fits.
     """
 
     def __init__(self, capacity_bytes: int, page_bytes: int, pin: bool = False):
-        num_pages = capacity_bytes // page_bytes
-        if num_pages < 1:
+        sizes, left = [], capacity_bytes
+        while left >= page_bytes:
+            size = min(SLAB_BYTES, 1 << (left.bit_length() - 1))  # the largest power of two <= left
+            if size < page_bytes:  # a page in a slab of the next power of two would pin twice what it holds
+                break
+            sizes.append(size)
+            left -= size
+        if not sizes:
             raise ValueError(f"a host arena of {capacity_bytes} bytes holds no page of {page_bytes} bytes")
-        self.page_bytes, self.num_pages = page_bytes, num_pages
-        self.pages = torch.empty((num_pages, page_bytes), dtype=torch.uint8, pin_memory=pin)
-        self._free = list(range(num_pages - 1, -1, -1))  # popped from the end: pages 0, 1, 2, ...
+        self.page_bytes, self.pinned = page_bytes, pin
+        self._slabs = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for size in sizes]
+        self._where = [(s, row * page_bytes) for s, size in enumerate(sizes) for row in range(size // page_bytes)]
+        self.num_pages = len(self._where)
+        self._free = list(range(self.num_pages - 1, -1, -1))  # popped from the end: pages 0, 1, 2, ...
         self._readers: Counter[int] = Counter()
         self._freed_while_read: set[int] = set()
         self._lock = threading.Lock()
+
+    def page(self, page: int) -> torch.Tensor:
+        """Page ``page``'s bytes, ``[page_bytes]`` uint8 (a view)."""
+        slab, start = self._where[page]
+        return self._slabs[slab][start:start + self.page_bytes]
 
     @property
     def capacity_bytes(self) -> int:
@@ -84,7 +104,7 @@ class HostArena:
         flat = tensor.reshape(-1).view(torch.uint8)
         for i, page in enumerate(pages):
             part = flat[i * self.page_bytes:(i + 1) * self.page_bytes]
-            self.pages[page, :len(part)].copy_(part, non_blocking=True)
+            self.page(page)[:len(part)].copy_(part, non_blocking=True)
 
     def read(self, pages: list[int], num_bytes: int, device: torch.device | str) -> torch.Tensor:
         """``num_bytes`` bytes from ``pages`` into one new uint8 tensor on ``device``; the copy has
@@ -93,7 +113,7 @@ class HostArena:
             out = torch.empty(num_bytes, dtype=torch.uint8, device=device)
             for i, page in enumerate(pages):
                 part = out[i * self.page_bytes:(i + 1) * self.page_bytes]
-                part.copy_(self.pages[page, :len(part)], non_blocking=True)
+                part.copy_(self.page(page)[:len(part)], non_blocking=True)
             if out.device.type == "cuda":
                 torch.cuda.current_stream(out.device).synchronize()
             return out

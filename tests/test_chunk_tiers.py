@@ -90,7 +90,8 @@ def test_host_tier_write_back_serves_evicted_chunks_bit_identical(make_llm, devi
     assert stats["num_hits"] == 6 and stats["num_corrupt"] == 0 and stats["load_seconds"]["count"] == 6
     assert stats["num_bytes"] <= stats["capacity_bytes"]
     held = llm.client.call(lambda engine: [engine.tiers.host.get(engine.documents[d].key) for d, _ in docs(6)])
-    assert all(isinstance(h, HostChunk) and h.arena.pages.is_pinned() == (device == "cuda") for h in held)
+    assert all(isinstance(h, HostChunk) and h.arena.pinned == (device == "cuda") for h in held)
+    assert all(h.arena.page(p).is_pinned() == (device == "cuda") for h in held for p in h.key_pages)
     llm.client.call(lambda engine: engine.cache.check_integrity())
 
 
@@ -161,12 +162,13 @@ def _damage_host(kind: str, good: HostChunk) -> HostChunk:
     arena = good.arena
     pages = [arena.allocate(len(p)) for p in (good.key_pages, good.value_pages)]
     for src, dst in zip((good.key_pages, good.value_pages), pages):
-        arena.pages[list(dst)] = arena.pages[list(src)]
+        for a, b in zip(src, dst):
+            arena.page(b).copy_(arena.page(a))
     copy = replace(good, key_pages=tuple(pages[0]), value_pages=tuple(pages[1]))
     if kind == "truncated":  # fewer tokens' K/V than the tokens it claims
         return replace(copy, shape=(copy.shape[0], copy.shape[1] - 3, *copy.shape[2:]))
     if kind == "flipped":
-        arena.pages[copy.value_pages[-1], 5] ^= 0x10  # one bit of the values: only the checksum can tell
+        arena.page(copy.value_pages[-1])[5] ^= 0x10  # one bit of the values: only the checksum can tell
         return copy
     if kind == "other model":
         return replace(copy, meta=replace(copy.meta, model_digest="0" * 64))

@@ -15,7 +15,7 @@ from lazyattn_rag.engine.eviction import LRUPolicy
 from lazyattn_rag.engine.host_arena import HostArena, store_in_arena
 
 MODEL = "m" * 64
-PAGE = 240  # bytes: the keys of 2 tokens of chunk()
+PAGE = 256  # bytes: a 5-token chunk()'s keys (480 bytes) take 2 pages
 
 
 def chunk(key: str = "k" * 64, num_tokens: int = 5, dtype=torch.float32, seed: int = 0) -> ChunkKV:
@@ -26,7 +26,7 @@ def chunk(key: str = "k" * 64, num_tokens: int = 5, dtype=torch.float32, seed: i
 
 
 def test_pages_are_handed_out_in_order_and_come_back():
-    arena = HostArena(10 * PAGE + 50, PAGE)
+    arena = HostArena(2560 + 200, PAGE)  # slabs of 2048 (8 pages) + 512 bytes (2 pages); 200 bytes hold no slab
     assert arena.num_pages == 10 and arena.capacity_bytes == 10 * PAGE
     assert arena.allocate(3) == [0, 1, 2] and arena.allocate(2) == [3, 4]
     assert arena.allocate(6) is None and arena.num_free_pages == 5  # nothing taken by a refusal
@@ -34,6 +34,10 @@ def test_pages_are_handed_out_in_order_and_come_back():
     assert arena.allocate(3) == [3, 1, 5]  # the last freed first
     with pytest.raises(ValueError, match="holds no page"):
         HostArena(PAGE - 1, PAGE)
+    big = HostArena((3 << 30) + (1 << 29) + 100, 1 << 20)  # slabs of 1, 1, 1 GiB and 512 MiB: no page lost
+    assert big.num_pages == 3 * 1024 + 512 and [s.numel() for s in big._slabs] == [1 << 30] * 3 + [1 << 29]
+    page = big.page(3 * 1024 + 5)  # the last slab's sixth page
+    assert page.numel() == 1 << 20 and page.data_ptr() == big._slabs[3].data_ptr() + 5 * (1 << 20)
 
 
 def test_a_page_freed_while_a_load_reads_it_comes_back_only_after():
@@ -67,7 +71,7 @@ def test_damaged_or_foreign_entries_are_refused_with_the_reason():
     arena = HostArena(64 * PAGE, PAGE)
     good = store_in_arena(arena, chunk(), None)
     flipped = store_in_arena(arena, chunk(), None)
-    arena.pages[flipped.value_pages[1], 17] ^= 0x04
+    arena.page(flipped.value_pages[1])[17] ^= 0x04
     cases = {
         "checksum mismatch": (flipped, "k" * 64, MODEL),
         "do not hold its 5 tokens": (replace(good, shape=(2, 4, 3, 4)), "k" * 64, MODEL),
