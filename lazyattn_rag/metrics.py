@@ -26,6 +26,7 @@ _COUNTERS = {
     "num_evictions": ("chunk_evictions", "Chunks evicted from the cache."),
     "num_preemptions": ("preemptions", "Requests preempted (blocks freed, recomputed later)."),
     "num_steps": ("engine_steps", "Engine forward steps."),
+    "num_tier_writes_dropped": ("tier_writes_dropped", "Chunk writes to the storage tiers dropped: the writer's queue was full."),
 }
 _GAUGES = {
     "num_requests_waiting": ("requests_waiting", "Requests queued."),
@@ -50,8 +51,8 @@ _TIER_COUNTERS = {
     "num_errors": ("tier_errors", "Failed reads and writes, and corrupt payloads deleted."),
     "num_corrupt": ("tier_corrupt", "Payloads that failed the format, model, key or checksum checks (deleted)."),
     "num_outages": ("tier_outages", "Times the tier became unreachable."),
-    "num_bytes_read": ("tier_read_bytes", "Encoded chunk bytes read."),
-    "num_bytes_written": ("tier_written_bytes", "Encoded chunk bytes written."),
+    "num_bytes_read": ("tier_read_bytes", "Chunk bytes read (encoded; for host memory, the pages)."),
+    "num_bytes_written": ("tier_written_bytes", "Chunk bytes written (encoded; for host memory, the pages)."),
 }
 _TIER_HISTOGRAMS = {
     "load_seconds": ("tier_load_seconds", "Time to read, decode and check a chunk from the tier."),

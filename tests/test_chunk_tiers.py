@@ -351,3 +351,4 @@ def test_prometheus_metrics_carry_each_tier(make_llm, tmp_path):
     loads = stats["host"]["load_seconds"]["count"]
     assert f'lazyattn_tier_load_seconds_bucket{{le="+Inf",tier="host"}} {float(loads)}' in text
     assert f'lazyattn_tier_load_seconds_count{{tier="host"}} {float(loads)}' in text
+    assert "lazyattn_tier_writes_dropped_total 0.0" in text

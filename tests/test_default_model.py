@@ -90,11 +90,14 @@ def test_cli_ask_and_info(tmp_path, smollm2_dir):
     doc = tmp_path / "eiffel.txt"
     doc.write_text(FACT)
     runner = CliRunner()
-    result = runner.invoke(app, ["ask", "When was the Eiffel Tower completed?", "--doc", str(doc), "--json",
-                                 "--device", "cpu", "--max-tokens", "30"])
+    ask = ["ask", "When was the Eiffel Tower completed?", "--doc", str(doc), "--json", "--device", "cpu",
+           "--max-tokens", "30", "--disk-cache", str(tmp_path / "chunks")]  # not the user's own disk cache
+    result = runner.invoke(app, ask)
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout.strip().splitlines()[-1])
     assert "1889" in payload["answer"] and payload["stats"]["docs_missed"] == [str(doc)]
+    again = json.loads(runner.invoke(app, ask).stdout.strip().splitlines()[-1])  # a new engine: from the disk tier
+    assert again["stats"]["doc_tiers"] == {str(doc): "disk"} and again["answer"] == payload["answer"]
     info = runner.invoke(app, ["info", "--device", "cpu"])
     assert info.exit_code == 0 and json.loads(info.stdout)["model"] == "SmolLM2-135M-Instruct"
     bad = runner.invoke(app, ["ask", "   ", "--doc", str(doc), "--device", "cpu"])
