@@ -88,6 +88,20 @@ def _tier_metrics(prefix: str, tiers: dict):
         yield family
 
 
+def engine_stat_families(namespace: str, stats_by_replica: dict[str, dict]):
+    """The engine counters and gauges of several engines' ``stats()`` dicts, labelled
+    ``replica`` (``lazyattn serve``: each replica's last report); keys a dict lacks are left out."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for table, kind in ((_COUNTERS, CounterMetricFamily), (_GAUGES, GaugeMetricFamily)):
+        for key, (name, doc) in table.items():
+            family = kind(f"{namespace}_{name}", doc, labels=["replica"])
+            for replica, stats in sorted(stats_by_replica.items()):
+                if stats.get(key) is not None:
+                    family.add_metric([replica], stats[key])
+            yield family
+
+
 class EngineCollector:
     """A ``prometheus_client`` collector over one :class:`LazyAttention` (metrics prefixed ``lazyattn_``).
 

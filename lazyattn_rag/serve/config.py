@@ -1,0 +1,58 @@
+"""How ``lazyattn serve`` runs: replicas, routing and HTTP limits (issue 18)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROUTERS = ("affinity", "default")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The Ray Serve application's settings (the engine's are an
+    :class:`~lazyattn_rag.types.config.EngineConfig`, the same as ``lazyattn chat`` takes).
+
+    Attributes:
+        num_replicas: engine replicas, each with its own engine and KV cache.
+        num_gpus_per_replica: GPUs each replica reserves (1 on a GPU machine: one engine per GPU;
+            0 for CPU replicas).
+        num_cpus_per_replica: CPUs each replica reserves in Ray's accounting.
+        router: ``"affinity"`` (:class:`~lazyattn_rag.serve.router.DocumentAffinityRouter`: a
+            request goes to the replica that owns most of its documents) or ``"default"`` (Ray
+            Serve's power-of-two-choices router), for comparisons.
+        imbalanced_threshold: the affinity router sends a request to the least-loaded replica
+            instead when its owner's queue is longer than the shortest by more than this many
+            requests.
+        max_ongoing_requests: requests one replica runs at once (Ray Serve queues the rest);
+            the engine batches them continuously.
+        host, port: where the HTTP API listens.
+        max_body_bytes: request bodies larger than this are refused with 413.
+        app_name: the Ray Serve application's name.
+    Raises:
+        ValueError: at construction, for a value out of range (named).
+    """
+
+    num_replicas: int = 1
+    num_gpus_per_replica: float = 0.0
+    num_cpus_per_replica: float = 1.0
+    router: str = "affinity"
+    imbalanced_threshold: int = 8
+    max_ongoing_requests: int = 64
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 16 << 20
+    app_name: str = "lazyattn"
+
+    def __post_init__(self):
+        for name in ("num_replicas", "max_ongoing_requests", "max_body_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
+        if not isinstance(self.imbalanced_threshold, int) or self.imbalanced_threshold < 0:
+            raise ValueError(f"imbalanced_threshold must be an integer >= 0, got {self.imbalanced_threshold!r}")
+        if self.num_gpus_per_replica < 0 or self.num_cpus_per_replica < 0:
+            raise ValueError("num_gpus_per_replica and num_cpus_per_replica must be >= 0")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port!r}")

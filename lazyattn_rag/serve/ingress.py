@@ -1,0 +1,374 @@
+"""The HTTP API: a FastAPI ingress deployment in front of the engine replicas (issue 18).
+
+Routes (OpenAI's shapes where OpenAI has the route; errors are OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` with the HTTP status):
+
+* ``POST /v1/chat/completions``: ``lazyattn_rag/types/wire.py`` lists the extension fields
+  (``documents``, ``namespace``...); ``stream: true`` answers with server-sent events, the last
+  chunk carrying ``lazyattn`` (stats, replica) and, with ``stream_options.include_usage``, a
+  usage chunk; ``usage.prompt_tokens_details.cached_tokens`` counts prompt tokens served from
+  cached K/V.
+* ``POST /v1/documents`` ``{"documents": [{"id", "text"}], "namespace"}``: checked and
+  registered on the replica that owns them, then kept here; ``GET /v1/documents`` lists them
+  (``?texts=true`` with their texts); ``DELETE /v1/documents/{id}``.
+* ``POST /tokenize`` (vLLM's shape: ``prompt`` or ``messages``), ``GET /v1/models``,
+  ``GET /health``, ``GET /metrics`` (Prometheus: requests by route and status, and each
+  replica's engine stats as of its last finished request).
+
+The document registry lives in this (single) ingress replica; every request carries the texts
+of the documents it places, so any engine replica can serve it. A replica that dies before a
+request has sent any output is retried once on another (the router no longer offers the dead
+one); one that dies mid-stream ends the stream with an ``error`` event. Unknown document ids
+are 404 naming the id; bodies over ``ServeConfig.max_body_bytes`` 413; bad JSON, bad fields
+and values the engine refuses 400: the server keeps serving.
+"""
+
+import json  # no `from __future__ import annotations`: the routes' annotations must be objects, since Ray
+# pickles the ingress class by value and FastAPI could not resolve a string such as "Request" there
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request  # at module level: FastAPI resolves the routes' annotations here
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from lazyattn_rag.serve.config import ServeConfig
+from lazyattn_rag.serve.protocol import ChatCompletionRequest, DocumentsRequest
+from lazyattn_rag.types.wire import stats_from_body, usage
+
+logger = logging.getLogger("lazyattn_rag.serve")
+
+
+class ApiError(Exception):
+    """An HTTP error with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _replica_gone_errors() -> tuple[type[BaseException], ...]:
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    return RayActorError, ActorUnavailableError
+
+
+def parse(model: type[BaseModel], data: Any) -> BaseModel:
+    """``data`` validated as ``model``; a :class:`ApiError` (400) naming the first bad field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise ApiError(400, f"{where}: {first['msg']}", param=where) from None
+
+
+async def read_json(request, limit: int) -> Any:
+    """The request's JSON body, read up to ``limit`` bytes (413 past it, 400 if not JSON)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"the request body has {length} bytes; the limit is {limit}", code="body_too_large")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise ApiError(413, f"the request body exceeds the limit of {limit} bytes", code="body_too_large")
+    try:
+        return json.loads(body)
+    except ValueError as error:
+        raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+
+
+class DocumentStore:
+    """The ingress's documents: ``(namespace, id) -> text``, with a version that changes with them."""
+
+    def __init__(self):
+        self.texts: dict[tuple[str, str], str] = {}
+        self.version = 0
+
+    def text(self, namespace: str, doc_id: str) -> str:
+        try:
+            return self.texts[(namespace, doc_id)]
+        except KeyError:
+            where = f" in namespace {namespace!r}" if namespace else ""
+            raise ApiError(404, f"unknown document id {doc_id!r}{where}: register it with POST /v1/documents",
+                           kind="not_found_error", param="documents", code="document_not_found") from None
+
+    def put(self, namespace: str, documents: list[tuple[str, str]]) -> None:
+        for doc_id, text in documents:
+            if self.texts.get((namespace, doc_id)) != text:
+                self.texts[(namespace, doc_id)] = text
+                self.version += 1
+
+    def delete(self, namespace: str, doc_id: str) -> None:
+        self.text(namespace, doc_id)  # 404 when unknown
+        del self.texts[(namespace, doc_id)]
+        self.version += 1
+
+    def ids(self, namespace: str) -> list[str]:
+        return [i for ns, i in self.texts if ns == namespace]
+
+
+def routing_keys(namespace: str, doc_ids) -> list[str]:
+    """What the router hashes: each distinct document's namespace and id."""
+    return [f"{namespace}\x00{i}" for i in dict.fromkeys(doc_ids)]
+
+
+def chat_payload(body: ChatCompletionRequest, store: DocumentStore) -> tuple[dict[str, Any], list[str]]:
+    """The replica's payload for ``body`` (``EngineReplica.generate``) and its routing keys.
+
+    Raises:
+        ApiError: 404 for a document id neither registered nor given inline.
+    """
+    ns, placed, texts = body.namespace, [], {}
+    for d in body.documents:
+        doc_id, text = (d, None) if isinstance(d, str) else (d.id, d.text)
+        texts[doc_id] = text if text is not None else texts.get(doc_id) or store.text(ns, doc_id)
+        placed.append(doc_id)
+    for message in body.messages:
+        for doc_id in message.document_ids():
+            texts[doc_id] = texts.get(doc_id) or store.text(ns, doc_id)
+    payload = {"messages": [m.as_wire() for m in body.messages], "documents": list(texts.items()),
+               "placed": placed, "sampling": body.sampling_body(), "namespace": ns}
+    return payload, routing_keys(ns, texts)
+
+
+def make_ingress(config: ServeConfig):
+    """The ingress deployment class (undecorated by ``serve.deployment``) over a FastAPI app."""
+    from ray import serve
+
+    import lazyattn_rag
+
+    app = FastAPI(title="lazyattn-rag", version=lazyattn_rag.__version__)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, error: ApiError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next):  # responses by route and status, for /metrics
+        response = await call_next(request)
+        ingress = request.scope.get("lazyattn_ingress")
+        if ingress is not None:
+            route = getattr(request.scope.get("route"), "path", request.url.path)
+            ingress.responses[(route, response.status_code)] += 1
+        return response
+
+    @serve.ingress(app)
+    class Ingress:
+        """Routes of the module docstring over ``engine``, a handle to the engine replicas."""
+
+        def __init__(self, engine):
+            self.engine = engine
+            self.documents = DocumentStore()
+            self.replica_stats: dict[str, dict] = {}
+            self.replica_requests: Counter[str] = Counter()
+            self.responses: Counter[tuple[str, int]] = Counter()
+            self._info: dict[str, Any] | None = None
+
+        async def info(self) -> dict[str, Any]:
+            if self._info is None:
+                self._info = await self.engine.info.remote()
+            return self._info
+
+        def _seen(self, request: Request) -> None:
+            request.scope["lazyattn_ingress"] = self
+
+        @app.get("/health")
+        async def health(self) -> dict:
+            return {"status": "ok"}
+
+        @app.get("/v1/models")
+        async def models(self, request: Request) -> dict:
+            self._seen(request)
+            info = await self.info()
+            return {"object": "list", "data": [{"id": info["model"], "object": "model", "owned_by": "lazyattn-rag",
+                                                "max_model_len": info["max_model_len"]}],
+                    "lazyattn": {"max_model_len": info["max_model_len"], "prompt": info["prompt"]}}
+
+        @app.post("/v1/documents")
+        async def add_documents(self, request: Request):
+            self._seen(request)
+            body = parse(DocumentsRequest, await read_json(request, config.max_body_bytes))
+            documents = [(d.id, d.text) for d in body.documents]
+            result = await self.engine.register.remote(documents, body.namespace,
+                                                       routing_keys=routing_keys(body.namespace, dict(documents)))
+            if "error" in result:
+                raise ApiError(result["error"]["status"], result["error"]["message"], param="documents")
+            self.documents.put(body.namespace, documents)
+            return {"object": "list", "namespace": body.namespace, "version": self.documents.version,
+                    "data": [{"id": d, "object": "document"} for d, _ in documents]}
+
+        @app.get("/v1/documents")
+        async def list_documents(self, request: Request, namespace: str = "", texts: bool = False):
+            self._seen(request)
+            ids = self.documents.ids(namespace)
+            data = [{"id": i, "object": "document", **({"text": self.documents.text(namespace, i)} if texts else {})}
+                    for i in ids]
+            return {"object": "list", "namespace": namespace, "version": self.documents.version, "data": data}
+
+        @app.delete("/v1/documents/{doc_id:path}")
+        async def delete_document(self, request: Request, doc_id: str, namespace: str = ""):
+            self._seen(request)
+            self.documents.delete(namespace, doc_id)
+            return {"id": doc_id, "object": "document", "deleted": True, "version": self.documents.version}
+
+        @app.post("/tokenize")
+        async def tokenize(self, request: Request):
+            self._seen(request)
+            data = await read_json(request, config.max_body_bytes)
+            if not isinstance(data, dict) or ("prompt" in data) == ("messages" in data):
+                raise ApiError(400, "give either 'prompt' (text) or 'messages'")
+            result = await self.engine.tokenize.remote(data)
+            if "error" in result:
+                raise ApiError(result["error"]["status"], result["error"]["message"])
+            return result
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(self, request: Request):
+            self._seen(request)
+            body = parse(ChatCompletionRequest, await read_json(request, config.max_body_bytes))
+            info = await self.info()
+            if body.model not in (None, "", info["model"]):
+                raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {info['model']!r}",
+                               kind="not_found_error", param="model", code="model_not_found")
+            payload, keys = chat_payload(body, self.documents)
+            answer = _Answer(info["model"])
+            if not body.stream:
+                return answer.completion(await self._collect(payload, keys))
+            events = self._events(payload, keys, retry_after_output=False)
+            first = await anext(events)
+            _raise_for(first)
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._sse(answer, first, events, include_usage), media_type="text/event-stream")
+
+        async def _events(self, payload, keys, retry_after_output: bool) -> AsyncIterator[dict]:
+            """The replica's events; a replica that dies is retried once on another when no event
+            was given out yet (or at any point, with ``retry_after_output``)."""
+            gone = _replica_gone_errors()
+            for attempt in (1, 2):
+                given = False
+                try:
+                    async for event in self.engine.options(stream=True).generate.remote(payload, routing_keys=keys):
+                        self._note(event)
+                        given = True
+                        yield event
+                    return
+                except gone as error:
+                    if attempt == 2 or (given and not retry_after_output):
+                        raise ApiError(503, f"the replica serving this request stopped ({type(error).__name__})",
+                                       kind="server_error", code="replica_unavailable") from None
+                    logger.warning("replica gone before the request finished (%s); retrying once", error)
+                    if given:
+                        yield {"restart": True}
+
+        async def _collect(self, payload, keys) -> list[dict]:
+            events = []  # a retried request starts over: the caller sees one whole answer
+            async for event in self._events(payload, keys, retry_after_output=True):
+                _raise_for(event)
+                if event.get("restart"):
+                    events = []
+                    continue
+                events.append(event)
+            return events
+
+        def _note(self, event: dict) -> None:
+            if "replica" in event:
+                self.replica_requests[event["replica"]] += 1
+                self.replica_stats[event["replica"]] = event.get("engine", {})
+
+        async def _sse(self, answer: "_Answer", first: dict, events, include_usage: bool) -> AsyncIterator[str]:
+            yield _sse(answer.chunk({"role": "assistant", "content": ""}))
+            event = first
+            try:
+                while True:
+                    if event.get("text"):
+                        yield _sse(answer.chunk({"content": event["text"]}))
+                    if "finish_reason" in event:
+                        stats = stats_from_body(event["stats"])
+                        yield _sse(answer.chunk({}, event["finish_reason"], {"stats": event["stats"],
+                                                                             "replica": event["replica"]}))
+                        if include_usage:
+                            yield _sse({**answer.chunk({}), "choices": [], "usage": usage(stats)})
+                        break
+                    event = await anext(events)
+            except ApiError as error:
+                yield _sse(error.body())
+            except StopAsyncIteration:
+                yield _sse(ApiError(503, "the answer ended early", kind="server_error").body())
+            yield "data: [DONE]\n\n"
+
+        @app.get("/metrics")
+        async def metrics(self, request: Request):
+            from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+            self._seen(request)
+            registry = CollectorRegistry()
+            registry.register(_Snapshot(self))
+            return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return Ingress
+
+
+def _raise_for(event: dict) -> None:
+    if "error" in event:
+        error = event["error"]
+        kind = "not_found_error" if error["status"] == 404 else "invalid_request_error"
+        raise ApiError(error["status"], error["message"], kind=kind,
+                       code="document_not_found" if error["status"] == 404 else None)
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+class _Answer:
+    """The OpenAI objects of one answer."""
+
+    def __init__(self, model: str):
+        self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model
+
+    def chunk(self, delta: dict, finish_reason: str | None = None, extension: dict | None = None) -> dict:
+        out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+        return out | ({"lazyattn": extension} if extension else {})
+
+    def completion(self, events: list[dict]) -> dict:
+        last = events[-1]
+        stats = stats_from_body(last["stats"])
+        text = "".join(e.get("text", "") for e in events)
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": last["finish_reason"], "logprobs": None}],
+                "usage": usage(stats), "lazyattn": {"stats": last["stats"], "replica": last["replica"]}}
+
+
+class _Snapshot:
+    """Prometheus collector over the ingress's counts and the replicas' last reports."""
+
+    def __init__(self, ingress):
+        self.ingress = ingress
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        from lazyattn_rag.metrics import engine_stat_families
+
+        http = CounterMetricFamily("lazyattn_http_responses", "HTTP responses by route and status.",
+                                   labels=["route", "status"])
+        for (route, status), n in sorted(self.ingress.responses.items()):
+            http.add_metric([route, str(status)], n)
+        yield http
+        served = CounterMetricFamily("lazyattn_replica_answers", "Answers each replica finished.", labels=["replica"])
+        for replica, n in sorted(self.ingress.replica_requests.items()):
+            served.add_metric([replica], n)
+        yield served
+        yield from engine_stat_families("lazyattn", self.ingress.replica_stats)

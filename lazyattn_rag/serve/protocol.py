@@ -1,0 +1,120 @@
+"""Request bodies of the HTTP API, validated with pydantic (issue 18).
+
+``ChatCompletionRequest`` is OpenAI's chat completions request with the extension fields of
+``lazyattn_rag/types/wire.py``. Fields OpenAI defines that change the answer and that this
+server does not implement (``n`` > 1, ``tools``, ``response_format``, ``logprobs``, ...) are
+refused with 400 rather than ignored; the rest (``user``, ``metadata``, ``store``...) are
+accepted and ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+NAMESPACE_PATTERN = r"^[A-Za-z0-9_.:@/-]{0,128}$"
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "audio",
+               "modalities", "prediction")
+
+
+class DocumentIn(BaseModel):
+    """A document: a non-empty id and its text."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1, max_length=1024)
+    text: str
+
+
+class DocumentsRequest(BaseModel):
+    """``POST /v1/documents``."""
+
+    model_config = ConfigDict(extra="forbid")
+    documents: list[DocumentIn] = Field(min_length=1)
+    namespace: str = Field(default="", pattern=NAMESPACE_PATTERN)
+
+
+class ContentPart(BaseModel):
+    """A part of a message's content: ``{"type": "text", "text"}`` or ``{"type": "document", "id"}``."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "document"]
+    text: str | None = None
+    id: str | None = None
+
+    @model_validator(mode="after")
+    def _has_its_field(self):
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text part needs 'text'")
+        if self.type == "document" and not self.id:
+            raise ValueError("a document part needs a non-empty 'id'")
+        return self
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, ... (ignored)
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[ContentPart]
+
+    def as_wire(self) -> dict[str, Any]:
+        role = "system" if self.role == "developer" else self.role
+        if isinstance(self.content, str):
+            return {"role": role, "content": self.content}
+        return {"role": role, "content": [p.model_dump(exclude_none=True) for p in self.content]}
+
+    def document_ids(self) -> list[str]:
+        return [] if isinstance(self.content, str) else [p.id for p in self.content if p.type == "document"]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """``POST /v1/chat/completions``."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool | None = None
+    # extensions (lazyattn_rag/types/wire.py)
+    documents: list[str | DocumentIn] = Field(default_factory=list)
+    namespace: str = Field(default="", pattern=NAMESPACE_PATTERN)
+    top_k: int | None = Field(default=None, ge=-1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @model_validator(mode="after")
+    def _nothing_unsupported(self):
+        extra = self.model_extra or {}
+        asked = [k for k in UNSUPPORTED if extra.get(k) not in (None, [], {})]
+        if asked:
+            raise ValueError(f"not supported by this server: {', '.join(asked)}")
+        if self.logprobs:
+            raise ValueError("not supported by this server: logprobs")
+        return self
+
+    def sampling_body(self) -> dict[str, Any]:
+        """The fields :func:`~lazyattn_rag.types.wire.sampling_from_body` reads."""
+        keys = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "frequency_penalty",
+                "presence_penalty", "top_k", "repetition_penalty", "ignore_eos", "stop_token_ids")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}

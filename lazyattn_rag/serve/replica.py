@@ -1,0 +1,162 @@
+"""One engine per Ray Serve replica (issue 18).
+
+:class:`EngineReplica` is the deployment class the app wraps (``lazyattn_rag/serve/app.py``
+sets its replicas, resources and router). It holds a :class:`~lazyattn_rag.llm.LazyAttention`
+built from an :class:`~lazyattn_rag.types.config.EngineConfig` and answers the ingress:
+
+* :meth:`generate`: one chat request, streamed back as events (dicts): ``{"text"}`` per
+  delta, then ``{"text", "finish_reason", "stats", "replica", "engine"}``; a request the
+  engine refuses (unknown document, prompt too long, bad sampling values) yields one
+  ``{"error": {"message", "type", "status"}}`` event instead and touches nothing;
+* :meth:`register`: check and register documents (what ``POST /v1/documents`` does first on
+  the replica that will own them);
+* :meth:`info`: the model's name, context limit and prompt settings.
+
+The ingress sends every document a request places with its text, so any replica can serve any
+request; a replica registers the ones it has not seen (or whose text changed) with the request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from lazyattn_rag.types.config import EngineConfig
+from lazyattn_rag.types.documents import Document
+from lazyattn_rag.types.errors import LazyAttentionError, UnknownDocumentError
+from lazyattn_rag.types.messages import as_message
+from lazyattn_rag.types.wire import sampling_from_body, stats_to_body
+
+# engine stats a replica reports with each finished request (the ingress's /metrics shows them)
+REPORTED_STATS = ("num_requests_finished", "num_requests_failed", "num_requests_aborted", "num_prompt_tokens",
+                  "num_cached_prompt_tokens", "num_output_tokens", "num_evictions", "num_preemptions", "num_steps",
+                  "num_requests_waiting", "num_requests_running", "token_hit_ratio", "doc_hit_ratio",
+                  "num_blocks_total", "num_blocks_free", "num_blocks_cached", "num_blocks_in_use",
+                  "num_cached_chunks", "num_documents")
+
+
+def error_event(error: BaseException) -> dict[str, Any]:
+    """The event for a request the engine refused: 404 for an unknown document, 400 otherwise."""
+    status = 404 if isinstance(error, UnknownDocumentError) else 400
+    message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+    return {"error": {"message": str(message), "type": type(error).__name__, "status": status}}
+
+
+class EngineReplica:
+    """A replica's engine (see the module docstring).
+
+    Args:
+        config: the engine's configuration (model, device, cache and its tiers...).
+    """
+
+    def __init__(self, config: EngineConfig):
+        from lazyattn_rag.async_llm import AsyncLazyAttention
+        from lazyattn_rag.llm import LazyAttention
+
+        self.llm = LazyAttention(config)
+        self.allm = AsyncLazyAttention(self.llm)
+        self.replica_id = _replica_id()
+
+    async def info(self) -> dict[str, Any]:
+        """``{"model", "max_model_len", "prompt": PromptConfig as a dict, "replica"}``."""
+        return {"model": self.llm.model_name, "max_model_len": self.llm.max_model_len,
+                "prompt": dataclasses.asdict(self.llm.config.prompt), "replica": self.replica_id}
+
+    async def register(self, documents: list[tuple[str, str]], namespace: str = "",
+                       routing_keys: list[str] = ()) -> dict[str, Any]:
+        """Register ``documents`` (``(id, text)``), all or none: ``{"registered": n}`` or an error event."""
+        try:
+            count = await _to_thread(self.llm.add_documents, [Document(i, t) for i, t in documents], namespace)
+        except (LazyAttentionError, ValueError) as error:
+            return error_event(error)
+        return {"registered": count, "replica": self.replica_id}
+
+    async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's ``/tokenize``: ``{"prompt", "add_special_tokens"}`` -> ``{"count", "tokens",
+        "max_model_len"}``; ``{"messages", "namespace"}`` -> the prompt the engine would build
+        for those chat messages (``count`` only), or an error event."""
+        try:
+            if "messages" in body:
+                messages = [as_message(m) for m in body["messages"]]
+                plan = await _to_thread(self.llm.plan_chat, messages, body.get("namespace", ""))
+                return {"count": plan.num_prompt_tokens, "max_model_len": self.llm.max_model_len}
+            if not isinstance(body.get("prompt"), str):
+                raise ValueError("'prompt' must be a string")
+            ids = self.llm.tokenizer(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+            tokens = list(ids["input_ids"])
+            return {"count": len(tokens), "tokens": tokens, "max_model_len": self.llm.max_model_len}
+        except (LazyAttentionError, ValueError) as error:
+            return error_event(error)
+
+    async def generate(self, payload: dict[str, Any], routing_keys: list[str] = ()) -> AsyncIterator[dict[str, Any]]:
+        """Stream one request's events (see the module docstring).
+
+        Args:
+            payload: ``{"messages": OpenAI-style messages, "documents": [[id, text], ...]`` (every
+                document the request places), ``"placed": [ids]`` (the ``documents`` field: placed
+                before the last user message's text, in the engine's RAG prompt; ``[]``: the
+                messages place documents themselves), ``"sampling": body fields``,
+                ``"namespace"}``.
+            routing_keys: for the router only (``lazyattn_rag/serve/router.py``).
+        """
+        try:
+            deltas = self._start(payload)
+            first = await anext(deltas)  # the engine's checks raise here, before any output
+        except (LazyAttentionError, ValueError) as error:
+            yield error_event(error)
+            return
+        delta = first
+        while True:
+            if delta.finished:
+                yield {"text": delta.text, "finish_reason": delta.finish_reason, "stats": stats_to_body(delta.stats),
+                       "replica": self.replica_id, "engine": await self._engine_stats()}
+                return
+            if delta.text:
+                yield {"text": delta.text}
+            delta = await anext(deltas)
+
+    def _start(self, payload: dict[str, Any]) -> AsyncIterator:
+        from lazyattn_rag.integrations.requests import rag_request
+
+        messages = [as_message(m) for m in payload["messages"]]
+        documents = [Document(i, t) for i, t in payload.get("documents", ())]
+        sampling = sampling_from_body(payload.get("sampling", {}), self.llm.default_sampling)
+        namespace, placed = payload.get("namespace", ""), payload.get("placed", [])
+        if not placed:
+            return self.allm.stream_chat(messages, documents, sampling, namespace)
+        *history, last = messages
+        if last.role != "user" or not isinstance(last.content, str):
+            raise ValueError("with 'documents', the last message must be the user's question, as plain text")
+        if any(not isinstance(m.content, str) for m in history):
+            raise ValueError("with 'documents', earlier messages must be plain text (place documents in one way)")
+        by_id = {d.id: d for d in documents}
+        request = rag_request(last.content, [by_id[i] for i in placed], [(m.role, m.content) for m in history],
+                              self.llm.config.prompt)
+        return request.astream(self.llm, sampling, namespace)
+
+    async def _engine_stats(self) -> dict[str, Any]:
+        stats = await self.allm.stats()
+        return {k: stats[k] for k in REPORTED_STATS if k in stats} | {"reported_at": time.time()}
+
+    def __del__(self):
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.close()
+
+
+async def _to_thread(fn, *args):
+    import asyncio
+
+    return await asyncio.to_thread(fn, *args)
+
+
+def _replica_id() -> str:
+    """This replica's Ray Serve id (``"local"`` outside Ray Serve, e.g. in a unit test)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not inside a replica
+        return "local"

@@ -1,0 +1,78 @@
+"""Document-affinity routing for Ray Serve replicas (issue 18).
+
+Round-robin or power-of-two routing spreads every hot document over every replica: each
+computes and holds its own copy, which wastes the KV memory this project exists to save. Here
+each document has an *owner* replica, picked by rendezvous (highest-random-weight) hashing of
+the document's key with each replica's id: every router instance agrees without talking to
+the others, and when a replica joins or leaves only the documents it owned move. A request goes
+to the replica that owns most of its documents, unless that replica's queue is longer than the
+shortest by more than ``imbalanced_threshold`` requests: then to the least loaded (as Ray Serve
+LLM's ``PrefixCacheAffinityRouter`` falls back under imbalance). A replica that does not answer
+the queue-length probe is never chosen; Ray Serve drops dead replicas from the candidates.
+
+:func:`rank_replicas` is the policy as a pure function (tested without Ray);
+:class:`DocumentAffinityRouter` is the Ray Serve ``RequestRouter`` around it, configured per
+deployment through ``RequestRouterConfig``. The ingress passes the request's document keys as
+the ``routing_keys`` keyword of the replica call.
+"""
+
+from __future__ import annotations
+
+import random
+
+import xxhash
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+
+def owner(key: str, replica_ids: list[str]) -> str:
+    """The replica of ``replica_ids`` that owns ``key``: the highest XXH64 of ``key`` and the id."""
+    return max(replica_ids, key=lambda r: xxhash.xxh64_intdigest(f"{key}\x00{r}".encode()))
+
+
+def rank_replicas(keys: list[str], queue_lens: dict[str, int | None], imbalanced_threshold: int) -> list[list[str]]:
+    """The replicas to try, best first, for a request over documents ``keys``.
+
+    Args:
+        keys: the request's document keys (namespace and id).
+        queue_lens: every candidate replica's queue length (``None``: it did not answer; never
+            chosen).
+        imbalanced_threshold: see the module docstring.
+    Returns:
+        ranks of replica ids: ``[[owner], [the others, least loaded first]]`` while the owner's
+        queue is within the threshold of the shortest; ``[[all answering, least loaded first]]``
+        otherwise, or when ``keys`` is empty; ``[]`` when no replica answered.
+    """
+    alive = sorted((r for r, q in queue_lens.items() if q is not None), key=lambda r: (queue_lens[r], r))
+    if not alive:
+        return []
+    if not keys:
+        return [alive]
+    votes: dict[str, int] = {}
+    for key in keys:
+        votes[o] = votes.get(o := owner(key, alive), 0) + 1
+    best = max(alive, key=lambda r: (votes.get(r, 0), -queue_lens[r], r))
+    if queue_lens[best] - queue_lens[alive[0]] > imbalanced_threshold:
+        return [alive]
+    return [[best], [r for r in alive if r != best]]
+
+
+class DocumentAffinityRouter(FIFOMixin, RequestRouter):
+    """Ray Serve request router: :func:`rank_replicas` over the replicas' probed queue lengths.
+
+    ``request_router_kwargs``: ``{"imbalanced_threshold": N}`` (default 8).
+    """
+
+    def initialize_state(self, imbalanced_threshold: int = 8, **kwargs) -> None:
+        self.imbalanced_threshold = imbalanced_threshold
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        keys = list((pending_request.kwargs or {}).get("routing_keys") or ()) if pending_request is not None else []
+        if not candidate_replicas:
+            return []
+        if not keys:  # nothing to be near: two random candidates, the shorter queue wins (Serve's default)
+            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        probed = await self._probe_queue_lens(candidate_replicas, 0)
+        by_id = {r.replica_id.unique_id: r for r, _ in probed}
+        ranks = rank_replicas(keys, {r.replica_id.unique_id: q for r, q in probed}, self.imbalanced_threshold)
+        return [[by_id[i] for i in rank] for rank in ranks]

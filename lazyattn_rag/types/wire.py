@@ -1,0 +1,100 @@
+"""The HTTP API's JSON to and from this package's value types (issue 18).
+
+The API is OpenAI's chat completions with a few extension fields (as vLLM adds ``top_k`` and
+``repetition_penalty`` beside the standard ones). The server (``lazyattn_rag/serve/``) and the
+HTTP client (``lazyattn_rag/remote.py``) both translate through this module, so the two sides
+cannot drift apart.
+
+Request fields besides OpenAI's (``model``, ``messages``, ``max_tokens`` /
+``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, ``frequency_penalty``,
+``presence_penalty``, ``stream``, ``stream_options``, ``n``):
+
+* ``documents``: document ids (registered with ``POST /v1/documents``) or inline
+  ``{"id", "text"}`` objects, placed before the last user message's text in the engine's RAG
+  prompt (the earlier turns are the chat history before it); a message's content can also
+  place documents itself with ``{"type": "document", "id": ...}`` parts.
+* ``namespace``: the documents' namespace (tenant); ``""`` is shared.
+* ``top_k``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``: as in
+  :class:`~lazyattn_rag.types.sampling_params.SamplingParams`.
+
+Response extension: ``lazyattn`` on the last chunk (and the whole response) holds the request's
+stats (:class:`~lazyattn_rag.types.outputs.RequestStats` as a dict) and the replica that served it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, fields
+from typing import Any
+
+from lazyattn_rag.types.documents import Document
+from lazyattn_rag.types.messages import DocumentRef, Message
+from lazyattn_rag.types.outputs import RequestStats
+from lazyattn_rag.types.sampling_params import SamplingParams
+
+# SamplingParams fields and the body keys that carry them (OpenAI's names where it has one)
+_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop": "stop",
+                  "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "seed": "seed",
+                  "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
+                  "presence_penalty": "presence_penalty"}
+
+
+def sampling_to_body(params: SamplingParams) -> dict[str, Any]:
+    """The body fields that make the server sample as ``params`` does (every field, so the
+    server's defaults play no part)."""
+    body = {key: getattr(params, name) for name, key in _SAMPLING_KEYS.items()}
+    body["stop"], body["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)
+    body["max_tokens"] = params.max_tokens
+    return body
+
+
+def sampling_from_body(body: Mapping[str, Any], default: SamplingParams) -> SamplingParams:
+    """The :class:`SamplingParams` a request body asks for; fields it leaves out (or sets to
+    ``null``) keep ``default``'s value. ``max_completion_tokens`` (OpenAI's newer name) wins
+    over ``max_tokens``.
+
+    Raises:
+        ValueError: a value out of range or of the wrong type (the field is named).
+    """
+    values = {name: body[key] for name, key in _SAMPLING_KEYS.items() if body.get(key) is not None}
+    if isinstance(values.get("stop"), list):
+        values["stop"] = tuple(values["stop"])
+    if isinstance(values.get("stop_token_ids"), list):
+        values["stop_token_ids"] = tuple(values["stop_token_ids"])
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        values["max_tokens"] = max_tokens
+    known = {f.name: getattr(default, f.name) for f in fields(SamplingParams)}
+    return SamplingParams(**{**known, **values})
+
+
+def message_to_body(message: Message) -> dict[str, Any]:
+    """An OpenAI-style message; content with documents becomes a list of text and
+    ``{"type": "document", "id": ...}`` parts."""
+    if isinstance(message.content, str):
+        return {"role": message.role, "content": message.content}
+    parts = [{"type": "document", "id": p.id} if isinstance(p, DocumentRef) else {"type": "text", "text": p}
+             for p in message.parts()]
+    return {"role": message.role, "content": parts}
+
+
+def document_to_body(document: Document) -> dict[str, str]:
+    return {"id": document.id, "text": document.text}
+
+
+def stats_to_body(stats: RequestStats) -> dict[str, Any]:
+    return asdict(stats)
+
+
+def stats_from_body(body: Mapping[str, Any]) -> RequestStats:
+    """A :class:`RequestStats` from :func:`stats_to_body`'s dict (unknown keys ignored: a newer
+    server may report more)."""
+    names = {f.name for f in fields(RequestStats)}
+    return RequestStats(**{k: v for k, v in body.items() if k in names})
+
+
+def usage(stats: RequestStats) -> dict[str, Any]:
+    """OpenAI's ``usage`` object, cached prompt tokens in ``prompt_tokens_details``."""
+    return {"prompt_tokens": stats.num_prompt_tokens, "completion_tokens": stats.num_output_tokens,
+            "total_tokens": stats.num_prompt_tokens + stats.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.num_cached_tokens}}
