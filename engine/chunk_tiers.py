@@ -86,10 +86,12 @@ class LoadCosts:
 
     Args:
         bytes_per_token: encoded K/V bytes of one token (all layers).
+        always: load every chunk found, whatever the speeds (``CacheConfig.tier_loads="always"``).
     """
 
-    def __init__(self, bytes_per_token: int, probe_every: int = 16, smoothing: float = 0.3):
+    def __init__(self, bytes_per_token: int, probe_every: int = 16, smoothing: float = 0.3, always: bool = False):
         self.bytes_per_token, self.probe_every, self.smoothing = bytes_per_token, probe_every, smoothing
+        self.always = always
         self.tier_bytes_per_s: dict[str, float] = {}
         self.prefill_tokens_per_s: float | None = None
         self._num_skipped: dict[str, int] = {}
@@ -107,7 +109,7 @@ class LoadCosts:
 
     def worth_loading(self, tier: str, num_tokens: int) -> bool:
         bps, tps = self.tier_bytes_per_s.get(tier), self.prefill_tokens_per_s
-        if bps is None or tps is None or num_tokens * self.bytes_per_token / bps < num_tokens / tps:
+        if self.always or bps is None or tps is None or num_tokens * self.bytes_per_token / bps < num_tokens / tps:
             return True
         skipped = self._num_skipped[tier] = self._num_skipped.get(tier, 0) + 1
         return skipped % self.probe_every == 0
@@ -134,12 +136,13 @@ class ChunkTiers:
         max_queued_bytes: K/V waiting to be written beyond which a write is dropped (counted).
         device: the KV pool's device: a host-tier hit is copied there and checked there
             (:meth:`~lazyattn_rag.engine.host_arena.HostChunk.load`).
+        always_load: load every chunk found (:class:`LoadCosts`' ``always``).
     """
 
     def __init__(self, tiers: list[Tier], model_digest: str, bytes_per_token: int,
-                 max_queued_bytes: int = 1 << 30, device: torch.device | str = "cpu"):
+                 max_queued_bytes: int = 1 << 30, device: torch.device | str = "cpu", always_load: bool = False):
         self.tiers, self.model_digest, self.device = list(tiers), model_digest, device
-        self.costs = LoadCosts(bytes_per_token)
+        self.costs = LoadCosts(bytes_per_token, always=always_load)
         self.times = {t.name: TierTimes() for t in self.tiers}
         self.max_queued_bytes = max_queued_bytes
         self.num_dropped_writes = 0

@@ -186,7 +186,8 @@ def build_tiers(cache: CacheConfig, model_digest: str, bytes_per_token: int,
         from lazyattn_rag.engine.redis_store import RedisStore
 
         tiers.append(RedisStore(cache.redis_url, ttl_seconds=cache.redis_ttl_seconds))
-    return ChunkTiers(tiers, model_digest, bytes_per_token, device=device) if tiers else None
+    return ChunkTiers(tiers, model_digest, bytes_per_token, device=device,
+                      always_load=cache.tier_loads == "always") if tiers else None
 
 
 def describe(engine: LLMEngine) -> dict:

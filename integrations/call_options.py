@@ -108,6 +108,9 @@ class WrapperSettings(BaseModel):
         namespace: the tenant namespace of every document this wrapper registers and places
             (``""``: shared). Ids resolve within it and its chunks are keyed apart, so a tenant is
             never served another tenant's document or cached K/V (``LazyAttention.add_document``).
+        server_url: a ``lazyattn serve`` server (``http://host:port``): calls go there through
+            :class:`~lazyattn_rag.remote.RemoteLazyAttention` instead of an in-process engine
+            (``model`` and ``engine_kwargs`` are then the server's business).
     """
 
     model: str | None = Field(default=None, description="Local HF model directory; None: the offline SmolLM2.")
@@ -120,6 +123,8 @@ class WrapperSettings(BaseModel):
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other EngineConfig fields.")
     namespace: str = Field(default="", pattern=r"^[A-Za-z0-9_.:@/-]{0,128}$",
                            description="Tenant namespace of the documents; '' is shared.")
+    server_url: str | None = Field(default=None, pattern=r"^https?://",
+                                   description="A `lazyattn serve` server to use instead of an in-process engine.")
 
     _engine: Any = PrivateAttr(default=None)  # the LazyAttention in use
     _from_settings: bool = PrivateAttr(default=False)
@@ -135,6 +140,8 @@ class WrapperSettings(BaseModel):
         first use, and again after it was shut down)."""
         from lazyattn_rag.llm import LazyAttention
 
+        if self._engine is None and self.server_url:
+            self._engine = remote_engine(self.server_url)
         if self._engine is None or (self._from_settings and self._engine.loop.stopped):
             self._engine, self._from_settings = LazyAttention.shared(self.engine_settings()), True
         return self._engine
@@ -153,3 +160,16 @@ class WrapperSettings(BaseModel):
         :func:`engine_config`)."""
         self.sampling  # noqa: B018 - builds and validates the SamplingParams
         self.engine_settings()
+
+
+_REMOTES: dict[str, Any] = {}
+
+
+def remote_engine(url: str):
+    """The process's :class:`~lazyattn_rag.remote.RemoteLazyAttention` for ``url`` (one per server)."""
+    from lazyattn_rag.remote import RemoteLazyAttention
+
+    key = url.rstrip("/")
+    if key not in _REMOTES:
+        _REMOTES[key] = RemoteLazyAttention(key)
+    return _REMOTES[key]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -211,7 +212,11 @@ class LazyAttentionLLM(CustomLLM, WrapperSettings):
     def tokenizer(self) -> Any:
         """The engine's tokenizer, for ``Settings.tokenizer = llm.tokenizer``: LlamaIndex then sizes
         prompts (compact/refine repacking, truncation) in this model's tokens rather than
-        tiktoken's, so a full context window never exceeds the engine's limit."""
+        tiktoken's, so a full context window never exceeds the engine's limit. Against a server
+        it is the server model's tokenizer (one ``/tokenize`` request per call), as the callable
+        LlamaIndex makes of a Hugging Face tokenizer."""
+        if getattr(self.engine, "is_remote", False):
+            return functools.partial(self.engine.tokenizer.encode, add_special_tokens=False)
         return self.engine.tokenizer
 
     def _stream(self, request: EngineRequest, sampling: SamplingParams) -> Iterator[StreamDelta]:

@@ -89,7 +89,7 @@ class EngineRequest:
         raise on the first ``__anext__``."""
         from lazyattn_rag.async_llm import AsyncLazyAttention
 
-        allm = AsyncLazyAttention(llm)
+        allm = llm.aio() if getattr(llm, "is_remote", False) else AsyncLazyAttention(llm)
         if self.messages is not None:
             return self._areported(allm.stream_chat(self.messages, self.documents, sampling, namespace))
         return self._areported(allm.stream(self.question, documents=self.documents, sampling=sampling,

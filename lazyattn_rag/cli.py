@@ -1,4 +1,5 @@
-"""Command line: ``lazyattn ask``, ``lazyattn info`` (and ``lazyattn chat`` with the integrations)."""
+"""Command line: ``lazyattn ask``, ``lazyattn info``, ``lazyattn chat`` (with the integrations),
+``lazyattn serve`` (with the ``serve`` extra) and ``lazyattn cache``."""
 
 from __future__ import annotations
 
@@ -174,6 +175,15 @@ def _register_chat() -> None:  # the chatbot's options live with it; its extras 
 
 
 _register_chat()
+
+
+def _register_serve() -> None:  # Ray loads only when the server starts
+    from lazyattn_rag.cli_serve import serve as serve_command
+
+    app.command("serve", cls=cli_opts.Command)(serve_command)
+
+
+_register_serve()
 
 
 def _register_cache() -> None:

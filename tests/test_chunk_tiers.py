@@ -317,6 +317,10 @@ def test_load_costs_prefer_the_faster_way():
     assert costs.worth_loading("disk", 100)
     costs.record_load("slow", 1000, 1.0)  # 1 kB/s: 100 s
     assert [costs.worth_loading("slow", 100) for _ in range(8)] == [False, False, False, True] * 2  # probes
+    always = LoadCosts(bytes_per_token=1000, always=True)  # CacheConfig(tier_loads="always")
+    always.record_prefill(1000, 1.0)
+    always.record_load("slow", 1000, 1.0)
+    assert all(always.worth_loading("slow", 100) for _ in range(8))
 
 
 def test_writes_past_the_queue_budget_are_dropped_and_counted():

@@ -172,6 +172,7 @@ def make_ingress(config: ServeConfig):
             self.replica_stats: dict[str, dict] = {}
             self.replica_requests: Counter[str] = Counter()
             self.responses: Counter[tuple[str, int]] = Counter()
+            self.num_retries = 0
             self._info: dict[str, Any] | None = None
 
         async def info(self) -> dict[str, Any]:
@@ -201,11 +202,29 @@ def make_ingress(config: ServeConfig):
             documents = [(d.id, d.text) for d in body.documents]
             result = await self.engine.register.remote(documents, body.namespace,
                                                        routing_keys=routing_keys(body.namespace, dict(documents)))
-            if "error" in result:
-                raise ApiError(result["error"]["status"], result["error"]["message"], param="documents")
+            _raise_for(result)
             self.documents.put(body.namespace, documents)
             return {"object": "list", "namespace": body.namespace, "version": self.documents.version,
                     "data": [{"id": d, "object": "document"} for d, _ in documents]}
+
+        @app.post("/v1/documents/warm")
+        async def warm_documents(self, request: Request):
+            """``{"ids": [...], "namespace"}``: compute the documents' K/V now, on their owner
+            replica (those already cached are left alone); answers the ids it computed."""
+            self._seen(request)
+            data = await read_json(request, config.max_body_bytes)
+            ids, namespace = (data.get("ids"), data.get("namespace", "")) if isinstance(data, dict) else (None, "")
+            if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids) or not isinstance(namespace, str):
+                raise ApiError(400, "give 'ids', a list of registered document ids, and optionally 'namespace'")
+            documents = [(i, self.documents.text(namespace, i)) for i in dict.fromkeys(ids)]
+            result = await self.engine.warm.remote(documents, namespace, routing_keys=routing_keys(namespace, ids))
+            _raise_for(result)
+            return result
+
+        @app.get("/v1/documents/version")
+        async def documents_version(self, request: Request):
+            self._seen(request)
+            return {"version": self.documents.version}
 
         @app.get("/v1/documents")
         async def list_documents(self, request: Request, namespace: str = "", texts: bool = False):
@@ -228,8 +247,7 @@ def make_ingress(config: ServeConfig):
             if not isinstance(data, dict) or ("prompt" in data) == ("messages" in data):
                 raise ApiError(400, "give either 'prompt' (text) or 'messages'")
             result = await self.engine.tokenize.remote(data)
-            if "error" in result:
-                raise ApiError(result["error"]["status"], result["error"]["message"])
+            _raise_for(result)
             return result
 
         @app.post("/v1/chat/completions")
@@ -267,6 +285,7 @@ def make_ingress(config: ServeConfig):
                         raise ApiError(503, f"the replica serving this request stopped ({type(error).__name__})",
                                        kind="server_error", code="replica_unavailable") from None
                     logger.warning("replica gone before the request finished (%s); retrying once", error)
+                    self.num_retries += 1
                     if given:
                         yield {"restart": True}
 
@@ -319,11 +338,11 @@ def make_ingress(config: ServeConfig):
 
 
 def _raise_for(event: dict) -> None:
+    """Raise the :class:`ApiError` of a replica's error event (see ``EngineReplica.generate``)."""
     if "error" in event:
         error = event["error"]
         kind = "not_found_error" if error["status"] == 404 else "invalid_request_error"
-        raise ApiError(error["status"], error["message"], kind=kind,
-                       code="document_not_found" if error["status"] == 404 else None)
+        raise ApiError(error["status"], error["message"], kind=kind, code=error.get("code"))
 
 
 def _sse(data: dict) -> str:
@@ -371,4 +390,6 @@ class _Snapshot:
         for replica, n in sorted(self.ingress.replica_requests.items()):
             served.add_metric([replica], n)
         yield served
+        yield CounterMetricFamily("lazyattn_request_retries", "Requests retried on another replica after theirs died.",
+                                  value=self.ingress.num_retries)
         yield from engine_stat_families("lazyattn", self.ingress.replica_stats)

@@ -27,7 +27,7 @@ from lazyattn_rag.types.config import EngineConfig
 from lazyattn_rag.types.documents import Document
 from lazyattn_rag.types.errors import LazyAttentionError, UnknownDocumentError
 from lazyattn_rag.types.messages import as_message
-from lazyattn_rag.types.wire import sampling_from_body, stats_to_body
+from lazyattn_rag.types.wire import ERROR_CODES, sampling_from_body, stats_to_body
 
 # engine stats a replica reports with each finished request (the ingress's /metrics shows them)
 REPORTED_STATS = ("num_requests_finished", "num_requests_failed", "num_requests_aborted", "num_prompt_tokens",
@@ -41,7 +41,8 @@ def error_event(error: BaseException) -> dict[str, Any]:
     """The event for a request the engine refused: 404 for an unknown document, 400 otherwise."""
     status = 404 if isinstance(error, UnknownDocumentError) else 400
     message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
-    return {"error": {"message": str(message), "type": type(error).__name__, "status": status}}
+    code = next((c for name, c in ERROR_CODES.items() if name in {k.__name__ for k in type(error).__mro__}), None)
+    return {"error": {"message": str(message), "type": type(error).__name__, "status": status, "code": code}}
 
 
 class EngineReplica:
@@ -72,6 +73,17 @@ class EngineReplica:
         except (LazyAttentionError, ValueError) as error:
             return error_event(error)
         return {"registered": count, "replica": self.replica_id}
+
+    async def warm(self, documents: list[tuple[str, str]], namespace: str = "",
+                   routing_keys: list[str] = ()) -> dict[str, Any]:
+        """Register ``documents`` and compute their K/V now: ``{"computed": [ids]}`` (the ones
+        that were not cached yet) or an error event."""
+        try:
+            await _to_thread(self.llm.add_documents, [Document(i, t) for i, t in documents], namespace)
+            computed = await _to_thread(self.llm.warm, [i for i, _ in documents], namespace)
+        except (LazyAttentionError, ValueError) as error:
+            return error_event(error)
+        return {"computed": computed, "replica": self.replica_id}
 
     async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         """vLLM's ``/tokenize``: ``{"prompt", "add_special_tokens"}`` -> ``{"count", "tokens",

@@ -53,7 +53,8 @@ def rank_replicas(keys: list[str], queue_lens: dict[str, int | None], imbalanced
     best = max(alive, key=lambda r: (votes.get(r, 0), -queue_lens[r], r))
     if queue_lens[best] - queue_lens[alive[0]] > imbalanced_threshold:
         return [alive]
-    return [[best], [r for r in alive if r != best]]
+    rest = [r for r in alive if r != best]
+    return [[best], rest] if rest else [[best]]
 
 
 class DocumentAffinityRouter(FIFOMixin, RequestRouter):

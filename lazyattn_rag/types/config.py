@@ -55,6 +55,10 @@ class CacheConfig:
             ``maxmemory-policy allkeys-lru``. A server that is down or slow costs only speed.
         redis_ttl_seconds: expiry of chunks written to Redis (``None``: none).
         tier_eviction_policy: eviction order within the host and disk tiers (lru, lfu or gdsf).
+        tier_loads: ``"auto"`` (the default): a chunk found in a tier is loaded only when this
+            process's measured speeds say loading beats recomputing it (``LoadCosts``);
+            ``"always"``: every chunk found is loaded (e.g. to keep GPUs free of recompute, or
+            for a reproducible run).
         Tiers serve ``mode="lazy"`` only (the other modes are baselines).
     """
 
@@ -71,6 +75,7 @@ class CacheConfig:
     redis_url: str | None = None
     redis_ttl_seconds: int | None = None
     tier_eviction_policy: str = "lru"
+    tier_loads: str = "auto"
 
     @property
     def has_tiers(self) -> bool:
@@ -101,6 +106,8 @@ class CacheConfig:
         _check_int("redis_ttl_seconds", self.redis_ttl_seconds, 1, optional=True)
         if self.tier_eviction_policy not in ("lru", "lfu", "gdsf"):
             raise ValueError(f"tier_eviction_policy must be lru, lfu or gdsf, got {self.tier_eviction_policy!r}")
+        if self.tier_loads not in ("auto", "always"):
+            raise ValueError(f"tier_loads must be 'auto' or 'always', got {self.tier_loads!r}")
         if self.disk_dir is not None and not str(self.disk_dir):
             raise ValueError("disk_dir must be a directory path or None")
         if self.redis_url is not None and not str(self.redis_url).startswith(("redis://", "rediss://", "unix://")):

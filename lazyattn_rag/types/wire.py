@@ -98,3 +98,18 @@ def usage(stats: RequestStats) -> dict[str, Any]:
     return {"prompt_tokens": stats.num_prompt_tokens, "completion_tokens": stats.num_output_tokens,
             "total_tokens": stats.num_prompt_tokens + stats.num_output_tokens,
             "prompt_tokens_details": {"cached_tokens": stats.num_cached_tokens}}
+
+
+# The engine's refusals as OpenAI-style error codes (``error.code`` of a 4xx body), and back.
+ERROR_CODES = {"UnknownDocumentError": "document_not_found", "PromptTooLongError": "context_length_exceeded",
+               "DocumentTooLongError": "document_too_long", "EmptyInputError": "empty_input",
+               "CacheCapacityError": "cache_capacity_exceeded"}
+
+
+def error_class(code: str | None) -> type[ValueError]:
+    """The exception class the client raises for an error body's ``code`` (``ValueError`` for
+    any other 4xx)."""
+    from lazyattn_rag.types import errors
+
+    name = {v: k for k, v in ERROR_CODES.items()}.get(code or "")
+    return getattr(errors, name) if name else ValueError

@@ -1,0 +1,73 @@
+"""``lazyattn serve``: the OpenAI-compatible HTTP API on Ray Serve (issue 18; needs the ``serve`` extra)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from lazyattn_rag import cli_options as cli_opts
+
+
+def serve(
+    replicas: int = typer.Option(1, min=1, help="Engine replicas, each with its own engine and KV cache "
+                                                "(one GPU each with --gpus-per-replica 1)."),
+    gpus_per_replica: Optional[float] = typer.Option(None, "--gpus-per-replica", min=0,
+                                                     help="GPUs each replica reserves (default: 1 when the "
+                                                          "device is CUDA, else 0)."),
+    router: str = typer.Option("affinity", help="affinity (a request goes to the replica owning most of its "
+                                                "documents) or default (Ray Serve's power of two choices)."),
+    imbalanced_threshold: int = typer.Option(8, min=0, help="The affinity router sends a request elsewhere when "
+                                                            "its owner's queue is longer than the shortest by more."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 for every interface)."),
+    port: int = typer.Option(8000, help="HTTP port."),
+    model: Optional[str] = cli_opts.MODEL,
+    device: str = cli_opts.DEVICE,
+    backend: str = cli_opts.BACKEND,
+    anchor: str = cli_opts.ANCHOR,
+    cache_dir: Optional[Path] = typer.Option(None, help="Where converted models are cached."),
+    disk_cache: Optional[Path] = cli_opts.DISK_CACHE,
+    no_disk_cache: bool = cli_opts.NO_DISK_CACHE,
+    disk_cache_bytes: str = cli_opts.DISK_CACHE_BYTES,
+    host_cache_bytes: str = cli_opts.HOST_CACHE_BYTES,
+    redis_url: Optional[str] = cli_opts.REDIS_URL,
+) -> None:
+    """Serve the model over HTTP: OpenAI chat completions with document ids, on Ray Serve replicas.
+
+    POST /v1/documents registers documents; POST /v1/chat/completions answers, placing the
+    documents whose ids its "documents" field lists; GET /metrics is Prometheus. The engine
+    options are lazyattn chat's; with --redis-url the replicas share computed chunks.
+    """
+    from lazyattn_rag.serve.config import ServeConfig
+
+    try:
+        tiers = cli_opts.tier_settings(cache_dir, disk_cache, no_disk_cache, disk_cache_bytes, host_cache_bytes,
+                                       redis_url)
+        engine = cli_opts.engine_config(model, device, backend, anchor, cache_dir, tiers)
+        gpus = gpus_per_replica if gpus_per_replica is not None else float(_uses_cuda(device))
+        config = ServeConfig(num_replicas=replicas, num_gpus_per_replica=gpus, router=router,
+                             imbalanced_threshold=imbalanced_threshold, host=host, port=port)
+    except (ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    try:
+        from lazyattn_rag.serve.app import run
+    except ModuleNotFoundError as e:
+        typer.echo(f"error: lazyattn serve needs Ray Serve ({e.name} is missing): pip install 'lazyattn-rag[serve]'",
+                   err=True)
+        raise typer.Exit(2) from e
+    typer.echo(f"serving on http://{host}:{port} ({replicas} replica{'s' if replicas != 1 else ''}, "
+               f"{router} routing); Ctrl-C stops", err=True)
+    try:
+        run(engine, config, blocking=True)
+    except KeyboardInterrupt:
+        typer.echo("stopped", err=True)
+
+
+def _uses_cuda(device: str) -> bool:
+    if device == "cpu":
+        return False
+    import torch
+
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())

@@ -1,0 +1,354 @@
+"""``RemoteLazyAttention``: the :class:`~lazyattn_rag.llm.LazyAttention` API over a ``lazyattn serve``
+server (issue 18), so the same idioms run against one local engine or a cluster.
+
+The framework wrappers take it wherever they take an engine (``LazyAttentionLLM(remote)``,
+``ChatLazyAttention(engine=remote)``) or build it from a URL (``server_url=``). Documents are
+sent once: the client registers a document's text the first time a call places it (and again
+only when its text changes or the server no longer knows it), then places documents by id.
+
+Example::
+
+    llm = RemoteLazyAttention("http://127.0.0.1:8000")
+    llm.add_document("eiffel", "The Eiffel Tower ... completed in 1889.")
+    print(llm.generate("When was it completed?", doc_ids=["eiffel"]).text)
+
+Token ids are not sent over HTTP (``Completion.token_ids`` is empty). Errors the server
+reports come back as this package's exceptions (``UnknownDocumentError``,
+``PromptTooLongError``, ... from the error body's ``code``; other 4xx as ``ValueError``); a
+server that cannot be reached or answers 5xx raises :class:`ServerError`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from lazyattn_rag.types.config import PromptConfig
+from lazyattn_rag.types.documents import Document
+from lazyattn_rag.types.messages import Message, as_message
+from lazyattn_rag.types.outputs import Completion, StreamDelta
+from lazyattn_rag.types.sampling_params import SamplingParams
+from lazyattn_rag.types.wire import document_to_body, error_class, message_to_body, sampling_to_body, stats_from_body
+
+
+class ServerError(RuntimeError):
+    """The server could not be reached, or failed (5xx); ``status`` is ``None`` when unreached."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """What a client needs of the server's engine configuration: its prompt settings."""
+
+    prompt: PromptConfig
+
+
+@dataclass(frozen=True)
+class PromptCount:
+    num_prompt_tokens: int
+
+
+class RemoteTokenizer:
+    """The server model's tokenizer through ``POST /tokenize`` (one request per call), for
+    ``Settings.tokenizer`` and token counting; called like a Hugging Face tokenizer."""
+
+    def __init__(self, client: RemoteLazyAttention):
+        self.client = client
+
+    def __call__(self, text: str, add_special_tokens: bool = True, **_: Any) -> dict[str, list[int]]:
+        return {"input_ids": self.encode(text, add_special_tokens)}
+
+    def encode(self, text: str, add_special_tokens: bool = True, **_: Any) -> list[int]:
+        return self.client._post("/tokenize", {"prompt": text, "add_special_tokens": add_special_tokens})["tokens"]
+
+
+class _Running:
+    """``loop.stopped`` as the wrappers read it of an in-process engine."""
+
+    stopped = False
+
+
+class RemoteLazyAttention:
+    """A ``lazyattn serve`` server as an engine (see the module docstring).
+
+    Args:
+        base_url: the server, e.g. ``"http://127.0.0.1:8000"``.
+        timeout_s: seconds to wait for a response (or the next streamed piece).
+        headers: extra HTTP headers (e.g. an ``Authorization`` for a proxy in front).
+    Raises:
+        ServerError: the server does not answer ``GET /v1/models``.
+    """
+
+    is_remote = True
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0, headers: dict[str, str] | None = None):
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
+        self._async_options = {"base_url": self.base_url, "timeout": timeout_s, "headers": headers}
+        info = self._get("/v1/models")
+        self.model_name, self.max_model_len = info["data"][0]["id"], info["lazyattn"]["max_model_len"]
+        self.config = RemoteConfig(PromptConfig(**info["lazyattn"]["prompt"]))
+        self.tokenizer = RemoteTokenizer(self)
+        self.default_sampling: SamplingParams | None = None  # None: the server model's own
+        self.loop = _Running()
+        self._sent: dict[tuple[str, str], str] = {}  # (namespace, id) -> the text this client registered
+
+    # --- documents -----------------------------------------------------------------------
+    def add_document(self, doc_id: str, text: str, namespace: str = "") -> bool:
+        return self.add_documents([Document(doc_id, text)], namespace) == 1
+
+    def add_documents(self, documents: Iterable[Document | tuple[str, str]], namespace: str = "") -> int:
+        """Register documents on the server (all or none); returns how many were sent."""
+        docs = [d if isinstance(d, Document) else Document(*d) for d in documents]
+        if not docs:
+            return 0
+        self._post("/v1/documents", {"documents": [document_to_body(d) for d in docs], "namespace": namespace})
+        for d in docs:
+            self._sent[(namespace, d.id)] = d.text
+        return len(docs)
+
+    def remove_document(self, doc_id: str, namespace: str = "") -> None:
+        self._request("DELETE", f"/v1/documents/{quote(doc_id, safe='')}", params={"namespace": namespace})
+        self._sent.pop((namespace, doc_id), None)
+
+    def document_ids(self, namespace: str = "") -> list[str]:
+        return [d["id"] for d in self._get("/v1/documents", namespace=namespace)["data"]]
+
+    def has_document(self, doc_id: str, namespace: str = "") -> bool:
+        return doc_id in self.document_ids(namespace)
+
+    def document_texts(self, doc_ids: Iterable[str] | None = None, namespace: str = "") -> dict[str, str]:
+        texts = {d["id"]: d["text"] for d in self._get("/v1/documents", namespace=namespace, texts="true")["data"]}
+        return texts if doc_ids is None else {i: texts[i] for i in doc_ids if i in texts}
+
+    @property
+    def documents_version(self) -> int:
+        """Changes whenever the server's documents do (the prompt matcher re-reads them then)."""
+        return self._get("/v1/documents/version")["version"]
+
+    def warm(self, doc_ids: Iterable[str], namespace: str = "") -> list[str]:
+        return self._post("/v1/documents/warm", {"ids": list(doc_ids), "namespace": namespace})["computed"]
+
+    def plan_chat(self, messages: Iterable[Message | dict | tuple], namespace: str = "") -> PromptCount:
+        """The prompt length the server's engine would build for ``messages`` (``num_prompt_tokens``)."""
+        body = {"messages": [message_to_body(as_message(m)) for m in messages], "namespace": namespace}
+        return PromptCount(self._post("/tokenize", body)["count"])
+
+    # --- generation ----------------------------------------------------------------------
+    def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
+               sampling: SamplingParams | None = None, namespace: str = "") -> RemoteStream:
+        """As :meth:`LazyAttention.stream`: the answer to ``question`` over the documents, in order."""
+        return RemoteStream(self, self._question_body(question, doc_ids, documents, sampling, namespace))
+
+    def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
+                 sampling: SamplingParams | None = None, namespace: str = "") -> Completion:
+        return _collect(self.stream(question, doc_ids, documents, sampling, namespace))
+
+    def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
+                    sampling: SamplingParams | None = None, namespace: str = "") -> RemoteStream:
+        """As :meth:`LazyAttention.stream_chat`: messages whose content places documents by id."""
+        return RemoteStream(self, self._chat_body(messages, documents, sampling, namespace))
+
+    def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
+             sampling: SamplingParams | None = None, namespace: str = "") -> Completion:
+        return _collect(self.stream_chat(messages, documents, sampling, namespace))
+
+    def aio(self) -> AsyncRemoteLazyAttention:
+        """The asyncio twin of :meth:`stream` and :meth:`stream_chat` (the wrappers' async paths)."""
+        return AsyncRemoteLazyAttention(self)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # --- bodies and HTTP -----------------------------------------------------------------
+    def _question_body(self, question, doc_ids, documents, sampling, namespace) -> dict[str, Any]:
+        inline = list(documents)
+        self._send(inline, namespace)
+        return {"messages": [{"role": "user", "content": question}], "documents": [*doc_ids, *(d.id for d in inline)],
+                **self._sampling(sampling), "namespace": namespace, "stream": True}
+
+    def _chat_body(self, messages, documents, sampling, namespace) -> dict[str, Any]:
+        self._send(list(documents), namespace)
+        return {"messages": [message_to_body(as_message(m)) for m in messages], **self._sampling(sampling),
+                "namespace": namespace, "stream": True}
+
+    def _sampling(self, sampling: SamplingParams | None) -> dict[str, Any]:
+        sampling = sampling or self.default_sampling
+        return sampling_to_body(sampling) if sampling is not None else {}
+
+    def _send(self, documents: list[Document], namespace: str) -> None:
+        """Register the documents the server does not have with this text yet."""
+        new = [d for d in documents if self._sent.get((namespace, d.id)) != d.text]
+        if new:
+            self.add_documents(new, namespace)
+
+    def _resend(self, namespace: str) -> bool:
+        """Register again every document this client sent in ``namespace`` (after the server
+        answered 404 for one); ``False`` when there is none to send."""
+        documents = [Document(i, t) for (ns, i), t in self._sent.items() if ns == namespace]
+        return bool(documents) and self.add_documents(documents, namespace) > 0
+
+    def _get(self, path: str, **params: Any) -> dict[str, Any]:
+        return self._request("GET", path, params=params or None)
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._request("POST", path, json=body)
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        import httpx
+
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as error:
+            raise ServerError(f"{method} {self.base_url}{path}: {error}") from error
+        raise_for_status(response.status_code, response.content)
+        return response.json()
+
+
+class RemoteStream:
+    """The deltas of one streamed answer (a sync iterator of :class:`StreamDelta`); the request
+    is sent, and refused with an exception, at construction. ``close()`` cancels it."""
+
+    def __init__(self, client: RemoteLazyAttention, body: dict[str, Any]):
+        import httpx
+
+        from lazyattn_rag.types.errors import UnknownDocumentError
+
+        self._client = client
+        try:
+            try:
+                self._response = _open(client, body)
+            except UnknownDocumentError:  # a restarted server lost documents this client sent: again, once
+                if not client._resend(body.get("namespace", "")):
+                    raise
+                self._response = _open(client, body)
+        except httpx.HTTPError as error:
+            raise ServerError(f"POST {client.base_url}/v1/chat/completions: {error}") from error
+        self._deltas = _deltas(self._response.iter_lines())
+
+    def __iter__(self) -> Iterator[StreamDelta]:
+        return self
+
+    def __next__(self) -> StreamDelta:
+        try:
+            return next(self._deltas)
+        except StopIteration:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._response.close()
+
+
+def _open(client: RemoteLazyAttention, body: dict[str, Any]):
+    request = client.http.build_request("POST", "/v1/chat/completions", json=body)
+    response = client.http.send(request, stream=True)
+    if response.status_code != 200:
+        content = response.read()
+        response.close()
+        raise_for_status(response.status_code, content)
+    return response
+
+
+class AsyncRemoteLazyAttention:
+    """``stream`` / ``stream_chat`` of a :class:`RemoteLazyAttention` as async iterators; leaving
+    one early closes its connection, which cancels the request on the server."""
+
+    def __init__(self, client: RemoteLazyAttention):
+        self.client = client
+
+    def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
+               sampling: SamplingParams | None = None, namespace: str = "") -> AsyncIterator[StreamDelta]:
+        return self._stream(lambda: self.client._question_body(question, doc_ids, documents, sampling, namespace))
+
+    def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
+                    sampling: SamplingParams | None = None, namespace: str = "") -> AsyncIterator[StreamDelta]:
+        return self._stream(lambda: self.client._chat_body(list(messages), documents, sampling, namespace))
+
+    async def _stream(self, make_body) -> AsyncIterator[StreamDelta]:
+        import asyncio
+
+        import httpx
+
+        body = await asyncio.to_thread(make_body)  # registering documents is a (sync) request
+        async with httpx.AsyncClient(**self.client._async_options) as http:
+            try:
+                async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                    if response.status_code != 200:
+                        raise_for_status(response.status_code, await response.aread())
+                    lines = (line async for line in response.aiter_lines())
+                    async for line in lines:
+                        for delta in _parse(line):
+                            yield delta
+            except httpx.HTTPError as error:
+                raise ServerError(f"POST {self.client.base_url}/v1/chat/completions: {error}") from error
+
+
+def raise_for_status(status: int, content: bytes) -> None:
+    """Raise for a non-2xx response: this package's exception for the body's ``code`` (4xx) or
+    :class:`ServerError` (5xx)."""
+    if status < 300:
+        return
+    try:
+        error = json.loads(content)["error"]
+        message, code = error.get("message", ""), error.get("code")
+    except (ValueError, KeyError, TypeError):
+        message, code = content.decode(errors="replace")[:500], None
+    if status >= 500:
+        raise ServerError(f"server error {status}: {message}", status)
+    if code == "document_not_found":
+        raise _unknown(message)
+    raise error_class(code)(message)
+
+
+def _unknown(message: str) -> Exception:
+    from lazyattn_rag.types.errors import UnknownDocumentError
+
+    return UnknownDocumentError(message)
+
+
+def _deltas(lines: Iterable[str]) -> Iterator[StreamDelta]:
+    for line in lines:
+        yield from _parse(line)
+
+
+def _parse(line: str) -> list[StreamDelta]:
+    """The deltas of one server-sent-events line (``data: {chunk}``; ``[DONE]`` and other lines: none)."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return []
+    chunk = json.loads(line[len("data: "):])
+    if "error" in chunk:
+        raise ServerError(f"the answer failed on the server: {chunk['error'].get('message')}")
+    if not chunk.get("choices"):
+        return []  # the usage chunk
+    choice = chunk["choices"][0]
+    text, reason = choice.get("delta", {}).get("content") or "", choice.get("finish_reason")
+    if reason is None:
+        return [StreamDelta(text)] if text else []
+    stats = stats_from_body(chunk["lazyattn"]["stats"])
+    return [StreamDelta(text, finished=True, finish_reason=reason, stats=stats)]
+
+
+def _collect(deltas: Iterable[StreamDelta]) -> Completion:
+    parts, last = [], None
+    for delta in deltas:
+        parts.append(delta.text)
+        last = delta
+    if last is None or not last.finished:
+        raise ServerError("the answer ended before it finished")
+    return Completion("".join(parts), [], last.finish_reason, last.stats)
+

@@ -1,0 +1,286 @@
+"""``lazyattn serve`` on a real local Ray cluster (issue 18): two CPU replicas of a tiny random Llama
+(a Hugging Face directory, loaded as users load theirs) behind the ingress, the document-affinity
+router, a shared Redis tier, and the HTTP API driven with httpx, the ``openai`` package and this
+package's own clients. One app serves the whole module (Ray and Serve start once, ~20 s); the
+test that kills a replica runs last."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from lazyattn_rag import EngineConfig, SamplingParams  # noqa: E402
+from lazyattn_rag.types.config import CacheConfig  # noqa: E402
+from tests.redis_server import RedisServer, redis_server_path  # noqa: E402
+from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words  # noqa: E402
+
+APP = "lazyattn-test"
+DOCS = {f"d{i}": words(40, start=10 + 11 * i) for i in range(12)}
+QUESTION = "w5 w6"
+
+
+def engine_config(model_dir, cache_dir, redis_url=None) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), device="cpu", dtype="float32", attention_backend="torch",
+                        cache_dir=cache_dir, cache=CacheConfig(num_blocks=256, block_size=16, redis_url=redis_url,
+                                                               tier_loads="always"))  # tiny model: both take ms
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    if redis_server_path() is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("redis-server is not on PATH; CI must run the Redis tier's tests", pytrace=False)
+        pytest.skip("redis-server is not on PATH")
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model")
+    hf, _ = hf_and_ours(hf_config())
+    hf.save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, redis, tmp_path_factory):
+    """``(base_url, engine_config)`` of the app: 2 replicas, affinity routing with an imbalance
+    threshold of 1 request, 1 MiB body limit."""
+    import ray
+    from ray import serve
+
+    from lazyattn_rag.serve import ServeConfig, build_app
+    from tests.redis_server import free_port
+
+    config = engine_config(model_dir, tmp_path_factory.mktemp("cache"), redis.url)
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(config, ServeConfig(num_replicas=2, num_cpus_per_replica=0, imbalanced_threshold=1,
+                                            max_body_bytes=1 << 20, port=port)), name=APP, route_prefix="/")
+    yield f"http://127.0.0.1:{port}", config
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server[0], timeout=120) as client:
+        assert client.post("/v1/documents", json={"documents": [{"id": k, "text": v} for k, v in DOCS.items()]}
+                           ).status_code == 200
+        yield client
+
+
+def ask(http, doc_ids, max_tokens=4, **extra) -> dict:
+    response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": QUESTION}],
+                                                       "documents": doc_ids, "max_tokens": max_tokens,
+                                                       "temperature": 0, **extra})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_models_documents_and_tokenize(http):
+    models = http.get("/v1/models").json()
+    assert models["data"][0]["max_model_len"] > 0 and models["lazyattn"]["prompt"]["question_prefix"]
+    listed = http.get("/v1/documents").json()
+    assert sorted(d["id"] for d in listed["data"]) == sorted(DOCS) and listed["version"] >= len(DOCS)
+    assert http.get("/v1/documents", params={"texts": "true"}).json()["data"][0]["text"] in DOCS.values()
+    tokens = http.post("/tokenize", json={"prompt": "w1 w2 w3", "add_special_tokens": False}).json()
+    assert tokens["count"] == 3 and len(tokens["tokens"]) == 3
+    assert http.post("/tokenize", json={"messages": [{"role": "user", "content": "w1"}]}).json()["count"] > 1
+    assert http.post("/v1/documents", json={"documents": [{"id": "tmp", "text": "w9 w8"}]}).status_code == 200
+    assert http.delete("/v1/documents/tmp").json()["deleted"] is True
+    gone = http.delete("/v1/documents/tmp")
+    assert gone.status_code == 404 and "'tmp'" in gone.json()["error"]["message"]
+
+
+def test_an_answer_its_usage_and_a_stream(http):
+    first, again = ask(http, ["d0", "d1"]), ask(http, ["d0", "d1"])
+    assert first["object"] == "chat.completion" and first["choices"][0]["finish_reason"] == "length"
+    assert first["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"]
+    usage = again["usage"]
+    stats = again["lazyattn"]["stats"]
+    assert usage["completion_tokens"] == 4 and usage["total_tokens"] == usage["prompt_tokens"] + 4
+    assert usage["prompt_tokens_details"]["cached_tokens"] == stats["num_cached_tokens"] >= 80  # both documents
+    assert stats["docs_hit"] == ["d0", "d1"] and again["lazyattn"]["replica"] == first["lazyattn"]["replica"]
+    body = {"messages": [{"role": "user", "content": QUESTION}], "documents": ["d0", "d1"], "max_tokens": 4,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == again["choices"][0]["message"]["content"]
+    final, usage_chunk = chunks[-2], chunks[-1]
+    assert final["choices"][0]["finish_reason"] == "length" and final["lazyattn"]["stats"]["docs_hit"] == ["d0", "d1"]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 4
+
+
+def test_documents_placed_by_message_parts_and_inline(http):
+    parts = [{"type": "text", "text": "w1 "}, {"type": "document", "id": "d2"}, {"type": "text", "text": QUESTION}]
+    out = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": parts}], "max_tokens": 2})
+    assert out.status_code == 200 and out.json()["lazyattn"]["stats"]["docs_missed"] == ["d2"]
+    inline = ask(http, [{"id": "x1", "text": words(30, start=150)}], max_tokens=2)
+    assert inline["lazyattn"]["stats"]["docs_missed"] == ["x1"]
+    assert "x1" not in {d["id"] for d in http.get("/v1/documents").json()["data"]}  # placed, not kept
+
+
+def test_affinity_sends_a_document_set_to_one_replica_which_then_computes_no_document_token(http):
+    where = {}
+    for i in range(3, 12):
+        first, second = ask(http, [f"d{i}"], max_tokens=1), ask(http, [f"d{i}"], max_tokens=1)
+        assert first["lazyattn"]["replica"] == second["lazyattn"]["replica"]
+        stats = second["lazyattn"]["stats"]
+        assert stats["docs_hit"] == [f"d{i}"] and stats["doc_tiers"] == {f"d{i}": "kv"}
+        assert stats["num_computed_tokens"] == stats["num_prompt_tokens"] - stats["num_cached_tokens"]
+        assert stats["num_cached_tokens"] - stats["num_cached_head_tokens"] >= 40  # the whole document
+        where[f"d{i}"] = first["lazyattn"]["replica"]
+    assert len(set(where.values())) == 2  # 9 documents over 2 owners: both own some (odds 1 in 256 otherwise)
+
+
+def test_past_the_imbalance_threshold_requests_go_to_the_least_loaded_replica(http):
+    owner = ask(http, ["d0"], max_tokens=1)["lazyattn"]["replica"]
+    replicas, lock = [], threading.Lock()
+
+    def long_answer():
+        out = ask(http, ["d0"], max_tokens=400, ignore_eos=True)
+        with lock:
+            replicas.append(out["lazyattn"]["replica"])
+
+    threads = [threading.Thread(target=long_answer) for _ in range(6)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join(timeout=120)
+    assert len(replicas) == 6 and owner in replicas and len(set(replicas)) == 2
+
+
+@pytest.mark.parametrize("body, status, words_in_message", [
+    (b"{not json", 400, "not valid JSON"),
+    ({"messages": [{"role": "user", "content": "w1"}], "max_tokens": -3}, 400, "max_tokens"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "w1"}], "n": 2}, 400, "n=1"),
+    ({"messages": [{"role": "user", "content": "w1"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "w1"}], "temperature": -1}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "w1"}], "documents": ["nope"]}, 404, "'nope'"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "id": "gone"}]}]}, 404, "'gone'"),
+    ({"messages": [{"role": "user", "content": "w1"}], "model": "gpt-4o"}, 404, "gpt-4o"),
+    ({"messages": [{"role": "user", "content": "w1 " * 20000}]}, 400, "tokens"),
+    ({"messages": [{"role": "user", "content": "x" * (1 << 20)}]}, 413, "limit"),
+])
+def test_bad_requests_get_4xx_with_a_message_and_the_server_stays_up(http, body, status, words_in_message):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = http.post("/v1/chat/completions", **kwargs)
+    assert response.status_code == status, response.text
+    assert words_in_message in response.json()["error"]["message"]
+    assert ask(http, ["d0"], max_tokens=1)["choices"][0]["finish_reason"] == "length"
+
+
+def test_an_openai_client_works_unchanged(server, http):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server[0] + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=3,
+                                         temperature=0, extra_body={"documents": ["d0", "d1"]})
+    assert out.choices[0].message.content and out.usage.completion_tokens == 3
+    assert out.usage.prompt_tokens_details.cached_tokens >= 80
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
+                                            max_tokens=3, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"documents": ["d0", "d1"]})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == out.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 3
+    with pytest.raises(openai.NotFoundError, match="nope"):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "w1"}],
+                                       extra_body={"documents": ["nope"]})
+
+
+def test_the_package_clients_answer_as_an_in_process_engine_does(server, http):
+    from lazyattn_rag.llm import LazyAttention
+    from lazyattn_rag.remote import RemoteLazyAttention
+    from lazyattn_rag.types.errors import UnknownDocumentError
+
+    greedy = SamplingParams(max_tokens=5)
+    with LazyAttention(dataclasses.replace(server[1], cache=CacheConfig(num_blocks=256, block_size=16))) as local:
+        local.add_documents(list(DOCS.items()))
+        expected = local.generate(QUESTION, ["d4", "d5"], sampling=greedy).text
+        remote = RemoteLazyAttention(server[0])
+        assert remote.model_name == local.model_name and remote.max_model_len == local.max_model_len
+        assert remote.generate(QUESTION, ["d4", "d5"], sampling=greedy).text == expected
+        streamed = list(remote.stream(QUESTION, ["d4", "d5"], sampling=greedy))
+        assert "".join(d.text for d in streamed) == expected and streamed[-1].stats.docs_hit == ["d4", "d5"]
+        with pytest.raises(UnknownDocumentError, match="nope"):
+            remote.generate(QUESTION, ["nope"])
+        assert remote.tokenizer.encode("w1 w2", add_special_tokens=False) == local.tokenizer.encode(
+            "w1 w2", add_special_tokens=False)
+
+        from langchain_core.documents import Document as LCDocument
+
+        from lazyattn_rag.integrations.langchain import ChatLazyAttention
+        from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM
+
+        chat = ChatLazyAttention(server_url=server[0], max_tokens=5)
+        lc_docs = [LCDocument(id=i, page_content=DOCS[i]) for i in ("d4", "d5")]
+        assert chat.invoke(QUESTION, documents=lc_docs).content == expected
+        llm = LazyAttentionLLM(server_url=server[0], max_tokens=5)
+        assert llm.metadata.context_window < local.max_model_len
+        assert "".join(d.text for d in llm.stream_rag(QUESTION, [_doc("d4"), _doc("d5")], greedy)) == expected
+
+
+def _doc(doc_id):
+    from lazyattn_rag import Document
+
+    return Document(doc_id, DOCS[doc_id])
+
+
+def test_metrics_show_each_replica(http):
+    text = http.get("/metrics").text
+    assert 'lazyattn_http_responses_total{route="/v1/chat/completions",status="200"}' in text
+    assert text.count("lazyattn_replica_answers_total{replica=") == 2
+    assert 'lazyattn_doc_hit_ratio{replica="' in text
+
+
+def test_a_killed_replica_fails_its_stream_cleanly_retries_a_whole_answer_and_the_other_loads_from_redis(server, http):
+    """The replica owning d6 dies while it streams one answer and computes another (not streamed):
+    the stream, which had sent tokens, ends with an ``error`` event; the other answer is retried on
+    the other replica and comes back whole; d6, computed on the dead replica, is loaded from the
+    shared Redis tier there, not recomputed."""
+    import ray
+
+    owner = ask(http, ["d6"], max_tokens=1)["lazyattn"]["replica"]  # d6 computed there, and written to Redis
+    time.sleep(1.0)  # the tiers' writer stores it
+    whole = {}
+    long_body = {"messages": [{"role": "user", "content": QUESTION}], "documents": ["d6"], "max_tokens": 2000,
+                 "ignore_eos": True}
+    retried = threading.Thread(target=lambda: whole.update(http.post("/v1/chat/completions", json={
+        **long_body, "max_tokens": 300}).json()))
+    with http.stream("POST", "/v1/chat/completions", json={**long_body, "stream": True}) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if '"content": "w' in line)  # tokens are flowing
+        retried.start()
+        time.sleep(0.3)
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#engine#{owner}", namespace="serve"), no_restart=True)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2] and "replica" in rest[-2]
+    retried.join(timeout=120)
+    assert whole["lazyattn"]["replica"] != owner and whole["usage"]["completion_tokens"] == 300
+    after = ask(http, ["d6"], max_tokens=1)
+    assert after["lazyattn"]["replica"] not in (owner, None)
+    assert after["lazyattn"]["stats"]["doc_tiers"] in ({"d6": "redis"}, {"d6": "kv"})  # kv: the retry loaded it
+    assert whole["lazyattn"]["stats"]["doc_tiers"] == {"d6": "redis"}
+    assert "lazyattn_request_retries_total 1.0" in http.get("/metrics").text  # the whole answer, once
