@@ -11,7 +11,9 @@ redis-server). Each floor is the lowest that installs next to the other floors: 
 5.0.0 requires tokenizers >= 0.22 and huggingface-hub >= 1.3, and tokenizers 0.22.0 requires
 huggingface-hub < 1.0, so tokenizers' floor is 0.22.1.
 
-Not pinned: torch (this machine's CPU wheel, ``TORCH_SPEC``), numpy (1.26 cannot install with the
+Not pinned: the ``serve`` extra (ray[serve] and httpx: their floors are the versions that
+``tests/test_serve.py`` runs with in ``make test``; the floor run leaves that module out), openai
+(a test client), torch (this machine's CPU wheel, ``TORCH_SPEC``), numpy (1.26 cannot install with the
 dev extra: langchain-tests needs >= 1.26.2), triton (no use on a CPU) and the small utilities
 (tqdm, typer, platformdirs, prometheus-client, matplotlib, hypothesis, and pytest with its plugins
 other than pytest-asyncio).

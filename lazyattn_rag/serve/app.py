@@ -23,9 +23,10 @@ from lazyattn_rag.serve.replica import EngineReplica
 from lazyattn_rag.types.config import EngineConfig
 
 
-def build_app(engine_config: EngineConfig, config: ServeConfig = ServeConfig()):
+def build_app(engine_config: EngineConfig | None, config: ServeConfig = ServeConfig(), build=None):
     """The Serve application (``serve.run`` it): ``config.num_replicas`` engine replicas of
-    ``engine_config`` behind one ingress, routed by ``config.router``."""
+    ``engine_config`` (or each built by ``build()``, see :class:`EngineReplica`) behind one
+    ingress, routed by ``config.router``."""
     from ray import serve
 
     options = {"name": "engine", "num_replicas": config.num_replicas,
@@ -42,7 +43,7 @@ def build_app(engine_config: EngineConfig, config: ServeConfig = ServeConfig()):
     engine = serve.deployment(**options)(EngineReplica)
     ingress = serve.deployment(name="ingress", num_replicas=1, max_ongoing_requests=4 * config.max_ongoing_requests,
                                ray_actor_options={"num_cpus": 0})(make_ingress(config))
-    return ingress.bind(engine.bind(engine_config))
+    return ingress.bind(engine.bind(engine_config, build))
 
 
 def run(engine_config: EngineConfig, config: ServeConfig = ServeConfig(), blocking: bool = True):

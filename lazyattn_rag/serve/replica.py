@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from lazyattn_rag.types.config import EngineConfig
@@ -50,13 +50,15 @@ class EngineReplica:
 
     Args:
         config: the engine's configuration (model, device, cache and its tiers...).
+        build: instead, a function that builds the replica's engine (run in the replica, e.g. a
+            benchmark's random-weight model); picklable by Ray.
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig | None = None, build: Callable[[], Any] | None = None):
         from lazyattn_rag.async_llm import AsyncLazyAttention
         from lazyattn_rag.llm import LazyAttention
 
-        self.llm = LazyAttention(config)
+        self.llm = build() if build is not None else LazyAttention(config)
         self.allm = AsyncLazyAttention(self.llm)
         self.replica_id = _replica_id()
 
