@@ -49,3 +49,12 @@ def test_replicas_that_did_not_answer_are_never_chosen_and_none_left_means_no_ra
 
 def test_a_request_without_documents_goes_to_the_least_loaded():
     assert rank_replicas([], {"a": 2, "b": 0, "c": 1}, imbalanced_threshold=8) == [["b", "c", "a"]]
+
+
+def test_a_document_votes_for_the_replica_holding_it_while_that_replica_answers():
+    queue = {"a": 0, "b": 0}
+    owned_by_a = [k for k in KEYS if owner(k, list(queue)) == "a"][:3]
+    assert rank_replicas(owned_by_a, queue, 8, holders={}) == [["a"], ["b"]]
+    held = {k: "b" for k in owned_by_a[:2]}  # two of the three were computed on b
+    assert rank_replicas(owned_by_a, queue, 8, holders=held) == [["b"], ["a"]]
+    assert rank_replicas(owned_by_a, {"a": 0, "b": None}, 8, holders=held) == [["a"]]  # b gone: owners again

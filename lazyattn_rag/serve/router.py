@@ -4,8 +4,10 @@ Round-robin or power-of-two routing spreads every hot document over every replic
 computes and holds its own copy, which wastes the KV memory this project exists to save. Here
 each document has an *owner* replica, picked by rendezvous (highest-random-weight) hashing of
 the document's key with each replica's id: every router instance agrees without talking to
-the others, and when a replica joins or leaves only the documents it owned move. A request goes
-to the replica that owns most of its documents, unless that replica's queue is longer than the
+the others, and when a replica joins or leaves only the documents it owned move. Once a
+document was sent to a replica, that replica *holds* it (its K/V is cached there) and the
+document votes for it instead of its owner. A request goes to the replica that holds or owns
+most of its documents, unless that replica's queue is longer than the
 shortest by more than ``imbalanced_threshold`` requests: then to the least loaded (as Ray Serve
 LLM's ``PrefixCacheAffinityRouter`` falls back under imbalance). A replica that does not answer
 the queue-length probe is never chosen; Ray Serve drops dead replicas from the candidates.
@@ -19,6 +21,7 @@ the ``routing_keys`` keyword of the replica call.
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 
 import xxhash
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -29,7 +32,8 @@ def owner(key: str, replica_ids: list[str]) -> str:
     return max(replica_ids, key=lambda r: xxhash.xxh64_intdigest(f"{key}\x00{r}".encode()))
 
 
-def rank_replicas(keys: list[str], queue_lens: dict[str, int | None], imbalanced_threshold: int) -> list[list[str]]:
+def rank_replicas(keys: list[str], queue_lens: dict[str, int | None], imbalanced_threshold: int,
+                  holders: dict[str, str] | None = None) -> list[list[str]]:
     """The replicas to try, best first, for a request over documents ``keys``.
 
     Args:
@@ -37,6 +41,8 @@ def rank_replicas(keys: list[str], queue_lens: dict[str, int | None], imbalanced
         queue_lens: every candidate replica's queue length (``None``: it did not answer; never
             chosen).
         imbalanced_threshold: see the module docstring.
+        holders: the replica each key was last sent to (it computed the K/V there); a key
+            votes for its holder while that replica answers, else for its owner.
     Returns:
         ranks of replica ids: ``[[owner], [the others, least loaded first]]`` while the owner's
         queue is within the threshold of the shortest; ``[[all answering, least loaded first]]``
@@ -49,7 +55,9 @@ def rank_replicas(keys: list[str], queue_lens: dict[str, int | None], imbalanced
         return [alive]
     votes: dict[str, int] = {}
     for key in keys:
-        votes[o] = votes.get(o := owner(key, alive), 0) + 1
+        held = (holders or {}).get(key)
+        o = held if held is not None and queue_lens.get(held) is not None else owner(key, alive)
+        votes[o] = votes.get(o, 0) + 1
     best = max(alive, key=lambda r: (votes.get(r, 0), -queue_lens[r], r))
     if queue_lens[best] - queue_lens[alive[0]] > imbalanced_threshold:
         return [alive]
@@ -60,11 +68,18 @@ def rank_replicas(keys: list[str], queue_lens: dict[str, int | None], imbalanced
 class DocumentAffinityRouter(FIFOMixin, RequestRouter):
     """Ray Serve request router: :func:`rank_replicas` over the replicas' probed queue lengths.
 
-    ``request_router_kwargs``: ``{"imbalanced_threshold": N}`` (default 8).
+    It remembers which replica it sent each document to (the last ``max_holders`` keys): a
+    request whose documents went to several replicas before follows where most of them are
+    cached, which keeps a document that rides along with others from being computed again on
+    each owner of its companions.
+
+    ``request_router_kwargs``: ``{"imbalanced_threshold": N}`` (default 8), ``"max_holders"``
+    (default 1,000,000 keys).
     """
 
-    def initialize_state(self, imbalanced_threshold: int = 8, **kwargs) -> None:
-        self.imbalanced_threshold = imbalanced_threshold
+    def initialize_state(self, imbalanced_threshold: int = 8, max_holders: int = 1_000_000, **kwargs) -> None:
+        self.imbalanced_threshold, self.max_holders = imbalanced_threshold, max_holders
+        self.holders: OrderedDict[str, str] = OrderedDict()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -75,5 +90,14 @@ class DocumentAffinityRouter(FIFOMixin, RequestRouter):
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         probed = await self._probe_queue_lens(candidate_replicas, 0)
         by_id = {r.replica_id.unique_id: r for r, _ in probed}
-        ranks = rank_replicas(keys, {r.replica_id.unique_id: q for r, q in probed}, self.imbalanced_threshold)
+        ranks = rank_replicas(keys, {r.replica_id.unique_id: q for r, q in probed}, self.imbalanced_threshold,
+                              self.holders)
         return [[by_id[i] for i in rank] for rank in ranks]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        """The request's documents are now computed (or cached) on ``replica_id``."""
+        for key in (pending_request.kwargs or {}).get("routing_keys") or ():
+            self.holders[key] = replica_id.unique_id
+            self.holders.move_to_end(key)
+        while len(self.holders) > self.max_holders:
+            self.holders.popitem(last=False)
