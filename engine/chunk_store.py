@@ -17,7 +17,9 @@ Every tier, in-process or shared (``engine/redis_store.py``), offers the :class:
   name in the same directory, flushed and fsynced, then renamed over the final name), so a
   reader, in this process or another, sees a whole old file or a whole new one, and two
   writers of one key leave one whole file. A store opened on an existing directory indexes
-  the files there (oldest first), so a restarted process finds what the last one stored.
+  the files there (oldest first), so a restarted process finds what the last one stored; a
+  key it has not indexed is looked for on disk (another process may have written it since),
+  and before each write it re-reads the directory, so processes sharing it keep one budget.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ class ChunkStore(ABC):
         self._lock = threading.RLock()  # the engine thread reads while the tiers' writer writes
 
     def __contains__(self, key: str) -> bool:
-        return key in self._sizes
+        with self._lock:
+            return key in self._sizes or self._adopt(key)
 
     def __len__(self) -> int:
         return len(self._sizes)
@@ -108,7 +111,7 @@ class ChunkStore(ABC):
         """The bytes stored under ``key`` (a hit for the policy), or ``None`` (a miss; also when
         the tier could not read them, which is counted as an error and forgets the key)."""
         with self._lock:
-            if key not in self._sizes:
+            if key not in self._sizes and not self._adopt(key):
                 self.stats.num_misses += 1
                 return None
         try:
@@ -148,6 +151,7 @@ class ChunkStore(ABC):
                 self.stats.num_errors += 1
             return False
         with self._lock:
+            self._refresh()
             if key in self._sizes:
                 self._forget(key, evicted=False)
             self._make_room(size)
@@ -172,7 +176,7 @@ class ChunkStore(ABC):
     def delete(self, key: str) -> None:
         """Drop ``key`` if stored (e.g. ``lazyattn cache clear``)."""
         with self._lock:
-            if key in self._sizes:
+            if key in self._sizes or self._adopt(key):
                 self._remove(key)
                 self._forget(key, evicted=False)
 
@@ -212,6 +216,15 @@ class ChunkStore(ABC):
 
     @abstractmethod
     def _read(self, key: str) -> bytes: ...
+
+    def _adopt(self, key: str) -> bool:
+        """Whether ``key``, not in the index, is stored all the same (written by another process
+        sharing the storage); if so it is indexed now. In-process tiers: never."""
+        return False
+
+    def _refresh(self) -> None:
+        """Bring the index in line with what the storage holds (others' writes and deletions),
+        before room is made for a write, so a shared budget holds for all its writers."""
 
     @staticmethod
     def _size_of(data) -> int:
@@ -314,6 +327,27 @@ class DiskStore(ChunkStore):
         for f in found:
             self._record(f.name[: -len(SUFFIX)], f.stat().st_size)
         self._make_room(0)
+
+    def _adopt(self, key: str) -> bool:
+        try:
+            size = self._path(key).stat().st_size
+        except (OSError, ValueError):
+            return False
+        self._record(key, size)
+        return True
+
+    def _refresh(self) -> None:
+        """Index the files other processes wrote since (as the most recent), forget the ones
+        they deleted (a listing of the directory: about a millisecond per thousand chunks)."""
+        present = {}
+        for entry in os.scandir(self.directory):
+            if entry.name.endswith(SUFFIX) and entry.is_file():
+                present[entry.name[: -len(SUFFIX)]] = entry
+        for key in [k for k in self._sizes if k not in present]:
+            self._forget(key, evicted=False)
+        new = sorted((e for k, e in present.items() if k not in self._sizes), key=lambda e: e.stat().st_mtime)
+        for entry in new:
+            self._record(entry.name[: -len(SUFFIX)], entry.stat().st_size)
 
     def _path(self, key: str) -> Path:
         if not key or not all(c.isalnum() or c in "-_" for c in key):

@@ -128,3 +128,21 @@ def test_a_failed_write_leaves_no_untracked_payload(tmp_path, monkeypatch):
     assert not store.put(key, payload(key, 8))
     assert key not in store and store.num_bytes == 0 and store.stats.num_errors == 1
     assert os.listdir(tmp_path / "tier") == []  # neither the old file nor the temporary
+
+
+def test_stores_sharing_a_directory_see_each_others_chunks_and_keep_one_budget(tmp_path):
+    """Two processes' stores on one directory (two stores here, opened before either writes): a
+    chunk one wrote is found by the other; a write re-reads the directory first, so the
+    directory stays within the budget both share, and a chunk one deleted is forgotten."""
+    a, b, c, d = (payload(k * 64) for k in "abcd")
+    size = len(a)
+    first, second = DiskStore(tmp_path / "tier", 2 * size + 10), DiskStore(tmp_path / "tier", 2 * size + 10)
+    assert first.put("a" * 64, a) and first.put("b" * 64, b)
+    assert "a" * 64 in second and second.get("b" * 64) == b  # written after the second opened
+    assert second.put("c" * 64, c)  # the second's index now holds a, b and c: it evicts one
+    files = sorted(f.name for f in (tmp_path / "tier").glob(f"*{SUFFIX}"))
+    assert len(files) == 2 and sum((tmp_path / "tier" / f).stat().st_size for f in files) <= 2 * size + 10
+    first.delete("c" * 64)
+    assert second.put("d" * 64, d) and second.num_bytes <= second.capacity_bytes
+    assert second.get("c" * 64) is None and "c" * 64 not in second  # deleted by the other: a plain miss
+    assert second.num_bytes == sum(f.stat().st_size for f in (tmp_path / "tier").glob(f"*{SUFFIX}"))
