@@ -28,6 +28,7 @@ state (availability, the retry deadline, ``stats``) is guarded by a lock.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -42,6 +43,8 @@ except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError("the Redis tier needs redis-py: pip install 'lazyattn-rag[redis]'") from e
 
 from lazyattn_rag.engine.chunk_store import StoreStats
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -156,6 +159,8 @@ class RedisStore:
                 if self._available:
                     self.stats.num_outages += 1
                     self._available = False
+                    logger.warning("Redis tier %s unavailable (%s); serving without it, trying again every %.0f s",
+                                   self.location, type(e).__name__, self.retry_after_s)
                 self._retry_at = time.monotonic() + self.retry_after_s
             raise _Unanswered from e
         except redis.exceptions.RedisError as e:  # the server answered with an error: it is up

@@ -11,6 +11,7 @@ Same as ``lazyattn chat``; ``--help`` lists the options. Needs ``pip install -e 
 
 import typer
 
+from lazyattn_rag import cli_runtime  # noqa: F401  (the lazyattn command's process settings, before torch loads)
 from lazyattn_rag.cli_chat import chat
 
 if __name__ == "__main__":

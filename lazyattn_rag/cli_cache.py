@@ -130,4 +130,11 @@ def warm(
         raise _fail(str(e)) from e
     except KeyboardInterrupt as e:
         raise _fail("interrupted", 130) from e
-    typer.echo(json.dumps(result, indent=2))
+    typer.echo(json.dumps(_without_histograms(result), indent=2))
+
+
+def _without_histograms(value):
+    """``value`` without the tiers' latency histograms (``*_seconds``: Prometheus shows them)."""
+    if isinstance(value, dict):
+        return {k: _without_histograms(v) for k, v in value.items() if not k.endswith("_seconds")}
+    return value

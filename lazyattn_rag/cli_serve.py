@@ -35,9 +35,9 @@ def serve(
 ) -> None:
     """Serve the model over HTTP: OpenAI chat completions with document ids, on Ray Serve replicas.
 
-    POST /v1/documents registers documents; POST /v1/chat/completions answers, placing the
-    documents whose ids its "documents" field lists; GET /metrics is Prometheus. The engine
-    options are lazyattn chat's; with --redis-url the replicas share computed chunks.
+    POST /v1/documents registers documents; POST /v1/chat/completions answers, placing the documents whose ids its "documents" field lists; GET /metrics is Prometheus.
+
+    The engine options are lazyattn chat's; with --redis-url the replicas share computed chunks.
     """
     from lazyattn_rag.serve.config import ServeConfig
 
@@ -57,10 +57,10 @@ def serve(
         typer.echo(f"error: lazyattn serve needs Ray Serve ({e.name} is missing): pip install 'lazyattn-rag[serve]'",
                    err=True)
         raise typer.Exit(2) from e
-    typer.echo(f"serving on http://{host}:{port} ({replicas} replica{'s' if replicas != 1 else ''}, "
-               f"{router} routing); Ctrl-C stops", err=True)
+    typer.echo(f"starting {replicas} replica{'s' if replicas != 1 else ''} ({router} routing) and the HTTP API on "
+               f"http://{host}:{port} ...", err=True)
     try:
-        run(engine, config, blocking=True)
+        run(engine, config, ready=lambda: typer.echo(f"ready: http://{host}:{port} (Ctrl-C stops)", err=True))
     except KeyboardInterrupt:
         typer.echo("stopped", err=True)
 

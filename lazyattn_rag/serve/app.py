@@ -12,10 +12,14 @@ Example::
     from lazyattn_rag import EngineConfig
     from lazyattn_rag.serve import ServeConfig, run
 
-    run(EngineConfig(), ServeConfig(num_replicas=2, num_gpus_per_replica=1, port=8000))
+    run(EngineConfig(), ServeConfig(num_replicas=2, num_gpus_per_replica=1, port=8000),
+        ready=lambda: print("ready"))  # serves until interrupted
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 from lazyattn_rag.serve.config import ServeConfig
 from lazyattn_rag.serve.ingress import make_ingress
@@ -28,8 +32,10 @@ def build_app(engine_config: EngineConfig | None, config: ServeConfig = ServeCon
     ``engine_config`` (or each built by ``build()``, see :class:`EngineReplica`) behind one
     ingress, routed by ``config.router``."""
     from ray import serve
+    from ray.serve.schema import LoggingConfig
 
-    options = {"name": "engine", "num_replicas": config.num_replicas,
+    logging_config = LoggingConfig(log_level=config.log_level, enable_access_log=config.log_level in ("DEBUG", "INFO"))
+    options = {"name": "engine", "num_replicas": config.num_replicas, "logging_config": logging_config,
                "max_ongoing_requests": config.max_ongoing_requests,
                "ray_actor_options": {"num_gpus": config.num_gpus_per_replica, "num_cpus": config.num_cpus_per_replica}}
     if config.router == "affinity":
@@ -42,18 +48,31 @@ def build_app(engine_config: EngineConfig | None, config: ServeConfig = ServeCon
             request_router_kwargs={"imbalanced_threshold": config.imbalanced_threshold})
     engine = serve.deployment(**options)(EngineReplica)
     ingress = serve.deployment(name="ingress", num_replicas=1, max_ongoing_requests=4 * config.max_ongoing_requests,
-                               ray_actor_options={"num_cpus": 0})(make_ingress(config))
+                               ray_actor_options={"num_cpus": 0}, logging_config=logging_config)(make_ingress(config))
     return ingress.bind(engine.bind(engine_config, build))
 
 
-def run(engine_config: EngineConfig, config: ServeConfig = ServeConfig(), blocking: bool = True):
+def run(engine_config: EngineConfig, config: ServeConfig = ServeConfig(), ready: Callable[[], None] | None = None):
     """Start Ray (a local cluster unless one is running or ``RAY_ADDRESS`` names one), Serve's
-    HTTP proxy on ``config.host:config.port`` and the application; with ``blocking``, serve until
-    interrupted. Returns the ingress's handle."""
+    HTTP proxy on ``config.host:config.port`` and the application, call ``ready()`` once it
+    answers, and serve until interrupted (``KeyboardInterrupt``); with ``ready=None``, return
+    the ingress's handle instead of blocking."""
+    import logging
+
     import ray
     from ray import serve
 
     if not ray.is_initialized():
         ray.init(include_dashboard=False, logging_level="WARNING")
     serve.start(http_options={"host": config.host, "port": config.port})
-    return serve.run(build_app(engine_config, config), name=config.app_name, route_prefix="/", blocking=blocking)
+    logging.getLogger("ray.serve").setLevel(logging.ERROR)  # "connecting to existing Serve app": ours, just started
+    handle = serve.run(build_app(engine_config, config), name=config.app_name, route_prefix="/", blocking=False)
+    if ready is None:
+        return handle
+    ready()
+    try:
+        while True:
+            time.sleep(3600)
+    finally:  # here, not in an exit handler a second Ctrl-C would interrupt
+        serve.shutdown()
+        ray.shutdown()

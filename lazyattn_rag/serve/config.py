@@ -28,6 +28,8 @@ class ServeConfig:
         host, port: where the HTTP API listens.
         max_body_bytes: request bodies larger than this are refused with 413.
         app_name: the Ray Serve application's name.
+        log_level: the replicas' log level (Ray Serve's ``LoggingConfig``); ``"INFO"`` adds
+            one access-log line per request.
     Raises:
         ValueError: at construction, for a value out of range (named).
     """
@@ -42,6 +44,7 @@ class ServeConfig:
     port: int = 8000
     max_body_bytes: int = 16 << 20
     app_name: str = "lazyattn"
+    log_level: str = "WARNING"
 
     def __post_init__(self):
         for name in ("num_replicas", "max_ongoing_requests", "max_body_bytes"):
@@ -54,5 +57,7 @@ class ServeConfig:
             raise ValueError(f"imbalanced_threshold must be an integer >= 0, got {self.imbalanced_threshold!r}")
         if self.num_gpus_per_replica < 0 or self.num_cpus_per_replica < 0:
             raise ValueError("num_gpus_per_replica and num_cpus_per_replica must be >= 0")
+        if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port!r}")

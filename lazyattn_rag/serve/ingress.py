@@ -9,7 +9,7 @@ Routes (OpenAI's shapes where OpenAI has the route; errors are OpenAI's
   usage chunk; ``usage.prompt_tokens_details.cached_tokens`` counts prompt tokens served from
   cached K/V.
 * ``POST /v1/documents`` ``{"documents": [{"id", "text"}], "namespace"}``: checked and
-  registered on the replica that owns them, then kept here; ``GET /v1/documents`` lists them
+  registered on a replica, then kept here; ``GET /v1/documents`` lists them
   (``?texts=true`` with their texts); ``DELETE /v1/documents/{id}``.
 * ``POST /tokenize`` (vLLM's shape: ``prompt`` or ``messages``), ``GET /v1/models``,
   ``GET /health``, ``GET /metrics`` (Prometheus: requests by route and status, and each
@@ -200,8 +200,9 @@ def make_ingress(config: ServeConfig):
             self._seen(request)
             body = parse(DocumentsRequest, await read_json(request, config.max_body_bytes))
             documents = [(d.id, d.text) for d in body.documents]
-            result = await self.engine.register.remote(documents, body.namespace,
-                                                       routing_keys=routing_keys(body.namespace, dict(documents)))
+            # checked on any replica (no routing keys: registering computes nothing, so it must
+            # not teach the router that this replica holds the documents' K/V)
+            result = await self.engine.register.remote(documents, body.namespace)
             _raise_for(result)
             self.documents.put(body.namespace, documents)
             return {"object": "list", "namespace": body.namespace, "version": self.documents.version,
