@@ -166,15 +166,18 @@ def _tensor_views(data: bytes, key: str) -> dict[str, torch.Tensor]:
             continue
         try:
             dtype, shape, (start, end) = _DTYPES[info["dtype"]], tuple(info["shape"]), info["data_offsets"]
+            if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+                raise ValueError(f"{name}: shape {shape}")
             numel = math.prod(shape)
             if start < 0 or end != start + numel * dtype.itemsize or base + end > len(data):
                 raise ValueError(f"{name}: bytes {start}..{end} of {len(data) - base} for {shape} {dtype}")
-        except (KeyError, TypeError, ValueError) as error:
+            with warnings.catch_warnings():  # the bytes are immutable and never written through the view
+                warnings.simplefilter("ignore", UserWarning)
+                flat = torch.frombuffer(buffer[base + start: base + end], dtype=dtype) if numel \
+                    else torch.empty(0, dtype=dtype)
+            views[name] = flat.view(shape)
+        except (KeyError, TypeError, ValueError, RuntimeError) as error:
             raise CorruptChunkError(f"chunk {key[:12]}: unreadable payload ({error!r})") from error
-        with warnings.catch_warnings():  # the bytes are immutable and never written through the view
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(buffer[base + start: base + end], dtype=dtype) if numel else torch.empty(0, dtype=dtype)
-        views[name] = flat.view(shape)
     return views
 
 

@@ -51,6 +51,7 @@ class StoreStats:
     num_bytes_read: int = 0
     num_bytes_written: int = 0
     num_outages: int = 0  # times a server tier became unreachable (always 0 in-process)
+    num_too_large: int = 0  # chunks refused because one alone exceeds the tier's budget
 
 
 class Tier(Protocol):
@@ -116,6 +117,10 @@ class ChunkStore(ABC):
                 return None
         try:
             data = self._read(key)  # outside the lock: a disk read may take a while
+        except KeyError:  # evicted since (in-process tiers): a plain miss
+            with self._lock:
+                self.stats.num_misses += 1
+            return None
         except OSError:
             with self._lock:
                 if key in self._sizes:  # else it was evicted or replaced meanwhile: a plain miss
@@ -143,6 +148,8 @@ class ChunkStore(ABC):
         """
         size = self._size_of(data)
         if size > self.capacity_bytes:
+            with self._lock:
+                self.stats.num_too_large += 1
             return False
         try:
             staged = self._stage(key, data)
@@ -277,6 +284,8 @@ class HostMemoryStore(ChunkStore):
             raise ValueError("this host store has no arena for K/V tensors; store encoded bytes with put()")
         need = 2 * self.arena.pages_for(chunk.num_bytes // 2) * self.arena.page_bytes
         if need > self.capacity_bytes:
+            with self._lock:
+                self.stats.num_too_large += 1
             return False
         with self._lock:
             self.delete(chunk.key)
@@ -287,6 +296,22 @@ class HostMemoryStore(ChunkStore):
                 self.stats.num_errors += 1
             return False
         return self.put(chunk.key, value)
+
+    def lease(self, key: str) -> HostChunk | bytes | None:
+        """:meth:`get` for a load: a :class:`HostChunk`'s pages are held (taken under the store's
+        lock, so an eviction in between cannot reuse them) until its ``load(leased=True)`` ends,
+        or :meth:`HostChunk.arena.release` of its pages."""
+        with self._lock:
+            value = self._data.get(key)
+            if value is None:
+                self.stats.num_misses += 1
+                return None
+            self.policy.on_hit(key)
+            self.stats.num_hits += 1
+            self.stats.num_bytes_read += self._size_of(value)
+            if isinstance(value, HostChunk):
+                value.arena.acquire(value.pages)
+            return value
 
     @staticmethod
     def _size_of(data: HostChunk | bytes) -> int:

@@ -137,11 +137,14 @@ class ChunkTiers:
         device: the KV pool's device: a host-tier hit is copied there and checked there
             (:meth:`~lazyattn_rag.engine.host_arena.HostChunk.load`).
         always_load: load every chunk found (:class:`LoadCosts`' ``always``).
+        layout: the pool's ``(num_layers, num_kv_heads, head_dim, dtype)``: a stored chunk of
+            another shape or dtype is refused as corrupt (``None``: not checked).
     """
 
     def __init__(self, tiers: list[Tier], model_digest: str, bytes_per_token: int,
-                 max_queued_bytes: int = 1 << 30, device: torch.device | str = "cpu", always_load: bool = False):
-        self.tiers, self.model_digest, self.device = list(tiers), model_digest, device
+                 max_queued_bytes: int = 1 << 30, device: torch.device | str = "cpu", always_load: bool = False,
+                 layout: tuple[int, int, int, torch.dtype] | None = None):
+        self.tiers, self.model_digest, self.device, self.layout = list(tiers), model_digest, device, layout
         self.costs = LoadCosts(bytes_per_token, always=always_load)
         self.times = {t.name: TierTimes() for t in self.tiers}
         self.max_queued_bytes = max_queued_bytes
@@ -168,12 +171,21 @@ class ChunkTiers:
             if not tier.available or not self.costs.worth_loading(tier.name, len(token_ids)):
                 continue
             start = time.perf_counter()
-            data = tier.get(key)
+            data = tier.lease(key) if hasattr(tier, "lease") else tier.get(key)
             if data is None:
                 continue
             try:
-                chunk = data.load(key, self.model_digest, self.device) if isinstance(data, HostChunk) \
-                    else decode_chunk(data, key, self.model_digest)
+                if isinstance(data, HostChunk):
+                    try:
+                        self._check_layout(key, data.shape, data.dtype, data.shape, data.dtype, len(token_ids))
+                    except CorruptChunkError:
+                        data.arena.release(data.pages)  # the lease
+                        raise
+                    chunk = data.load(key, self.model_digest, self.device, leased=True)
+                else:
+                    chunk = decode_chunk(data, key, self.model_digest)
+                    self._check_layout(key, tuple(chunk.keys.shape), chunk.keys.dtype, tuple(chunk.values.shape),
+                                       chunk.values.dtype, len(token_ids))
                 if chunk.token_ids != tuple(token_ids):
                     raise CorruptChunkError(f"chunk {key[:12]} holds {len(chunk.token_ids)} other tokens")
             except CorruptChunkError as error:
@@ -188,6 +200,15 @@ class ChunkTiers:
                 self.save(chunk, [t for t in self.persistent if t.name == "disk" and key not in t])
             return TierHit(tier.name, chunk, seconds)
         return None
+
+    def _check_layout(self, key, key_shape, key_dtype, value_shape, value_dtype, num_tokens) -> None:
+        if self.layout is None:
+            return
+        layers, heads, dim, dtype = self.layout
+        expected = (layers, num_tokens, heads, dim)
+        if key_shape != expected or value_shape != expected or key_dtype != dtype or value_dtype != dtype:
+            raise CorruptChunkError(f"chunk {key[:12]}: K/V {key_shape} {key_dtype} / {value_shape} {value_dtype} "
+                                    f"do not fit this pool ({expected} {dtype})")
 
     # --- writing (queued from the engine thread, run on the writer thread) ----------------------
     def save(self, chunk: ChunkKV, tiers: list[Tier], gathered=None) -> bool:

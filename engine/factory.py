@@ -151,7 +151,8 @@ def _assemble(model: CausalLM, tokenizer: Any, config: EngineConfig, weights_sha
     fingerprint = ModelFingerprint(weights_sha256, dtype_name, json.dumps(model.rotary.fingerprint(), sort_keys=True),
                                    _tokenizer_sha256(tokenizer), block_size)
     cache = ChunkCache(BlockPool(num_blocks), block_size, make_policy(config.cache.eviction_policy))
-    tiers = build_tiers(config.cache, fingerprint.digest(), block_bytes // block_size, device)
+    tiers = build_tiers(config.cache, fingerprint.digest(), block_bytes // block_size, device,
+                        (arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype))
     engine = LLMEngine(runner, cache, tokenizer, fingerprint.digest(), config, max_model_len, eos_ids, tiers)
     engine.fingerprint = fingerprint
     engine.info = {"model": name, "model_type": arch.model_type, "device": str(device),
@@ -161,9 +162,10 @@ def _assemble(model: CausalLM, tokenizer: Any, config: EngineConfig, weights_sha
 
 
 def build_tiers(cache: CacheConfig, model_digest: str, bytes_per_token: int,
-                device: torch.device | str = "cpu") -> ChunkTiers | None:
+                device: torch.device | str = "cpu", layout: tuple | None = None) -> ChunkTiers | None:
     """The storage tiers ``cache`` configures, fastest first (``None`` when none is), for a KV
-    pool on ``device``. The host tier's arena is allocated here, whole (pinned on a GPU), in
+    pool on ``device`` whose K/V are ``layout`` = ``(num_layers, num_kv_heads, head_dim, dtype)``
+    (a stored chunk of another layout is refused as corrupt). The host tier's arena is allocated here, whole (pinned on a GPU), in
     pages of one block's keys (``cache.block_size * bytes_per_token / 2``).
 
     Raises:
@@ -187,7 +189,7 @@ def build_tiers(cache: CacheConfig, model_digest: str, bytes_per_token: int,
 
         tiers.append(RedisStore(cache.redis_url, ttl_seconds=cache.redis_ttl_seconds))
     return ChunkTiers(tiers, model_digest, bytes_per_token, device=device,
-                      always_load=cache.tier_loads == "always") if tiers else None
+                      always_load=cache.tier_loads == "always", layout=layout) if tiers else None
 
 
 def describe(engine: LLMEngine) -> dict:

@@ -9,7 +9,9 @@ holds ``page_bytes`` bytes (the keys of one KV block over all layers); a chunk's
 take ``ceil(bytes / page_bytes)`` pages each, anywhere in the arena.
 
 * :class:`HostArena`: the pages, a free list, and reads that keep the pages they copy from
-  from being reused until the copy is done (:meth:`HostArena.free` waits for readers).
+  from being reused until the copy is done (:meth:`HostArena.free` waits for readers; the
+  host store takes the pages for a load under its own lock, so an eviction between finding
+  a chunk and copying it cannot hand its pages to another).
 * :class:`HostChunk`: one stored chunk: its metadata, pages and
   :func:`~lazyattn_rag.engine.chunk_format.kv_checksum` taken on the pool's device.
 * :func:`gather_event` / :func:`copy_to_host`: the device side of write-back.
@@ -108,30 +110,36 @@ class HostArena:
 
     def read(self, pages: list[int], num_bytes: int, device: torch.device | str) -> torch.Tensor:
         """``num_bytes`` bytes from ``pages`` into one new uint8 tensor on ``device``; the copy has
-        finished when this returns (the pages may be reused after)."""
-        with self.reading(pages):
-            out = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-            for i, page in enumerate(pages):
-                part = out[i * self.page_bytes:(i + 1) * self.page_bytes]
-                part.copy_(self.page(page)[:len(part)], non_blocking=True)
-            if out.device.type == "cuda":
-                torch.cuda.current_stream(out.device).synchronize()
-            return out
+        finished when this returns. The caller holds the pages (:meth:`acquire` or :meth:`reading`)."""
+        out = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        for i, page in enumerate(pages):
+            part = out[i * self.page_bytes:(i + 1) * self.page_bytes]
+            part.copy_(self.page(page)[:len(part)], non_blocking=True)
+        if out.device.type == "cuda":
+            torch.cuda.current_stream(out.device).synchronize()
+        return out
+
+    def acquire(self, pages) -> None:
+        """Hold ``pages`` for a read: :meth:`free` of any of them takes effect at :meth:`release`."""
+        with self._lock:
+            self._readers.update(pages)
+
+    def release(self, pages) -> None:
+        with self._lock:
+            self._readers.subtract(pages)
+            for page in pages:
+                if not self._readers[page] and page in self._freed_while_read:
+                    self._freed_while_read.discard(page)
+                    self._free.append(page)
 
     @contextmanager
     def reading(self, pages: list[int]):
-        """While inside, :meth:`free` of any of ``pages`` takes effect only at the exit."""
-        with self._lock:
-            self._readers.update(pages)
+        """:meth:`acquire` at the entry, :meth:`release` at the exit."""
+        self.acquire(pages)
         try:
             yield
         finally:
-            with self._lock:
-                self._readers.subtract(pages)
-                for page in pages:
-                    if not self._readers[page] and page in self._freed_while_read:
-                        self._freed_while_read.discard(page)
-                        self._free.append(page)
+            self.release(pages)
 
 
 @dataclass(frozen=True)
@@ -166,15 +174,28 @@ class HostChunk:
 
     def release(self) -> None:
         """Give its pages back to the arena (the tier evicted or dropped it)."""
-        self.arena.free([*self.key_pages, *self.value_pages])
+        self.arena.free(list(self.pages))
 
-    def load(self, key: str, model_digest: str, device: torch.device | str) -> ChunkKV:
+    @property
+    def pages(self) -> tuple[int, ...]:
+        return (*self.key_pages, *self.value_pages)
+
+    def load(self, key: str, model_digest: str, device: torch.device | str, leased: bool = False) -> ChunkKV:
         """The chunk's K/V copied to ``device`` and checked there: key, model, shape, then
-        :func:`kv_checksum` of the copies against the stored one.
+        :func:`kv_checksum` of the copies against the stored one. Its pages are held while they
+        are copied; ``leased``: they already are (``HostMemoryStore.lease``), and are released here.
 
         Raises:
             CorruptChunkError: saying which check failed.
         """
+        if not leased:
+            self.arena.acquire(self.pages)
+        try:
+            return self._load(key, model_digest, device)
+        finally:
+            self.arena.release(self.pages)
+
+    def _load(self, key: str, model_digest: str, device: torch.device | str) -> ChunkKV:
         meta = self.meta
         if meta.key != key:
             raise CorruptChunkError(f"stored under {key[:12]} but holds chunk {meta.key[:12]}")

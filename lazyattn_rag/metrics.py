@@ -51,6 +51,7 @@ _TIER_COUNTERS = {
     "num_errors": ("tier_errors", "Failed reads and writes, and corrupt payloads deleted."),
     "num_corrupt": ("tier_corrupt", "Payloads that failed the format, model, key or checksum checks (deleted)."),
     "num_outages": ("tier_outages", "Times the tier became unreachable."),
+    "num_too_large": ("tier_too_large", "Chunks not stored: one alone exceeds the tier's budget."),
     "num_bytes_read": ("tier_read_bytes", "Chunk bytes read (encoded; for host memory, the pages)."),
     "num_bytes_written": ("tier_written_bytes", "Chunk bytes written (encoded; for host memory, the pages)."),
 }

@@ -31,7 +31,8 @@ from lazyattn_rag.types.documents import Document
 from lazyattn_rag.types.messages import Message, as_message
 from lazyattn_rag.types.outputs import Completion, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
-from lazyattn_rag.types.wire import document_to_body, error_class, message_to_body, sampling_to_body, stats_from_body
+from lazyattn_rag.types.wire import (DOCUMENT_CHANGED, document_to_body, error_class, message_to_body,
+                                    sampling_to_body, stats_from_body, text_hash)
 
 
 class ServerError(RuntimeError):
@@ -116,7 +117,8 @@ class RemoteLazyAttention:
         return len(docs)
 
     def remove_document(self, doc_id: str, namespace: str = "") -> None:
-        self._request("DELETE", f"/v1/documents/{quote(doc_id, safe='')}", params={"namespace": namespace})
+        path = quote(doc_id, safe="").replace(".", "%2E")  # "." and ".." are path segments an HTTP client folds
+        self._request("DELETE", f"/v1/documents/{path}", params={"namespace": namespace})
         self._sent.pop((namespace, doc_id), None)
 
     def document_ids(self, namespace: str = "") -> list[str]:
@@ -146,7 +148,9 @@ class RemoteLazyAttention:
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                sampling: SamplingParams | None = None, namespace: str = "") -> RemoteStream:
         """As :meth:`LazyAttention.stream`: the answer to ``question`` over the documents, in order."""
-        return RemoteStream(self, self._question_body(question, doc_ids, documents, sampling, namespace))
+        documents = list(documents)
+        return RemoteStream(self, self._question_body(question, doc_ids, documents, sampling, namespace),
+                            lambda: self.add_documents(documents, namespace))
 
     def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                  sampling: SamplingParams | None = None, namespace: str = "") -> Completion:
@@ -155,7 +159,9 @@ class RemoteLazyAttention:
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                     sampling: SamplingParams | None = None, namespace: str = "") -> RemoteStream:
         """As :meth:`LazyAttention.stream_chat`: messages whose content places documents by id."""
-        return RemoteStream(self, self._chat_body(messages, documents, sampling, namespace))
+        documents = list(documents)
+        return RemoteStream(self, self._chat_body(messages, documents, sampling, namespace),
+                            lambda: self.add_documents(documents, namespace))
 
     def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
              sampling: SamplingParams | None = None, namespace: str = "") -> Completion:
@@ -179,12 +185,13 @@ class RemoteLazyAttention:
         inline = list(documents)
         self._send(inline, namespace)
         return {"messages": [{"role": "user", "content": question}], "documents": [*doc_ids, *(d.id for d in inline)],
-                **self._sampling(sampling), "namespace": namespace, "stream": True}
+                **self._sampling(sampling), "namespace": namespace, "stream": True, **_hashes(inline)}
 
     def _chat_body(self, messages, documents, sampling, namespace) -> dict[str, Any]:
-        self._send(list(documents), namespace)
+        inline = list(documents)
+        self._send(inline, namespace)
         return {"messages": [message_to_body(as_message(m)) for m in messages], **self._sampling(sampling),
-                "namespace": namespace, "stream": True}
+                "namespace": namespace, "stream": True, **_hashes(inline)}
 
     def _sampling(self, sampling: SamplingParams | None) -> dict[str, Any]:
         sampling = sampling or self.default_sampling
@@ -219,11 +226,22 @@ class RemoteLazyAttention:
         return response.json()
 
 
+def _hashes(documents: list[Document]) -> dict[str, Any]:
+    return {"document_hashes": {d.id: text_hash(d.text) for d in documents}} if documents else {}
+
+
+class DocumentChanged(ValueError):
+    """409: a document this client sent was registered since with another text."""
+
+
 class RemoteStream:
     """The deltas of one streamed answer (a sync iterator of :class:`StreamDelta`); the request
-    is sent, and refused with an exception, at construction. ``close()`` cancels it."""
+    is sent, and refused with an exception, at construction. ``close()`` cancels it.
 
-    def __init__(self, client: RemoteLazyAttention, body: dict[str, Any]):
+    A 404 for a document this client registered (the server restarted) or a 409 for one
+    registered since with another text sends the documents again (``resend``) and retries once."""
+
+    def __init__(self, client: RemoteLazyAttention, body: dict[str, Any], resend=None):
         import httpx
 
         from lazyattn_rag.types.errors import UnknownDocumentError
@@ -232,8 +250,12 @@ class RemoteStream:
         try:
             try:
                 self._response = _open(client, body)
-            except UnknownDocumentError:  # a restarted server lost documents this client sent: again, once
-                if not client._resend(body.get("namespace", "")):
+            except UnknownDocumentError:  # a restarted server lost what this client registered
+                if not (client._resend(body.get("namespace", "")) or (resend is not None and resend())):
+                    raise
+                self._response = _open(client, body)
+            except DocumentChanged:  # registered since with another text: this call's texts again
+                if resend is None or not resend():
                     raise
                 self._response = _open(client, body)
         except httpx.HTTPError as error:
@@ -273,29 +295,43 @@ class AsyncRemoteLazyAttention:
 
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                sampling: SamplingParams | None = None, namespace: str = "") -> AsyncIterator[StreamDelta]:
-        return self._stream(lambda: self.client._question_body(question, doc_ids, documents, sampling, namespace))
+        docs = list(documents)
+        return self._stream(lambda: self.client._question_body(question, doc_ids, docs, sampling, namespace),
+                            docs, namespace)
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                     sampling: SamplingParams | None = None, namespace: str = "") -> AsyncIterator[StreamDelta]:
-        return self._stream(lambda: self.client._chat_body(list(messages), documents, sampling, namespace))
+        docs = list(documents)
+        return self._stream(lambda: self.client._chat_body(list(messages), docs, sampling, namespace), docs, namespace)
 
-    async def _stream(self, make_body) -> AsyncIterator[StreamDelta]:
+    async def _stream(self, make_body, documents: list[Document], namespace: str) -> AsyncIterator[StreamDelta]:
         import asyncio
 
         import httpx
 
+        from lazyattn_rag.types.errors import UnknownDocumentError
+
         body = await asyncio.to_thread(make_body)  # registering documents is a (sync) request
         async with httpx.AsyncClient(**self.client._async_options) as http:
-            try:
-                async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                    if response.status_code != 200:
-                        raise_for_status(response.status_code, await response.aread())
-                    lines = (line async for line in response.aiter_lines())
-                    async for line in lines:
-                        for delta in _parse(line):
-                            yield delta
-            except httpx.HTTPError as error:
-                raise ServerError(f"POST {self.client.base_url}/v1/chat/completions: {error}") from error
+            for attempt in (1, 2):  # a 404 or 409 for documents this client sent: send them again, once
+                try:
+                    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                        if response.status_code != 200:
+                            raise_for_status(response.status_code, await response.aread())
+                        async for line in response.aiter_lines():
+                            for delta in _parse(line):
+                                yield delta
+                    return
+                except (UnknownDocumentError, DocumentChanged) as error:
+                    if attempt == 2:
+                        raise
+                    lost = isinstance(error, UnknownDocumentError)
+                    sent = await asyncio.to_thread(lambda: (lost and self.client._resend(namespace)) or
+                                                   self.client.add_documents(documents, namespace))
+                    if not sent:
+                        raise
+                except httpx.HTTPError as error:
+                    raise ServerError(f"POST {self.client.base_url}/v1/chat/completions: {error}") from error
 
 
 def raise_for_status(status: int, content: bytes) -> None:
@@ -312,6 +348,8 @@ def raise_for_status(status: int, content: bytes) -> None:
         raise ServerError(f"server error {status}: {message}", status)
     if code == "document_not_found":
         raise _unknown(message)
+    if code == DOCUMENT_CHANGED:
+        raise DocumentChanged(message)
     raise error_class(code)(message)
 
 

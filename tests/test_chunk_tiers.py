@@ -151,6 +151,12 @@ def _damage(kind: str, good: bytes, key: str, model_digest: str) -> bytes:
     chunk = decode_chunk(good, key, model_digest)
     if kind == "other model":
         return encode_chunk(ChunkKV(key, "0" * 64, chunk.token_ids, chunk.local_start, chunk.keys, chunk.values))
+    if kind == "other dtype":  # well formed and checksummed, but not this pool's dtype
+        return encode_chunk(replace(chunk, keys=chunk.keys.bfloat16(), values=chunk.values.bfloat16()))
+    if kind == "other shape":  # the same bytes as [layers, tokens, head_dim, heads]: same checksum
+        layers, tokens, heads, dim = chunk.keys.shape
+        return encode_chunk(replace(chunk, keys=chunk.keys.reshape(layers, tokens, dim, heads),
+                                    values=chunk.values.reshape(layers, tokens, dim, heads)))
     assert kind == "other tokens"
     return encode_chunk(ChunkKV(key, model_digest, tuple(reversed(chunk.token_ids)), chunk.local_start, chunk.keys,
                                 chunk.values))
@@ -172,12 +178,17 @@ def _damage_host(kind: str, good: HostChunk) -> HostChunk:
         return copy
     if kind == "other model":
         return replace(copy, meta=replace(copy.meta, model_digest="0" * 64))
+    if kind == "other dtype":
+        return replace(copy, dtype=torch.bfloat16)
+    if kind == "other shape":
+        layers, tokens, heads, dim = copy.shape
+        return replace(copy, shape=(layers, tokens, dim, heads))
     assert kind == "other tokens"
     return replace(copy, meta=replace(copy.meta, token_ids=tuple(reversed(copy.meta.token_ids))))
 
 
 @pytest.mark.parametrize("tier", ["host", "disk", "redis"])
-@pytest.mark.parametrize("kind", ["truncated", "flipped", "other model", "other tokens"])
+@pytest.mark.parametrize("kind", ["truncated", "flipped", "other model", "other tokens", "other dtype", "other shape"])
 def test_a_damaged_entry_is_detected_deleted_and_recomputed(make_llm, tmp_path, request, tier, kind):
     """d0 is computed, evicted from the pool, and its tier entry replaced by a bad payload: the
     next request recomputes d0 (the same answer), the entry is counted as corrupt and deleted,

@@ -98,7 +98,24 @@ def test_the_host_store_keeps_its_budget_in_pages_and_returns_every_evicted_page
     assert arena.num_free_pages == 0 and len(store) == 3
     back = store.get(chunks[3].key).load(chunks[3].key, MODEL, "cpu")
     assert torch.equal(back.values, chunks[3].values + 1)
-    assert not store.put_kv(chunk(num_tokens=40))  # larger than the whole arena
+    assert not store.put_kv(chunk(num_tokens=40)) and store.stats.num_too_large == 1  # larger than the whole arena
     assert store.clear() == 3 and arena.num_free_pages == 12 and store.num_bytes == 0
     with pytest.raises(ValueError, match="no arena"):
         HostMemoryStore(1 << 20).put_kv(chunks[0])
+
+
+def test_a_chunk_leased_for_a_load_keeps_its_pages_through_an_eviction():
+    """The engine leases a host chunk (under the store's lock) before it copies the pages; the
+    writer evicting it meanwhile cannot hand those pages to the next chunk until the load ends."""
+    arena = HostArena(8 * PAGE, PAGE)  # room for two 5-token chunks
+    store = HostMemoryStore(arena.capacity_bytes, LRUPolicy(), arena)
+    first, second, third, fourth = (chunk(key=f"{i}" * 64, seed=i) for i in range(4))
+    assert store.put_kv(first) and store.put_kv(second)
+    leased = store.lease(first.key)  # also its most recent use: second goes first
+    assert store.put_kv(third) and second.key not in store
+    assert not store.put_kv(fourth)  # first is evicted now, but its pages are being read: no room yet
+    assert first.key not in store and store.stats.num_errors == 1
+    back = leased.load(first.key, MODEL, "cpu", leased=True)
+    assert torch.equal(back.keys, first.keys) and torch.equal(back.values, first.values)
+    assert store.put_kv(fourth) and arena.num_free_pages == 0  # the pages came back when the load ended
+    assert store.lease("9" * 64) is None

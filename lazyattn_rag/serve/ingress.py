@@ -37,8 +37,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from lazyattn_rag.serve.config import ServeConfig
-from lazyattn_rag.serve.protocol import ChatCompletionRequest, DocumentsRequest
-from lazyattn_rag.types.wire import stats_from_body, usage
+from lazyattn_rag.serve.protocol import ChatCompletionRequest, DocumentsRequest, TokenizeRequest
+from lazyattn_rag.types.wire import DOCUMENT_CHANGED, stats_from_body, text_hash, usage
 
 logger = logging.getLogger("lazyattn_rag.serve")
 
@@ -66,8 +66,11 @@ def parse(model: type[BaseModel], data: Any) -> BaseModel:
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
+        errors = error.errors()
+        # of a union's branches, the one of the value's own type says what is wrong with it
+        first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+        where = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("constrained-", "list[")))
+        where = where or "body"
         raise ApiError(400, f"{where}: {first['msg']}", param=where) from None
 
 
@@ -82,9 +85,31 @@ async def read_json(request, limit: int) -> Any:
         if len(body) > limit:
             raise ApiError(413, f"the request body exceeds the limit of {limit} bytes", code="body_too_large")
     try:
-        return json.loads(body)
+        data = json.loads(body)
     except ValueError as error:
         raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+    _check_text(data)
+    return data
+
+
+def _check_text(value: Any, where: str = "body") -> None:
+    """Every string in ``value`` must be Unicode text (JSON's ``\\ud800`` escapes can make lone
+    surrogates, which no tokenizer takes): 400 naming where one is."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError(400, f"{path}: not valid Unicode text (a lone surrogate)", param=path) from None
+        elif isinstance(item, dict):
+            stack.extend((v, f"{path}.{k}") for k, v in item.items())
+            stack.extend((k, f"{path} key") for k in item)
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
 
 
 class DocumentStore:
@@ -128,16 +153,31 @@ def chat_payload(body: ChatCompletionRequest, store: DocumentStore) -> tuple[dic
     Raises:
         ApiError: 404 for a document id neither registered nor given inline.
     """
-    ns, placed, texts = body.namespace, [], {}
+    ns, placed, texts, transient = body.namespace, [], {}, []
     for d in body.documents:
-        doc_id, text = (d, None) if isinstance(d, str) else (d.id, d.text)
-        texts[doc_id] = text if text is not None else texts.get(doc_id) or store.text(ns, doc_id)
-        placed.append(doc_id)
+        if isinstance(d, str):
+            texts.setdefault(d, store.text(ns, d))
+            placed.append(d)
+            continue
+        registered = store.texts.get((ns, d.id))
+        if registered is not None and registered != d.text or texts.get(d.id, d.text) != d.text:
+            raise ApiError(400, f"document id {d.id!r} is given with two different texts (inline and registered, or "
+                                "twice inline): give the inline text another id, or register it first",
+                           param="documents")
+        if registered is None and d.id not in transient:
+            transient.append(d.id)
+        texts[d.id] = d.text
+        placed.append(d.id)
     for message in body.messages:
         for doc_id in message.document_ids():
-            texts[doc_id] = texts.get(doc_id) or store.text(ns, doc_id)
+            texts.setdefault(doc_id, texts.get(doc_id) or store.text(ns, doc_id))
+    changed = [i for i, h in body.document_hashes.items() if i in texts and text_hash(texts[i]) != h]
+    if changed:
+        raise ApiError(409, f"documents registered since with other texts: {', '.join(map(repr, changed))} (register "
+                            "yours again)", kind="invalid_request_error", param="document_hashes",
+                       code=DOCUMENT_CHANGED)
     payload = {"messages": [m.as_wire() for m in body.messages], "documents": list(texts.items()),
-               "placed": placed, "sampling": body.sampling_body(), "namespace": ns}
+               "placed": placed, "sampling": body.sampling_body(), "namespace": ns, "transient": transient}
     return payload, routing_keys(ns, texts)
 
 
@@ -152,6 +192,13 @@ def make_ingress(config: ServeConfig):
     @app.exception_handler(ApiError)
     async def _api_error(request, error: ApiError):
         return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, error: Exception):  # a bug or a replica's failure: still OpenAI's shape
+        logger.exception("request failed: %s %s", request.method, request.url.path)
+        last = (str(error).strip().splitlines() or [""])[-1][:500]  # a replica's error: its last line, not its traceback
+        body = ApiError(500, f"the server failed: {type(error).__name__}: {last}", kind="server_error").body()
+        return JSONResponse(body, status_code=500)
 
     @app.middleware("http")
     async def _count(request: Request, call_next):  # responses by route and status, for /metrics
@@ -244,10 +291,14 @@ def make_ingress(config: ServeConfig):
         @app.post("/tokenize")
         async def tokenize(self, request: Request):
             self._seen(request)
-            data = await read_json(request, config.max_body_bytes)
-            if not isinstance(data, dict) or ("prompt" in data) == ("messages" in data):
-                raise ApiError(400, "give either 'prompt' (text) or 'messages'")
-            result = await self.engine.tokenize.remote(data)
+            body = parse(TokenizeRequest, await read_json(request, config.max_body_bytes))
+            if body.prompt is not None:
+                result = await self.engine.tokenize.remote({"prompt": body.prompt,
+                                                            "add_special_tokens": body.add_special_tokens})
+            else:
+                chat = ChatCompletionRequest(messages=body.messages, documents=body.documents, namespace=body.namespace)
+                payload, keys = chat_payload(chat, self.documents)
+                result = await self.engine.tokenize.remote({"payload": payload}, routing_keys=keys)
             _raise_for(result)
             return result
 
@@ -310,6 +361,7 @@ def make_ingress(config: ServeConfig):
             event = first
             try:
                 while True:
+                    _raise_for(event)
                     if event.get("text"):
                         yield _sse(answer.chunk({"content": event["text"]}))
                     if "finish_reason" in event:
@@ -324,6 +376,10 @@ def make_ingress(config: ServeConfig):
                 yield _sse(error.body())
             except StopAsyncIteration:
                 yield _sse(ApiError(503, "the answer ended early", kind="server_error").body())
+            except Exception as error:  # noqa: BLE001 - the stream ends with an error event, never silently
+                logger.exception("a streamed answer failed")
+                yield _sse(ApiError(500, f"the answer failed: {type(error).__name__}: {error}",
+                                    kind="server_error").body())
             yield "data: [DONE]\n\n"
 
         @app.get("/metrics")
@@ -342,7 +398,7 @@ def _raise_for(event: dict) -> None:
     """Raise the :class:`ApiError` of a replica's error event (see ``EngineReplica.generate``)."""
     if "error" in event:
         error = event["error"]
-        kind = "not_found_error" if error["status"] == 404 else "invalid_request_error"
+        kind = {404: "not_found_error", 500: "server_error"}.get(error["status"], "invalid_request_error")
         raise ApiError(error["status"], error["message"], kind=kind, code=error.get("code"))
 
 

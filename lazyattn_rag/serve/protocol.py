@@ -9,11 +9,13 @@ accepted and ignored, as OpenAI-compatible servers do.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 NAMESPACE_PATTERN = r"^[A-Za-z0-9_.:@/-]{0,128}$"
+MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 64
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "audio",
                "modalities", "prediction")
 
@@ -66,6 +68,24 @@ class ChatMessageIn(BaseModel):
         return [] if isinstance(self.content, str) else [p.id for p in self.content if p.type == "document"]
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's shape): ``prompt`` (plain text) or ``messages`` (with
+    ``documents`` and ``namespace`` as in chat completions: the prompt the engine would build)."""
+
+    model_config = ConfigDict(extra="allow")  # model, add_generation_prompt, ... (ignored)
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    messages: list[ChatMessageIn] | None = Field(default=None, min_length=1)
+    documents: list[str | DocumentIn] = Field(default_factory=list)
+    namespace: str = Field(default="", pattern=NAMESPACE_PATTERN)
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either 'prompt' (text) or 'messages'")
+        return self
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -80,7 +100,7 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None  # checked every token
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -91,10 +111,11 @@ class ChatCompletionRequest(BaseModel):
     # extensions (lazyattn_rag/types/wire.py)
     documents: list[str | DocumentIn] = Field(default_factory=list)
     namespace: str = Field(default="", pattern=NAMESPACE_PATTERN)
+    document_hashes: dict[str, str] = Field(default_factory=dict)
     top_k: int | None = Field(default=None, ge=-1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
 
     @field_validator("n")
     @classmethod

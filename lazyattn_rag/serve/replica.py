@@ -72,7 +72,7 @@ class EngineReplica:
         """Register ``documents`` (``(id, text)``), all or none: ``{"registered": n}`` or an error event."""
         try:
             count = await _to_thread(self.llm.add_documents, [Document(i, t) for i, t in documents], namespace)
-        except (LazyAttentionError, ValueError) as error:
+        except (LazyAttentionError, ValueError, TypeError) as error:
             return error_event(error)
         return {"registered": count, "replica": self.replica_id}
 
@@ -83,25 +83,27 @@ class EngineReplica:
         try:
             await _to_thread(self.llm.add_documents, [Document(i, t) for i, t in documents], namespace)
             computed = await _to_thread(self.llm.warm, [i for i, _ in documents], namespace)
-        except (LazyAttentionError, ValueError) as error:
+        except (LazyAttentionError, ValueError, TypeError) as error:
             return error_event(error)
         return {"computed": computed, "replica": self.replica_id}
 
-    async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def tokenize(self, body: dict[str, Any], routing_keys: list[str] = ()) -> dict[str, Any]:
         """vLLM's ``/tokenize``: ``{"prompt", "add_special_tokens"}`` -> ``{"count", "tokens",
         "max_model_len"}``; ``{"messages", "namespace"}`` -> the prompt the engine would build
         for those chat messages (``count`` only), or an error event."""
         try:
-            if "messages" in body:
-                messages = [as_message(m) for m in body["messages"]]
-                plan = await _to_thread(self.llm.plan_chat, messages, body.get("namespace", ""))
-                return {"count": plan.num_prompt_tokens, "max_model_len": self.llm.max_model_len}
+            if "payload" in body:  # messages: the prompt generate() would build for this payload
+                try:
+                    count = await _to_thread(self._count, body["payload"])
+                finally:
+                    await self._forget_transient(body["payload"])
+                return {"count": count, "max_model_len": self.llm.max_model_len}
             if not isinstance(body.get("prompt"), str):
                 raise ValueError("'prompt' must be a string")
             ids = self.llm.tokenizer(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
             tokens = list(ids["input_ids"])
             return {"count": len(tokens), "tokens": tokens, "max_model_len": self.llm.max_model_len}
-        except (LazyAttentionError, ValueError) as error:
+        except (LazyAttentionError, ValueError, TypeError) as error:
             return error_event(error)
 
     async def generate(self, payload: dict[str, Any], routing_keys: list[str] = ()) -> AsyncIterator[dict[str, Any]]:
@@ -112,34 +114,46 @@ class EngineReplica:
                 document the request places), ``"placed": [ids]`` (the ``documents`` field: placed
                 before the last user message's text, in the engine's RAG prompt; ``[]``: the
                 messages place documents themselves), ``"sampling": body fields``,
-                ``"namespace"}``.
+                ``"namespace"``, ``"transient": [ids]`` (inline documents the ingress does not
+                keep: removed here when the request ends)}``.
             routing_keys: for the router only (``lazyattn_rag/serve/router.py``).
         """
         try:
+            async for event in self._events(payload):
+                yield event
+        finally:
+            await self._forget_transient(payload)
+
+    async def _events(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        try:
             deltas = self._start(payload)
-            first = await anext(deltas)  # the engine's checks raise here, before any output
-        except (LazyAttentionError, ValueError) as error:
+            delta = await anext(deltas)  # the engine's checks raise here, before any output
+        except (LazyAttentionError, ValueError, TypeError) as error:  # TypeError: what a tokenizer refuses
             yield error_event(error)
             return
-        delta = first
-        while True:
-            if delta.finished:
-                yield {"text": delta.text, "finish_reason": delta.finish_reason, "stats": stats_to_body(delta.stats),
-                       "replica": self.replica_id, "engine": await self._engine_stats()}
-                return
-            if delta.text:
-                yield {"text": delta.text}
-            delta = await anext(deltas)
+        try:
+            while True:
+                if delta.finished:
+                    yield {"text": delta.text, "finish_reason": delta.finish_reason,
+                           "stats": stats_to_body(delta.stats), "replica": self.replica_id,
+                           "engine": await self._engine_stats()}
+                    return
+                if delta.text:
+                    yield {"text": delta.text}
+                delta = await anext(deltas)
+        except Exception as error:  # noqa: BLE001 - a failed step: the caller gets an error event, not a cut
+            yield {"error": {"message": f"the answer failed: {type(error).__name__}: {error}",
+                             "type": type(error).__name__, "status": 500, "code": None}}
 
-    def _start(self, payload: dict[str, Any]) -> AsyncIterator:
-        from lazyattn_rag.integrations.requests import rag_request
+    def _request(self, payload: dict[str, Any]):
+        """``(EngineRequest, documents)`` of a payload (the documents registered with it)."""
+        from lazyattn_rag.integrations.requests import EngineRequest, rag_request
 
         messages = [as_message(m) for m in payload["messages"]]
         documents = [Document(i, t) for i, t in payload.get("documents", ())]
-        sampling = sampling_from_body(payload.get("sampling", {}), self.llm.default_sampling)
-        namespace, placed = payload.get("namespace", ""), payload.get("placed", [])
+        placed = payload.get("placed", [])
         if not placed:
-            return self.allm.stream_chat(messages, documents, sampling, namespace)
+            return EngineRequest(documents=documents, messages=messages), documents
         *history, last = messages
         if last.role != "user" or not isinstance(last.content, str):
             raise ValueError("with 'documents', the last message must be the user's question, as plain text")
@@ -148,7 +162,30 @@ class EngineReplica:
         by_id = {d.id: d for d in documents}
         request = rag_request(last.content, [by_id[i] for i in placed], [(m.role, m.content) for m in history],
                               self.llm.config.prompt)
-        return request.astream(self.llm, sampling, namespace)
+        return request, documents
+
+    def _start(self, payload: dict[str, Any]) -> AsyncIterator:
+        request, _ = self._request(payload)
+        sampling = sampling_from_body(payload.get("sampling", {}), self.llm.default_sampling)
+        return request.astream(self.llm, sampling, payload.get("namespace", ""))
+
+    def _count(self, payload: dict[str, Any]) -> int:
+        """The prompt tokens of ``payload``'s request (its documents registered first)."""
+        request, documents = self._request(payload)
+        namespace = payload.get("namespace", "")
+        self.llm.add_documents(documents, namespace)
+        if request.messages is not None:
+            return self.llm.plan_chat(request.messages, namespace).num_prompt_tokens
+        return self.llm.plan(request.question, [d.id for d in request.documents], namespace).num_prompt_tokens
+
+    async def _forget_transient(self, payload: dict[str, Any]) -> None:
+        """Drop the request's inline documents the ingress does not keep (``payload["transient"]``):
+        a replica's registry holds what the ingress's does, not every document a request carried."""
+        for doc_id in payload.get("transient", ()):
+            try:
+                await _to_thread(self.llm.remove_document, doc_id, payload.get("namespace", ""))
+            except (LazyAttentionError, KeyError):
+                pass  # never registered (the request was refused first)
 
     async def _engine_stats(self) -> dict[str, Any]:
         stats = await self.allm.stats()

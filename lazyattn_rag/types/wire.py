@@ -14,6 +14,9 @@ Request fields besides OpenAI's (``model``, ``messages``, ``max_tokens`` /
   prompt (the earlier turns are the chat history before it); a message's content can also
   place documents itself with ``{"type": "document", "id": ...}`` parts.
 * ``namespace``: the documents' namespace (tenant); ``""`` is shared.
+* ``document_hashes``: ``{id: text_hash(text)}`` of registered documents the client means: a
+  document registered since with another text is answered 409 (``document_changed``), so a
+  client that sent a text once never gets an answer over someone else's.
 * ``top_k``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``: as in
   :class:`~lazyattn_rag.types.sampling_params.SamplingParams`.
 
@@ -23,6 +26,7 @@ stats (:class:`~lazyattn_rag.types.outputs.RequestStats` as a dict) and the repl
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import asdict, fields
 from typing import Any
@@ -82,6 +86,11 @@ def document_to_body(document: Document) -> dict[str, str]:
     return {"id": document.id, "text": document.text}
 
 
+def text_hash(text: str) -> str:
+    """A document text's hash for ``document_hashes``: 32 hex digits of its SHA-256."""
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 def stats_to_body(stats: RequestStats) -> dict[str, Any]:
     return asdict(stats)
 
@@ -104,6 +113,7 @@ def usage(stats: RequestStats) -> dict[str, Any]:
 ERROR_CODES = {"UnknownDocumentError": "document_not_found", "PromptTooLongError": "context_length_exceeded",
                "DocumentTooLongError": "document_too_long", "EmptyInputError": "empty_input",
                "CacheCapacityError": "cache_capacity_exceeded"}
+DOCUMENT_CHANGED = "document_changed"  # 409: a document_hashes entry no longer matches
 
 
 def error_class(code: str | None) -> type[ValueError]:
