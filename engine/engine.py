@@ -165,7 +165,7 @@ class LLMEngine:
     def _save(self, entry: ChunkEntry, tiers: list) -> None:
         """Queue ``entry``'s K/V for ``tiers``: gathered on the device now (before any later kernel
         can reuse its blocks), copied off it by the tiers' writer thread, so the step neither
-        waits for the copy nor allocates for it."""
+        waits for the copy nor allocates host memory for it."""
         keys, values = self.runner.gather_blocks(entry.block_ids, entry.num_tokens)
         chunk = ChunkKV(entry.key, self.model_digest, entry.token_ids, entry.local_start, keys, values)
         self.tiers.save(chunk, tiers, gather_event(self.runner.device))

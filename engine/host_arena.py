@@ -2,9 +2,9 @@
 
 The host tier keeps each chunk's K/V in pages of one arena allocated once, at start-up, for the
 tier's whole budget (in slabs of at most 1 GiB): pinned on a GPU machine, so a chunk moves between the pool and host memory
-with asynchronous copies and no allocation on the way (a fresh pinned allocation costs
-milliseconds and holds the CUDA driver while it runs, stalling the engine's launches; vLLM's CPU
-swap space and LMCache's CPU backend preallocate pinned memory for the same reason). A page
+with asynchronous copies and no allocation on the way (pinning memory per write-back is the
+suspected cause of the stalls measured with the earlier host tier, ``docs/benchmarks.md``,
+"Storage tiers"; vLLM's CPU swap space and LMCache's CPU backend preallocate pinned memory too). A page
 holds ``page_bytes`` bytes (the keys of one KV block over all layers); a chunk's keys and values
 take ``ceil(bytes / page_bytes)`` pages each, anywhere in the arena.
 
@@ -46,7 +46,7 @@ class HostArena:
     Args:
         capacity_bytes: the budget (the host tier's).
         page_bytes: bytes per page.
-        pin: pin the memory (a GPU machine); pinning 16 GiB takes a few seconds, once.
+        pin: pin the memory (a GPU machine); the whole budget is pinned here, once, at start-up.
     Raises:
         ValueError: not even one page fits.
     """

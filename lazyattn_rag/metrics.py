@@ -89,6 +89,9 @@ def _tier_metrics(prefix: str, tiers: dict):
         yield family
 
 
+ENGINE_STAT_KEYS = (*_COUNTERS, *_GAUGES)  # the engine-wide keys of stats() exported as metrics
+
+
 def engine_stat_families(namespace: str, stats_by_replica: dict[str, dict]):
     """The engine counters and gauges of several engines' ``stats()`` dicts, labelled
     ``replica`` (``lazyattn serve``: each replica's last report); keys a dict lacks are left out."""

@@ -41,6 +41,7 @@ from lazyattn_rag.serve.protocol import ChatCompletionRequest, DocumentsRequest,
 from lazyattn_rag.types.wire import DOCUMENT_CHANGED, stats_from_body, text_hash, usage
 
 logger = logging.getLogger("lazyattn_rag.serve")
+RESPONSES: Counter[tuple[str, int]] = Counter()  # (route, status) -> responses of this (single) ingress process
 
 
 class ApiError(Exception):
@@ -181,6 +182,15 @@ def chat_payload(body: ChatCompletionRequest, store: DocumentStore) -> tuple[dic
     return payload, routing_keys(ns, texts)
 
 
+async def count_responses(request: Request, call_next):
+    """Middleware: responses by route and status, for /metrics. A module-level function, so the
+    app (which Ray pickles by value) refers to this module's :data:`RESPONSES`, as /metrics does."""
+    response = await call_next(request)
+    route = getattr(request.scope.get("route"), "path", None)  # None: no route matched (404)
+    RESPONSES[(route or "unmatched", response.status_code)] += 1
+    return response
+
+
 def make_ingress(config: ServeConfig):
     """The ingress deployment class (undecorated by ``serve.deployment``) over a FastAPI app."""
     from ray import serve
@@ -200,14 +210,7 @@ def make_ingress(config: ServeConfig):
         body = ApiError(500, f"the server failed: {type(error).__name__}: {last}", kind="server_error").body()
         return JSONResponse(body, status_code=500)
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next):  # responses by route and status, for /metrics
-        response = await call_next(request)
-        ingress = request.scope.get("lazyattn_ingress")
-        if ingress is not None:
-            route = getattr(request.scope.get("route"), "path", request.url.path)
-            ingress.responses[(route, response.status_code)] += 1
-        return response
+    app.middleware("http")(count_responses)
 
     @serve.ingress(app)
     class Ingress:
@@ -218,7 +221,6 @@ def make_ingress(config: ServeConfig):
             self.documents = DocumentStore()
             self.replica_stats: dict[str, dict] = {}
             self.replica_requests: Counter[str] = Counter()
-            self.responses: Counter[tuple[str, int]] = Counter()
             self.num_retries = 0
             self._info: dict[str, Any] | None = None
 
@@ -227,16 +229,12 @@ def make_ingress(config: ServeConfig):
                 self._info = await self.engine.info.remote()
             return self._info
 
-        def _seen(self, request: Request) -> None:
-            request.scope["lazyattn_ingress"] = self
-
         @app.get("/health")
         async def health(self) -> dict:
             return {"status": "ok"}
 
         @app.get("/v1/models")
-        async def models(self, request: Request) -> dict:
-            self._seen(request)
+        async def models(self) -> dict:
             info = await self.info()
             return {"object": "list", "data": [{"id": info["model"], "object": "model", "owned_by": "lazyattn-rag",
                                                 "max_model_len": info["max_model_len"]}],
@@ -244,7 +242,6 @@ def make_ingress(config: ServeConfig):
 
         @app.post("/v1/documents")
         async def add_documents(self, request: Request):
-            self._seen(request)
             body = parse(DocumentsRequest, await read_json(request, config.max_body_bytes))
             documents = [(d.id, d.text) for d in body.documents]
             # checked on any replica (no routing keys: registering computes nothing, so it must
@@ -259,7 +256,6 @@ def make_ingress(config: ServeConfig):
         async def warm_documents(self, request: Request):
             """``{"ids": [...], "namespace"}``: compute the documents' K/V now, on their owner
             replica (those already cached are left alone); answers the ids it computed."""
-            self._seen(request)
             data = await read_json(request, config.max_body_bytes)
             ids, namespace = (data.get("ids"), data.get("namespace", "")) if isinstance(data, dict) else (None, "")
             if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids) or not isinstance(namespace, str):
@@ -270,27 +266,23 @@ def make_ingress(config: ServeConfig):
             return result
 
         @app.get("/v1/documents/version")
-        async def documents_version(self, request: Request):
-            self._seen(request)
+        async def documents_version(self):
             return {"version": self.documents.version}
 
         @app.get("/v1/documents")
-        async def list_documents(self, request: Request, namespace: str = "", texts: bool = False):
-            self._seen(request)
+        async def list_documents(self, namespace: str = "", texts: bool = False):
             ids = self.documents.ids(namespace)
             data = [{"id": i, "object": "document", **({"text": self.documents.text(namespace, i)} if texts else {})}
                     for i in ids]
             return {"object": "list", "namespace": namespace, "version": self.documents.version, "data": data}
 
         @app.delete("/v1/documents/{doc_id:path}")
-        async def delete_document(self, request: Request, doc_id: str, namespace: str = ""):
-            self._seen(request)
+        async def delete_document(self, doc_id: str, namespace: str = ""):
             self.documents.delete(namespace, doc_id)
             return {"id": doc_id, "object": "document", "deleted": True, "version": self.documents.version}
 
         @app.post("/tokenize")
         async def tokenize(self, request: Request):
-            self._seen(request)
             body = parse(TokenizeRequest, await read_json(request, config.max_body_bytes))
             if body.prompt is not None:
                 result = await self.engine.tokenize.remote({"prompt": body.prompt,
@@ -304,7 +296,6 @@ def make_ingress(config: ServeConfig):
 
         @app.post("/v1/chat/completions")
         async def chat_completions(self, request: Request):
-            self._seen(request)
             body = parse(ChatCompletionRequest, await read_json(request, config.max_body_bytes))
             info = await self.info()
             if body.model not in (None, "", info["model"]):
@@ -383,10 +374,9 @@ def make_ingress(config: ServeConfig):
             yield "data: [DONE]\n\n"
 
         @app.get("/metrics")
-        async def metrics(self, request: Request):
+        async def metrics(self):
             from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-            self._seen(request)
             registry = CollectorRegistry()
             registry.register(_Snapshot(self))
             return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
@@ -440,7 +430,7 @@ class _Snapshot:
 
         http = CounterMetricFamily("lazyattn_http_responses", "HTTP responses by route and status.",
                                    labels=["route", "status"])
-        for (route, status), n in sorted(self.ingress.responses.items()):
+        for (route, status), n in sorted(RESPONSES.items()):
             http.add_metric([route, str(status)], n)
         yield http
         served = CounterMetricFamily("lazyattn_replica_answers", "Answers each replica finished.", labels=["replica"])

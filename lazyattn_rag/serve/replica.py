@@ -23,19 +23,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from lazyattn_rag.metrics import ENGINE_STAT_KEYS
 from lazyattn_rag.types.config import EngineConfig
 from lazyattn_rag.types.documents import Document
 from lazyattn_rag.types.errors import LazyAttentionError, UnknownDocumentError
 from lazyattn_rag.types.messages import as_message
 from lazyattn_rag.types.wire import ERROR_CODES, sampling_from_body, stats_to_body
-
-# engine stats a replica reports with each finished request (the ingress's /metrics shows them)
-REPORTED_STATS = ("num_requests_finished", "num_requests_failed", "num_requests_aborted", "num_prompt_tokens",
-                  "num_cached_prompt_tokens", "num_output_tokens", "num_evictions", "num_preemptions", "num_steps",
-                  "num_requests_waiting", "num_requests_running", "token_hit_ratio", "doc_hit_ratio",
-                  "num_blocks_total", "num_blocks_free", "num_blocks_cached", "num_blocks_in_use",
-                  "num_cached_chunks", "num_documents")
-
 
 def error_event(error: BaseException) -> dict[str, Any]:
     """The event for a request the engine refused: 404 for an unknown document, 400 otherwise."""
@@ -189,7 +182,8 @@ class EngineReplica:
 
     async def _engine_stats(self) -> dict[str, Any]:
         stats = await self.allm.stats()
-        return {k: stats[k] for k in REPORTED_STATS if k in stats} | {"reported_at": time.time()}
+        # what the ingress's /metrics shows of each replica (lazyattn_rag/metrics.py's engine stats)
+        return {k: stats[k] for k in ENGINE_STAT_KEYS if k in stats} | {"reported_at": time.time()}
 
     def __del__(self):
         llm = getattr(self, "llm", None)

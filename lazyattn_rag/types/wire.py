@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from typing import Any
 
 from lazyattn_rag.types.documents import Document
@@ -68,8 +68,7 @@ def sampling_from_body(body: Mapping[str, Any], default: SamplingParams) -> Samp
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         values["max_tokens"] = max_tokens
-    known = {f.name: getattr(default, f.name) for f in fields(SamplingParams)}
-    return SamplingParams(**{**known, **values})
+    return replace(default, **values)  # validated again by SamplingParams.__post_init__
 
 
 def message_to_body(message: Message) -> dict[str, Any]:
