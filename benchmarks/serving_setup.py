@@ -104,13 +104,15 @@ class Bench:
 
 def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_batched: int, max_seqs: int,
                 backend: str = "auto", cuda_graphs: bool = True, prefill_with_encodes: bool = True,
-                host_memory_bytes: int = 0) -> LazyAttention:
+                host_memory_bytes: int = 0, torch_compile: bool = False) -> LazyAttention:
     """An engine over ``bench``'s model in cache ``mode`` with a KV budget of ``budget_bytes``
-    (``"lazy+host"``: ``lazy`` with a host-memory tier of ``host_memory_bytes``)."""
+    (``"lazy+host"``: ``lazy`` with a host-memory tier of ``host_memory_bytes``; ``torch_compile``:
+    ``EngineConfig.torch_compile``)."""
     host = host_memory_bytes if mode == "lazy+host" else 0
     mode = "lazy" if mode == "lazy+host" else mode
     config = EngineConfig(device=device, dtype=str(next(bench.model.parameters()).dtype).removeprefix("torch."),
                           attention_backend=backend, prompt=PROMPT, cuda_graphs=cuda_graphs,
+                          torch_compile=torch_compile,
                           cache=CacheConfig(kv_cache_bytes=budget_bytes, mode=mode, eviction_policy="lfu",
                                             anchor="none",  # the papers' setting (block_attention has no anchor)
                                             host_memory_bytes=host),

@@ -144,6 +144,8 @@ def _assemble(model: CausalLM, tokenizer: Any, config: EngineConfig, weights_sha
     num_blocks = config.cache.num_blocks or max(1, _kv_budget(config, device) // block_bytes)
     runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype)
     clock.lap("kv_cache")
+    if config.torch_compile:
+        runner.enable_torch_compile()
     if config.cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs:
         runner.enable_cuda_graphs(graph_batch_sizes(config.scheduler.max_num_seqs),
                                   graph_block_table_width(max_model_len, block_size))

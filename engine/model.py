@@ -185,11 +185,15 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (key_cache, value_cache)
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor | None = None,  # [num_out] rows whose logits are wanted
+        compiled: Any = None,  # a CompiledLayers of this model (engine/compiled_layers.py), or None: eager
     ) -> torch.Tensor:  # [num_out or num_tokens, vocab_size] float32
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary.tables(positions)  # once per pass, shared by every layer
-        for layer, (kc, vc) in zip(self.model.layers, kv_caches):
-            x = layer(x, rope, backend, kc, vc, metadata)
+        if compiled is not None:
+            x = compiled.run(x, rope, backend, kv_caches, metadata)
+        else:
+            for layer, (kc, vc) in zip(self.model.layers, kv_caches):
+                x = layer(x, rope, backend, kc, vc, metadata)
         if logits_indices is not None:
             x = x[logits_indices]
         return self.lm_head(self.model.norm(x)).to(torch.float32)

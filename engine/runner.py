@@ -8,6 +8,7 @@ import mmap
 import torch
 
 from lazyattn_rag.engine.attention import AttentionBackend, AttentionMetadata, SequenceInput, build_attention_metadata
+from lazyattn_rag.engine.compiled_layers import CompiledLayers
 from lazyattn_rag.engine.cuda_graphs import DecodeGraphs
 from lazyattn_rag.engine.input_prep import InputPreparer
 from lazyattn_rag.engine.model import CausalLM
@@ -61,6 +62,7 @@ class ModelRunner:
         shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.padding_slot = num_blocks * block_size
         self.graphs: DecodeGraphs | None = None
+        self.compiled: CompiledLayers | None = None
         self.inputs = InputPreparer(block_size)
         self.kv_caches = [(zeros(shape, dtype, device), zeros(shape, dtype, device)) for _ in range(cfg.num_layers)]
 
@@ -163,6 +165,13 @@ class ModelRunner:
             key_cache.view(-1, *key_cache.shape[2:])[slots] = keys[layer]
             value_cache.view(-1, *value_cache.shape[2:])[slots] = values[layer]
 
+    def enable_torch_compile(self) -> None:
+        """Run the non-attention part of every layer through ``torch.compile``d functions
+        (``engine/compiled_layers.py``): compiled on the first forward pass of each batch-size
+        class (1, and any other); results match the eager model to rounding, not bit for bit.
+        Call it before :meth:`enable_cuda_graphs`, whose captures then replay the compiled kernels."""
+        self.compiled = CompiledLayers(self.model)
+
     @torch.inference_mode()
     def enable_cuda_graphs(self, batch_sizes: list[int], max_blocks_per_seq: int, capture: bool = True) -> None:
         """Capture decode forward passes for ``batch_sizes`` (see ``engine/cuda_graphs.py``).
@@ -180,7 +189,7 @@ class ModelRunner:
 
     def _forward_all_rows(self, input_ids: torch.Tensor, positions: torch.Tensor,
                           metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, self.backend, self.kv_caches, metadata)
+        return self.model(input_ids, positions, self.backend, self.kv_caches, metadata, compiled=self.compiled)
 
     @torch.inference_mode()
     def execute(self, seqs: list[SequenceInput]) -> torch.Tensor:
@@ -200,5 +209,6 @@ class ModelRunner:
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64, device=self.device)
         positions = torch.tensor([p for s in seqs for p in s.positions], dtype=torch.int64, device=self.device)
         last_rows = (metadata.cu_seqlens_q[1:] - 1).to(torch.int64)
-        return self.model(input_ids, positions, self.backend, self.kv_caches, metadata, last_rows)
+        return self.model(input_ids, positions, self.backend, self.kv_caches, metadata, last_rows,
+                          compiled=self.compiled)
 

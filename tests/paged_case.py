@@ -119,9 +119,10 @@ def sequence_input(token_ids: list[int], positions: list[int], entries: list[tup
                          list(slot_mapping))
 
 
-def our_logits(model, token_ids: list[int], start_pos: int, block_size: int = 16) -> torch.Tensor:
+def our_logits(model, token_ids: list[int], start_pos: int, block_size: int = 16, compiled=None) -> torch.Tensor:
     """All-row logits of our ``CausalLM`` over one sequence prefilled from scratch at positions
-    ``start_pos ..`` (torch backend, fresh KV blocks of ``block_size``, CPU)."""
+    ``start_pos ..`` (torch backend, fresh KV blocks of ``block_size``, CPU; ``compiled``: a
+    ``CompiledLayers`` of the model, or eager)."""
     from lazyattn_rag.engine.attention import build_attention_metadata
     from lazyattn_rag.engine.attention.torch_backend import TorchAttentionBackend
 
@@ -134,4 +135,4 @@ def our_logits(model, token_ids: list[int], start_pos: int, block_size: int = 16
     seq = sequence_input(token_ids, list(range(start_pos, start_pos + n)), table, list(range(n)))
     md = build_attention_metadata([seq], block_size, "cpu")
     backend = TorchAttentionBackend(model.rotary, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
-    return model(torch.tensor(token_ids), torch.tensor(seq.positions), backend, caches, md)
+    return model(torch.tensor(token_ids), torch.tensor(seq.positions), backend, caches, md, compiled=compiled)

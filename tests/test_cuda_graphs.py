@@ -67,13 +67,13 @@ def test_bucketing_padding_and_eager_fallbacks():
     assert len(calls) == 2 and graphs.num_replays == 2
 
 
-def graph_llm(make_llm, cuda_graphs: bool, max_num_seqs: int = 3) -> LazyAttention:
+def graph_llm(make_llm, cuda_graphs: bool, max_num_seqs: int = 3, torch_compile: bool = False) -> LazyAttention:
     """A tiny Llama (head_dim 32) on the triton backend with documents d0..d4; ``make_llm`` is the fixture."""
     _, llm = make_llm(seed=3, model_config=dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                                                 head_dim=32),
                       device=DEVICE, attention_backend="triton", cuda_graphs=cuda_graphs, max_model_len=MAX_MODEL_LEN,
                       num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_batched_tokens=256,
-                      max_num_seqs=max_num_seqs)
+                      max_num_seqs=max_num_seqs, torch_compile=torch_compile)
     if cuda_graphs and not CUDA:  # the same static-buffer path, run eagerly under the interpreter
         llm.loop.call(llm.engine.runner.enable_cuda_graphs, graph_batch_sizes(max_num_seqs),
                       graph_block_table_width(MAX_MODEL_LEN, BLOCK_SIZE), capture=False)
@@ -91,7 +91,10 @@ def run_concurrently(llm: LazyAttention, requests) -> list[list[int]]:
     return [c.token_ids for c in asyncio.run(run_all())]
 
 
-def test_graph_decode_steps_give_the_eager_outputs(make_llm):
+@pytest.mark.parametrize("torch_compile", [False, True], ids=["eager-layers", "compiled-layers"])
+def test_graph_decode_steps_give_the_eager_outputs(make_llm, torch_compile):
+    """Graph-replayed decode steps (of the eager layers, or of the torch.compile'd ones of issue
+    19, captured with their compiled kernels) give the eager engine's greedy tokens."""
     rng = random.Random(1)
     requests = [(words(rng.randint(1, 3), start=150 + i), rng.sample([f"d{j}" for j in range(5)], k=rng.randint(1, 3)))
                 for i in range(5)]
@@ -99,8 +102,9 @@ def test_graph_decode_steps_give_the_eager_outputs(make_llm):
     assert eager.engine.runner.graphs is None
     expected = run_concurrently(eager, requests)
     eager.shutdown()
-    llm = graph_llm(make_llm, cuda_graphs=True)
+    llm = graph_llm(make_llm, cuda_graphs=True, torch_compile=torch_compile)
     runner = llm.engine.runner
+    assert (runner.compiled is not None) == torch_compile
     assert runner.graphs is not None and runner.graphs.batch_sizes == [1, 2, 4]
     assert len(runner.graphs.graphs) == (3 if CUDA else 0)
     assert runner.kv_caches[0][0].shape[0] == NUM_BLOCKS + 1 and llm.engine.cache.pool.num_blocks == NUM_BLOCKS

@@ -177,6 +177,11 @@ class EngineConfig:
         cuda_graphs: on CUDA with the ``triton`` backend, capture decode steps in CUDA graphs for
             bucketed batch sizes up to ``scheduler.max_num_seqs`` at start-up and replay them
             (``engine/cuda_graphs.py``); ``False`` runs every step eagerly.
+        torch_compile: run the non-attention part of each layer (norms, projections, RoPE of q
+            and k, residual adds, the MLP) through ``torch.compile`` (inductor), which fuses its
+            elementwise work (``engine/compiled_layers.py``; issue 19 in docs/benchmarks.md has
+            what it measured). Costs compile time at start-up (cached by inductor on disk
+            across processes); results match the eager model to rounding, not bit for bit.
         self_check: at start-up, compare the model's positions with transformers (the independent
             reference) and refuse to start on a mismatch (``SelfCheckError``): the rotary tables
             always (about a millisecond), and for a model directory small enough to load twice the
@@ -202,6 +207,7 @@ class EngineConfig:
     cache_dir: Path | str | None = None
     seed: int = 0
     cuda_graphs: bool = True
+    torch_compile: bool = False
     self_check: bool = True
     generation_config: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -217,6 +223,8 @@ class EngineConfig:
         _check_int("seed", self.seed, 0)
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        if not isinstance(self.torch_compile, bool):
+            raise ValueError(f"torch_compile must be a bool, got {self.torch_compile!r}")
         if not isinstance(self.self_check, bool):
             raise ValueError(f"self_check must be a bool, got {self.self_check!r}")  # noqa: TRY004 - as every field
         if self.generation_config not in ("auto", "none"):
