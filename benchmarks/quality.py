@@ -18,7 +18,10 @@ Same prompt, same passages in the same order, greedy decoding; only the attentio
 Metrics per dataset and mode (``benchmarks/qa_metrics.py``): answer contains gold after
 SQuAD normalisation (best-subspan EM), token F1, exact match, the fraction of questions
 whose answer equals the ``full`` answer, and the paired difference to ``full``; each with a
-95% bootstrap interval. The first non-empty line of each generation is scored (a lead-in line
+95% bootstrap interval. Fidelity to full attention, for the engine modes (issue 20): the KL
+divergence KL(full || mode) of the first answer token's distribution (nats; from
+``SamplingParams(logprobs=-1)``, computed against ``full``'s distributions of the same run) and
+the agreement of that token's most likely id with ``full``'s (top-1 agreement, percent). The first non-empty line of each generation is scored (a lead-in line
 ending in a colon, "The answer is:", is joined with the next one): ``qa_metrics.scored_answer``.
 
 Full run (GPU, a local HF model directory; see ``docs/quality.md``)::
@@ -45,6 +48,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make ``benchmarks.*`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -52,10 +56,12 @@ from benchmarks.qa_data import DATASET_FILES, QAExample, default_data_dir, load_
 from benchmarks.qa_metrics import (
     answer_contains_gold,
     exact_match,
+    kl_divergence,
     scored_answer,
     scored_answer_complete,
     same_answer,
     summarize,
+    summarize_raw,
     token_f1,
 )
 
@@ -101,8 +107,13 @@ def make_engine(args, anchor: str):
     return LazyAttention(config)
 
 
-def answer_with_engine(llm, mode: str, dataset: str, ex: QAExample, sampling, seed: int) -> str:
-    """One question in an engine mode; registers the passages and forgets them afterwards."""
+def answer_with_engine(llm, mode: str, dataset: str, ex: QAExample, sampling, seed: int):
+    """One question in an engine mode; registers the passages and forgets them afterwards.
+
+    Returns:
+        ``(text, first_logprobs)``: the generation, and the first answer token's log-probabilities
+        over the vocabulary (``[vocab_size]`` float32; ``sampling`` asks for ``logprobs=-1``).
+    """
     ids = doc_ids_of(dataset, ex)
     llm.add_documents([(d, passage_text(t, x)) for d, (t, x) in zip(ids, ex.passages)])
     try:
@@ -117,29 +128,33 @@ def answer_with_engine(llm, mode: str, dataset: str, ex: QAExample, sampling, se
             llm.remove_document(d)
 
 
-def read_first_line(deltas) -> str:
-    """Text of a delta stream, stopped (the request cancelled) once its scored answer is complete."""
-    text = ""
+def read_first_line(deltas):
+    """Text of a delta stream, stopped (the request cancelled) once its scored answer is complete,
+    and its first token's log-probabilities (a ``[vocab_size]`` float32 array, or ``None``)."""
+    text, first = "", None
     for delta in deltas:
         text += delta.text
+        if first is None and delta.logprobs is not None:
+            first = np.fromiter(delta.logprobs.values(), dtype=np.float32, count=len(delta.logprobs))
         if scored_answer_complete(text):
             deltas.close()  # cancels the request in the engine and frees its blocks
             break
-    return text
+    return text, first
 
 
-def run_engine_mode(llm, mode, dataset, examples, args) -> dict[str, str]:
+def run_engine_mode(llm, mode, dataset, examples, args) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    """Every question of ``dataset`` in ``mode``: generations and first-token log-probabilities by question id."""
     from lazyattn_rag import SamplingParams
 
-    sampling = SamplingParams(max_tokens=args.max_answer_tokens)
-    out = {}
+    sampling = SamplingParams(max_tokens=args.max_answer_tokens, logprobs=-1)
+    out, first = {}, {}
     with ThreadPoolExecutor(max_workers=args.concurrency) as pool, \
             tqdm(total=len(examples), desc=f"{dataset:>24} {mode}", leave=True) as bar:
         futures = {pool.submit(answer_with_engine, llm, mode, dataset, ex, sampling, args.seed): ex for ex in examples}
         for f in as_completed(futures):
-            out[futures[f].id] = f.result()
+            out[futures[f].id], first[futures[f].id] = f.result()
             bar.update()
-    return out
+    return out, first
 
 
 # --- the transformers reference (recompute remedy) -------------------------------------------
@@ -158,8 +173,12 @@ def run_recompute_mode(ref, template, k, dataset, examples, args) -> dict[str, s
 
 # --- scoring ----------------------------------------------------------------------------------
 def score_mode(examples: list[QAExample], generations: dict[str, str], full: dict[str, str] | None,
-               seed: int) -> dict:
-    """Summaries (percent, 95% bootstrap CI) of one mode's generations on one dataset."""
+               seed: int, first_token: dict[str, dict] | None = None) -> dict:
+    """Summaries (percent, 95% bootstrap CI) of one mode's generations on one dataset.
+
+    ``first_token``: per question id, ``{"top1": id, "kl_vs_full": nats, "full_top1": id}`` of the
+    first answer token (see :func:`first_token_fidelity`); summarized when every question has it.
+    """
     preds = [scored_answer(generations[ex.id]) for ex in examples]
     contains = [answer_contains_gold(p, ex.answers) for p, ex in zip(preds, examples)]
     result = {
@@ -172,7 +191,25 @@ def score_mode(examples: list[QAExample], generations: dict[str, str], full: dic
         full_contains = [answer_contains_gold(p, ex.answers) for p, ex in zip(full_preds, examples)]
         result["same_as_full"] = summarize([same_answer(p, q) for p, q in zip(preds, full_preds)], seed=seed)
         result["contains_gold_minus_full"] = summarize([a - b for a, b in zip(contains, full_contains)], seed=seed)
+    ft = [first_token.get(ex.id) for ex in examples] if first_token else []
+    if ft and all(f is not None and "kl_vs_full" in f for f in ft):
+        result["first_token_kl"] = summarize_raw([f["kl_vs_full"] for f in ft], seed=seed)
+        result["first_token_top1_agreement"] = summarize([float(f["top1"] == f["full_top1"]) for f in ft], seed=seed)
     return result
+
+
+def first_token_fidelity(results: dict, dataset: str, mode: str, logprobs: dict[str, np.ndarray],
+                         full_logprobs: dict[str, np.ndarray] | None) -> None:
+    """Store, per question, ``mode``'s first-token top-1 id and, with ``full``'s distributions of
+    this run, its KL(full || mode) and full's top-1 id (``generations[..]["first_token"][mode]``)."""
+    for qid, lp in logprobs.items():
+        if lp is None:
+            continue
+        entry = {"top1": int(np.argmax(lp))}
+        ref = full_logprobs.get(qid) if full_logprobs else None
+        if ref is not None:
+            entry |= {"kl_vs_full": kl_divergence(ref, lp), "full_top1": int(np.argmax(ref))}
+        results["generations"][dataset][qid].setdefault("first_token", {})[mode] = entry
 
 
 def rescore(results: dict, dataset: str, examples: list[QAExample], seed: int) -> None:
@@ -181,7 +218,9 @@ def rescore(results: dict, dataset: str, examples: list[QAExample], seed: int) -
     done = set.intersection(*(set(g["modes"]) for g in gens.values())) if gens else set()
     by_mode = {m: {qid: g["modes"][m] for qid, g in gens.items()} for m in done}
     d = results["datasets"][dataset]
-    d["modes"] = {m: score_mode(examples, by_mode[m], by_mode.get("full") if m != "full" else None, seed)
+    first = {m: {qid: g.get("first_token", {}).get(m) for qid, g in gens.items()} for m in done}
+    d["modes"] = {m: score_mode(examples, by_mode[m], by_mode.get("full") if m != "full" else None, seed,
+                                first[m] if m != "full" else None)
                   | {"seconds": d["seconds"].get(m)} for m in sorted(by_mode, key=mode_order)}
 
 
@@ -192,9 +231,12 @@ def pool(results: dict, seed: int) -> dict:
     common = set.intersection(*modes) if modes else set()
     examples = [QAExample(f"{d}/{qid}", "", tuple(g["answers"]), ()) for d, qs in gens.items() for qid, g in qs.items()]
     by_mode = {m: {f"{d}/{qid}": g["modes"][m] for d, qs in gens.items() for qid, g in qs.items()} for m in common}
+    first = {m: {f"{d}/{qid}": g.get("first_token", {}).get(m) for d, qs in gens.items() for qid, g in qs.items()}
+             for m in common}
     if not examples:
         return {}
-    return {m: score_mode(examples, by_mode[m], by_mode.get("full") if m != "full" else None, seed)
+    return {m: score_mode(examples, by_mode[m], by_mode.get("full") if m != "full" else None, seed,
+                          first[m] if m != "full" else None)
             for m in sorted(by_mode, key=mode_order)}
 
 
@@ -213,6 +255,8 @@ def resume_from(results: dict, prior: dict, examples: dict[str, list[QAExample]]
                              "--seed and --sample-size, or another --out")
         for qid, g in gens.items():
             results["generations"][dataset][qid]["modes"].update(g["modes"])
+            if "first_token" in g:
+                results["generations"][dataset][qid].setdefault("first_token", {}).update(g["first_token"])
         results["datasets"][dataset]["seconds"].update(prior["datasets"][dataset].get("seconds", {}))
         rescore(results, dataset, examples[dataset], seed)
 
@@ -236,12 +280,16 @@ def markdown_table(results: dict) -> str:
         n = next(iter(d["modes"].values()))["contains_gold"]["n"] if d["modes"] else 0
         lines += [f"\n**{dataset}** ({n} questions)\n",
                   "| mode | contains gold % | token F1 % | EM % | same answer as full % "
-                  "| contains gold − full (points) |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  "| contains gold − full (points) | first-token KL vs full (nats) | first-token top-1 = full % |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        kl_fmt = lambda s: f"{s['mean']:.3f} [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]"  # noqa: E731
         for mode, m in d["modes"].items():
             same = fmt(m["same_as_full"]) if "same_as_full" in m else "–"
             diff = fmt(m["contains_gold_minus_full"]) if "contains_gold_minus_full" in m else "–"
-            lines.append(f"| {mode} | {fmt(m['contains_gold'])} | {fmt(m['f1'])} | {fmt(m['em'])} | {same} | {diff} |")
+            kl = kl_fmt(m["first_token_kl"]) if "first_token_kl" in m else "–"
+            top1 = fmt(m["first_token_top1_agreement"]) if "first_token_top1_agreement" in m else "–"
+            lines.append(f"| {mode} | {fmt(m['contains_gold'])} | {fmt(m['f1'])} | {fmt(m['em'])} | {same} | {diff} "
+                         f"| {kl} | {top1} |")
     return "\n".join(lines)
 
 
@@ -356,9 +404,14 @@ def main(argv=None) -> dict:
     def done(dataset, mode):
         return all(mode in g["modes"] for g in results["generations"][dataset].values())
 
-    def record(dataset, mode, generations, seconds):
+    first_logprobs: dict[str, dict[str, dict]] = {d: {} for d in args.datasets}  # this run's, by mode
+
+    def record(dataset, mode, generations, seconds, logprobs=None):
         for qid, text in generations.items():
             results["generations"][dataset][qid]["modes"][mode] = text
+        if logprobs is not None:
+            first_logprobs[dataset][mode] = logprobs
+            first_token_fidelity(results, dataset, mode, logprobs, first_logprobs[dataset].get("full"))
         results["datasets"][dataset]["seconds"][mode] = round(seconds, 2)
         rescore(results, dataset, examples[dataset], args.seed)
         results["all_datasets"] = pool(results, args.seed)
@@ -372,8 +425,8 @@ def main(argv=None) -> dict:
         try:
             for dataset, mode in todo:
                 start = time.perf_counter()
-                gens = run_engine_mode(llm, mode, dataset, examples[dataset], args)
-                record(dataset, mode, gens, time.perf_counter() - start)
+                gens, logprobs = run_engine_mode(llm, mode, dataset, examples[dataset], args)
+                record(dataset, mode, gens, time.perf_counter() - start, logprobs)
         finally:
             llm.shutdown()
             del llm

@@ -197,33 +197,64 @@ def profile(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bflo
         "e2e_ms": res.stats.e2e_ms, "device_busy_ms": busy_ms, "top_by_device_time": rows})
 
 
+LAYER_SETTINGS = ("packed", "dense", "compiled")  # the CPU engine's default first
+
+
 @app.command()
-def cpu(doc_words: int = 220, repeats: int = 5, out: str = "serving_cpu_smollm2") -> None:
-    """The default SmolLM2 on the CPU, 3 hot documents of ~300 tokens: our TTFT vs transformers generate."""
+def cpu(doc_words: int = 220, repeats: int = 5, out: str = "serving_cpu_smollm2", dtype: str = "float32",
+        layers: list[str] = typer.Option(["packed"], help="our engine's layers, interleaved: packed (oneDNN "
+                                                          "weights, the default), dense, compiled (torch.compile)")
+        ) -> None:
+    """The default SmolLM2 on the CPU, 3 hot documents of ~300 tokens: our TTFT vs transformers generate,
+    interleaved repeat by repeat (ours in each ``--layers`` setting, then transformers), both in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
-    llm = LazyAttention(EngineConfig(device="cpu"))
+    from lazyattn_rag.engine.compiled_layers import CompiledLayers
+    from lazyattn_rag.engine.packed_linear import pack_linears, unpack_linears
+
+    if unknown := set(layers) - set(LAYER_SETTINGS):
+        raise typer.BadParameter(f"unknown --layers {sorted(unknown)}; choose from {', '.join(LAYER_SETTINGS)}")
+    llm = LazyAttention(EngineConfig(device="cpu", dtype=dtype))
     rng = np.random.default_rng(0)
     words = "the of and to in is was for on as with by at from that which this are be or an".split()
     docs = {f"hot{i}": " ".join(rng.choice(words, doc_words)) + "." for i in range(3)}
     llm.add_documents(list(docs.items()))
     llm.warm(list(docs))
     # The baseline runs on the engine's thread too, so both share one intra-op thread pool (a second
-    # OpenMP pool on a 2-core machine slows both; see LazyAttention._build).
-    hf = llm.loop.call(lambda: AutoModelForCausalLM.from_pretrained(str(llm_model_dir()), dtype=torch.float32).eval())
-    ours, theirs = [], []
+    # OpenMP pool on a 2-core machine slows both; see LazyAttention._build). One engine serves every
+    # layer setting (a second engine would bring a second thread and pool): they are switched
+    # between requests, on the engine's thread.
+    runner = llm.engine.runner
+    compiled = llm.loop.call(CompiledLayers, runner.model) if "compiled" in layers else None
+
+    def use(setting: str) -> None:
+        def switch():
+            (pack_linears if setting == "packed" else unpack_linears)(runner.model)
+            runner.compiled = compiled if setting == "compiled" else None
+        llm.loop.call(switch)
+
+    for setting in layers:  # warm-up (compiles)
+        use(setting)
+        llm.generate("warm up", list(docs), sampling=SamplingParams(max_tokens=2))
+    hf = llm.loop.call(lambda: AutoModelForCausalLM.from_pretrained(str(llm_model_dir()), dtype=getattr(torch, dtype)).eval())
+    ours, theirs = {s: [] for s in layers}, []
     for i in range(repeats):
         question = f"What is said about item number {i}?"
-        res = llm.generate(question, list(docs), sampling=SamplingParams(max_tokens=1))
-        ours.append(res.stats.ttft_ms)
+        for setting in layers:
+            use(setting)
+            res = llm.generate(question, list(docs), sampling=SamplingParams(max_tokens=1))
+            ours[setting].append(res.stats.ttft_ms)
         ids = torch.tensor([llm.plan(question, list(docs)).token_ids()])
         theirs.append(llm.loop.call(_hf_ttft_ms, hf, ids))
-    summary = {"prompt_tokens": res.stats.num_prompt_tokens, "computed_tokens": res.stats.num_computed_tokens,
-               "lazy_ttft_ms_median": statistics.median(ours), "hf_generate_ttft_ms_median": statistics.median(theirs),
-               "speedup": statistics.median(theirs) / statistics.median(ours)}
+    hf_ms = statistics.median(theirs)
+    summary = {"dtype": dtype, "prompt_tokens": res.stats.num_prompt_tokens,
+               "computed_tokens": res.stats.num_computed_tokens, "hf_generate_ttft_ms_median": hf_ms}
+    for setting in layers:
+        summary[f"lazy_{setting}_ttft_ms_median"] = statistics.median(ours[setting])
+        summary[f"speedup_{setting}"] = hf_ms / statistics.median(ours[setting])
     print(json.dumps(summary))
     write(out, {"environment": environment(), "command": command_line(), "summary": summary,
-                "lazy_ttft_ms": ours, "hf_generate_ttft_ms": theirs})
+                **{f"lazy_{s}_ttft_ms": v for s, v in ours.items()}, "hf_generate_ttft_ms": theirs})
 
 
 def _hf_ttft_ms(hf, ids: torch.Tensor) -> float:

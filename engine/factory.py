@@ -32,6 +32,7 @@ from lazyattn_rag.engine.engine import LLMEngine
 from lazyattn_rag.engine.eviction import make_policy
 from lazyattn_rag.engine.fingerprint import ModelFingerprint, tensors_sha256
 from lazyattn_rag.engine.model import CausalLM, ModelArchConfig
+from lazyattn_rag.engine.packed_linear import onednn_available, pack_linears, unpack_linears
 from lazyattn_rag.engine.runner import ModelRunner, kv_bytes_per_block
 from lazyattn_rag.engine.self_check import run_self_check
 from lazyattn_rag.kernels.rope import RotaryEmbedding
@@ -136,6 +137,8 @@ def _assemble(model: CausalLM, tokenizer: Any, config: EngineConfig, weights_sha
     dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     dtype, arch = DTYPES[dtype_name], model.config
     model = model.to(device=device, dtype=dtype).eval()
+    _set_weight_packing(model, config.cpu_weight_packing and device.type == "cpu" and dtype == torch.float32
+                        and onednn_available())
     window = getattr(hf_config, "sliding_window", None) if hf_config is not None else None
     limit = arch.max_position_embeddings if not window else min(window, arch.max_position_embeddings)
     max_model_len, block_size = min(config.max_model_len or limit, limit), config.cache.block_size
@@ -274,6 +277,15 @@ def _kv_budget(config: EngineConfig, device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * (config.cache.kv_cache_fraction or 0.4))
     return CPU_DEFAULT_KV_BYTES
+
+
+def _set_weight_packing(model: CausalLM, packed: bool) -> None:
+    """Pack the layers' linear weights for oneDNN, or make them dense again (a model shared by
+    engines of other settings; ``engine/packed_linear.py``)."""
+    if packed:
+        pack_linears(model)
+    else:
+        unpack_linears(model)
 
 
 def _make_backend(name: str, device: torch.device, model: CausalLM):

@@ -64,6 +64,7 @@ class OutputProcessor:
                     self.fail(job.request, error)
 
     def _emit_token(self, r: Request, logits: torch.Tensor, greedy_token: int) -> None:
+        raw = logits
         if r.params.has_penalties:
             logits = apply_penalties(logits, r.params, r.prompt_token_ids, r.output_ids)
             greedy_token = int(torch.argmax(logits))
@@ -80,7 +81,8 @@ class OutputProcessor:
         elif len(r.output_ids) >= r.params.max_tokens or (
                 r.plan.num_prompt_tokens + len(r.output_ids) >= self.max_model_len):
             reason = "length"
-        if not self._emit(r, StreamDelta(text, token)):  # nobody listens any more: drop the request
+        logprobs = token_logprobs(raw, token, r.params.logprobs) if r.params.logprobs is not None else None
+        if not self._emit(r, StreamDelta(text, token, logprobs=logprobs)):  # nobody listens any more: drop it
             self.abort(r)
         elif reason is not None:
             self.finish(r, reason)
@@ -140,6 +142,18 @@ class OutputProcessor:
         except Exception:  # noqa: BLE001 - logged; the other requests of the step go on
             logger.warning("request %s: its consumer raised; dropping it", r.request_id, exc_info=True)
             return False
+
+
+def token_logprobs(logits: torch.Tensor, token: int, num: int) -> dict[int, float]:
+    """``{token_id: log-probability}`` of the ``num`` most likely tokens of ``logits``
+    (``[vocab_size]`` float32; ``-1``: all of them) and of ``token``."""
+    logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    if num == -1 or num >= logp.numel():
+        return dict(enumerate(logp.tolist()))
+    values, ids = torch.topk(logp, num) if num else (logp[:0], torch.empty(0, dtype=torch.int64))
+    out = dict(zip(ids.tolist(), values.tolist()))
+    out[token] = float(logp[token])
+    return out
 
 
 def _fill_stats(r: Request) -> None:

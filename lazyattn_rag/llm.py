@@ -333,10 +333,12 @@ class LazyAttention:
 
 
 def _collect(deltas: Iterator[StreamDelta]) -> Completion:
-    text, token_ids, last = [], [], None
+    text, token_ids, logprobs, last = [], [], [], None
     for delta in deltas:
         text.append(delta.text)
         if delta.token_id is not None:
             token_ids.append(delta.token_id)
+        if delta.logprobs is not None:
+            logprobs.append(delta.logprobs)
         last = delta
-    return Completion("".join(text), token_ids, last.finish_reason, last.stats)
+    return Completion("".join(text), token_ids, last.finish_reason, last.stats, logprobs or None)

@@ -200,3 +200,19 @@ def test_pool_scores_all_datasets_together():
     table = markdown_table({"datasets": {"a": {"num_questions": 1, "modes": {}}, "b": {"num_questions": 2, "modes": {}}},
                             "all_datasets": pooled})
     assert "**all datasets pooled** (3 questions)" in table and "| reuse | 66.7 [" in table
+
+
+def test_kl_divergence_against_a_direct_computation():
+    import math
+
+    from benchmarks.qa_metrics import kl_divergence, summarize_raw
+
+    p, q = [0.7, 0.2, 0.1], [0.5, 0.25, 0.25]
+    expected = sum(a * math.log(a / b) for a, b in zip(p, q))
+    assert kl_divergence([math.log(x) for x in p], [math.log(x) for x in q]) == pytest.approx(expected, rel=1e-12)
+    assert kl_divergence([math.log(x) for x in p], [math.log(x) for x in p]) == 0.0
+    assert kl_divergence([0.0, -math.inf], [-math.inf, 0.0]) == math.inf  # Q misses P's mass
+    with pytest.raises(ValueError, match="tokens"):
+        kl_divergence([0.0], [0.0, 0.0])
+    s = summarize_raw([0.1, 0.3], num_resamples=50)
+    assert s["mean"] == pytest.approx(0.2) and s["n"] == 2 and 0.1 <= s["ci95"][0] <= s["ci95"][1] <= 0.3

@@ -51,3 +51,24 @@ def test_engine_applies_penalties_before_greedy_choice(make_llm):
                                                                    frequency_penalty=2.0, presence_penalty=2.0,
                                                                    repetition_penalty=50.0)).token_ids
     assert penalized != base and len(set(penalized)) == len(penalized)  # no token generated twice
+
+
+def test_logprobs_are_the_models_distribution(make_llm):
+    """``SamplingParams.logprobs``: the model's own log-probabilities (transformers' forward as the
+    reference, 1e-4 fp32) before penalties; top-N plus the picked token; -1 the whole vocabulary."""
+    hf, llm = make_llm()
+    prompt = list(range(5, 40))
+    full = llm.complete(prompt, sampling=SamplingParams(max_tokens=3, logprobs=-1, repetition_penalty=1.5))
+    top = llm.complete(prompt, sampling=SamplingParams(max_tokens=3, logprobs=2, repetition_penalty=1.5))
+    assert len(full.logprobs) == len(top.logprobs) == 3 and full.token_ids == top.token_ids
+    with torch.no_grad():
+        expected = torch.log_softmax(hf(input_ids=torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    first = torch.tensor([full.logprobs[0][i] for i in range(hf.config.vocab_size)])
+    assert (first - expected).abs().max().item() <= 1e-4
+    for dense, few, token in zip(full.logprobs, top.logprobs, top.token_ids):
+        best = sorted(dense, key=dense.get, reverse=True)[:2]
+        assert set(few) == set(best) | {token}  # the two most likely and the one picked
+        assert all(abs(few[t] - dense[t]) <= 1e-6 for t in few)
+    assert llm.complete(prompt, sampling=SamplingParams(max_tokens=2)).logprobs is None
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=-2)

@@ -96,6 +96,8 @@ class StreamDelta:
         finish_reason: ``"stop"`` (EOS, stop string or stop token), ``"length"`` (max_tokens or
             the context limit), ``"abort"`` (cancelled) or ``"warm"`` (a warm-up) once finished.
         stats: the request's stats once finished.
+        logprobs: with ``SamplingParams.logprobs``, ``{token_id: log-probability}`` of the most
+            likely tokens and of ``token_id`` at this step (``None`` otherwise, and on the final flush).
     """
 
     text: str
@@ -103,6 +105,7 @@ class StreamDelta:
     finished: bool = False
     finish_reason: str | None = None
     stats: RequestStats | None = None
+    logprobs: dict[int, float] | None = None
 
 
 @dataclass
@@ -114,9 +117,12 @@ class Completion:
         token_ids: generated token ids (stop tokens and EOS excluded).
         finish_reason: ``"stop"`` or ``"length"``.
         stats: :class:`RequestStats`.
+        logprobs: with ``SamplingParams.logprobs``, one ``{token_id: log-probability}`` per
+            generated token (see :class:`StreamDelta`); ``None`` otherwise.
     """
 
     text: str
     token_ids: list[int]
     finish_reason: str
     stats: RequestStats
+    logprobs: list[dict[int, float]] | None = None

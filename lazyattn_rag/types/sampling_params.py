@@ -26,6 +26,11 @@ class SamplingParams:
             divided and negative logits multiplied by it (CTRL, Keskar et al. 2019); 1 disables.
         frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time it was generated.
         presence_penalty: in [-2, 2]; subtracted from the logit of every token generated at least once.
+        logprobs: ``None``, or return with each generated token the natural-log probabilities of
+            the model's ``logprobs`` most likely tokens and of the token picked (vLLM's field;
+            ``-1``: every token of the vocabulary, a diagnostic, e.g. the first-token KL
+            divergence of ``benchmarks/quality.py``). They are the model's own distribution
+            (``log_softmax`` of its float32 logits), before penalties, temperature, top-k/top-p.
     Raises:
         ValueError: at construction, for any value outside its range (the field is named).
     """
@@ -41,6 +46,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logprobs: int | None = None
 
     def __post_init__(self):
         _check_types(self)
@@ -62,6 +68,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
         if not self.repetition_penalty > 0 or self.repetition_penalty == float("inf"):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or self.logprobs < -1):
+            raise ValueError(f"logprobs must be None, -1 (the whole vocabulary) or an integer >= 0, "
+                             f"got {self.logprobs!r}")
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
