@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from lazyattn_rag.engine.fingerprint import file_sha256
+from lazyattn_rag.engine.model import UnsupportedModelError
 from lazyattn_rag.utils.progress import directory_bytes, format_bytes, stage
 
 logger = logging.getLogger(__name__)
@@ -94,17 +95,25 @@ def convert_gguf(gguf_path: Path, out_dir: Path, sampling: dict[str, Any] | None
 
     Written to a temporary sibling first and renamed, so an interrupted conversion never
     leaves a half-written model behind.
+
+    Raises:
+        UnsupportedModelError: the file is not a GGUF this engine can run (see
+            :func:`check_gguf`, checked before anything is converted), or transformers could not
+            convert it (its message is kept).
     """
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_gguf(gguf_path)
     print(f"Converting {gguf_path.name} to safetensors, once (later loads take about a "
           f"second): {out_dir}", file=sys.stderr, flush=True)
-    with stage("  reading its tokenizer from the GGUF"):
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    with stage("  dequantizing its weights", has_own_bar=True):
-        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                     dtype=torch.float32)
+    try:
+        tokenizer, model = _read_gguf(gguf_path)
+    except (KeyboardInterrupt, MemoryError):
+        raise
+    except Exception as error:  # transformers' reader: a layout or tokenizer it does not handle
+        last = (str(error).strip().splitlines() or [""])[-1][:300]
+        raise UnsupportedModelError(f"{gguf_path.name}: transformers could not convert it: "
+                                    f"{type(error).__name__}: {last}") from error
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
@@ -128,6 +137,59 @@ def convert_gguf(gguf_path: Path, out_dir: Path, sampling: dict[str, Any] | None
         raise
     print(f"The converted model takes {format_bytes(directory_bytes(out_dir))} in {out_dir} (delete it to "
           "convert again).", file=sys.stderr, flush=True)
+
+
+# GGUF ``general.architecture`` values this engine runs (llama.cpp writes Mistral models as "llama").
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+def check_gguf(path: Path) -> str:
+    """Read a GGUF's header and refuse, before converting it, what the engine cannot run.
+
+    Returns:
+        its ``general.architecture``.
+    Raises:
+        UnsupportedModelError: not a readable GGUF file; an architecture other than
+            :data:`GGUF_ARCHITECTURES` (named, with the supported ones); or a tensor stored in a
+            type ``gguf`` cannot dequantize (the tensor and its type named).
+    """
+    import gguf
+    import gguf.quants
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        field = reader.fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode("utf-8")
+    except (KeyError, ValueError, OSError, IndexError) as error:
+        raise UnsupportedModelError(f"{path.name} is not a readable GGUF file ({type(error).__name__}: {error})") \
+            from error
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(f"{path.name}: GGUF architecture {arch!r} is not supported; supported: "
+                                    f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, Qwen2, Qwen3)")
+    plain = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in plain and tensor.tensor_type not in gguf.quants._type_traits:
+            raise UnsupportedModelError(f"{path.name}: tensor {tensor.name} is stored as "
+                                        f"{tensor.tensor_type.name}, a type gguf {_gguf_version()} cannot dequantize")
+    return arch
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import version
+
+    return version("gguf")
+
+
+def _read_gguf(gguf_path: Path):
+    """transformers' tokenizer and float32 model of a GGUF file (the slow part of a conversion)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with stage("  reading its tokenizer from the GGUF"):
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    with stage("  dequantizing its weights", has_own_bar=True):
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
+    return tokenizer, model
 
 
 # The default model's recommended sampling: the SmolLM2-135M-Instruct model card's usage example
