@@ -112,6 +112,39 @@ class RecomputeReference:
         return (kf * cos[:, None] + _rotate_half(kf) * sin[:, None]).to(k.dtype)
 
     @torch.no_grad()
+    def first_token_logits(self, head_ids: list[int], chunk_ids: list[list[int]], tail_ids: list[int],
+                           recompute_tokens: int) -> torch.Tensor:
+        """``[vocab_size]`` logits of the first answer token (arguments as :meth:`generate`)."""
+        return self._prefill(head_ids, chunk_ids, tail_ids, recompute_tokens)[0]
+
+    def _prefill(self, head_ids, chunk_ids, tail_ids, recompute_tokens: int):
+        """The composed prompt: ``(last-token logits, cache, next position)``.
+
+        Raises:
+            ValueError: ``recompute_tokens < 0`` or no chunks.
+        """
+        from transformers import DynamicCache
+
+        if recompute_tokens < 0 or not chunk_ids:
+            raise ValueError(f"need recompute_tokens >= 0 and chunks; got {recompute_tokens}, {len(chunk_ids)} chunks")
+        alone = self._encode_alone(chunk_ids)
+        cache = DynamicCache()
+        if head_ids:
+            self._forward(head_ids, 0, cache)
+        pos = len(head_ids)
+        for c, ids in enumerate(chunk_ids):
+            r = min(recompute_tokens, len(ids))
+            if r:
+                self._forward(ids[:r], pos, cache)
+            if r < len(ids):
+                for layer, (k, v) in enumerate(alone):
+                    cache.update(self._shift_keys(k[c : c + 1, :, r : len(ids)], pos), v[c : c + 1, :, r : len(ids)],
+                                 layer)
+            pos += len(ids)
+        logits = self._forward(tail_ids, pos, cache)
+        return logits, cache, pos + len(tail_ids)
+
+    @torch.no_grad()
     def generate(self, head_ids: list[int], chunk_ids: list[list[int]], tail_ids: list[int],
                  recompute_tokens: int, max_tokens: int, stop=None) -> list[int]:
         """Greedy answer token ids (without the EOS) for one prompt.
@@ -126,26 +159,9 @@ class RecomputeReference:
         Raises:
             ValueError: ``recompute_tokens < 0``, ``max_tokens < 1`` or no chunks.
         """
-        from transformers import DynamicCache
-
-        if recompute_tokens < 0 or max_tokens < 1 or not chunk_ids:
-            raise ValueError(f"need recompute_tokens >= 0, max_tokens >= 1 and chunks; got {recompute_tokens}, "
-                             f"{max_tokens}, {len(chunk_ids)} chunks")
-        alone = self._encode_alone(chunk_ids)
-        cache = DynamicCache()
-        self._forward(head_ids, 0, cache)
-        pos = len(head_ids)
-        for c, ids in enumerate(chunk_ids):
-            r = min(recompute_tokens, len(ids))
-            if r:
-                self._forward(ids[:r], pos, cache)
-            if r < len(ids):
-                for layer, (k, v) in enumerate(alone):
-                    cache.update(self._shift_keys(k[c : c + 1, :, r : len(ids)], pos), v[c : c + 1, :, r : len(ids)],
-                                 layer)
-            pos += len(ids)
-        logits = self._forward(tail_ids, pos, cache)
-        pos += len(tail_ids)
+        if max_tokens < 1:
+            raise ValueError(f"need max_tokens >= 1, got {max_tokens}")
+        logits, cache, pos = self._prefill(head_ids, chunk_ids, tail_ids, recompute_tokens)
         tokens: list[int] = []
         while True:
             token = int(logits.argmax())

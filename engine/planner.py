@@ -9,6 +9,7 @@ happens here, before a request exists, so bad input raises at the call and touch
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from lazyattn_rag.engine.fingerprint import anchor_fingerprint, chunk_key
@@ -225,7 +226,7 @@ class PromptPlanner:
         if mode == "block_attention":
             return PromptPlan(tuple(self._positioned(c) for c in plan.chunks), plan.query_token_ids,
                               texts=plan.texts)
-        return plan
+        return with_head_recompute(plan, self.config.cache.recompute_chunk_head_tokens)
 
     @staticmethod
     def _positioned(chunk: ChunkSegment) -> ChunkSegment:
@@ -241,3 +242,22 @@ class PromptPlanner:
             parent = chunk_key(parent, "prefix", token_ids[i * self.block_size: (i + 1) * self.block_size])
             keys.append(parent)
         return tuple(keys)
+
+
+def with_head_recompute(plan: PromptPlan, num_tokens: int) -> PromptPlan:
+    """``plan`` with the first ``num_tokens`` tokens of every document chunk computed by the
+    request (chunk-head recompute, EPIC: ``CacheConfig.recompute_chunk_head_tokens``): each
+    document's head becomes a private text segment at its position (it attends to everything
+    before it), and the chunk is read from the cache from that token on (``num_skipped``).
+    The prompt head (an exact prefix) is left as it is; ``num_tokens == 0`` returns ``plan``."""
+    if num_tokens <= 0:
+        return plan
+    chunks, texts = [], list(plan.texts)
+    for c in plan.chunks:
+        if c.doc_id is None:
+            chunks.append(c)
+            continue
+        n = min(num_tokens, len(c.token_ids))
+        texts.append(TextSegment(c.token_ids[:n], c.global_start))
+        chunks.append(dataclasses.replace(c, num_skipped=n))
+    return dataclasses.replace(plan, chunks=tuple(chunks), texts=tuple(sorted(texts, key=lambda t: t.global_start)))

@@ -28,6 +28,9 @@ class ChunkSegment:
         doc_id: the document id, or ``None`` for the head.
         source_key: for a position-aware copy (``block_attention`` mode), the document's
             position-agnostic key; copies of one source can be made from each other.
+        num_skipped: its first tokens that the request computes itself (a :class:`TextSegment`
+            of them at ``global_start``: chunk-head recompute, ``CacheConfig.recompute_chunk_head_tokens``);
+            only the others are read from the cache. The chunk is still acquired whole.
     """
 
     key: str
@@ -36,6 +39,12 @@ class ChunkSegment:
     global_start: int
     doc_id: str | None
     source_key: str | None = None
+    num_skipped: int = 0
+
+    @property
+    def cached_token_ids(self) -> tuple[int, ...]:
+        """The tokens read from the cache (after the ``num_skipped`` the request computes)."""
+        return self.token_ids[self.num_skipped:]
 
     @property
     def delta(self) -> int:
@@ -83,7 +92,7 @@ class PromptPlan:
 
     @property
     def num_cached_prompt_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
+        return sum(len(c.cached_token_ids) for c in self.chunks)
 
     @property
     def num_text_tokens(self) -> int:
@@ -100,10 +109,24 @@ class PromptPlan:
         return self.tail_start + len(self.query_token_ids)
 
     def segments(self) -> list[ChunkSegment | TextSegment]:
-        """Chunks and text segments in prompt order (the tail excluded)."""
-        return sorted([*self.chunks, *self.texts], key=lambda s: s.global_start)
+        """Chunks and text segments in prompt order (the tail excluded); a chunk's recomputed
+        head (a text segment at the chunk's own start) comes before the chunk."""
+        return sorted([*self.chunks, *self.texts], key=lambda s: (s.global_start, isinstance(s, ChunkSegment)))
 
     def token_ids(self) -> list[int]:
         """The whole prompt as one id list (what a full prefill would see)."""
-        ids = [t for s in self.segments() for t in s.token_ids]
+        ids = [t for s in self.segments()
+               for t in (s.cached_token_ids if isinstance(s, ChunkSegment) else s.token_ids)]
         return ids + list(self.query_token_ids)
+
+    def head_recompute_copy(self, text: TextSegment, block_size: int) -> tuple[ChunkSegment, int, int] | None:
+        """Where ``text`` is the recomputed head of a chunk whose cached part starts inside a
+        block: ``(chunk, first_slot, num_slots)``, the slots of that block (of the chunk's block
+        ``num_skipped // block_size``) that the request copies behind its fresh tokens, in its
+        own last block of ``text``; ``None`` otherwise."""
+        chunk = next((c for c in self.chunks if c.num_skipped and c.global_start == text.global_start), None)
+        if chunk is None or chunk.num_skipped % block_size == 0:
+            return None
+        first = chunk.num_skipped % block_size
+        num = min(block_size - first, len(chunk.token_ids) - chunk.num_skipped)
+        return (chunk, first, num) if num > 0 else None

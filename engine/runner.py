@@ -91,6 +91,8 @@ class ModelRunner:
             self.write_blocks(load.block_ids, load.chunk.keys, load.chunk.values)
         for copy in out.copies:
             self.copy_rotated(copy.src_blocks, copy.dst_blocks, copy.num_tokens, copy.delta)
+        for job in out.slot_copies:
+            self.copy_slots(job.src_block, job.dst_block, job.first_slot, job.num_slots, job.delta)
         if not (out.chunk_prefills or out.computes):
             return torch.zeros(0, self.model.config.vocab_size, device=self.device)
         seqs, last_rows = self.inputs.prepare(out)
@@ -112,6 +114,19 @@ class ModelRunner:
             flat_k = key_cache.view(-1, *key_cache.shape[2:])
             flat_v = value_cache.view(-1, *value_cache.shape[2:])
             flat_k[dst] = rotary.rotate_by(flat_k[src], deltas)
+            flat_v[dst] = flat_v[src]
+
+    @torch.inference_mode()
+    def copy_slots(self, src_block: int, dst_block: int, first_slot: int, num_slots: int, delta: int) -> None:
+        """Copy slots ``first_slot ..`` (``num_slots``) of ``src_block`` into the same slots of
+        ``dst_block`` in every layer, K rotated by ``delta`` (behind a recomputed chunk head)."""
+        offsets = torch.arange(first_slot, first_slot + num_slots, device=self.device)
+        src, dst = src_block * self.block_size + offsets, dst_block * self.block_size + offsets
+        deltas = torch.full((num_slots,), delta, device=self.device)
+        for key_cache, value_cache in self.kv_caches:
+            flat_k = key_cache.view(-1, *key_cache.shape[2:])
+            flat_v = value_cache.view(-1, *value_cache.shape[2:])
+            flat_k[dst] = self.model.rotary.rotate_by(flat_k[src], deltas)
             flat_v[dst] = flat_v[src]
 
     def _slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ from lazyattn_rag.engine.chunk_tiers import ChunkTiers
 from lazyattn_rag.engine.counters import EngineCounters
 from lazyattn_rag.engine.prompt_plan import ChunkSegment
 from lazyattn_rag.engine.request import Request, RequestStatus
-from lazyattn_rag.engine.scheduler_output import ComputeJob, ChunkPrefillTask, SchedulerOutput
+from lazyattn_rag.engine.scheduler_output import ComputeJob, ChunkPrefillTask, SchedulerOutput, SlotCopyJob
 
 
 class Scheduler(ChunkAdmission):
@@ -254,6 +254,8 @@ class Scheduler(ChunkAdmission):
                 return 0
         if need > 0:
             request.private_blocks += self.cache.allocate(need)
+        if request.plan.num_text_tokens and request.num_computed < request.plan.num_text_tokens:
+            out.slot_copies += self._slot_copies(request, request.num_computed, request.num_computed + n)
         total = len(request.private_token_ids)
         out.computes.append(ComputeJob(request, request.num_computed, n, request.num_computed + n == total))
         return n
@@ -288,7 +290,9 @@ class Scheduler(ChunkAdmission):
         if not written:
             # Join this step only with a prefill to run in it: a request that waited here on a
             # step whose forward pass then failed would hold chunks that were never written.
-            this_step = out.written_keys() if self.prefill_with_encodes and not request.warm_only else set()
+            # A recomputed head's copied slots are read before the pass: its chunks must be written already.
+            joins = self.prefill_with_encodes and not request.warm_only and not _copies_slots(request, self.block_size)
+            this_step = out.written_keys() if joins else set()
             if budget <= 0 or not all(self.cache.held(k).ready or k in this_step for k in pinned):
                 return 0
         self.acquired.remove(request)
@@ -306,21 +310,41 @@ class Scheduler(ChunkAdmission):
 
     def _context_of(self, request: Request) -> list[BlockEntry]:
         """Block-table entries of everything before the query tail, in prompt order: chunks at
-        their offsets, text segments in their own (private, delta 0) blocks, prefix-cache hits."""
-        entries = []
-        text_runs = iter(request.private_runs(self.block_size))
+        their offsets, text segments in their own (private, delta 0) blocks, prefix-cache hits.
+        A chunk whose head the request recomputes contributes its blocks after the head's
+        (:meth:`PromptPlan.head_recompute_copy`: a block the head ends inside is the text's last
+        block, its other slots copied from the chunk)."""
+        entries, bs = [], self.block_size
+        text_runs = iter(request.private_runs(bs))
         for segment in request.plan.segments():
             if isinstance(segment, ChunkSegment):
                 entry = self.cache.held(segment.key)
-                entries += block_table_entries(entry.block_ids, entry.num_tokens,
-                                               segment.global_start - entry.local_start, self.block_size)
+                skip = -(-segment.num_skipped // bs)  # blocks covered by the recomputed head
+                entries += block_table_entries(entry.block_ids[skip:], entry.num_tokens - skip * bs,
+                                               segment.global_start - entry.local_start, bs)
             else:
                 run = next(text_runs)
+                copy = request.plan.head_recompute_copy(segment, bs)
                 blocks = request.private_blocks[run.first_block: run.first_block + self.blocks_for(run.length)]
-                entries += block_table_entries(blocks, run.length, 0, self.block_size)
-        for key in request.plan.prefix_block_keys[: request.num_prefix_tokens // self.block_size]:
-            entries.append(BlockEntry(self.cache.held(key).block_ids[0], 0, self.block_size))
+                entries += block_table_entries(blocks, run.length + (copy[2] if copy else 0), 0, bs)
+        for key in request.plan.prefix_block_keys[: request.num_prefix_tokens // bs]:
+            entries.append(BlockEntry(self.cache.held(key).block_ids[0], 0, bs))
         return entries
+
+    def _slot_copies(self, request: Request, start: int, end: int) -> list[SlotCopyJob]:
+        """The copies behind recomputed chunk heads whose last token is among the private tokens
+        ``start .. end - 1`` scheduled now (that token's block is allocated by then)."""
+        jobs, bs = [], self.block_size
+        for run, text in zip(request.private_runs(bs), request.plan.texts):
+            copy = request.plan.head_recompute_copy(text, bs)
+            if copy is None or not start < run.start + run.length <= end:
+                continue
+            chunk, first, num = copy
+            entry = self.cache.held(chunk.key)
+            jobs.append(SlotCopyJob(entry.block_ids[chunk.num_skipped // bs],
+                                    request.private_blocks[run.first_block + self.blocks_for(run.length) - 1],
+                                    first, num, chunk.global_start - entry.local_start))
+        return jobs
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and len(self.acquired) + len(self.running) < self.max_num_seqs:
@@ -343,3 +367,8 @@ class Scheduler(ChunkAdmission):
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.perf_counter()
             budget -= self._promote(out, request, budget)  # all hits: prefill in this step
+
+
+def _copies_slots(request: Request, block_size: int) -> bool:
+    """Whether ``request`` copies cached slots behind a recomputed chunk head (before a pass)."""
+    return any(request.plan.head_recompute_copy(t, block_size) for t in request.plan.texts)

@@ -69,6 +69,19 @@ class CopyJob:
 
 
 @dataclass
+class SlotCopyJob:
+    """Copy slots ``first_slot .. first_slot + num_slots`` of a chunk's block into the same slots
+    of a request's private block, K rotated by ``delta`` to its global positions (the cached
+    tokens behind a recomputed chunk head that ends inside a block), before the pass."""
+
+    src_block: int
+    dst_block: int
+    first_slot: int
+    num_slots: int
+    delta: int
+
+
+@dataclass
 class LoadJob:
     """Write a chunk found in a storage tier (``tier``) into new blocks, before the pass."""
 
@@ -97,6 +110,8 @@ class SchedulerOutput:
         copies: positioned chunks to copy to a new offset (``block_attention`` mode), before the pass.
         loads: chunks found in a storage tier below the pool, written into their blocks before
             the pass (``engine/chunk_tiers.py``).
+        slot_copies: cached tokens copied behind recomputed chunk heads, after the loads and
+            copies, before the pass.
         computes: requests' private tokens (query prefill, text segments, one decode token).
         failed: requests refused while acquiring their chunks, with the error each gets.
         warmed: warm-up requests whose chunks are all written (they finish now).
@@ -107,6 +122,7 @@ class SchedulerOutput:
     chunk_prefills: list[ChunkPrefillJob] = field(default_factory=list)
     copies: list[CopyJob] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
+    slot_copies: list[SlotCopyJob] = field(default_factory=list)
     computes: list[ComputeJob] = field(default_factory=list)
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
     warmed: list[Request] = field(default_factory=list)

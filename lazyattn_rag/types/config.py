@@ -60,6 +60,14 @@ class CacheConfig:
             ``"always"``: every chunk found is loaded (e.g. to keep GPUs free of recompute, or
             for a reproducible run).
         Tiers serve ``mode="lazy"`` only (the other modes are baselines).
+        recompute_chunk_head_tokens: ``k``: the first ``k`` tokens of every document placed in a
+            request are computed fresh by that request, attending to everything before them
+            (the prompt head, earlier documents), instead of read from the document's cached
+            chunk; the rest of the chunk is read as cached (EPIC, Hu et al. 2024, "LegoLink").
+            Recovers some of what encoding documents alone loses (docs/quality.md), for ``k``
+            extra prefill tokens per document. The cached chunk is unchanged and shared (its
+            key, bytes and hit ratio do not depend on ``k``); the fresh tokens live in the
+            request's own blocks, freed with it. 0 (default): plain reuse; ``mode="lazy"`` only.
     """
 
     block_size: int = 16
@@ -76,6 +84,7 @@ class CacheConfig:
     redis_ttl_seconds: int | None = None
     tier_eviction_policy: str = "lru"
     tier_loads: str = "auto"
+    recompute_chunk_head_tokens: int = 0
 
     @property
     def has_tiers(self) -> bool:
@@ -112,6 +121,10 @@ class CacheConfig:
             raise ValueError("disk_dir must be a directory path or None")
         if self.redis_url is not None and not str(self.redis_url).startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        _check_int("recompute_chunk_head_tokens", self.recompute_chunk_head_tokens, 0)
+        if self.recompute_chunk_head_tokens and self.mode != "lazy":
+            raise ValueError(f"recompute_chunk_head_tokens recomputes the heads of position-agnostic chunks: mode "
+                             f"must be 'lazy', got {self.mode!r}")
         if self.has_tiers and self.mode != "lazy":
             raise ValueError(f"storage tiers (host_memory_bytes, disk_dir, redis_url) serve position-agnostic "
                              f"chunks: mode must be 'lazy', got {self.mode!r}")

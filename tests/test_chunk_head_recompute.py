@@ -1,0 +1,129 @@
+"""Chunk-head recompute (EPIC; ``CacheConfig.recompute_chunk_head_tokens``, issue 20): the first
+``k`` tokens of each placed document are computed by the request.
+
+Checked against independent references: transformers composing the same prompt by hand
+(``benchmarks/qa_recompute.py``'s ``RecomputeReference``) for k inside a block, at a block
+boundary and past one; a full prefill in transformers for k covering whole documents; plain
+reuse, bit for bit, for k = 0. The cached chunks' bytes never change and the request's own
+blocks are freed (finished, aborted, preempted)."""
+
+import pytest
+import torch
+
+from benchmarks.qa_recompute import RecomputeReference
+from lazyattn_rag import SamplingParams
+from lazyattn_rag.types.config import CacheConfig
+from tests.tiny import words
+
+DOCS = {"a": words(23, start=3), "b": words(37, start=40), "c": words(9, start=90)}
+QUESTION = words(5, start=150)
+FIRST = SamplingParams(max_tokens=1, logprobs=-1)
+
+
+def engine(make_llm, k: int, backend: str = "torch", **config):
+    hf, llm = make_llm(seed=2, anchor="none", recompute_chunk_head_tokens=k, attention_backend=backend, **config)
+    llm.add_documents(list(DOCS.items()))
+    return hf, llm
+
+
+def first_logprobs(llm, ids=("a", "b", "c")) -> torch.Tensor:
+    out = llm.generate(QUESTION, list(ids), sampling=FIRST)
+    return torch.tensor(list(out.logprobs[0].values()))
+
+
+def reference_logprobs(hf, llm, k: int, ids=("a", "b", "c")) -> torch.Tensor:
+    plan = llm.plan(QUESTION, list(ids))
+    head = [c for c in plan.chunks if c.doc_id is None]
+    docs = [list(c.token_ids) for c in plan.chunks if c.doc_id is not None]
+    ref = RecomputeReference.from_model(hf, eos_ids=set())
+    logits = ref.first_token_logits(list(head[0].token_ids) if head else [], docs, list(plan.query_token_ids), k)
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("k", [4, 16, 20])
+def test_recomputed_heads_equal_the_composed_reference(make_llm, k, backend):
+    hf, llm = engine(make_llm, k, backend)
+    first_logprobs(llm)  # the documents' chunks encoded (misses), then served as hits
+    ours = first_logprobs(llm)
+    stats = llm.generate(QUESTION, ["a", "b", "c"], sampling=FIRST).stats
+    assert stats.docs_hit == ["a", "b", "c"]
+    assert stats.num_computed_tokens == sum(min(k, len(d.split())) for d in DOCS.values()) + \
+        len(llm.plan(QUESTION, ["a"]).query_token_ids)
+    assert (ours - reference_logprobs(hf, llm, k)).abs().max().item() <= 1e-4
+    assert (ours - reference_logprobs(hf, llm, 0)).abs().max().item() > 1e-3  # the heads made a difference
+
+
+def test_recomputing_whole_documents_is_full_attention(make_llm):
+    hf, llm = engine(make_llm, 64)
+    first_logprobs(llm)
+    ours = first_logprobs(llm)
+    with torch.no_grad():
+        full = hf(input_ids=torch.tensor([llm.plan(QUESTION, ["a", "b", "c"]).token_ids()])).logits[0, -1]
+    assert (ours - torch.log_softmax(full.float(), dim=-1)).abs().max().item() <= 1e-3
+
+
+def test_k0_is_plain_reuse_bit_for_bit(make_llm):
+    _, plain = make_llm(seed=2, anchor="none")
+    plain.add_documents(list(DOCS.items()))
+    _, zero = engine(make_llm, 0)
+    assert torch.equal(first_logprobs(plain), first_logprobs(zero))
+    assert CacheConfig(recompute_chunk_head_tokens=0) == CacheConfig()
+
+
+def cached_chunk_bytes(llm) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    out = {}
+    for doc_id in DOCS:
+        key = llm.engine.planner.documents.get(doc_id, "").key
+        entry = llm.engine.cache.lookup(key, touch=False)
+        if entry is not None:
+            out[doc_id] = llm.loop.call(llm.engine.runner.read_blocks, entry.block_ids, entry.num_tokens)
+    return out
+
+
+def test_cached_chunks_unchanged_and_private_blocks_freed(make_llm):
+    _, llm = engine(make_llm, 20, num_blocks=40, max_num_seqs=4)
+    first_logprobs(llm)
+    before = cached_chunk_bytes(llm)
+    assert set(before) == set(DOCS)
+    total = llm.stats()["num_blocks_total"]
+    orders = [("a", "b", "c"), ("c", "a"), ("b",), ("b", "c", "a")]
+    for ids in orders:  # the same chunks at other offsets, each head recomputed there
+        llm.generate(QUESTION, list(ids), sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    stream = llm.stream(QUESTION, ["a", "c"], sampling=SamplingParams(max_tokens=50, ignore_eos=True))
+    next(iter(stream))
+    stream.close()  # aborted mid-answer
+    after = cached_chunk_bytes(llm)
+    assert all(torch.equal(before[d][0], after[d][0]) and torch.equal(before[d][1], after[d][1]) for d in DOCS)
+    stats = llm.stats()
+    assert stats["num_blocks_free"] + stats["num_blocks_cached"] == total  # nothing private left
+
+
+def test_preempted_requests_recompute_their_heads(make_llm):
+    """Requests whose private blocks are taken back mid-answer give the same tokens as alone."""
+    import asyncio
+
+    from lazyattn_rag import AsyncLazyAttention
+
+    _, roomy = engine(make_llm, 20)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    requests = [("a", "b", "c"), ("b", "a"), ("c", "b", "a"), ("a",)]
+    expected = [roomy.generate(QUESTION, list(ids), sampling=params).token_ids for ids in requests]
+    _, tight = engine(make_llm, 20, num_blocks=24, max_num_seqs=4)
+
+    async def run_all():
+        allm = AsyncLazyAttention(tight)
+        return await asyncio.gather(*(allm.generate(QUESTION, list(ids), sampling=params) for ids in requests))
+
+    results = asyncio.run(run_all())
+    assert [r.token_ids for r in results] == expected
+    stats = tight.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["num_blocks_free"] + stats["num_blocks_cached"] == stats["num_blocks_total"]
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError, match="recompute_chunk_head_tokens"):
+        CacheConfig(recompute_chunk_head_tokens=-1)
+    with pytest.raises(ValueError, match="mode must be 'lazy'"):
+        CacheConfig(recompute_chunk_head_tokens=4, mode="block_attention")
