@@ -137,8 +137,8 @@ def _assemble(model: CausalLM, tokenizer: Any, config: EngineConfig, weights_sha
     dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     dtype, arch = DTYPES[dtype_name], model.config
     model = model.to(device=device, dtype=dtype).eval()
-    _set_weight_packing(model, config.cpu_weight_packing and device.type == "cpu" and dtype == torch.float32
-                        and onednn_available())
+    _set_weight_packing(model, config.cpu_weight_packing and not config.torch_compile and device.type == "cpu"
+                        and dtype == torch.float32 and onednn_available())
     window = getattr(hf_config, "sliding_window", None) if hf_config is not None else None
     limit = arch.max_position_embeddings if not window else min(window, arch.max_position_embeddings)
     max_model_len, block_size = min(config.max_model_len or limit, limit), config.cache.block_size

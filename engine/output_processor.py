@@ -21,7 +21,7 @@ from lazyattn_rag.engine.request import Request, RequestStatus
 from lazyattn_rag.engine.sampler import apply_penalties, sample
 from lazyattn_rag.engine.scheduler import Scheduler
 from lazyattn_rag.engine.scheduler_output import ComputeJob
-from lazyattn_rag.types.outputs import StreamDelta
+from lazyattn_rag.types.outputs import StreamDelta, VocabLogprobs
 
 logger = logging.getLogger(__name__)
 Sink = Callable[[StreamDelta | BaseException], None]
@@ -70,8 +70,9 @@ class OutputProcessor:
             greedy_token = int(torch.argmax(logits))
         token = greedy_token if r.params.greedy else sample(logits, r.params, r.generator)
         self._record_first_token(r)
+        logprobs = token_logprobs(raw, token, r.params.logprobs) if r.params.logprobs is not None else None
         if token in r.stop_token_ids:
-            self.finish(r, "stop")
+            self.finish(r, "stop", logprobs=logprobs)
             return
         r.output_ids.append(token)
         text = r.detokenizer.add(token)
@@ -81,7 +82,6 @@ class OutputProcessor:
         elif len(r.output_ids) >= r.params.max_tokens or (
                 r.plan.num_prompt_tokens + len(r.output_ids) >= self.max_model_len):
             reason = "length"
-        logprobs = token_logprobs(raw, token, r.params.logprobs) if r.params.logprobs is not None else None
         if not self._emit(r, StreamDelta(text, token, logprobs=logprobs)):  # nobody listens any more: drop it
             self.abort(r)
         elif reason is not None:
@@ -96,9 +96,10 @@ class OutputProcessor:
             self.counters.first_request_ttft_ms = r.stats.ttft_ms
 
     # --- ending requests ------------------------------------------------------------------
-    def finish(self, r: Request, reason: str, release: bool = True) -> None:
+    def finish(self, r: Request, reason: str, release: bool = True, logprobs=None) -> None:
         """End ``r`` with ``reason`` (``stop``, ``length``, ``warm`` or ``abort``): release what it
-        holds (unless the caller did), fill its stats, and send the final delta."""
+        holds (unless the caller did), fill its stats, and send the final delta (with
+        ``logprobs``: the stop token's step, when asked for)."""
         if release:
             self.scheduler.remove(r)
         r.status = RequestStatus.FINISHED
@@ -107,7 +108,7 @@ class OutputProcessor:
         _fill_stats(r)
         if reason != "abort":
             self._count_finished(r)
-        self._emit(r, StreamDelta(r.detokenizer.flush(), None, True, reason, r.stats))
+        self._emit(r, StreamDelta(r.detokenizer.flush(), None, True, reason, r.stats, logprobs))
 
     def abort(self, r: Request) -> None:
         """Cancel ``r``: release it and send its final delta (``finish_reason="abort"``)."""
@@ -144,12 +145,12 @@ class OutputProcessor:
             return False
 
 
-def token_logprobs(logits: torch.Tensor, token: int, num: int) -> dict[int, float]:
+def token_logprobs(logits: torch.Tensor, token: int, num: int) -> dict[int, float] | VocabLogprobs:
     """``{token_id: log-probability}`` of the ``num`` most likely tokens of ``logits``
     (``[vocab_size]`` float32; ``-1``: all of them) and of ``token``."""
     logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
     if num == -1 or num >= logp.numel():
-        return dict(enumerate(logp.tolist()))
+        return VocabLogprobs(logp.cpu())
     values, ids = torch.topk(logp, num) if num else (logp[:0], torch.empty(0, dtype=torch.int64))
     out = dict(zip(ids.tolist(), values.tolist()))
     out[token] = float(logp[token])

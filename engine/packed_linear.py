@@ -27,9 +27,14 @@ def onednn_available() -> bool:
 class PackedLinear(nn.Module):
     """``nn.Linear`` over a oneDNN-packed copy of its float32 CPU weight.
 
+    The packed copy follows the parameters: a weight or bias changed in place (its version
+    counter moves) or replaced is packed again at the next call. Calls that need gradients, or
+    inputs or parameters that are not float32 on the CPU, take the dense ``F.linear`` path.
+    Pickling or deep-copying the module leaves the packed copy out (it is made again on use).
+
     Args:
         linear: the layer (float32, on the CPU); its ``weight`` and ``bias`` stay this module's
-            parameters, and the packed copy is taken now (later changes to them are not seen).
+            parameters.
     Raises:
         ValueError: ``linear`` is not float32 on the CPU.
     """
@@ -41,16 +46,34 @@ class PackedLinear(nn.Module):
             raise ValueError(f"PackedLinear needs a float32 CPU weight, got {w.dtype} on {w.device}")
         self.weight, self.bias = linear.weight, linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        bias = linear.bias if linear.bias is not None else torch.zeros(w.shape[0])
-        with torch.no_grad():
-            self._packed_weight = w.detach().to_mkldnn()  # [out_features, in_features], oneDNN layout
-            self._packed_bias = bias.detach().to(torch.float32).to_mkldnn()
+        self._packed: tuple | None = None  # (state the copy was made of, weight, bias) in oneDNN's layout
+        self._pack()
+
+    def _state(self) -> tuple:
+        """What the packed copy depends on: the parameters' identities and version counters."""
+        return tuple((id(p), p.data_ptr(), p._version) if p is not None else None for p in (self.weight, self.bias))
+
+    def _pack(self) -> None:
+        w, b = self.weight, self.bias
+        bias = b if b is not None else torch.zeros(w.shape[0])
+        with torch.no_grad():  # [out_features, in_features] and [out_features], oneDNN layout
+            self._packed = (self._state(), w.detach().to_mkldnn(), bias.detach().to(torch.float32).to_mkldnn())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_features] -> [..., out_features]
-        if x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)  # the model was moved since: the dense path
-        return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self._packed_weight,
-                                          self._packed_bias).to_dense()
+        w = self.weight
+        dense = (x.device.type != "cpu" or x.dtype != torch.float32 or w.device.type != "cpu"
+                 or w.dtype != torch.float32 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+        if dense:
+            return F.linear(x, w, self.bias)
+        if self._packed is None or self._packed[0] != self._state():
+            self._pack()
+        _, packed_weight, packed_bias = self._packed
+        return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), packed_weight, packed_bias).to_dense()
+
+    def __getstate__(self):
+        state = dict(super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__)
+        state["_packed"] = None  # oneDNN tensors cannot be pickled; packed again on use
+        return state
 
 
 def unpack_linears(model: nn.Module) -> int:
@@ -69,8 +92,9 @@ def unpack_linears(model: nn.Module) -> int:
 
 def pack_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model``'s decoder layers by a :class:`PackedLinear`
-    (idempotent). The lm_head stays dense (it multiplies one row per sequence, and may share the
-    embedding's weight). Returns how many layers it replaced."""
+    (idempotent; layers packed before are packed again if their weights changed since). The
+    lm_head stays dense (it multiplies one row per sequence, and may share the embedding's
+    weight). Returns how many layers it replaced."""
     replaced = 0
     for layer in model.model.layers:
         for parent in layer.modules():
@@ -78,4 +102,6 @@ def pack_linears(model: nn.Module) -> int:
                 if type(child) is nn.Linear:
                     setattr(parent, name, PackedLinear(child))
                     replaced += 1
+                elif isinstance(child, PackedLinear) and (child._packed is None or child._packed[0] != child._state()):
+                    child._pack()
     return replaced

@@ -22,7 +22,8 @@ from lazyattn_rag.types.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from lazyattn_rag.llm import LazyAttention
 
-SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+# logprobs: the wrappers do not hand log-probabilities to the frameworks (use LazyAttention directly).
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "logprobs")
 FIRST_CLASS = ("temperature", "max_tokens", "top_p", "stop")  # wrapper fields; the rest go in sampling_kwargs
 
 
@@ -72,6 +73,9 @@ def call_sampling(base: SamplingParams, kwargs: dict[str, Any], who: str, ignore
         raise TypeError(f"{who} got unsupported keyword argument(s) {unknown}; accepted: "
                         f"{sorted(('sampling', *SAMPLING_FIELDS, *ignored))}")
     sampling = kwargs.get("sampling") or base
+    if sampling.logprobs is not None:
+        raise ValueError(f"{who}: logprobs are not returned through the framework wrappers; "
+                         "use lazyattn_rag.LazyAttention directly")
     overrides = {k: v for k, v in kwargs.items() if k in SAMPLING_FIELDS and v is not None}
     stop = list(sampling.stop) + _strings(overrides.pop("stop", ())) + _strings(extra_stop or ())
     return dataclasses.replace(sampling, **overrides, stop=tuple(dict.fromkeys(stop)))

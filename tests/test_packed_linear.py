@@ -61,3 +61,49 @@ def test_cpu_engine_packs_by_default_and_not_when_told(make_llm):
     assert sum(isinstance(m, PackedLinear) for m in llm.engine.runner.model.modules()) == 4 * 2
     _, off = make_llm(cpu_weight_packing=False)
     assert not any(isinstance(m, PackedLinear) for m in off.engine.runner.model.modules())
+
+
+def test_packed_copy_follows_the_weights_and_survives_copies_and_gradients():
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 24)
+    packed = PackedLinear(linear)
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        linear.weight.mul_(2.0)  # changed in place after packing
+    with torch.inference_mode():
+        assert (packed(x) - F.linear(x, linear.weight, linear.bias)).abs().max().item() <= 1e-5
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(24, 32))
+        assert (packed(x) - F.linear(x, linear.weight, linear.bias)).abs().max().item() <= 1e-5
+    clone = copy.deepcopy(packed)
+    buffer = io.BytesIO()
+    torch.save(nn.Sequential(packed), buffer)
+    with torch.no_grad():
+        assert (clone(x) - F.linear(x, linear.weight, linear.bias)).abs().max().item() <= 1e-5
+    y = packed(x.requires_grad_())  # gradients: the dense path
+    y.sum().backward()
+    assert linear.weight.grad is not None and x.grad is not None
+
+
+def test_the_engine_packs_a_model_again_after_its_weights_changed(make_llm):
+    hf, llm = make_llm()
+    model = llm.engine.runner.model
+    prompt = list(range(5, 30))
+    params = __import__("lazyattn_rag").SamplingParams(max_tokens=1, logprobs=-1)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(0.9)
+    model.load_hf_state_dict(hf.state_dict())  # in place, after the first engine packed it
+    _, again = make_llm(model=model)
+    ours = torch.tensor(list(again.complete(prompt, sampling=params).logprobs[0].values()))
+    with torch.no_grad():
+        expected = torch.log_softmax(hf(input_ids=torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    assert (ours - expected).abs().max().item() <= 1e-4
+
+
+def test_compiled_engines_do_not_pack(make_llm):
+    _, llm = make_llm(torch_compile=True)
+    assert not any(isinstance(m, PackedLinear) for m in llm.engine.runner.model.modules())

@@ -72,3 +72,32 @@ def test_logprobs_are_the_models_distribution(make_llm):
     assert llm.complete(prompt, sampling=SamplingParams(max_tokens=2)).logprobs is None
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=-2)
+
+
+def test_a_request_that_stops_first_still_reports_that_steps_logprobs(make_llm):
+    _, llm = make_llm()
+    prompt = list(range(5, 40))
+    first = llm.complete(prompt, sampling=SamplingParams(max_tokens=1)).token_ids[0]
+    out = llm.complete(prompt, sampling=SamplingParams(max_tokens=3, logprobs=2, stop_token_ids=(first,)))
+    assert out.token_ids == [] and out.finish_reason == "stop"
+    assert len(out.logprobs) == 1 and first in out.logprobs[0]  # the stop token's step, on the final delta
+
+
+def test_logprobs_are_refused_where_they_are_not_carried():
+    from lazyattn_rag.integrations.call_options import call_sampling, default_sampling
+    from lazyattn_rag.serve.protocol import ChatCompletionRequest
+    from lazyattn_rag.types.wire import sampling_to_body
+
+    with pytest.raises(ValueError, match="not returned over HTTP"):
+        sampling_to_body(SamplingParams(logprobs=1))
+    with pytest.raises(ValueError, match="framework wrappers"):
+        call_sampling(SamplingParams(), {"sampling": SamplingParams(logprobs=3)}, "ChatLazyAttention")
+    with pytest.raises(TypeError, match="logprobs"):
+        call_sampling(SamplingParams(), {"logprobs": 3}, "ChatLazyAttention")
+    with pytest.raises(ValueError, match="logprobs"):
+        default_sampling(0.0, 16, 1.0, [], {"logprobs": 2})
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for extra in ({"logprobs": True}, {"top_logprobs": 3}, {"logprobs": False, "top_logprobs": 3}):
+        with pytest.raises(ValueError, match="top_logprobs"):
+            ChatCompletionRequest.model_validate(body | extra)
+    ChatCompletionRequest.model_validate(body | {"logprobs": False})

@@ -130,8 +130,8 @@ class ChatCompletionRequest(BaseModel):
         asked = [k for k in UNSUPPORTED if extra.get(k) not in (None, [], {})]
         if asked:
             raise ValueError(f"not supported by this server: {', '.join(asked)}")
-        if self.logprobs:
-            raise ValueError("not supported by this server: logprobs")
+        if self.logprobs or (self.model_extra or {}).get("top_logprobs") is not None:
+            raise ValueError("not supported by this server: logprobs, top_logprobs")
         return self
 
     def sampling_body(self) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -85,6 +87,31 @@ class RequestStats:
         return f"{cached} cached ({cached - head} from documents, {head} prompt head)"
 
 
+class VocabLogprobs(Mapping):
+    """``{token_id: log-probability}`` over the whole vocabulary (``SamplingParams.logprobs=-1``),
+    read-only, backed by one ``[vocab_size]`` float32 CPU tensor (``.tensor``) instead of a dict
+    of every id."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Any):
+        self.tensor = tensor
+
+    def __getitem__(self, token_id: int) -> float:
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < len(self.tensor):
+            raise KeyError(token_id)
+        return float(self.tensor[token_id])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self.tensor)))
+
+    def __len__(self) -> int:
+        return len(self.tensor)
+
+    def values(self):  # noqa: D102 - Mapping's, in id order, without a lookup per id
+        return self.tensor.tolist()
+
+
 @dataclass
 class StreamDelta:
     """One piece of a streamed answer.
@@ -97,7 +124,9 @@ class StreamDelta:
             the context limit), ``"abort"`` (cancelled) or ``"warm"`` (a warm-up) once finished.
         stats: the request's stats once finished.
         logprobs: with ``SamplingParams.logprobs``, ``{token_id: log-probability}`` of the most
-            likely tokens and of ``token_id`` at this step (``None`` otherwise, and on the final flush).
+            likely tokens and of ``token_id`` at this step (a :class:`VocabLogprobs` for ``-1``);
+            on the final delta of a request that ended on a stop token or EOS, that token's step
+            (the token itself is not output); ``None`` otherwise.
     """
 
     text: str
@@ -118,7 +147,8 @@ class Completion:
         finish_reason: ``"stop"`` or ``"length"``.
         stats: :class:`RequestStats`.
         logprobs: with ``SamplingParams.logprobs``, one ``{token_id: log-probability}`` per
-            generated token (see :class:`StreamDelta`); ``None`` otherwise.
+            generated token, and one more for the stop token or EOS the request ended on (see
+            :class:`StreamDelta`); ``None`` otherwise.
     """
 
     text: str

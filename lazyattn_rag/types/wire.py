@@ -45,7 +45,13 @@ _SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_
 
 def sampling_to_body(params: SamplingParams) -> dict[str, Any]:
     """The body fields that make the server sample as ``params`` does (every field, so the
-    server's defaults play no part)."""
+    server's defaults play no part).
+
+    Raises:
+        ValueError: ``params.logprobs`` is set (the HTTP API does not return log-probabilities).
+    """
+    if params.logprobs is not None:
+        raise ValueError("logprobs are not returned over HTTP (lazyattn serve); use an in-process LazyAttention")
     body = {key: getattr(params, name) for name, key in _SAMPLING_KEYS.items()}
     body["stop"], body["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)
     body["max_tokens"] = params.max_tokens
