@@ -40,6 +40,7 @@ import gc
 import json
 import platform
 import random
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -66,6 +67,17 @@ from benchmarks.qa_metrics import (
 )
 
 ENGINE_MODES = {"full": "none", "full-shuffled": "none", "reuse": "none", "reuse-head": "head", "reuse-bos": "bos"}
+# Chunk-head recompute in the engine (CacheConfig.recompute_chunk_head_tokens): "reuse-k16",
+# "reuse-bos-k4", ...: the reuse mode of that anchor with the first k tokens of each passage recomputed.
+_HEAD_RECOMPUTE = re.compile(r"^(reuse|reuse-head|reuse-bos)-k(\d+)$")
+
+
+def engine_setting(mode: str) -> tuple[str, int] | None:
+    """``(anchor, k)`` of an engine mode (``k``: chunk-head tokens recomputed), or ``None``."""
+    if mode in ENGINE_MODES:
+        return ENGINE_MODES[mode], 0
+    m = _HEAD_RECOMPUTE.match(mode)
+    return (ENGINE_MODES[m.group(1)], int(m.group(2))) if m else None
 DEFAULT_MODES = ("full", "full-shuffled", "reuse", "reuse-head", "reuse-bos", "recompute")
 # Default sample: >= 200 questions of the large sets, all of MuSiQue (160) and 2WikiMultihopQA (131).
 DEFAULT_SAMPLE_SIZES = {"hotpotqa": 200, "2wikimultihopqa": 0, "2wikimultihopqa_goldonly": 200, "musique": 0,
@@ -94,14 +106,15 @@ def shuffled(items: list, seed: int, question_id: str) -> list:
 
 
 # --- engine modes -----------------------------------------------------------------------------
-def make_engine(args, anchor: str):
+def make_engine(args, anchor: str, recompute_tokens: int = 0):
     from lazyattn_rag import CacheConfig, EngineConfig, SchedulerConfig
     from lazyattn_rag.llm import LazyAttention
 
     config = EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
         cuda_graphs=args.cuda_graphs,
-        cache=CacheConfig(anchor=anchor, kv_cache_fraction=args.kv_cache_fraction if args.device != "cpu" else None),
+        cache=CacheConfig(anchor=anchor, kv_cache_fraction=args.kv_cache_fraction if args.device != "cpu" else None,
+                          recompute_chunk_head_tokens=recompute_tokens),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.concurrency),
         prompt=prompt_config())
     return LazyAttention(config)
@@ -265,6 +278,8 @@ def resume_from(results: dict, prior: dict, examples: dict[str, list[QAExample]]
 def mode_order(mode: str) -> tuple[int, int]:
     base = mode if not mode.startswith("recompute-k") else "recompute"
     k = int(mode.removeprefix("recompute-k")) if mode.startswith("recompute-k") else 0
+    if m := _HEAD_RECOMPUTE.match(mode):
+        base, k = m.group(1), int(m.group(2))
     order = ("full", "full-shuffled", "reuse", "reuse-bos", "reuse-head", "recompute")
     return (order.index(base) if base in order else len(order), k)
 
@@ -310,7 +325,8 @@ def parse_args(argv=None):
                    help="auto = bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--max-answer-tokens", type=int, default=32, help="most tokens generated per answer")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                   help=f"comma-separated subset of {', '.join(ENGINE_MODES)}, recompute")
+                   help=f"comma-separated subset of {', '.join(ENGINE_MODES)}, recompute (transformers reference), "
+                        "and engine chunk-head recompute modes such as reuse-k16, reuse-bos-k4")
     p.add_argument("--recompute-tokens", default="0,16",
                    help="comma-separated k values of the recompute remedy; 0 is the reference's own control "
                         "(reuse through transformers: compare k > 0 with it, not with the engine's numerics)")
@@ -346,7 +362,7 @@ def parse_args(argv=None):
     args.datasets = [d for d in args.datasets.split(",") if d]
     args.modes = [m for m in args.modes.split(",") if m]
     args.recompute_tokens = [int(k) for k in args.recompute_tokens.split(",") if k]
-    unknown = [m for m in args.modes if m not in ENGINE_MODES and m != "recompute"]
+    unknown = [m for m in args.modes if engine_setting(m) is None and m != "recompute"]
     if unknown:
         p.error(f"unknown modes {unknown}")
     return args
@@ -418,13 +434,13 @@ def main(argv=None) -> dict:
         results["all_datasets"] = pool(results, args.seed)
         args.out.write_text(json.dumps(results, indent=1, ensure_ascii=False))
 
-    for anchor in ("none", "head", "bos"):
-        # full first in each dataset: the fidelity figures of the other modes compare with its distributions
-        modes = sorted(args.modes, key=lambda m: m != "full")
-        todo = [(d, m) for d in args.datasets for m in modes if ENGINE_MODES.get(m) == anchor and not done(d, m)]
+    # full first in each dataset: the fidelity figures of the other modes compare with its distributions
+    modes = sorted((m for m in args.modes if engine_setting(m)), key=lambda m: (m != "full", engine_setting(m)))
+    for setting in dict.fromkeys(engine_setting(m) for m in modes):
+        todo = [(d, m) for d in args.datasets for m in modes if engine_setting(m) == setting and not done(d, m)]
         if not todo:
             continue
-        llm = make_engine(args, anchor)
+        llm = make_engine(args, *setting)
         try:
             for dataset, mode in todo:
                 start = time.perf_counter()

@@ -25,7 +25,7 @@ def test_first_token_kl_and_top1_match_a_direct_computation(tmp_path, smollm2_di
     (tmp_path / "qa" / "hotpotqa.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS))
     out = tmp_path / "q.json"
     argv = ["--data", str(tmp_path), "--datasets", "hotpotqa", "--sample-size", "0", "--device", "cpu",
-            "--modes", "full,reuse", "--max-answer-tokens", "4", "--concurrency", "1", "--out", str(out)]
+            "--modes", "reuse,full,reuse-k64", "--max-answer-tokens", "4", "--concurrency", "1", "--out", str(out)]
     results = main(argv)
     reuse = results["datasets"]["hotpotqa"]["modes"]["reuse"]
     assert reuse["first_token_kl"]["n"] == 2 and "first_token_kl" not in results["datasets"]["hotpotqa"]["modes"]["full"]
@@ -53,4 +53,8 @@ def test_first_token_kl_and_top1_match_a_direct_computation(tmp_path, smollm2_di
     assert all(k > 0 for k in kls)  # reuse without an anchor is not full attention
     assert reuse["first_token_kl"]["mean"] == pytest.approx(np.mean(kls))
     assert reuse["first_token_top1_agreement"]["mean"] == pytest.approx(np.mean(agree))
+    # k = 64 recomputes these whole passages: full attention, to float32 rounding
+    whole = results["datasets"]["hotpotqa"]["modes"]["reuse-k64"]
+    assert whole["first_token_kl"]["mean"] <= 1e-6 and whole["first_token_top1_agreement"]["mean"] == 100.0
+    assert list(results["datasets"]["hotpotqa"]["modes"]) == ["full", "reuse", "reuse-k64"]
     assert json.loads(out.read_text())["datasets"]["hotpotqa"]["modes"]["reuse"]["first_token_kl"] == reuse["first_token_kl"]
