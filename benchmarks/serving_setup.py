@@ -18,6 +18,9 @@ from lazyattn_rag.llm import LazyAttention
 
 MODES = ("lazy", "block_attention", "prefix", "full")
 TIERED_MODES = ("lazy+host",)  # lazy with a host-memory tier below the KV budget (issue 17)
+# "lazy+head<k>": lazy with the first k tokens of every document recomputed per request
+# (CacheConfig.recompute_chunk_head_tokens, issue 20), e.g. lazy+head16.
+HEAD_RECOMPUTE_PREFIX = "lazy+head"
 PROMPT = PromptConfig(system_prompt=None, instruction="t1 t2 t3 t4 t5 t6 t7 t8 ", document_separator=" ",
                       question_prefix="t9 ")
 
@@ -106,16 +109,18 @@ def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_bat
                 backend: str = "auto", cuda_graphs: bool = True, prefill_with_encodes: bool = True,
                 host_memory_bytes: int = 0, torch_compile: bool = False) -> LazyAttention:
     """An engine over ``bench``'s model in cache ``mode`` with a KV budget of ``budget_bytes``
-    (``"lazy+host"``: ``lazy`` with a host-memory tier of ``host_memory_bytes``; ``torch_compile``:
+    (``"lazy+host"``: ``lazy`` with a host-memory tier of ``host_memory_bytes``; ``"lazy+head<k>"``:
+    ``lazy`` recomputing the first ``k`` tokens of each document per request; ``torch_compile``:
     ``EngineConfig.torch_compile``)."""
     host = host_memory_bytes if mode == "lazy+host" else 0
-    mode = "lazy" if mode == "lazy+host" else mode
+    head = int(mode.removeprefix(HEAD_RECOMPUTE_PREFIX)) if mode.startswith(HEAD_RECOMPUTE_PREFIX) else 0
+    mode = "lazy" if mode == "lazy+host" or head else mode
     config = EngineConfig(device=device, dtype=str(next(bench.model.parameters()).dtype).removeprefix("torch."),
                           attention_backend=backend, prompt=PROMPT, cuda_graphs=cuda_graphs,
                           torch_compile=torch_compile,
                           cache=CacheConfig(kv_cache_bytes=budget_bytes, mode=mode, eviction_policy="lfu",
                                             anchor="none",  # the papers' setting (block_attention has no anchor)
-                                            host_memory_bytes=host),
+                                            host_memory_bytes=host, recompute_chunk_head_tokens=head),
                           scheduler=SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs,
                                                     prefill_with_encodes=prefill_with_encodes))
     return LazyAttention.from_model(bench.model, bench.tokenizer, config, name="random",
