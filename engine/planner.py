@@ -109,10 +109,13 @@ class PromptPlanner:
         return chunks
 
     # --- plans ----------------------------------------------------------------------------
-    def plan(self, question: str, doc_ids: list[str], namespace: str = "") -> PromptPlan:
-        """The plan of a question over documents registered in ``namespace`` (per ``CacheConfig.mode``).
+    def plan(self, question: str, doc_ids: list[str], namespace: str = "",
+             recompute_chunk_head_tokens: int | None = None) -> PromptPlan:
+        """The plan of a question over documents registered in ``namespace`` (per ``CacheConfig.mode``;
+        ``recompute_chunk_head_tokens``: this request's chunk-head recompute, ``None`` = the config's).
 
         Raises:
+            ValueError: a negative ``recompute_chunk_head_tokens``, or one in a mode other than ``lazy``.
             EmptyInputError: empty question.
             UnknownDocumentError: an id that is not registered (the first one is named).
             PromptTooLongError: the prompt reaches ``max_model_len``.
@@ -120,11 +123,13 @@ class PromptPlanner:
         if not isinstance(question, str) or not question.strip():
             raise EmptyInputError("the question is empty")
         self.documents.check_ids(doc_ids, namespace)
+        head_k = self._head_tokens(recompute_chunk_head_tokens)
         plan = PromptPlan(tuple(self.chunks(doc_ids, namespace)), tuple(self.template.tail_token_ids(question)))
         self._check_length(plan, f"{len(doc_ids)} documents")
-        return self._for_mode(plan)
+        return self._for_mode(plan, head_k)
 
-    def plan_messages(self, messages: list[Message], namespace: str = "") -> PromptPlan:
+    def plan_messages(self, messages: list[Message], namespace: str = "",
+                      recompute_chunk_head_tokens: int | None = None) -> PromptPlan:
         """The plan of chat ``messages`` whose content places documents registered in
         ``namespace`` (:class:`DocumentRef`).
 
@@ -139,8 +144,10 @@ class PromptPlanner:
             UnknownDocumentError: a document id that is not registered (the first one is named).
             EmptyInputError: no messages, or nothing after the last document to answer from.
             PromptTooLongError: the prompt reaches ``max_model_len``.
-            ValueError: the chat template drops a message.
+            ValueError: the chat template drops a message; ``recompute_chunk_head_tokens`` as
+                :meth:`plan` (which it means here too).
         """
+        head_k = self._head_tokens(recompute_chunk_head_tokens)
         if not messages:
             raise EmptyInputError("no messages")
         pieces = self.template.render_messages(messages)
@@ -169,7 +176,7 @@ class PromptPlanner:
         tail = self.template.encode_runs(pieces[-1].runs)
         plan = PromptPlan(tuple(chunks), tuple(tail), texts=tuple(texts))
         self._check_length(plan, f"{len(messages)} messages, {len(doc_ids)} documents")
-        return self._for_mode(plan)
+        return self._for_mode(plan, head_k)
 
     def plan_prompt(self, prompt: str | list[int] | tuple[int, ...]) -> PromptPlan:
         """A raw prompt (text in the caller's own template, or token ids), computed whole.
@@ -216,8 +223,24 @@ class PromptPlanner:
                 "tokens and at least one must remain for the answer")
 
     # --- comparison modes (CacheConfig.mode) ------------------------------------------------
-    def _for_mode(self, plan: PromptPlan) -> PromptPlan:
-        """The plan as ``CacheConfig.mode`` runs it (the comparison modes of the benchmarks)."""
+    def _head_tokens(self, requested: int | None) -> int:
+        """A request's chunk-head recompute (``None``: ``CacheConfig.recompute_chunk_head_tokens``).
+
+        Raises:
+            ValueError: not an integer >= 0, or > 0 in a mode other than ``lazy``.
+        """
+        if requested is None:
+            return self.config.cache.recompute_chunk_head_tokens
+        if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
+            raise ValueError(f"recompute_chunk_head_tokens must be an integer >= 0, got {requested!r}")
+        if requested and self.config.cache.mode != "lazy":
+            raise ValueError(f"recompute_chunk_head_tokens needs CacheConfig.mode 'lazy', the engine runs "
+                             f"{self.config.cache.mode!r}")
+        return requested
+
+    def _for_mode(self, plan: PromptPlan, head_tokens: int = 0) -> PromptPlan:
+        """The plan as ``CacheConfig.mode`` runs it (the comparison modes of the benchmarks), with
+        ``head_tokens`` of every document recomputed (``lazy`` mode)."""
         mode = self.config.cache.mode
         if mode == "full":
             return PromptPlan((), tuple(plan.token_ids()))
@@ -226,7 +249,7 @@ class PromptPlanner:
         if mode == "block_attention":
             return PromptPlan(tuple(self._positioned(c) for c in plan.chunks), plan.query_token_ids,
                               texts=plan.texts)
-        return with_head_recompute(plan, self.config.cache.recompute_chunk_head_tokens)
+        return with_head_recompute(plan, head_tokens)
 
     @staticmethod
     def _positioned(chunk: ChunkSegment) -> ChunkSegment:

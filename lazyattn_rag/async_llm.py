@@ -80,20 +80,25 @@ class AsyncLazyAttention:
             self.llm.client.abort_soon(submission.result())
 
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
-               sampling: SamplingParams | None = None, namespace: str = "") -> AsyncIterator[StreamDelta]:
+               sampling: SamplingParams | None = None, namespace: str = "", *,
+               recompute_chunk_head_tokens: int | None = None) -> AsyncIterator[StreamDelta]:
         """Async version of :meth:`LazyAttention.stream` (argument errors raise here, engine errors
         on the first ``__anext__``)."""
         return self._submit(question_request(question, doc_ids, documents, sampling or self.llm.default_sampling,
-                                             namespace))
+                                             namespace, recompute_chunk_head_tokens))
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
-                    sampling: SamplingParams | None = None, namespace: str = "") -> AsyncIterator[StreamDelta]:
+                    sampling: SamplingParams | None = None, namespace: str = "", *,
+                    recompute_chunk_head_tokens: int | None = None) -> AsyncIterator[StreamDelta]:
         """Async version of :meth:`LazyAttention.stream_chat` (errors as :meth:`stream`)."""
-        return self._submit(chat_request(messages, documents, sampling or self.llm.default_sampling, namespace))
+        return self._submit(chat_request(messages, documents, sampling or self.llm.default_sampling, namespace,
+                                         recompute_chunk_head_tokens))
 
     async def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
-                   sampling: SamplingParams | None = None, namespace: str = "") -> Completion:
-        return await _collect(self.stream_chat(messages, documents, sampling, namespace))
+                   sampling: SamplingParams | None = None, namespace: str = "", *,
+                   recompute_chunk_head_tokens: int | None = None) -> Completion:
+        return await _collect(self.stream_chat(messages, documents, sampling, namespace,
+                                               recompute_chunk_head_tokens=recompute_chunk_head_tokens))
 
     def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None
                       ) -> AsyncIterator[StreamDelta]:
@@ -101,8 +106,10 @@ class AsyncLazyAttention:
         return self._submit(prompt_request(prompt, sampling or self.llm.default_sampling))
 
     async def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
-                       sampling: SamplingParams | None = None, namespace: str = "") -> Completion:
-        return await _collect(self.stream(question, doc_ids, documents, sampling, namespace))
+                       sampling: SamplingParams | None = None, namespace: str = "", *,
+                       recompute_chunk_head_tokens: int | None = None) -> Completion:
+        return await _collect(self.stream(question, doc_ids, documents, sampling, namespace,
+                                          recompute_chunk_head_tokens=recompute_chunk_head_tokens))
 
     async def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Completion:
         return await _collect(self.stream_prompt(prompt, sampling))

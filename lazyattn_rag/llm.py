@@ -186,7 +186,8 @@ class LazyAttention:
         return RequestStream(self.client, self.client.submit(make, deltas.put), deltas)
 
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
-               sampling: SamplingParams | None = None, namespace: str = "") -> "RequestStream":
+               sampling: SamplingParams | None = None, namespace: str = "", *,
+               recompute_chunk_head_tokens: int | None = None) -> "RequestStream":
         """Stream the answer to ``question`` over documents, in the order given.
 
         Args:
@@ -195,6 +196,9 @@ class LazyAttention:
             documents: inline documents, registered (or updated) first and placed after ``doc_ids``.
             sampling: :class:`SamplingParams`; ``None`` uses :attr:`default_sampling` (the model's own).
             namespace: the documents' namespace (see :meth:`add_document`).
+            recompute_chunk_head_tokens: this request's chunk-head recompute (the first ``k``
+                tokens of each document computed in the request; see
+                :class:`~lazyattn_rag.types.config.CacheConfig`); ``None``: the engine's.
         Returns:
             A :class:`RequestStream` of :class:`StreamDelta` pieces, one per generated token (text
             may be empty while a character is incomplete); the last has ``finished=True`` and the
@@ -202,18 +206,23 @@ class LazyAttention:
         Raises:
             UnknownDocumentError, EmptyInputError, PromptTooLongError, DocumentTooLongError:
             at the call, before anything is queued or registered. CacheCapacityError: at the call, when the
-            prompt plus ``max_tokens`` could never fit the KV cache. Other requests are unaffected.
+            prompt plus ``max_tokens`` could never fit the KV cache. ValueError: a negative
+            ``recompute_chunk_head_tokens``, or one on an engine not in ``lazy`` mode. Other
+            requests are unaffected.
         """
         return self._submit(question_request(question, doc_ids, documents, sampling or self.default_sampling,
-                                             namespace))
+                                             namespace, recompute_chunk_head_tokens))
 
     def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
-                 sampling: SamplingParams | None = None, namespace: str = "") -> Completion:
+                 sampling: SamplingParams | None = None, namespace: str = "", *,
+                 recompute_chunk_head_tokens: int | None = None) -> Completion:
         """Answer ``question``; same arguments and errors as :meth:`stream`."""
-        return _collect(self.stream(question, doc_ids, documents, sampling, namespace))
+        return _collect(self.stream(question, doc_ids, documents, sampling, namespace,
+                                    recompute_chunk_head_tokens=recompute_chunk_head_tokens))
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
-                    sampling: SamplingParams | None = None, namespace: str = "") -> "RequestStream":
+                    sampling: SamplingParams | None = None, namespace: str = "", *,
+                    recompute_chunk_head_tokens: int | None = None) -> "RequestStream":
         """Stream the answer to chat ``messages`` whose content places documents by id.
 
         This is how a RAG framework's own prompt keeps reuse: the template's text (instructions,
@@ -227,6 +236,7 @@ class LazyAttention:
             documents: inline documents, registered (or updated) first, all or none.
             sampling: :class:`SamplingParams`.
             namespace: the documents' namespace (see :meth:`add_document`).
+            recompute_chunk_head_tokens: as :meth:`stream`.
         Returns:
             A :class:`RequestStream`, as :meth:`stream`.
         Raises:
@@ -234,12 +244,15 @@ class LazyAttention:
             PromptTooLongError, DocumentTooLongError: at the call, before anything is queued
             or registered.
         """
-        return self._submit(chat_request(messages, documents, sampling or self.default_sampling, namespace))
+        return self._submit(chat_request(messages, documents, sampling or self.default_sampling, namespace,
+                                         recompute_chunk_head_tokens))
 
     def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
-             sampling: SamplingParams | None = None, namespace: str = "") -> Completion:
+             sampling: SamplingParams | None = None, namespace: str = "", *,
+             recompute_chunk_head_tokens: int | None = None) -> Completion:
         """Answer chat ``messages``; same arguments and errors as :meth:`stream_chat`."""
-        return _collect(self.stream_chat(messages, documents, sampling, namespace))
+        return _collect(self.stream_chat(messages, documents, sampling, namespace,
+                                         recompute_chunk_head_tokens=recompute_chunk_head_tokens))
 
     def plan_chat(self, messages: Iterable[Message | dict | tuple], namespace: str = ""):
         """The prompt plan chat ``messages`` would run (for inspection; registered documents only)."""

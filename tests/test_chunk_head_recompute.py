@@ -127,3 +127,34 @@ def test_config_is_checked():
         CacheConfig(recompute_chunk_head_tokens=-1)
     with pytest.raises(ValueError, match="mode must be 'lazy'"):
         CacheConfig(recompute_chunk_head_tokens=4, mode="block_attention")
+
+
+def test_per_request_setting_overrides_the_engines(make_llm):
+    """``recompute_chunk_head_tokens=`` on a call: that request only, the engine's setting otherwise."""
+    import asyncio
+
+    from lazyattn_rag import AsyncLazyAttention
+
+    hf, plain = engine(make_llm, 0)
+    _, k16 = engine(make_llm, 16)
+    first_logprobs(plain)
+    def close(a, b):  # two engines (other batches, hits and misses): equal to float32 rounding
+        return (a - b).abs().max().item() <= 1e-5
+
+    first_logprobs(k16)
+    asked = plain.generate(QUESTION, ["a", "b", "c"], sampling=FIRST, recompute_chunk_head_tokens=16)
+    assert close(torch.tensor(list(asked.logprobs[0].values())), first_logprobs(k16))
+    assert not close(first_logprobs(plain), first_logprobs(k16))  # the next request is plain again
+    off = asyncio.run(AsyncLazyAttention(k16).generate(QUESTION, ["a", "b", "c"], sampling=FIRST,
+                                                        recompute_chunk_head_tokens=0))
+    assert close(torch.tensor(list(off.logprobs[0].values())), first_logprobs(plain))
+    with pytest.raises(ValueError, match="recompute_chunk_head_tokens"):
+        plain.generate(QUESTION, ["a"], recompute_chunk_head_tokens=-1)
+    _, copies = make_llm(mode="block_attention")
+    copies.add_documents(list(DOCS.items()))
+    with pytest.raises(ValueError, match="mode 'lazy'"):
+        copies.generate(QUESTION, ["a"], recompute_chunk_head_tokens=4)
+    messages = [("user", ["Context:", {"type": "document", "id": "a"}, QUESTION])]
+    chat = plain.chat(messages, sampling=FIRST, recompute_chunk_head_tokens=64)
+    assert chat.stats.num_computed_tokens == len(plain.plan_chat(messages).token_ids()) - \
+        chat.stats.num_cached_head_tokens
