@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable
 
 from lazyattn_rag.client import MakeRequest, chat_request, prompt_request, question_request
-from lazyattn_rag.llm import LazyAttention
+from lazyattn_rag.llm import LazyAttention, head_recompute_kwargs
 from lazyattn_rag.types.documents import Document
 from lazyattn_rag.types.messages import Message
 from lazyattn_rag.types.outputs import Completion, StreamDelta
@@ -98,7 +98,7 @@ class AsyncLazyAttention:
                    sampling: SamplingParams | None = None, namespace: str = "", *,
                    recompute_chunk_head_tokens: int | None = None) -> Completion:
         return await _collect(self.stream_chat(messages, documents, sampling, namespace,
-                                               recompute_chunk_head_tokens=recompute_chunk_head_tokens))
+                                               **head_recompute_kwargs(recompute_chunk_head_tokens)))
 
     def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None
                       ) -> AsyncIterator[StreamDelta]:
@@ -109,7 +109,7 @@ class AsyncLazyAttention:
                        sampling: SamplingParams | None = None, namespace: str = "", *,
                        recompute_chunk_head_tokens: int | None = None) -> Completion:
         return await _collect(self.stream(question, doc_ids, documents, sampling, namespace,
-                                          recompute_chunk_head_tokens=recompute_chunk_head_tokens))
+                                          **head_recompute_kwargs(recompute_chunk_head_tokens)))
 
     async def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Completion:
         return await _collect(self.stream_prompt(prompt, sampling))
@@ -125,3 +125,4 @@ async def _collect(deltas: AsyncIterator[StreamDelta]) -> Completion:
             logprobs.append(delta.logprobs)
         last = delta
     return Completion("".join(text), token_ids, last.finish_reason, last.stats, logprobs or None)
+

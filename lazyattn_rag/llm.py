@@ -218,7 +218,7 @@ class LazyAttention:
                  recompute_chunk_head_tokens: int | None = None) -> Completion:
         """Answer ``question``; same arguments and errors as :meth:`stream`."""
         return _collect(self.stream(question, doc_ids, documents, sampling, namespace,
-                                    recompute_chunk_head_tokens=recompute_chunk_head_tokens))
+                                    **head_recompute_kwargs(recompute_chunk_head_tokens)))
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                     sampling: SamplingParams | None = None, namespace: str = "", *,
@@ -252,7 +252,7 @@ class LazyAttention:
              recompute_chunk_head_tokens: int | None = None) -> Completion:
         """Answer chat ``messages``; same arguments and errors as :meth:`stream_chat`."""
         return _collect(self.stream_chat(messages, documents, sampling, namespace,
-                                         recompute_chunk_head_tokens=recompute_chunk_head_tokens))
+                                         **head_recompute_kwargs(recompute_chunk_head_tokens)))
 
     def plan_chat(self, messages: Iterable[Message | dict | tuple], namespace: str = ""):
         """The prompt plan chat ``messages`` would run (for inspection; registered documents only)."""
@@ -355,3 +355,8 @@ def _collect(deltas: Iterator[StreamDelta]) -> Completion:
             logprobs.append(delta.logprobs)
         last = delta
     return Completion("".join(text), token_ids, last.finish_reason, last.stats, logprobs or None)
+
+
+def head_recompute_kwargs(recompute_chunk_head_tokens: int | None) -> dict:
+    """The keyword to pass on (none when unset, so a ``stream`` wrapped with the older signature works)."""
+    return {} if recompute_chunk_head_tokens is None else {"recompute_chunk_head_tokens": recompute_chunk_head_tokens}
