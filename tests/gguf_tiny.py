@@ -20,6 +20,9 @@ _LAYER_TENSORS = {  # transformers suffix -> GGUF suffix
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
 }
 
+# A few byte-level merges (older transformers build a Qwen2 tokenizer only from a file's merges).
+MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
+
 
 def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's q/k permutation for Llama-architecture files (transformers undoes it on load)."""
@@ -28,18 +31,21 @@ def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def byte_level_vocab(vocab_size: int) -> list[str]:
-    """A byte-level BPE vocabulary of ``vocab_size`` (>= 256) tokens: the 256 byte symbols, then fillers.
+    """A byte-level BPE vocabulary of ``vocab_size`` tokens: the 256 byte symbols, the tokens of
+    :data:`MERGES`, then fillers.
 
     Raises:
         ValueError: ``vocab_size < 256``.
     """
-    if vocab_size < 256:
-        raise ValueError(f"a byte-level vocabulary needs >= 256 tokens, got {vocab_size}")
+    if vocab_size < 256 + len(MERGES):
+        raise ValueError(f"a byte-level vocabulary with {len(MERGES)} merges needs >= {256 + len(MERGES)} tokens, "
+                         f"got {vocab_size}")
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    tokens = list(bytes_to_unicode().values())
+    tokens = list(bytes_to_unicode().values()) + [a + b for a, b in MERGES]
     tokens += [f"<extra_{i}>" for i in range(vocab_size - len(tokens))]
     return tokens[:vocab_size]
+
 
 
 def write_gguf(hf_model, path: Path, family: str, quantization: str = "F32", name: str | None = None) -> Path:
@@ -71,7 +77,8 @@ def write_gguf(hf_model, path: Path, family: str, quantization: str = "F32", nam
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(byte_level_vocab(cfg.vocab_size))
-    writer.add_token_scores([0.0] * cfg.vocab_size)  # no merges: each byte is a token
+    writer.add_token_scores([0.0] * cfg.vocab_size)
+    writer.add_token_merges([f"{a} {b}" for a, b in MERGES])
     writer.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
