@@ -84,11 +84,16 @@ def write_gguf(hf_model, path: Path, family: str, quantization: str = "F32", nam
     writer.add_eos_token_id(cfg.eos_token_id)
     for name_, array in _gguf_tensors(hf_model, family).items():
         _add(writer, name_, array, quantization)
+    finish(writer)
+    return path
+
+
+def finish(writer) -> None:
+    """Write a ``gguf.GGUFWriter``'s header, metadata and tensors to its file, and close it."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def _gguf_tensors(hf_model, family: str) -> dict[str, np.ndarray]:

@@ -9,7 +9,7 @@ import torch
 from lazyattn_rag import EngineConfig, SamplingParams
 from lazyattn_rag.engine.model import UnsupportedModelError
 from lazyattn_rag.llm import LazyAttention
-from tests.gguf_tiny import write_gguf
+from tests.gguf_tiny import finish, write_gguf
 from tests.tiny import hf_and_ours, hf_config
 
 PROMPT = list(range(40, 75))
@@ -63,10 +63,7 @@ def test_an_unsupported_architecture_is_refused_before_converting(tmp_path):
 
     writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
     writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises(UnsupportedModelError, match=r"'phi3' is not supported; supported: llama, qwen2, qwen3"):
         engine(tmp_path / "phi.gguf", tmp_path / "cache")
     assert not (tmp_path / "cache" / "models").exists() or not any((tmp_path / "cache" / "models").iterdir())
@@ -78,10 +75,7 @@ def test_a_tensor_type_gguf_cannot_dequantize_is_named(tmp_path):
     writer = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "llama")
     block = np.zeros((1, 40), dtype=np.uint8)  # one Q8_1 block: 32 values in 40 bytes
     writer.add_tensor("blk.0.attn_q.weight", block, raw_shape=block.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_1)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises(UnsupportedModelError, match=r"blk.0.attn_q.weight is stored as Q8_1"):
         engine(tmp_path / "odd.gguf", tmp_path / "cache")
     (tmp_path / "junk.gguf").write_bytes(b"GGUF" + bytes(64))
