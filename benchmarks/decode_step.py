@@ -185,9 +185,10 @@ def profile_decode(model, device, batch: int, context: int, compiled: bool) -> d
         sync(device)
     runner.close()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    top, busy = top_device_kernels(prof, 12)
+    top, _ = top_device_kernels(prof, 12)
+    busy_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3  # kernels only: an op's self time repeats its kernels'
     return {"batch": batch, "context": context, "kernels_per_step": len(kernels) / 3,
-            "device_busy_ms_per_step": busy / 3, "top": top}
+            "device_busy_ms_per_step": busy_ms / 3, "top": top}
 
 
 def bench_engine(bench: Bench, device: str, context: int, compiled: bool) -> dict:
@@ -204,9 +205,33 @@ def bench_engine(bench: Bench, device: str, context: int, compiled: bool) -> dic
     remove = llm.add_step_listener(tally)
     res = llm.generate(random_text(rng, context - 8), [], sampling=params)
     remove()
+    host = engine_host_profile(llm, random_text(rng, context - 8), params)
     release(llm)
     return {"context": context, "setup_s": setup_s, "ttft_ms": res.stats.ttft_ms, "tpot_ms": res.stats.tpot_ms,
-            "decode_step_ms_median": tally.summary()["decode"]["median_ms"]}
+            "decode_step_ms_median": tally.summary()["decode"]["median_ms"], "host_profile": host}
+
+
+def engine_host_profile(llm, prompt: str, params: SamplingParams, top: int = 25) -> dict:
+    """cProfile of the engine thread over one request's decode steps (after its first token):
+    the functions with the most own time, per decode step (cProfile slows Python-heavy code, so
+    these are shares, not the timed figures)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    tokens = iter(llm.stream(prompt, [], sampling=params))
+    next(tokens)  # the prefill step is not profiled
+    llm.loop.call(prof.enable)
+    num_steps = sum(1 for _ in tokens)
+    llm.loop.call(prof.disable)
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    total_s = sum(v[2] for v in stats.values())
+    return {"num_steps": num_steps, "profiled_ms_per_step": 1e3 * total_s / max(num_steps, 1),
+            "top_own_time": [{"function": f"{f.rsplit('/', 2)[-1]}:{line}({name})", "calls": v[0],
+                              "own_ms_per_step": 1e3 * v[2] / max(num_steps, 1),
+                              "cum_ms_per_step": 1e3 * v[3] / max(num_steps, 1)}
+                             for (f, line, name), v in rows]}
 
 
 @app.command()
@@ -255,7 +280,7 @@ def main(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat1
     if engine:
         results["engine"] = [{"mode": mode, **bench_engine(bench, device, prefill_tokens, compiled)}
                              for mode, compiled in MODES.items()]
-        print(results["engine"], flush=True)
+        print([{k: v for k, v in row.items() if k != "host_profile"} for row in results["engine"]], flush=True)
     write(out, results)
 
 

@@ -23,7 +23,7 @@ class ChunkAdmission:
     def _acquire(self, request: Request, out: SchedulerOutput, budget: int) -> str:
         """Pin hits and schedule encodes of misses: ``"ok"``, ``"wait"`` (no room now) or ``"failed"``."""
         chunks = {c.key: c for c in request.plan.chunks}  # unique, in prompt order
-        num_private = 0 if request.warm_only else len(request.private_token_ids) + 1  # + the next token
+        num_private = 0 if request.warm_only else request.num_private_tokens + 1  # + the next token
         total_blocks = self.num_blocks_needed(request, num_private)
         if total_blocks > self.num_usable_blocks:  # the engine's admission check makes this rare
             out.failed.append((request, CacheCapacityError(

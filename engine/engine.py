@@ -271,7 +271,7 @@ class LLMEngine:
         """
         plan, params = request.plan, request.params
         num_outputs = 0 if request.warm_only else min(params.max_tokens, self.max_model_len - plan.num_prompt_tokens)
-        need = self.scheduler.num_blocks_needed(request, len(request.private_token_ids) + num_outputs)
+        need = self.scheduler.num_blocks_needed(request, request.num_private_tokens + num_outputs)
         if need > self.scheduler.num_usable_blocks:
             num_docs = sum(c.doc_id is not None for c in plan.chunks)
             raise CacheCapacityError(

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from lazyattn_rag.engine.attention import SequenceInput
-from lazyattn_rag.engine.block_table import BlockEntry, block_table_entries
+from lazyattn_rag.engine.block_table import BlockEntry
 from lazyattn_rag.engine.request import Request
 from lazyattn_rag.engine.scheduler_output import ComputeJob, ChunkPrefillJob, SchedulerOutput
-from lazyattn_rag.kernels.block_table import pack_entries
+from lazyattn_rag.kernels.block_table import pack_entries, pack_run
 
 
 class InputPreparer:
@@ -71,7 +71,7 @@ class InputPreparer:
             run_end = end if run.length is None else min(end, run.start + run.length)
             if index >= run_end:
                 continue
-            ids = r.private_token_ids[index:run_end]
+            ids = r.private_token_slice(index, run_end)
             offset = index - run.start
             own = r.private_blocks[run.first_block:]
             if run.length is None:
@@ -95,7 +95,7 @@ class InputPreparer:
         """New tokens after ``own_filled`` slots of ``own_blocks`` (delta 0), after ``context``
         (``context_len`` valid keys)."""
         n, bs = len(token_ids), self.block_size
-        own = pack_entries(block_table_entries(own_blocks, own_filled + n, 0, bs))
+        own = pack_run(own_blocks, own_filled + n, 0, bs)
         slots = [own_blocks[(own_filled + i) // bs] * bs + (own_filled + i) % bs for i in range(n)]
         return SequenceInput(list(token_ids), list(range(first_pos, first_pos + n)), torch.cat((context, own)),
                              context_len + own_filled + n, slots)

@@ -96,8 +96,28 @@ class Request:
         return self.plan.tail_start + self.num_prefix_tokens
 
     @property
+    def num_private_tokens(self) -> int:
+        """``len(private_token_ids)``, without building the list (it is read every step)."""
+        return len(self._text_token_ids) + len(self.plan.query_token_ids) - self.num_prefix_tokens \
+            + len(self.output_ids)
+
+    def private_token_slice(self, start: int, end: int) -> list[int]:
+        """``private_token_ids[start:end]`` for ``0 <= start <= end``, built from the parts it
+        overlaps only (a decode step reads one token of a prompt that may be 20k long)."""
+        query = self.plan.query_token_ids
+        parts = ((self._text_token_ids, 0), (query, self.num_prefix_tokens), (self.output_ids, 0))
+        out, offset = [], 0
+        for part, skip in parts:  # part[skip:] is this part's share of the private tokens
+            size = len(part) - skip
+            lo, hi = max(start - offset, 0), min(end - offset, size)
+            if lo < hi:
+                out += part[skip + lo:skip + hi]
+            offset += size
+        return out
+
+    @property
     def num_tokens_to_compute(self) -> int:
-        return len(self.private_token_ids) - self.num_computed
+        return self.num_private_tokens - self.num_computed
 
     def private_runs(self, block_size: int) -> list[PrivateRun]:
         """Where the private tokens go: one run per text segment, then the tail (open-ended)."""

@@ -256,7 +256,7 @@ class Scheduler(ChunkAdmission):
             request.private_blocks += self.cache.allocate(need)
         if request.plan.num_text_tokens and request.num_computed < request.plan.num_text_tokens:
             out.slot_copies += self._slot_copies(request, request.num_computed, request.num_computed + n)
-        total = len(request.private_token_ids)
+        total = request.num_private_tokens
         out.computes.append(ComputeJob(request, request.num_computed, n, request.num_computed + n == total))
         return n
 

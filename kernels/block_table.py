@@ -93,3 +93,23 @@ def pack_entries(entries: list[tuple[int, int, int]]) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.int64)
     t = torch.tensor(entries, dtype=torch.int64)
     return pack_block_table(t[:, 0], t[:, 1], t[:, 2])
+
+
+def pack_run(block_ids: list[int], num_tokens: int, delta: int, block_size: int) -> torch.Tensor:
+    """Pack the entries of ``num_tokens`` tokens laid out from slot 0 of ``block_ids[0]``, all
+    with ``delta``: every block full but the last; blocks past the last token are left out.
+
+    Equals ``pack_entries`` of the same entries, built with tensor operations instead of one
+    Python tuple per block (a 20k-token private run has 1,280 blocks of 16, repacked each step).
+
+    Returns:
+        ``[min(len(block_ids), ceil(num_tokens / block_size))]`` int64 words.
+    Raises:
+        BlockTableOverflowError: as :func:`pack_block_table`.
+    """
+    num_blocks = min(len(block_ids), -(-num_tokens // block_size)) if num_tokens > 0 else 0
+    ids = torch.tensor(block_ids[:num_blocks], dtype=torch.int64)
+    valid = torch.full((num_blocks,), block_size, dtype=torch.int64)
+    if num_blocks:
+        valid[-1] = min(block_size, num_tokens - (num_blocks - 1) * block_size)
+    return pack_block_table(ids, torch.full((num_blocks,), delta, dtype=torch.int64), valid)

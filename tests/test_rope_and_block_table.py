@@ -8,6 +8,7 @@ from lazyattn_rag.kernels.block_table import (
     BlockTableOverflowError,
     pack_block_table,
     pack_entries,
+    pack_run,
     unpack_block_table,
 )
 from lazyattn_rag.kernels.rope import RotaryEmbedding
@@ -72,3 +73,14 @@ def test_pack_rejects_out_of_range(bad):
 def test_pack_rejects_shape_mismatch():
     with pytest.raises(ValueError, match="shapes differ"):
         pack_block_table(torch.zeros(2), torch.zeros(3), torch.ones(2))
+
+
+@pytest.mark.parametrize("num_tokens, num_blocks", [(0, 3), (1, 3), (16, 3), (17, 3), (48, 3), (40, 5), (60, 3)])
+@pytest.mark.parametrize("delta", [0, -7, 4096])
+def test_pack_run_equals_packing_each_entry(num_tokens, num_blocks, delta):
+    """The vectorized packing of a run of blocks gives exactly the words of packing its entries
+    one by one (full blocks, a partial last one, blocks past the last token left out, fewer
+    blocks than the tokens need)."""
+    blocks = [11 * i + 5 for i in range(num_blocks)]
+    entries = [(b, delta, min(16, num_tokens - i * 16)) for i, b in enumerate(blocks) if num_tokens > i * 16]
+    assert pack_run(blocks, num_tokens, delta, 16).tolist() == pack_entries(entries).tolist()

@@ -457,3 +457,21 @@ def test_a_request_preempted_and_readmitted_in_one_step_is_reported_released_in_
     assert [c.request for c in out.computes] == [r1, r4] and out.computes[1].start == 0
     assert out.released_ids == ["r4"]  # in this step's output: its stale table goes before inputs are prepared
     cache.check_integrity()
+
+
+def test_private_token_slice_and_count_match_the_private_token_list():
+    """A decode step reads its tokens through ``private_token_slice`` and counts through
+    ``num_private_tokens``; both must equal the full list's slice and length, across text
+    segments, a query tail after a prefix-cache hit, and generated tokens."""
+    from lazyattn_rag.engine.prompt_plan import TextSegment
+
+    p = PromptPlan((ChunkSegment("a", tokens_of("a", 6), 0, 0, "a"),), tuple(range(500, 509)),
+                   texts=(TextSegment((1, 2, 3), 6), TextSegment((4, 5), 9)))
+    r = request("r", p, 0.0)
+    r.num_prefix_tokens = 3
+    r.output_ids += [70, 71, 72]
+    full = r.private_token_ids
+    assert r.num_private_tokens == len(full) == 5 + 6 + 3
+    for start in range(len(full) + 1):
+        for end in range(start, len(full) + 2):
+            assert r.private_token_slice(start, end) == full[start:end]
