@@ -54,6 +54,16 @@ def cache_argument(model_class) -> str:
     renamed it (``past_key_values`` is deprecated there and warns), ``past_key_values`` before."""
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
+def _runs(n: int, fresh: set[int]) -> list[tuple[int, int, bool]]:
+    """``0 .. n-1`` cut into maximal runs ``(start, end, in fresh)``."""
+    runs, start = [], 0
+    for i in range(1, n + 1):
+        if i == n or (i in fresh) != (start in fresh):
+            runs.append((start, i, start in fresh))
+            start = i
+    return runs
+
+
 class RecomputeReference:
     """Greedy answers of chunk reuse with each chunk's first ``k`` tokens recomputed.
 
@@ -117,8 +127,17 @@ class RecomputeReference:
         """``[vocab_size]`` logits of the first answer token (arguments as :meth:`generate`)."""
         return self._prefill(head_ids, chunk_ids, tail_ids, recompute_tokens)[0]
 
-    def _prefill(self, head_ids, chunk_ids, tail_ids, recompute_tokens: int):
-        """The composed prompt: ``(last-token logits, cache, next position)``.
+    @torch.no_grad()
+    def selected_first_token_logits(self, head_ids: list[int], chunk_ids: list[list[int]], tail_ids: list[int],
+                                    selected: list[set[int]]) -> torch.Tensor:
+        """``[vocab_size]`` logits of the first answer token with the tokens ``selected[c]`` of
+        chunk ``c`` (local indices) recomputed at every layer and the others read as encoded
+        alone (selective recompute's semantics, CacheBlend), composed token run by token run."""
+        return self._prefill(head_ids, chunk_ids, tail_ids, 0, selected)[0]
+
+    def _prefill(self, head_ids, chunk_ids, tail_ids, recompute_tokens: int, selected=None):
+        """The composed prompt: ``(last-token logits, cache, next position)``; ``selected``
+        (per chunk, local indices to recompute) replaces the first ``recompute_tokens``.
 
         Raises:
             ValueError: ``recompute_tokens < 0`` or no chunks.
@@ -133,13 +152,13 @@ class RecomputeReference:
             self._forward(head_ids, 0, cache)
         pos = len(head_ids)
         for c, ids in enumerate(chunk_ids):
-            r = min(recompute_tokens, len(ids))
-            if r:
-                self._forward(ids[:r], pos, cache)
-            if r < len(ids):
+            fresh = set(range(min(recompute_tokens, len(ids)))) if selected is None else set(selected[c])
+            for a, b, is_fresh in _runs(len(ids), fresh):
+                if is_fresh:
+                    self._forward(ids[a:b], pos + a, cache)
+                    continue
                 for layer, (k, v) in enumerate(alone):
-                    cache.update(self._shift_keys(k[c : c + 1, :, r : len(ids)], pos), v[c : c + 1, :, r : len(ids)],
-                                 layer)
+                    cache.update(self._shift_keys(k[c : c + 1, :, a:b], pos), v[c : c + 1, :, a:b], layer)
             pos += len(ids)
         logits = self._forward(tail_ids, pos, cache)
         return logits, cache, pos + len(tail_ids)

@@ -19,6 +19,20 @@ class BlockEntry(NamedTuple):
     num_valid: int
 
 
+class SelectedQuery(NamedTuple):
+    """One document token a request recomputes (selective recompute): its id and position, and
+    where its K/V go: slot ``slot`` of the request's copy ``block_id`` of the chunk's block, which
+    is context entry ``entry_index`` (``num_keys_before`` valid keys precede that entry). It
+    attends to the entries before its block and the block's slots up to its own."""
+
+    token_id: int
+    position: int
+    entry_index: int
+    num_keys_before: int
+    block_id: int
+    slot: int
+
+
 def block_table_entries(block_ids: list[int], num_tokens: int, delta: int, block_size: int) -> list[BlockEntry]:
     """The entries of ``num_tokens`` tokens laid out from the first block's slot 0, all with
     ``delta``; blocks past the last token are left out."""

@@ -67,6 +67,9 @@ class InputPreparer:
         r, bs = job.request, self.block_size
         context = self._context(r)
         seqs, index, end = [], job.start, job.start + job.num_tokens
+        if job.num_selected:  # selective recompute: each selected document token over its block's copy
+            seqs += [self._sequence([q.token_id], q.position, context[:q.entry_index], q.num_keys_before,
+                                    [q.block_id], q.slot) for q in r.selected_queries]
         for run in r.private_runs(bs):
             run_end = end if run.length is None else min(end, run.start + run.length)
             if index >= run_end:

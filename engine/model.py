@@ -115,7 +115,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x, rope: PositionTables, backend, key_cache, value_cache, metadata):
+    def project(self, x, rope: PositionTables):
+        """``x`` ``[n, hidden_size]`` -> q ``[n, num_heads, head_dim]``, k and v ``[n, num_kv_heads,
+        head_dim]``, q and k rotated to ``rope``'s positions."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # views of one [n, sum(qkv_sizes)] product
         q = q.view(n, self.num_heads, self.head_dim)  # [n, num_heads, head_dim]
@@ -123,9 +125,12 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q), rope.apply(k)
+        return rope.apply(q), rope.apply(k), v
+
+    def forward(self, x, rope: PositionTables, backend, key_cache, value_cache, metadata):
+        q, k, v = self.project(x, rope)
         out = backend.forward(q, k, v, key_cache, value_cache, metadata)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -197,6 +202,36 @@ class CausalLM(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         return self.lm_head(self.model.norm(x)).to(torch.float32)
+
+    @torch.inference_mode()
+    def dense_kv(self, input_ids: torch.Tensor, positions: torch.Tensor, layer: int,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of layer ``layer`` for one whole sequence, computed densely (no KV cache):
+        layers ``0 .. layer - 1`` run with causal attention over the sequence (PyTorch's
+        ``scaled_dot_product_attention``, softmax scale ``scale``). Selective recompute's cheap
+        measure of how much each token's K/V depend on the context (``engine/selective_recompute.py``).
+
+        Args:
+            input_ids: ``[n]`` int64, the sequence's tokens.
+            positions: ``[n]`` int64, their positions.
+            layer: ``0 <= layer < num_layers``.
+        Returns:
+            ``(k, v)``, each ``[n, num_kv_heads, head_dim]`` in the model's dtype; k rotated to ``positions``.
+        """
+        x = self.model.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions)
+        for i, lyr in enumerate(self.model.layers[: layer + 1]):
+            attn = lyr.self_attn
+            q, k, v = attn.project(lyr.input_layernorm(x), rope)
+            if i == layer:
+                return k, v
+            group = attn.num_heads // attn.num_kv_heads
+            out = F.scaled_dot_product_attention(  # [1, num_heads, n, head_dim]
+                q.transpose(0, 1)[None], k.repeat_interleave(group, dim=1).transpose(0, 1)[None],
+                v.repeat_interleave(group, dim=1).transpose(0, 1)[None], is_causal=True, scale=scale)
+            x = x + attn.o_proj(out[0].transpose(0, 1).reshape(x.shape[0], -1))
+            x = x + lyr.mlp(lyr.post_attention_layernorm(x))
+        raise ValueError(f"layer {layer} is outside the model's {self.config.num_layers} layers")
 
     @classmethod
     def from_hf_state_dict(cls, cfg: ModelArchConfig, rotary: RotaryEmbedding,

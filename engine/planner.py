@@ -249,7 +249,9 @@ class PromptPlanner:
         if mode == "block_attention":
             return PromptPlan(tuple(self._positioned(c) for c in plan.chunks), plan.query_token_ids,
                               texts=plan.texts)
-        return with_head_recompute(plan, head_tokens)
+        plan = with_head_recompute(plan, head_tokens)
+        ratio = self.config.cache.recompute_selective_ratio
+        return dataclasses.replace(plan, selective_ratio=ratio) if ratio and plan.chunks else plan
 
     @staticmethod
     def _positioned(chunk: ChunkSegment) -> ChunkSegment:

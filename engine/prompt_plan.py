@@ -83,12 +83,15 @@ class PromptPlan:
             ``query_token_ids`` (exact-prefix reuse, as vLLM's automatic prefix caching).
         texts: private text segments between chunks, in prompt order. Chunks and texts tile
             positions ``0 .. tail_start - 1`` without gaps; the tail follows.
+        selective_ratio: selective recompute's ``r`` for this request's documents
+            (``CacheConfig.recompute_selective_ratio``); 0: none.
     """
 
     chunks: tuple[ChunkSegment, ...]
     query_token_ids: tuple[int, ...]
     prefix_block_keys: tuple[str, ...] = ()
     texts: tuple[TextSegment, ...] = ()
+    selective_ratio: float = 0.0
 
     @property
     def num_cached_prompt_tokens(self) -> int:

@@ -10,7 +10,7 @@ from functools import cached_property
 
 import torch
 
-from lazyattn_rag.engine.block_table import BlockEntry
+from lazyattn_rag.engine.block_table import BlockEntry, SelectedQuery
 from lazyattn_rag.engine.detokenizer import IncrementalDetokenizer
 from lazyattn_rag.types.outputs import RequestStats, StreamDelta
 from lazyattn_rag.engine.prompt_plan import PromptPlan
@@ -75,6 +75,11 @@ class Request:
     finish_reason: str | None = None
     num_prefix_tokens: int = 0  # prefix mode: prompt tokens served by cached prefix blocks
     num_prefix_registered: int = 0  # prefix mode: own full blocks handed to the cache
+    # selective recompute: chunk index -> selected local token indices (None: not measured yet),
+    # the request's copies of the blocks holding them, and one query per selected token
+    selected_tokens: dict[int, tuple[int, ...]] | None = None
+    selected_blocks: list[int] = field(default_factory=list)
+    selected_queries: list[SelectedQuery] = field(default_factory=list)
 
     @cached_property
     def prompt_token_ids(self) -> list[int]:

@@ -12,7 +12,8 @@ from lazyattn_rag.engine.compiled_layers import CompiledLayers
 from lazyattn_rag.engine.cuda_graphs import DecodeGraphs
 from lazyattn_rag.engine.input_prep import InputPreparer
 from lazyattn_rag.engine.model import CausalLM
-from lazyattn_rag.engine.scheduler_output import SchedulerOutput
+from lazyattn_rag.engine.scheduler_output import SchedulerOutput, SelectionJob
+from lazyattn_rag.engine.selective_recompute import SELECTION_LAYER, select_tokens
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -93,6 +94,8 @@ class ModelRunner:
             self.copy_rotated(copy.src_blocks, copy.dst_blocks, copy.num_tokens, copy.delta)
         for job in out.slot_copies:
             self.copy_slots(job.src_block, job.dst_block, job.first_slot, job.num_slots, job.delta)
+        for job in out.selections:
+            job.selected = self.select_tokens(job)
         if not (out.chunk_prefills or out.computes):
             return torch.zeros(0, self.model.config.vocab_size, device=self.device)
         seqs, last_rows = self.inputs.prepare(out)
@@ -115,6 +118,23 @@ class ModelRunner:
             flat_v = value_cache.view(-1, *value_cache.shape[2:])
             flat_k[dst] = rotary.rotate_by(flat_k[src], deltas)
             flat_v[dst] = flat_v[src]
+
+    @torch.inference_mode()
+    def select_tokens(self, job: SelectionJob) -> dict[int, tuple[int, ...]]:
+        """The document tokens ``job.request`` recomputes (``engine/selective_recompute.py``):
+        its chunks' cached K/V at the selection layer (K rotated to the request's positions)
+        against a dense pass over its prompt."""
+        plan = job.request.plan
+        layer = min(SELECTION_LAYER, len(self.kv_caches) - 1)
+        key_cache, value_cache = self.kv_caches[layer]
+        flat_k, flat_v = key_cache.view(-1, *key_cache.shape[2:]), value_cache.view(-1, *value_cache.shape[2:])
+        chunks = []
+        for index, block_ids, num_tokens, delta in job.chunks:
+            slots = self._slots(block_ids, num_tokens)
+            deltas = torch.full((num_tokens,), delta, device=self.device)
+            chunks.append((index, plan.chunks[index].global_start, self.model.rotary.rotate_by(flat_k[slots], deltas),
+                           flat_v[slots]))
+        return select_tokens(self.model, self.backend.scale, plan.token_ids(), chunks, plan.selective_ratio)
 
     @torch.inference_mode()
     def copy_slots(self, src_block: int, dst_block: int, first_slot: int, num_slots: int, delta: int) -> None:

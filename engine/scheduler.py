@@ -39,9 +39,10 @@ from lazyattn_rag.engine.counters import EngineCounters
 from lazyattn_rag.engine.prompt_plan import ChunkSegment
 from lazyattn_rag.engine.request import Request, RequestStatus
 from lazyattn_rag.engine.scheduler_output import ComputeJob, ChunkPrefillTask, SchedulerOutput, SlotCopyJob
+from lazyattn_rag.engine.selective_schedule import SelectiveRecompute
 
 
-class Scheduler(ChunkAdmission):
+class Scheduler(ChunkAdmission, SelectiveRecompute):
     """Continuous batching over the chunk cache.
 
     Args:
@@ -108,6 +109,7 @@ class Scheduler(ChunkAdmission):
         if request.private_blocks:
             self.cache.pool.decref(request.private_blocks)
             request.private_blocks = []
+        self._release_selection(request)
         self.cache.release(request.request_id)
         request.context_entries = []
         request.context_len = 0
@@ -131,7 +133,7 @@ class Scheduler(ChunkAdmission):
         not counted) plus its private blocks."""
         chunks = {c.key: c for c in request.plan.chunks if c.key != self.anchor_key}
         return (sum(self.blocks_for(len(c.token_ids)) for c in chunks.values())
-                + request.num_private_blocks(num_private_tokens, self.block_size))
+                + request.num_private_blocks(num_private_tokens, self.block_size) + self.max_selected_blocks(request))
 
     # --- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -164,6 +166,7 @@ class Scheduler(ChunkAdmission):
             if job.final:  # the chunk's last piece: readable from now on; the encoder lets go
                 self.cache.mark_ready(job.key)
                 self.cache.unpin(job.key)
+        self._finish_selections(out)
         for job in out.computes:
             job.request.num_computed += job.num_tokens
             if job.request.plan.prefix_block_keys:
@@ -257,8 +260,9 @@ class Scheduler(ChunkAdmission):
         if request.plan.num_text_tokens and request.num_computed < request.plan.num_text_tokens:
             out.slot_copies += self._slot_copies(request, request.num_computed, request.num_computed + n)
         total = request.num_private_tokens
-        out.computes.append(ComputeJob(request, request.num_computed, n, request.num_computed + n == total))
-        return n
+        selected = len(request.selected_queries) if request.num_computed == 0 else 0
+        out.computes.append(ComputeJob(request, request.num_computed, n, request.num_computed + n == total, selected))
+        return n + selected
 
     def _newest_preemptible(self, out: SchedulerOutput) -> Request | None:
         scheduled = {id(c.request) for c in out.computes}
@@ -291,15 +295,26 @@ class Scheduler(ChunkAdmission):
             # Join this step only with a prefill to run in it: a request that waited here on a
             # step whose forward pass then failed would hold chunks that were never written.
             # A recomputed head's copied slots are read before the pass: its chunks must be written already.
-            joins = self.prefill_with_encodes and not request.warm_only and not _copies_slots(request, self.block_size)
+            # So are the chunks whose tokens selective recompute measures (before the pass).
+            joins = self.prefill_with_encodes and not request.warm_only and not _copies_slots(request, self.block_size) \
+                and not request.plan.selective_ratio
             this_step = out.written_keys() if joins else set()
             if budget <= 0 or not all(self.cache.held(k).ready or k in this_step for k in pinned):
                 return 0
+        if not request.warm_only and self._selection_pending(request):
+            if not any(job.request is request for job in out.selections):
+                out.selections.append(self._selection_job(request))
+            return 0
+        if request.selected_tokens and not self._can_apply_selection(request):
+            return 0  # no room for its block copies yet
         self.acquired.remove(request)
         if request.warm_only:
             out.warmed.append(request)
             return 0
-        context = self._context_of(request)
+        chunk_starts: dict[int, int] = {}
+        context = self._context_of(request, chunk_starts)
+        if request.selected_tokens:
+            self._apply_selection(request, out, context, chunk_starts)
         request.context_entries = context
         request.context_len = sum(e.num_valid for e in context)
         request.status = RequestStatus.RUNNING
@@ -308,16 +323,20 @@ class Scheduler(ChunkAdmission):
             return 0
         return self._schedule_compute(out, request, budget, may_preempt=False)
 
-    def _context_of(self, request: Request) -> list[BlockEntry]:
+    def _context_of(self, request: Request, chunk_starts: dict[int, int] | None = None) -> list[BlockEntry]:
         """Block-table entries of everything before the query tail, in prompt order: chunks at
         their offsets, text segments in their own (private, delta 0) blocks, prefix-cache hits.
         A chunk whose head the request recomputes contributes its blocks after the head's
         (:meth:`PromptPlan.head_recompute_copy`: a block the head ends inside is the text's last
-        block, its other slots copied from the chunk)."""
+        block, its other slots copied from the chunk). ``chunk_starts`` (if given) receives each
+        chunk's index in the plan -> the index of its first entry."""
         entries, bs = [], self.block_size
         text_runs = iter(request.private_runs(bs))
+        index_of = {id(c): i for i, c in enumerate(request.plan.chunks)}
         for segment in request.plan.segments():
             if isinstance(segment, ChunkSegment):
+                if chunk_starts is not None:
+                    chunk_starts[index_of[id(segment)]] = len(entries)
                 entry = self.cache.held(segment.key)
                 skip = -(-segment.num_skipped // bs)  # blocks covered by the recomputed head
                 entries += block_table_entries(entry.block_ids[skip:], entry.num_tokens - skip * bs,

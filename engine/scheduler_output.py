@@ -82,6 +82,18 @@ class SlotCopyJob:
 
 
 @dataclass
+class SelectionJob:
+    """Measure which document tokens ``request`` recomputes (selective recompute,
+    ``engine/selective_recompute.py``), before the pass; the runner fills ``selected`` (chunk
+    index in the plan -> local token indices) and the scheduler applies it when the request is
+    promoted. ``chunks``: per document chunk ``(chunk index, block ids, num_tokens, delta)``."""
+
+    request: Request
+    chunks: list[tuple[int, list[int], int, int]]
+    selected: dict[int, tuple[int, ...]] | None = None
+
+
+@dataclass
 class LoadJob:
     """Write a chunk found in a storage tier (``tier``) into new blocks, before the pass."""
 
@@ -93,12 +105,15 @@ class LoadJob:
 
 @dataclass
 class ComputeJob:
-    """Compute ``num_tokens`` private tokens of ``request`` from index ``start``; sample if ``sample``."""
+    """Compute ``num_tokens`` private tokens of ``request`` from index ``start``; sample if ``sample``.
+    ``num_selected``: the request's selected document tokens (``Request.selected_queries``),
+    computed first in the same pass (its first job only; selective recompute)."""
 
     request: Request
     start: int
     num_tokens: int
     sample: bool
+    num_selected: int = 0
 
 
 @dataclass
@@ -112,6 +127,8 @@ class SchedulerOutput:
             the pass (``engine/chunk_tiers.py``).
         slot_copies: cached tokens copied behind recomputed chunk heads, after the loads and
             copies, before the pass.
+        selections: requests whose document tokens to recompute are measured before the pass
+            (selective recompute).
         computes: requests' private tokens (query prefill, text segments, one decode token).
         failed: requests refused while acquiring their chunks, with the error each gets.
         warmed: warm-up requests whose chunks are all written (they finish now).
@@ -123,6 +140,7 @@ class SchedulerOutput:
     copies: list[CopyJob] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
     slot_copies: list[SlotCopyJob] = field(default_factory=list)
+    selections: list[SelectionJob] = field(default_factory=list)
     computes: list[ComputeJob] = field(default_factory=list)
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
     warmed: list[Request] = field(default_factory=list)
@@ -130,11 +148,12 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(len(e.token_ids) for e in self.chunk_prefills) + sum(c.num_tokens for c in self.computes)
+        return sum(len(e.token_ids) for e in self.chunk_prefills) + \
+            sum(c.num_tokens + c.num_selected for c in self.computes)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.chunk_prefills or self.copies or self.loads or self.computes)
+        return not (self.chunk_prefills or self.copies or self.loads or self.selections or self.computes)
 
     def written_keys(self) -> set[str]:
         """Chunks this step completes: their last piece encoded in its forward pass (each layer

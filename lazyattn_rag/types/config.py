@@ -68,6 +68,17 @@ class CacheConfig:
             extra prefill tokens per document. The cached chunk is unchanged and shared (its
             key, bytes and hit ratio do not depend on ``k``); the fresh tokens live in the
             request's own blocks, freed with it. 0 (default): plain reuse; ``mode="lazy"`` only.
+        recompute_selective_ratio: ``r`` in ``[0, 1]``: selective recompute (CacheBlend, Yao et
+            al., EuroSys 2025, section 4). Before a request's first step, one dense pass over
+            its whole prompt through the first two layers gives each document token's fresh
+            K/V at the second layer (the first whose K/V depends on the context); the
+            ``ceil(r * n)`` tokens of each ``n``-token document whose fresh K/V differ most
+            from the cached (squared L2 over K, rotated to its position, and V) are then
+            recomputed at every layer, attending to everything before them, and the others
+            read as cached. Their K/V go into the request's own copies of the blocks that hold
+            them, freed with it; the cached chunk is unchanged. ``r = 1`` is full attention.
+            0 (default): plain reuse; ``mode="lazy"`` only, not together with
+            ``recompute_chunk_head_tokens``.
     """
 
     block_size: int = 16
@@ -85,6 +96,7 @@ class CacheConfig:
     tier_eviction_policy: str = "lru"
     tier_loads: str = "auto"
     recompute_chunk_head_tokens: int = 0
+    recompute_selective_ratio: float = 0.0
 
     @property
     def has_tiers(self) -> bool:
@@ -125,9 +137,23 @@ class CacheConfig:
         if self.recompute_chunk_head_tokens and self.mode != "lazy":
             raise ValueError(f"recompute_chunk_head_tokens recomputes the heads of position-agnostic chunks: mode "
                              f"must be 'lazy', got {self.mode!r}")
+        check_selective_ratio(self.recompute_selective_ratio, self.mode, self.recompute_chunk_head_tokens)
         if self.has_tiers and self.mode != "lazy":
             raise ValueError(f"storage tiers (host_memory_bytes, disk_dir, redis_url) serve position-agnostic "
                              f"chunks: mode must be 'lazy', got {self.mode!r}")
+
+
+def check_selective_ratio(ratio: float, mode: str, head_tokens: int) -> None:
+    """Raises ``ValueError`` unless ``ratio`` is a number in ``[0, 1]``, and 0 outside ``lazy``
+    mode or together with chunk-head recompute."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"recompute_selective_ratio must be a number in [0, 1], got {ratio!r}")
+    if ratio and mode != "lazy":
+        raise ValueError(f"recompute_selective_ratio recomputes tokens of position-agnostic chunks: mode must be "
+                         f"'lazy', got {mode!r}")
+    if ratio and head_tokens:
+        raise ValueError("recompute_selective_ratio and recompute_chunk_head_tokens cannot both be set: choose one "
+                         "remedy")
 
 
 @dataclass(frozen=True)

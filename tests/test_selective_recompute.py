@@ -1,0 +1,168 @@
+"""Selective recompute (CacheBlend; ``CacheConfig.recompute_selective_ratio``, issue 20): the
+tokens of each placed document whose second-layer K/V deviate most from the cached ones are
+recomputed at every layer.
+
+Checked against independent references built in transformers: the selection against the
+deviation of transformers' own second-layer K/V (a full forward of the prompt against each
+document encoded alone), the recomputed prompt against transformers composing it token run by
+token run (``RecomputeReference.selected_first_token_logits``); r = 1 against a full prefill;
+r = 0 against plain reuse, bit for bit. The cached chunks' bytes never change and the request's
+own blocks are freed (finished, aborted, preempted)."""
+
+import math
+
+import pytest
+import torch
+
+from benchmarks.qa_recompute import RecomputeReference, cache_argument
+from lazyattn_rag import SamplingParams
+from lazyattn_rag.types.config import CacheConfig
+from tests.tiny import words
+
+DOCS = {"a": words(23, start=3), "b": words(37, start=40), "c": words(9, start=90)}
+QUESTION = words(5, start=150)
+FIRST = SamplingParams(max_tokens=1, logprobs=-1)
+
+
+def engine(make_llm, ratio: float, backend: str = "torch", **config):
+    hf, llm = make_llm(seed=2, anchor="none", recompute_selective_ratio=ratio, attention_backend=backend, **config)
+    llm.add_documents(list(DOCS.items()))
+    return hf, llm
+
+
+def first_logprobs(llm, ids=("a", "b", "c")) -> torch.Tensor:
+    out = llm.generate(QUESTION, list(ids), sampling=FIRST)
+    return torch.tensor(list(out.logprobs[0].values()))
+
+
+def prompt_parts(llm, ids=("a", "b", "c")):
+    plan = llm.plan(QUESTION, list(ids))
+    head = [list(c.token_ids) for c in plan.chunks if c.doc_id is None]
+    docs = [c for c in plan.chunks if c.doc_id is not None]
+    return plan, (head[0] if head else []), docs
+
+
+@torch.no_grad()
+def reference_selection(hf, llm, ratio: float) -> list[set[int]]:
+    """Per document, the ceil(r * n) tokens whose second-layer K/V in transformers' full forward
+    of the prompt differ most (squared L2 of K and V) from those of the document encoded alone,
+    its K rotated to its place."""
+    from transformers import DynamicCache
+
+    plan, _, docs = prompt_parts(llm)
+    ref = RecomputeReference.from_model(hf, eos_ids=set())
+    cache = DynamicCache()
+    hf(input_ids=torch.tensor([plan.token_ids()]), **{cache_argument(type(hf)): cache}, use_cache=True)
+    full_k, full_v = cache.layers[1].keys[0], cache.layers[1].values[0]  # [kv_heads, n, head_dim]
+    alone_k, alone_v = ref._encode_alone([list(c.token_ids) for c in docs])[1]
+    selected = []
+    for i, c in enumerate(docs):
+        n, g = len(c.token_ids), c.global_start
+        k = ref._shift_keys(alone_k[i : i + 1, :, :n], g)[0]
+        deviation = ((full_k[:, g : g + n] - k) ** 2).sum(dim=(0, 2)) + \
+            ((full_v[:, g : g + n] - alone_v[i, :, :n]) ** 2).sum(dim=(0, 2))
+        count = min(n, math.ceil(round(ratio * n, 9)))
+        selected.append(set(torch.argsort(deviation, descending=True)[:count].tolist()))
+    return selected
+
+
+def composed_logprobs(hf, llm, selected: list[set[int]]) -> torch.Tensor:
+    plan, head, docs = prompt_parts(llm)
+    ref = RecomputeReference.from_model(hf, eos_ids=set())
+    logits = ref.selected_first_token_logits(head, [list(c.token_ids) for c in docs], list(plan.query_token_ids),
+                                             selected)
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+# r = 0.05: one token per document; 0.15: a few, in several blocks. The Triton kernels (under
+# the interpreter, slow) run one case.
+@pytest.mark.parametrize("ratio, backend", [(0.05, "torch"), (0.15, "torch"), (0.15, "triton")])
+def test_selected_tokens_equal_the_composed_reference(make_llm, ratio, backend):
+    hf, llm = engine(make_llm, ratio, backend)
+    first_logprobs(llm)  # the documents' chunks encoded (misses), then served as hits
+    ours = first_logprobs(llm)
+    selected = reference_selection(hf, llm, ratio)
+    stats = llm.generate(QUESTION, ["a", "b", "c"], sampling=FIRST).stats
+    assert stats.docs_hit == ["a", "b", "c"]
+    assert stats.num_computed_tokens == sum(len(s) for s in selected) + len(llm.plan(QUESTION, ["a"]).query_token_ids)
+    assert (ours - composed_logprobs(hf, llm, selected)).abs().max().item() <= 1e-4
+    # the selection matters: another of the same size (each document's first tokens) gives other logits
+    firsts = [set(range(len(s))) for s in selected]
+    assert firsts != selected
+    assert (ours - composed_logprobs(hf, llm, firsts)).abs().max().item() > 1e-4
+
+
+def test_ratio_one_is_full_attention(make_llm):
+    hf, llm = engine(make_llm, 1.0)
+    first_logprobs(llm)
+    ours = first_logprobs(llm)
+    with torch.no_grad():
+        full = hf(input_ids=torch.tensor([llm.plan(QUESTION, ["a", "b", "c"]).token_ids()])).logits[0, -1]
+    assert (ours - torch.log_softmax(full.float(), dim=-1)).abs().max().item() <= 1e-3
+
+
+def test_ratio_zero_is_plain_reuse_bit_for_bit(make_llm):
+    _, plain = make_llm(seed=2, anchor="none")
+    plain.add_documents(list(DOCS.items()))
+    _, zero = engine(make_llm, 0.0)
+    assert torch.equal(first_logprobs(plain), first_logprobs(zero))
+
+
+def cached_chunk_bytes(llm) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    out = {}
+    for doc_id in DOCS:
+        key = llm.engine.planner.documents.get(doc_id, "").key
+        entry = llm.engine.cache.lookup(key, touch=False)
+        if entry is not None:
+            out[doc_id] = llm.loop.call(llm.engine.runner.read_blocks, entry.block_ids, entry.num_tokens)
+    return out
+
+
+def test_cached_chunks_unchanged_and_block_copies_freed(make_llm):
+    _, llm = engine(make_llm, 0.3, num_blocks=40, max_num_seqs=4)
+    first_logprobs(llm)
+    before = cached_chunk_bytes(llm)
+    assert set(before) == set(DOCS)
+    orders = [("a", "b", "c"), ("c", "a"), ("b",), ("b", "c", "a")]
+    for ids in orders:  # the same chunks at other offsets, other tokens recomputed there
+        llm.generate(QUESTION, list(ids), sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    stream = llm.stream(QUESTION, ["a", "c"], sampling=SamplingParams(max_tokens=50, ignore_eos=True))
+    next(iter(stream))
+    stream.close()  # aborted mid-answer
+    after = cached_chunk_bytes(llm)
+    assert all(torch.equal(before[d][0], after[d][0]) and torch.equal(before[d][1], after[d][1]) for d in DOCS)
+    stats = llm.stats()
+    assert stats["num_blocks_free"] + stats["num_blocks_cached"] == stats["num_blocks_total"]  # nothing private left
+
+
+def test_preempted_requests_give_the_same_tokens(make_llm):
+    """Requests whose blocks (their copies too) are taken back mid-answer answer as alone."""
+    import asyncio
+
+    from lazyattn_rag import AsyncLazyAttention
+
+    _, roomy = engine(make_llm, 0.3)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    requests = [("a", "b", "c"), ("b", "a"), ("c", "b", "a"), ("a",)]
+    expected = [roomy.generate(QUESTION, list(ids), sampling=params).token_ids for ids in requests]
+    _, tight = engine(make_llm, 0.3, num_blocks=28, max_num_seqs=4)
+
+    async def run_all():
+        allm = AsyncLazyAttention(tight)
+        return await asyncio.gather(*(allm.generate(QUESTION, list(ids), sampling=params) for ids in requests))
+
+    results = asyncio.run(run_all())
+    assert [r.token_ids for r in results] == expected
+    stats = tight.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["num_blocks_free"] + stats["num_blocks_cached"] == stats["num_blocks_total"]
+
+
+def test_config_is_checked():
+    for bad in (-0.1, 1.5, True, "0.1"):
+        with pytest.raises(ValueError, match="recompute_selective_ratio"):
+            CacheConfig(recompute_selective_ratio=bad)
+    with pytest.raises(ValueError, match="mode must be 'lazy'"):
+        CacheConfig(recompute_selective_ratio=0.1, mode="block_attention")
+    with pytest.raises(ValueError, match="cannot both be set"):
+        CacheConfig(recompute_selective_ratio=0.1, recompute_chunk_head_tokens=4)
