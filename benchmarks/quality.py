@@ -69,15 +69,22 @@ from benchmarks.qa_metrics import (
 ENGINE_MODES = {"full": "none", "full-shuffled": "none", "reuse": "none", "reuse-head": "head", "reuse-bos": "bos"}
 # Chunk-head recompute in the engine (CacheConfig.recompute_chunk_head_tokens): "reuse-k16",
 # "reuse-bos-k4", ...: the reuse mode of that anchor with the first k tokens of each passage recomputed.
+# Selective recompute (CacheConfig.recompute_selective_ratio, CacheBlend): "reuse-sel15",
+# "reuse-bos-sel5", ...: that reuse mode with r % of each passage's tokens recomputed.
 _HEAD_RECOMPUTE = re.compile(r"^(reuse|reuse-head|reuse-bos)-k(\d+)$")
+_SELECTIVE_RECOMPUTE = re.compile(r"^(reuse|reuse-head|reuse-bos)-sel(\d+)$")
 
 
-def engine_setting(mode: str) -> tuple[str, int] | None:
-    """``(anchor, k)`` of an engine mode (``k``: chunk-head tokens recomputed), or ``None``."""
+def engine_setting(mode: str) -> tuple[str, int, float] | None:
+    """``(anchor, k, r)`` of an engine mode (``k``: chunk-head tokens recomputed; ``r``:
+    selective recompute's ratio), or ``None``."""
     if mode in ENGINE_MODES:
-        return ENGINE_MODES[mode], 0
-    m = _HEAD_RECOMPUTE.match(mode)
-    return (ENGINE_MODES[m.group(1)], int(m.group(2))) if m else None
+        return ENGINE_MODES[mode], 0, 0.0
+    if m := _HEAD_RECOMPUTE.match(mode):
+        return ENGINE_MODES[m.group(1)], int(m.group(2)), 0.0
+    if (m := _SELECTIVE_RECOMPUTE.match(mode)) and 0 < int(m.group(2)) <= 100:
+        return ENGINE_MODES[m.group(1)], 0, int(m.group(2)) / 100
+    return None
 DEFAULT_MODES = ("full", "full-shuffled", "reuse", "reuse-head", "reuse-bos", "recompute")
 # Default sample: >= 200 questions of the large sets, all of MuSiQue (160) and 2WikiMultihopQA (131).
 DEFAULT_SAMPLE_SIZES = {"hotpotqa": 200, "2wikimultihopqa": 0, "2wikimultihopqa_goldonly": 200, "musique": 0,
@@ -106,7 +113,7 @@ def shuffled(items: list, seed: int, question_id: str) -> list:
 
 
 # --- engine modes -----------------------------------------------------------------------------
-def make_engine(args, anchor: str, recompute_tokens: int = 0):
+def make_engine(args, anchor: str, recompute_tokens: int = 0, selective_ratio: float = 0.0):
     from lazyattn_rag import CacheConfig, EngineConfig, SchedulerConfig
     from lazyattn_rag.llm import LazyAttention
 
@@ -114,7 +121,7 @@ def make_engine(args, anchor: str, recompute_tokens: int = 0):
         model=args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
         cuda_graphs=args.cuda_graphs,
         cache=CacheConfig(anchor=anchor, kv_cache_fraction=args.kv_cache_fraction if args.device != "cpu" else None,
-                          recompute_chunk_head_tokens=recompute_tokens),
+                          recompute_chunk_head_tokens=recompute_tokens, recompute_selective_ratio=selective_ratio),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.concurrency),
         prompt=prompt_config())
     return LazyAttention(config)
@@ -326,7 +333,8 @@ def parse_args(argv=None):
     p.add_argument("--max-answer-tokens", type=int, default=32, help="most tokens generated per answer")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"comma-separated subset of {', '.join(ENGINE_MODES)}, recompute (transformers reference), "
-                        "and engine chunk-head recompute modes such as reuse-k16, reuse-bos-k4")
+                        "engine chunk-head recompute modes such as reuse-k16, reuse-bos-k4, and selective "
+                        "recompute modes (percent of each passage) such as reuse-sel15, reuse-bos-sel5")
     p.add_argument("--recompute-tokens", default="0,16",
                    help="comma-separated k values of the recompute remedy; 0 is the reference's own control "
                         "(reuse through transformers: compare k > 0 with it, not with the engine's numerics)")

@@ -70,7 +70,9 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
     Mode ``lazy+host`` is ``lazy`` with a host-memory tier of ``--host-memory-gb`` below the KV
     budget (chunks the pool evicts are written back there and loaded on their next miss); mode
     ``lazy+head<k>`` (e.g. ``lazy+head16``) is ``lazy`` recomputing the first ``k`` tokens of every
-    document in each request (chunk-head recompute, issue 20)."""
+    document in each request (chunk-head recompute, issue 20); mode ``lazy+sel<r>`` (e.g.
+    ``lazy+sel15``) is ``lazy`` recomputing ``r`` % of every document's tokens, those whose K/V
+    the context changes most (selective recompute, issue 20)."""
     name = out or f"serving_sweep_{arch}_{device}"
     setting = {"arch": arch, "dtype": dtype, "num_docs": num_docs, "doc_tokens": doc_tokens,
                "docs_per_request": docs_per_request, "query_tokens": query_tokens, "output_tokens": output_tokens,

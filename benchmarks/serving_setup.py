@@ -21,6 +21,9 @@ TIERED_MODES = ("lazy+host",)  # lazy with a host-memory tier below the KV budge
 # "lazy+head<k>": lazy with the first k tokens of every document recomputed per request
 # (CacheConfig.recompute_chunk_head_tokens, issue 20), e.g. lazy+head16.
 HEAD_RECOMPUTE_PREFIX = "lazy+head"
+# "lazy+sel<r>": lazy with r % of every document's tokens recomputed per request (selective
+# recompute, CacheConfig.recompute_selective_ratio, issue 20), e.g. lazy+sel15.
+SELECTIVE_RECOMPUTE_PREFIX = "lazy+sel"
 PROMPT = PromptConfig(system_prompt=None, instruction="t1 t2 t3 t4 t5 t6 t7 t8 ", document_separator=" ",
                       question_prefix="t9 ")
 
@@ -110,17 +113,21 @@ def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_bat
                 host_memory_bytes: int = 0, torch_compile: bool = False) -> LazyAttention:
     """An engine over ``bench``'s model in cache ``mode`` with a KV budget of ``budget_bytes``
     (``"lazy+host"``: ``lazy`` with a host-memory tier of ``host_memory_bytes``; ``"lazy+head<k>"``:
-    ``lazy`` recomputing the first ``k`` tokens of each document per request; ``torch_compile``:
+    ``lazy`` recomputing the first ``k`` tokens of each document per request; ``"lazy+sel<r>"``:
+    ``lazy`` recomputing ``r`` % of each document's tokens (selective recompute); ``torch_compile``:
     ``EngineConfig.torch_compile``)."""
     host = host_memory_bytes if mode == "lazy+host" else 0
     head = int(mode.removeprefix(HEAD_RECOMPUTE_PREFIX)) if mode.startswith(HEAD_RECOMPUTE_PREFIX) else 0
-    mode = "lazy" if mode == "lazy+host" or head else mode
+    ratio = int(mode.removeprefix(SELECTIVE_RECOMPUTE_PREFIX)) / 100 if mode.startswith(SELECTIVE_RECOMPUTE_PREFIX) \
+        else 0.0
+    mode = "lazy" if mode == "lazy+host" or head or ratio else mode
     config = EngineConfig(device=device, dtype=str(next(bench.model.parameters()).dtype).removeprefix("torch."),
                           attention_backend=backend, prompt=PROMPT, cuda_graphs=cuda_graphs,
                           torch_compile=torch_compile,
                           cache=CacheConfig(kv_cache_bytes=budget_bytes, mode=mode, eviction_policy="lfu",
                                             anchor="none",  # the papers' setting (block_attention has no anchor)
-                                            host_memory_bytes=host, recompute_chunk_head_tokens=head),
+                                            host_memory_bytes=host, recompute_chunk_head_tokens=head,
+                                            recompute_selective_ratio=ratio),
                           scheduler=SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs,
                                                     prefill_with_encodes=prefill_with_encodes))
     return LazyAttention.from_model(bench.model, bench.tokenizer, config, name="random",

@@ -215,7 +215,8 @@ class LLMEngine:
     # --- submission -----------------------------------------------------------------------
     def submit_question(self, question: str, doc_ids: list[str], documents: list[tuple[str, str]],
                         params: SamplingParams, sink: Sink, namespace: str = "",
-                        recompute_chunk_head_tokens: int | None = None) -> Request:
+                        recompute_chunk_head_tokens: int | None = None,
+                        recompute_selective_ratio: float | None = None) -> Request:
         """Plan ``question`` over ``doc_ids`` then the inline ``documents`` (registered first, all
         or none, and only if the request is accepted), all in ``namespace``, and queue it.
 
@@ -225,15 +226,17 @@ class LLMEngine:
         """
         with self.documents.inline(documents, namespace):
             return self.submit(self.planner.plan(question, doc_ids + [d for d, _ in documents], namespace,
-                                                 recompute_chunk_head_tokens), params, sink)
+                                                 recompute_chunk_head_tokens, recompute_selective_ratio),
+                               params, sink)
 
     def submit_chat(self, messages: list[Message], documents: list[tuple[str, str]], params: SamplingParams,
-                    sink: Sink, namespace: str = "", recompute_chunk_head_tokens: int | None = None) -> Request:
+                    sink: Sink, namespace: str = "", recompute_chunk_head_tokens: int | None = None,
+                    recompute_selective_ratio: float | None = None) -> Request:
         """Plan chat ``messages`` (:meth:`PromptPlanner.plan_messages`) with inline ``documents``
         in ``namespace`` and queue it; errors as :meth:`submit_question`."""
         with self.documents.inline(documents, namespace):
-            return self.submit(self.planner.plan_messages(messages, namespace, recompute_chunk_head_tokens), params,
-                               sink)
+            return self.submit(self.planner.plan_messages(messages, namespace, recompute_chunk_head_tokens,
+                                                          recompute_selective_ratio), params, sink)
 
     def submit_prompt(self, prompt: str | list[int], params: SamplingParams, sink: Sink) -> Request:
         """Queue a raw prompt, computed whole (:meth:`PromptPlanner.plan_prompt`)."""

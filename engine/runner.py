@@ -13,7 +13,7 @@ from lazyattn_rag.engine.cuda_graphs import DecodeGraphs
 from lazyattn_rag.engine.input_prep import InputPreparer
 from lazyattn_rag.engine.model import CausalLM
 from lazyattn_rag.engine.scheduler_output import SchedulerOutput, SelectionJob
-from lazyattn_rag.engine.selective_recompute import SELECTION_LAYER, select_tokens
+from lazyattn_rag.engine.selective_recompute import SELECTION_LAYER, kv_deviation, top_tokens
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -122,19 +122,27 @@ class ModelRunner:
     @torch.inference_mode()
     def select_tokens(self, job: SelectionJob) -> dict[int, tuple[int, ...]]:
         """The document tokens ``job.request`` recomputes (``engine/selective_recompute.py``):
-        its chunks' cached K/V at the selection layer (K rotated to the request's positions)
-        against a dense pass over its prompt."""
+        each chunk's cached K/V at the selection layer (K rotated to the request's positions)
+        against a dense pass over the request's prompt (``CausalLM.dense_kv``).
+
+        Returns:
+            chunk index in the plan -> selected local token indices, ascending.
+        """
         plan = job.request.plan
         layer = min(SELECTION_LAYER, len(self.kv_caches) - 1)
+        ids = torch.tensor(plan.token_ids(), dtype=torch.int64, device=self.device)
+        fresh_k, fresh_v = self.model.dense_kv(ids, torch.arange(ids.numel(), device=self.device), layer,
+                                               self.backend.scale)  # [prompt tokens, num_kv_heads, head_dim]
         key_cache, value_cache = self.kv_caches[layer]
         flat_k, flat_v = key_cache.view(-1, *key_cache.shape[2:]), value_cache.view(-1, *value_cache.shape[2:])
-        chunks = []
+        selected = {}
         for index, block_ids, num_tokens, delta in job.chunks:
             slots = self._slots(block_ids, num_tokens)
-            deltas = torch.full((num_tokens,), delta, device=self.device)
-            chunks.append((index, plan.chunks[index].global_start, self.model.rotary.rotate_by(flat_k[slots], deltas),
-                           flat_v[slots]))
-        return select_tokens(self.model, self.backend.scale, plan.token_ids(), chunks, plan.selective_ratio)
+            cached_k = self.model.rotary.rotate_by(flat_k[slots], torch.full((num_tokens,), delta, device=self.device))
+            at = slice(plan.chunks[index].global_start, plan.chunks[index].global_start + num_tokens)
+            deviation = kv_deviation(fresh_k[at], fresh_v[at], cached_k, flat_v[slots])
+            selected[index] = top_tokens(deviation, plan.selective_ratio)
+        return selected
 
     @torch.inference_mode()
     def copy_slots(self, src_block: int, dst_block: int, first_slot: int, num_slots: int, delta: int) -> None:

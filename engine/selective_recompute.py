@@ -11,8 +11,8 @@ position in the request). CacheBlend narrows its selection layer by layer; this 
 second layer's for every layer.
 
 The scheduler turns the selection into the request's own copies of the blocks holding the
-selected tokens and one query per token (``Scheduler._apply_selection``); the runner computes
-the deviation (:func:`select_tokens`).
+selected tokens and one query per token (``engine/selective_schedule.py``); the runner measures
+the deviation (``ModelRunner.select_tokens``). This module holds the arithmetic both share.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from __future__ import annotations
 import math
 
 import torch
-
-from lazyattn_rag.engine.model import CausalLM
 
 SELECTION_LAYER = 1  # the first layer whose K/V depend on the context (0 for a one-layer model)
 
@@ -54,32 +52,3 @@ def top_tokens(deviation: torch.Tensor, ratio: float) -> tuple[int, ...]:
         return ()
     order = torch.argsort(deviation, descending=True, stable=True)[:k]
     return tuple(sorted(order.tolist()))
-
-
-@torch.inference_mode()
-def select_tokens(model: CausalLM, scale: float, prompt_ids: list[int], chunks: list[tuple[int, int, torch.Tensor,
-                  torch.Tensor]], ratio: float) -> dict[int, tuple[int, ...]]:
-    """The tokens to recompute of each document chunk.
-
-    Args:
-        model: the engine's model (on the KV cache's device).
-        scale: attention softmax scale.
-        prompt_ids: the request's whole prompt (positions ``0 ..``).
-        chunks: per document chunk ``(chunk index in the plan, global start, cached K, cached V)``,
-            K/V ``[num_tokens, num_kv_heads, head_dim]`` of the selection layer, K at the chunk's
-            local positions already rotated to its global ones.
-        ratio: ``r`` in ``(0, 1]``.
-    Returns:
-        chunk index -> selected local token indices (ascending).
-    """
-    device = model.lm_head.weight.device
-    ids = torch.tensor(prompt_ids, dtype=torch.int64, device=device)
-    positions = torch.arange(len(prompt_ids), device=device)
-    layer = min(SELECTION_LAYER, model.config.num_layers - 1)
-    fresh_k, fresh_v = model.dense_kv(ids, positions, layer, scale)
-    selected = {}
-    for index, start, cached_k, cached_v in chunks:
-        n = cached_k.shape[0]
-        deviation = kv_deviation(fresh_k[start:start + n], fresh_v[start:start + n], cached_k, cached_v)
-        selected[index] = top_tokens(deviation, ratio)
-    return selected

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable
 
 from lazyattn_rag.client import MakeRequest, chat_request, prompt_request, question_request
-from lazyattn_rag.llm import LazyAttention, head_recompute_kwargs
+from lazyattn_rag.llm import LazyAttention, recompute_kwargs
 from lazyattn_rag.types.documents import Document
 from lazyattn_rag.types.messages import Message
 from lazyattn_rag.types.outputs import Completion, StreamDelta
@@ -81,24 +81,27 @@ class AsyncLazyAttention:
 
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                sampling: SamplingParams | None = None, namespace: str = "", *,
-               recompute_chunk_head_tokens: int | None = None) -> AsyncIterator[StreamDelta]:
+               recompute_chunk_head_tokens: int | None = None,
+               recompute_selective_ratio: float | None = None) -> AsyncIterator[StreamDelta]:
         """Async version of :meth:`LazyAttention.stream` (argument errors raise here, engine errors
         on the first ``__anext__``)."""
         return self._submit(question_request(question, doc_ids, documents, sampling or self.llm.default_sampling,
-                                             namespace, recompute_chunk_head_tokens))
+                                             namespace, recompute_chunk_head_tokens, recompute_selective_ratio))
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                     sampling: SamplingParams | None = None, namespace: str = "", *,
-                    recompute_chunk_head_tokens: int | None = None) -> AsyncIterator[StreamDelta]:
+                    recompute_chunk_head_tokens: int | None = None,
+                    recompute_selective_ratio: float | None = None) -> AsyncIterator[StreamDelta]:
         """Async version of :meth:`LazyAttention.stream_chat` (errors as :meth:`stream`)."""
         return self._submit(chat_request(messages, documents, sampling or self.llm.default_sampling, namespace,
-                                         recompute_chunk_head_tokens))
+                                         recompute_chunk_head_tokens, recompute_selective_ratio))
 
     async def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                    sampling: SamplingParams | None = None, namespace: str = "", *,
-                   recompute_chunk_head_tokens: int | None = None) -> Completion:
+                   recompute_chunk_head_tokens: int | None = None,
+                   recompute_selective_ratio: float | None = None) -> Completion:
         return await _collect(self.stream_chat(messages, documents, sampling, namespace,
-                                               **head_recompute_kwargs(recompute_chunk_head_tokens)))
+                                               **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio)))
 
     def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None
                       ) -> AsyncIterator[StreamDelta]:
@@ -107,9 +110,10 @@ class AsyncLazyAttention:
 
     async def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                        sampling: SamplingParams | None = None, namespace: str = "", *,
-                       recompute_chunk_head_tokens: int | None = None) -> Completion:
+                       recompute_chunk_head_tokens: int | None = None,
+                       recompute_selective_ratio: float | None = None) -> Completion:
         return await _collect(self.stream(question, doc_ids, documents, sampling, namespace,
-                                          **head_recompute_kwargs(recompute_chunk_head_tokens)))
+                                          **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio)))
 
     async def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Completion:
         return await _collect(self.stream_prompt(prompt, sampling))

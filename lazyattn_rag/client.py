@@ -112,15 +112,18 @@ class RequestStream(Iterator[StreamDelta]):
 
 # --- requests: what each public method submits (run on the engine thread) ------------------
 def question_request(question: str, doc_ids: Iterable[str], documents: Iterable[Document | tuple[str, str]],
-                     params: SamplingParams, namespace: str = "", head_tokens: int | None = None) -> MakeRequest:
+                     params: SamplingParams, namespace: str = "", head_tokens: int | None = None,
+                     selective_ratio: float | None = None) -> MakeRequest:
     ids, docs = document_ids(doc_ids), document_pairs(documents)
-    return lambda engine, sink: engine.submit_question(question, ids, docs, params, sink, namespace, head_tokens)
+    return lambda engine, sink: engine.submit_question(question, ids, docs, params, sink, namespace, head_tokens,
+                                                       selective_ratio)
 
 
 def chat_request(messages: Iterable[Message | dict | tuple], documents: Iterable[Document | tuple[str, str]],
-                 params: SamplingParams, namespace: str = "", head_tokens: int | None = None) -> MakeRequest:
+                 params: SamplingParams, namespace: str = "", head_tokens: int | None = None,
+                 selective_ratio: float | None = None) -> MakeRequest:
     msgs, docs = [as_message(m) for m in messages], document_pairs(documents)
-    return lambda engine, sink: engine.submit_chat(msgs, docs, params, sink, namespace, head_tokens)
+    return lambda engine, sink: engine.submit_chat(msgs, docs, params, sink, namespace, head_tokens, selective_ratio)
 
 
 def prompt_request(prompt: str | list[int], params: SamplingParams) -> MakeRequest:

@@ -187,7 +187,8 @@ class LazyAttention:
 
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                sampling: SamplingParams | None = None, namespace: str = "", *,
-               recompute_chunk_head_tokens: int | None = None) -> "RequestStream":
+               recompute_chunk_head_tokens: int | None = None,
+               recompute_selective_ratio: float | None = None) -> "RequestStream":
         """Stream the answer to ``question`` over documents, in the order given.
 
         Args:
@@ -199,6 +200,10 @@ class LazyAttention:
             recompute_chunk_head_tokens: this request's chunk-head recompute (the first ``k``
                 tokens of each document computed in the request; see
                 :class:`~lazyattn_rag.types.config.CacheConfig`); ``None``: the engine's.
+            recompute_selective_ratio: this request's selective recompute (CacheBlend: ``r`` in
+                ``[0, 1]`` of each document's tokens recomputed, those whose K/V the context
+                changes most; see :class:`~lazyattn_rag.types.config.CacheConfig`); ``None``: the
+                engine's. Asking for one remedy turns the other off for the request.
         Returns:
             A :class:`RequestStream` of :class:`StreamDelta` pieces, one per generated token (text
             may be empty while a character is incomplete); the last has ``finished=True`` and the
@@ -207,22 +212,25 @@ class LazyAttention:
             UnknownDocumentError, EmptyInputError, PromptTooLongError, DocumentTooLongError:
             at the call, before anything is queued or registered. CacheCapacityError: at the call, when the
             prompt plus ``max_tokens`` could never fit the KV cache. ValueError: a negative
-            ``recompute_chunk_head_tokens``, or one on an engine not in ``lazy`` mode. Other
+            ``recompute_chunk_head_tokens``, a ratio outside ``[0, 1]``, either on an engine not in
+            ``lazy`` mode, or both set. Other
             requests are unaffected.
         """
         return self._submit(question_request(question, doc_ids, documents, sampling or self.default_sampling,
-                                             namespace, recompute_chunk_head_tokens))
+                                             namespace, recompute_chunk_head_tokens, recompute_selective_ratio))
 
     def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                  sampling: SamplingParams | None = None, namespace: str = "", *,
-                 recompute_chunk_head_tokens: int | None = None) -> Completion:
+                 recompute_chunk_head_tokens: int | None = None,
+                 recompute_selective_ratio: float | None = None) -> Completion:
         """Answer ``question``; same arguments and errors as :meth:`stream`."""
         return _collect(self.stream(question, doc_ids, documents, sampling, namespace,
-                                    **head_recompute_kwargs(recompute_chunk_head_tokens)))
+                                    **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio)))
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                     sampling: SamplingParams | None = None, namespace: str = "", *,
-                    recompute_chunk_head_tokens: int | None = None) -> "RequestStream":
+                    recompute_chunk_head_tokens: int | None = None,
+               recompute_selective_ratio: float | None = None) -> "RequestStream":
         """Stream the answer to chat ``messages`` whose content places documents by id.
 
         This is how a RAG framework's own prompt keeps reuse: the template's text (instructions,
@@ -236,7 +244,7 @@ class LazyAttention:
             documents: inline documents, registered (or updated) first, all or none.
             sampling: :class:`SamplingParams`.
             namespace: the documents' namespace (see :meth:`add_document`).
-            recompute_chunk_head_tokens: as :meth:`stream`.
+            recompute_chunk_head_tokens, recompute_selective_ratio: as :meth:`stream`.
         Returns:
             A :class:`RequestStream`, as :meth:`stream`.
         Raises:
@@ -245,14 +253,15 @@ class LazyAttention:
             or registered.
         """
         return self._submit(chat_request(messages, documents, sampling or self.default_sampling, namespace,
-                                         recompute_chunk_head_tokens))
+                                         recompute_chunk_head_tokens, recompute_selective_ratio))
 
     def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
              sampling: SamplingParams | None = None, namespace: str = "", *,
-             recompute_chunk_head_tokens: int | None = None) -> Completion:
+             recompute_chunk_head_tokens: int | None = None,
+                 recompute_selective_ratio: float | None = None) -> Completion:
         """Answer chat ``messages``; same arguments and errors as :meth:`stream_chat`."""
         return _collect(self.stream_chat(messages, documents, sampling, namespace,
-                                         **head_recompute_kwargs(recompute_chunk_head_tokens)))
+                                         **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio)))
 
     def plan_chat(self, messages: Iterable[Message | dict | tuple], namespace: str = ""):
         """The prompt plan chat ``messages`` would run (for inspection; registered documents only)."""
@@ -357,6 +366,8 @@ def _collect(deltas: Iterator[StreamDelta]) -> Completion:
     return Completion("".join(text), token_ids, last.finish_reason, last.stats, logprobs or None)
 
 
-def head_recompute_kwargs(recompute_chunk_head_tokens: int | None) -> dict:
-    """The keyword to pass on (none when unset, so a ``stream`` wrapped with the older signature works)."""
-    return {} if recompute_chunk_head_tokens is None else {"recompute_chunk_head_tokens": recompute_chunk_head_tokens}
+def recompute_kwargs(recompute_chunk_head_tokens: int | None, recompute_selective_ratio: float | None) -> dict:
+    """The keywords to pass on (none of those unset, so a ``stream`` wrapped with an older signature works)."""
+    pairs = {"recompute_chunk_head_tokens": recompute_chunk_head_tokens,
+             "recompute_selective_ratio": recompute_selective_ratio}
+    return {k: v for k, v in pairs.items() if v is not None}

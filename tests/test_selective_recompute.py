@@ -166,3 +166,37 @@ def test_config_is_checked():
         CacheConfig(recompute_selective_ratio=0.1, mode="block_attention")
     with pytest.raises(ValueError, match="cannot both be set"):
         CacheConfig(recompute_selective_ratio=0.1, recompute_chunk_head_tokens=4)
+
+
+def test_per_request_setting_overrides_the_engines(make_llm):
+    """``recompute_selective_ratio=`` on a call: that request only (asking for it turns the
+    engine's chunk-head recompute off for it); the engine's setting otherwise."""
+    import asyncio
+
+    from lazyattn_rag import AsyncLazyAttention
+
+    def close(a, b):  # two engines (other batches, hits and misses): equal to float32 rounding
+        return (a - b).abs().max().item() <= 1e-5
+
+    _, plain = engine(make_llm, 0.0)
+    _, sel = engine(make_llm, 0.15)
+    hf, heads = make_llm(seed=2, anchor="none", recompute_chunk_head_tokens=4)
+    heads.add_documents(list(DOCS.items()))
+    for llm in (plain, sel, heads):
+        first_logprobs(llm)
+    asked = plain.generate(QUESTION, ["a", "b", "c"], sampling=FIRST, recompute_selective_ratio=0.15)
+    assert close(torch.tensor(list(asked.logprobs[0].values())), first_logprobs(sel))
+    assert not close(first_logprobs(plain), first_logprobs(sel))  # the next request is plain again
+    off = asyncio.run(AsyncLazyAttention(sel).generate(QUESTION, ["a", "b", "c"], sampling=FIRST,
+                                                        recompute_selective_ratio=0.0))
+    assert close(torch.tensor(list(off.logprobs[0].values())), first_logprobs(plain))
+    swapped = heads.generate(QUESTION, ["a", "b", "c"], sampling=FIRST, recompute_selective_ratio=0.15)
+    assert close(torch.tensor(list(swapped.logprobs[0].values())), first_logprobs(sel))
+    with pytest.raises(ValueError, match="recompute_selective_ratio"):
+        plain.generate(QUESTION, ["a"], recompute_selective_ratio=2.0)
+    with pytest.raises(ValueError, match="cannot both be set"):
+        plain.generate(QUESTION, ["a"], recompute_selective_ratio=0.1, recompute_chunk_head_tokens=4)
+    messages = [("user", ["Context:", {"type": "document", "id": "a"}, QUESTION])]
+    chat = plain.chat(messages, sampling=FIRST, recompute_selective_ratio=1.0)
+    assert chat.stats.num_computed_tokens == len(plain.plan_chat(messages).token_ids()) - \
+        chat.stats.num_cached_head_tokens
