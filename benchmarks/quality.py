@@ -85,6 +85,12 @@ def engine_setting(mode: str) -> tuple[str, int, float] | None:
     if (m := _SELECTIVE_RECOMPUTE.match(mode)) and 0 < int(m.group(2)) <= 100:
         return ENGINE_MODES[m.group(1)], 0, int(m.group(2)) / 100
     return None
+def engine_run_order(modes: list[str]) -> list[str]:
+    """The engine modes of ``modes`` in the order they run: ``full`` first (the others' fidelity
+    is measured against it), then as given (a time-limited run gets the modes asked for first)."""
+    return sorted((m for m in modes if engine_setting(m)), key=lambda m: m != "full")
+
+
 DEFAULT_MODES = ("full", "full-shuffled", "reuse", "reuse-head", "reuse-bos", "recompute")
 # Default sample: >= 200 questions of the large sets, all of MuSiQue (160) and 2WikiMultihopQA (131).
 DEFAULT_SAMPLE_SIZES = {"hotpotqa": 200, "2wikimultihopqa": 0, "2wikimultihopqa_goldonly": 200, "musique": 0,
@@ -442,10 +448,16 @@ def main(argv=None) -> dict:
         results["all_datasets"] = pool(results, args.seed)
         args.out.write_text(json.dumps(results, indent=1, ensure_ascii=False))
 
-    # full first in each dataset: the fidelity figures of the other modes compare with its distributions
-    modes = sorted((m for m in args.modes if engine_setting(m)), key=lambda m: (m != "full", engine_setting(m)))
+    # full first in each dataset: the fidelity figures of the other modes compare with its
+    # distributions (a resumed run re-runs it where other modes are missing: they are not stored);
+    # the others in the order given
+    modes = engine_run_order(args.modes)
+
+    def pending(dataset, mode):
+        return not done(dataset, mode) or (mode == "full" and any(not done(dataset, m) for m in modes))
+
     for setting in dict.fromkeys(engine_setting(m) for m in modes):
-        todo = [(d, m) for d in args.datasets for m in modes if engine_setting(m) == setting and not done(d, m)]
+        todo = [(d, m) for d in args.datasets for m in modes if engine_setting(m) == setting and pending(d, m)]
         if not todo:
             continue
         llm = make_engine(args, *setting)

@@ -12,8 +12,9 @@ from lazyattn_rag.engine.compiled_layers import CompiledLayers
 from lazyattn_rag.engine.cuda_graphs import DecodeGraphs
 from lazyattn_rag.engine.input_prep import InputPreparer
 from lazyattn_rag.engine.model import CausalLM
-from lazyattn_rag.engine.scheduler_output import SchedulerOutput, SelectionJob
+from lazyattn_rag.engine.scheduler_output import SchedulerOutput, SelectionJob, SlotCopyJob
 from lazyattn_rag.engine.selective_recompute import SELECTION_LAYER, kv_deviation, top_tokens
+from lazyattn_rag.kernels.rope import apply_rotation
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -92,8 +93,8 @@ class ModelRunner:
             self.write_blocks(load.block_ids, load.chunk.keys, load.chunk.values)
         for copy in out.copies:
             self.copy_rotated(copy.src_blocks, copy.dst_blocks, copy.num_tokens, copy.delta)
-        for job in out.slot_copies:
-            self.copy_slots(job.src_block, job.dst_block, job.first_slot, job.num_slots, job.delta)
+        if out.slot_copies:
+            self.copy_slots(out.slot_copies)
         for job in out.selections:
             job.selected = self.select_tokens(job)
         if not (out.chunk_prefills or out.computes):
@@ -145,17 +146,24 @@ class ModelRunner:
         return selected
 
     @torch.inference_mode()
-    def copy_slots(self, src_block: int, dst_block: int, first_slot: int, num_slots: int, delta: int) -> None:
-        """Copy slots ``first_slot ..`` (``num_slots``) of ``src_block`` into the same slots of
-        ``dst_block`` in every layer, K rotated by ``delta`` (behind a recomputed chunk head)."""
-        offsets = torch.arange(first_slot, first_slot + num_slots, device=self.device)
-        src, dst = src_block * self.block_size + offsets, dst_block * self.block_size + offsets
-        deltas = torch.full((num_slots,), delta, device=self.device)
+    def copy_slots(self, jobs: list[SlotCopyJob]) -> None:
+        """Copy each job's slots ``first_slot ..`` (``num_slots``) of ``src_block`` into the same
+        slots of ``dst_block`` in every layer, K rotated by the job's ``delta`` (behind a recomputed
+        chunk head; whole blocks for selective recompute). One gather, rotation and scatter per
+        layer for all of a step's jobs (a request of selective recompute copies ~100 blocks)."""
+        bs, src, dst, deltas = self.block_size, [], [], []
+        for job in jobs:
+            src += range(job.src_block * bs + job.first_slot, job.src_block * bs + job.first_slot + job.num_slots)
+            dst += range(job.dst_block * bs + job.first_slot, job.dst_block * bs + job.first_slot + job.num_slots)
+            deltas += [job.delta] * job.num_slots
+        src_t, dst_t, deltas_t = (torch.tensor(v, dtype=torch.int64, device=self.device) for v in (src, dst, deltas))
+        rotary = self.model.rotary
+        cos, sin = rotary.cos_sin(deltas_t)  # the rotation by each slot's delta, shared by every layer
         for key_cache, value_cache in self.kv_caches:
             flat_k = key_cache.view(-1, *key_cache.shape[2:])
             flat_v = value_cache.view(-1, *value_cache.shape[2:])
-            flat_k[dst] = self.model.rotary.rotate_by(flat_k[src], deltas)
-            flat_v[dst] = flat_v[src]
+            flat_k[dst_t] = apply_rotation(flat_k[src_t], cos, sin, rotary.rotary_dim, rotary.interleaved)
+            flat_v[dst_t] = flat_v[src_t]
 
     def _slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """``[num_tokens]`` flat slots of tokens laid out from the first block's slot 0."""

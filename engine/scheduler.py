@@ -173,13 +173,13 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
                 self._register_prefix_blocks(job.request)
 
     def abandon(self, out: SchedulerOutput) -> list[Request]:
-        """The step's loads, copies or forward pass raised: release the step's requests and every
+        """The step's loads, copies, selections or forward pass raised: release the step's requests and every
         request holding a chunk the step was writing (admitted or running), drop those chunks'
         pending entries and the copies' source pins. Returns the released requests (they must fail)."""
         pending = {job.key for job in out.chunk_prefills} | {c.dst_key for c in out.copies} | {j.key for j in out.loads}
         for copy in out.copies:
             self.cache.unpin(copy.src_key)
-        victims = {id(j.request): j.request for j in out.computes}
+        victims = {id(j.request): j.request for j in out.computes + out.selections}
         victims.update({id(r): r for r in self.acquired + self.running
                         if pending.intersection(self.cache.pins_of(r.request_id))})
         for r in victims.values():

@@ -58,3 +58,28 @@ def test_first_token_kl_and_top1_match_a_direct_computation(tmp_path, smollm2_di
     assert whole["first_token_kl"]["mean"] <= 1e-6 and whole["first_token_top1_agreement"]["mean"] == 100.0
     assert list(results["datasets"]["hotpotqa"]["modes"]) == ["full", "reuse", "reuse-k64"]
     assert json.loads(out.read_text())["datasets"]["hotpotqa"]["modes"]["reuse"]["first_token_kl"] == reuse["first_token_kl"]
+
+
+def test_a_resumed_run_scores_its_new_modes_against_full(tmp_path, smollm2_dir):
+    """``--resume`` with new modes re-runs ``full`` for their distributions (they are not stored):
+    selective recompute of every token (reuse-sel100) is full attention, KL ~ 0; the modes run
+    in the order given after ``full``."""
+    (tmp_path / "qa").mkdir()
+    (tmp_path / "qa" / "hotpotqa.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS))
+    out = tmp_path / "q.json"
+    base = ["--data", str(tmp_path), "--datasets", "hotpotqa", "--sample-size", "0", "--device", "cpu",
+            "--max-answer-tokens", "4", "--concurrency", "1", "--out", str(out)]
+    first = main(base + ["--modes", "full,reuse"])
+    kl_reuse = first["datasets"]["hotpotqa"]["modes"]["reuse"]["first_token_kl"]
+    resumed = main(base + ["--resume", "--modes", "full,reuse,reuse-sel100,reuse-k64"])
+    modes = resumed["datasets"]["hotpotqa"]["modes"]
+    assert modes["reuse"]["first_token_kl"] == kl_reuse  # kept as it was
+    for mode in ("reuse-sel100", "reuse-k64"):
+        assert modes[mode]["first_token_kl"]["n"] == 2 and modes[mode]["first_token_kl"]["mean"] <= 1e-5
+
+
+def test_engine_modes_run_full_first_then_as_given():
+    from benchmarks.quality import engine_run_order
+
+    assert engine_run_order(["reuse-bos-sel5", "recompute", "reuse-bos-k4", "full", "reuse-bos"]) == \
+        ["full", "reuse-bos-sel5", "reuse-bos-k4", "reuse-bos"]

@@ -200,3 +200,28 @@ def test_per_request_setting_overrides_the_engines(make_llm):
     chat = plain.chat(messages, sampling=FIRST, recompute_selective_ratio=1.0)
     assert chat.stats.num_computed_tokens == len(plain.plan_chat(messages).token_ids()) - \
         chat.stats.num_cached_head_tokens
+
+
+@pytest.mark.parametrize("method", ["select_tokens", "copy_slots"])
+def test_a_failed_selection_or_copy_fails_its_request_alone(make_llm, monkeypatch, method):
+    """The measurement (or the block copies) of one request raises: that request fails (it used
+    to stay waiting, its measurement retried and failing every step), nothing is left held, and
+    the same request then succeeds."""
+    _, llm = engine(make_llm, 0.15)
+    first_logprobs(llm)
+    expected = first_logprobs(llm)
+    original, calls = getattr(llm.engine.runner, method), []
+
+    def fail_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("device fault")
+        return original(*args)
+
+    monkeypatch.setattr(llm.engine.runner, method, fail_once)
+    with pytest.raises(RuntimeError, match="device fault"):
+        first_logprobs(llm)
+    stats = llm.stats()
+    assert stats["num_blocks_free"] + stats["num_blocks_cached"] == stats["num_blocks_total"]
+    assert torch.equal(first_logprobs(llm), expected)
+    assert len(calls) == 2  # the failed call, then the request that succeeded
