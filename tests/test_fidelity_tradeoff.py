@@ -1,0 +1,44 @@
+"""``benchmarks/fidelity_tradeoff.py``: which serving mode a quality mode is timed by, which file
+each point's KL comes from, and the table and plot it writes."""
+
+import json
+
+from typer.testing import CliRunner
+
+from benchmarks.fidelity_tradeoff import app, fidelity_points, serving_mode
+
+
+def test_quality_modes_map_to_serving_modes():
+    assert serving_mode("reuse-bos") == serving_mode("reuse") == "lazy"
+    assert serving_mode("reuse-bos-k16") == "lazy+head16"
+    assert serving_mode("reuse-sel5") == serving_mode("reuse-bos-sel5") == "lazy+sel5"
+    assert serving_mode("full") is None and serving_mode("recompute") is None
+
+
+def pooled(**kl):
+    rows = {"full": {"contains_gold": {"mean": 20.0, "ci95": [10.0, 30.0], "n": 4}}}
+    for mode, (mean, n) in kl.items():
+        rows[mode.replace("_", "-")] = {"contains_gold": {"mean": 20.0, "ci95": [10.0, 30.0], "n": 4},
+                                        "first_token_kl": {"mean": mean, "ci95": [mean / 2, mean * 2], "n": n}}
+    return {"all_datasets": rows}
+
+
+def test_points_come_from_the_first_file_that_has_them_and_the_plot_is_written(tmp_path):
+    gpu, cpu = tmp_path / "gpu.json", tmp_path / "cpu.json"
+    gpu.write_text(json.dumps(pooled(reuse_bos=(0.4, 4), reuse_bos_sel5=(0.15, 3))))
+    cpu.write_text(json.dumps(pooled(reuse_bos=(0.3, 2), reuse_bos_k16=(0.2, 2))))
+    points = fidelity_points([gpu, cpu])
+    assert {m: (p["kl"], p["n"], p["source"]) for m, p in points.items()} == {
+        "reuse-bos": (0.4, 4, "gpu.json"), "reuse-bos-sel5": (0.15, 3, "gpu.json"),
+        "reuse-bos-k16": (0.2, 2, "cpu.json")}
+    serving = tmp_path / "sweep.json"
+    serving.write_text(json.dumps({"summary": [{"mode": "lazy", "ttft_ms_median": 90.0},
+                                               {"mode": "lazy+head16", "ttft_ms_median": 180.0}]}))
+    out = tmp_path / "plot.png"
+    result = CliRunner().invoke(app, ["--quality", str(gpu), "--quality", str(cpu), "--serving", str(serving),
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "| reuse-bos | 0.400 [0.200, 0.800] | 4 | gpu.json | 90 |" in result.output
+    assert "| reuse-bos-k16 | 0.200 [0.100, 0.400] | 2 | cpu.json | 180 |" in result.output
+    assert "reuse-bos-sel5" not in result.output  # not timed in this sweep
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
