@@ -34,18 +34,39 @@ def serving_mode(quality_mode: str) -> str | None:
     return f"lazy+head{k}" if k else f"lazy+sel{r}" if r else "lazy"
 
 
+def baseline_mode(quality_mode: str) -> str:
+    """The plain reuse mode of the same anchor (``reuse-bos-k16`` -> ``reuse-bos``)."""
+    return re.sub(r"-(k|sel)\d+$", "", quality_mode)
+
+
 def fidelity_points(paths: list[Path]) -> dict[str, dict]:
-    """Per quality mode: pooled first-token KL (mean, ci95, n) and its source file, from the
+    """Per quality mode: pooled first-token KL (mean, ci95, n), its source file and its ratio to
+    the KL of plain reuse of the same anchor in that file over the same questions (``None``
+    without it; the ratio is what compares points from files over different questions), from the
     first file that has it."""
     points: dict[str, dict] = {}
     for path in paths:
-        pooled = json.loads(path.read_text())["all_datasets"]
-        for mode, row in pooled.items():
+        results = json.loads(path.read_text())
+        for mode, row in results["all_datasets"].items():
             kl = row.get("first_token_kl")
             if mode in points or kl is None:
                 continue
-            points[mode] = {"kl": kl["mean"], "kl_ci95": kl["ci95"], "n": kl["n"], "source": path.name}
+            points[mode] = {"kl": kl["mean"], "kl_ci95": kl["ci95"], "n": kl["n"], "source": path.name,
+                            "vs_reuse": _ratio_on_common_questions(results, mode, baseline_mode(mode))}
     return points
+
+
+def _ratio_on_common_questions(results: dict, mode: str, base: str) -> float | None:
+    """Mean first-token KL of ``mode`` over the mean of ``base``'s, over the questions both have."""
+    pairs = []
+    for questions in results.get("generations", {}).values():
+        for q in questions.values():
+            first = q.get("first_token", {})
+            a, b = (first.get(m, {}).get("kl_vs_full") for m in (mode, base))
+            if a is not None and b is not None:
+                pairs.append((a, b))
+    total_base = sum(b for _, b in pairs)
+    return sum(a for a, _ in pairs) / total_base if pairs and total_base > 0 else None
 
 
 def ttft_ms(path: Path) -> dict[str, float]:
@@ -66,23 +87,24 @@ def main(quality: list[Path] = typer.Option(..., help="quality.py JSON files, in
     points, ttft = fidelity_points(quality), ttft_ms(serving)
     rows = [(mode, p, ttft[serving_mode(mode)]) for mode, p in points.items()
             if serving_mode(mode) in ttft]
-    print("| mode | first-token KL (nats) | questions | source | median TTFT (ms) |\n|---|---:|---:|---|---:|")
+    print("| mode | first-token KL (nats) | vs plain reuse, same file | questions | source | median TTFT (ms) |\n"
+          "|---|---:|---:|---:|---|---:|")
     for mode, p, t in rows:
-        print(f"| {mode} | {p['kl']:.3f} [{p['kl_ci95'][0]:.3f}, {p['kl_ci95'][1]:.3f}] | {p['n']} | "
+        ratio = "–" if p["vs_reuse"] is None else f"{p['vs_reuse']:.2f}"
+        print(f"| {mode} | {p['kl']:.3f} [{p['kl_ci95'][0]:.3f}, {p['kl_ci95'][1]:.3f}] | {ratio} | {p['n']} | "
               f"{p['source']} | {t:.0f} |")
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    sources = sorted({p["source"] for _, p, _ in rows})
-    for source, marker in zip(sources, "os^D"):
-        mine = [(m, p, t) for m, p, t in rows if p["source"] == source]
-        ax.errorbar([t for _, _, t in mine], [p["kl"] for _, p, _ in mine],
-                    yerr=[[p["kl"] - p["kl_ci95"][0] for _, p, _ in mine],
-                          [p["kl_ci95"][1] - p["kl"] for _, p, _ in mine]],
-                    fmt=marker, capsize=3, label=f"KL from {source}")
+    shown = [(m, p, t) for m, p, t in rows if p["vs_reuse"] is not None]
+    for source, marker in zip(sorted({p["source"] for _, p, _ in shown}), "os^D"):
+        mine = [(m, p, t) for m, p, t in shown if p["source"] == source]
+        ax.plot([t for _, _, t in mine], [p["vs_reuse"] for _, p, _ in mine], marker, label=f"KL from {source}")
         for m, p, t in mine:
-            ax.annotate(m, (t, p["kl"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            ax.annotate(m, (t, p["vs_reuse"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.axhline(0.5, color="grey", linestyle=":", linewidth=1)
     ax.set_xscale("log")
+    ax.set_ylim(0, 1.1)
     ax.set_xlabel(f"median TTFT, ms ({serving.name})")
-    ax.set_ylabel("first-token KL(full || mode), nats")
+    ax.set_ylabel("first-token KL / KL of plain reuse")
     ax.set_title("Reuse remedies: fidelity against TTFT")
     ax.legend(fontsize=8)
     fig.tight_layout()

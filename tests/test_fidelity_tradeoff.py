@@ -3,6 +3,8 @@ each point's KL comes from, and the table and plot it writes."""
 
 import json
 
+import pytest
+
 from typer.testing import CliRunner
 
 from benchmarks.fidelity_tradeoff import app, fidelity_points, serving_mode
@@ -16,11 +18,17 @@ def test_quality_modes_map_to_serving_modes():
 
 
 def pooled(**kl):
+    """A quality JSON: each mode's pooled KL ``mean`` over its first ``n`` of 4 questions, every
+    question's own KL equal to that mean."""
     rows = {"full": {"contains_gold": {"mean": 20.0, "ci95": [10.0, 30.0], "n": 4}}}
-    for mode, (mean, n) in kl.items():
-        rows[mode.replace("_", "-")] = {"contains_gold": {"mean": 20.0, "ci95": [10.0, 30.0], "n": 4},
-                                        "first_token_kl": {"mean": mean, "ci95": [mean / 2, mean * 2], "n": n}}
-    return {"all_datasets": rows}
+    questions = {f"q{i}": {"first_token": {}} for i in range(4)}
+    for name, (mean, n) in kl.items():
+        mode = name.replace("_", "-")
+        rows[mode] = {"contains_gold": {"mean": 20.0, "ci95": [10.0, 30.0], "n": 4},
+                      "first_token_kl": {"mean": mean, "ci95": [mean / 2, mean * 2], "n": n}}
+        for i in range(n):
+            questions[f"q{i}"]["first_token"][mode] = {"kl_vs_full": mean}
+    return {"all_datasets": rows, "generations": {"hotpotqa": questions}}
 
 
 def test_points_come_from_the_first_file_that_has_them_and_the_plot_is_written(tmp_path):
@@ -31,6 +39,9 @@ def test_points_come_from_the_first_file_that_has_them_and_the_plot_is_written(t
     assert {m: (p["kl"], p["n"], p["source"]) for m, p in points.items()} == {
         "reuse-bos": (0.4, 4, "gpu.json"), "reuse-bos-sel5": (0.15, 3, "gpu.json"),
         "reuse-bos-k16": (0.2, 2, "cpu.json")}
+    # each ratio is to plain reuse in its own file (the CPU file's 0.3, not the GPU's 0.4)
+    assert points["reuse-bos-sel5"]["vs_reuse"] == pytest.approx(0.15 / 0.4)  # over its 3 questions
+    assert points["reuse-bos-k16"]["vs_reuse"] == pytest.approx(0.2 / 0.3)
     serving = tmp_path / "sweep.json"
     serving.write_text(json.dumps({"summary": [{"mode": "lazy", "ttft_ms_median": 90.0},
                                                {"mode": "lazy+head16", "ttft_ms_median": 180.0}]}))
@@ -38,7 +49,7 @@ def test_points_come_from_the_first_file_that_has_them_and_the_plot_is_written(t
     result = CliRunner().invoke(app, ["--quality", str(gpu), "--quality", str(cpu), "--serving", str(serving),
                                       "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert "| reuse-bos | 0.400 [0.200, 0.800] | 4 | gpu.json | 90 |" in result.output
-    assert "| reuse-bos-k16 | 0.200 [0.100, 0.400] | 2 | cpu.json | 180 |" in result.output
+    assert "| reuse-bos | 0.400 [0.200, 0.800] | 1.00 | 4 | gpu.json | 90 |" in result.output
+    assert "| reuse-bos-k16 | 0.200 [0.100, 0.400] | 0.67 | 2 | cpu.json | 180 |" in result.output
     assert "reuse-bos-sel5" not in result.output  # not timed in this sweep
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
