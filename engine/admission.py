@@ -48,8 +48,12 @@ class ChunkAdmission:
         # Room for the misses and for the private prompt too (query tail, or the whole prompt in
         # full mode), whose blocks are taken now: a request admitted without them would only be
         # preempted again at once, or take them from running requests and throw their work away.
+        # Selective recompute's block copies too (at most one per selected token), reserved now:
+        # requests admitted without them could each hold their chunks while waiting for the
+        # others' copies, and none ever run.
         num_private = request.num_private_blocks(request.num_tokens_to_compute, self.block_size)
-        need = sum(self.blocks_for(len(c.token_ids)) for c in misses) + num_private
+        num_copies = 0 if request.warm_only else self.max_selected_blocks(request)
+        need = sum(self.blocks_for(len(c.token_ids)) for c in misses) + num_private + num_copies
         if sources and not self.cache.can_allocate(need):  # room only by evicting the sources: encode instead
             for src in sources.values():
                 self.cache.unpin(src.key)
@@ -61,6 +65,7 @@ class ChunkAdmission:
         try:
             copied = self._start_misses(request, misses, out, sources, created)
             request.private_blocks += self.cache.allocate(num_private)
+            request.selected_blocks = self.cache.allocate(num_copies)
         except Exception:  # never keep what a failed acquisition took
             for key, src in sources.items():
                 if key not in created:  # its copy job was never made, so nothing else unpins it

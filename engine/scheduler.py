@@ -67,6 +67,9 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
         self.block_size = cache.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        # a running request's first step (selected queries) did not fit this step's budget: no
+        # request is admitted until it has run (it runs alone once the others drain)
+        self._waiting_for_room = False
         self.anchor_context = anchor_context
         self.anchor_key = anchor_key
         self.waiting: deque[Request] = deque()
@@ -144,10 +147,12 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
         inputs are prepared)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._waiting_for_room = False
         budget = self._schedule_running(out, budget)
         budget = self._schedule_chunk_prefills(out, self.chunk_tasks, budget)
         budget = self._promote_ready(out, budget)
-        self._schedule_waiting(out, budget)
+        if not self._waiting_for_room:  # else no new request: the running ones drain for it
+            self._schedule_waiting(out, budget)
         out.released_ids, self._released = self._released, []
         return out
 
@@ -243,6 +248,12 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
         """Schedule the next private tokens of ``request``; returns the tokens scheduled."""
         todo = request.num_tokens_to_compute
         n = todo if out.is_empty and todo > budget else min(todo, budget)
+        selected = len(request.selected_queries) if request.num_computed == 0 else 0
+        if selected:  # the selected queries and the text segments they may attend run in one step
+            n = self.first_job_tokens(request, n)
+            if n + selected > budget and not out.is_empty:
+                self._waiting_for_room = True  # it runs alone once the running requests drain
+                return 0
         if n <= 0:
             return 0
         need = request.num_private_blocks(request.num_computed + n, self.block_size) - len(request.private_blocks)
@@ -260,7 +271,6 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
         if request.plan.num_text_tokens and request.num_computed < request.plan.num_text_tokens:
             out.slot_copies += self._slot_copies(request, request.num_computed, request.num_computed + n)
         total = request.num_private_tokens
-        selected = len(request.selected_queries) if request.num_computed == 0 else 0
         out.computes.append(ComputeJob(request, request.num_computed, n, request.num_computed + n == total, selected))
         return n + selected
 
@@ -305,8 +315,6 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
             if not any(job.request is request for job in out.selections):
                 out.selections.append(self._selection_job(request))
             return 0
-        if request.selected_tokens and not self._can_apply_selection(request):
-            return 0  # no room for its block copies yet
         self.acquired.remove(request)
         if request.warm_only:
             out.warmed.append(request)

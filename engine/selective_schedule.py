@@ -48,19 +48,19 @@ class SelectiveRecompute:
         return sum(min(self.blocks_for(len(c.token_ids)), num_selected(len(c.token_ids), ratio))
                    for c in request.plan.chunks if c.doc_id is not None)
 
-    def _can_apply_selection(self, request: Request) -> bool:
-        return self.cache.can_allocate(len(self._selected_block_keys(request)))
-
     def _apply_selection(self, request: Request, out: SchedulerOutput, context: list[BlockEntry],
                          chunk_starts: dict[int, int]) -> None:
-        """Copy the blocks holding selected tokens into new blocks of ``request`` (checked with
-        :meth:`_can_apply_selection`), point ``context`` (its entries; ``chunk_starts``: chunk
-        index -> its first entry) at the copies, and set its queries."""
+        """Copy the blocks holding selected tokens into blocks of ``request`` (reserved at
+        admission, :meth:`max_selected_blocks`; the ones left over are given back), point
+        ``context`` (its entries; ``chunk_starts``: chunk index -> its first entry) at the
+        copies, and set its queries."""
         keys = self._selected_block_keys(request)
+        blocks, spare = request.selected_blocks[:len(keys)], request.selected_blocks[len(keys):]
+        if spare:
+            self.cache.pool.decref(spare)
+        request.selected_blocks = blocks
         if not keys:
             return
-        blocks = self.cache.allocate(len(keys))
-        request.selected_blocks = blocks
         copies = {}
         for (index, b), block in zip(keys, blocks):
             chunk = request.plan.chunks[index]
@@ -82,6 +82,14 @@ class SelectiveRecompute:
                 queries.append(SelectedQuery(chunk.token_ids[t], chunk.global_start + t, at, keys_before[at],
                                              copies[(index, b)], t % bs))
         request.selected_queries = queries
+
+    def first_job_tokens(self, request: Request, num_tokens: int) -> int:
+        """Private tokens the first compute job of ``request`` must cover when it runs selected
+        queries: all its text segments too (a selected token after one attends to it, so it is
+        written in the same pass), and at least ``num_tokens``."""
+        if request.num_computed or not request.selected_queries:
+            return num_tokens
+        return max(num_tokens, min(request.plan.num_text_tokens, request.num_tokens_to_compute))
 
     def _finish_selections(self, out: SchedulerOutput) -> None:
         """After the pass: the measured selections (applied when each request is promoted)."""

@@ -225,3 +225,56 @@ def test_a_failed_selection_or_copy_fails_its_request_alone(make_llm, monkeypatc
     assert stats["num_blocks_free"] + stats["num_blocks_cached"] == stats["num_blocks_total"]
     assert torch.equal(first_logprobs(llm), expected)
     assert len(calls) == 2  # the failed call, then the request that succeeded
+
+
+def test_requests_waiting_for_copy_room_do_not_block_each_other(make_llm):
+    """Two requests that each fit alone, but not together with their block copies: the copies
+    are reserved at admission, so the second waits unadmitted instead of both holding their
+    chunks and waiting for each other forever (found by an adversarial review)."""
+    import asyncio
+
+    from lazyattn_rag import AsyncLazyAttention
+
+    _, llm = engine(make_llm, 1.0, num_blocks=12, max_num_seqs=4)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    async def both():
+        allm = AsyncLazyAttention(llm)
+        return await asyncio.wait_for(asyncio.gather(allm.generate(QUESTION, ["a", "b"], sampling=params),
+                                                     allm.generate(QUESTION, ["b", "a"], sampling=params)), 60)
+
+    results = asyncio.run(both())
+    assert all(len(r.token_ids) == 2 for r in results)
+    stats = llm.stats()
+    assert stats["num_blocks_free"] + stats["num_blocks_cached"] == stats["num_blocks_total"]
+
+
+def test_a_split_prefill_with_text_between_documents_is_exact(make_llm):
+    """A chat whose text segment sits between documents, its first step sharing the budget with a
+    running decode: its selected tokens attend to that text, so the text runs in the same step
+    (it ran in a later one, and r = 1 drifted from full attention by 1.5e-2); no step goes over
+    the budget unless it runs alone."""
+    hf, llm = engine(make_llm, 1.0, max_num_batched_tokens=16)
+    messages = [("user", ["Context:", {"type": "document", "id": "a"}, words(30, start=100),
+                          {"type": "document", "id": "b"}, QUESTION])]
+    llm.chat(messages, sampling=FIRST)
+    with torch.no_grad():
+        full = torch.log_softmax(hf(input_ids=torch.tensor([llm.plan_chat(messages).token_ids()])).logits[0, -1], -1)
+    sched, steps = llm.engine.scheduler, []
+    schedule = sched.schedule
+
+    def recorded():
+        out = schedule()
+        if out.computes or out.chunk_prefills:
+            steps.append((len(out.computes) + len(out.chunk_prefills), out.num_batched_tokens))
+        return out
+
+    sched.schedule = recorded
+    decode = llm.stream(QUESTION, ["c"], sampling=SamplingParams(max_tokens=400, ignore_eos=True),
+                        recompute_selective_ratio=0.0)
+    next(iter(decode))
+    ours = torch.tensor(list(llm.chat(messages, sampling=FIRST).logprobs[0].values()))
+    decode.close()
+    assert (ours - full).abs().max().item() <= 1e-3
+    assert all(tokens <= 16 or items == 1 for items, tokens in steps)
+    assert any(tokens > 16 for _, tokens in steps)  # the chat's first step ran, alone, over the budget
