@@ -8,7 +8,7 @@ taken from the first that has its KL (e.g. a GPU run, then a CPU sample for the 
 the table gives each point's source file and number of questions.
 
     python benchmarks/fidelity_tradeoff.py --quality benchmarks/results/quality_cuda_remedies.json \\
-        --quality benchmarks/results/quality_cpu_remedies.json \\
+        --quality benchmarks/results/quality_cpu_head_recompute.json \\
         --serving benchmarks/results/serving_sweep_llama-3.1-8b_remedies.json \\
         --out docs/img/fidelity_vs_ttft.png
 """
@@ -16,27 +16,32 @@ the table gives each point's source file and number of questions.
 from __future__ import annotations
 
 import json
-import re
+import sys
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make ``benchmarks.*`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import typer
 
+from benchmarks.quality import engine_setting
+
 app = typer.Typer(add_completion=False)
-_REMEDY = re.compile(r"^reuse(?:-bos|-head)?(?:-k(\d+)|-sel(\d+))?$")
 
 
 def serving_mode(quality_mode: str) -> str | None:
     """The serving benchmark's mode of a quality mode, or ``None`` (full, recompute, ...)."""
-    m = _REMEDY.match(quality_mode)
-    if m is None:
+    setting = engine_setting(quality_mode)
+    if setting is None or quality_mode.startswith("full"):
         return None
-    k, r = m.groups()
-    return f"lazy+head{k}" if k else f"lazy+sel{r}" if r else "lazy"
+    _, k, ratio = setting
+    return f"lazy+head{k}" if k else f"lazy+sel{round(ratio * 100)}" if ratio else "lazy"
 
 
 def baseline_mode(quality_mode: str) -> str:
     """The plain reuse mode of the same anchor (``reuse-bos-k16`` -> ``reuse-bos``)."""
-    return re.sub(r"-(k|sel)\d+$", "", quality_mode)
+    _, k, ratio = engine_setting(quality_mode)
+    return quality_mode.rsplit("-", 1)[0] if k or ratio else quality_mode
 
 
 def fidelity_points(paths: list[Path]) -> dict[str, dict]:

@@ -150,7 +150,8 @@ class ModelRunner:
         """Copy each job's slots ``first_slot ..`` (``num_slots``) of ``src_block`` into the same
         slots of ``dst_block`` in every layer, K rotated by the job's ``delta`` (behind a recomputed
         chunk head; whole blocks for selective recompute). One gather, rotation and scatter per
-        layer for all of a step's jobs (a request of selective recompute copies ~100 blocks)."""
+        layer for all of a step's jobs (a request of selective recompute copies up to one block per
+        selected token)."""
         bs, src, dst, deltas = self.block_size, [], [], []
         for job in jobs:
             src += range(job.src_block * bs + job.first_slot, job.src_block * bs + job.first_slot + job.num_slots)

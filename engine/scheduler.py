@@ -249,8 +249,8 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
         todo = request.num_tokens_to_compute
         n = todo if out.is_empty and todo > budget else min(todo, budget)
         selected = len(request.selected_queries) if request.num_computed == 0 else 0
-        if selected:  # the selected queries and the text segments they may attend run in one step
-            n = self.first_job_tokens(request, n)
+        if selected:  # the selected queries run with every text segment (a selected token after one attends to it)
+            n = max(n, min(request.plan.num_text_tokens, todo))
             if n + selected > budget and not out.is_empty:
                 self._waiting_for_room = True  # it runs alone once the running requests drain
                 return 0
@@ -312,8 +312,7 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
             if budget <= 0 or not all(self.cache.held(k).ready or k in this_step for k in pinned):
                 return 0
         if not request.warm_only and self._selection_pending(request):
-            if not any(job.request is request for job in out.selections):
-                out.selections.append(self._selection_job(request))
+            out.selections.append(self._selection_job(request))
             return 0
         self.acquired.remove(request)
         if request.warm_only:
@@ -321,7 +320,7 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
             return 0
         chunk_starts: dict[int, int] = {}
         context = self._context_of(request, chunk_starts)
-        if request.selected_tokens:
+        if request.plan.selective_ratio:
             self._apply_selection(request, out, context, chunk_starts)
         request.context_entries = context
         request.context_len = sum(e.num_valid for e in context)

@@ -59,37 +59,21 @@ class SelectiveRecompute:
         if spare:
             self.cache.pool.decref(spare)
         request.selected_blocks = blocks
-        if not keys:
-            return
-        copies = {}
-        for (index, b), block in zip(keys, blocks):
-            chunk = request.plan.chunks[index]
-            entry = self.cache.held(chunk.key)
-            at = chunk_starts[index] + b
-            old = context[at]
-            out.slot_copies.append(SlotCopyJob(entry.block_ids[b], block, 0, old.num_valid, old.delta))
-            context[at] = BlockEntry(block, 0, old.num_valid)
-            copies[(index, b)] = block
-        keys_before, total = [], 0
+        keys_before, total = [], 0  # valid keys before each entry (a copy keeps its block's count)
         for e in context:
             keys_before.append(total)
             total += e.num_valid
         bs, queries = self.block_size, []
-        for index, b in keys:
+        for (index, b), block in zip(keys, blocks):
             chunk = request.plan.chunks[index]
             at = chunk_starts[index] + b
-            for t in (t for t in request.selected_tokens[index] if t // bs == b):
-                queries.append(SelectedQuery(chunk.token_ids[t], chunk.global_start + t, at, keys_before[at],
-                                             copies[(index, b)], t % bs))
+            old = context[at]
+            out.slot_copies.append(SlotCopyJob(self.cache.held(chunk.key).block_ids[b], block, 0, old.num_valid,
+                                               old.delta))
+            context[at] = BlockEntry(block, 0, old.num_valid)
+            queries += [SelectedQuery(chunk.token_ids[t], chunk.global_start + t, at, keys_before[at], block, t % bs)
+                        for t in request.selected_tokens[index] if t // bs == b]
         request.selected_queries = queries
-
-    def first_job_tokens(self, request: Request, num_tokens: int) -> int:
-        """Private tokens the first compute job of ``request`` must cover when it runs selected
-        queries: all its text segments too (a selected token after one attends to it, so it is
-        written in the same pass), and at least ``num_tokens``."""
-        if request.num_computed or not request.selected_queries:
-            return num_tokens
-        return max(num_tokens, min(request.plan.num_text_tokens, request.num_tokens_to_compute))
 
     def _finish_selections(self, out: SchedulerOutput) -> None:
         """After the pass: the measured selections (applied when each request is promoted)."""

@@ -230,7 +230,7 @@ class LazyAttention:
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                     sampling: SamplingParams | None = None, namespace: str = "", *,
                     recompute_chunk_head_tokens: int | None = None,
-               recompute_selective_ratio: float | None = None) -> "RequestStream":
+                    recompute_selective_ratio: float | None = None) -> "RequestStream":
         """Stream the answer to chat ``messages`` whose content places documents by id.
 
         This is how a RAG framework's own prompt keeps reuse: the template's text (instructions,
@@ -258,7 +258,7 @@ class LazyAttention:
     def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
              sampling: SamplingParams | None = None, namespace: str = "", *,
              recompute_chunk_head_tokens: int | None = None,
-                 recompute_selective_ratio: float | None = None) -> Completion:
+             recompute_selective_ratio: float | None = None) -> Completion:
         """Answer chat ``messages``; same arguments and errors as :meth:`stream_chat`."""
         return _collect(self.stream_chat(messages, documents, sampling, namespace,
                                          **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio)))

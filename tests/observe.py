@@ -79,11 +79,11 @@ class StepLog:
 def fail_first_call(monkeypatch, owner: Any, name: str, message: str) -> list[int]:
     """Make ``owner.<name>`` raise ``RuntimeError(message)`` on its first call only (a device
     fault); ``monkeypatch`` puts the original back after the test. Returns the length of each
-    call's first argument (the batch, or the blocks copied), in order."""
+    call's first argument (the batch, or the blocks copied; 1 for an argument without one), in order."""
     original, calls = getattr(owner, name), []
 
     def fail_once(*args):
-        calls.append(len(args[0]))
+        calls.append(len(args[0]) if hasattr(args[0], "__len__") else 1)
         if len(calls) == 1:
             raise RuntimeError(message)
         return original(*args)

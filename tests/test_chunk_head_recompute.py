@@ -11,24 +11,13 @@ import pytest
 import torch
 
 from benchmarks.qa_recompute import RecomputeReference
-from lazyattn_rag import SamplingParams
 from lazyattn_rag.types.config import CacheConfig
-from tests.tiny import words
-
-DOCS = {"a": words(23, start=3), "b": words(37, start=40), "c": words(9, start=90)}
-QUESTION = words(5, start=150)
-FIRST = SamplingParams(max_tokens=1, logprobs=-1)
+from tests.recompute_case import (DOCS, FIRST, QUESTION, assert_chunks_unchanged_and_nothing_held,
+                                  assert_preempted_requests_answer_as_alone, first_logprobs, remedy_engine)
 
 
 def engine(make_llm, k: int, backend: str = "torch", **config):
-    hf, llm = make_llm(seed=2, anchor="none", recompute_chunk_head_tokens=k, attention_backend=backend, **config)
-    llm.add_documents(list(DOCS.items()))
-    return hf, llm
-
-
-def first_logprobs(llm, ids=("a", "b", "c")) -> torch.Tensor:
-    out = llm.generate(QUESTION, list(ids), sampling=FIRST)
-    return torch.tensor(list(out.logprobs[0].values()))
+    return remedy_engine(make_llm, backend, recompute_chunk_head_tokens=k, **config)
 
 
 def reference_logprobs(hf, llm, k: int, ids=("a", "b", "c")) -> torch.Tensor:
@@ -71,55 +60,16 @@ def test_k0_is_plain_reuse_bit_for_bit(make_llm):
     assert torch.equal(first_logprobs(plain), first_logprobs(zero))
 
 
-def cached_chunk_bytes(llm) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    out = {}
-    for doc_id in DOCS:
-        key = llm.engine.planner.documents.get(doc_id, "").key
-        entry = llm.engine.cache.lookup(key, touch=False)
-        if entry is not None:
-            out[doc_id] = llm.loop.call(llm.engine.runner.read_blocks, entry.block_ids, entry.num_tokens)
-    return out
-
-
 def test_cached_chunks_unchanged_and_private_blocks_freed(make_llm):
     _, llm = engine(make_llm, 20, num_blocks=40, max_num_seqs=4)
-    first_logprobs(llm)
-    before = cached_chunk_bytes(llm)
-    assert set(before) == set(DOCS)
-    total = llm.stats()["num_blocks_total"]
-    orders = [("a", "b", "c"), ("c", "a"), ("b",), ("b", "c", "a")]
-    for ids in orders:  # the same chunks at other offsets, each head recomputed there
-        llm.generate(QUESTION, list(ids), sampling=SamplingParams(max_tokens=6, ignore_eos=True))
-    stream = llm.stream(QUESTION, ["a", "c"], sampling=SamplingParams(max_tokens=50, ignore_eos=True))
-    next(iter(stream))
-    stream.close()  # aborted mid-answer
-    after = cached_chunk_bytes(llm)
-    assert all(torch.equal(before[d][0], after[d][0]) and torch.equal(before[d][1], after[d][1]) for d in DOCS)
-    stats = llm.stats()
-    assert stats["num_blocks_free"] + stats["num_blocks_cached"] == total  # nothing private left
+    assert_chunks_unchanged_and_nothing_held(llm)
 
 
 def test_preempted_requests_recompute_their_heads(make_llm):
     """Requests whose private blocks are taken back mid-answer give the same tokens as alone."""
-    import asyncio
-
-    from lazyattn_rag import AsyncLazyAttention
-
     _, roomy = engine(make_llm, 20)
-    params = SamplingParams(max_tokens=60, ignore_eos=True)
-    requests = [("a", "b", "c"), ("b", "a"), ("c", "b", "a"), ("a",)]
-    expected = [roomy.generate(QUESTION, list(ids), sampling=params).token_ids for ids in requests]
     _, tight = engine(make_llm, 20, num_blocks=24, max_num_seqs=4)
-
-    async def run_all():
-        allm = AsyncLazyAttention(tight)
-        return await asyncio.gather(*(allm.generate(QUESTION, list(ids), sampling=params) for ids in requests))
-
-    results = asyncio.run(run_all())
-    assert [r.token_ids for r in results] == expected
-    stats = tight.stats()
-    assert stats["num_preemptions"] > 0
-    assert stats["num_blocks_free"] + stats["num_blocks_cached"] == stats["num_blocks_total"]
+    assert_preempted_requests_answer_as_alone(roomy, tight)
 
 
 def test_config_is_checked():

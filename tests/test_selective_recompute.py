@@ -17,22 +17,14 @@ import torch
 from benchmarks.qa_recompute import RecomputeReference, cache_argument
 from lazyattn_rag import SamplingParams
 from lazyattn_rag.types.config import CacheConfig
+from tests.observe import StepLog, fail_first_call
+from tests.recompute_case import (DOCS, FIRST, QUESTION, assert_chunks_unchanged_and_nothing_held, assert_nothing_held,
+                                  assert_preempted_requests_answer_as_alone, first_logprobs, remedy_engine)
 from tests.tiny import words
-
-DOCS = {"a": words(23, start=3), "b": words(37, start=40), "c": words(9, start=90)}
-QUESTION = words(5, start=150)
-FIRST = SamplingParams(max_tokens=1, logprobs=-1)
 
 
 def engine(make_llm, ratio: float, backend: str = "torch", **config):
-    hf, llm = make_llm(seed=2, anchor="none", recompute_selective_ratio=ratio, attention_backend=backend, **config)
-    llm.add_documents(list(DOCS.items()))
-    return hf, llm
-
-
-def first_logprobs(llm, ids=("a", "b", "c")) -> torch.Tensor:
-    out = llm.generate(QUESTION, list(ids), sampling=FIRST)
-    return torch.tensor(list(out.logprobs[0].values()))
+    return remedy_engine(make_llm, backend, recompute_selective_ratio=ratio, **config)
 
 
 def prompt_parts(llm, ids=("a", "b", "c")):
@@ -108,54 +100,16 @@ def test_ratio_zero_is_plain_reuse_bit_for_bit(make_llm):
     assert torch.equal(first_logprobs(plain), first_logprobs(zero))
 
 
-def cached_chunk_bytes(llm) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    out = {}
-    for doc_id in DOCS:
-        key = llm.engine.planner.documents.get(doc_id, "").key
-        entry = llm.engine.cache.lookup(key, touch=False)
-        if entry is not None:
-            out[doc_id] = llm.loop.call(llm.engine.runner.read_blocks, entry.block_ids, entry.num_tokens)
-    return out
-
-
 def test_cached_chunks_unchanged_and_block_copies_freed(make_llm):
     _, llm = engine(make_llm, 0.3, num_blocks=40, max_num_seqs=4)
-    first_logprobs(llm)
-    before = cached_chunk_bytes(llm)
-    assert set(before) == set(DOCS)
-    orders = [("a", "b", "c"), ("c", "a"), ("b",), ("b", "c", "a")]
-    for ids in orders:  # the same chunks at other offsets, other tokens recomputed there
-        llm.generate(QUESTION, list(ids), sampling=SamplingParams(max_tokens=6, ignore_eos=True))
-    stream = llm.stream(QUESTION, ["a", "c"], sampling=SamplingParams(max_tokens=50, ignore_eos=True))
-    next(iter(stream))
-    stream.close()  # aborted mid-answer
-    after = cached_chunk_bytes(llm)
-    assert all(torch.equal(before[d][0], after[d][0]) and torch.equal(before[d][1], after[d][1]) for d in DOCS)
-    stats = llm.stats()
-    assert stats["num_blocks_free"] + stats["num_blocks_cached"] == stats["num_blocks_total"]  # nothing private left
+    assert_chunks_unchanged_and_nothing_held(llm)
 
 
 def test_preempted_requests_give_the_same_tokens(make_llm):
     """Requests whose blocks (their copies too) are taken back mid-answer answer as alone."""
-    import asyncio
-
-    from lazyattn_rag import AsyncLazyAttention
-
     _, roomy = engine(make_llm, 0.3)
-    params = SamplingParams(max_tokens=60, ignore_eos=True)
-    requests = [("a", "b", "c"), ("b", "a"), ("c", "b", "a"), ("a",)]
-    expected = [roomy.generate(QUESTION, list(ids), sampling=params).token_ids for ids in requests]
     _, tight = engine(make_llm, 0.3, num_blocks=28, max_num_seqs=4)
-
-    async def run_all():
-        allm = AsyncLazyAttention(tight)
-        return await asyncio.gather(*(allm.generate(QUESTION, list(ids), sampling=params) for ids in requests))
-
-    results = asyncio.run(run_all())
-    assert [r.token_ids for r in results] == expected
-    stats = tight.stats()
-    assert stats["num_preemptions"] > 0
-    assert stats["num_blocks_free"] + stats["num_blocks_cached"] == stats["num_blocks_total"]
+    assert_preempted_requests_answer_as_alone(roomy, tight)
 
 
 def test_config_is_checked():
@@ -210,19 +164,10 @@ def test_a_failed_selection_or_copy_fails_its_request_alone(make_llm, monkeypatc
     _, llm = engine(make_llm, 0.15)
     first_logprobs(llm)
     expected = first_logprobs(llm)
-    original, calls = getattr(llm.engine.runner, method), []
-
-    def fail_once(*args):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("device fault")
-        return original(*args)
-
-    monkeypatch.setattr(llm.engine.runner, method, fail_once)
+    calls = fail_first_call(monkeypatch, llm.engine.runner, method, "device fault")
     with pytest.raises(RuntimeError, match="device fault"):
         first_logprobs(llm)
-    stats = llm.stats()
-    assert stats["num_blocks_free"] + stats["num_blocks_cached"] == stats["num_blocks_total"]
+    assert_nothing_held(llm)
     assert torch.equal(first_logprobs(llm), expected)
     assert len(calls) == 2  # the failed call, then the request that succeeded
 
@@ -245,8 +190,7 @@ def test_requests_waiting_for_copy_room_do_not_block_each_other(make_llm):
 
     results = asyncio.run(both())
     assert all(len(r.token_ids) == 2 for r in results)
-    stats = llm.stats()
-    assert stats["num_blocks_free"] + stats["num_blocks_cached"] == stats["num_blocks_total"]
+    assert_nothing_held(llm)
 
 
 def test_a_split_prefill_with_text_between_documents_is_exact(make_llm):
@@ -260,21 +204,13 @@ def test_a_split_prefill_with_text_between_documents_is_exact(make_llm):
     llm.chat(messages, sampling=FIRST)
     with torch.no_grad():
         full = torch.log_softmax(hf(input_ids=torch.tensor([llm.plan_chat(messages).token_ids()])).logits[0, -1], -1)
-    sched, steps = llm.engine.scheduler, []
-    schedule = sched.schedule
-
-    def recorded():
-        out = schedule()
-        if out.computes or out.chunk_prefills:
-            steps.append((len(out.computes) + len(out.chunk_prefills), out.num_batched_tokens))
-        return out
-
-    sched.schedule = recorded
+    log = StepLog(llm)
     decode = llm.stream(QUESTION, ["c"], sampling=SamplingParams(max_tokens=400, ignore_eos=True),
                         recompute_selective_ratio=0.0)
     next(iter(decode))
     ours = torch.tensor(list(llm.chat(messages, sampling=FIRST).logprobs[0].values()))
     decode.close()
     assert (ours - full).abs().max().item() <= 1e-3
+    steps = [(len(out.computes) + len(out.chunk_prefills), out.num_batched_tokens) for out in log.outputs]
     assert all(tokens <= 16 or items == 1 for items, tokens in steps)
     assert any(tokens > 16 for _, tokens in steps)  # the chat's first step ran, alone, over the budget
