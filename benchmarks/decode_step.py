@@ -238,6 +238,7 @@ def engine_host_profile(llm, prompt: str, params: SamplingParams, top: int = 25)
 def main(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat16",
          shapes: list[str] = typer.Option(["1x20480", "32x8192"], help="decode shapes BxL"),
          prefill_tokens: int = 20480, repeats: int = 20, engine: bool = True, profile: bool = True,
+         profile_context: int = typer.Option(2048, help="context of the profiled batch-1 decode steps"),
          out: str = "decode_step") -> None:
     """Decode steps and full prefill, eager vs compiled, against limits measured in the same run."""
     if arch not in ARCHS:
@@ -275,7 +276,7 @@ def main(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat1
         results["prefill"].append(row)
         print(row, flush=True)
     if profile:
-        results["profile"] = {mode: profile_decode(model, dev, 1, min(2048, prefill_tokens), compiled)
+        results["profile"] = {mode: profile_decode(model, dev, 1, profile_context, compiled)
                               for mode, compiled in MODES.items()}
     if engine:
         results["engine"] = [{"mode": mode, **bench_engine(bench, device, prefill_tokens, compiled)}

@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks.*`` importab
 
 import typer
 
-from benchmarks.quality import engine_setting
+from benchmarks.quality import EngineSetting, engine_setting
 
 app = typer.Typer(add_completion=False)
 
@@ -34,14 +34,21 @@ def serving_mode(quality_mode: str) -> str | None:
     setting = engine_setting(quality_mode)
     if setting is None or quality_mode.startswith("full"):
         return None
-    _, k, ratio = setting
-    return f"lazy+head{k}" if k else f"lazy+sel{round(ratio * 100)}" if ratio else "lazy"
+    if setting.recompute_tokens:
+        return f"lazy+head{setting.recompute_tokens}"
+    if setting.selective_ratio:
+        return f"lazy+sel{round(setting.selective_ratio * 100)}"
+    if (setting.temperature, setting.weight) != (1.0, 1.0):
+        weight = f"w{round(setting.weight * 100)}" if setting.weight != 1.0 else ""
+        return f"lazy+ape{round(setting.temperature * 100)}{weight}"
+    return "lazy"
 
 
 def baseline_mode(quality_mode: str) -> str:
     """The plain reuse mode of the same anchor (``reuse-bos-k16`` -> ``reuse-bos``)."""
-    _, k, ratio = engine_setting(quality_mode)
-    return quality_mode.rsplit("-", 1)[0] if k or ratio else quality_mode
+    setting = engine_setting(quality_mode)
+    plain = setting is None or setting == EngineSetting(setting.anchor)
+    return quality_mode if plain else quality_mode.rsplit("-", 1)[0]
 
 
 def fidelity_points(paths: list[Path]) -> dict[str, dict]:

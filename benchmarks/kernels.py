@@ -12,9 +12,13 @@ Measures, for Llama-3.1-8B heads (32 q / 8 kv, d 128) and SmolLM2 heads (9 / 3, 
   time, against SDPA flash and cuDNN with ``is_causal``;
 * prefill of 4k new tokens after 12k cached tokens in 4 chunks at offsets, against SDPA with a
   bottom-right causal mask where the backend takes one;
+* decode at batch 1 x 20k context (the same layout, 12.6k own tokens), with its own sweep of the
+  split count and tile shape (few programs: the split count decides the occupancy);
 * rotation overhead: the same kernels with the rotation compiled out (``rotation="none"``);
   for prefill also the K-tile rotation (``rotation="key"``) against the
   default query rotation once per chunk (``rotation="query"``).
+* chunk attention scaling (APE, issue 20): the same kernels with every chunk block flagged and
+  ``ChunkScaling(0.8, 0.9)``, against the plain run.
 
 Every time is the median of many runs with the L2 cache flushed before each (triton's do_bench),
 each run a CUDA-graph replay so that host launch overhead is not counted. Sanity checks compare
@@ -37,9 +41,9 @@ import torch
 import triton
 import triton.testing
 
-from lazyattn_rag.kernels.block_table import pack_entries
+from lazyattn_rag.kernels.block_table import pack_entries, unpack_block_table
 from lazyattn_rag.kernels.decode import paged_decode
-from lazyattn_rag.kernels.launch import block_key_starts, block_runs
+from lazyattn_rag.kernels.launch import ChunkScaling, block_key_starts, block_runs
 from lazyattn_rag.kernels.prefill import paged_prefill
 
 MODELS = {
@@ -49,6 +53,7 @@ MODELS = {
 DTYPE = torch.bfloat16
 BLOCK_SIZE = 16
 QUICK = False  # --quick: default configs only
+CHUNK_SCALING = ChunkScaling(temperature=0.8, weight=0.9)  # APE on every chunk block: its cost is timed
 
 
 def bench_ms(fn, graph: bool = True, rep: int = 200) -> float:
@@ -136,6 +141,22 @@ def build_paged(seq_segments: list[list[tuple[int, int]]], num_kv_heads, head_di
     )
 
 
+def flag_chunk_blocks(P: dict):
+    """The batch's block tables with every chunk block (delta != 0) flagged for chunk attention
+    scaling, and their runs: what an APE request's tables look like."""
+    _, deltas, _ = unpack_block_table(P["block_tables"])
+    tables = P["block_tables"] | ((deltas != 0).to(torch.int64) << 30)
+    return tables, block_runs(tables, P["num_blocks"], BLOCK_SIZE)
+
+
+def add_chunk_scaling(res: dict, make, ms_on: list[float]) -> None:
+    """The kernel's time with the chunks read with chunk attention scaling (APE), and its
+    overhead over the plain run (``ms_on``), each measured twice."""
+    ms = [bench_ms(make("query", scaled=True)) for _ in range(2)]
+    res["chunk_scaling_ms"] = ms
+    res["chunk_scaling_overhead_pct"] = 100 * (min(ms) / min(ms_on) - 1)
+
+
 def sdpa_runner(backend_name: str, q, k, v, **kw):
     """A closure running SDPA with one backend; GQA natively if the backend takes it, else K/V expanded."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -193,11 +214,14 @@ def bench_decode(name: str, cfg: dict, copy_gbps: float, device, batch=32, conte
            "kv_bytes": kv_bytes, "copy_GBps": copy_gbps}
 
     runs = block_runs(P["block_tables"], P["num_blocks"], BLOCK_SIZE)  # once per batch, as the backend does
+    scaled_tables, scaled_runs = flag_chunk_blocks(P)
 
-    def ours(splits=None, block_n=None, rotation="query", warps=None, stages=None):
-        return lambda: paged_decode(q, P["k_cache"], P["v_cache"], P["block_tables"], P["num_blocks"], cu, max_len,
-                                    inv_freq, scale, runs=runs, out=out, num_splits=splits, rotation=rotation,
-                                    block_n=block_n, num_warps=warps, num_stages=stages)
+    def ours(splits=None, block_n=None, rotation="query", warps=None, stages=None, scaled=False):
+        tables, run_list = (scaled_tables, scaled_runs) if scaled else (P["block_tables"], runs)
+        return lambda: paged_decode(q, P["k_cache"], P["v_cache"], tables, P["num_blocks"], cu, max_len,
+                                    inv_freq, scale, runs=run_list, out=out, num_splits=splits, rotation=rotation,
+                                    block_n=block_n, num_warps=warps, num_stages=stages,
+                                    chunk_scaling=CHUNK_SCALING if scaled else None)
 
     # sanity: rotation compiled out == SDPA on the stored (local-position) keys
     qd = q[:, :, None, :]  # [B, H, 1, D]
@@ -207,11 +231,15 @@ def bench_decode(name: str, cfg: dict, copy_gbps: float, device, batch=32, conte
     res["check_rel_err_vs_sdpa_fp32"] = rel_err(out, ref[:, :, 0])
 
     if QUICK:  # defaults only (the sweeps of earlier runs are in results/kernels_h200_v*.json)
-        return finish_decode(res, lambda rotation: ours(rotation=rotation), "default", kv_bytes, copy_gbps, qd, P)
+        return finish_decode(res, lambda rotation, scaled=False: ours(rotation=rotation, scaled=scaled), "default",
+                             kv_bytes, copy_gbps, qd, P)
     sweep = {}
-    for block_n in (max(64, 8192 // D),):  # 16 KB K tiles won every pairing in the first H200 sweep (v1 JSON)
-        for splits in (1, 2, 4, 8):
-            for warps, stages in ((4, 3),):  # 4 warps / 3 stages won every block_n, splits pair on the H200
+    # batch 32: 16 KB K tiles and 4 warps / 3 stages won every pairing in the first H200 sweeps (v1 JSON);
+    # batch 1 (few programs, long contexts): the split count and tile shape are swept again.
+    one = batch == 1
+    for block_n in ((64, 128) if one else (max(64, 8192 // D),)):
+        for splits in ((8, 16, 32, 64) if one else (1, 2, 4, 8)):
+            for warps, stages in (((4, 3), (4, 4), (8, 3)) if one else ((4, 3),)):
                 key = f"block_n={block_n},splits={splits},warps={warps},stages={stages}"
                 try:
                     ms = bench_ms(ours(splits, block_n, "query", warps, stages), rep=100)
@@ -224,7 +252,9 @@ def bench_decode(name: str, cfg: dict, copy_gbps: float, device, batch=32, conte
     best = dict(kv.split("=") for kv in best_key.split(","))
     bn, sp, wp, st = (int(best[x]) for x in ("block_n", "splits", "warps", "stages"))
     res["default_config_ms"] = bench_ms(ours())
-    return finish_decode(res, lambda rotation: ours(sp, bn, rotation, wp, st), best_key, kv_bytes, copy_gbps, qd, P)
+    res["default_config_GBps"] = kv_bytes / res["default_config_ms"] / 1e6
+    return finish_decode(res, lambda rotation, scaled=False: ours(sp, bn, rotation, wp, st, scaled), best_key,
+                         kv_bytes, copy_gbps, qd, P)
 
 
 def finish_decode(res, make, config, kv_bytes, copy_gbps, qd, P) -> dict:
@@ -237,6 +267,7 @@ def finish_decode(res, make, config, kv_bytes, copy_gbps, qd, P) -> dict:
     res["rotation_off_ms"] = ms_off
     res["rotation_overhead_pct"] = 100 * (sorted(ms_on)[0] / sorted(ms_off)[0] - 1)
     res["rotation_overhead_spread_pct"] = 100 * (max(ms_on) - min(ms_on)) / min(ms_on)
+    add_chunk_scaling(res, make, ms_on)
     for backend in ("flash", "cudnn"):
         try:
             fn, how = sdpa_runner(backend, qd, P["k_dense"], P["v_dense"])
@@ -260,16 +291,19 @@ def bench_prefill(name: str, cfg: dict, device, new_tokens=16384, cached_chunks=
     scale = D**-0.5
     ks = block_key_starts(P["block_tables"], P["num_blocks"])
     runs = block_runs(P["block_tables"], P["num_blocks"], BLOCK_SIZE)
+    scaled_tables, scaled_runs = flag_chunk_blocks(P)
     out = torch.empty_like(q)
     pairs = new_tokens * ctx + new_tokens * (new_tokens + 1) // 2
     flops = 4 * Hq * D * pairs
     res = {"shape": f"{new_tokens} new tokens after {ctx} cached ({cached_chunks} chunks), {Hq}/{Hkv} heads, d{D}, bf16",
            "flops": flops}
 
-    def ours(rotation="query", bm=None, bn=None, warps=None, stages=None):
-        return lambda: paged_prefill(q, P["k_cache"], P["v_cache"], P["block_tables"], P["num_blocks"], P["seq_lens"],
-                                     cu, new_tokens, inv_freq, scale, key_starts=ks, runs=runs, out=out,
-                                     rotation=rotation, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+    def ours(rotation="query", bm=None, bn=None, warps=None, stages=None, scaled=False):
+        tables, run_list = (scaled_tables, scaled_runs) if scaled else (P["block_tables"], runs)
+        return lambda: paged_prefill(q, P["k_cache"], P["v_cache"], tables, P["num_blocks"], P["seq_lens"],
+                                     cu, new_tokens, inv_freq, scale, key_starts=ks, runs=run_list, out=out,
+                                     rotation=rotation, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
+                                     chunk_scaling=CHUNK_SCALING if scaled else None)
 
     qd = q.transpose(0, 1)[None]  # [1, H, L, D]
     mask_kw = {"is_causal": True} if ctx == 0 else None
@@ -289,9 +323,11 @@ def bench_prefill(name: str, cfg: dict, device, new_tokens=16384, cached_chunks=
     ours("query")()
     res["check_rel_err_query_vs_key_rotation"] = rel_err(out, out_key)  # two independent rotation paths
     if QUICK:
-        return finish_prefill(res, lambda rotation: ours(rotation), "default", flops, qd, P, mask_kw)
+        return finish_prefill(res, lambda rotation, scaled=False: ours(rotation, scaled=scaled), "default", flops, qd,
+                              P, mask_kw)
     sweep = {}
-    configs = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3)]
+    configs = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3),
+               (128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 8, 4), (256, 64, 8, 2), (256, 128, 8, 2)]
     for bm, bn, warps, stages in configs:
         key = f"block_m={bm},block_n={bn},warps={warps},stages={stages}"
         try:
@@ -304,7 +340,8 @@ def bench_prefill(name: str, cfg: dict, device, new_tokens=16384, cached_chunks=
     best_key = min(ok, key=lambda k: ok[k]["ms"])
     bm, bn, warps, stages = (int(kv.split("=")[1]) for kv in best_key.split(","))
     res["default_config_ms"] = bench_ms(ours())
-    return finish_prefill(res, lambda rotation: ours(rotation, bm, bn, warps, stages), best_key, flops, qd, P, mask_kw)
+    return finish_prefill(res, lambda rotation, scaled=False: ours(rotation, bm, bn, warps, stages, scaled), best_key,
+                          flops, qd, P, mask_kw)
 
 
 def finish_prefill(res, make, config, flops, qd, P, mask_kw) -> dict:
@@ -319,6 +356,7 @@ def finish_prefill(res, make, config, flops, qd, P, mask_kw) -> dict:
     res["rotation_off_ms"] = ms_off
     res["rotation_overhead_pct"] = 100 * (min(ms_on) / min(ms_off) - 1)
     res["rotation_overhead_spread_pct"] = 100 * (max(ms_on) - min(ms_on)) / min(ms_on)
+    add_chunk_scaling(res, make, ms_on)
     for backend in ("flash", "cudnn"):
         try:
             fn, how = sdpa_runner(backend, qd, P["k_dense"], P["v_dense"], **mask_kw)
@@ -363,6 +401,7 @@ def main() -> None:
         steps = []
         if not args.skip_decode:
             steps.append(("decode_b32_8k", lambda: bench_decode(name, cfg, results["copy"]["GBps"], device)))
+            steps.append(("decode_b1_20k", lambda: bench_decode(name, cfg, results["copy"]["GBps"], device, 1, 20480)))
         if not args.skip_prefill:
             steps.append(("prefill_16k_causal", lambda: bench_prefill(name, cfg, device)))
             steps.append(("prefill_4k_after_12k_chunks", lambda: bench_prefill(name, cfg, device, 4096, 4, 3072)))

@@ -45,6 +45,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
+from typing import NamedTuple
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks.*`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -71,19 +72,37 @@ ENGINE_MODES = {"full": "none", "full-shuffled": "none", "reuse": "none", "reuse
 # "reuse-bos-k4", ...: the reuse mode of that anchor with the first k tokens of each passage recomputed.
 # Selective recompute (CacheConfig.recompute_selective_ratio, CacheBlend): "reuse-sel15",
 # "reuse-bos-sel5", ...: that reuse mode with r % of each passage's tokens recomputed.
+# Chunk attention scaling (CacheConfig.chunk_attention_scaling, APE): "reuse-bos-ape80" (temperature
+# 0.8), "reuse-bos-ape90w80" (temperature 0.9, weight 0.8): that reuse mode with its documents so read.
 _HEAD_RECOMPUTE = re.compile(r"^(reuse|reuse-head|reuse-bos)-k(\d+)$")
 _SELECTIVE_RECOMPUTE = re.compile(r"^(reuse|reuse-head|reuse-bos)-sel(\d+)$")
+_CHUNK_SCALING = re.compile(r"^(reuse|reuse-head|reuse-bos)-ape(\d+)(?:w(\d+))?$")
 
 
-def engine_setting(mode: str) -> tuple[str, int, float] | None:
-    """``(anchor, k, r)`` of an engine mode (``k``: chunk-head tokens recomputed; ``r``:
-    selective recompute's ratio), or ``None``."""
+class EngineSetting(NamedTuple):
+    """The engine an engine mode runs on: its anchor and remedy (``recompute_tokens``: chunk-head
+    ``k``; ``selective_ratio``: selective recompute's ``r``; ``temperature``, ``weight``: chunk
+    attention scaling, off at 1 and 1)."""
+
+    anchor: str
+    recompute_tokens: int = 0
+    selective_ratio: float = 0.0
+    temperature: float = 1.0
+    weight: float = 1.0
+
+
+def engine_setting(mode: str) -> EngineSetting | None:
+    """The :class:`EngineSetting` of an engine mode, or ``None``."""
     if mode in ENGINE_MODES:
-        return ENGINE_MODES[mode], 0, 0.0
+        return EngineSetting(ENGINE_MODES[mode])
     if m := _HEAD_RECOMPUTE.match(mode):
-        return ENGINE_MODES[m.group(1)], int(m.group(2)), 0.0
+        return EngineSetting(ENGINE_MODES[m.group(1)], recompute_tokens=int(m.group(2)))
     if (m := _SELECTIVE_RECOMPUTE.match(mode)) and 0 < int(m.group(2)) <= 100:
-        return ENGINE_MODES[m.group(1)], 0, int(m.group(2)) / 100
+        return EngineSetting(ENGINE_MODES[m.group(1)], selective_ratio=int(m.group(2)) / 100)
+    if (m := _CHUNK_SCALING.match(mode)) and int(m.group(2)) > 0 and int(m.group(3) or 100) > 0 \
+            and (int(m.group(2)), int(m.group(3) or 100)) != (100, 100):
+        return EngineSetting(ENGINE_MODES[m.group(1)], temperature=int(m.group(2)) / 100,
+                             weight=int(m.group(3) or 100) / 100)
     return None
 def engine_run_order(modes: list[str]) -> list[str]:
     """The engine modes of ``modes`` in the order they run: ``full`` first (the others' fidelity
@@ -119,7 +138,8 @@ def shuffled(items: list, seed: int, question_id: str) -> list:
 
 
 # --- engine modes -----------------------------------------------------------------------------
-def make_engine(args, anchor: str, recompute_tokens: int = 0, selective_ratio: float = 0.0):
+def make_engine(args, anchor: str, recompute_tokens: int = 0, selective_ratio: float = 0.0,
+                temperature: float = 1.0, weight: float = 1.0):
     from lazyattn_rag import CacheConfig, EngineConfig, SchedulerConfig
     from lazyattn_rag.llm import LazyAttention
 
@@ -127,7 +147,9 @@ def make_engine(args, anchor: str, recompute_tokens: int = 0, selective_ratio: f
         model=args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
         cuda_graphs=args.cuda_graphs,
         cache=CacheConfig(anchor=anchor, kv_cache_fraction=args.kv_cache_fraction if args.device != "cpu" else None,
-                          recompute_chunk_head_tokens=recompute_tokens, recompute_selective_ratio=selective_ratio),
+                          recompute_chunk_head_tokens=recompute_tokens, recompute_selective_ratio=selective_ratio,
+                          chunk_attention_scaling=(temperature, weight) != (1.0, 1.0),
+                          chunk_attention_temperature=temperature, chunk_attention_weight=weight),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.concurrency),
         prompt=prompt_config())
     return LazyAttention(config)

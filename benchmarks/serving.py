@@ -60,8 +60,11 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
           docs_per_request: int = 5, query_tokens: int = 64, output_tokens: int = 32, num_requests: int = 200,
           concurrency: int = 16, max_batched_tokens: int = 16384, check: bool = True, seed: int = 0,
           cuda_graphs: bool = True, prefill_with_encodes: bool = True, repeats: int = 1, resume: bool = False,
-          host_memory_gb: float = 16.0, out: str = "") -> None:
+          host_memory_gb: float = 16.0, torch_compile: bool = False, out: str = "") -> None:
     """Closed-loop runs of every mode at each (alpha, budget): TTFT, throughput, hit ratio, KV used.
+
+    ``--torch-compile`` builds every engine with ``EngineConfig.torch_compile`` (the layers
+    compiled by inductor, issue 19); the equivalence checks still run the default engines.
 
     ``--repeats R`` runs every (alpha, budget) cell R times, the modes in a rotated order each
     time so that no mode always runs first; ``summary`` in the JSON holds each metric's median
@@ -72,12 +75,15 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
     ``lazy+head<k>`` (e.g. ``lazy+head16``) is ``lazy`` recomputing the first ``k`` tokens of every
     document in each request (chunk-head recompute, issue 20); mode ``lazy+sel<r>`` (e.g.
     ``lazy+sel15``) is ``lazy`` recomputing ``r`` % of every document's tokens, those whose K/V
-    the context changes most (selective recompute, issue 20)."""
+    the context changes most (selective recompute, issue 20); mode ``lazy+ape<T>[w<W>]`` (e.g.
+    ``lazy+ape80``) is ``lazy`` reading every document with chunk attention scaling at
+    temperature ``T`` % and weight ``W`` % (APE, issue 20)."""
     name = out or f"serving_sweep_{arch}_{device}"
     setting = {"arch": arch, "dtype": dtype, "num_docs": num_docs, "doc_tokens": doc_tokens,
                "docs_per_request": docs_per_request, "query_tokens": query_tokens, "output_tokens": output_tokens,
                "num_requests": num_requests, "concurrency": concurrency, "max_batched_tokens": max_batched_tokens,
-               "seed": seed, "cuda_graphs": cuda_graphs, "prefill_with_encodes": prefill_with_encodes}
+               "seed": seed, "cuda_graphs": cuda_graphs, "prefill_with_encodes": prefill_with_encodes,
+               **({"torch_compile": True} if torch_compile else {})}
     start = resumed(name, setting, resume)
     runs, commands, report = start["runs"], start["commands"], start.get("equivalence", {})
     done = {(r["mode"], r["alpha"], r["budget_gb"], r.get("repeat", 0)) for r in runs}
@@ -95,7 +101,7 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
                     continue
                 llm, setup = ready_engine(bench, mode, int(gb * 2**30), device, max_batched_tokens, concurrency,
                                           workload, docs, cuda_graphs, prefill_with_encodes,
-                                          int(host_memory_gb * 2**30))
+                                          int(host_memory_gb * 2**30), torch_compile)
                 params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
                 row = {"mode": mode, "alpha": a, "budget_gb": gb, "repeat": rep, **setup,
                        **({"host_memory_gb": host_memory_gb} if mode == "lazy+host" else {}),

@@ -5,6 +5,7 @@ one engine per cache mode on the same weights, prompt and KV budget."""
 from __future__ import annotations
 
 import gc
+import re
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,9 @@ HEAD_RECOMPUTE_PREFIX = "lazy+head"
 # "lazy+sel<r>": lazy with r % of every document's tokens recomputed per request (selective
 # recompute, CacheConfig.recompute_selective_ratio, issue 20), e.g. lazy+sel15.
 SELECTIVE_RECOMPUTE_PREFIX = "lazy+sel"
+# "lazy+ape<T>[w<W>]": lazy with every document read with chunk attention scaling at temperature
+# T % and weight W % (APE, CacheConfig.chunk_attention_scaling, issue 20), e.g. lazy+ape80.
+CHUNK_SCALING_MODE = re.compile(r"^lazy\+ape(\d+)(?:w(\d+))?$")
 PROMPT = PromptConfig(system_prompt=None, instruction="t1 t2 t3 t4 t5 t6 t7 t8 ", document_separator=" ",
                       question_prefix="t9 ")
 
@@ -114,20 +118,24 @@ def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_bat
     """An engine over ``bench``'s model in cache ``mode`` with a KV budget of ``budget_bytes``
     (``"lazy+host"``: ``lazy`` with a host-memory tier of ``host_memory_bytes``; ``"lazy+head<k>"``:
     ``lazy`` recomputing the first ``k`` tokens of each document per request; ``"lazy+sel<r>"``:
-    ``lazy`` recomputing ``r`` % of each document's tokens (selective recompute); ``torch_compile``:
+    ``lazy`` recomputing ``r`` % of each document's tokens (selective recompute); ``"lazy+ape<T>"``:
+    ``lazy`` reading documents with chunk attention scaling at temperature ``T`` %; ``torch_compile``:
     ``EngineConfig.torch_compile``)."""
     host = host_memory_bytes if mode == "lazy+host" else 0
     head = int(mode.removeprefix(HEAD_RECOMPUTE_PREFIX)) if mode.startswith(HEAD_RECOMPUTE_PREFIX) else 0
     ratio = int(mode.removeprefix(SELECTIVE_RECOMPUTE_PREFIX)) / 100 if mode.startswith(SELECTIVE_RECOMPUTE_PREFIX) \
         else 0.0
-    mode = "lazy" if mode == "lazy+host" or head or ratio else mode
+    ape = CHUNK_SCALING_MODE.match(mode)
+    temperature, weight = (int(ape.group(1)) / 100, int(ape.group(2) or 100) / 100) if ape else (1.0, 1.0)
+    mode = "lazy" if mode == "lazy+host" or head or ratio or ape else mode
     config = EngineConfig(device=device, dtype=str(next(bench.model.parameters()).dtype).removeprefix("torch."),
                           attention_backend=backend, prompt=PROMPT, cuda_graphs=cuda_graphs,
                           torch_compile=torch_compile,
                           cache=CacheConfig(kv_cache_bytes=budget_bytes, mode=mode, eviction_policy="lfu",
                                             anchor="none",  # the papers' setting (block_attention has no anchor)
                                             host_memory_bytes=host, recompute_chunk_head_tokens=head,
-                                            recompute_selective_ratio=ratio),
+                                            recompute_selective_ratio=ratio, chunk_attention_scaling=bool(ape),
+                                            chunk_attention_temperature=temperature, chunk_attention_weight=weight),
                           scheduler=SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs,
                                                     prefill_with_encodes=prefill_with_encodes))
     return LazyAttention.from_model(bench.model, bench.tokenizer, config, name="random",

@@ -88,13 +88,15 @@ def warm_up(llm: LazyAttention, workload: Workload) -> None:
 
 def ready_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_batched: int, max_seqs: int,
                  workload: Workload, docs: dict[str, str], cuda_graphs: bool = True,
-                 prefill_with_encodes: bool = True, host_memory_bytes: int = 0) -> tuple[LazyAttention, dict]:
+                 prefill_with_encodes: bool = True, host_memory_bytes: int = 0,
+                 torch_compile: bool = False) -> tuple[LazyAttention, dict]:
     """A fresh engine for one timed run: built, warmed up, the trace's documents registered
     (not encoded: the cache starts cold). Returns it and its set-up time in seconds, in parts
     (``engine_s``: build incl. KV allocation and CUDA-graph capture; ``warm_up_s``)."""
     t0 = time.perf_counter()
     llm = make_engine(bench, mode, budget_bytes, device, max_batched, max_seqs, cuda_graphs=cuda_graphs,
-                      prefill_with_encodes=prefill_with_encodes, host_memory_bytes=host_memory_bytes)
+                      prefill_with_encodes=prefill_with_encodes, host_memory_bytes=host_memory_bytes,
+                      torch_compile=torch_compile)
     t1 = time.perf_counter()
     warm_up(llm, workload)
     t2 = time.perf_counter()

@@ -12,11 +12,13 @@ from typing import NamedTuple
 
 class BlockEntry(NamedTuple):
     """One block-table entry before packing: a physical block, the RoPE offset ``delta`` of the
-    chunk that owns it (``g - l``; 0 for a request's private blocks) and its valid slots."""
+    chunk that owns it (``g - l``; 0 for a request's private blocks), its valid slots, and whether
+    the request reads it with chunk attention scaling (APE: a document block, ``PromptPlan.chunk_scaling``)."""
 
     block_id: int
     delta: int
     num_valid: int
+    scaled: bool = False
 
 
 class SelectedQuery(NamedTuple):
@@ -33,8 +35,9 @@ class SelectedQuery(NamedTuple):
     slot: int
 
 
-def block_table_entries(block_ids: list[int], num_tokens: int, delta: int, block_size: int) -> list[BlockEntry]:
+def block_table_entries(block_ids: list[int], num_tokens: int, delta: int, block_size: int,
+                        scaled: bool = False) -> list[BlockEntry]:
     """The entries of ``num_tokens`` tokens laid out from the first block's slot 0, all with
-    ``delta``; blocks past the last token are left out."""
-    return [BlockEntry(b, delta, min(block_size, num_tokens - i * block_size))
+    ``delta`` and ``scaled``; blocks past the last token are left out."""
+    return [BlockEntry(b, delta, min(block_size, num_tokens - i * block_size), scaled)
             for i, b in enumerate(block_ids) if num_tokens > i * block_size]

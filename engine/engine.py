@@ -41,7 +41,7 @@ from lazyattn_rag.engine.request import Request
 from lazyattn_rag.engine.runner import ModelRunner
 from lazyattn_rag.engine.scheduler import Scheduler
 from lazyattn_rag.engine.scheduler_output import ChunkPrefillJob, SchedulerOutput
-from lazyattn_rag.types.config import EngineConfig
+from lazyattn_rag.types.config import EngineConfig, RequestRemedies
 from lazyattn_rag.types.errors import CacheCapacityError, DocumentTooLongError
 from lazyattn_rag.types.messages import Message
 from lazyattn_rag.types.outputs import RequestStats
@@ -215,8 +215,7 @@ class LLMEngine:
     # --- submission -----------------------------------------------------------------------
     def submit_question(self, question: str, doc_ids: list[str], documents: list[tuple[str, str]],
                         params: SamplingParams, sink: Sink, namespace: str = "",
-                        recompute_chunk_head_tokens: int | None = None,
-                        recompute_selective_ratio: float | None = None) -> Request:
+                        remedies: RequestRemedies = RequestRemedies()) -> Request:
         """Plan ``question`` over ``doc_ids`` then the inline ``documents`` (registered first, all
         or none, and only if the request is accepted), all in ``namespace``, and queue it.
 
@@ -225,18 +224,15 @@ class LLMEngine:
             raise; then nothing is registered or queued.
         """
         with self.documents.inline(documents, namespace):
-            return self.submit(self.planner.plan(question, doc_ids + [d for d, _ in documents], namespace,
-                                                 recompute_chunk_head_tokens, recompute_selective_ratio),
+            return self.submit(self.planner.plan(question, doc_ids + [d for d, _ in documents], namespace, remedies),
                                params, sink)
 
     def submit_chat(self, messages: list[Message], documents: list[tuple[str, str]], params: SamplingParams,
-                    sink: Sink, namespace: str = "", recompute_chunk_head_tokens: int | None = None,
-                    recompute_selective_ratio: float | None = None) -> Request:
+                    sink: Sink, namespace: str = "", remedies: RequestRemedies = RequestRemedies()) -> Request:
         """Plan chat ``messages`` (:meth:`PromptPlanner.plan_messages`) with inline ``documents``
         in ``namespace`` and queue it; errors as :meth:`submit_question`."""
         with self.documents.inline(documents, namespace):
-            return self.submit(self.planner.plan_messages(messages, namespace, recompute_chunk_head_tokens,
-                                                          recompute_selective_ratio), params, sink)
+            return self.submit(self.planner.plan_messages(messages, namespace, remedies), params, sink)
 
     def submit_prompt(self, prompt: str | list[int], params: SamplingParams, sink: Sink) -> Request:
         """Queue a raw prompt, computed whole (:meth:`PromptPlanner.plan_prompt`)."""

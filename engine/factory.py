@@ -35,6 +35,7 @@ from lazyattn_rag.engine.model import CausalLM, ModelArchConfig
 from lazyattn_rag.engine.packed_linear import onednn_available, pack_linears, unpack_linears
 from lazyattn_rag.engine.runner import ModelRunner, kv_bytes_per_block
 from lazyattn_rag.engine.self_check import run_self_check
+from lazyattn_rag.kernels.launch import ChunkScaling
 from lazyattn_rag.kernels.rope import RotaryEmbedding
 from lazyattn_rag.types.config import CacheConfig, EngineConfig
 from lazyattn_rag.types.sampling_params import SamplingParams
@@ -142,7 +143,7 @@ def _assemble(model: CausalLM, tokenizer: Any, config: EngineConfig, weights_sha
     window = getattr(hf_config, "sliding_window", None) if hf_config is not None else None
     limit = arch.max_position_embeddings if not window else min(window, arch.max_position_embeddings)
     max_model_len, block_size = min(config.max_model_len or limit, limit), config.cache.block_size
-    backend = _make_backend(config.attention_backend, device, model)
+    backend = _make_backend(config.attention_backend, device, model, config.cache)
     block_bytes = kv_bytes_per_block(model, block_size, dtype)
     num_blocks = config.cache.num_blocks or max(1, _kv_budget(config, device) // block_bytes)
     runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype)
@@ -288,13 +289,14 @@ def _set_weight_packing(model: CausalLM, packed: bool) -> None:
         unpack_linears(model)
 
 
-def _make_backend(name: str, device: torch.device, model: CausalLM):
-    """The attention backend; ``auto`` (triton on CUDA, torch elsewhere) falls back to ``torch``
-    for head layouts the kernels do not cover."""
+def _make_backend(name: str, device: torch.device, model: CausalLM, cache: CacheConfig):
+    """The attention backend (with the cache's chunk attention scaling); ``auto`` (triton on CUDA,
+    torch elsewhere) falls back to ``torch`` for head layouts the kernels do not cover."""
     arch, auto = model.config, name == "auto"
     if auto:
         name = "triton" if device.type == "cuda" else "torch"
-    args = (model.rotary, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
+    args = (model.rotary, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5,
+            ChunkScaling(cache.chunk_attention_temperature, cache.chunk_attention_weight))
     try:
         return get_backend_class(name)(*args)
     except NotImplementedError:

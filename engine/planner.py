@@ -16,7 +16,12 @@ from lazyattn_rag.engine.fingerprint import anchor_fingerprint, chunk_key
 from lazyattn_rag.engine.prompt import PromptTemplate, PromptText
 from lazyattn_rag.engine.prompt_plan import ChunkSegment, PromptPlan, TextSegment
 from lazyattn_rag.engine.registry import DocumentRegistry, RegisteredDocument
-from lazyattn_rag.types.config import EngineConfig, check_selective_ratio
+from lazyattn_rag.types.config import (
+    EngineConfig,
+    RequestRemedies,
+    check_chunk_attention_scaling,
+    check_selective_ratio,
+)
 from lazyattn_rag.types.errors import DocumentTooLongError, EmptyInputError, PromptTooLongError
 from lazyattn_rag.types.messages import DocumentRef, Message
 
@@ -110,15 +115,15 @@ class PromptPlanner:
 
     # --- plans ----------------------------------------------------------------------------
     def plan(self, question: str, doc_ids: list[str], namespace: str = "",
-             recompute_chunk_head_tokens: int | None = None,
-             recompute_selective_ratio: float | None = None) -> PromptPlan:
+             remedies: RequestRemedies = RequestRemedies()) -> PromptPlan:
         """The plan of a question over documents registered in ``namespace`` (per ``CacheConfig.mode``;
-        ``recompute_chunk_head_tokens``, ``recompute_selective_ratio``: this request's chunk-head
-        or selective recompute, ``None`` = the config's).
+        ``remedies``: this request's chunk-head recompute, selective recompute or chunk attention
+        scaling, each ``None`` = the config's; asking for one turns the unset others off).
 
         Raises:
-            ValueError: a negative ``recompute_chunk_head_tokens``, a ratio outside ``[0, 1]``, either
-                in a mode other than ``lazy``, or both set.
+            ValueError: a negative ``recompute_chunk_head_tokens``, a ratio outside ``[0, 1]``, a
+                remedy in a mode other than ``lazy``, two remedies asked together, chunk attention
+                scaling with temperature and weight 1.
             EmptyInputError: empty question.
             UnknownDocumentError: an id that is not registered (the first one is named).
             PromptTooLongError: the prompt reaches ``max_model_len``.
@@ -126,14 +131,13 @@ class PromptPlanner:
         if not isinstance(question, str) or not question.strip():
             raise EmptyInputError("the question is empty")
         self.documents.check_ids(doc_ids, namespace)
-        head_k, ratio = self._remedies(recompute_chunk_head_tokens, recompute_selective_ratio)
+        remedy = self._remedies(remedies)
         plan = PromptPlan(tuple(self.chunks(doc_ids, namespace)), tuple(self.template.tail_token_ids(question)))
         self._check_length(plan, f"{len(doc_ids)} documents")
-        return self._for_mode(plan, head_k, ratio)
+        return self._for_mode(plan, *remedy)
 
     def plan_messages(self, messages: list[Message], namespace: str = "",
-                      recompute_chunk_head_tokens: int | None = None,
-                      recompute_selective_ratio: float | None = None) -> PromptPlan:
+                      remedies: RequestRemedies = RequestRemedies()) -> PromptPlan:
         """The plan of chat ``messages`` whose content places documents registered in
         ``namespace`` (:class:`DocumentRef`).
 
@@ -148,10 +152,10 @@ class PromptPlanner:
             UnknownDocumentError: a document id that is not registered (the first one is named).
             EmptyInputError: no messages, or nothing after the last document to answer from.
             PromptTooLongError: the prompt reaches ``max_model_len``.
-            ValueError: the chat template drops a message; ``recompute_chunk_head_tokens`` and
-                ``recompute_selective_ratio`` as :meth:`plan` (which they mean here too).
+            ValueError: the chat template drops a message; ``remedies`` as :meth:`plan` (which
+                they mean here too).
         """
-        head_k, ratio = self._remedies(recompute_chunk_head_tokens, recompute_selective_ratio)
+        remedy = self._remedies(remedies)
         if not messages:
             raise EmptyInputError("no messages")
         pieces = self.template.render_messages(messages)
@@ -180,7 +184,7 @@ class PromptPlanner:
         tail = self.template.encode_runs(pieces[-1].runs)
         plan = PromptPlan(tuple(chunks), tuple(tail), texts=tuple(texts))
         self._check_length(plan, f"{len(messages)} messages, {len(doc_ids)} documents")
-        return self._for_mode(plan, head_k, ratio)
+        return self._for_mode(plan, *remedy)
 
     def plan_prompt(self, prompt: str | list[int] | tuple[int, ...]) -> PromptPlan:
         """A raw prompt (text in the caller's own template, or token ids), computed whole.
@@ -242,27 +246,38 @@ class PromptPlanner:
                              f"{self.config.cache.mode!r}")
         return requested
 
-    def _remedies(self, head_tokens: int | None, ratio: float | None) -> tuple[int, float]:
-        """A request's chunk-head recompute and selective recompute ratio. ``None`` takes the
-        config's, except that a request asking for one remedy (> 0) turns the other off.
+    def _remedies(self, asked: RequestRemedies) -> tuple[int, float, bool]:
+        """A request's chunk-head recompute ``k``, selective recompute ratio and chunk attention
+        scaling. ``None`` takes the config's, except that a request asking for one remedy (> 0,
+        True) turns the others it leaves unset off.
 
         Raises:
-            ValueError: as :meth:`_head_tokens` and
-                :func:`~lazyattn_rag.types.config.check_selective_ratio`.
+            ValueError: as :meth:`_head_tokens`,
+                :func:`~lazyattn_rag.types.config.check_selective_ratio` and
+                :func:`~lazyattn_rag.types.config.check_chunk_attention_scaling`.
         """
-        head_k = self._head_tokens(head_tokens)
+        cache, asks = self.config.cache, asked.asks_any()
+        head_k = self._head_tokens(asked.recompute_chunk_head_tokens)
+        ratio, scaling = asked.recompute_selective_ratio, asked.chunk_attention_scaling
+        if ratio is not None:
+            check_selective_ratio(ratio, cache.mode, asked.recompute_chunk_head_tokens or 0)
+        if scaling is not None and not isinstance(scaling, bool):
+            raise ValueError(f"chunk_attention_scaling must be True, False or None, got {scaling!r}")
+        if scaling:
+            check_chunk_attention_scaling(cache, asked.recompute_chunk_head_tokens or 0, ratio or 0.0)
+        if asks and asked.recompute_chunk_head_tokens is None:
+            head_k = 0
         if ratio is None:
-            ratio = 0.0 if head_tokens else self.config.cache.recompute_selective_ratio
-        else:
-            check_selective_ratio(ratio, self.config.cache.mode, head_tokens or 0)
-            if ratio and head_tokens is None:
-                head_k = 0
-        return head_k, ratio
+            ratio = 0.0 if asks else cache.recompute_selective_ratio
+        if scaling is None:
+            scaling = False if asks else cache.chunk_attention_scaling
+        return head_k, ratio, scaling
 
-    def _for_mode(self, plan: PromptPlan, head_tokens: int = 0, selective_ratio: float = 0.0) -> PromptPlan:
+    def _for_mode(self, plan: PromptPlan, head_tokens: int = 0, selective_ratio: float = 0.0,
+                  chunk_scaling: bool = False) -> PromptPlan:
         """The plan as ``CacheConfig.mode`` runs it (the comparison modes of the benchmarks), with
-        ``head_tokens`` of every document recomputed, or a ``selective_ratio`` of its tokens
-        (``lazy`` mode)."""
+        ``head_tokens`` of every document recomputed, a ``selective_ratio`` of its tokens, or its
+        documents read with chunk attention scaling (``lazy`` mode)."""
         mode = self.config.cache.mode
         if mode == "full":
             return PromptPlan((), tuple(plan.token_ids()))
@@ -272,6 +287,8 @@ class PromptPlanner:
             return PromptPlan(tuple(self._positioned(c) for c in plan.chunks), plan.query_token_ids,
                               texts=plan.texts)
         plan = with_head_recompute(plan, head_tokens)
+        if chunk_scaling and any(c.doc_id is not None for c in plan.chunks):
+            return dataclasses.replace(plan, chunk_scaling=True)
         return dataclasses.replace(plan, selective_ratio=selective_ratio) if selective_ratio and plan.chunks else plan
 
     @staticmethod

@@ -85,6 +85,8 @@ class PromptPlan:
             positions ``0 .. tail_start - 1`` without gaps; the tail follows.
         selective_ratio: selective recompute's ``r`` for this request's documents
             (``CacheConfig.recompute_selective_ratio``); 0: none.
+        chunk_scaling: the request reads its documents' blocks with chunk attention scaling
+            (APE, ``CacheConfig.chunk_attention_scaling``): their block-table entries are flagged.
     """
 
     chunks: tuple[ChunkSegment, ...]
@@ -92,6 +94,7 @@ class PromptPlan:
     prefix_block_keys: tuple[str, ...] = ()
     texts: tuple[TextSegment, ...] = ()
     selective_ratio: float = 0.0
+    chunk_scaling: bool = False
 
     @property
     def num_cached_prompt_tokens(self) -> int:

@@ -335,8 +335,10 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
         their offsets, text segments in their own (private, delta 0) blocks, prefix-cache hits.
         A chunk whose head the request recomputes contributes its blocks after the head's
         (:meth:`PromptPlan.head_recompute_copy`: a block the head ends inside is the text's last
-        block, its other slots copied from the chunk). ``chunk_starts`` (if given) receives each
-        chunk's index in the plan -> the index of its first entry."""
+        block, its other slots copied from the chunk). A document's entries are flagged when the
+        request reads it with chunk attention scaling (``PromptPlan.chunk_scaling``).
+        ``chunk_starts`` (if given) receives each chunk's index in the plan -> the index of its
+        first entry."""
         entries, bs = [], self.block_size
         text_runs = iter(request.private_runs(bs))
         index_of = {id(c): i for i, c in enumerate(request.plan.chunks)}
@@ -347,7 +349,8 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
                 entry = self.cache.held(segment.key)
                 skip = -(-segment.num_skipped // bs)  # blocks covered by the recomputed head
                 entries += block_table_entries(entry.block_ids[skip:], entry.num_tokens - skip * bs,
-                                               segment.global_start - entry.local_start, bs)
+                                               segment.global_start - entry.local_start, bs,
+                                               request.plan.chunk_scaling and segment.doc_id is not None)
             else:
                 run = next(text_runs)
                 copy = request.plan.head_recompute_copy(segment, bs)

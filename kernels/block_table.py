@@ -1,20 +1,22 @@
-"""One packed 64-bit word per block-table entry: ``(block id, delta, valid slots)``.
+"""One packed 64-bit word per block-table entry: ``(block id, scaled, delta, valid slots)``.
 
 The prompt plan (see ``docs/architecture.md``) gives every KV block of a request a
 physical block id, the RoPE offset ``delta`` of the chunk that owns it (``g - l``:
 global start minus local start; 0 for the request's own tokens) and how many of its
-slots hold tokens (a chunk's last block may be partly filled). Kernels read one int64
-per block instead of three tensors.
+slots hold tokens (a chunk's last block may be partly filled), and whether the request reads
+the block's keys with chunk attention scaling (APE, ``CacheConfig.chunk_attention_scaling``).
+Kernels read one int64 per block instead of four tensors.
 
 Bit layout of the (signed) int64 word, low to high::
 
-    bits  0..30  block id          31 bits, 0 <= id < 2**31
+    bits  0..29  block id          30 bits, 0 <= id < 2**30
+    bit  30      scaled             1 bit: a document block read with chunk attention scaling
     bits 31..37  valid slots - 1    7 bits, 1 <= valid <= 128 (so block_size <= 128)
     bits 38..63  delta             26 bits, two's complement, -2**25 <= delta < 2**25
 
 Offsets up to +-2**24 tokens (and beyond, to 2**25 - 1) fit. Anything outside these
 ranges raises :class:`BlockTableOverflowError`; nothing wraps. Extraction in a kernel:
-``id = w & 0x7FFFFFFF``, ``valid = ((w >> 31) & 0x7F) + 1``, ``delta = w >> 38`` (an
+``id = w & 0x3FFFFFFF``, ``scaled = (w >> 30) & 1``, ``valid = ((w >> 31) & 0x7F) + 1``, ``delta = w >> 38`` (an
 arithmetic shift keeps the sign).
 """
 
@@ -22,11 +24,12 @@ from __future__ import annotations
 
 import torch
 
-BLOCK_ID_BITS = 31
+BLOCK_ID_BITS = 30
+SCALED_SHIFT = BLOCK_ID_BITS
 VALID_BITS = 7
 DELTA_BITS = 26
-VALID_SHIFT = BLOCK_ID_BITS
-DELTA_SHIFT = BLOCK_ID_BITS + VALID_BITS
+VALID_SHIFT = BLOCK_ID_BITS + 1
+DELTA_SHIFT = VALID_SHIFT + VALID_BITS
 MAX_BLOCK_ID = (1 << BLOCK_ID_BITS) - 1
 MAX_VALID = 1 << VALID_BITS
 MAX_DELTA = (1 << (DELTA_BITS - 1)) - 1
@@ -47,29 +50,35 @@ def _check_range(name: str, t: torch.Tensor, lo: int, hi: int) -> None:
         raise BlockTableOverflowError(f"{name} {bad} is outside the packed range [{lo}, {hi}]")
 
 
-def pack_block_table(block_ids: torch.Tensor, deltas: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def pack_block_table(block_ids: torch.Tensor, deltas: torch.Tensor, valid: torch.Tensor,
+                     scaled: torch.Tensor | None = None) -> torch.Tensor:
     """Pack entries into int64 words.
 
     Args:
-        block_ids: ``[...]`` integer physical block ids in ``[0, 2**31)``.
+        block_ids: ``[...]`` integer physical block ids in ``[0, 2**30)``.
         deltas: same shape, RoPE offsets in ``[-2**25, 2**25)`` tokens.
         valid: same shape, filled slots per block in ``[1, 128]``.
+        scaled: same shape, bool or 0/1: blocks read with chunk attention scaling (default none).
     Returns:
         ``[...]`` int64 words on the inputs' device.
     Raises:
         BlockTableOverflowError: any value is outside its field (checked before packing).
         ValueError: shapes differ.
     """
-    if not (block_ids.shape == deltas.shape == valid.shape):
+    if scaled is None:
+        scaled = torch.zeros_like(block_ids, dtype=torch.int64)
+    if not (block_ids.shape == deltas.shape == valid.shape == scaled.shape):
         raise ValueError(
             f"shapes differ: block_ids {tuple(block_ids.shape)}, deltas {tuple(deltas.shape)}, "
-            f"valid {tuple(valid.shape)}"
+            f"valid {tuple(valid.shape)}, scaled {tuple(scaled.shape)}"
         )
     block_ids, deltas, valid = (t.to(torch.int64) for t in (block_ids, deltas, valid))
     _check_range("block id", block_ids, 0, MAX_BLOCK_ID)
     _check_range("delta", deltas, MIN_DELTA, MAX_DELTA)
     _check_range("valid slot count", valid, 1, MAX_VALID)
-    return (deltas << DELTA_SHIFT) | ((valid - 1) << VALID_SHIFT) | block_ids
+    scaled = scaled.to(torch.int64)
+    _check_range("scaled flag", scaled, 0, 1)
+    return (deltas << DELTA_SHIFT) | ((valid - 1) << VALID_SHIFT) | (scaled << SCALED_SHIFT) | block_ids
 
 
 def unpack_block_table(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -87,12 +96,18 @@ def unpack_block_table(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return block_ids, deltas, valid
 
 
-def pack_entries(entries: list[tuple[int, int, int]]) -> torch.Tensor:
-    """Pack a Python list of ``(block_id, delta, valid)`` into ``[len(entries)]`` int64."""
+def block_scaled(words: torch.Tensor) -> torch.Tensor:
+    """``[...]`` bool: which words have the chunk-attention-scaling flag (bit 30)."""
+    return ((words.to(torch.int64) >> SCALED_SHIFT) & 1).bool()
+
+
+def pack_entries(entries: list[tuple]) -> torch.Tensor:
+    """Pack a Python list of ``(block_id, delta, valid)`` or ``(block_id, delta, valid, scaled)``
+    (e.g. :class:`~lazyattn_rag.engine.block_table.BlockEntry`) into ``[len(entries)]`` int64."""
     if not entries:
         return torch.zeros(0, dtype=torch.int64)
-    t = torch.tensor(entries, dtype=torch.int64)
-    return pack_block_table(t[:, 0], t[:, 1], t[:, 2])
+    t = torch.tensor([tuple(e) for e in entries], dtype=torch.int64)
+    return pack_block_table(t[:, 0], t[:, 1], t[:, 2], t[:, 3] if t.shape[1] > 3 else None)
 
 
 def pack_run(block_ids: list[int], num_tokens: int, delta: int, block_size: int) -> torch.Tensor:

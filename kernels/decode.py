@@ -22,6 +22,10 @@ Kernel structure (one program = one KV head of one sequence x one split of its b
   so short sequences leave later splits empty) processed by separate programs; each writes a
   normalized partial output and its log-sum-exp, and a small reduction kernel combines them.
   With one split the main kernel writes the output directly.
+* Chunk attention scaling (APE, :class:`~lazyattn_rag.kernels.launch.ChunkScaling`): with
+  ``CHUNK_SCALING``, a run whose blocks carry the ``scaled`` flag is scored with
+  ``sm_scale / temperature`` and ``log2(weight)`` added, so its keys' softmax weights are
+  ``weight * exp(scale * q.k / temperature)``; the split reduction combines these like any other.
 * Offsets into the cache are int64; a sequence with no blocks (padding) gets zeros.
 """
 
@@ -31,7 +35,14 @@ import torch
 import triton
 import triton.language as tl
 
-from lazyattn_rag.kernels.launch import BlockRuns, Rotation, block_runs, launch_prologue, rotation_code
+from lazyattn_rag.kernels.launch import (
+    BlockRuns,
+    ChunkScaling,
+    Rotation,
+    block_runs,
+    launch_prologue,
+    rotation_code,
+)
 from lazyattn_rag.kernels.triton_helpers import cos_sin, mma
 
 
@@ -51,6 +62,8 @@ def decode_kernel(
     seq_ids_ptr,  # [num_work] int32 sequences this launch handles (grid axis 0)
     inv_freq_ptr,  # [HALF] float32 RoPE frequencies
     sm_scale_log2,  # float: softmax scale * log2(e)
+    chunk_inv_temperature,  # float: 1 / temperature for scaled blocks (ChunkScaling; CHUNK_SCALING only)
+    chunk_log2_weight,  # float: log2(weight) added to scaled blocks' scores (CHUNK_SCALING only)
     stride_qt, stride_qh,  # q strides (tokens, heads); head_dim is contiguous
     stride_kb, stride_ks, stride_kh,  # key-cache strides (block, slot, head)
     stride_vb, stride_vs, stride_vh,  # value-cache strides (block, slot, head)
@@ -69,6 +82,7 @@ def decode_kernel(
     TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
     NUM_SPLITS: tl.constexpr,
     ROTATION: tl.constexpr,  # 0 none (benchmark of its cost only), 1 query by -delta per run
+    CHUNK_SCALING: tl.constexpr,  # runs of flagged blocks use ChunkScaling (False: the flag is ignored)
     ACCURATE_TRIG: tl.constexpr,  # libdevice cos/sin (GPU); tl.cos/tl.sin under the interpreter
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, None (default) for half types
     DOT_UPCAST: tl.constexpr,  # interpreter only: dots in float32
@@ -120,8 +134,15 @@ def decode_kernel(
         b0 = tl.maximum(tl.load(rs_row + r), split_lo)
         b1 = tl.minimum(tl.load(rs_row + r + 1), split_hi)
         if b0 < b1:  # this run overlaps this split
+            word0 = tl.load(bt_row + b0)
+            score_scale = sm_scale_log2
+            score_bias = 0.0
+            if CHUNK_SCALING:  # one flag per run (block_runs splits at a change)
+                scaled = ((word0 >> 30) & 1) != 0
+                score_scale = tl.where(scaled, sm_scale_log2 * chunk_inv_temperature, sm_scale_log2)
+                score_bias = tl.where(scaled, chunk_log2_weight, 0.0)
             if ROTATION == 1:  # "query" (launch.ROTATION_CODES)
-                delta = tl.load(bt_row + b0) >> 38  # one delta per run (arithmetic shift)
+                delta = word0 >> 38  # one delta per run (arithmetic shift)
                 if delta != cur_delta:  # a new chunk: rotate the ORIGINAL query (re-read) by -delta
                     cos, sin = cos_sin((-delta).to(tl.float32) * inv_freq, ACCURATE_TRIG)  # [HALF]
                     q1f = tl.load(q1_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
@@ -133,7 +154,7 @@ def decode_kernel(
                 blk = first + blk_in_tile  # [BLOCK_N] block-table index per key
                 blk_ok = lane_ok & (blk < b1)
                 word = tl.load(bt_row + blk, mask=blk_ok, other=0)  # [BLOCK_N] int64
-                block_id = word & 0x7FFFFFFF
+                block_id = word & 0x3FFFFFFF
                 key_ok = blk_ok & (slot < ((word >> 31) & 0x7F) + 1)
                 k_rows = block_id * stride_kb + slot * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
                 v_rows = block_id * stride_vb + slot * stride_vs + kv_head * stride_vh
@@ -146,7 +167,10 @@ def decode_kernel(
                 if REST > 0:
                     k3 = tl.load(k_cache_ptr + k_rows[:, None] + c3[None, :], mask=key_ok[:, None], other=0.0)
                     s = mma(q3, tl.trans(k3), s, DOT_PRECISION, DOT_UPCAST)
-                s = tl.where(key_ok[None, :], s * sm_scale_log2, float("-inf"))
+                s = s * score_scale
+                if CHUNK_SCALING:
+                    s = s + score_bias
+                s = tl.where(key_ok[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
                 alpha = tl.math.exp2(m_i - m_new)
                 p = tl.math.exp2(s - m_new[:, None])
@@ -230,6 +254,7 @@ def paged_decode(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     num_splits: int | None = None,  # power of two; default from choose_num_splits
     rotation: Rotation = "query",  # see Rotation: "query" or "none" (decode never rotates K)
+    chunk_scaling: ChunkScaling | None = None,  # APE on flagged blocks (None: plain attention)
     block_n: int | None = None,  # key lanes per tile (rounded up to a power of two >= block_size)
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -239,7 +264,8 @@ def paged_decode(
 
     ``max_seq_len`` (a host int) bounds the split count; a sequence with no blocks gets zeros.
     ``rotation="none"`` skips the rotation (only for measuring its cost: the result is then wrong
-    for any block with a nonzero delta).
+    for any block with a nonzero delta). ``chunk_scaling``: keys of blocks flagged ``scaled`` are
+    scored by APE's temperature and weight (:class:`~lazyattn_rag.kernels.launch.ChunkScaling`).
 
     Returns:
         ``out`` (allocated like ``query`` when not given).
@@ -275,6 +301,7 @@ def paged_decode(
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     if runs is None:
         runs = block_runs(block_tables, num_blocks_per_seq, block_size)
+    scaling = (chunk_scaling or ChunkScaling()).kernel_args()
     if num_splits > 1:
         part_out = torch.empty(num_work, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_work, num_heads, num_splits, dtype=torch.float32, device=query.device)
@@ -283,7 +310,8 @@ def paged_decode(
     decode_kernel[(num_work, num_kv_heads, num_splits)](
         query, key_cache, value_cache, out, part_out, part_lse,
         block_tables, runs.starts, runs.num_runs, num_blocks_per_seq, cu_seqlens_q, seq_ids,
-        launch.inv_freq, launch.sm_scale_log2, *launch.strides,
+        launch.inv_freq, launch.sm_scale_log2, scaling["chunk_inv_temperature"], scaling["chunk_log2_weight"],
+        *launch.strides,
         block_tables.stride(0), runs.starts.stride(0),
         **launch.constexprs,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
@@ -291,6 +319,7 @@ def paged_decode(
         TILE_BLOCKS=tile_blocks,
         NUM_SPLITS=num_splits,
         ROTATION=code,
+        CHUNK_SCALING=scaling["CHUNK_SCALING"],
         num_warps=num_warps or 4,
         num_stages=num_stages or (1 if interpreter else 3),
     )

@@ -8,6 +8,7 @@
   (``kernels/block_table.py``) that the kernels walk; built once per batch by the attention
   backend and shared by every layer (device ops, no host sync, so they can be captured in a
   CUDA graph).
+* :class:`ChunkScaling`: the attention-level remedy (APE) both kernels apply to flagged blocks.
 * :func:`launch_prologue`: the checks, defaults, strides and constexprs both launchers pass
   their kernel in the same order and under the same names.
 """
@@ -20,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from lazyattn_rag.kernels.block_table import unpack_block_table
+from lazyattn_rag.kernels.block_table import block_scaled, unpack_block_table
 
 Rotation = Literal["query", "key", "none"]
 """Where a kernel applies each block's offset ``delta`` (LazyAttention, arXiv 2606.04302, Sec. 3):
@@ -148,8 +149,8 @@ def block_key_starts(block_tables: torch.Tensor, num_blocks_per_seq: torch.Tenso
 
 @dataclass
 class BlockRuns:
-    """Runs of consecutive blocks sharing one delta, only the last one partly filled (one run per
-    chunk; the prefix and the request's own tokens are runs with delta 0).
+    """Runs of consecutive blocks sharing one delta and scaled flag, only the last one partly
+    filled (one run per chunk; the prefix and the request's own tokens are runs with delta 0).
 
     Attributes:
         starts: ``[num_seqs, max_blocks + 1]`` int32: first block of run ``r`` at ``starts[s, r]``;
@@ -163,15 +164,18 @@ class BlockRuns:
 
 
 def block_runs(block_tables: torch.Tensor, num_blocks_per_seq: torch.Tensor, block_size: int) -> BlockRuns:
-    """Split every block-table row into runs of equal delta in which only the last block may be
-    partly filled (a new run starts after a partial block too). Device ops, no host sync."""
+    """Split every block-table row into runs of equal delta and scaled flag in which only the last
+    block may be partly filled (a new run starts after a partial block too). Device ops, no host
+    sync."""
     num_seqs, max_blocks = block_tables.shape
     device = block_tables.device
     _, deltas, valid = unpack_block_table(block_tables)
+    scaled = block_scaled(block_tables)
     idx = torch.arange(max_blocks, device=device)[None, :].expand(num_seqs, max_blocks)
     used = idx < num_blocks_per_seq[:, None].to(torch.int64)
     changed = torch.ones_like(used)
-    changed[:, 1:] = (deltas[:, 1:] != deltas[:, :-1]) | (valid[:, :-1] < block_size)
+    changed[:, 1:] = ((deltas[:, 1:] != deltas[:, :-1]) | (valid[:, :-1] < block_size)
+                      | (scaled[:, 1:] != scaled[:, :-1]))
     is_start = used & changed
     # Compact the run starts to the front of each row: start r goes to column r (its rank among
     # the row's starts); every other block goes to a spare last column that is dropped after.
@@ -182,6 +186,52 @@ def block_runs(block_tables: torch.Tensor, num_blocks_per_seq: torch.Tensor, blo
     starts.scatter_(1, target, idx)
     starts = starts[:, : max_blocks + 1].to(torch.int32)
     return BlockRuns(starts=starts.contiguous(), num_runs=is_start.sum(dim=1).to(torch.int32))
+
+
+@dataclass(frozen=True)
+class ChunkScaling:
+    """Chunk attention scaling (APE: Yang, Chen and Chen, "APE: Faster and Longer
+    Context-Augmented Generation via Adaptive Parallel Encoding", ICLR 2025, Sec. 4): keys of
+    blocks whose word has the ``scaled`` flag (``kernels/block_table.py``) are scored at
+    ``temperature`` and their softmax weights multiplied by ``weight``:
+
+        ``p_j ~ weight * exp(scale * q.k_j / temperature)`` for a flagged key ``j``,
+        ``p_j ~ exp(scale * q.k_j)`` for every other key,
+
+    normalised over all keys together. ``temperature < 1`` sharpens the query's attention to
+    the independently encoded documents; ``weight`` rescales their share of the softmax mass.
+    ``ChunkScaling(1, 1)`` is plain attention.
+
+    Raises:
+        ValueError: a temperature or weight that is not a finite number > 0.
+    """
+
+    temperature: float = 1.0
+    weight: float = 1.0
+
+    def __post_init__(self):
+        for name in ("temperature", "weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"chunk attention {name} must be a finite number > 0, got {value!r}")
+
+    @property
+    def is_identity(self) -> bool:
+        return self.temperature == 1 and self.weight == 1
+
+    def logits(self, scores: torch.Tensor, flagged: torch.Tensor, scale: float) -> torch.Tensor:
+        """Softmax logits (natural-log domain) from raw dot products ``scores`` ``[..., n]``:
+        ``scores * scale``, and ``scores * scale / temperature + ln(weight)`` where ``flagged``
+        (``[n]`` bool) holds. The two references' form of what the kernels compute."""
+        if self.is_identity or not bool(flagged.any()):
+            return scores * scale
+        return torch.where(flagged, scores * (scale / self.temperature) + math.log(self.weight), scores * scale)
+
+    def kernel_args(self) -> dict:
+        """The kernels' arguments: ``chunk_inv_temperature``, ``chunk_log2_weight`` and the
+        ``CHUNK_SCALING`` constexpr (off for the identity: the kernels then skip the flag)."""
+        return dict(chunk_inv_temperature=1.0 / self.temperature, chunk_log2_weight=math.log2(self.weight),
+                    CHUNK_SCALING=not self.is_identity)
 
 
 @dataclass(frozen=True)

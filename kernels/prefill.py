@@ -29,6 +29,10 @@ Kernel structure (one program = one query head x ``BLOCK_M`` new tokens of one s
 * The walk stops at the last block holding a key the tile's last row can see, found by binary
   search over each block's first key index (``key_starts``). Online softmax in float32 (``exp2``,
   scale folded in); query tiles are scheduled longest first.
+* Chunk attention scaling (APE, :class:`~lazyattn_rag.kernels.launch.ChunkScaling`): with
+  ``CHUNK_SCALING``, a run whose blocks carry the ``scaled`` flag is scored with
+  ``sm_scale / temperature`` and ``log2(weight)`` added (one multiply-add per score, chosen once
+  per run).
 * Offsets into the cache are int64 (``block_id * block_size * stride`` overflows int32).
 
 Angles are ``float32(delta) * inv_freq`` in float32 exactly as :meth:`RotaryEmbedding.cos_sin`
@@ -44,6 +48,7 @@ import triton.language as tl
 
 from lazyattn_rag.kernels.launch import (
     BlockRuns,
+    ChunkScaling,
     Rotation,
     block_key_starts,
     block_runs,
@@ -62,10 +67,11 @@ def prefill_tile(
     bt_row, ks_row, k_cache_ptr, v_cache_ptr,
     kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     row_limit,  # [BLOCK_M] last key index each row may see
-    sm_scale_log2,
+    score_scale, score_bias,  # float32 scalars: this run's log2-domain score is dot * score_scale + score_bias
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr, PAIR_STRIDE: tl.constexpr,
     X2_OFF: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_BLOCKS: tl.constexpr,
     MASKED: tl.constexpr,  # False: every lane is a valid key every row may see (no masks at all)
+    CHUNK_SCALING: tl.constexpr,  # add score_bias (False: it is 0)
     ROTATE_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     """One K/V tile of ``TILE_BLOCKS`` blocks of one run: scores, online softmax, P @ V."""
@@ -82,7 +88,7 @@ def prefill_tile(
         key_ok = blk_ok & (slot < ((word >> 31) & 0x7F) + 1)
     else:
         word = tl.load(bt_row + blk)
-    block_id = word & 0x7FFFFFFF
+    block_id = word & 0x3FFFFFFF
     k_rows = block_id * stride_kb + slot * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
     v_rows = block_id * stride_vb + slot * stride_vs + kv_head * stride_vh
     if MASKED:
@@ -108,7 +114,9 @@ def prefill_tile(
         else:
             k3 = tl.load(k_cache_ptr + k_rows[:, None] + c3[None, :])
         s = mma(q3, tl.trans(k3), s, DOT_PRECISION, DOT_UPCAST)
-    s = s * sm_scale_log2
+    s = s * score_scale
+    if CHUNK_SCALING:
+        s = s + score_bias
     if MASKED:
         key_idx = tl.load(ks_row + blk, mask=blk_ok, other=0) + slot  # [BLOCK_N] global key index
         keep = key_ok[None, :] & (key_idx[None, :] <= row_limit[:, None])
@@ -156,6 +164,8 @@ def prefill_kernel(
     seq_ids_ptr,  # [num_work] int32 sequences this launch handles (grid axis 2)
     inv_freq_ptr,  # [HALF] float32 RoPE frequencies
     sm_scale_log2,  # float: softmax scale * log2(e)
+    chunk_inv_temperature,  # float: 1 / temperature for scaled blocks (ChunkScaling; CHUNK_SCALING only)
+    chunk_log2_weight,  # float: log2(weight) added to scaled blocks' scores (CHUNK_SCALING only)
     stride_qt, stride_qh,  # q strides (tokens, heads); head_dim is contiguous
     stride_kb, stride_ks, stride_kh,  # key-cache strides (block, slot, head)
     stride_vb, stride_vs, stride_vh,  # value-cache strides (block, slot, head)
@@ -175,6 +185,7 @@ def prefill_kernel(
     BLOCK_N: tl.constexpr,  # key lanes per tile (a power of two >= BLOCK_SIZE)
     TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
     ROTATION: tl.constexpr,  # 0 none (benchmark only), 1 query by -delta per run, 2 each K tile by delta
+    CHUNK_SCALING: tl.constexpr,  # runs of flagged blocks use ChunkScaling (False: the flag is ignored)
     ACCURATE_TRIG: tl.constexpr,  # libdevice cos/sin (GPU); tl.cos/tl.sin under the interpreter
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, None (default) for half types
     DOT_UPCAST: tl.constexpr,  # interpreter only: dots in float32
@@ -231,7 +242,14 @@ def prefill_kernel(
         b1 = tl.load(rs_row + r + 1)
         b_end = tl.minimum(b1, n_visit)
         if b0 < b_end:
-            delta = tl.load(bt_row + b0) >> 38  # one delta for the whole run (arithmetic shift)
+            word0 = tl.load(bt_row + b0)
+            delta = word0 >> 38  # one delta for the whole run (arithmetic shift)
+            score_scale = sm_scale_log2
+            score_bias = 0.0
+            if CHUNK_SCALING:  # one flag for the whole run too (block_runs splits at a change)
+                scaled = ((word0 >> 30) & 1) != 0
+                score_scale = tl.where(scaled, sm_scale_log2 * chunk_inv_temperature, sm_scale_log2)
+                score_bias = tl.where(scaled, chunk_log2_weight, 0.0)
             # The query is (re)loaded per run (a few KB from L2) rather than kept in registers
             # across the walk, which leaves the registers to the K/V pipeline.
             qa1 = tl.load(q1_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF]
@@ -254,18 +272,18 @@ def prefill_kernel(
                     acc, m_i, l_i, qa1, qa2, q3, cos, sin, b0 + t * TILE_BLOCKS, b_end,
                     bt_row, ks_row, k_cache_ptr, v_cache_ptr,
                     kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    row_limit, sm_scale_log2,
+                    row_limit, score_scale, score_bias,
                     HEAD_DIM, HALF, REST, PAIR_STRIDE, X2_OFF, BLOCK_SIZE, BLOCK_N, TILE_BLOCKS,
-                    False, ROTATION == 2, DOT_PRECISION, DOT_UPCAST,
+                    False, CHUNK_SCALING, ROTATION == 2, DOT_PRECISION, DOT_UPCAST,
                 )
             for first in range(b0 + n_full * TILE_BLOCKS, b_end, TILE_BLOCKS):
                 acc, m_i, l_i = prefill_tile(
                     acc, m_i, l_i, qa1, qa2, q3, cos, sin, first, b_end,
                     bt_row, ks_row, k_cache_ptr, v_cache_ptr,
                     kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    row_limit, sm_scale_log2,
+                    row_limit, score_scale, score_bias,
                     HEAD_DIM, HALF, REST, PAIR_STRIDE, X2_OFF, BLOCK_SIZE, BLOCK_N, TILE_BLOCKS,
-                    True, ROTATION == 2, DOT_PRECISION, DOT_UPCAST,
+                    True, CHUNK_SCALING, ROTATION == 2, DOT_PRECISION, DOT_UPCAST,
                 )
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no keys (padding): zeros
@@ -302,6 +320,7 @@ def paged_prefill(
     seq_ids: torch.Tensor | None = None,  # [num_work] int32, default all sequences
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     rotation: Rotation = "query",  # see Rotation: "query", "key" or "none"
+    chunk_scaling: ChunkScaling | None = None,  # APE on flagged blocks (None: plain attention)
     block_m: int | None = None,
     block_n: int | None = None,  # key lanes per tile (rounded up to a power of two >= block_size)
     num_warps: int | None = None,
@@ -313,6 +332,8 @@ def paged_prefill(
     (padding) gets zeros. ``rotation``: ``"query"`` (default) rotates the query tile by ``-delta``
     once per chunk; ``"key"`` rotates every K tile by ``delta`` in registers (same result, more
     work: kept to measure the difference); ``"none"`` skips it (only for measuring its cost).
+    ``chunk_scaling``: keys of blocks flagged ``scaled`` are scored by APE's temperature and
+    weight (:class:`~lazyattn_rag.kernels.launch.ChunkScaling`).
 
     Returns:
         ``out`` (allocated like ``query`` when not given).
@@ -339,11 +360,13 @@ def paged_prefill(
     if runs is None:
         runs = block_runs(block_tables, num_blocks_per_seq, block_size)
     max_blocks = block_tables.shape[1]
+    scaling = (chunk_scaling or ChunkScaling()).kernel_args()
     grid = (num_heads, triton.cdiv(max_query_len, block_m), seq_ids.numel())
     prefill_kernel[grid](
         query, key_cache, value_cache, out,
         block_tables, key_starts, runs.starts, runs.num_runs, num_blocks_per_seq, seq_lens, cu_seqlens_q, seq_ids,
-        launch.inv_freq, launch.sm_scale_log2, *launch.strides,
+        launch.inv_freq, launch.sm_scale_log2, scaling["chunk_inv_temperature"], scaling["chunk_log2_weight"],
+        *launch.strides,
         block_tables.stride(0), key_starts.stride(0), runs.starts.stride(0),
         max(1, max_blocks + 1).bit_length(),
         **launch.constexprs,
@@ -351,6 +374,7 @@ def paged_prefill(
         BLOCK_N=block_n,
         TILE_BLOCKS=block_n // block_size,
         ROTATION=code,
+        CHUNK_SCALING=scaling["CHUNK_SCALING"],
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
     )

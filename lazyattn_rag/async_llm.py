@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Iterable
 
 from lazyattn_rag.client import MakeRequest, chat_request, prompt_request, question_request
 from lazyattn_rag.llm import LazyAttention, recompute_kwargs
+from lazyattn_rag.types.config import RequestRemedies
 from lazyattn_rag.types.documents import Document
 from lazyattn_rag.types.messages import Message
 from lazyattn_rag.types.outputs import Completion, StreamDelta
@@ -82,26 +83,32 @@ class AsyncLazyAttention:
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                sampling: SamplingParams | None = None, namespace: str = "", *,
                recompute_chunk_head_tokens: int | None = None,
-               recompute_selective_ratio: float | None = None) -> AsyncIterator[StreamDelta]:
+               recompute_selective_ratio: float | None = None,
+               chunk_attention_scaling: bool | None = None) -> AsyncIterator[StreamDelta]:
         """Async version of :meth:`LazyAttention.stream` (argument errors raise here, engine errors
         on the first ``__anext__``)."""
+        remedies = RequestRemedies(recompute_chunk_head_tokens, recompute_selective_ratio, chunk_attention_scaling)
         return self._submit(question_request(question, doc_ids, documents, sampling or self.llm.default_sampling,
-                                             namespace, recompute_chunk_head_tokens, recompute_selective_ratio))
+                                             namespace, remedies))
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                     sampling: SamplingParams | None = None, namespace: str = "", *,
                     recompute_chunk_head_tokens: int | None = None,
-                    recompute_selective_ratio: float | None = None) -> AsyncIterator[StreamDelta]:
+                    recompute_selective_ratio: float | None = None,
+                    chunk_attention_scaling: bool | None = None) -> AsyncIterator[StreamDelta]:
         """Async version of :meth:`LazyAttention.stream_chat` (errors as :meth:`stream`)."""
+        remedies = RequestRemedies(recompute_chunk_head_tokens, recompute_selective_ratio, chunk_attention_scaling)
         return self._submit(chat_request(messages, documents, sampling or self.llm.default_sampling, namespace,
-                                         recompute_chunk_head_tokens, recompute_selective_ratio))
+                                         remedies))
 
     async def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                    sampling: SamplingParams | None = None, namespace: str = "", *,
                    recompute_chunk_head_tokens: int | None = None,
-                   recompute_selective_ratio: float | None = None) -> Completion:
+                   recompute_selective_ratio: float | None = None,
+                   chunk_attention_scaling: bool | None = None) -> Completion:
         return await _collect(self.stream_chat(messages, documents, sampling, namespace,
-                                               **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio)))
+                                               **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio,
+                                                     chunk_attention_scaling)))
 
     def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None
                       ) -> AsyncIterator[StreamDelta]:
@@ -111,9 +118,11 @@ class AsyncLazyAttention:
     async def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                        sampling: SamplingParams | None = None, namespace: str = "", *,
                        recompute_chunk_head_tokens: int | None = None,
-                       recompute_selective_ratio: float | None = None) -> Completion:
+                       recompute_selective_ratio: float | None = None,
+                       chunk_attention_scaling: bool | None = None) -> Completion:
         return await _collect(self.stream(question, doc_ids, documents, sampling, namespace,
-                                          **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio)))
+                                          **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio,
+                                                     chunk_attention_scaling)))
 
     async def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Completion:
         return await _collect(self.stream_prompt(prompt, sampling))

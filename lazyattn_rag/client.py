@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from lazyattn_rag.engine.engine import LLMEngine
 from lazyattn_rag.engine.loop import EngineLoop
 from lazyattn_rag.engine.request import Request
+from lazyattn_rag.types.config import RequestRemedies
 from lazyattn_rag.types.documents import Document
 from lazyattn_rag.types.messages import Message, as_message
 from lazyattn_rag.types.outputs import StreamDelta
@@ -112,18 +113,17 @@ class RequestStream(Iterator[StreamDelta]):
 
 # --- requests: what each public method submits (run on the engine thread) ------------------
 def question_request(question: str, doc_ids: Iterable[str], documents: Iterable[Document | tuple[str, str]],
-                     params: SamplingParams, namespace: str = "", head_tokens: int | None = None,
-                     selective_ratio: float | None = None) -> MakeRequest:
+                     params: SamplingParams, namespace: str = "",
+                     remedies: RequestRemedies = RequestRemedies()) -> MakeRequest:
     ids, docs = document_ids(doc_ids), document_pairs(documents)
-    return lambda engine, sink: engine.submit_question(question, ids, docs, params, sink, namespace, head_tokens,
-                                                       selective_ratio)
+    return lambda engine, sink: engine.submit_question(question, ids, docs, params, sink, namespace, remedies)
 
 
 def chat_request(messages: Iterable[Message | dict | tuple], documents: Iterable[Document | tuple[str, str]],
-                 params: SamplingParams, namespace: str = "", head_tokens: int | None = None,
-                 selective_ratio: float | None = None) -> MakeRequest:
+                 params: SamplingParams, namespace: str = "",
+                 remedies: RequestRemedies = RequestRemedies()) -> MakeRequest:
     msgs, docs = [as_message(m) for m in messages], document_pairs(documents)
-    return lambda engine, sink: engine.submit_chat(msgs, docs, params, sink, namespace, head_tokens, selective_ratio)
+    return lambda engine, sink: engine.submit_chat(msgs, docs, params, sink, namespace, remedies)
 
 
 def prompt_request(prompt: str | list[int], params: SamplingParams) -> MakeRequest:

@@ -26,7 +26,7 @@ from lazyattn_rag.engine.engine import LLMEngine, StepResult
 from lazyattn_rag.engine.factory import build_engine, build_engine_from_model, describe
 from lazyattn_rag.engine.loop import EngineLoop
 from lazyattn_rag.engine.model import CausalLM
-from lazyattn_rag.types.config import EngineConfig
+from lazyattn_rag.types.config import EngineConfig, RequestRemedies
 from lazyattn_rag.types.documents import Document
 from lazyattn_rag.types.messages import Message, as_message
 from lazyattn_rag.types.outputs import Completion, StreamDelta
@@ -188,7 +188,8 @@ class LazyAttention:
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                sampling: SamplingParams | None = None, namespace: str = "", *,
                recompute_chunk_head_tokens: int | None = None,
-               recompute_selective_ratio: float | None = None) -> "RequestStream":
+               recompute_selective_ratio: float | None = None,
+               chunk_attention_scaling: bool | None = None) -> "RequestStream":
         """Stream the answer to ``question`` over documents, in the order given.
 
         Args:
@@ -203,7 +204,11 @@ class LazyAttention:
             recompute_selective_ratio: this request's selective recompute (CacheBlend: ``r`` in
                 ``[0, 1]`` of each document's tokens recomputed, those whose K/V the context
                 changes most; see :class:`~lazyattn_rag.types.config.CacheConfig`); ``None``: the
-                engine's. Asking for one remedy turns the other off for the request.
+                engine's.
+            chunk_attention_scaling: this request reads its documents with chunk attention
+                scaling (APE: the engine's ``CacheConfig.chunk_attention_temperature`` and
+                ``chunk_attention_weight``; nothing recomputed); ``None``: the engine's.
+                Asking for one remedy turns the others off for the request.
         Returns:
             A :class:`RequestStream` of :class:`StreamDelta` pieces, one per generated token (text
             may be empty while a character is incomplete); the last has ``finished=True`` and the
@@ -212,25 +217,29 @@ class LazyAttention:
             UnknownDocumentError, EmptyInputError, PromptTooLongError, DocumentTooLongError:
             at the call, before anything is queued or registered. CacheCapacityError: at the call, when the
             prompt plus ``max_tokens`` could never fit the KV cache. ValueError: a negative
-            ``recompute_chunk_head_tokens``, a ratio outside ``[0, 1]``, either on an engine not in
-            ``lazy`` mode, or both set. Other
-            requests are unaffected.
+            ``recompute_chunk_head_tokens``, a ratio outside ``[0, 1]``, a remedy on an engine not
+            in ``lazy`` mode, two remedies asked together, or chunk attention scaling on an engine
+            whose temperature and weight are 1. Other requests are unaffected.
         """
+        remedies = RequestRemedies(recompute_chunk_head_tokens, recompute_selective_ratio, chunk_attention_scaling)
         return self._submit(question_request(question, doc_ids, documents, sampling or self.default_sampling,
-                                             namespace, recompute_chunk_head_tokens, recompute_selective_ratio))
+                                             namespace, remedies))
 
     def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                  sampling: SamplingParams | None = None, namespace: str = "", *,
                  recompute_chunk_head_tokens: int | None = None,
-                 recompute_selective_ratio: float | None = None) -> Completion:
+                 recompute_selective_ratio: float | None = None,
+                 chunk_attention_scaling: bool | None = None) -> Completion:
         """Answer ``question``; same arguments and errors as :meth:`stream`."""
         return _collect(self.stream(question, doc_ids, documents, sampling, namespace,
-                                    **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio)))
+                                    **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio,
+                                                      chunk_attention_scaling)))
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                     sampling: SamplingParams | None = None, namespace: str = "", *,
                     recompute_chunk_head_tokens: int | None = None,
-                    recompute_selective_ratio: float | None = None) -> "RequestStream":
+                    recompute_selective_ratio: float | None = None,
+                    chunk_attention_scaling: bool | None = None) -> "RequestStream":
         """Stream the answer to chat ``messages`` whose content places documents by id.
 
         This is how a RAG framework's own prompt keeps reuse: the template's text (instructions,
@@ -244,7 +253,8 @@ class LazyAttention:
             documents: inline documents, registered (or updated) first, all or none.
             sampling: :class:`SamplingParams`.
             namespace: the documents' namespace (see :meth:`add_document`).
-            recompute_chunk_head_tokens, recompute_selective_ratio: as :meth:`stream`.
+            recompute_chunk_head_tokens, recompute_selective_ratio, chunk_attention_scaling: as
+                :meth:`stream`.
         Returns:
             A :class:`RequestStream`, as :meth:`stream`.
         Raises:
@@ -252,16 +262,18 @@ class LazyAttention:
             PromptTooLongError, DocumentTooLongError: at the call, before anything is queued
             or registered.
         """
-        return self._submit(chat_request(messages, documents, sampling or self.default_sampling, namespace,
-                                         recompute_chunk_head_tokens, recompute_selective_ratio))
+        remedies = RequestRemedies(recompute_chunk_head_tokens, recompute_selective_ratio, chunk_attention_scaling)
+        return self._submit(chat_request(messages, documents, sampling or self.default_sampling, namespace, remedies))
 
     def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
              sampling: SamplingParams | None = None, namespace: str = "", *,
              recompute_chunk_head_tokens: int | None = None,
-             recompute_selective_ratio: float | None = None) -> Completion:
+             recompute_selective_ratio: float | None = None,
+             chunk_attention_scaling: bool | None = None) -> Completion:
         """Answer chat ``messages``; same arguments and errors as :meth:`stream_chat`."""
         return _collect(self.stream_chat(messages, documents, sampling, namespace,
-                                         **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio)))
+                                         **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio,
+                                                      chunk_attention_scaling)))
 
     def plan_chat(self, messages: Iterable[Message | dict | tuple], namespace: str = ""):
         """The prompt plan chat ``messages`` would run (for inspection; registered documents only)."""
@@ -366,8 +378,10 @@ def _collect(deltas: Iterator[StreamDelta]) -> Completion:
     return Completion("".join(text), token_ids, last.finish_reason, last.stats, logprobs or None)
 
 
-def recompute_kwargs(recompute_chunk_head_tokens: int | None, recompute_selective_ratio: float | None) -> dict:
+def recompute_kwargs(recompute_chunk_head_tokens: int | None, recompute_selective_ratio: float | None,
+                     chunk_attention_scaling: bool | None = None) -> dict:
     """The keywords to pass on (none of those unset, so a ``stream`` wrapped with an older signature works)."""
     pairs = {"recompute_chunk_head_tokens": recompute_chunk_head_tokens,
-             "recompute_selective_ratio": recompute_selective_ratio}
+             "recompute_selective_ratio": recompute_selective_ratio,
+             "chunk_attention_scaling": chunk_attention_scaling}
     return {k: v for k, v in pairs.items() if v is not None}

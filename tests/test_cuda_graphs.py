@@ -67,13 +67,15 @@ def test_bucketing_padding_and_eager_fallbacks():
     assert len(calls) == 2 and graphs.num_replays == 2
 
 
-def graph_llm(make_llm, cuda_graphs: bool, max_num_seqs: int = 3, torch_compile: bool = False) -> LazyAttention:
-    """A tiny Llama (head_dim 32) on the triton backend with documents d0..d4; ``make_llm`` is the fixture."""
+def graph_llm(make_llm, cuda_graphs: bool, max_num_seqs: int = 3, torch_compile: bool = False,
+              **config) -> LazyAttention:
+    """A tiny Llama (head_dim 32) on the triton backend with documents d0..d4; ``make_llm`` is the
+    fixture, ``config`` more engine settings."""
     _, llm = make_llm(seed=3, model_config=dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                                                 head_dim=32),
                       device=DEVICE, attention_backend="triton", cuda_graphs=cuda_graphs, max_model_len=MAX_MODEL_LEN,
                       num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_batched_tokens=256,
-                      max_num_seqs=max_num_seqs, torch_compile=torch_compile)
+                      max_num_seqs=max_num_seqs, torch_compile=torch_compile, **config)
     if cuda_graphs and not CUDA:  # the same static-buffer path, run eagerly under the interpreter
         llm.loop.call(llm.engine.runner.enable_cuda_graphs, graph_batch_sizes(max_num_seqs),
                       graph_block_table_width(MAX_MODEL_LEN, BLOCK_SIZE), capture=False)
@@ -113,3 +115,22 @@ def test_graph_decode_steps_give_the_eager_outputs(make_llm, torch_compile):
     stats = llm.stats()
     assert stats["num_blocks_free"] + stats["num_blocks_cached"] == NUM_BLOCKS  # nothing leaked
     llm.shutdown()
+
+
+def test_graph_decode_steps_with_chunk_attention_scaling(make_llm):
+    """Decode graphs read the documents' flags from their static block tables: APE requests
+    (chunk attention scaling, issue 20) replayed give the eager engine's tokens, which differ
+    from plain reuse's."""
+    rng = random.Random(2)
+    requests = [(words(rng.randint(1, 3), start=150 + i), rng.sample([f"d{j}" for j in range(5)], k=rng.randint(2, 3)))
+                for i in range(4)]
+    ape = dict(chunk_attention_scaling=True, chunk_attention_temperature=0.5, chunk_attention_weight=3.0)
+    eager = graph_llm(make_llm, cuda_graphs=False, **ape)
+    expected = run_concurrently(eager, requests)
+    eager.shutdown()
+    plain = graph_llm(make_llm, cuda_graphs=False)
+    assert run_concurrently(plain, requests) != expected
+    plain.shutdown()
+    llm = graph_llm(make_llm, cuda_graphs=True, **ape)
+    assert run_concurrently(llm, requests) == expected
+    assert llm.engine.runner.graphs.num_replays >= GREEDY.max_tokens - 1

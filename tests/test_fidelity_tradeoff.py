@@ -7,7 +7,8 @@ import pytest
 
 from typer.testing import CliRunner
 
-from benchmarks.fidelity_tradeoff import app, fidelity_points, serving_mode
+from benchmarks.fidelity_tradeoff import app, baseline_mode, fidelity_points, serving_mode
+from benchmarks.quality import EngineSetting, engine_setting
 
 
 def test_quality_modes_map_to_serving_modes():
@@ -15,6 +16,17 @@ def test_quality_modes_map_to_serving_modes():
     assert serving_mode("reuse-bos-k16") == "lazy+head16"
     assert serving_mode("reuse-sel5") == serving_mode("reuse-bos-sel5") == "lazy+sel5"
     assert serving_mode("full") is None and serving_mode("recompute") is None
+    assert serving_mode("reuse-bos-ape80") == "lazy+ape80"
+    assert serving_mode("reuse-ape90w80") == "lazy+ape90w80"
+    assert baseline_mode("reuse-bos-ape80") == baseline_mode("reuse-bos-k4") == "reuse-bos"
+    assert baseline_mode("reuse-bos") == "reuse-bos"
+
+
+def test_chunk_scaling_modes_parse_to_their_engine_settings():
+    assert engine_setting("reuse-bos-ape80") == EngineSetting("bos", temperature=0.8)
+    assert engine_setting("reuse-ape90w80") == EngineSetting("none", temperature=0.9, weight=0.8)
+    assert engine_setting("reuse-bos-ape100") is None  # T = W = 1 is no remedy (the config refuses it)
+    assert engine_setting("reuse-bos-ape0") is None and engine_setting("reuse-bos-ape80w0") is None
 
 
 def pooled(**kl):

@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from lazyattn_rag.engine.attention.metadata import AttentionMetadata
+from lazyattn_rag.kernels.launch import ChunkScaling
 from lazyattn_rag.kernels.rope import RotaryEmbedding
 
 
@@ -39,7 +40,11 @@ class AttentionBackend(ABC):
     # copy once :meth:`plan_graph_decode` has stored the metadata's plan.
     supports_cuda_graphs: bool = False
 
-    def __init__(self, rotary: RotaryEmbedding, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, rotary: RotaryEmbedding, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 chunk_scaling: ChunkScaling | None = None):
+        """``chunk_scaling``: APE's temperature and weight for keys of flagged blocks
+        (``kernels/block_table.py``; ``CacheConfig.chunk_attention_scaling``); ``None``: the flag
+        is ignored."""
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.rotary = rotary
@@ -47,6 +52,7 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.chunk_scaling = chunk_scaling if chunk_scaling is not None and not chunk_scaling.is_identity else None
 
     @abstractmethod
     def forward(

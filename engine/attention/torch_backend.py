@@ -12,6 +12,9 @@ global positions and runs a masked softmax in float32.
   ``(R_m q) . (R_(j+delta) k) = (R_(-delta) R_m q) . (R_j k)``. Used for decode rows and
   for short prefills (a question after long cached documents), where it is far cheaper.
 
+Chunk attention scaling (APE, ``chunk_scaling``): keys of flagged blocks get the logits
+``scale * q.k / temperature + ln(weight)`` (:meth:`~lazyattn_rag.kernels.launch.ChunkScaling.logits`).
+
 ``rotation`` (:data:`~lazyattn_rag.kernels.launch.Rotation`: ``"key"`` or ``"query"``; ``None``,
 the default, chooses per sequence as above) forces one form, for tests.
 
@@ -26,7 +29,7 @@ import torch
 
 from lazyattn_rag.engine.attention.base import AttentionBackend, write_kv
 from lazyattn_rag.engine.attention.metadata import AttentionMetadata
-from lazyattn_rag.kernels.block_table import unpack_block_table
+from lazyattn_rag.kernels.block_table import block_scaled, unpack_block_table
 from lazyattn_rag.kernels.launch import Rotation
 from lazyattn_rag.kernels.rope import apply_rotation
 
@@ -37,6 +40,7 @@ class _SeqGather:
     deltas: torch.Tensor  # [seq_len] int64 delta of each key's block
     runs: list[tuple[int, int, int]]  # (start, end, delta) of key runs sharing one delta
     any_delta: bool
+    flagged: torch.Tensor  # [seq_len] bool keys of blocks flagged for chunk attention scaling
     tables: dict = field(default_factory=dict)  # cos/sin per rotation, made once and reused by every layer
 
 
@@ -53,6 +57,7 @@ def _gather_plan(metadata: AttentionMetadata, device: torch.device) -> list[_Seq
         keep = offsets[None, :] < valid[:, None]  # [n, bs]
         slots = (block_ids[:, None] * bs + offsets[None, :])[keep]
         key_deltas = deltas[:, None].expand(n, bs)[keep]
+        flagged = block_scaled(metadata.block_tables[i, :n].cpu())[:, None].expand(n, bs)[keep]
         runs, start = [], 0
         for b in range(n):
             v, d = int(valid[b]), int(deltas[b])
@@ -61,7 +66,8 @@ def _gather_plan(metadata: AttentionMetadata, device: torch.device) -> list[_Seq
             else:
                 runs.append((start, start + v, d))
             start += v
-        plans.append(_SeqGather(slots.to(device), key_deltas.to(device), runs, bool((deltas != 0).any())))
+        plans.append(_SeqGather(slots.to(device), key_deltas.to(device), runs, bool((deltas != 0).any()),
+                                flagged.to(device)))
     metadata.backend_state["torch"] = plans
     return plans
 
@@ -89,7 +95,7 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 if plan.any_delta:
                     k = self._rotate(k.to(torch.float32), plan, "keys", plan.deltas)
-                o = self._attend(q, k.to(torch.float32), v, metadata.seq_lens_list[i])
+                o = self._attend(q, k.to(torch.float32), v, plan, metadata.seq_lens_list[i])
             out[starts[i] : starts[i + 1]] = o.to(out.dtype)
         return out
 
@@ -104,20 +110,25 @@ class TorchAttentionBackend(AttentionBackend):
         """[q_len, num_heads, d] -> [q_len, num_kv_heads, group, d] (GQA: query heads of one KV head)."""
         return q.view(q.shape[0], self.num_kv_heads, self.num_heads // self.num_kv_heads, q.shape[-1])
 
-    def _softmax_v(self, scores: torch.Tensor, v: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """Causal mask, softmax and V: scores [kv_heads, group, q_len, seq_len] -> [q_len, num_heads, d]."""
+    def _softmax_v(self, scores: torch.Tensor, v: torch.Tensor, plan: _SeqGather, seq_len: int) -> torch.Tensor:
+        """Causal mask, softmax (flagged keys scored by ``chunk_scaling``) and V:
+        scores [kv_heads, group, q_len, seq_len] -> [q_len, num_heads, d]."""
         q_len = scores.shape[2]
         if q_len > 1:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=scores.device)[:, None]
             k_pos = torch.arange(seq_len, device=scores.device)[None, :]
             scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        probs = torch.softmax(scores * self.scale, dim=-1)
+        if self.chunk_scaling is None:
+            probs = torch.softmax(scores * self.scale, dim=-1)
+        else:
+            probs = torch.softmax(self.chunk_scaling.logits(scores, plan.flagged, self.scale), dim=-1)
         out = torch.einsum("cgqn,ncd->qcgd", probs, v)  # [q_len, kv_heads, group, d]
         return out.reshape(q_len, self.num_heads, v.shape[-1])
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _SeqGather,
+                seq_len: int) -> torch.Tensor:
         scores = torch.einsum("qcgd,ncd->cgqn", self._grouped(q), k)  # [kv_heads, group, q_len, seq_len]
-        return self._softmax_v(scores, v, seq_len)
+        return self._softmax_v(scores, v, plan, seq_len)
 
     def _rotate_query(self, q_len: int, plan: _SeqGather) -> bool:
         if self.rotation is not None:
@@ -136,4 +147,4 @@ class TorchAttentionBackend(AttentionBackend):
             if delta != 0:  # once per chunk: R_(-delta) applied to every query row
                 q_run = self._rotate(q, plan, -delta, torch.tensor([-delta], device=q.device))
             scores[..., start:end] = torch.einsum("qcgd,ncd->cgqn", self._grouped(q_run), k[start:end])
-        return self._softmax_v(scores, v, seq_len)
+        return self._softmax_v(scores, v, plan, seq_len)

@@ -99,8 +99,9 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
 
-    def __init__(self, rotary, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
-        super().__init__(rotary, num_heads, num_kv_heads, head_dim, scale)
+    def __init__(self, rotary, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 chunk_scaling=None):
+        super().__init__(rotary, num_heads, num_kv_heads, head_dim, scale, chunk_scaling)
         from lazyattn_rag.kernels.launch import rope_layout
 
         rope_layout(head_dim, rotary.rotary_dim, rotary.interleaved)  # fail early on unsupported shapes
@@ -129,12 +130,13 @@ class TritonAttentionBackend(AttentionBackend):
                 q, key_cache, value_cache, metadata.block_tables, metadata.num_blocks_per_seq,
                 metadata.cu_seqlens_q, plan.max_decode_seq_len, inv_freq, self.scale,
                 interleaved=self.rotary.interleaved, runs=plan.runs, seq_ids=plan.decode_ids, out=out,
+                chunk_scaling=self.chunk_scaling,
             )
         if plan.prefill_ids is not None:
             paged_prefill(
                 q, key_cache, value_cache, metadata.block_tables, metadata.num_blocks_per_seq,
                 metadata.seq_lens, metadata.cu_seqlens_q, plan.max_prefill_query_len, inv_freq, self.scale,
                 interleaved=self.rotary.interleaved, key_starts=plan.key_starts, runs=plan.runs,
-                seq_ids=plan.prefill_ids, out=out,
+                seq_ids=plan.prefill_ids, out=out, chunk_scaling=self.chunk_scaling,
             )
         return out if out.dtype == query.dtype else out.to(query.dtype)

@@ -79,6 +79,19 @@ class CacheConfig:
             them, freed with it; the cached chunk is unchanged. ``r = 1`` is full attention.
             0 (default): plain reuse; ``mode="lazy"`` only, not together with
             ``recompute_chunk_head_tokens``.
+        chunk_attention_scaling: whether requests read their documents with chunk attention
+            scaling (APE, Yang, Chen and Chen, ICLR 2025, section 4) unless they say otherwise
+            (default False). An attention-level remedy: nothing is recomputed. When a request's
+            query and answer tokens attend, each document key ``j`` gets the softmax weight
+            ``chunk_attention_weight * exp(q.k_j / (sqrt(head_dim) * chunk_attention_temperature))``
+            and every other key (the prompt head, text, the request's own tokens) its plain
+            ``exp(q.k / sqrt(head_dim))``, normalised together: a temperature below 1 sharpens
+            the attention to documents that were encoded alone, the weight rescales their share.
+            Both kernels apply it per run of blocks (one multiply-add per score); the cached
+            chunks and their hit ratio are unchanged. ``mode="lazy"`` only, not together with
+            the recompute remedies.
+        chunk_attention_temperature: APE's temperature ``T`` (> 0, default 1).
+        chunk_attention_weight: APE's scaling factor ``S`` (> 0, default 1).
     """
 
     block_size: int = 16
@@ -97,6 +110,9 @@ class CacheConfig:
     tier_loads: str = "auto"
     recompute_chunk_head_tokens: int = 0
     recompute_selective_ratio: float = 0.0
+    chunk_attention_scaling: bool = False
+    chunk_attention_temperature: float = 1.0
+    chunk_attention_weight: float = 1.0
 
     @property
     def has_tiers(self) -> bool:
@@ -138,9 +154,56 @@ class CacheConfig:
             raise ValueError(f"recompute_chunk_head_tokens recomputes the heads of position-agnostic chunks: mode "
                              f"must be 'lazy', got {self.mode!r}")
         check_selective_ratio(self.recompute_selective_ratio, self.mode, self.recompute_chunk_head_tokens)
+        self._check_chunk_attention()
         if self.has_tiers and self.mode != "lazy":
             raise ValueError(f"storage tiers (host_memory_bytes, disk_dir, redis_url) serve position-agnostic "
                              f"chunks: mode must be 'lazy', got {self.mode!r}")
+
+
+    def _check_chunk_attention(self) -> None:
+        for name in ("chunk_attention_temperature", "chunk_attention_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not isinstance(self.chunk_attention_scaling, bool):
+            raise ValueError(f"chunk_attention_scaling must be True or False, got {self.chunk_attention_scaling!r}")
+        if self.chunk_attention_scaling:
+            check_chunk_attention_scaling(self, self.recompute_chunk_head_tokens, self.recompute_selective_ratio)
+
+
+@dataclass(frozen=True)
+class RequestRemedies:
+    """One request's answer-fidelity remedies, as its caller asked (``None``: ``CacheConfig``'s).
+
+    A request asking for one remedy (``k > 0``, ``r > 0`` or ``True``) turns the others it leaves
+    unset off (:meth:`~lazyattn_rag.engine.planner.PromptPlanner.plan`).
+
+    Attributes:
+        recompute_chunk_head_tokens: chunk-head recompute's ``k`` (EPIC).
+        recompute_selective_ratio: selective recompute's ``r`` (CacheBlend).
+        chunk_attention_scaling: chunk attention scaling (APE) on or off.
+    """
+
+    recompute_chunk_head_tokens: int | None = None
+    recompute_selective_ratio: float | None = None
+    chunk_attention_scaling: bool | None = None
+
+    def asks_any(self) -> bool:
+        return bool(self.recompute_chunk_head_tokens or self.recompute_selective_ratio or self.chunk_attention_scaling)
+
+
+def check_chunk_attention_scaling(cache: CacheConfig, head_tokens: int, selective_ratio: float) -> None:
+    """Raises ``ValueError`` unless chunk attention scaling can serve a request with these
+    remedies: ``mode="lazy"``, a temperature or weight other than 1, and no recompute remedy."""
+    if cache.mode != "lazy":
+        raise ValueError(f"chunk_attention_scaling scales attention to position-agnostic chunks: mode must be "
+                         f"'lazy', got {cache.mode!r}")
+    if cache.chunk_attention_temperature == 1 and cache.chunk_attention_weight == 1:
+        raise ValueError("chunk_attention_scaling with chunk_attention_temperature = chunk_attention_weight = 1 "
+                         "changes nothing: set CacheConfig.chunk_attention_temperature or chunk_attention_weight")
+    if head_tokens or selective_ratio:
+        raise ValueError("chunk_attention_scaling cannot be combined with recompute_chunk_head_tokens or "
+                         "recompute_selective_ratio: choose one remedy")
 
 
 def check_selective_ratio(ratio: float, mode: str, head_tokens: int) -> None:
