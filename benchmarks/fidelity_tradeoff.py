@@ -5,7 +5,8 @@ serving benchmark (``benchmarks/serving.py sweep`` JSON), in one plot and one ta
 Quality modes map to serving modes: ``reuse-bos`` (or ``reuse``) -> ``lazy``, ``*-k<k>`` ->
 ``lazy+head<k>``, ``*-sel<r>`` -> ``lazy+sel<r>``. Several quality files may be given: a mode is
 taken from the first that has its KL (e.g. a GPU run, then a CPU sample for the modes it lacks);
-the table gives each point's source file and number of questions.
+the table gives each point's source file and number of questions. Several serving files may be
+given likewise (a mode's TTFT from the first that has it).
 
     python benchmarks/fidelity_tradeoff.py --quality benchmarks/results/quality_cuda_remedies.json \\
         --quality benchmarks/results/quality_cpu_head_recompute.json \\
@@ -88,7 +89,8 @@ def ttft_ms(path: Path) -> dict[str, float]:
 
 @app.command()
 def main(quality: list[Path] = typer.Option(..., help="quality.py JSON files, in order of preference"),
-         serving: Path = typer.Option(..., help="serving.py sweep JSON with the lazy+* modes"),
+         serving: list[Path] = typer.Option(..., help="serving.py sweep JSON files with the lazy+* modes, in "
+                                                     "order of preference"),
          out: Path = typer.Option(Path("docs/img/fidelity_vs_ttft.png"), help="the plot (PNG)")) -> None:
     """Print the table and write the plot of every remedy measured in both."""
     import matplotlib
@@ -96,15 +98,18 @@ def main(quality: list[Path] = typer.Option(..., help="quality.py JSON files, in
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points, ttft = fidelity_points(quality), ttft_ms(serving)
-    rows = [(mode, p, ttft[serving_mode(mode)]) for mode, p in points.items()
+    points, ttft = fidelity_points(quality), {}
+    for path in serving:  # the first file that has a mode gives its TTFT
+        for mode, ms in ttft_ms(path).items():
+            ttft.setdefault(mode, (ms, path.name))
+    rows = [(mode, p, ttft[serving_mode(mode)][0]) for mode, p in points.items()
             if serving_mode(mode) in ttft]
-    print("| mode | first-token KL (nats) | vs plain reuse, same file | questions | source | median TTFT (ms) |\n"
-          "|---|---:|---:|---:|---|---:|")
+    print("| mode | first-token KL (nats) | vs plain reuse, same file | questions | KL from | median TTFT (ms) | "
+          "TTFT from |\n|---|---:|---:|---:|---|---:|---|")
     for mode, p, t in rows:
         ratio = "–" if p["vs_reuse"] is None else f"{p['vs_reuse']:.2f}"
         print(f"| {mode} | {p['kl']:.3f} [{p['kl_ci95'][0]:.3f}, {p['kl_ci95'][1]:.3f}] | {ratio} | {p['n']} | "
-              f"{p['source']} | {t:.0f} |")
+              f"{p['source']} | {t:.0f} | {ttft[serving_mode(mode)][1]} |")
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     shown = [(m, p, t) for m, p, t in rows if p["vs_reuse"] is not None]
     for source, marker in zip(sorted({p["source"] for _, p, _ in shown}), "os^D"):
@@ -112,10 +117,11 @@ def main(quality: list[Path] = typer.Option(..., help="quality.py JSON files, in
         ax.plot([t for _, _, t in mine], [p["vs_reuse"] for _, p, _ in mine], marker, label=f"KL from {source}")
         for m, p, t in mine:
             ax.annotate(m, (t, p["vs_reuse"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.axhline(0.5, color="grey", linestyle=":", linewidth=1)
+    ax.axhline(0.5, color="grey", linestyle=":", linewidth=1)  # the rule's "halves the KL"
+    ax.axhline(1.0, color="grey", linestyle="-", linewidth=0.5)
     ax.set_xscale("log")
-    ax.set_ylim(0, 1.1)
-    ax.set_xlabel(f"median TTFT, ms ({serving.name})")
+    ax.set_yscale("log")
+    ax.set_xlabel("median TTFT, ms (serving sweep, 8B shape)")
     ax.set_ylabel("first-token KL / KL of plain reuse")
     ax.set_title("Reuse remedies: fidelity against TTFT")
     ax.legend(fontsize=8)

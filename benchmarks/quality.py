@@ -361,8 +361,10 @@ def parse_args(argv=None):
     p.add_argument("--max-answer-tokens", type=int, default=32, help="most tokens generated per answer")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"comma-separated subset of {', '.join(ENGINE_MODES)}, recompute (transformers reference), "
-                        "engine chunk-head recompute modes such as reuse-k16, reuse-bos-k4, and selective "
-                        "recompute modes (percent of each passage) such as reuse-sel15, reuse-bos-sel5")
+                        "engine chunk-head recompute modes such as reuse-k16, reuse-bos-k4, selective "
+                        "recompute modes (percent of each passage) such as reuse-sel15, reuse-bos-sel5, and chunk "
+                        "attention scaling modes (APE: temperature and weight in percent) such as "
+                        "reuse-bos-ape80, reuse-bos-ape100w80")
     p.add_argument("--recompute-tokens", default="0,16",
                    help="comma-separated k values of the recompute remedy; 0 is the reference's own control "
                         "(reuse through transformers: compare k > 0 with it, not with the engine's numerics)")

@@ -289,7 +289,7 @@ def _set_weight_packing(model: CausalLM, packed: bool) -> None:
         unpack_linears(model)
 
 
-def _make_backend(name: str, device: torch.device, model: CausalLM, cache: CacheConfig):
+def _make_backend(name: str, device: torch.device, model: CausalLM, cache: CacheConfig = CacheConfig()):
     """The attention backend (with the cache's chunk attention scaling); ``auto`` (triton on CUDA,
     torch elsewhere) falls back to ``torch`` for head layouts the kernels do not cover."""
     arch, auto = model.config, name == "auto"

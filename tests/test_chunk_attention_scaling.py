@@ -189,8 +189,10 @@ def ape_engine(make_llm, backend="torch", temperature=0.7, weight=1.5, on=True):
     """The shared remedy engine with chunk attention scaling (the triton backend on the GPU when
     there is one: compiled kernels, float32)."""
     device = DEVICE if backend == "triton" else "cpu"
+    wide = dict(model_config=dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)) \
+        if device == "cuda" else {}  # the compiled kernels' smallest rotary half is 16
     return remedy_engine(make_llm, backend, chunk_attention_scaling=on, chunk_attention_temperature=temperature,
-                         chunk_attention_weight=weight, device=device)
+                         chunk_attention_weight=weight, device=device, **wide)
 
 
 def reference_logprobs(hf, llm, temperature: float, weight: float, ids=("a", "b", "c")) -> torch.Tensor:

@@ -57,11 +57,13 @@ def test_points_come_from_the_first_file_that_has_them_and_the_plot_is_written(t
     serving = tmp_path / "sweep.json"
     serving.write_text(json.dumps({"summary": [{"mode": "lazy", "ttft_ms_median": 90.0},
                                                {"mode": "lazy+head16", "ttft_ms_median": 180.0}]}))
+    older = tmp_path / "older.json"  # a mode's TTFT comes from the first sweep that has it
+    older.write_text(json.dumps({"summary": [{"mode": "lazy", "ttft_ms_median": 70.0}]}))
     out = tmp_path / "plot.png"
     result = CliRunner().invoke(app, ["--quality", str(gpu), "--quality", str(cpu), "--serving", str(serving),
-                                      "--out", str(out)])
+                                      "--serving", str(older), "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert "| reuse-bos | 0.400 [0.200, 0.800] | 1.00 | 4 | gpu.json | 90 |" in result.output
-    assert "| reuse-bos-k16 | 0.200 [0.100, 0.400] | 0.67 | 2 | cpu.json | 180 |" in result.output
-    assert "reuse-bos-sel5" not in result.output  # not timed in this sweep
+    assert "| reuse-bos | 0.400 [0.200, 0.800] | 1.00 | 4 | gpu.json | 90 | sweep.json |" in result.output
+    assert "| reuse-bos-k16 | 0.200 [0.100, 0.400] | 0.67 | 2 | cpu.json | 180 | sweep.json |" in result.output
+    assert "reuse-bos-sel5" not in result.output  # not timed in either sweep
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
