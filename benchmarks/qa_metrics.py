@@ -152,22 +152,3 @@ def summarize_raw(values: Sequence[float], num_resamples: int = 2000, seed: int 
     low, high = bootstrap_ci(values, num_resamples, 0.95, seed)
     return {"mean": float(np.mean(values)), "ci95": [low, high], "n": len(values)}
 
-
-def kl_divergence(reference_logprobs: Sequence[float], logprobs: Sequence[float]) -> float:
-    """KL(P || Q) in nats of two distributions over one vocabulary, from their log-probabilities.
-
-    Args:
-        reference_logprobs: ``log P`` (e.g. full attention's first answer token), one per token id.
-        logprobs: ``log Q`` (the mode compared), same length.
-    Returns:
-        ``sum_i P_i (log P_i - log Q_i)`` (>= 0; 0 for equal distributions; inf when Q puts no
-        mass where P does).
-    Raises:
-        ValueError: the lengths differ.
-    """
-    p, q = np.asarray(reference_logprobs, dtype=np.float64), np.asarray(logprobs, dtype=np.float64)
-    if p.shape != q.shape:
-        raise ValueError(f"distributions over {p.shape} and {q.shape} tokens")
-    mass = np.exp(p)
-    keep = mass > 0
-    return float(max(0.0, np.sum(mass[keep] * (p[keep] - q[keep]))))

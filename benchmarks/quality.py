@@ -58,7 +58,6 @@ from benchmarks.qa_data import DATASET_FILES, QAExample, default_data_dir, load_
 from benchmarks.qa_metrics import (
     answer_contains_gold,
     exact_match,
-    kl_divergence,
     scored_answer,
     scored_answer_complete,
     same_answer,
@@ -66,6 +65,7 @@ from benchmarks.qa_metrics import (
     summarize_raw,
     token_f1,
 )
+from lazyattn_rag.fidelity import kl_divergence
 
 ENGINE_MODES = {"full": "none", "full-shuffled": "none", "reuse": "none", "reuse-head": "head", "reuse-bos": "bos"}
 # Chunk-head recompute in the engine (CacheConfig.recompute_chunk_head_tokens): "reuse-k16",

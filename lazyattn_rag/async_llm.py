@@ -10,7 +10,7 @@ from lazyattn_rag.llm import LazyAttention, recompute_kwargs
 from lazyattn_rag.types.config import RequestRemedies
 from lazyattn_rag.types.documents import Document
 from lazyattn_rag.types.messages import Message
-from lazyattn_rag.types.outputs import Completion, StreamDelta
+from lazyattn_rag.types.outputs import Completion, FidelityReport, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
 
 
@@ -126,6 +126,18 @@ class AsyncLazyAttention:
 
     async def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Completion:
         return await _collect(self.stream_prompt(prompt, sampling))
+
+    async def check_fidelity(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
+                             sampling: SamplingParams | None = None, namespace: str = "", *,
+                             recompute_chunk_head_tokens: int | None = None,
+                             recompute_selective_ratio: float | None = None,
+                             chunk_attention_scaling: bool | None = None) -> FidelityReport:
+        """Async version of :meth:`LazyAttention.check_fidelity` (its four requests run in a
+        worker thread; the event loop stays free)."""
+        return await asyncio.to_thread(self.llm.check_fidelity, question, list(doc_ids), list(documents), sampling,
+                                       namespace, **recompute_kwargs(recompute_chunk_head_tokens,
+                                                                     recompute_selective_ratio,
+                                                                     chunk_attention_scaling))
 
 
 async def _collect(deltas: AsyncIterator[StreamDelta]) -> Completion:

@@ -26,10 +26,11 @@ from lazyattn_rag.engine.engine import LLMEngine, StepResult
 from lazyattn_rag.engine.factory import build_engine, build_engine_from_model, describe
 from lazyattn_rag.engine.loop import EngineLoop
 from lazyattn_rag.engine.model import CausalLM
+from lazyattn_rag.fidelity import check_fidelity
 from lazyattn_rag.types.config import EngineConfig, RequestRemedies
 from lazyattn_rag.types.documents import Document
 from lazyattn_rag.types.messages import Message, as_message
-from lazyattn_rag.types.outputs import Completion, StreamDelta
+from lazyattn_rag.types.outputs import Completion, FidelityReport, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
 
 _SHARED: dict[EngineConfig, "LazyAttention"] = {}  # LazyAttention.shared(): one engine per configuration
@@ -298,6 +299,22 @@ class LazyAttention:
     def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Completion:
         """Complete a plain prompt (no chunk reuse); see :meth:`stream_prompt`."""
         return _collect(self.stream_prompt(prompt, sampling))
+
+    def check_fidelity(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
+                       sampling: SamplingParams | None = None, namespace: str = "", *,
+                       recompute_chunk_head_tokens: int | None = None,
+                       recompute_selective_ratio: float | None = None,
+                       chunk_attention_scaling: bool | None = None) -> FidelityReport:
+        """A diagnostic: ``question`` answered as served (chunk reuse, this request's remedy) and
+        as the same prompt computed whole (full attention), with the first answer token's KL
+        divergence and top-1 agreement and whether the answers are equal
+        (:class:`~lazyattn_rag.types.outputs.FidelityReport`; ``lazyattn_rag/fidelity.py``).
+        ``sampling`` defaults to greedy. Four requests run (two full prefills of the prompt);
+        arguments and errors as :meth:`generate`.
+        """
+        return check_fidelity(self, question, doc_ids, documents, sampling, namespace,
+                              **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio,
+                                                 chunk_attention_scaling))
 
     def plan(self, question: str, doc_ids: Iterable[str], namespace: str = ""):
         """The prompt plan a question over registered documents would run (for inspection)."""

@@ -1,14 +1,18 @@
 """The shared case of the reuse-remedy tests (chunk-head and selective recompute, issue 20):
-three documents, a question, and the checks both remedies must pass (the cached chunks' bytes
-never change, nothing private is left held, preempted requests answer as alone)."""
+three documents, a question, and the checks both recompute remedies must pass (the cached chunks'
+bytes never change, nothing private is left held, preempted requests answer as alone); and chunk
+attention scaling's engine and its transformers reference."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 
 import torch
 
+from benchmarks.qa_recompute import cache_argument
 from lazyattn_rag import AsyncLazyAttention, SamplingParams
+from tests.oracle import _cache_of, _encode_alone, _shift_keys
 from tests.tiny import words
 
 DOCS = {"a": words(23, start=3), "b": words(37, start=40), "c": words(9, start=90)}
@@ -73,3 +77,35 @@ def assert_preempted_requests_answer_as_alone(roomy, tight) -> None:
     assert [r.token_ids for r in asyncio.run(run_all())] == expected
     assert tight.stats()["num_preemptions"] > 0
     assert_nothing_held(tight)
+
+
+def ape_engine(make_llm, backend="torch", temperature=0.7, weight=1.5, on=True, device="cpu"):
+    """The shared remedy engine with chunk attention scaling (APE) on ``device`` (``"cuda"``: a
+    ``head_dim`` 32 model, the compiled kernels' smallest rotary half being 16)."""
+    wide = dict(model_config=dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)) \
+        if device == "cuda" else {}  # the compiled kernels' smallest rotary half is 16
+    return remedy_engine(make_llm, backend, chunk_attention_scaling=on, chunk_attention_temperature=temperature,
+                         chunk_attention_weight=weight, device=device, **wide)
+
+
+def scaled_reference_logprobs(hf, llm, temperature: float, weight: float, ids=("a", "b", "c")) -> torch.Tensor:
+    """transformers: the head and each document encoded alone, composed at their offsets, the
+    documents' keys divided by ``temperature``; the tail attends with ``ln(weight)`` added to
+    the documents' columns of its 4D mask."""
+    plan = llm.plan(QUESTION, list(ids))
+    per_layer, columns = [], []
+    for c in plan.chunks:
+        kv = _encode_alone(hf, [], list(c.token_ids))
+        doc = c.doc_id is not None
+        kv = [(_shift_keys(hf, k, c.global_start) / (temperature if doc else 1.0), v) for k, v in kv]
+        per_layer = kv if not per_layer else [(torch.cat((a, k), 2), torch.cat((b, v), 2))
+                                              for (a, b), (k, v) in zip(per_layer, kv)]
+        columns += [math.log(weight) if doc else 0.0] * len(c.token_ids)
+    tail, past = list(plan.query_token_ids), len(columns)
+    mask = torch.full((len(tail), past + len(tail)), -math.inf)
+    mask[:, :past] = torch.tensor(columns)
+    mask[:, past:] = torch.triu(torch.full((len(tail), len(tail)), -math.inf), diagonal=1)
+    with torch.no_grad():
+        logits = hf(input_ids=torch.tensor([tail]), position_ids=torch.arange(past, past + len(tail))[None],
+                    attention_mask=mask[None, None], use_cache=True, **{cache_argument(type(hf)): _cache_of(per_layer)}).logits
+    return torch.log_softmax(logits[0, -1].float(), dim=-1)

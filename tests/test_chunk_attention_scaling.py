@@ -20,7 +20,6 @@ import torch
 from kernel_tolerances import assert_close
 from paged_case import SeqSpec, make_case
 
-from benchmarks.qa_recompute import cache_argument
 from lazyattn_rag.kernels.block_table import (
     MAX_BLOCK_ID,
     BlockTableOverflowError,
@@ -34,9 +33,9 @@ from lazyattn_rag.kernels.prefill import paged_prefill
 from lazyattn_rag.kernels.reference import decode_reference, prefill_reference
 from lazyattn_rag import SamplingParams
 from lazyattn_rag.types.config import CacheConfig
-from tests.oracle import _cache_of, _encode_alone, _shift_keys
 from tests.observe import settle
-from tests.recompute_case import DOCS, FIRST, QUESTION, first_logprobs, remedy_engine
+from tests.recompute_case import (DOCS, FIRST, QUESTION, ape_engine, first_logprobs, remedy_engine,
+                                  scaled_reference_logprobs as reference_logprobs)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 APE = ChunkScaling(temperature=0.5, weight=2.0)
@@ -185,42 +184,9 @@ def test_scaling_values_are_checked():
 
 
 # --- the engine -------------------------------------------------------------------------------
-def ape_engine(make_llm, backend="torch", temperature=0.7, weight=1.5, on=True):
-    """The shared remedy engine with chunk attention scaling (the triton backend on the GPU when
-    there is one: compiled kernels, float32)."""
-    device = DEVICE if backend == "triton" else "cpu"
-    wide = dict(model_config=dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)) \
-        if device == "cuda" else {}  # the compiled kernels' smallest rotary half is 16
-    return remedy_engine(make_llm, backend, chunk_attention_scaling=on, chunk_attention_temperature=temperature,
-                         chunk_attention_weight=weight, device=device, **wide)
-
-
-def reference_logprobs(hf, llm, temperature: float, weight: float, ids=("a", "b", "c")) -> torch.Tensor:
-    """transformers: the head and each document encoded alone, composed at their offsets, the
-    documents' keys divided by ``temperature``; the tail attends with ``ln(weight)`` added to
-    the documents' columns of its 4D mask."""
-    plan = llm.plan(QUESTION, list(ids))
-    per_layer, columns = [], []
-    for c in plan.chunks:
-        kv = _encode_alone(hf, [], list(c.token_ids))
-        doc = c.doc_id is not None
-        kv = [(_shift_keys(hf, k, c.global_start) / (temperature if doc else 1.0), v) for k, v in kv]
-        per_layer = kv if not per_layer else [(torch.cat((a, k), 2), torch.cat((b, v), 2))
-                                              for (a, b), (k, v) in zip(per_layer, kv)]
-        columns += [math.log(weight) if doc else 0.0] * len(c.token_ids)
-    tail, past = list(plan.query_token_ids), len(columns)
-    mask = torch.full((len(tail), past + len(tail)), -math.inf)
-    mask[:, :past] = torch.tensor(columns)
-    mask[:, past:] = torch.triu(torch.full((len(tail), len(tail)), -math.inf), diagonal=1)
-    with torch.no_grad():
-        logits = hf(input_ids=torch.tensor([tail]), position_ids=torch.arange(past, past + len(tail))[None],
-                    attention_mask=mask[None, None], use_cache=True, **{cache_argument(type(hf)): _cache_of(per_layer)}).logits
-    return torch.log_softmax(logits[0, -1].float(), dim=-1)
-
-
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_engine_equals_the_composed_reference(make_llm, backend):
-    hf, llm = ape_engine(make_llm, backend)
+    hf, llm = ape_engine(make_llm, backend, device=DEVICE if backend == "triton" else "cpu")
     first_logprobs(llm)  # the documents encoded (misses), then served as hits
     ours = first_logprobs(llm)
     assert llm.generate(QUESTION, ["a", "b", "c"], sampling=FIRST).stats.docs_hit == ["a", "b", "c"]

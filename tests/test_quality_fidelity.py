@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.qa_metrics import kl_divergence
+from lazyattn_rag.fidelity import kl_divergence
 from benchmarks.quality import doc_ids_of, main, make_engine, parse_args
 from benchmarks.qa_data import load_qa, passage_text
 

@@ -156,3 +156,26 @@ class Completion:
     finish_reason: str
     stats: RequestStats
     logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class FidelityReport:
+    """One question served with chunk reuse against the same prompt under full attention
+    (``LazyAttention.check_fidelity``; the metrics of ``benchmarks/quality.py``, per request).
+
+    Attributes:
+        answer: the answer as served (documents from their cached chunks, the request's remedy).
+        full_answer: the answer of the same prompt tokens computed whole (no reuse).
+        first_token_kl: KL(full || reused) of the first answer token's distributions, in nats
+            (0 when they are equal).
+        first_token_top1_agrees: both put their highest probability on the same first token.
+        same_answer: the two answers' token ids are equal.
+        num_prompt_tokens: tokens of the prompt both sides ran.
+    """
+
+    answer: Completion
+    full_answer: Completion
+    first_token_kl: float
+    first_token_top1_agrees: bool
+    same_answer: bool
+    num_prompt_tokens: int
