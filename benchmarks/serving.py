@@ -39,7 +39,7 @@ import typer
 
 from benchmarks.serving_equivalence import check_equivalence
 from benchmarks.serving_results import cell_medians, command_line, environment, resumed, write, write_runs
-from benchmarks.serving_setup import MODES, Bench, make_engine, release
+from benchmarks.serving_setup import MODES, Bench, make_engine, mode_cache_settings, release
 from benchmarks.serving_timing import (micro_request, micro_times, ready_engine, three_hot, timed_run,
                                        top_device_kernels, warm_up)
 from benchmarks.serving_workload import Workload, random_text
@@ -51,6 +51,15 @@ app = typer.Typer(add_completion=False, help=__doc__)
 
 def _log(event: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {event}", flush=True)
+
+
+def check_modes(modes: list[str]) -> None:
+    """Refuse a bad ``--modes`` value before anything runs (``typer.BadParameter``, named)."""
+    for mode in modes:
+        try:
+            mode_cache_settings(mode)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--modes") from None
 
 
 @app.command()
@@ -78,6 +87,7 @@ def sweep(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat
     the context changes most (selective recompute, issue 20); mode ``lazy+ape<T>[w<W>]`` (e.g.
     ``lazy+ape80``) is ``lazy`` reading every document with chunk attention scaling at
     temperature ``T`` % and weight ``W`` % (APE, issue 20)."""
+    check_modes(modes)
     name = out or f"serving_sweep_{arch}_{device}"
     setting = {"arch": arch, "dtype": dtype, "num_docs": num_docs, "doc_tokens": doc_tokens,
                "docs_per_request": docs_per_request, "query_tokens": query_tokens, "output_tokens": output_tokens,

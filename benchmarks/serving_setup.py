@@ -21,10 +21,8 @@ MODES = ("lazy", "block_attention", "prefix", "full")
 TIERED_MODES = ("lazy+host",)  # lazy with a host-memory tier below the KV budget (issue 17)
 # "lazy+head<k>": lazy with the first k tokens of every document recomputed per request
 # (CacheConfig.recompute_chunk_head_tokens, issue 20), e.g. lazy+head16.
-HEAD_RECOMPUTE_PREFIX = "lazy+head"
 # "lazy+sel<r>": lazy with r % of every document's tokens recomputed per request (selective
 # recompute, CacheConfig.recompute_selective_ratio, issue 20), e.g. lazy+sel15.
-SELECTIVE_RECOMPUTE_PREFIX = "lazy+sel"
 # "lazy+ape<T>[w<W>]": lazy with every document read with chunk attention scaling at temperature
 # T % and weight W % (APE, CacheConfig.chunk_attention_scaling, issue 20), e.g. lazy+ape80.
 CHUNK_SCALING_MODE = re.compile(r"^lazy\+ape(\d+)(?:w(\d+))?$")
@@ -112,6 +110,30 @@ class Bench:
         return cls(model, word_tokenizer(model.config.vocab_size), tensors_sha256(model.state_dict()))
 
 
+def mode_cache_settings(mode: str) -> tuple[str, dict]:
+    """A benchmark mode's cache mode and its ``CacheConfig`` remedy fields (``host: True`` for
+    ``lazy+host``), checked here so that a sweep refuses a bad mode before its first run.
+
+    Raises:
+        ValueError: an unknown mode, or a remedy setting ``CacheConfig`` would refuse (``k`` < 1,
+            ``r`` outside 1-100 %, a temperature or weight of 0, or both 100 %).
+    """
+    if mode in MODES:
+        return mode, {}
+    if mode in TIERED_MODES:
+        return "lazy", {"host": True}
+    if (m := re.fullmatch(r"lazy\+head(\d+)", mode)) and int(m.group(1)) >= 1:
+        return "lazy", {"recompute_chunk_head_tokens": int(m.group(1))}
+    if (m := re.fullmatch(r"lazy\+sel(\d+)", mode)) and 1 <= int(m.group(1)) <= 100:
+        return "lazy", {"recompute_selective_ratio": int(m.group(1)) / 100}
+    if (m := CHUNK_SCALING_MODE.match(mode)) and int(m.group(1)) > 0 and int(m.group(2) or 100) > 0 \
+            and (int(m.group(1)), int(m.group(2) or 100)) != (100, 100):
+        return "lazy", {"chunk_attention_scaling": True, "chunk_attention_temperature": int(m.group(1)) / 100,
+                        "chunk_attention_weight": int(m.group(2) or 100) / 100}
+    raise ValueError(f"unknown serving mode {mode!r}: one of {', '.join(MODES + TIERED_MODES)}, lazy+head<k>, "
+                     "lazy+sel<r %>, lazy+ape<T %>[w<W %>]")
+
+
 def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_batched: int, max_seqs: int,
                 backend: str = "auto", cuda_graphs: bool = True, prefill_with_encodes: bool = True,
                 host_memory_bytes: int = 0, torch_compile: bool = False) -> LazyAttention:
@@ -121,21 +143,14 @@ def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_bat
     ``lazy`` recomputing ``r`` % of each document's tokens (selective recompute); ``"lazy+ape<T>"``:
     ``lazy`` reading documents with chunk attention scaling at temperature ``T`` %; ``torch_compile``:
     ``EngineConfig.torch_compile``)."""
-    host = host_memory_bytes if mode == "lazy+host" else 0
-    head = int(mode.removeprefix(HEAD_RECOMPUTE_PREFIX)) if mode.startswith(HEAD_RECOMPUTE_PREFIX) else 0
-    ratio = int(mode.removeprefix(SELECTIVE_RECOMPUTE_PREFIX)) / 100 if mode.startswith(SELECTIVE_RECOMPUTE_PREFIX) \
-        else 0.0
-    ape = CHUNK_SCALING_MODE.match(mode)
-    temperature, weight = (int(ape.group(1)) / 100, int(ape.group(2) or 100) / 100) if ape else (1.0, 1.0)
-    mode = "lazy" if mode == "lazy+host" or head or ratio or ape else mode
+    mode, remedy = mode_cache_settings(mode)
     config = EngineConfig(device=device, dtype=str(next(bench.model.parameters()).dtype).removeprefix("torch."),
                           attention_backend=backend, prompt=PROMPT, cuda_graphs=cuda_graphs,
                           torch_compile=torch_compile,
                           cache=CacheConfig(kv_cache_bytes=budget_bytes, mode=mode, eviction_policy="lfu",
                                             anchor="none",  # the papers' setting (block_attention has no anchor)
-                                            host_memory_bytes=host, recompute_chunk_head_tokens=head,
-                                            recompute_selective_ratio=ratio, chunk_attention_scaling=bool(ape),
-                                            chunk_attention_temperature=temperature, chunk_attention_weight=weight),
+                                            host_memory_bytes=host_memory_bytes if remedy.pop("host", False) else 0,
+                                            **remedy),
                           scheduler=SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs,
                                                     prefill_with_encodes=prefill_with_encodes))
     return LazyAttention.from_model(bench.model, bench.tokenizer, config, name="random",

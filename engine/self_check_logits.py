@@ -148,7 +148,8 @@ def _probe_texts(tokenizer, vocab_size: int) -> tuple[str, str, str]:
 def _probe_engine(engine, instruction: str):
     """A small engine over ``engine``'s model and backend: own KV blocks and chunk cache, anchor
     ``none`` (chunks at local position 0, so a chunk after the head has ``delta != 0``), no
-    CUDA graphs, a fixed probe prompt. Nothing of ``engine`` is touched."""
+    remedy (chunk-head or selective recompute, chunk attention scaling: the reference is plain
+    reuse), no CUDA graphs, a fixed probe prompt. Nothing of ``engine`` is touched."""
     from lazyattn_rag.engine.block_pool import BlockPool
     from lazyattn_rag.engine.chunk_cache import ChunkCache
     from lazyattn_rag.engine.engine import LLMEngine
@@ -157,7 +158,10 @@ def _probe_engine(engine, instruction: str):
     runner, bs = engine.runner, engine.block_size
     num_blocks = 2 * -(-512 // bs) + 4  # the probe's prompt and a position-aware copy of its chunk, with room
     config = replace(engine.config, cuda_graphs=False, scheduler=SchedulerConfig(),
-                     cache=replace(engine.config.cache, anchor="none", num_blocks=num_blocks, kv_cache_bytes=None),
+                     cache=replace(engine.config.cache, anchor="none", num_blocks=num_blocks, kv_cache_bytes=None,
+                                   # plain reuse, which the reference computes: no remedy of the user's
+                                   recompute_chunk_head_tokens=0, recompute_selective_ratio=0.0,
+                                   chunk_attention_scaling=False),
                      prompt=PromptConfig(system_prompt=None, instruction=instruction + "\n\n",
                                          document_separator="\n\n", question_prefix=""))
     probe_runner = ModelRunner(runner.model, runner.backend, num_blocks, bs, runner.device,

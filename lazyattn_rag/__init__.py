@@ -17,14 +17,14 @@ from lazyattn_rag.types.errors import (
     UnknownDocumentError,
 )
 from lazyattn_rag.types.messages import DocumentRef, Message
-from lazyattn_rag.types.outputs import Completion, RequestStats, StreamDelta
+from lazyattn_rag.types.outputs import Completion, FidelityReport, RequestStats, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
 
 __version__ = version("lazyattn-rag")  # pyproject.toml's, as installed
 
 __all__ = [
     "AsyncLazyAttention", "CacheCapacityError", "CacheConfig", "Completion", "Document", "DocumentRef", "DocumentTooLongError", "EmptyInputError",
-    "EngineConfig", "LazyAttention", "LazyAttentionError", "Message", "PromptConfig", "PromptTooLongError", "RequestStats",
+    "EngineConfig", "FidelityReport", "LazyAttention", "LazyAttentionError", "Message", "PromptConfig", "PromptTooLongError", "RequestStats",
     "SamplingParams", "SchedulerConfig", "StreamDelta", "UnknownDocumentError",
 ]
 

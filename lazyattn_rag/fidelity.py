@@ -52,24 +52,25 @@ def check_fidelity(llm: LazyAttention, question: str, doc_ids: Iterable[str] = (
     ``recompute_selective_ratio``, ``chunk_attention_scaling``, as ``LazyAttention.generate``)
     and computed whole, compared.
 
-    Four requests run one after the other: each side's first-token distribution
-    (``max_tokens=1``, the whole vocabulary) and its answer under ``sampling`` (default greedy,
-    the engine's ``max_tokens``; a seed makes a sampled comparison repeatable). The full side
+    Four requests run one after the other: the answer as served under ``sampling`` (default
+    greedy, the engine's ``max_tokens``; a seed makes a sampled comparison repeatable), which is
+    where bad input and a ``max_tokens`` the cache cannot hold are refused; its first-token
+    distribution (``max_tokens=1``, the whole vocabulary); then the same two computed whole. The full side
     is a plain prompt of the same token ids (``LazyAttention.plan(...).token_ids()``), so it is
     prefilled in full twice; nothing of it is cached as chunks.
 
     Raises:
-        what ``LazyAttention.generate`` raises, at the first request (inline ``documents`` are
-        registered by it, as there).
+        what ``LazyAttention.generate`` raises, at the first request, before anything else runs
+        (inline ``documents`` are registered by it, as there).
     """
     doc_ids, documents = list(doc_ids), list(documents)
     params = sampling or SamplingParams(max_tokens=llm.default_sampling.max_tokens)
-    reused_first = llm.generate(question, doc_ids, documents, FIRST_TOKEN, namespace, **remedies)
+    answer = llm.generate(question, doc_ids, documents, params, namespace, **remedies)  # checks all first
     inline = [doc_id for doc_id, _ in document_pairs(documents)]
+    reused_first = llm.generate(question, doc_ids + inline, (), FIRST_TOKEN, namespace, **remedies)
     prompt = llm.plan(question, doc_ids + inline, namespace).token_ids()
-    full_first = llm.complete(prompt, FIRST_TOKEN)
-    answer = llm.generate(question, doc_ids + inline, (), params, namespace, **remedies)
     full_answer = llm.complete(prompt, params)
+    full_first = llm.complete(prompt, FIRST_TOKEN)
     p = np.asarray(full_first.logprobs[0].values())
     q = np.asarray(reused_first.logprobs[0].values())
     return FidelityReport(answer=answer, full_answer=full_answer, first_token_kl=kl_divergence(p, q),

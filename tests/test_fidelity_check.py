@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lazyattn_rag import AsyncLazyAttention, SamplingParams
-from lazyattn_rag.types.errors import UnknownDocumentError
+from lazyattn_rag.types.errors import CacheCapacityError, UnknownDocumentError
 from tests.oracle import full_prefill_generate, plan_oracle
 from tests.recompute_case import DOCS, QUESTION, ape_engine, remedy_engine
 from tests.recompute_case import scaled_reference_logprobs as scaled_reference
@@ -41,7 +41,8 @@ def test_report_equals_transformers(make_llm):
     assert report.answer.token_ids == reused and report.full_answer.token_ids == full
     assert report.same_answer == (reused == full)
     assert report.num_prompt_tokens == len(llm.plan(QUESTION, ids).token_ids())
-    assert report.answer.stats.docs_hit == ids  # the reused side read the cached chunks
+    assert report.answer.stats.docs_missed == ids  # served as a first request: each document encoded alone
+    assert llm.check_fidelity(QUESTION, ids, sampling=GREEDY).answer.stats.docs_hit == ids  # then from the cache
 
 
 def test_the_kl_is_of_the_reused_distribution_from_full_attentions(make_llm):
@@ -75,6 +76,11 @@ def test_inline_documents_and_the_async_api(make_llm):
 
 
 def test_bad_input_is_refused_at_the_first_request(make_llm):
+    _, small = remedy_engine(make_llm, num_blocks=16)
+    before = small.stats()["num_requests_finished"]
+    with pytest.raises(CacheCapacityError):  # the answer's max_tokens cannot fit: refused before any request
+        small.check_fidelity(QUESTION, ["a", "b"], sampling=SamplingParams(max_tokens=400))
+    assert small.stats()["num_requests_finished"] == before
     _, llm = remedy_engine(make_llm)
     with pytest.raises(UnknownDocumentError, match="nope"):
         llm.check_fidelity(QUESTION, ["a", "nope"])

@@ -261,3 +261,15 @@ def test_a_verdict_that_cannot_be_saved_costs_only_the_cache(model_dir, tmp_path
     finally:
         llm.shutdown()
     assert "verdict cannot be saved" in caplog.text and "will run again" in caplog.text
+
+
+@pytest.mark.parametrize("remedy", [dict(chunk_attention_scaling=True, chunk_attention_temperature=0.5),
+                                    dict(recompute_chunk_head_tokens=4), dict(recompute_selective_ratio=0.3)],
+                         ids=["chunk-scaling", "head-recompute", "selective"])
+def test_a_remedy_in_the_config_does_not_fail_the_first_start(model_dir, tmp_path, remedy):
+    """The probe checks plain reuse against transformers' plain reuse, whatever remedy the
+    user's requests will use (the probe engine drops it; an adversarial review found the
+    first start of such an engine refused with a false SelfCheckError)."""
+    llm = LazyAttention(_config(model_dir, tmp_path, cache=CacheConfig(num_blocks=64, **remedy)))
+    assert [v.name for v in _verdicts(tmp_path)] and llm.engine.config.cache == CacheConfig(num_blocks=64, **remedy)
+    llm.shutdown()

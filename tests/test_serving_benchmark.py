@@ -110,6 +110,9 @@ def test_a_burst_over_shared_cold_documents_takes_one_prefill_step():
 
 @pytest.mark.parametrize("args, message", [
     (["--arch", "bogus", "--device", "cpu"], "unknown --arch 'bogus'"),
+    (["--arch", "tiny", "--device", "cpu", "--modes", "lazy", "--modes", "lazy+ape100"], "'lazy+ape100'"),
+    (["--arch", "tiny", "--device", "cpu", "--modes", "lazy+head0"], "'lazy+head0'"),
+    (["--arch", "tiny", "--device", "cpu", "--modes", "lazy+sel101"], "'lazy+sel101'"),
     (["--arch", "tiny", "--device", "cuda"], "no CUDA device here"),
 ])
 def test_bad_arch_or_missing_device_is_a_usage_error(results, args, message):
