@@ -32,6 +32,9 @@ POINTER_TYPES = {
 }
 
 
+FLOAT_ARGS = ("sm_scale_log2", "chunk_inv_temperature", "chunk_log2_weight")  # the kernels' float scalars
+
+
 def cuobjdump() -> str:
     found = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     return str(found) if found.exists() else (shutil.which("cuobjdump") or "cuobjdump")
@@ -48,7 +51,7 @@ def resources(fn, constexprs: dict, num_warps: int, num_stages: int) -> str:
         elif n.endswith("_ptr"):
             sig[n] = "*i32"
         else:
-            sig[n] = "fp32" if n == "sm_scale_log2" else "i32"
+            sig[n] = "fp32" if n in FLOAT_ARGS else "i32"
     divisible = [n for n in names if n.endswith("_ptr") or n.startswith("stride")]
     src = ASTSource(
         fn=fn, signature=sig,
@@ -67,7 +70,7 @@ def resources(fn, constexprs: dict, num_warps: int, num_stages: int) -> str:
 
 def rope(head_dim: int) -> dict:
     return dict(HEAD_DIM=head_dim, HALF=head_dim // 2, REST=0, PAIR_STRIDE=1, X2_OFF=head_dim // 2, BLOCK_SIZE=16,
-                ACCURATE_TRIG=True, DOT_PRECISION=None, DOT_UPCAST=False)
+                ACCURATE_TRIG=True, DOT_PRECISION=None, DOT_UPCAST=False, CHUNK_SCALING=False)
 
 
 def main() -> None:

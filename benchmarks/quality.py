@@ -65,6 +65,7 @@ from benchmarks.qa_metrics import (
     summarize_raw,
     token_f1,
 )
+from benchmarks.serving_setup import chunk_scaling_percent
 from lazyattn_rag.fidelity import kl_divergence
 
 ENGINE_MODES = {"full": "none", "full-shuffled": "none", "reuse": "none", "reuse-head": "head", "reuse-bos": "bos"}
@@ -99,10 +100,8 @@ def engine_setting(mode: str) -> EngineSetting | None:
         return EngineSetting(ENGINE_MODES[m.group(1)], recompute_tokens=int(m.group(2)))
     if (m := _SELECTIVE_RECOMPUTE.match(mode)) and 0 < int(m.group(2)) <= 100:
         return EngineSetting(ENGINE_MODES[m.group(1)], selective_ratio=int(m.group(2)) / 100)
-    if (m := _CHUNK_SCALING.match(mode)) and int(m.group(2)) > 0 and int(m.group(3) or 100) > 0 \
-            and (int(m.group(2)), int(m.group(3) or 100)) != (100, 100):
-        return EngineSetting(ENGINE_MODES[m.group(1)], temperature=int(m.group(2)) / 100,
-                             weight=int(m.group(3) or 100) / 100)
+    if (m := _CHUNK_SCALING.match(mode)) and (setting := chunk_scaling_percent(m.group(2), m.group(3))):
+        return EngineSetting(ENGINE_MODES[m.group(1)], temperature=setting[0], weight=setting[1])
     return None
 def engine_run_order(modes: list[str]) -> list[str]:
     """The engine modes of ``modes`` in the order they run: ``full`` first (the others' fidelity

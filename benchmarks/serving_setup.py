@@ -110,6 +110,14 @@ class Bench:
         return cls(model, word_tokenizer(model.config.vocab_size), tensors_sha256(model.state_dict()))
 
 
+def chunk_scaling_percent(temperature: str, weight: str | None) -> tuple[float, float] | None:
+    """``(T, W)`` of a mode's chunk attention scaling suffix ``ape<T %>[w<W %>]`` (``weight``
+    ``None``: 100 %), or ``None`` for a setting ``CacheConfig`` would refuse (a 0, or both 100 %).
+    The quality and serving benchmarks' modes share it."""
+    t, w = int(temperature), int(weight or 100)
+    return (t / 100, w / 100) if t > 0 and w > 0 and (t, w) != (100, 100) else None
+
+
 def mode_cache_settings(mode: str) -> tuple[str, dict]:
     """A benchmark mode's cache mode and its ``CacheConfig`` remedy fields (``host: True`` for
     ``lazy+host``), checked here so that a sweep refuses a bad mode before its first run.
@@ -126,10 +134,9 @@ def mode_cache_settings(mode: str) -> tuple[str, dict]:
         return "lazy", {"recompute_chunk_head_tokens": int(m.group(1))}
     if (m := re.fullmatch(r"lazy\+sel(\d+)", mode)) and 1 <= int(m.group(1)) <= 100:
         return "lazy", {"recompute_selective_ratio": int(m.group(1)) / 100}
-    if (m := CHUNK_SCALING_MODE.match(mode)) and int(m.group(1)) > 0 and int(m.group(2) or 100) > 0 \
-            and (int(m.group(1)), int(m.group(2) or 100)) != (100, 100):
-        return "lazy", {"chunk_attention_scaling": True, "chunk_attention_temperature": int(m.group(1)) / 100,
-                        "chunk_attention_weight": int(m.group(2) or 100) / 100}
+    if (m := CHUNK_SCALING_MODE.match(mode)) and (setting := chunk_scaling_percent(m.group(1), m.group(2))):
+        return "lazy", {"chunk_attention_scaling": True, "chunk_attention_temperature": setting[0],
+                        "chunk_attention_weight": setting[1]}
     raise ValueError(f"unknown serving mode {mode!r}: one of {', '.join(MODES + TIERED_MODES)}, lazy+head<k>, "
                      "lazy+sel<r %>, lazy+ape<T %>[w<W %>]")
 

@@ -106,7 +106,7 @@ def pack_entries(entries: list[tuple]) -> torch.Tensor:
     (e.g. :class:`~lazyattn_rag.engine.block_table.BlockEntry`) into ``[len(entries)]`` int64."""
     if not entries:
         return torch.zeros(0, dtype=torch.int64)
-    t = torch.tensor([tuple(e) for e in entries], dtype=torch.int64)
+    t = torch.tensor(entries, dtype=torch.int64)
     return pack_block_table(t[:, 0], t[:, 1], t[:, 2], t[:, 3] if t.shape[1] > 3 else None)
 
 

@@ -43,7 +43,7 @@ from lazyattn_rag.kernels.launch import (
     launch_prologue,
     rotation_code,
 )
-from lazyattn_rag.kernels.triton_helpers import cos_sin, mma
+from lazyattn_rag.kernels.triton_helpers import cos_sin, mma, run_score_scale
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_rsr"])  # step-varying widths: see prefill_kernel
@@ -138,9 +138,8 @@ def decode_kernel(
             score_scale = sm_scale_log2
             score_bias = 0.0
             if CHUNK_SCALING:  # one flag per run (block_runs splits at a change)
-                scaled = ((word0 >> 30) & 1) != 0
-                score_scale = tl.where(scaled, sm_scale_log2 * chunk_inv_temperature, sm_scale_log2)
-                score_bias = tl.where(scaled, chunk_log2_weight, 0.0)
+                score_scale, score_bias = run_score_scale(word0, sm_scale_log2, chunk_inv_temperature,
+                                                          chunk_log2_weight)
             if ROTATION == 1:  # "query" (launch.ROTATION_CODES)
                 delta = word0 >> 38  # one delta per run (arithmetic shift)
                 if delta != cur_delta:  # a new chunk: rotate the ORIGINAL query (re-read) by -delta

@@ -55,7 +55,7 @@ from lazyattn_rag.kernels.launch import (
     launch_prologue,
     rotation_code,
 )
-from lazyattn_rag.kernels.triton_helpers import cos_sin, mma
+from lazyattn_rag.kernels.triton_helpers import cos_sin, mma, run_score_scale
 
 
 @triton.jit
@@ -247,9 +247,8 @@ def prefill_kernel(
             score_scale = sm_scale_log2
             score_bias = 0.0
             if CHUNK_SCALING:  # one flag for the whole run too (block_runs splits at a change)
-                scaled = ((word0 >> 30) & 1) != 0
-                score_scale = tl.where(scaled, sm_scale_log2 * chunk_inv_temperature, sm_scale_log2)
-                score_bias = tl.where(scaled, chunk_log2_weight, 0.0)
+                score_scale, score_bias = run_score_scale(word0, sm_scale_log2, chunk_inv_temperature,
+                                                          chunk_log2_weight)
             # The query is (re)loaded per run (a few KB from L2) rather than kept in registers
             # across the walk, which leaves the registers to the K/V pipeline.
             qa1 = tl.load(q1_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF]

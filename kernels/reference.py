@@ -30,12 +30,6 @@ def gather_keys(
     return torch.cat(rows), torch.tensor(row_deltas, dtype=torch.int64)
 
 
-def scale_scores(scores: torch.Tensor, flagged: torch.Tensor, scale: float,
-                 chunk_scaling: ChunkScaling | None) -> torch.Tensor:
-    """Softmax logits from raw dot products (``ChunkScaling.logits``; ``scores * scale`` without it)."""
-    return scores * scale if chunk_scaling is None else chunk_scaling.logits(scores, flagged, scale)
-
-
 def rotate(x: torch.Tensor, deltas: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """``R_delta x`` in float32: ``x`` ``[n, heads, head_dim]``, ``deltas`` ``[n]``."""
     angles = deltas.to(torch.float32)[:, None] * inv_freq.float().cpu()[None, :]  # [n, rotary_dim/2]
@@ -62,18 +56,18 @@ def prefill_reference(
     out = torch.zeros(num_tokens, num_heads, head_dim)
     cu = cu_seqlens_q.tolist()
     for s in range(len(cu) - 1):
-        words = block_tables[s, : int(num_blocks_per_seq[s])]
+        words = block_tables[s, : int(num_blocks_per_seq[s])].cpu()
         k, deltas = gather_keys(key_cache, words)
         v, _ = gather_keys(value_cache, words)
-        _, _, valid = unpack_block_table(words.cpu())
-        flagged = block_scaled(words.cpu()).repeat_interleave(valid)  # [seq_len]
+        _, _, valid = unpack_block_table(words)
+        flagged = block_scaled(words).repeat_interleave(valid)  # [seq_len]
         q = query[cu[s] : cu[s + 1]].float().cpu()  # [q_len, H, D]
         q_len, seq_len = q.shape[0], k.shape[0]
         if seq_len == 0 or q_len == 0:
             continue
         k = rotate(k, deltas, inv_freq, interleaved).repeat_interleave(group, dim=1)  # [seq_len, H, D]
         v = v.float().cpu().repeat_interleave(group, dim=1)
-        scores = scale_scores(torch.einsum("qhd,khd->hqk", q, k), flagged, scale, chunk_scaling)
+        scores = (chunk_scaling or ChunkScaling()).logits(torch.einsum("qhd,khd->hqk", q, k), flagged, scale)
         allowed = torch.arange(seq_len)[None, :] <= (seq_len - q_len + torch.arange(q_len))[:, None]
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         out[cu[s] : cu[s + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
@@ -105,14 +99,16 @@ def decode_reference(
         n = int(num_blocks_per_seq[s])
         if n == 0:
             continue
-        block_ids, deltas, valid = unpack_block_table(block_tables[s, :n].cpu())
-        flagged = block_scaled(block_tables[s, :n].cpu()).repeat_interleave(valid)  # [seq_len]
+        words = block_tables[s, :n].cpu()
+        block_ids, deltas, valid = unpack_block_table(words)
+        flagged = block_scaled(words).repeat_interleave(valid)  # [seq_len]
         scores, values = [], []
         for b, d, v in zip(block_ids.tolist(), deltas.tolist(), valid.tolist()):
             q_b = rotate(q[None], torch.tensor([-d]), inv_freq, interleaved)[0]  # [H, D]
             k = key_cache[b, :v].float().cpu().repeat_interleave(group, dim=1)  # [v, H, D]
             scores.append(torch.einsum("hd,khd->hk", q_b, k))
             values.append(value_cache[b, :v].float().cpu().repeat_interleave(group, dim=1))
-        probs = torch.softmax(scale_scores(torch.cat(scores, dim=1), flagged, scale, chunk_scaling), dim=1)  # [H, seq_len]
+        logits = (chunk_scaling or ChunkScaling()).logits(torch.cat(scores, dim=1), flagged, scale)
+        probs = torch.softmax(logits, dim=1)  # [H, seq_len]
         out[row] = torch.einsum("hk,khd->hd", probs, torch.cat(values))
     return out

@@ -17,6 +17,16 @@ def cos_sin(angle, ACCURATE_TRIG: tl.constexpr):
 
 
 @triton.jit
+def run_score_scale(word, sm_scale_log2, chunk_inv_temperature, chunk_log2_weight):
+    """``(scale, bias)`` of a run's log2-domain scores (``dot * scale + bias``), from the run's
+    first block-table word: chunk attention scaling's (APE, ``launch.ChunkScaling``) when its
+    ``scaled`` flag (bit 30) is set, else ``(sm_scale_log2, 0)``."""
+    scaled = ((word >> 30) & 1) != 0
+    return (tl.where(scaled, sm_scale_log2 * chunk_inv_temperature, sm_scale_log2),
+            tl.where(scaled, chunk_log2_weight, 0.0))
+
+
+@triton.jit
 def mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """``acc + a @ b``; ``UPCAST`` computes in float32 (the interpreter's half-type dot is wrong)."""
     if UPCAST:

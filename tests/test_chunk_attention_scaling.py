@@ -20,6 +20,7 @@ import torch
 from kernel_tolerances import assert_close
 from paged_case import SeqSpec, make_case
 
+from lazyattn_rag import SamplingParams
 from lazyattn_rag.kernels.block_table import (
     MAX_BLOCK_ID,
     BlockTableOverflowError,
@@ -31,11 +32,10 @@ from lazyattn_rag.kernels.decode import paged_decode
 from lazyattn_rag.kernels.launch import ChunkScaling, block_runs
 from lazyattn_rag.kernels.prefill import paged_prefill
 from lazyattn_rag.kernels.reference import decode_reference, prefill_reference
-from lazyattn_rag import SamplingParams
-from lazyattn_rag.types.config import CacheConfig
+from lazyattn_rag.types.config import CacheConfig, RequestRemedies
 from tests.observe import settle
-from tests.recompute_case import (DOCS, FIRST, QUESTION, ape_engine, first_logprobs, remedy_engine,
-                                  scaled_reference_logprobs as reference_logprobs)
+from tests.recompute_case import (FIRST, QUESTION, ape_engine, assert_chunks_unchanged_and_nothing_held,
+                                  first_logprobs, remedy_engine, scaled_reference_logprobs as reference_logprobs)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 APE = ChunkScaling(temperature=0.5, weight=2.0)
@@ -230,7 +230,7 @@ def test_request_without_scaling_is_plain_reuse_bit_for_bit(make_llm):
 
 def test_one_remedy_per_request(make_llm):
     _, llm = ape_engine(make_llm)
-    assert not llm.engine.planner.plan(QUESTION, ["a"], remedies=_asks(recompute_chunk_head_tokens=4)).chunk_scaling
+    assert not llm.engine.planner.plan(QUESTION, ["a"], remedies=RequestRemedies(recompute_chunk_head_tokens=4)).chunk_scaling
     with pytest.raises(ValueError, match="choose one remedy"):
         llm.generate(QUESTION, ["a"], sampling=FIRST, chunk_attention_scaling=True, recompute_chunk_head_tokens=4)
     with pytest.raises(ValueError, match="True, False or None"):
@@ -241,15 +241,6 @@ def test_one_remedy_per_request(make_llm):
     assert len(plain.generate(QUESTION, ["a"], sampling=FIRST).token_ids) == 1  # the engine still serves
 
 
-def _asks(**kw):
-    from lazyattn_rag.types.config import RequestRemedies
-
-    return RequestRemedies(**kw)
-
-
 def test_chunks_unchanged_and_nothing_held(make_llm):
-    from tests.recompute_case import assert_chunks_unchanged_and_nothing_held
-
     _, llm = ape_engine(make_llm)
     assert_chunks_unchanged_and_nothing_held(llm)
-    assert set(DOCS) == {"a", "b", "c"}

@@ -52,12 +52,13 @@ def _gather_plan(metadata: AttentionMetadata, device: torch.device) -> list[_Seq
     bs = metadata.block_size
     for i in range(metadata.num_seqs):
         n = int(metadata.num_blocks_per_seq[i])
-        block_ids, deltas, valid = unpack_block_table(metadata.block_tables[i, :n].cpu())
+        words = metadata.block_tables[i, :n].cpu()
+        block_ids, deltas, valid = unpack_block_table(words)
         offsets = torch.arange(bs, dtype=torch.int64)
         keep = offsets[None, :] < valid[:, None]  # [n, bs]
         slots = (block_ids[:, None] * bs + offsets[None, :])[keep]
         key_deltas = deltas[:, None].expand(n, bs)[keep]
-        flagged = block_scaled(metadata.block_tables[i, :n].cpu())[:, None].expand(n, bs)[keep]
+        flagged = block_scaled(words)[:, None].expand(n, bs)[keep]
         runs, start = [], 0
         for b in range(n):
             v, d = int(valid[b]), int(deltas[b])
