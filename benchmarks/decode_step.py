@@ -14,6 +14,8 @@ Side by side in one run, on random weights of a real shape:
   FLOPs: 2 x tokens x the layers' linear weights + 2 x the lm_head (one row) + causal attention
   (2 products x 2 x heads x head_dim x L(L+1)/2 per layer); limit = matrix FLOPs / measured
   matrix FLOP/s + attention FLOPs / cuDNN's FLOP/s;
+* **profiles** (``--profile``): device ms by part (matrix products, attention, other kernels) of
+  batch-1 decode steps at ``--profile-context`` and of one full prefill, each mode;
 * **engine decode** (``--engine``): one request of ``L`` prompt tokens through the whole
   engine (scheduling, sampling, detokenizing), median decode step over 64 output tokens.
 
@@ -155,13 +157,17 @@ def bench_decode(model, device, batch: int, context: int, compiled: bool, repeat
     return row
 
 
-def bench_prefill(model, device, tokens: int, compiled: bool, repeats: int) -> dict:
-    runner = runner_for(model, device, tokens, compiled)
+def prefill_seq(model, tokens: int) -> SequenceInput:
+    """One sequence of ``tokens`` random ids computed whole, in blocks ``0 .. tokens / 16``."""
     nb = -(-tokens // BLOCK)
     entries = [(j, 0, min(BLOCK, tokens - j * BLOCK)) for j in range(nb)]
     ids = np.random.default_rng(0).integers(10, min(30000, model.config.vocab_size), tokens).tolist()
-    seq = SequenceInput(ids, list(range(tokens)),
-                        pack_entries(entries), tokens, list(range(tokens)))
+    return SequenceInput(ids, list(range(tokens)), pack_entries(entries), tokens, list(range(tokens)))
+
+
+def bench_prefill(model, device, tokens: int, compiled: bool, repeats: int) -> dict:
+    runner = runner_for(model, device, tokens, compiled)
+    seq = prefill_seq(model, tokens)
     t0 = time.perf_counter()
     runner.execute([seq])  # compiles (compiled mode)
     sync(device)
@@ -188,7 +194,38 @@ def profile_decode(model, device, batch: int, context: int, compiled: bool) -> d
     top, _ = top_device_kernels(prof, 12)
     busy_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3  # kernels only: an op's self time repeats its kernels'
     return {"batch": batch, "context": context, "kernels_per_step": len(kernels) / 3,
-            "device_busy_ms_per_step": busy_ms / 3, "top": top}
+            "device_busy_ms_per_step": busy_ms / 3, "ms_per_step_by_part": kernel_parts(kernels, 3), "top": top}
+
+
+def kernel_parts(kernels, num_calls: int) -> dict:
+    """Device ms per call of each part: ``matrix`` (cuBLAS / CUTLASS products), ``attention``
+    (the paged kernels and their split reduction), ``other`` (everything else: the elementwise,
+    norm and copy kernels), by kernel name."""
+    parts = {"matrix": 0.0, "attention": 0.0, "other": 0.0}
+    for e in kernels:
+        name = e.name.lower()
+        part = ("attention" if name.startswith(("prefill_kernel", "decode_kernel", "decode_reduce_kernel")) else
+                "matrix" if any(k in name for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas")) else "other")
+        parts[part] += e.time_range.elapsed_us() / 1e3 / num_calls
+    return parts
+
+
+def profile_prefill(model, device, tokens: int, compiled: bool) -> dict:
+    """Kernels of one full prefill of ``tokens`` tokens (after a warm-up call): device ms by part."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = runner_for(model, device, tokens, compiled)
+    seq = prefill_seq(model, tokens)
+    runner.execute([seq])
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        runner.execute([seq])
+        sync(device)
+    runner.close()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    top, _ = top_device_kernels(prof, 12)
+    return {"tokens": tokens, "num_kernels": len(kernels), "ms_by_part": kernel_parts(kernels, 1),
+            "device_busy_ms": sum(e.time_range.elapsed_us() for e in kernels) / 1e3, "top": top}
 
 
 def bench_engine(bench: Bench, device: str, context: int, compiled: bool) -> dict:
@@ -278,6 +315,10 @@ def main(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat1
     if profile:
         results["profile"] = {mode: profile_decode(model, dev, 1, profile_context, compiled)
                               for mode, compiled in MODES.items()}
+        results["prefill_profile"] = {mode: profile_prefill(model, dev, prefill_tokens, compiled)
+                                      for mode, compiled in MODES.items()}
+        print({"decode": {m: p["ms_per_step_by_part"] for m, p in results["profile"].items()},
+               "prefill": {m: p["ms_by_part"] for m, p in results["prefill_profile"].items()}}, flush=True)
     if engine:
         results["engine"] = [{"mode": mode, **bench_engine(bench, device, prefill_tokens, compiled)}
                              for mode, compiled in MODES.items()]

@@ -184,6 +184,32 @@ def sdpa_runner(backend_name: str, q, k, v, **kw):
         return expanded, "K/V expanded to query heads (reads group x more bytes)"
 
 
+def launch_options(ours, variants: dict, work: float, unit: str, per: float = 1e6, repeats: int = 3) -> dict:
+    """The default launch against each variant (``ours(**variant)``), interleaved ``repeats``
+    times so that drift hits all alike: median ms, ``work / ms / per`` in ``unit``, speedup over
+    the default, and each variant's largest difference from the default's output (the same kernel
+    maths, so it must stay at rounding level); a variant that does not compile records its error."""
+    runs = {"default": ours()}
+    outputs = {"default": runs["default"]().float().clone()}
+    res = {}
+    for name, kw in variants.items():
+        try:
+            runs[name] = ours(**kw)
+            outputs[name] = runs[name]().float().clone()
+        except Exception as e:  # noqa: BLE001 - an option this Triton cannot compile here
+            res[name] = {"error": repr(e)[:300]}
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            times[name].append(bench_ms(fn, rep=100))
+    base = sorted(times["default"])[repeats // 2]
+    for name, ms_list in times.items():
+        ms = sorted(ms_list)[repeats // 2]
+        res[name] = {"ms": ms_list, "median_ms": ms, unit: work / ms / per, "speedup_vs_default": base / ms,
+                     "max_abs_diff_vs_default": (outputs[name] - outputs["default"]).abs().max().item()}
+    return res
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm())
@@ -216,12 +242,12 @@ def bench_decode(name: str, cfg: dict, copy_gbps: float, device, batch=32, conte
     runs = block_runs(P["block_tables"], P["num_blocks"], BLOCK_SIZE)  # once per batch, as the backend does
     scaled_tables, scaled_runs = flag_chunk_blocks(P)
 
-    def ours(splits=None, block_n=None, rotation="query", warps=None, stages=None, scaled=False):
+    def ours(splits=None, block_n=None, rotation="query", warps=None, stages=None, scaled=False, **options):
         tables, run_list = (scaled_tables, scaled_runs) if scaled else (P["block_tables"], runs)
         return lambda: paged_decode(q, P["k_cache"], P["v_cache"], tables, P["num_blocks"], cu, max_len,
                                     inv_freq, scale, runs=run_list, out=out, num_splits=splits, rotation=rotation,
                                     block_n=block_n, num_warps=warps, num_stages=stages,
-                                    chunk_scaling=CHUNK_SCALING if scaled else None)
+                                    chunk_scaling=CHUNK_SCALING if scaled else None, **options)
 
     # sanity: rotation compiled out == SDPA on the stored (local-position) keys
     qd = q[:, :, None, :]  # [B, H, 1, D]
@@ -229,6 +255,10 @@ def bench_decode(name: str, cfg: dict, copy_gbps: float, device, batch=32, conte
         qd.float(), P["k_dense"].float().repeat_interleave(Hq // Hkv, 1), P["v_dense"].float().repeat_interleave(Hq // Hkv, 1))
     ours(rotation="none")()
     res["check_rel_err_vs_sdpa_fp32"] = rel_err(out, ref[:, :, 0])
+    variants = {"flatten_runs": dict(flatten_runs=True)}
+    if batch == 1:  # the v3 sweep's best tile (128 keys) with and without the flattened loop
+        variants.update({"block_n=128": dict(block_n=128), "block_n=128,flatten_runs": dict(block_n=128, flatten_runs=True)})
+    res["launch_options"] = launch_options(ours, variants, kv_bytes, "GBps")
 
     if QUICK:  # defaults only (the sweeps of earlier runs are in results/kernels_h200_v*.json)
         return finish_decode(res, lambda rotation, scaled=False: ours(rotation=rotation, scaled=scaled), "default",
@@ -298,12 +328,12 @@ def bench_prefill(name: str, cfg: dict, device, new_tokens=16384, cached_chunks=
     res = {"shape": f"{new_tokens} new tokens after {ctx} cached ({cached_chunks} chunks), {Hq}/{Hkv} heads, d{D}, bf16",
            "flops": flops}
 
-    def ours(rotation="query", bm=None, bn=None, warps=None, stages=None, scaled=False):
+    def ours(rotation="query", bm=None, bn=None, warps=None, stages=None, scaled=False, **options):
         tables, run_list = (scaled_tables, scaled_runs) if scaled else (P["block_tables"], runs)
         return lambda: paged_prefill(q, P["k_cache"], P["v_cache"], tables, P["num_blocks"], P["seq_lens"],
                                      cu, new_tokens, inv_freq, scale, key_starts=ks, runs=run_list, out=out,
                                      rotation=rotation, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
-                                     chunk_scaling=CHUNK_SCALING if scaled else None)
+                                     chunk_scaling=CHUNK_SCALING if scaled else None, **options)
 
     qd = q.transpose(0, 1)[None]  # [1, H, L, D]
     mask_kw = {"is_causal": True} if ctx == 0 else None
@@ -322,6 +352,11 @@ def bench_prefill(name: str, cfg: dict, device, new_tokens=16384, cached_chunks=
     out_key = ours("key")().clone()
     ours("query")()
     res["check_rel_err_query_vs_key_rotation"] = rel_err(out, out_key)  # two independent rotation paths
+    res["launch_options"] = launch_options(
+        ours, {"stages=2": dict(stages=2), "stages=3": dict(stages=3),
+                                  "warp_specialize": dict(warp_specialize=True),
+                                  "warp_specialize,stages=2": dict(warp_specialize=True, stages=2)},
+        flops, "TFLOPs", per=1e9)
     if QUICK:
         return finish_prefill(res, lambda rotation, scaled=False: ours(rotation, scaled=scaled), "default", flops, qd,
                               P, mask_kw)
@@ -435,6 +470,12 @@ def summary(results: dict) -> None:
                 cells.append(f"{s[unit]:.0f} ({s['ours_speedup']:.2f}x)" if unit in s else "n/a")
             cells.append(f"{r.get('rotation_overhead_pct', math.nan):+.2f}%")
             print(f"| {name} | {key} | " + " | ".join(cells) + " |")
+    for name in MODELS:
+        for key, r in results.get(name, {}).items():
+            for option, o in r.get("launch_options", {}).items():
+                print(f"{name} {key} {option}: " + (o["error"] if "error" in o else
+                      f"{o['median_ms']:.4f} ms, {o['speedup_vs_default']:.3f}x default, "
+                      f"max |diff| {o['max_abs_diff_vs_default']:.2e}"))
 
 
 if __name__ == "__main__":

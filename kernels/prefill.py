@@ -186,6 +186,7 @@ def prefill_kernel(
     TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
     ROTATION: tl.constexpr,  # 0 none (benchmark only), 1 query by -delta per run, 2 each K tile by delta
     CHUNK_SCALING: tl.constexpr,  # runs of flagged blocks use ChunkScaling (False: the flag is ignored)
+    WARP_SPECIALIZE: tl.constexpr,  # ask Triton to warp-specialize the unmasked tile loop (loads / MMA / softmax)
     ACCURATE_TRIG: tl.constexpr,  # libdevice cos/sin (GPU); tl.cos/tl.sin under the interpreter
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, None (default) for half types
     DOT_UPCAST: tl.constexpr,  # interpreter only: dots in float32
@@ -266,7 +267,7 @@ def prefill_kernel(
                 cos, sin = cos_sin(delta.to(tl.float32) * inv_freq, ACCURATE_TRIG)
             # whole tiles that every row sees entirely (the run's last block may be partial: excluded)
             n_full = tl.maximum(tl.minimum(b1 - 1, n_safe) - b0, 0) // TILE_BLOCKS
-            for t in range(0, n_full):
+            for t in tl.range(0, n_full, warp_specialize=WARP_SPECIALIZE):
                 acc, m_i, l_i = prefill_tile(
                     acc, m_i, l_i, qa1, qa2, q3, cos, sin, b0 + t * TILE_BLOCKS, b_end,
                     bt_row, ks_row, k_cache_ptr, v_cache_ptr,
@@ -290,7 +291,23 @@ def prefill_kernel(
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _default_config(head_dim: int, block_size: int, interpreter: bool, element_size: int) -> dict:
+def max_shared_memory_bytes(device: torch.device) -> int:
+    """Shared memory one program may use on ``device`` (the opt-in limit, bytes), from Triton's driver."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def pipeline_stages(block_m: int, block_n: int, head_dim: int, element_size: int, max_shared_mem: int) -> int:
+    """3 software-pipeline stages when three K and V tiles and the query tile fit in shared memory
+    (``(3 * 2 * block_n + block_m) * head_dim * element_size`` bytes: Hopper's 227 KB holds them
+    at 128 x 128, d128, bf16), else 2. The third stage was measured 3.5 % faster on the H200 at
+    16k causal (docs/benchmarks.md, "Prefill attention, the sweep again")."""
+    need = (3 * 2 * block_n + block_m) * head_dim * element_size
+    return 3 if need <= max_shared_mem else 2
+
+
+def _default_config(head_dim: int, block_size: int, interpreter: bool, element_size: int,
+                    max_shared_mem: int = 0) -> dict:
     """Tile shapes: large on the GPU (tensor cores), small under the interpreter (fast tests)."""
     if interpreter:
         return {"block_m": 16, "block_n": max(block_size, 32), "num_warps": 4, "num_stages": 1}
@@ -298,7 +315,9 @@ def _default_config(head_dim: int, block_size: int, interpreter: bool, element_s
         # H200 sweep (docs/benchmarks.md): 128x64 tiles, 4 warps, 3 stages at d64; float32 (tests)
         # at d128 needs these smaller tiles too (128x128 x 2 stages exceeds shared memory).
         return {"block_m": 128, "block_n": max(block_size, 64), "num_warps": 4, "num_stages": 3}
-    return {"block_m": 128, "block_n": max(block_size, 128), "num_warps": 8, "num_stages": 2}  # 128x128 at d128
+    block_n = max(block_size, 128)  # 128x128 at d128, 8 warps
+    return {"block_m": 128, "block_n": block_n, "num_warps": 8,
+            "num_stages": pipeline_stages(128, block_n, head_dim, element_size, max_shared_mem)}
 
 
 def paged_prefill(
@@ -324,6 +343,7 @@ def paged_prefill(
     block_n: int | None = None,  # key lanes per tile (rounded up to a power of two >= block_size)
     num_warps: int | None = None,
     num_stages: int | None = None,
+    warp_specialize: bool = False,  # tl.range(warp_specialize=True) on the unmasked tile loop (measured)
 ) -> torch.Tensor:
     """Deferred-RoPE paged attention of every new token of the listed sequences (see module doc).
 
@@ -332,7 +352,10 @@ def paged_prefill(
     once per chunk; ``"key"`` rotates every K tile by ``delta`` in registers (same result, more
     work: kept to measure the difference); ``"none"`` skips it (only for measuring its cost).
     ``chunk_scaling``: keys of blocks flagged ``scaled`` are scored by APE's temperature and
-    weight (:class:`~lazyattn_rag.kernels.launch.ChunkScaling`).
+    weight (:class:`~lazyattn_rag.kernels.launch.ChunkScaling`). ``block_m``, ``block_n``,
+    ``num_warps``, ``num_stages`` (default: 3 where shared memory holds them, see
+    :func:`pipeline_stages`) and ``warp_specialize`` (Triton's automatic warp specialization of
+    the unmasked tile loop) change the launch only, never the result.
 
     Returns:
         ``out`` (allocated like ``query`` when not given).
@@ -351,7 +374,8 @@ def paged_prefill(
     code = rotation_code(rotation)
     if seq_ids.numel() == 0 or max_query_len == 0:
         return out
-    cfg = _default_config(head_dim, block_size, launch.interpreter, query.element_size())
+    smem = 0 if launch.interpreter else max_shared_memory_bytes(query.device)
+    cfg = _default_config(head_dim, block_size, launch.interpreter, query.element_size(), smem)
     block_m = block_m or cfg["block_m"]
     block_n = triton.next_power_of_2(max(block_n or cfg["block_n"], block_size))
     if key_starts is None:
@@ -374,6 +398,7 @@ def paged_prefill(
         TILE_BLOCKS=block_n // block_size,
         ROTATION=code,
         CHUNK_SCALING=scaling["CHUNK_SCALING"],
+        WARP_SPECIALIZE=warp_specialize,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
     )

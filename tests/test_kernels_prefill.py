@@ -12,7 +12,7 @@ from kernel_tolerances import assert_close
 from paged_case import SeqSpec, make_case
 
 from lazyattn_rag.kernels.launch import block_key_starts, block_runs
-from lazyattn_rag.kernels.prefill import paged_prefill
+from lazyattn_rag.kernels.prefill import paged_prefill, pipeline_stages
 from lazyattn_rag.kernels.reference import prefill_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -150,6 +150,35 @@ def test_long_prefill_with_chunks_gpu(num_heads, num_kv_heads, head_dim):
                      dtype=torch.bfloat16, device="cuda", seed=11)
     out, ref = run(case)
     assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("options", [dict(warp_specialize=True), dict(num_stages=3), dict(num_stages=2)])
+def test_launch_options_keep_the_result(options):
+    """Warp specialization of the unmasked tile loop and the pipeline depth (compiled on the GPU:
+    each is its own kernel) change the launch only."""
+    case = make_case(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, device=DEVICE, seed=21)
+    out, ref = run(case, **options)
+    assert_close(out, ref, torch.bfloat16, str(options))
+
+
+def test_pipeline_stages_follow_shared_memory():
+    # 128 x 128 tiles at d128 in bf16: (3 * 2 * 128 + 128) * 128 * 2 = 229,376 bytes for 3 stages
+    assert pipeline_stages(128, 128, 128, 2, max_shared_mem=232_448) == 3  # Hopper (227 KB opt-in)
+    assert pipeline_stages(128, 128, 128, 2, max_shared_mem=229_376) == 3  # exactly enough
+    assert pipeline_stages(128, 128, 128, 2, max_shared_mem=229_375) == 2
+    assert pipeline_stages(128, 128, 128, 2, max_shared_mem=166_912) == 2  # A100 (163 KB)
+    assert pipeline_stages(128, 64, 64, 2, max_shared_mem=101_376) == 3  # (384 + 128) * 64 * 2 = 65,536
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("options", [dict(warp_specialize=True), dict(num_stages=2), dict(num_stages=3)])
+def test_long_prefill_launch_options_gpu(options):
+    """The launch options the H200 sweep measures (benchmarks/kernels.py) give the same result."""
+    specs = [SeqSpec([(1000, 12), (777, 5000)], own_len=600, query_len=600), SeqSpec([], own_len=1000, query_len=1000)]
+    case = make_case(specs, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda", seed=13)
+    out, ref = run(case, **options)
+    assert_close(out, ref, torch.bfloat16, str(options))
 
 
 def test_bad_inputs_raise_clear_errors():
