@@ -252,17 +252,30 @@ def prefill_kernel(
                                                           chunk_log2_weight)
             # The query is (re)loaded per run (a few KB from L2) rather than kept in registers
             # across the walk, which leaves the registers to the K/V pipeline.
-            qa1 = tl.load(q1_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF]
-            qa2 = tl.load(q2_ptrs, mask=row_ok[:, None], other=0.0)
             cos = tl.full([HALF], 1.0, tl.float32)
             sin = tl.zeros([HALF], tl.float32)
             if ROTATION == 1:  # R_(-delta) on the ORIGINAL query, once per run
-                if delta != 0:
+                # The rotated tile goes through this program's own output rows (written only at
+                # the end) and is loaded back: a loaded tile feeds the QK^T products from shared
+                # memory, one computed in registers would hold ~32 registers per thread through
+                # the whole walk (measured: docs/benchmarks.md "Rotation overhead").
+                rotated = delta != 0
+                o_rows = (q_start + offs_m).to(tl.int64) * stride_ot + head * stride_oh  # [BLOCK_M]
+                r1_ptrs = out_ptr + o_rows[:, None] + c1[None, :]  # [BLOCK_M, HALF] the rotated query's scratch
+                r2_ptrs = out_ptr + o_rows[:, None] + c2[None, :]
+                if rotated:
                     cq, sq = cos_sin((-delta).to(tl.float32) * inv_freq, ACCURATE_TRIG)  # [HALF]
-                    q1f = qa1.to(tl.float32)
-                    q2f = qa2.to(tl.float32)
-                    qa1 = (q1f * cq[None, :] - q2f * sq[None, :]).to(dtype)
-                    qa2 = (q2f * cq[None, :] + q1f * sq[None, :]).to(dtype)
+                    q1f = tl.load(q1_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+                    q2f = tl.load(q2_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+                    tl.debug_barrier()  # the previous run's loads of these rows are done
+                    tl.store(r1_ptrs, (q1f * cq[None, :] - q2f * sq[None, :]).to(dtype), mask=row_ok[:, None])
+                    tl.store(r2_ptrs, (q2f * cq[None, :] + q1f * sq[None, :]).to(dtype), mask=row_ok[:, None])
+                    tl.debug_barrier()  # every thread's stores are visible to the loads below
+                qa1 = tl.load(tl.where(rotated, r1_ptrs, q1_ptrs), mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF]
+                qa2 = tl.load(tl.where(rotated, r2_ptrs, q2_ptrs), mask=row_ok[:, None], other=0.0)
+            else:
+                qa1 = tl.load(q1_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF]
+                qa2 = tl.load(q2_ptrs, mask=row_ok[:, None], other=0.0)
             if ROTATION == 2:  # R_delta on each K tile; angles once per run
                 cos, sin = cos_sin(delta.to(tl.float32) * inv_freq, ACCURATE_TRIG)
             # whole tiles that every row sees entirely (the run's last block may be partial: excluded)
@@ -288,6 +301,8 @@ def prefill_kernel(
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no keys (padding): zeros
     o_rows = (q_start + offs_m).to(tl.int64) * stride_ot + head * stride_oh
+    if ROTATION == 1:
+        tl.debug_barrier()  # the last run's loads of the scratch rows are done
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -361,13 +376,20 @@ def paged_prefill(
         ``out`` (allocated like ``query`` when not given).
     Raises:
         ValueError, NotImplementedError: inputs the kernel would misread
-            (:func:`~lazyattn_rag.kernels.launch.check_inputs`), an unknown ``rotation``.
+            (:func:`~lazyattn_rag.kernels.launch.check_inputs`), an unknown ``rotation``, an
+            ``out`` of another dtype than ``query`` or sharing its memory (the kernel stages the
+            rotated query in ``out``).
 
     Example:
         >>> out = paged_prefill(q, kc, vc, md.block_tables, md.num_blocks_per_seq, md.seq_lens,
         ...                     md.cu_seqlens_q, md.max_query_len, rotary.inv_freq.to(q.device), scale)
     """
     num_heads, head_dim, block_size = query.shape[1], query.shape[2], key_cache.shape[1]
+    if out is not None and (out.dtype != query.dtype or out.untyped_storage().data_ptr()
+                            == query.untyped_storage().data_ptr()):
+        # the kernel keeps each run's rotated query tile in its own output rows until the end
+        raise ValueError(f"out must have the query's dtype ({query.dtype}, got {out.dtype}) and must not share "
+                         f"memory with the query")
     launch = launch_prologue(query, key_cache, value_cache, block_tables, inv_freq, scale,
                              interleaved=interleaved, out=out, seq_ids=seq_ids)
     out, seq_ids = launch.out, launch.seq_ids

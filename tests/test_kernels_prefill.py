@@ -183,6 +183,10 @@ def test_long_prefill_launch_options_gpu(options):
 
 def test_bad_inputs_raise_clear_errors():
     case = make_case(MIXED[:1], num_heads=4, num_kv_heads=2, head_dim=64, device=DEVICE, seed=10)
+    with pytest.raises(ValueError, match="share memory"):  # the rotated query is staged in out
+        run(case, out=case.query)
+    with pytest.raises(ValueError, match="query's dtype"):
+        run(case, out=torch.empty_like(case.query, dtype=torch.float16))
     with pytest.raises(ValueError, match="share a dtype"):
         run(case.__class__(**{**case.__dict__, "query": case.query.half()}))
     with pytest.raises(ValueError, match="int64"):
