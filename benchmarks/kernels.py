@@ -255,10 +255,8 @@ def bench_decode(name: str, cfg: dict, copy_gbps: float, device, batch=32, conte
         qd.float(), P["k_dense"].float().repeat_interleave(Hq // Hkv, 1), P["v_dense"].float().repeat_interleave(Hq // Hkv, 1))
     ours(rotation="none")()
     res["check_rel_err_vs_sdpa_fp32"] = rel_err(out, ref[:, :, 0])
-    variants = {"flatten_runs": dict(flatten_runs=True)}
-    if batch == 1:  # the v3 sweep's best tile (128 keys) with and without the flattened loop
-        variants.update({"block_n=128": dict(block_n=128), "block_n=128,flatten_runs": dict(block_n=128, flatten_runs=True)})
-    res["launch_options"] = launch_options(ours, variants, kv_bytes, "GBps")
+    if batch == 1:  # the v3 sweep's best tile (128 keys) against the default's 64
+        res["launch_options"] = launch_options(ours, {"block_n=128": dict(block_n=128)}, kv_bytes, "GBps")
 
     if QUICK:  # defaults only (the sweeps of earlier runs are in results/kernels_h200_v*.json)
         return finish_decode(res, lambda rotation, scaled=False: ours(rotation=rotation, scaled=scaled), "default",
@@ -353,9 +351,7 @@ def bench_prefill(name: str, cfg: dict, device, new_tokens=16384, cached_chunks=
     ours("query")()
     res["check_rel_err_query_vs_key_rotation"] = rel_err(out, out_key)  # two independent rotation paths
     res["launch_options"] = launch_options(
-        ours, {"stages=2": dict(stages=2), "stages=3": dict(stages=3),
-                                  "warp_specialize": dict(warp_specialize=True),
-                                  "warp_specialize,stages=2": dict(warp_specialize=True, stages=2)},
+        ours, {"stages=2": dict(stages=2), "stages=3": dict(stages=3)},
         flops, "TFLOPs", per=1e9)
     if QUICK:
         return finish_prefill(res, lambda rotation, scaled=False: ours(rotation, scaled=scaled), "default", flops, qd,

@@ -83,7 +83,6 @@ def decode_kernel(
     NUM_SPLITS: tl.constexpr,
     ROTATION: tl.constexpr,  # 0 none (benchmark of its cost only), 1 query by -delta per run
     CHUNK_SCALING: tl.constexpr,  # runs of flagged blocks use ChunkScaling (False: the flag is ignored)
-    FLATTEN_RUNS: tl.constexpr,  # ask Triton to fuse the run and tile loops into one pipelined loop
     ACCURATE_TRIG: tl.constexpr,  # libdevice cos/sin (GPU); tl.cos/tl.sin under the interpreter
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, None (default) for half types
     DOT_UPCAST: tl.constexpr,  # interpreter only: dots in float32
@@ -131,55 +130,53 @@ def decode_kernel(
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite: a split without keys stays NaN-free
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    # The tile loop sits directly in the run loop (no guard around it: a run outside this split
-    # has b0 >= b1 and no tiles), so FLATTEN_RUNS can fuse the two into one pipelined loop.
-    for r in tl.range(0, n_runs, flatten=FLATTEN_RUNS):
+    for r in range(0, n_runs):
         b0 = tl.maximum(tl.load(rs_row + r), split_lo)
         b1 = tl.minimum(tl.load(rs_row + r + 1), split_hi)
-        in_split = b0 < b1  # this run overlaps this split
-        word0 = tl.load(bt_row + b0, mask=in_split, other=0)
-        score_scale = sm_scale_log2
-        score_bias = 0.0
-        if CHUNK_SCALING:  # one flag per run (block_runs splits at a change)
-            score_scale, score_bias = run_score_scale(word0, sm_scale_log2, chunk_inv_temperature,
-                                                      chunk_log2_weight)
-        if ROTATION == 1:  # "query" (launch.ROTATION_CODES)
-            delta = word0 >> 38  # one delta per run (arithmetic shift)
-            if in_split & (delta != cur_delta):  # a new chunk: rotate the ORIGINAL query (re-read) by -delta
-                cos, sin = cos_sin((-delta).to(tl.float32) * inv_freq, ACCURATE_TRIG)  # [HALF]
-                q1f = tl.load(q1_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
-                q2f = tl.load(q2_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
-                qr1 = (q1f * cos[None, :] - q2f * sin[None, :]).to(dtype)
-                qr2 = (q2f * cos[None, :] + q1f * sin[None, :]).to(dtype)
-                cur_delta = delta
-        for first in range(b0, b1, TILE_BLOCKS):
-            blk = first + blk_in_tile  # [BLOCK_N] block-table index per key
-            blk_ok = lane_ok & (blk < b1)
-            word = tl.load(bt_row + blk, mask=blk_ok, other=0)  # [BLOCK_N] int64
-            block_id = word & 0x3FFFFFFF
-            key_ok = blk_ok & (slot < ((word >> 31) & 0x7F) + 1)
-            k_rows = block_id * stride_kb + slot * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
-            v_rows = block_id * stride_vb + slot * stride_vs + kv_head * stride_vh
-            k1 = tl.load(k_cache_ptr + k_rows[:, None] + c1[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HALF]
-            k2 = tl.load(k_cache_ptr + k_rows[:, None] + c2[None, :], mask=key_ok[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
-            s = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
-            s = mma(qr1, tl.trans(k1), s, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_G, BLOCK_N]
-            s = mma(qr2, tl.trans(k2), s, DOT_PRECISION, DOT_UPCAST)
-            if REST > 0:
-                k3 = tl.load(k_cache_ptr + k_rows[:, None] + c3[None, :], mask=key_ok[:, None], other=0.0)
-                s = mma(q3, tl.trans(k3), s, DOT_PRECISION, DOT_UPCAST)
-            s = s * score_scale
-            if CHUNK_SCALING:
-                s = s + score_bias
-            s = tl.where(key_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None]
-            acc = mma(p.to(dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
-            m_i = m_new
+        if b0 < b1:  # this run overlaps this split
+            word0 = tl.load(bt_row + b0)
+            score_scale = sm_scale_log2
+            score_bias = 0.0
+            if CHUNK_SCALING:  # one flag per run (block_runs splits at a change)
+                score_scale, score_bias = run_score_scale(word0, sm_scale_log2, chunk_inv_temperature,
+                                                          chunk_log2_weight)
+            if ROTATION == 1:  # "query" (launch.ROTATION_CODES)
+                delta = word0 >> 38  # one delta per run (arithmetic shift)
+                if delta != cur_delta:  # a new chunk: rotate the ORIGINAL query (re-read) by -delta
+                    cos, sin = cos_sin((-delta).to(tl.float32) * inv_freq, ACCURATE_TRIG)  # [HALF]
+                    q1f = tl.load(q1_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
+                    q2f = tl.load(q2_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
+                    qr1 = (q1f * cos[None, :] - q2f * sin[None, :]).to(dtype)
+                    qr2 = (q2f * cos[None, :] + q1f * sin[None, :]).to(dtype)
+                    cur_delta = delta
+            for first in range(b0, b1, TILE_BLOCKS):
+                blk = first + blk_in_tile  # [BLOCK_N] block-table index per key
+                blk_ok = lane_ok & (blk < b1)
+                word = tl.load(bt_row + blk, mask=blk_ok, other=0)  # [BLOCK_N] int64
+                block_id = word & 0x3FFFFFFF
+                key_ok = blk_ok & (slot < ((word >> 31) & 0x7F) + 1)
+                k_rows = block_id * stride_kb + slot * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
+                v_rows = block_id * stride_vb + slot * stride_vs + kv_head * stride_vh
+                k1 = tl.load(k_cache_ptr + k_rows[:, None] + c1[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HALF]
+                k2 = tl.load(k_cache_ptr + k_rows[:, None] + c2[None, :], mask=key_ok[:, None], other=0.0)
+                v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+                s = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+                s = mma(qr1, tl.trans(k1), s, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_G, BLOCK_N]
+                s = mma(qr2, tl.trans(k2), s, DOT_PRECISION, DOT_UPCAST)
+                if REST > 0:
+                    k3 = tl.load(k_cache_ptr + k_rows[:, None] + c3[None, :], mask=key_ok[:, None], other=0.0)
+                    s = mma(q3, tl.trans(k3), s, DOT_PRECISION, DOT_UPCAST)
+                s = s * score_scale
+                if CHUNK_SCALING:
+                    s = s + score_bias
+                s = tl.where(key_ok[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                alpha = tl.math.exp2(m_i - m_new)
+                p = tl.math.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None]
+                acc = mma(p.to(dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
+                m_i = m_new
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # [BLOCK_G, HEAD_DIM]
@@ -260,7 +257,6 @@ def paged_decode(
     block_n: int | None = None,  # key lanes per tile (rounded up to a power of two >= block_size)
     num_warps: int | None = None,
     num_stages: int | None = None,
-    flatten_runs: bool = False,  # tl.range(flatten=True) on the run loop (measured: docs/benchmarks.md)
 ) -> torch.Tensor:
     """Attention of each listed sequence's single new token (row ``cu_seqlens_q[seq]``) over its
     paged context, with the query rotated by ``-delta`` once per chunk (see module doc).
@@ -269,8 +265,6 @@ def paged_decode(
     ``rotation="none"`` skips the rotation (only for measuring its cost: the result is then wrong
     for any block with a nonzero delta). ``chunk_scaling``: keys of blocks flagged ``scaled`` are
     scored by APE's temperature and weight (:class:`~lazyattn_rag.kernels.launch.ChunkScaling`).
-    ``block_n``, ``num_warps``, ``num_stages`` and ``flatten_runs`` (Triton fuses the run loop and
-    the tile loop into one software-pipelined loop) change the launch only, never the result.
 
     Returns:
         ``out`` (allocated like ``query`` when not given).
@@ -325,7 +319,6 @@ def paged_decode(
         NUM_SPLITS=num_splits,
         ROTATION=code,
         CHUNK_SCALING=scaling["CHUNK_SCALING"],
-        FLATTEN_RUNS=flatten_runs,
         num_warps=num_warps or 4,
         num_stages=num_stages or (1 if interpreter else 3),
     )

@@ -186,7 +186,6 @@ def prefill_kernel(
     TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
     ROTATION: tl.constexpr,  # 0 none (benchmark only), 1 query by -delta per run, 2 each K tile by delta
     CHUNK_SCALING: tl.constexpr,  # runs of flagged blocks use ChunkScaling (False: the flag is ignored)
-    WARP_SPECIALIZE: tl.constexpr,  # ask Triton to warp-specialize the unmasked tile loop (loads / MMA / softmax)
     ACCURATE_TRIG: tl.constexpr,  # libdevice cos/sin (GPU); tl.cos/tl.sin under the interpreter
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, None (default) for half types
     DOT_UPCAST: tl.constexpr,  # interpreter only: dots in float32
@@ -280,7 +279,7 @@ def prefill_kernel(
                 cos, sin = cos_sin(delta.to(tl.float32) * inv_freq, ACCURATE_TRIG)
             # whole tiles that every row sees entirely (the run's last block may be partial: excluded)
             n_full = tl.maximum(tl.minimum(b1 - 1, n_safe) - b0, 0) // TILE_BLOCKS
-            for t in tl.range(0, n_full, warp_specialize=WARP_SPECIALIZE):
+            for t in range(0, n_full):
                 acc, m_i, l_i = prefill_tile(
                     acc, m_i, l_i, qa1, qa2, q3, cos, sin, b0 + t * TILE_BLOCKS, b_end,
                     bt_row, ks_row, k_cache_ptr, v_cache_ptr,
@@ -358,7 +357,6 @@ def paged_prefill(
     block_n: int | None = None,  # key lanes per tile (rounded up to a power of two >= block_size)
     num_warps: int | None = None,
     num_stages: int | None = None,
-    warp_specialize: bool = False,  # tl.range(warp_specialize=True) on the unmasked tile loop (measured)
 ) -> torch.Tensor:
     """Deferred-RoPE paged attention of every new token of the listed sequences (see module doc).
 
@@ -368,9 +366,8 @@ def paged_prefill(
     work: kept to measure the difference); ``"none"`` skips it (only for measuring its cost).
     ``chunk_scaling``: keys of blocks flagged ``scaled`` are scored by APE's temperature and
     weight (:class:`~lazyattn_rag.kernels.launch.ChunkScaling`). ``block_m``, ``block_n``,
-    ``num_warps``, ``num_stages`` (default: 3 where shared memory holds them, see
-    :func:`pipeline_stages`) and ``warp_specialize`` (Triton's automatic warp specialization of
-    the unmasked tile loop) change the launch only, never the result.
+    ``num_warps`` and ``num_stages`` (default: 3 where shared memory holds them, see
+    :func:`pipeline_stages`) change the launch only, never the result.
 
     Returns:
         ``out`` (allocated like ``query`` when not given).
@@ -420,7 +417,6 @@ def paged_prefill(
         TILE_BLOCKS=block_n // block_size,
         ROTATION=code,
         CHUNK_SCALING=scaling["CHUNK_SCALING"],
-        WARP_SPECIALIZE=warp_specialize,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
     )

@@ -150,20 +150,10 @@ def test_long_decode_default_splits_gpu(num_heads, num_kv_heads, head_dim):
     assert_close(out, ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_flattened_run_loop_keeps_the_result(dtype, num_splits):
-    """``flatten_runs`` (one pipelined loop over runs and tiles, compiled on the GPU) equals the
-    reference, with splits that start and end inside runs and splits with no tiles."""
-    case = make_case(MIXED, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, device=DEVICE, seed=31)
-    out, ref = run(case, num_splits=num_splits, flatten_runs=True)
-    assert_close(out, ref, dtype, f"splits {num_splits}")
-
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("options", [dict(flatten_runs=True), dict(block_n=128, num_stages=3),
-                                     dict(block_n=128, num_splits=32, flatten_runs=True)])
+@pytest.mark.parametrize("options", [dict(block_n=128), dict(block_n=128, num_stages=3, num_splits=32)])
 def test_long_decode_launch_options_gpu(options):
     """The launch shapes the H200 sweep measures (benchmarks/kernels.py) give the same result."""
     specs = [SeqSpec([(1000, 12), (777, 5000), (1, 2**24 - 1), (2000, 3)], own_len=600), SeqSpec([(300, -7)], own_len=1),

@@ -152,10 +152,9 @@ def test_long_prefill_with_chunks_gpu(num_heads, num_kv_heads, head_dim):
     assert_close(out, ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("options", [dict(warp_specialize=True), dict(num_stages=3), dict(num_stages=2)])
+@pytest.mark.parametrize("options", [dict(num_stages=3), dict(num_stages=2)])
 def test_launch_options_keep_the_result(options):
-    """Warp specialization of the unmasked tile loop and the pipeline depth (compiled on the GPU:
-    each is its own kernel) change the launch only."""
+    """The pipeline depth (compiled on the GPU: each is its own kernel) changes the launch only."""
     case = make_case(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, device=DEVICE, seed=21)
     out, ref = run(case, **options)
     assert_close(out, ref, torch.bfloat16, str(options))
@@ -172,7 +171,7 @@ def test_pipeline_stages_follow_shared_memory():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("options", [dict(warp_specialize=True), dict(num_stages=2), dict(num_stages=3)])
+@pytest.mark.parametrize("options", [dict(num_stages=2), dict(num_stages=3)])
 def test_long_prefill_launch_options_gpu(options):
     """The launch options the H200 sweep measures (benchmarks/kernels.py) give the same result."""
     specs = [SeqSpec([(1000, 12), (777, 5000)], own_len=600, query_len=600), SeqSpec([], own_len=1000, query_len=1000)]
