@@ -305,23 +305,7 @@ def prefill_kernel(
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def max_shared_memory_bytes(device: torch.device) -> int:
-    """Shared memory one program may use on ``device`` (the opt-in limit, bytes), from Triton's driver."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
-
-
-def pipeline_stages(block_m: int, block_n: int, head_dim: int, element_size: int, max_shared_mem: int) -> int:
-    """3 software-pipeline stages when three K and V tiles and the query tile fit in shared memory
-    (``(3 * 2 * block_n + block_m) * head_dim * element_size`` bytes: Hopper's 227 KB holds them
-    at 128 x 128, d128, bf16), else 2. The third stage was measured 3.5 % faster on the H200 at
-    16k causal (docs/benchmarks.md, "Prefill attention, the sweep again")."""
-    need = (3 * 2 * block_n + block_m) * head_dim * element_size
-    return 3 if need <= max_shared_mem else 2
-
-
-def _default_config(head_dim: int, block_size: int, interpreter: bool, element_size: int,
-                    max_shared_mem: int = 0) -> dict:
+def _default_config(head_dim: int, block_size: int, interpreter: bool, element_size: int) -> dict:
     """Tile shapes: large on the GPU (tensor cores), small under the interpreter (fast tests)."""
     if interpreter:
         return {"block_m": 16, "block_n": max(block_size, 32), "num_warps": 4, "num_stages": 1}
@@ -329,9 +313,10 @@ def _default_config(head_dim: int, block_size: int, interpreter: bool, element_s
         # H200 sweep (docs/benchmarks.md): 128x64 tiles, 4 warps, 3 stages at d64; float32 (tests)
         # at d128 needs these smaller tiles too (128x128 x 2 stages exceeds shared memory).
         return {"block_m": 128, "block_n": max(block_size, 64), "num_warps": 4, "num_stages": 3}
-    block_n = max(block_size, 128)  # 128x128 at d128, 8 warps
-    return {"block_m": 128, "block_n": block_n, "num_warps": 8,
-            "num_stages": pipeline_stages(128, block_n, head_dim, element_size, max_shared_mem)}
+    # 128x128 at d128, 8 warps, 2 stages. A third stage is 1.4 % faster at 16k causal but 3.4 %
+    # slower on 512-token encodes and 2.2 % on 64-token requests over 5 chunks, the serving
+    # engine's common prefills (H200, docs/benchmarks.md "Prefill attention in issue 19").
+    return {"block_m": 128, "block_n": max(block_size, 128), "num_warps": 8, "num_stages": 2}
 
 
 def paged_prefill(
@@ -366,8 +351,7 @@ def paged_prefill(
     work: kept to measure the difference); ``"none"`` skips it (only for measuring its cost).
     ``chunk_scaling``: keys of blocks flagged ``scaled`` are scored by APE's temperature and
     weight (:class:`~lazyattn_rag.kernels.launch.ChunkScaling`). ``block_m``, ``block_n``,
-    ``num_warps`` and ``num_stages`` (default: 3 where shared memory holds them, see
-    :func:`pipeline_stages`) change the launch only, never the result.
+    ``num_warps`` and ``num_stages`` change the launch only, never the result.
 
     Returns:
         ``out`` (allocated like ``query`` when not given).
@@ -393,8 +377,7 @@ def paged_prefill(
     code = rotation_code(rotation)
     if seq_ids.numel() == 0 or max_query_len == 0:
         return out
-    smem = 0 if launch.interpreter else max_shared_memory_bytes(query.device)
-    cfg = _default_config(head_dim, block_size, launch.interpreter, query.element_size(), smem)
+    cfg = _default_config(head_dim, block_size, launch.interpreter, query.element_size())
     block_m = block_m or cfg["block_m"]
     block_n = triton.next_power_of_2(max(block_n or cfg["block_n"], block_size))
     if key_starts is None:

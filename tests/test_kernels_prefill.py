@@ -12,7 +12,7 @@ from kernel_tolerances import assert_close
 from paged_case import SeqSpec, make_case
 
 from lazyattn_rag.kernels.launch import block_key_starts, block_runs
-from lazyattn_rag.kernels.prefill import paged_prefill, pipeline_stages
+from lazyattn_rag.kernels.prefill import paged_prefill
 from lazyattn_rag.kernels.reference import prefill_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -158,15 +158,6 @@ def test_launch_options_keep_the_result(options):
     case = make_case(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, device=DEVICE, seed=21)
     out, ref = run(case, **options)
     assert_close(out, ref, torch.bfloat16, str(options))
-
-
-def test_pipeline_stages_follow_shared_memory():
-    # 128 x 128 tiles at d128 in bf16: (3 * 2 * 128 + 128) * 128 * 2 = 229,376 bytes for 3 stages
-    assert pipeline_stages(128, 128, 128, 2, max_shared_mem=232_448) == 3  # Hopper (227 KB opt-in)
-    assert pipeline_stages(128, 128, 128, 2, max_shared_mem=229_376) == 3  # exactly enough
-    assert pipeline_stages(128, 128, 128, 2, max_shared_mem=229_375) == 2
-    assert pipeline_stages(128, 128, 128, 2, max_shared_mem=166_912) == 2  # A100 (163 KB)
-    assert pipeline_stages(128, 64, 64, 2, max_shared_mem=101_376) == 3  # (384 + 128) * 64 * 2 = 65,536
 
 
 @pytest.mark.gpu
