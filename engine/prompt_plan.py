@@ -14,6 +14,7 @@ on a miss.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,9 @@ class PromptPlan:
             (``CacheConfig.recompute_selective_ratio``); 0: none.
         chunk_scaling: the request reads its documents' blocks with chunk attention scaling
             (APE, ``CacheConfig.chunk_attention_scaling``): their block-table entries are flagged.
+
+    Its token counts are computed once (the plan is frozen; the scheduler and the runner read
+    them for every running request every step).
     """
 
     chunks: tuple[ChunkSegment, ...]
@@ -96,21 +100,21 @@ class PromptPlan:
     selective_ratio: float = 0.0
     chunk_scaling: bool = False
 
-    @property
+    @cached_property
     def num_cached_prompt_tokens(self) -> int:
         return sum(len(c.cached_token_ids) for c in self.chunks)
 
-    @property
+    @cached_property
     def num_text_tokens(self) -> int:
         """Tokens of the private text segments (computed per request, before the tail)."""
         return sum(len(t.token_ids) for t in self.texts)
 
-    @property
+    @cached_property
     def tail_start(self) -> int:
         """Global position of the first query-tail token."""
         return self.num_cached_prompt_tokens + self.num_text_tokens
 
-    @property
+    @cached_property
     def num_prompt_tokens(self) -> int:
         return self.tail_start + len(self.query_token_ids)
 

@@ -5,6 +5,8 @@ import torch
 
 from lazyattn_rag.kernels.block_table import (
     MAX_BLOCK_ID,
+    MAX_DELTA,
+    MIN_DELTA,
     BlockTableOverflowError,
     pack_block_table,
     pack_entries,
@@ -76,11 +78,25 @@ def test_pack_rejects_shape_mismatch():
 
 
 @pytest.mark.parametrize("num_tokens, num_blocks", [(0, 3), (1, 3), (16, 3), (17, 3), (48, 3), (40, 5), (60, 3)])
-@pytest.mark.parametrize("delta", [0, -7, 4096])
+@pytest.mark.parametrize("delta", [0, -7, 4096, MIN_DELTA, MAX_DELTA])
 def test_pack_run_equals_packing_each_entry(num_tokens, num_blocks, delta):
-    """The vectorized packing of a run of blocks gives exactly the words of packing its entries
+    """The packing of a run of blocks gives exactly the words of packing its entries
     one by one (full blocks, a partial last one, blocks past the last token left out, fewer
     blocks than the tokens need)."""
     blocks = [11 * i + 5 for i in range(num_blocks)]
     entries = [(b, delta, min(16, num_tokens - i * 16)) for i, b in enumerate(blocks) if num_tokens > i * 16]
     assert pack_run(blocks, num_tokens, delta, 16).tolist() == pack_entries(entries).tolist()
+
+
+@pytest.mark.parametrize("block_ids, delta, match", [
+    ([3, MAX_BLOCK_ID + 1], 0, f"block id {MAX_BLOCK_ID + 1} "),
+    ([-1, 4], 0, "block id -1 "),
+    ([3, 4], MAX_DELTA + 1, f"delta {MAX_DELTA + 1} "),
+    ([3, 4], MIN_DELTA - 1, f"delta {MIN_DELTA - 1} "),
+])
+def test_pack_run_refuses_what_the_word_cannot_hold(block_ids, delta, match):
+    """A run's ids and offset are range-checked as pack_entries checks each entry (nothing wraps)."""
+    with pytest.raises(BlockTableOverflowError, match=match):
+        pack_run(block_ids, 20, delta, 16)
+    with pytest.raises(BlockTableOverflowError, match=match):
+        pack_entries([(b, delta, 16) for b in block_ids])
