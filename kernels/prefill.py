@@ -313,9 +313,9 @@ def _default_config(head_dim: int, block_size: int, interpreter: bool, element_s
         # H200 sweep (docs/benchmarks.md): 128x64 tiles, 4 warps, 3 stages at d64; float32 (tests)
         # at d128 needs these smaller tiles too (128x128 x 2 stages exceeds shared memory).
         return {"block_m": 128, "block_n": max(block_size, 64), "num_warps": 4, "num_stages": 3}
-    # 128x128 at d128, 8 warps, 2 stages. A third stage is 1.4 % faster at 16k causal but 3.4 %
-    # slower on 512-token encodes and 2.2 % on 64-token requests over 5 chunks, the serving
-    # engine's common prefills (H200, docs/benchmarks.md "Prefill attention in issue 19").
+    # 128x128 at d128, 8 warps, 2 stages. A third stage is 1.4 % faster at 16k causal but 5.8 %
+    # slower on 512-token encodes and 2.2-2.8 % on requests over 5 chunks, the serving engine's
+    # common prefills (H200; docs/benchmarks.md, "Issue 19, second pass").
     return {"block_m": 128, "block_n": max(block_size, 128), "num_warps": 8, "num_stages": 2}
 
 
