@@ -18,7 +18,8 @@ LOWEST_CACHE = build/lowest-cache
 # conversion, tokenizer, detokenizer, CLI), model directories, literal tokenization, sampling
 MODEL_FLOOR_TESTS = tests/test_model_vs_hf.py tests/test_rope_and_block_table.py tests/test_chunk_reuse.py \
 	tests/test_cache_modes.py tests/test_qa_recompute.py tests/test_default_model.py tests/test_model_directory.py \
-	tests/test_literal_text.py tests/test_sampling.py tests/test_self_check.py tests/test_gguf_models.py
+	tests/test_literal_text.py tests/test_sampling.py tests/test_self_check.py tests/test_gguf_models.py \
+	tests/test_detokenizer.py
 FLOOR_TESTS = tests/test_prompt_match.py tests/test_chat_messages.py tests/test_integrations_llamaindex.py \
 	tests/test_integrations_langchain.py tests/test_framework_conventions.py tests/test_framework_idioms.py \
 	tests/test_integration_edge_cases.py tests/test_langchain_standard.py tests/test_langchain_store_standard.py \
