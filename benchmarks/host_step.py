@@ -91,7 +91,9 @@ def main(arch: str = "tiny", mode: str = "lazy", num_docs: int = 200, doc_tokens
             _, wall = asyncio.run(drive(llm, requests[warm_up_requests:], params, concurrency, None, rep + 1))
         finally:
             restore()
-        num_steps = len(seconds["schedule"])
+        num_steps = len(seconds["schedule"])  # schedule() runs once per engine step
+        if num_steps == 0:
+            raise RuntimeError("the trace ran no engine step: nothing to time")
         row = {"repeat": rep, "num_steps": num_steps, "wall_s": wall,
                **{f"{name}_ms_per_step": 1e3 * sum(s) / num_steps for name, s in seconds.items()}}
         row["host_ms_per_step"] = sum(row[f"{name}_ms_per_step"] for name in seconds)

@@ -132,16 +132,18 @@ def pack_run(block_ids: list[int], num_tokens: int, delta: int, block_size: int)
     Raises:
         BlockTableOverflowError: as :func:`pack_block_table`.
     """
+    num_tokens, delta, block_size = int(num_tokens), int(delta), int(block_size)  # NumPy scalars too
     num_blocks = min(len(block_ids), -(-num_tokens // block_size)) if num_tokens > 0 else 0
     if num_blocks == 0:
         return torch.zeros(0, dtype=torch.int64)
     ids = block_ids[:num_blocks]
     last_valid = min(block_size, num_tokens - (num_blocks - 1) * block_size)
-    _check_bounds("block id", min(ids), max(ids), 0, MAX_BLOCK_ID)
+    _check_bounds("block id", int(min(ids)), int(max(ids)), 0, MAX_BLOCK_ID)
     _check_bounds("delta", delta, delta, MIN_DELTA, MAX_DELTA)
-    _check_bounds("valid slot count", min(last_valid, block_size), max(last_valid, block_size), 1, MAX_VALID)
+    full_valid = block_size if num_blocks > 1 else last_valid  # only the blocks packed are checked
+    _check_bounds("valid slot count", min(last_valid, full_valid), max(last_valid, full_valid), 1, MAX_VALID)
     high = delta << DELTA_SHIFT  # Python ints: | on a negative delta gives the int64 word's two's complement
     words = torch.tensor(ids, dtype=torch.int64)
     words |= high | ((block_size - 1) << VALID_SHIFT)
-    words[-1] = high | ((last_valid - 1) << VALID_SHIFT) | ids[-1]
+    words[-1] = high | ((last_valid - 1) << VALID_SHIFT) | int(ids[-1])
     return words

@@ -319,6 +319,19 @@ def _default_config(head_dim: int, block_size: int, interpreter: bool, element_s
     return {"block_m": 128, "block_n": max(block_size, 128), "num_warps": 8, "num_stages": 2}
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges the two tensors span intersect (empty tensors span nothing)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def paged_prefill(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated at global positions
     key_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
@@ -334,7 +347,7 @@ def paged_prefill(
     interleaved: bool = False,
     key_starts: torch.Tensor | None = None,  # [num_seqs, max_blocks] int32, from block_key_starts
     runs: BlockRuns | None = None,  # from block_runs (computed when not given)
-    seq_ids: torch.Tensor | None = None,  # [num_work] int32, default all sequences
+    seq_ids: torch.Tensor | None = None,  # [num_work] int32 distinct sequences, default all
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     rotation: Rotation = "query",  # see Rotation: "query", "key" or "none"
     chunk_scaling: ChunkScaling | None = None,  # APE on flagged blocks (None: plain attention)
@@ -345,7 +358,8 @@ def paged_prefill(
 ) -> torch.Tensor:
     """Deferred-RoPE paged attention of every new token of the listed sequences (see module doc).
 
-    Only the rows of the sequences in ``seq_ids`` are written to ``out``; a sequence with no keys
+    Only the rows of the sequences in ``seq_ids`` (each listed once: two programs on the same
+    rows would race on the staged query) are written to ``out``; a sequence with no keys
     (padding) gets zeros. ``rotation``: ``"query"`` (default) rotates the query tile by ``-delta``
     once per chunk; ``"key"`` rotates every K tile by ``delta`` in registers (same result, more
     work: kept to measure the difference); ``"none"`` skips it (only for measuring its cost).
@@ -358,19 +372,19 @@ def paged_prefill(
     Raises:
         ValueError, NotImplementedError: inputs the kernel would misread
             (:func:`~lazyattn_rag.kernels.launch.check_inputs`), an unknown ``rotation``, an
-            ``out`` of another dtype than ``query`` or sharing its memory (the kernel stages the
-            rotated query in ``out``).
+            ``out`` of another dtype than ``query`` or overlapping its memory (the kernel stages
+            the rotated query in ``out``).
 
     Example:
         >>> out = paged_prefill(q, kc, vc, md.block_tables, md.num_blocks_per_seq, md.seq_lens,
         ...                     md.cu_seqlens_q, md.max_query_len, rotary.inv_freq.to(q.device), scale)
     """
     num_heads, head_dim, block_size = query.shape[1], query.shape[2], key_cache.shape[1]
-    if out is not None and (out.dtype != query.dtype or out.untyped_storage().data_ptr()
-                            == query.untyped_storage().data_ptr()):
-        # the kernel keeps each run's rotated query tile in its own output rows until the end
-        raise ValueError(f"out must have the query's dtype ({query.dtype}, got {out.dtype}) and must not share "
-                         f"memory with the query")
+    if out is not None:  # the kernel keeps each run's rotated query tile in its own output rows
+        if out.dtype != query.dtype:
+            raise ValueError(f"out must have the query's dtype {query.dtype}, got {out.dtype}")
+        if _overlaps(out, query):
+            raise ValueError("out must not overlap the query's memory")
     launch = launch_prologue(query, key_cache, value_cache, block_tables, inv_freq, scale,
                              interleaved=interleaved, out=out, seq_ids=seq_ids)
     out, seq_ids = launch.out, launch.seq_ids

@@ -90,6 +90,22 @@ def test_seq_ids_writes_only_listed_sequences():
     assert_close(out[n0:], ref[n0:], torch.float32)
 
 
+def test_seq_ids_with_rotated_runs_leave_other_rows_alone():
+    """A listed sequence over chunks at nonzero offsets (its rotated query tiles are staged in
+    its own output rows) next to unlisted ones: their rows keep what they held, the query is
+    not touched."""
+    case = make_case(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, device=DEVICE, seed=6)
+    query_before = case.query.clone()
+    poison = torch.full_like(case.query, 7.0)
+    out, ref = run(case, seq_ids=torch.tensor([0, 3], dtype=torch.int32, device=DEVICE), out=poison)
+    bounds = case.cu_seqlens_q.tolist()
+    for seq in (1, 2):
+        assert torch.all(out[bounds[seq]:bounds[seq + 1]] == 7.0)
+    for seq in (0, 3):
+        assert_close(out[bounds[seq]:bounds[seq + 1]], ref[bounds[seq]:bounds[seq + 1]], torch.float32)
+    assert torch.equal(case.query, query_before)
+
+
 def test_rotation_compiled_out_matches_when_all_deltas_are_zero():
     specs = [SeqSpec([(37, 0), (17, 0)], own_len=9, query_len=9)]
     case = make_case(specs, num_heads=4, num_kv_heads=2, head_dim=64, device=DEVICE, seed=6)
@@ -171,11 +187,25 @@ def test_long_prefill_launch_options_gpu(options):
     assert_close(out, ref, torch.bfloat16, str(options))
 
 
+def test_out_beside_the_query_in_one_buffer_and_empty_batches_are_accepted():
+    case = make_case(MIXED[:2], num_heads=4, num_kv_heads=2, head_dim=64, device=DEVICE, seed=8)
+    buf = torch.zeros(2, *case.query.shape, dtype=case.query.dtype, device=DEVICE)
+    buf[0] = case.query
+    out, ref = run(case.__class__(**{**case.__dict__, "query": buf[0]}), out=buf[1])  # disjoint halves
+    assert_close(out, ref, torch.float32)
+    empty = case.query[:0]
+    kept = paged_prefill(empty, case.key_cache, case.value_cache, case.block_tables, case.num_blocks_per_seq,
+                         case.seq_lens, case.cu_seqlens_q, 0, case.inv_freq, case.scale, out=empty.clone())
+    assert kept.shape == empty.shape
+
+
 def test_bad_inputs_raise_clear_errors():
     case = make_case(MIXED[:1], num_heads=4, num_kv_heads=2, head_dim=64, device=DEVICE, seed=10)
-    with pytest.raises(ValueError, match="share memory"):  # the rotated query is staged in out
+    with pytest.raises(ValueError, match="overlap the query"):  # the rotated query is staged in out
         run(case, out=case.query)
-    with pytest.raises(ValueError, match="query's dtype"):
+    with pytest.raises(ValueError, match="overlap the query"):
+        run(case, out=case.query[1:])
+    with pytest.raises(ValueError, match="query's dtype torch.float32, got torch.float16"):
         run(case, out=torch.empty_like(case.query, dtype=torch.float16))
     with pytest.raises(ValueError, match="share a dtype"):
         run(case.__class__(**{**case.__dict__, "query": case.query.half()}))

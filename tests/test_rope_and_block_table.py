@@ -100,3 +100,14 @@ def test_pack_run_refuses_what_the_word_cannot_hold(block_ids, delta, match):
         pack_run(block_ids, 20, delta, 16)
     with pytest.raises(BlockTableOverflowError, match=match):
         pack_entries([(b, delta, 16) for b in block_ids])
+
+
+def test_pack_run_takes_numpy_integers_and_checks_only_the_blocks_it_packs():
+    import numpy as np
+
+    ids = list(np.array([3, 4, 5], dtype=np.int32))
+    want = pack_entries([(3, -7, 16), (4, -7, 16), (5, -7, 8)]).tolist()
+    assert pack_run(ids, 40, -7, 16).tolist() == want
+    assert pack_run([3, 4, 5], np.int32(40), np.int32(-7), np.int32(16)).tolist() == want
+    # one block: the block size is no word's valid count, so it is not checked (as pack_entries)
+    assert pack_run([10], 50, 0, 200).tolist() == pack_entries([(10, 0, 50)]).tolist()
