@@ -34,7 +34,10 @@ def test_logits_equal_transformers(smollm2, hf_smollm2):
     ids = smollm2.tokenizer("The capital of France is Paris, and the capital of Japan is")["input_ids"]
     expected = hf_smollm2(input_ids=torch.tensor([ids])).logits[0].detach()
     actual = our_logits(smollm2.model, ids, 0)
-    assert (actual - expected).abs().max().item() <= 1e-4
+    # float32 through 30 layers whose products oneDNN sums in another order than transformers':
+    # equal to 1e-5 of the logits' range (|logits| reach ~25 here; a wrong RoPE, norm or weight
+    # is off by 1e-2 or more). The CPU decides the rounding: 1.0e-4 on one machine, 0.9e-4 on another.
+    assert (actual - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
 
 
 def test_delta_zero_chunk_gives_full_prefill_text(smollm2_dir, hf_smollm2):

@@ -47,16 +47,18 @@ def test_report_equals_transformers(make_llm):
 
 def test_the_kl_is_of_the_reused_distribution_from_full_attentions(make_llm):
     """KL(full || reused), not the reverse: a case far enough from full attention (chunk attention
-    scaling at T = 0.2, W = 5) that the two directions differ by 6x the tolerance."""
-    hf, llm = ape_engine(make_llm, temperature=0.2, weight=5.0)
+    scaling at T = 0.1, W = 5) that the two directions differ by about 8x the tolerance (the test
+    asks 4x, so the reverse direction cannot pass; the CPU's rounding moves the gap a few %)."""
+    hf, llm = ape_engine(make_llm, temperature=0.1, weight=5.0)
     ids = ["c", "a"]
-    q = scaled_reference(hf, llm, 0.2, 5.0, ids).double()
+    q = scaled_reference(hf, llm, 0.1, 5.0, ids).double()
     with torch.no_grad():
         p = torch.log_softmax(hf(input_ids=torch.tensor([llm.plan(QUESTION, ids).token_ids()])).logits[0, -1].double(), -1)
     forward, reverse = float((p.exp() * (p - q)).sum()), float((q.exp() * (q - p)).sum())
-    assert abs(forward - reverse) > 1.8e-6
+    tolerance = 3e-7
+    assert abs(forward - reverse) > 4 * tolerance
     assert llm.check_fidelity(QUESTION, ids, chunk_attention_scaling=True).first_token_kl == \
-        pytest.approx(forward, rel=0, abs=3e-7)
+        pytest.approx(forward, rel=0, abs=tolerance)
 
 
 def test_recomputing_whole_documents_reports_full_attention(make_llm):
