@@ -1,11 +1,13 @@
 """The paged prefill kernel of an earlier commit against today's, on serving-shaped batches (H200).
 
-Side by side in one process, interleaved 3 times (median of triton's ``do_bench`` over CUDA-graph
-replays, L2 flushed, as ``benchmarks/kernels.py``): the earlier kernel file, today's kernel with
-its default launch and with ``num_stages=3``, on the prefills the serving engine runs most (Llama
+Side by side in one process (``benchmarks/kernels.py``'s ``launch_options``: interleaved 3 times,
+median of triton's ``do_bench`` over CUDA-graph replays, L2 flushed; the earlier kernel is the
+``default``): the earlier kernel file, today's kernel with its default launch and with
+``num_stages=3``, on the prefills the serving engine runs most (Llama
 heads 32/8, d128, bf16, block 16): requests of 64 new tokens over 5 cached 512-token chunks at
 distinct offsets, 512-token document encodes (no context, delta 0), and requests of 512 new
 tokens over 5 chunks. Also each output's largest difference from the earlier kernel's.
+(``results/prefill_ab_h200.json`` was written by this script's first form, same shapes and timing.)
 
     git show eb4fe53:kernels/prefill.py > /tmp/old_prefill.py
     python benchmarks/prefill_ab.py --old /tmp/old_prefill.py --label eb4fe53 --out benchmarks/results/prefill_ab_h200.json
@@ -24,7 +26,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.kernels import BLOCK_SIZE, bench_ms, build_paged, inv_freq_for
+from benchmarks.kernels import BLOCK_SIZE, build_paged, inv_freq_for, launch_options
 from lazyattn_rag.kernels import prefill as current
 from lazyattn_rag.kernels.launch import block_key_starts, block_runs
 
@@ -48,7 +50,9 @@ def load_kernel_module(path: str):
     return module
 
 
-def compare(segs, query_len: int, kernels: dict, device) -> dict:
+def compare(segs, query_len: int, earlier, device) -> dict:
+    """``kernels.launch_options`` with the earlier kernel as the default: today's kernel (its
+    default launch, and 3 stages) timed interleaved with it, outputs compared."""
     P = build_paged(segs, KV_HEADS, HEAD_DIM, device, seed=3)
     num_seqs = len(segs)
     q = torch.randn(num_seqs * query_len, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
@@ -57,22 +61,15 @@ def compare(segs, query_len: int, kernels: dict, device) -> dict:
     key_starts = block_key_starts(P["block_tables"], P["num_blocks"])
     runs = block_runs(P["block_tables"], P["num_blocks"], BLOCK_SIZE)
     out = torch.empty_like(q)
+    pairs = sum(query_len * (n - query_len) + query_len * (query_len + 1) // 2 for n in P["seq_lens_list"])
 
-    def launch(module, **kw):
+    def launch(module=earlier, **kw):
         return lambda: module.paged_prefill(q, P["k_cache"], P["v_cache"], P["block_tables"], P["num_blocks"],
                                             P["seq_lens"], cu, query_len, inv_freq, HEAD_DIM**-0.5,
                                             key_starts=key_starts, runs=runs, out=out, **kw)
 
-    fns = {name: launch(module, **kw) for name, (module, kw) in kernels.items()}
-    outputs = {name: fn().float().clone() for name, fn in fns.items()}
-    times = {name: [] for name in fns}
-    for _ in range(3):
-        for name, fn in fns.items():
-            times[name].append(bench_ms(fn, rep=100))
-    base = next(iter(fns))
-    median = {name: sorted(t)[1] for name, t in times.items()}
-    return {name: {"ms": times[name], "median_ms": median[name], "speedup_vs_earlier": median[base] / median[name],
-                   "max_abs_diff_vs_earlier": (outputs[name] - outputs[base]).abs().max().item()} for name in fns}
+    return launch_options(launch, {"now": dict(module=current), "now, 3 stages": dict(module=current, num_stages=3)},
+                          4 * HEADS * HEAD_DIM * pairs, "TFLOPs", per=1e9)
 
 
 def main() -> None:
@@ -83,11 +80,11 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda")
     earlier = load_kernel_module(args.old)
-    kernels = {f"earlier ({args.label})": (earlier, {}), "now": (current, {}), "now, 3 stages": (current, {"num_stages": 3})}
-    results = {"gpu": torch.cuda.get_device_name(), "earlier": args.label, "shapes": {}}
+    results = {"gpu": torch.cuda.get_device_name(), "default": f"the earlier kernel ({args.label})", "shapes": {}}
     for name, (segs, query_len) in shapes().items():
-        results["shapes"][name] = compare(segs, query_len, kernels, device)
-        print(name, {k: round(v["speedup_vs_earlier"], 3) for k, v in results["shapes"][name].items()}, flush=True)
+        results["shapes"][name] = compare(segs, query_len, earlier, device)
+        print(name, {k: v.get("speedup_vs_default", v.get("error"))
+                     for k, v in results["shapes"][name].items()}, flush=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
 
 

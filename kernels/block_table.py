@@ -41,13 +41,16 @@ class BlockTableOverflowError(ValueError):
     """A block id, offset or valid count does not fit the packed block-table word."""
 
 
+def _check_bounds(name: str, smallest: int, largest: int, lo: int, hi: int) -> None:
+    """``BlockTableOverflowError`` naming the first bound crossed by values in ``[smallest, largest]``."""
+    if smallest < lo or largest > hi:
+        raise BlockTableOverflowError(f"{name} {smallest if smallest < lo else largest} is outside the packed "
+                                      f"range [{lo}, {hi}]")
+
+
 def _check_range(name: str, t: torch.Tensor, lo: int, hi: int) -> None:
-    if t.numel() == 0:
-        return
-    t_min, t_max = int(t.min()), int(t.max())
-    if t_min < lo or t_max > hi:
-        bad = t_min if t_min < lo else t_max
-        raise BlockTableOverflowError(f"{name} {bad} is outside the packed range [{lo}, {hi}]")
+    if t.numel():
+        _check_bounds(name, int(t.min()), int(t.max()), lo, hi)
 
 
 def pack_block_table(block_ids: torch.Tensor, deltas: torch.Tensor, valid: torch.Tensor,
@@ -108,13 +111,6 @@ def pack_entries(entries: list[tuple]) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.int64)
     t = torch.tensor(entries, dtype=torch.int64)
     return pack_block_table(t[:, 0], t[:, 1], t[:, 2], t[:, 3] if t.shape[1] > 3 else None)
-
-
-def _check_bounds(name: str, smallest: int, largest: int, lo: int, hi: int) -> None:
-    """:func:`_check_range` for values already known as Python ints (their min and max)."""
-    if smallest < lo or largest > hi:
-        raise BlockTableOverflowError(f"{name} {smallest if smallest < lo else largest} is outside the packed "
-                                      f"range [{lo}, {hi}]")
 
 
 def pack_run(block_ids: list[int], num_tokens: int, delta: int, block_size: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""benchmarks/host_step.py on a tiny workload: every part is timed once per engine step, the
-parts add up to the host total, and the engine's methods are unwrapped afterwards."""
+"""benchmarks/host_step.py on a tiny workload: every part is timed in every run, and the
+engine's methods are unwrapped afterwards."""
 
 import json
 
@@ -21,9 +21,7 @@ def test_parts_are_timed_per_step_and_unwrapped_after(tmp_path, monkeypatch):
     assert [r["repeat"] for r in data["runs"]] == [0, 1]
     for row in data["runs"]:
         assert row["num_steps"] >= 4  # 6 requests of 4 output tokens, at most 3 at a time
-        parts = [row[f"{name}_ms_per_step"] for name in ("schedule", "input_prep", "output", "metadata")]
-        assert all(p > 0 for p in parts)
-        assert row["host_ms_per_step"] == pytest.approx(sum(parts))
+        assert all(row[f"{name}_ms_per_step"] > 0 for name in ("schedule", "input_prep", "output", "metadata"))
     assert {name: getattr(cls, attr) for name, (cls, attr) in host_step.PARTS.items()} == originals
     assert host_step.runner_module.build_attention_metadata.__name__ == "build_attention_metadata"
     refused = CliRunner().invoke(host_step.app, ["--num-requests", "4", "--warm-up-requests", "4"])

@@ -168,14 +168,6 @@ def test_long_prefill_with_chunks_gpu(num_heads, num_kv_heads, head_dim):
     assert_close(out, ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("options", [dict(num_stages=3), dict(num_stages=2)])
-def test_launch_options_keep_the_result(options):
-    """The pipeline depth (compiled on the GPU: each is its own kernel) changes the launch only."""
-    case = make_case(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, device=DEVICE, seed=21)
-    out, ref = run(case, **options)
-    assert_close(out, ref, torch.bfloat16, str(options))
-
-
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("options", [dict(num_stages=2), dict(num_stages=3)])
