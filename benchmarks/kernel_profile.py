@@ -1,0 +1,100 @@
+"""Hardware-counter profile of the attention kernels on the shapes issue 19 targets, under Nsight Compute.
+
+Each case launches our kernel once to compile and warm it, then once between
+``cudaProfilerStart``/``Stop``, so that ``ncu --profile-from-start off`` reads exactly one
+launch per case (decode: the split kernel and its reduction). The cases, with the layouts of
+``benchmarks/kernels.py`` (Llama-3.1-8B heads: 32 q / 8 kv, d 128, bf16, block 16):
+
+* ``decode_b32_8k``: batch 32 x 8k context (a 256-token head, 4 chunks of 1900 at offsets, own tokens);
+* ``decode_b1_20k``: batch 1 x 20k context, the same layout;
+* ``prefill_16k``: 16k new tokens, causal, nothing cached;
+* ``prefill_4k_after_12k`` and ``..._norot``: 4k new tokens after 4 chunks of 3072, with the
+  chunks' rotation and with it compiled out (``rotation="none"``): the rotation's cost in counters.
+
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
+        --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \\
+        --section LaunchStats --section ComputeWorkloadAnalysis --csv --page details \\
+        python benchmarks/kernel_profile.py > ncu.csv
+
+The case order is printed (names of the launches under profile) so the CSV's rows can be named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make ``benchmarks.*`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.kernels import BLOCK_SIZE, DTYPE, MODELS, build_paged, inv_freq_for
+from lazyattn_rag.kernels.decode import paged_decode
+from lazyattn_rag.kernels.launch import block_key_starts, block_runs
+from lazyattn_rag.kernels.prefill import paged_prefill
+
+LLAMA = MODELS["llama3.1-8b"]
+
+
+def decode_case(batch: int, context: int, device):
+    """A launcher of one decode step over the benchmark's layout (see ``kernels.bench_decode``)."""
+    head, n_chunks, chunk = 256, 4, 1900
+    segs = [[(head, 0)] + [(chunk, c * chunk + 37 * b) for c in range(n_chunks)]
+            + [(context - head - n_chunks * chunk, 0)] for b in range(batch)]
+    P = build_paged(segs, LLAMA["num_kv_heads"], LLAMA["head_dim"], device, seed=1)
+    q = torch.randn(batch, LLAMA["num_heads"], LLAMA["head_dim"], dtype=DTYPE, device=device)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    runs, out = block_runs(P["block_tables"], P["num_blocks"], BLOCK_SIZE), torch.empty_like(q)
+    inv_freq, max_len = inv_freq_for(LLAMA["head_dim"], LLAMA["theta"], device), max(P["seq_lens_list"])
+    return lambda: paged_decode(q, P["k_cache"], P["v_cache"], P["block_tables"], P["num_blocks"], cu, max_len,
+                                inv_freq, LLAMA["head_dim"] ** -0.5, runs=runs, out=out)
+
+
+def prefill_case(new_tokens: int, cached_chunks: int, device, rotation: str = "query", chunk_len: int = 3072):
+    """A launcher of one prefill (see ``kernels.bench_prefill``)."""
+    segs = [[(chunk_len, 1000 + 5000 * c) for c in range(cached_chunks)] + [(new_tokens, 0)]]
+    P = build_paged(segs, LLAMA["num_kv_heads"], LLAMA["head_dim"], device, seed=2)
+    q = torch.randn(new_tokens, LLAMA["num_heads"], LLAMA["head_dim"], dtype=DTYPE, device=device)
+    cu = torch.tensor([0, new_tokens], dtype=torch.int32, device=device)
+    ks, runs = block_key_starts(P["block_tables"], P["num_blocks"]), block_runs(P["block_tables"], P["num_blocks"],
+                                                                                 BLOCK_SIZE)
+    out, inv_freq = torch.empty_like(q), inv_freq_for(LLAMA["head_dim"], LLAMA["theta"], device)
+    return lambda: paged_prefill(q, P["k_cache"], P["v_cache"], P["block_tables"], P["num_blocks"], P["seq_lens"], cu,
+                                 new_tokens, inv_freq, LLAMA["head_dim"] ** -0.5, key_starts=ks, runs=runs, out=out,
+                                 rotation=rotation)
+
+
+CASES = {
+    "decode_b32_8k": lambda d: decode_case(32, 8192, d),
+    "decode_b1_20k": lambda d: decode_case(1, 20480, d),
+    "prefill_16k": lambda d: prefill_case(16384, 0, d),
+    "prefill_4k_after_12k": lambda d: prefill_case(4096, 4, d),
+    "prefill_4k_after_12k_norot": lambda d: prefill_case(4096, 4, d, rotation="none"),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES))
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    names = args.cases.split(",")
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+    launchers = {name: CASES[name](device) for name in names}
+    for fn in launchers.values():  # compile and warm every case before the profiled launches
+        fn()
+    torch.cuda.synchronize()
+    for name, fn in launchers.items():
+        print(f"profiled launch: {name}", flush=True)
+        torch.cuda.cudart().cudaProfilerStart()
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+
+
+if __name__ == "__main__":
+    main()
