@@ -1,9 +1,12 @@
 """Hardware-counter profile of the attention kernels on the shapes issue 19 targets, under Nsight Compute.
 
 Each case launches our kernel once to compile and warm it, then once between
-``cudaProfilerStart``/``Stop``, so that ``ncu --profile-from-start off`` reads exactly one
-launch per case (decode: the split kernel and its reduction). The cases, with the layouts of
-``benchmarks/kernels.py`` (Llama-3.1-8B heads: 32 q / 8 kv, d 128, bf16, block 16):
+``torch.cuda.profiler.start()``/``stop()``, so that ``ncu --profile-from-start off`` reads one
+launch per case: the decode kernel (plus its split reduction where the launch splits the
+context: at batch 1 x 20k, 32 splits on an H200; at batch 32 x 8k, one split and no reduction)
+or the prefill kernel. Each case's launch is inside an NVTX range named after it. The cases,
+with the layouts of ``benchmarks/kernels.py`` and its default launch configurations (Llama-3.1-8B
+heads: 32 q / 8 kv, d 128, bf16, block 16):
 
 * ``decode_b32_8k``: batch 32 x 8k context (a 256-token head, 4 chunks of 1900 at offsets, own tokens);
 * ``decode_b1_20k``: batch 1 x 20k context, the same layout;
@@ -11,12 +14,13 @@ launch per case (decode: the split kernel and its reduction). The cases, with th
 * ``prefill_4k_after_12k`` and ``..._norot``: 4k new tokens after 4 chunks of 3072, with the
   chunks' rotation and with it compiled out (``rotation="none"``): the rotation's cost in counters.
 
-    ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
-        --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \\
-        --section LaunchStats --section ComputeWorkloadAnalysis --csv --page details \\
-        python benchmarks/kernel_profile.py > ncu.csv
+    ncu --clock-control none --profile-from-start off --nvtx -k regex:'decode|prefill' \\
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
+        --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis \\
+        -o kprof python benchmarks/kernel_profile.py
+    ncu --import kprof.ncu-rep --csv --page details > kprof.csv
 
-The case order is printed (names of the launches under profile) so the CSV's rows can be named.
+Profiled launches come in the order printed (``profiled launch: <case>``).
 """
 
 from __future__ import annotations
@@ -48,8 +52,9 @@ def decode_case(batch: int, context: int, device):
     cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
     runs, out = block_runs(P["block_tables"], P["num_blocks"], BLOCK_SIZE), torch.empty_like(q)
     inv_freq, max_len = inv_freq_for(LLAMA["head_dim"], LLAMA["theta"], device), max(P["seq_lens_list"])
+    seq_ids = torch.arange(batch, dtype=torch.int32, device=device)  # given: no arange kernel in the profile
     return lambda: paged_decode(q, P["k_cache"], P["v_cache"], P["block_tables"], P["num_blocks"], cu, max_len,
-                                inv_freq, LLAMA["head_dim"] ** -0.5, runs=runs, out=out)
+                                inv_freq, LLAMA["head_dim"] ** -0.5, runs=runs, out=out, seq_ids=seq_ids)
 
 
 def prefill_case(new_tokens: int, cached_chunks: int, device, rotation: str = "query", chunk_len: int = 3072):
@@ -61,9 +66,10 @@ def prefill_case(new_tokens: int, cached_chunks: int, device, rotation: str = "q
     ks, runs = block_key_starts(P["block_tables"], P["num_blocks"]), block_runs(P["block_tables"], P["num_blocks"],
                                                                                  BLOCK_SIZE)
     out, inv_freq = torch.empty_like(q), inv_freq_for(LLAMA["head_dim"], LLAMA["theta"], device)
+    seq_ids = torch.zeros(1, dtype=torch.int32, device=device)
     return lambda: paged_prefill(q, P["k_cache"], P["v_cache"], P["block_tables"], P["num_blocks"], P["seq_lens"], cu,
                                  new_tokens, inv_freq, LLAMA["head_dim"] ** -0.5, key_starts=ks, runs=runs, out=out,
-                                 rotation=rotation)
+                                 rotation=rotation, seq_ids=seq_ids)
 
 
 CASES = {
@@ -90,10 +96,11 @@ def main() -> None:
     torch.cuda.synchronize()
     for name, fn in launchers.items():
         print(f"profiled launch: {name}", flush=True)
-        torch.cuda.cudart().cudaProfilerStart()
-        fn()
+        torch.cuda.profiler.start()
+        with torch.cuda.nvtx.range(name):
+            fn()
         torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStop()
+        torch.cuda.profiler.stop()
 
 
 if __name__ == "__main__":
