@@ -9,8 +9,9 @@
 # Trees run one after another, so drift of the machine over the call is confounded with the
 # commit: interleave them (run 110 A B A B; each run's files carry its index). Each tree runs from
 # its own sources (PYTHONPATH, with the package-dir links pyproject.toml maps); the package
-# installed from the working tree supplies the metadata, and any lazyattn_rag module a tree lacks
-# (none of this repository's commits lacks one). SWEEP_ARGS overrides the sweep's options.
+# installed from the working tree supplies the metadata (and would supply a lazyattn_rag module
+# a tree lacks: the import check only proves lazyattn_rag.engine is the tree's). SWEEP_ARGS
+# overrides the sweep's options.
 set -uo pipefail
 action=${1:-}; shift || true
 root=$(pwd)

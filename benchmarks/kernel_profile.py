@@ -34,7 +34,8 @@ import torch
 if __package__ in (None, ""):  # run as a script: make ``benchmarks.*`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.kernels import BLOCK_SIZE, DTYPE, MODELS, build_paged, inv_freq_for
+from benchmarks.kernels import (BLOCK_SIZE, DTYPE, MODELS, build_paged, decode_segments, inv_freq_for,
+                               prefill_segments)
 from lazyattn_rag.kernels.decode import paged_decode
 from lazyattn_rag.kernels.launch import block_key_starts, block_runs
 from lazyattn_rag.kernels.prefill import paged_prefill
@@ -44,10 +45,7 @@ LLAMA = MODELS["llama3.1-8b"]
 
 def decode_case(batch: int, context: int, device):
     """A launcher of one decode step over the benchmark's layout (see ``kernels.bench_decode``)."""
-    head, n_chunks, chunk = 256, 4, 1900
-    segs = [[(head, 0)] + [(chunk, c * chunk + 37 * b) for c in range(n_chunks)]
-            + [(context - head - n_chunks * chunk, 0)] for b in range(batch)]
-    P = build_paged(segs, LLAMA["num_kv_heads"], LLAMA["head_dim"], device, seed=1)
+    P = build_paged(decode_segments(batch, context), LLAMA["num_kv_heads"], LLAMA["head_dim"], device, seed=1)
     q = torch.randn(batch, LLAMA["num_heads"], LLAMA["head_dim"], dtype=DTYPE, device=device)
     cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
     runs, out = block_runs(P["block_tables"], P["num_blocks"], BLOCK_SIZE), torch.empty_like(q)
@@ -59,8 +57,8 @@ def decode_case(batch: int, context: int, device):
 
 def prefill_case(new_tokens: int, cached_chunks: int, device, rotation: str = "query", chunk_len: int = 3072):
     """A launcher of one prefill (see ``kernels.bench_prefill``)."""
-    segs = [[(chunk_len, 1000 + 5000 * c) for c in range(cached_chunks)] + [(new_tokens, 0)]]
-    P = build_paged(segs, LLAMA["num_kv_heads"], LLAMA["head_dim"], device, seed=2)
+    P = build_paged(prefill_segments(new_tokens, cached_chunks, chunk_len), LLAMA["num_kv_heads"],
+                    LLAMA["head_dim"], device, seed=2)
     q = torch.randn(new_tokens, LLAMA["num_heads"], LLAMA["head_dim"], dtype=DTYPE, device=device)
     cu = torch.tensor([0, new_tokens], dtype=torch.int32, device=device)
     ks, runs = block_key_starts(P["block_tables"], P["num_blocks"]), block_runs(P["block_tables"], P["num_blocks"],

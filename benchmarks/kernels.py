@@ -217,20 +217,23 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def decode_segments(batch: int, context: int) -> list[list[tuple[int, int]]]:
+    """The decode layout (``build_paged``'s segments): per sequence a 256-token head, 4 chunks of
+    1900 tokens at offsets distinct per sequence, and its own tokens up to ``context``."""
+    head, n_chunks, chunk = 256, 4, 1900
+    # a chunk's offset = its global start - its local start (the anchor: the head)
+    return [[(head, 0)] + [(chunk, c * chunk + 37 * b) for c in range(n_chunks)]
+            + [(context - head - n_chunks * chunk, 0)] for b in range(batch)]
+
+
+def prefill_segments(new_tokens: int, cached_chunks: int, chunk_len: int) -> list[list[tuple[int, int]]]:
+    """The prefill layout: one sequence of ``cached_chunks`` chunks at offsets, then its new tokens."""
+    return [[(chunk_len, 1000 + 5000 * c) for c in range(cached_chunks)] + [(new_tokens, 0)]]
+
+
 def bench_decode(name: str, cfg: dict, copy_gbps: float, device, batch=32, context=8192) -> dict:
     Hq, Hkv, D = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
-    head, n_chunks, chunk = 256, 4, 1900
-    own = context - head - n_chunks * chunk
-    segs = []
-    for b in range(batch):
-        s = [(head, 0)]
-        g = head
-        for c in range(n_chunks):
-            s.append((chunk, g - head + 37 * b))  # offset = global start - local start (anchor = head)
-            g += chunk
-        s.append((own, 0))
-        segs.append(s)
-    P = build_paged(segs, Hkv, D, device, seed=1)
+    P = build_paged(decode_segments(batch, context), Hkv, D, device, seed=1)
     q = torch.randn(batch, Hq, D, dtype=DTYPE, device=device)
     cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
     inv_freq = inv_freq_for(D, cfg["theta"], device)
@@ -311,8 +314,7 @@ def finish_decode(res, make, config, kv_bytes, copy_gbps, qd, P) -> dict:
 
 def bench_prefill(name: str, cfg: dict, device, new_tokens=16384, cached_chunks=0, chunk_len=3072) -> dict:
     Hq, Hkv, D = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
-    segs = [[(chunk_len, 1000 + 5000 * c) for c in range(cached_chunks)] + [(new_tokens, 0)]]
-    P = build_paged(segs, Hkv, D, device, seed=2)
+    P = build_paged(prefill_segments(new_tokens, cached_chunks, chunk_len), Hkv, D, device, seed=2)
     seq_len = P["seq_lens_list"][0]
     ctx = seq_len - new_tokens
     q = torch.randn(new_tokens, Hq, D, dtype=DTYPE, device=device)
