@@ -11,7 +11,9 @@
 # its own sources (PYTHONPATH, with the package-dir links pyproject.toml maps); the package
 # installed from the working tree supplies the metadata (and would supply a lazyattn_rag module
 # a tree lacks: the import check only proves lazyattn_rag.engine is the tree's). SWEEP_ARGS
-# overrides the sweep's options.
+# overrides the sweep's options; BENCH replaces the whole benchmark (a script and its options,
+# e.g. BENCH='benchmarks/decode_step.py --shapes 1x20480 --no-profile'; it must take --out NAME
+# and write benchmarks/results/NAME.json).
 set -uo pipefail
 action=${1:-}; shift || true
 root=$(pwd)
@@ -31,6 +33,7 @@ fi
 limit=$1; shift
 out=${OUT:-$root/ab_out}; mkdir -p "$out"
 args=${SWEEP_ARGS:---arch llama-3.1-8b --modes lazy --modes block_attention --budget-gb 10 --repeats 2}
+bench=${BENCH:-benchmarks/serving.py sweep $args}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu --format=csv \
   > "$out/gpu_state.txt" 2>&1
 python -m pip install --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1 || echo "install failed (install.log)"
@@ -47,7 +50,7 @@ for c in "$@"; do
   fi
   start=$(date +%s); rc=0
   # shellcheck disable=SC2086
-  PYTHONPATH=$d timeout -k 30 "$limit" python benchmarks/serving.py sweep $args --out "$name" >> "$log" 2>&1 || rc=$?
+  PYTHONPATH=$d timeout -k 30 "$limit" python $bench --out "$name" >> "$log" 2>&1 || rc=$?
   status=ok; [ $rc -eq 124 ] && status="timed out: the JSON holds the runs that finished"
   [ $rc -ne 0 ] && [ $rc -ne 124 ] && status="failed, see $name.log"
   report "$c (run $i): rc=$rc, $(( $(date +%s) - start )) s, $status"

@@ -20,25 +20,30 @@ heads: 32 q / 8 kv, d 128, bf16, block 16):
         -o kprof python benchmarks/kernel_profile.py
     ncu --import kprof.ncu-rep --csv --page details > kprof.csv
 
-Profiled launches come in the order printed (``profiled launch: <case>``).
+Profiled launches come in the order printed (``profiled launch: <case>``). ``--static`` instead
+prints, without a profiler, each case's median time (``triton.testing.do_bench``) and what
+Triton compiled for it (registers per thread, spills, shared memory, warps, stages): the
+part of a profile that needs no hardware counters.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import torch
+import triton
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks.*`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.kernels import (BLOCK_SIZE, DTYPE, MODELS, build_paged, decode_segments, inv_freq_for,
                                prefill_segments)
-from lazyattn_rag.kernels.decode import paged_decode
+from lazyattn_rag.kernels.decode import decode_kernel, decode_reduce_kernel, paged_decode
 from lazyattn_rag.kernels.launch import block_key_starts, block_runs
-from lazyattn_rag.kernels.prefill import paged_prefill
+from lazyattn_rag.kernels.prefill import paged_prefill, prefill_kernel
 
 LLAMA = MODELS["llama3.1-8b"]
 
@@ -79,9 +84,33 @@ CASES = {
 }
 
 
+def compiled_variants(fn) -> list[dict]:
+    """What Triton compiled for the ``@triton.jit`` function ``fn`` so far: one dict per variant
+    (registers per thread, spilled registers, shared memory bytes, warps, stages)."""
+    rows = []
+    for caches in fn.device_caches.values():
+        for kernel in caches[0].values():  # the kernel cache: specialization key -> CompiledKernel
+            kernel._init_handles()
+            meta = kernel.metadata
+            rows.append({"kernel": fn.__name__, "n_regs": kernel.n_regs, "n_spills": kernel.n_spills,
+                         "shared_bytes": meta.shared, "num_warps": meta.num_warps, "num_stages": meta.num_stages})
+    return rows
+
+
+def static_report(launchers: dict) -> None:
+    """Print each case's median ms, then each compiled kernel variant, as JSON lines."""
+    for name, fn in launchers.items():
+        print(json.dumps({"case": name, "median_ms": triton.testing.do_bench(fn, return_mode="median")}), flush=True)
+    for fn in (decode_kernel, decode_reduce_kernel, prefill_kernel):
+        for row in compiled_variants(fn):
+            print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES))
+    ap.add_argument("--static", action="store_true", help="time each case and list the compiled variants "
+                    "(no profiler ranges)")
     args = ap.parse_args()
     device = torch.device("cuda")
     names = args.cases.split(",")
@@ -92,6 +121,9 @@ def main() -> None:
     for fn in launchers.values():  # compile and warm every case before the profiled launches
         fn()
     torch.cuda.synchronize()
+    if args.static:
+        static_report(launchers)
+        return
     for name, fn in launchers.items():
         print(f"profiled launch: {name}", flush=True)
         torch.cuda.profiler.start()

@@ -7,6 +7,11 @@ multiples of 64 up to ``max_num_seqs``) over static input buffers, and a step co
 inputs into those buffers and replays the graph of the smallest bucket that holds it (as
 vLLM and SGLang do).
 
+A step's inputs travel in one host-to-device copy: the step fills a pinned host buffer laid
+out like the graphs' static inputs (token ids, positions, slots, sequence lengths, block
+counts, then the block-table rows in use) and copies its used part at once, instead of
+building device tensors one by one (each a pageable copy that waits for the stream).
+
 Padding rows of a bucket have no blocks (their attention output is zero) and write their
 K/V to ``padding_slot``, a slot the block pool never hands out. Block tables are
 ``max_blocks_per_seq`` words wide; a step with a wider table, more sequences than the largest
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lazyattn_rag.engine.attention import AttentionMetadata, SequenceInput, build_attention_metadata
+from lazyattn_rag.engine.attention import AttentionMetadata, SequenceInput, check_sequence_input
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -54,16 +59,38 @@ def graph_block_table_width(max_model_len: int, block_size: int) -> int:
 
 @dataclass
 class _StaticInputs:
-    """Buffers sized for the largest bucket; graph ``b`` reads their first ``b`` rows."""
+    """Views of one flat int64 buffer (``flat``); graph ``b`` reads the first ``b`` rows of each.
 
+    The layout (``n`` rows, ``w`` block-table words per row): ``input_ids``, ``positions`` and
+    ``slot_mapping`` take ``n`` words each, ``seq_lens`` and ``num_blocks_per_seq`` share the next
+    ``n`` words as ``2 n`` int32, and row ``i`` of ``block_tables`` is words
+    ``4 n + i w .. 4 n + (i + 1) w``: the inputs of a step with ``k`` rows are its first
+    ``4 n + k w`` words.
+    """
+
+    flat: torch.Tensor  # [4 * max_batch + max_batch * max_blocks_per_seq] int64
     input_ids: torch.Tensor  # [max_batch] int64
     positions: torch.Tensor  # [max_batch] int64
     slot_mapping: torch.Tensor  # [max_batch] int64
     seq_lens: torch.Tensor  # [max_batch] int32
     num_blocks_per_seq: torch.Tensor  # [max_batch] int32
     block_tables: torch.Tensor  # [max_batch, max_blocks_per_seq] int64 packed
-    cu_seqlens_q: torch.Tensor  # [max_batch + 1] int32 (0, 1, 2, ...: one row per sequence)
-    seq_ids: torch.Tensor  # [max_batch] int32 (0, 1, 2, ...)
+
+    @classmethod
+    def allocate(cls, num_rows: int, width: int, padding_slot: int, device: torch.device,
+                 pin_memory: bool = False) -> _StaticInputs:
+        """Zeroed buffers, slots set to ``padding_slot`` (``pin_memory``: page-locked host memory)."""
+        flat = torch.zeros(4 * num_rows + num_rows * width, dtype=torch.int64, device=device, pin_memory=pin_memory)
+        lens = flat[3 * num_rows: 4 * num_rows].view(torch.int32)
+        inputs = cls(flat=flat, input_ids=flat[:num_rows], positions=flat[num_rows: 2 * num_rows],
+                     slot_mapping=flat[2 * num_rows: 3 * num_rows], seq_lens=lens[:num_rows],
+                     num_blocks_per_seq=lens[num_rows:], block_tables=flat[4 * num_rows:].view(num_rows, width))
+        inputs.slot_mapping.fill_(padding_slot)
+        return inputs
+
+    def num_words(self, num_rows_used: int) -> int:
+        """Words of ``flat`` that hold the inputs of a step with ``num_rows_used`` rows."""
+        return 4 * self.input_ids.numel() + num_rows_used * self.block_tables.shape[1]
 
 
 class DecodeGraphs:
@@ -90,13 +117,14 @@ class DecodeGraphs:
         self.forward, self.plan, self.batch_sizes = forward, plan, sorted(batch_sizes)
         self.max_blocks_per_seq, self.block_size = max_blocks_per_seq, block_size
         self.padding_slot, self.device = padding_slot, device
-        n = self.batch_sizes[-1]
-        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
-        self.inputs = _StaticInputs(
-            input_ids=torch.zeros(n, **i64), positions=torch.zeros(n, **i64),
-            slot_mapping=torch.full((n,), padding_slot, **i64), seq_lens=torch.zeros(n, **i32),
-            num_blocks_per_seq=torch.zeros(n, **i32), block_tables=torch.zeros(n, max_blocks_per_seq, **i64),
-            cu_seqlens_q=torch.arange(n + 1, **i32), seq_ids=torch.arange(n, **i32))
+        n, on_cuda = self.batch_sizes[-1], device.type == "cuda"
+        self.inputs = _StaticInputs.allocate(n, max_blocks_per_seq, padding_slot, device)
+        # The host side of the step's one copy, and the event after which it may be refilled.
+        self.staging = _StaticInputs.allocate(n, max_blocks_per_seq, padding_slot, torch.device("cpu"),
+                                              pin_memory=on_cuda)
+        self.staged = torch.cuda.Event() if on_cuda else None
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # one row per sequence
+        self.seq_ids = torch.arange(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0
@@ -106,7 +134,7 @@ class DecodeGraphs:
     def _metadata(self, batch: int) -> AttentionMetadata:
         s, max_seq_len = self.inputs, self.max_blocks_per_seq * self.block_size
         metadata = AttentionMetadata(
-            block_size=self.block_size, cu_seqlens_q=s.cu_seqlens_q[: batch + 1], seq_lens=s.seq_lens[:batch],
+            block_size=self.block_size, cu_seqlens_q=self.cu_seqlens_q[: batch + 1], seq_lens=s.seq_lens[:batch],
             num_blocks_per_seq=s.num_blocks_per_seq[:batch], block_tables=s.block_tables[:batch],
             slot_mapping=s.slot_mapping[:batch], max_query_len=1, max_seq_len=max_seq_len,
             query_lens=[1] * batch, seq_lens_list=[max_seq_len] * batch)
@@ -115,7 +143,7 @@ class DecodeGraphs:
     def _run_static(self, batch: int) -> torch.Tensor:
         """The captured work: plan and forward over the first ``batch`` rows of the buffers."""
         metadata = self._metadata(batch)
-        self.plan(metadata, self.inputs.seq_ids[:batch])
+        self.plan(metadata, self.seq_ids[:batch])
         return self.forward(self.inputs.input_ids[:batch], self.inputs.positions[:batch], metadata)
 
     def _capture_all(self) -> None:
@@ -142,25 +170,38 @@ class DecodeGraphs:
         """Logits ``[len(seqs), vocab_size]`` float32 of a decode batch, or ``None`` (run it eagerly).
 
         The returned tensor is a view of the graph's output: valid until the next call.
+
+        Raises:
+            ValueError: a sequence that is not self-consistent
+                (:func:`~lazyattn_rag.engine.attention.metadata.check_sequence_input`).
         """
         batch = self.bucket(seqs)
-        if batch is None:
+        if batch is None or max(q.block_table.numel() for q in seqs) > self.max_blocks_per_seq:
             return None
-        metadata = build_attention_metadata(seqs, self.block_size, self.device)
-        width = metadata.block_tables.shape[1]
-        if width > self.max_blocks_per_seq:
-            return None
-        n, s = len(seqs), self.inputs
-        s.input_ids[:n].copy_(torch.tensor([q.token_ids[0] for q in seqs], dtype=torch.int64), non_blocking=True)
-        s.positions[:n].copy_(torch.tensor([q.positions[0] for q in seqs], dtype=torch.int64), non_blocking=True)
-        s.slot_mapping[:n].copy_(metadata.slot_mapping)
-        s.slot_mapping[n:batch].fill_(self.padding_slot)
-        s.seq_lens[:n].copy_(metadata.seq_lens)
-        s.num_blocks_per_seq[:n].copy_(metadata.num_blocks_per_seq)
-        s.num_blocks_per_seq[n:batch].zero_()
-        s.block_tables[:n, :width].copy_(metadata.block_tables)
+        for i, q in enumerate(seqs):
+            check_sequence_input(i, q)
+        self._stage(seqs, batch)
+        n, words = len(seqs), self.inputs.num_words(len(seqs))
+        self.inputs.flat[:words].copy_(self.staging.flat[:words], non_blocking=True)
+        if self.staged is not None:
+            self.staged.record()
         self.num_replays += 1
         if batch in self.graphs:
             self.graphs[batch].replay()
             return self.outputs[batch][:n]
         return self._run_static(batch)[:n]
+
+    def _stage(self, seqs: list[SequenceInput], batch: int) -> None:
+        """Fill the host staging buffer with the rows of ``seqs`` and padding rows up to ``batch``."""
+        if self.staged is not None:
+            self.staged.synchronize()  # the previous step's copy has read the buffer
+        n, h = len(seqs), self.staging
+        h.input_ids[:n] = torch.tensor([q.token_ids[0] for q in seqs])
+        h.positions[:n] = torch.tensor([q.positions[0] for q in seqs])
+        h.slot_mapping[:n] = torch.tensor([q.slot_mapping[0] for q in seqs])
+        h.slot_mapping[n:batch] = self.padding_slot
+        h.seq_lens[:n] = torch.tensor([q.seq_len for q in seqs], dtype=torch.int32)
+        h.num_blocks_per_seq[:n] = torch.tensor([q.block_table.numel() for q in seqs], dtype=torch.int32)
+        h.num_blocks_per_seq[n:batch] = 0
+        for i, q in enumerate(seqs):
+            h.block_tables[i, : q.block_table.numel()] = q.block_table

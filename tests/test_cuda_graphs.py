@@ -42,7 +42,8 @@ def test_bucketing_padding_and_eager_fallbacks():
 
     def forward(input_ids, positions, metadata):
         calls.append((input_ids.clone(), metadata.num_blocks_per_seq.clone(), metadata.slot_mapping.clone(),
-                      metadata.backend_state["triton"].runs.num_runs.clone()))
+                      metadata.backend_state["triton"].runs.num_runs.clone(), positions.clone(),
+                      metadata.seq_lens.clone(), metadata.block_tables.clone()))
         return torch.arange(input_ids.numel() * 3, dtype=torch.float32).view(-1, 3)
 
     graphs = DecodeGraphs(forward, plan_decode_batch, [1, 2, 4],  # the triton backend's capture hook
@@ -53,18 +54,30 @@ def test_bucketing_padding_and_eager_fallbacks():
             decode_seq(9, 2, [(4, 0, 3)], 18)]
     logits = graphs.run(seqs)
     assert logits.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [6.0, 7.0, 8.0]]  # first 3 rows of bucket 4
-    ids, num_blocks, slots, num_runs = calls[-1]
+    ids, num_blocks, slots, num_runs, positions, seq_lens, block_tables = calls[-1]
     assert ids.tolist() == [7, 8, 9, 0]
     assert num_blocks.tolist() == [2, 1, 1, 0]  # the padding row has no blocks (its output is zero)
     assert slots.tolist() == [9, 12, 18, 40]  # and writes to the padding slot only
     assert num_runs.tolist() == [2, 1, 1, 0]
+    assert positions.tolist()[:3] == [5, 0, 2] and seq_lens.tolist()[:3] == [6, 1, 3]
+    assert block_tables.shape == (4, 3)  # the static width; each row's used words are the packed entries
+    for row, seq in zip(block_tables, seqs):
+        assert row[: seq.block_table.numel()].tolist() == seq.block_table.tolist()
     assert graphs.run(seqs[:1]) is not None and calls[-1][0].tolist() == [7]  # bucket 1
     assert graphs.num_replays == 2
+    bad = decode_seq(3, 4, [(6, 0, 2)], 30)
+    bad.slot_mapping.append(31)  # two slots for one new token
+    with pytest.raises(ValueError, match="sequence 1: 1 tokens, 1 positions, 2 slots"):
+        graphs.run([seqs[1], bad])
+    assert len(calls) == 2 and graphs.num_replays == 2  # nothing ran
+    assert graphs.run(seqs[1:3]) is not None  # the next step runs with its own inputs only
+    ids, num_blocks, slots, _, _, seq_lens, _ = calls[-1]
+    assert (ids.tolist(), num_blocks.tolist(), slots.tolist(), seq_lens.tolist()) == ([8, 9], [1, 1], [12, 18], [1, 3])
     prefill = sequence_input([1, 2], [0, 1], [(5, 0, 2)], [20, 21])
     assert graphs.run(seqs[:1] + [prefill]) is None  # a prefill row: eager
     assert graphs.run(seqs + seqs[:2]) is None  # 5 sequences > the largest bucket
     assert graphs.run([decode_seq(1, 12, [(1, 0, 4), (2, 0, 4), (3, 0, 4), (4, 0, 1)], 16)]) is None  # 4 blocks > 3
-    assert len(calls) == 2 and graphs.num_replays == 2
+    assert len(calls) == 3 and graphs.num_replays == 3
 
 
 def graph_llm(make_llm, cuda_graphs: bool, max_num_seqs: int = 3, torch_compile: bool = False,

@@ -86,6 +86,20 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+def check_sequence_input(index: int, seq: SequenceInput) -> None:
+    """Check that ``seq`` (the ``index``-th of its batch) is self-consistent.
+
+    Raises:
+        ValueError: no new tokens, a position or slot list of the wrong length, or a block
+            table that holds fewer keys than new tokens.
+    """
+    if seq.query_len == 0 or len(seq.positions) != seq.query_len or len(seq.slot_mapping) != seq.query_len:
+        raise ValueError(f"sequence {index}: {seq.query_len} tokens, {len(seq.positions)} positions, "
+                         f"{len(seq.slot_mapping)} slots")
+    if seq.seq_len < seq.query_len:
+        raise ValueError(f"sequence {index}: block table holds {seq.seq_len} keys < {seq.query_len} new tokens")
+
+
 def build_attention_metadata(
     seqs: list[SequenceInput], block_size: int, device: torch.device | str
 ) -> AttentionMetadata:
@@ -99,11 +113,7 @@ def build_attention_metadata(
         raise ValueError("empty batch")
     query_lens, seq_lens, rows = [], [], []
     for i, s in enumerate(seqs):
-        if s.query_len == 0 or len(s.positions) != s.query_len or len(s.slot_mapping) != s.query_len:
-            raise ValueError(f"sequence {i}: {s.query_len} tokens, {len(s.positions)} positions, "
-                             f"{len(s.slot_mapping)} slots")
-        if s.seq_len < s.query_len:
-            raise ValueError(f"sequence {i}: block table holds {s.seq_len} keys < {s.query_len} new tokens")
+        check_sequence_input(i, s)
         query_lens.append(s.query_len)
         seq_lens.append(s.seq_len)
         rows.append(s.block_table)
