@@ -48,8 +48,9 @@ from lazyattn_rag.kernels.prefill import paged_prefill, prefill_kernel
 LLAMA = MODELS["llama3.1-8b"]
 
 
-def decode_case(batch: int, context: int, device):
-    """A launcher of one decode step over the benchmark's layout (see ``kernels.bench_decode``)."""
+def decode_case(batch: int, context: int, device, num_splits: int | None = None):
+    """A launcher of one decode step over the benchmark's layout (see ``kernels.bench_decode``);
+    ``num_splits`` ``None``: the launcher's default."""
     P = build_paged(decode_segments(batch, context), LLAMA["num_kv_heads"], LLAMA["head_dim"], device, seed=1)
     q = torch.randn(batch, LLAMA["num_heads"], LLAMA["head_dim"], dtype=DTYPE, device=device)
     cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
@@ -57,7 +58,8 @@ def decode_case(batch: int, context: int, device):
     inv_freq, max_len = inv_freq_for(LLAMA["head_dim"], LLAMA["theta"], device), max(P["seq_lens_list"])
     seq_ids = torch.arange(batch, dtype=torch.int32, device=device)  # given: no arange kernel in the profile
     return lambda: paged_decode(q, P["k_cache"], P["v_cache"], P["block_tables"], P["num_blocks"], cu, max_len,
-                                inv_freq, LLAMA["head_dim"] ** -0.5, runs=runs, out=out, seq_ids=seq_ids)
+                                inv_freq, LLAMA["head_dim"] ** -0.5, runs=runs, out=out, seq_ids=seq_ids,
+                                num_splits=num_splits)
 
 
 def prefill_case(new_tokens: int, cached_chunks: int, device, rotation: str = "query", chunk_len: int = 3072):
@@ -75,6 +77,10 @@ def prefill_case(new_tokens: int, cached_chunks: int, device, rotation: str = "q
                                  rotation=rotation, seq_ids=seq_ids)
 
 
+# (batch, context) of the decode split sweep (``--decode-splits``): the two profiled cases and two
+# batch sizes between them.
+DECODE_SHAPES = {"decode_b32_8k": (32, 8192), "decode_b1_20k": (1, 20480), "decode_b8_8k": (8, 8192),
+                 "decode_b4_16k": (4, 16384)}
 CASES = {
     "decode_b32_8k": lambda d: decode_case(32, 8192, d),
     "decode_b1_20k": lambda d: decode_case(1, 20480, d),
@@ -97,10 +103,31 @@ def compiled_variants(fn) -> list[dict]:
     return rows
 
 
-def static_report(launchers: dict) -> None:
-    """Print each case's median ms, then each compiled kernel variant, as JSON lines."""
+def split_sweep(name: str, splits: list[int], device, rounds: int = 3) -> None:
+    """Time the decode case ``name`` at each split count against the default, interleaved over
+    ``rounds``; print one JSON line per count (median ms, speedup, max |difference| of outputs)."""
+    batch, context = DECODE_SHAPES[name]
+    variants = {"default": decode_case(batch, context, device)}
+    variants.update({f"splits={n}": decode_case(batch, context, device, num_splits=n) for n in splits})
+    outs = {label: fn().float().clone() for label, fn in variants.items()}
+    times = {label: [] for label in variants}
+    for _ in range(rounds):
+        for label, fn in variants.items():
+            times[label].append(triton.testing.do_bench(fn, return_mode="median"))
+    base = sorted(times["default"])[rounds // 2]
+    for label, ms in times.items():
+        med = sorted(ms)[rounds // 2]
+        print(json.dumps({"case": name, "variant": label, "ms": ms, "median_ms": med, "speedup_vs_default": base / med,
+                          "max_abs_diff_vs_default": float((outs[label] - outs["default"]).abs().max())}), flush=True)
+
+
+def static_report(launchers: dict, decode_splits: list[int], device) -> None:
+    """Print each case's median ms, the split sweeps, then each compiled kernel variant, as JSON lines."""
     for name, fn in launchers.items():
         print(json.dumps({"case": name, "median_ms": triton.testing.do_bench(fn, return_mode="median")}), flush=True)
+    if decode_splits:
+        for name in DECODE_SHAPES:
+            split_sweep(name, decode_splits, device)
     for fn in (decode_kernel, decode_reduce_kernel, prefill_kernel):
         for row in compiled_variants(fn):
             print(json.dumps(row), flush=True)
@@ -111,6 +138,8 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES))
     ap.add_argument("--static", action="store_true", help="time each case and list the compiled variants "
                     "(no profiler ranges)")
+    ap.add_argument("--decode-splits", default="", help="with --static: comma-separated split counts to time "
+                    "each decode case at (e.g. 1,3,32,48)")
     args = ap.parse_args()
     device = torch.device("cuda")
     names = args.cases.split(",")
@@ -122,7 +151,7 @@ def main() -> None:
         fn()
     torch.cuda.synchronize()
     if args.static:
-        static_report(launchers)
+        static_report(launchers, [int(n) for n in args.decode_splits.split(",") if n], device)
         return
     for name, fn in launchers.items():
         print(f"profiled launch: {name}", flush=True)

@@ -199,18 +199,21 @@ def decode_reduce_kernel(
     seq_ids_ptr,  # [num_work] int32
     stride_ot, stride_oh,  # out strides (tokens, heads)
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,  # a power of two
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,  # NUM_SPLITS rounded up to a power of two (tl.arange's length)
 ):
     work = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(cu_seqlens_q_ptr + tl.load(seq_ids_ptr + work))
     base = work.to(tl.int64) * tl.num_programs(1) + head
-    splits = tl.arange(0, NUM_SPLITS)
-    lse = tl.load(part_lse_ptr + base * NUM_SPLITS + splits)  # [NUM_SPLITS]
+    splits = tl.arange(0, SPLITS_POW2)
+    split_ok = splits < NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base * NUM_SPLITS + splits, mask=split_ok, other=float("-inf"))  # [SPLITS_POW2]
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, output 0
-    w = tl.math.exp2(lse - m)  # [NUM_SPLITS], 0 for empty splits
-    parts = tl.load(part_out_ptr + (base * NUM_SPLITS + splits)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :])
+    w = tl.math.exp2(lse - m)  # [SPLITS_POW2], 0 for empty and padding splits
+    parts = tl.load(part_out_ptr + (base * NUM_SPLITS + splits)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :],
+                    mask=split_ok[:, None], other=0.0)  # [SPLITS_POW2, HEAD_DIM]
     total = tl.sum(w, axis=0)
     out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)  # [HEAD_DIM]
     o = q_row.to(tl.int64) * stride_ot + head * stride_oh + tl.arange(0, HEAD_DIM)
@@ -251,7 +254,7 @@ def paged_decode(
     runs: BlockRuns | None = None,  # from block_runs (computed when not given)
     seq_ids: torch.Tensor | None = None,  # [num_work] int32 decode sequences, default all
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    num_splits: int | None = None,  # power of two; default from choose_num_splits
+    num_splits: int | None = None,  # >= 1; default from choose_num_splits
     rotation: Rotation = "query",  # see Rotation: "query" or "none" (decode never rotates K)
     chunk_scaling: ChunkScaling | None = None,  # APE on flagged blocks (None: plain attention)
     block_n: int | None = None,  # key lanes per tile (rounded up to a power of two >= block_size)
@@ -271,7 +274,7 @@ def paged_decode(
     Raises:
         ValueError, NotImplementedError: inputs the kernel would misread
             (:func:`~lazyattn_rag.kernels.launch.check_inputs`), a ``rotation`` other than
-            ``"query"`` or ``"none"``, a ``num_splits`` that is not a power of two.
+            ``"query"`` or ``"none"``, a ``num_splits`` below 1.
 
     Example:
         >>> out = paged_decode(q, kc, vc, md.block_tables, md.num_blocks_per_seq, md.cu_seqlens_q,
@@ -296,8 +299,8 @@ def paged_decode(
     max_tiles = -(-max_blocks // tile_blocks)
     if num_splits is None:
         num_splits = choose_num_splits(num_work, num_kv_heads, max_tiles, _num_sms(query.device))
-    if num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if runs is None:
         runs = block_runs(block_tables, num_blocks_per_seq, block_size)
     scaling = (chunk_scaling or ChunkScaling()).kernel_args()
@@ -328,6 +331,7 @@ def paged_decode(
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
+            SPLITS_POW2=triton.next_power_of_2(num_splits),
             num_warps=4,
         )
     return out

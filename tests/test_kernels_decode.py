@@ -45,7 +45,7 @@ def test_gqa_ratios_and_head_dims(num_heads, num_kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("num_splits", [1, 3])  # 3: the split reduction over a padded power of two
 def test_dtypes_and_splits(dtype, num_splits):
     case = make_case(MIXED, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, device=DEVICE, seed=2)
     out, ref = run(case, num_splits=num_splits)
@@ -77,7 +77,7 @@ def test_interleaved_and_partial_rotary(interleaved, rotary_dim):
     assert_close(out, ref, torch.float32)
 
 
-@pytest.mark.parametrize("num_splits", [1, 8])
+@pytest.mark.parametrize("num_splits", [1, 8, 5])
 def test_padding_sequences_give_zeros_and_no_nan(num_splits):
     """Sequences without blocks (padding of a fixed-size decode batch), and splits with no tiles."""
     specs = [SeqSpec([], own_len=0), SeqSpec([(15, 11)], own_len=2), SeqSpec([], own_len=0)]
@@ -113,6 +113,19 @@ def test_key_tile_rotation_is_refused():
     case = make_case(MIXED[:1], num_heads=4, num_kv_heads=2, head_dim=64, device=DEVICE, seed=6)
     with pytest.raises(ValueError, match="rotation must be one of"):
         run(case, rotation="key")
+
+
+def test_split_counts_agree_and_bad_counts_are_refused():
+    """Every split count gives the same output (up to float32 summation order), powers of two or
+    not, and one that leaves splits empty; a count below 1 is refused."""
+    case = make_case(MIXED, num_heads=8, num_kv_heads=2, head_dim=64, device=DEVICE, seed=6)
+    one, ref = run(case, num_splits=1)
+    for splits in (2, 3, 6, 7, 64):
+        out, _ = run(case, num_splits=splits)
+        assert_close(out, ref, torch.float32, f"splits {splits}")
+        torch.testing.assert_close(out, one, atol=2e-6, rtol=2e-6)
+    with pytest.raises(ValueError, match="num_splits must be >= 1, got 0"):
+        run(case, num_splits=0)
 
 
 def test_choose_num_splits():
