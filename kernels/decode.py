@@ -31,6 +31,8 @@ Kernel structure (one program = one KV head of one sequence x one split of its b
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -220,23 +222,42 @@ def decode_reduce_kernel(
     tl.store(out_ptr + o, out.to(out_ptr.dtype.element_ty))
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Decode programs resident per multiprocessor (4 warps, ~165 registers per thread and 40 KB of
+# shared memory: 3 by both limits on an H200, Nsight Compute), and the share of whole waves a
+# split count must fill before a larger count is worth its partial outputs.
+PROGRAMS_PER_SM, MIN_WAVE_FILL, MAX_SPLITS = 3, 0.9, 64
+
+
+def wave_fill(num_programs: int, num_sms: int) -> float:
+    """The share of resident-program slots that ``num_programs`` fill over the waves they take."""
+    slots = PROGRAMS_PER_SM * num_sms
+    return num_programs / (-(-num_programs // slots) * slots)
+
+
 def choose_num_splits(num_work: int, num_kv_heads: int, max_tiles: int, num_sms: int) -> int:
-    """Splits per (sequence, KV head): the largest power of two that keeps all programs in one
-    resident wave (about 3 programs per multiprocessor at 4 warps; a split count that spills into
-    a second wave was measured slower, docs/benchmarks.md "Decode split count"), with at least 4
-    tiles per split so the partial-output traffic stays small."""
+    """Splits per (sequence, KV head): the smallest count whose programs fill at least
+    :data:`MIN_WAVE_FILL` of the waves they take (any count, not only powers of two), else the
+    count that fills them best; at most :data:`MAX_SPLITS` and at least 4 tiles per split, so the
+    partial-output traffic stays small. On an H200 a launch in part of one wave, or one that
+    spills a little into a second, runs 7-20 % slower than one filling its waves
+    (docs/benchmarks.md "Issue 19, fourth pass")."""
     programs = max(1, num_work * num_kv_heads)
-    cap = max(1, max_tiles // 4)
-    splits = 1
-    while splits * 2 <= min(cap, 64) and programs * splits * 2 <= 3 * num_sms:
-        splits *= 2
-    return splits
+    cap = max(1, min(max_tiles // 4, MAX_SPLITS))
+    best = 1
+    for splits in range(1, cap + 1):
+        fill = wave_fill(programs * splits, num_sms)
+        if fill >= MIN_WAVE_FILL:
+            return splits
+        if fill > wave_fill(programs * best, num_sms):
+            best = splits
+    return best
 
 
 def paged_decode(
