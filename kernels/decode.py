@@ -232,7 +232,7 @@ def _num_sms(device: torch.device) -> int:
 # Decode programs resident per multiprocessor (4 warps, ~165 registers per thread and 40 KB of
 # shared memory: 3 by both limits on an H200, Nsight Compute), and the share of whole waves a
 # split count must fill before a larger count is worth its partial outputs.
-PROGRAMS_PER_SM, MIN_WAVE_FILL, MAX_SPLITS = 3, 0.9, 64
+PROGRAMS_PER_SM, MIN_WAVE_FILL, MAX_SPLITS = 3, 0.95, 64
 
 
 def wave_fill(num_programs: int, num_sms: int) -> float:
@@ -245,9 +245,9 @@ def choose_num_splits(num_work: int, num_kv_heads: int, max_tiles: int, num_sms:
     """Splits per (sequence, KV head): the smallest count whose programs fill at least
     :data:`MIN_WAVE_FILL` of the waves they take (any count, not only powers of two), else the
     count that fills them best; at most :data:`MAX_SPLITS` and at least 4 tiles per split, so the
-    partial-output traffic stays small. On an H200 a launch in part of one wave, or one that
-    spills a little into a second, runs 7-20 % slower than one filling its waves
-    (docs/benchmarks.md "Issue 19, fourth pass")."""
+    partial-output traffic stays small. On an H200 this picks the fastest count of a sweep of 13
+    on each of six shapes (batch 1 x 20k to 128 x 2k); a launch in part of one wave, or one that
+    spills a little into a second, ran 2-21 % slower (docs/benchmarks.md "Issue 19, fourth pass")."""
     programs = max(1, num_work * num_kv_heads)
     cap = max(1, min(max_tiles // 4, MAX_SPLITS))
     best = 1

@@ -132,7 +132,8 @@ def test_choose_num_splits():
     assert choose_num_splits(32, 8, 128, num_sms=132) == 3  # 256 programs fill 0.65 of a wave, 768 0.97 of 2
     assert choose_num_splits(8, 8, 128, num_sms=132) == 6  # 384 of 396 slots
     assert choose_num_splits(32, 3, 64, num_sms=132) == 4  # 96 programs x 4
-    assert choose_num_splits(1, 8, 512, num_sms=132) == 45  # one long sequence: 360 programs, the first >= 0.9
+    assert choose_num_splits(1, 8, 512, num_sms=132) == 48  # one long sequence: 384 programs, the first >= 0.95
+    assert choose_num_splits(128, 8, 128, num_sms=132) == 3  # 1024 programs fill 0.86 of 3 waves, 3072 0.97 of 8
     assert choose_num_splits(1, 8, 512, num_sms=4) == 3  # 24 programs: 2 full waves of 12 slots
     assert choose_num_splits(1, 8, 8, num_sms=132) == 2  # at least 4 tiles per split
     assert choose_num_splits(1, 1, 7, num_sms=132) == 1  # too few tiles to split
