@@ -29,6 +29,7 @@ part of a profile that needs no hardware counters.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -48,19 +49,26 @@ from lazyattn_rag.kernels.prefill import paged_prefill, prefill_kernel
 LLAMA = MODELS["llama3.1-8b"]
 
 
-def decode_case(batch: int, context: int, device, num_splits: int | None = None):
-    """A launcher of one decode step over the benchmark's layout (see ``kernels.bench_decode``);
-    ``num_splits`` ``None``: the launcher's default."""
+@functools.lru_cache(maxsize=1)  # one shape's inputs at a time: every split count reads the same data
+def decode_inputs(batch: int, context: int, device) -> dict:
+    """The benchmark's decode layout (``kernels.bench_decode``) and a query, on ``device``."""
     P = build_paged(decode_segments(batch, context), LLAMA["num_kv_heads"], LLAMA["head_dim"], device, seed=1)
-    gen = torch.Generator(device).manual_seed(batch)  # the same query for every split count
-    q = torch.randn(batch, LLAMA["num_heads"], LLAMA["head_dim"], dtype=DTYPE, device=device, generator=gen)
-    cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
-    runs, out = block_runs(P["block_tables"], P["num_blocks"], BLOCK_SIZE), torch.empty_like(q)
+    P["q"] = torch.randn(batch, LLAMA["num_heads"], LLAMA["head_dim"], dtype=DTYPE, device=device)
+    P["cu"] = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    P["runs"] = block_runs(P["block_tables"], P["num_blocks"], BLOCK_SIZE)
+    P["seq_ids"] = torch.arange(batch, dtype=torch.int32, device=device)  # given: no arange kernel in the profile
+    return P
+
+
+def decode_case(batch: int, context: int, device, num_splits: int | None = None):
+    """A launcher of one decode step (its own output buffer) over :func:`decode_inputs`;
+    ``num_splits`` ``None``: the launcher's default."""
+    P = decode_inputs(batch, context, device)
+    out = torch.empty_like(P["q"])
     inv_freq, max_len = inv_freq_for(LLAMA["head_dim"], LLAMA["theta"], device), max(P["seq_lens_list"])
-    seq_ids = torch.arange(batch, dtype=torch.int32, device=device)  # given: no arange kernel in the profile
-    return lambda: paged_decode(q, P["k_cache"], P["v_cache"], P["block_tables"], P["num_blocks"], cu, max_len,
-                                inv_freq, LLAMA["head_dim"] ** -0.5, runs=runs, out=out, seq_ids=seq_ids,
-                                num_splits=num_splits)
+    return lambda: paged_decode(P["q"], P["k_cache"], P["v_cache"], P["block_tables"], P["num_blocks"], P["cu"],
+                                max_len, inv_freq, LLAMA["head_dim"] ** -0.5, runs=P["runs"], out=out,
+                                seq_ids=P["seq_ids"], num_splits=num_splits)
 
 
 def prefill_case(new_tokens: int, cached_chunks: int, device, rotation: str = "query", chunk_len: int = 3072):
