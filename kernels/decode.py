@@ -241,6 +241,7 @@ def wave_fill(num_programs: int, num_sms: int) -> float:
     return num_programs / (-(-num_programs // slots) * slots)
 
 
+@functools.lru_cache(maxsize=4096)  # called once per layer of every eager decode step
 def choose_num_splits(num_work: int, num_kv_heads: int, max_tiles: int, num_sms: int) -> int:
     """Splits per (sequence, KV head): the smallest count whose programs fill at least
     :data:`MIN_WAVE_FILL` of the waves they take (any count, not only powers of two), else the
