@@ -3,8 +3,9 @@
 Each case launches our kernel once to compile and warm it, then once between
 ``torch.cuda.profiler.start()``/``stop()``, so that ``ncu --profile-from-start off`` reads one
 launch per case: the decode kernel (plus its split reduction where the launch splits the
-context: at batch 1 x 20k, 32 splits on an H200; at batch 32 x 8k, one split and no reduction)
-or the prefill kernel. Each case's launch is inside an NVTX range named after it. The cases,
+context: with ``choose_num_splits`` on an H200, 49 splits at batch 1 x 20k and 3 at batch 32 x 8k;
+the committed profile, ``kernel_profile_h200_ncu.csv``, is of the earlier power-of-two rule's 32
+and 1) or the prefill kernel. Each case's launch is inside an NVTX range named after it. The cases,
 with the layouts of ``benchmarks/kernels.py`` and its default launch configurations (Llama-3.1-8B
 heads: 32 q / 8 kv, d 128, bf16, block 16):
 
@@ -21,7 +22,8 @@ heads: 32 q / 8 kv, d 128, bf16, block 16):
     ncu --import kprof.ncu-rep --csv --page details > kprof.csv
 
 Profiled launches come in the order printed (``profiled launch: <case>``). ``--static`` instead
-prints, without a profiler, each case's median device time (replayed from a CUDA graph) and what
+prints, without a profiler, each case's median time (``kernels.bench_ms``: CUDA-graph replays with
+the L2 cache flushed before each; ``--decode-splits``: at each split count, against the default) and what
 Triton compiled for it (registers per thread, spills, shared memory, warps, stages): the
 part of a profile that needs no hardware counters.
 """
@@ -40,8 +42,8 @@ import triton
 if __package__ in (None, ""):  # run as a script: make ``benchmarks.*`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.kernels import (BLOCK_SIZE, DTYPE, MODELS, build_paged, decode_segments, inv_freq_for,
-                               prefill_segments)
+from benchmarks.kernels import (BLOCK_SIZE, DTYPE, MODELS, bench_ms, build_paged, decode_segments,
+                               inv_freq_for, prefill_segments)
 from lazyattn_rag.kernels.decode import decode_kernel, decode_reduce_kernel, paged_decode
 from lazyattn_rag.kernels.launch import block_key_starts, block_runs
 from lazyattn_rag.kernels.prefill import paged_prefill, prefill_kernel
@@ -112,17 +114,6 @@ def compiled_variants(fn) -> list[dict]:
     return rows
 
 
-def device_ms(fn) -> tuple[float, str]:
-    """Median device time of ``fn`` in ms, and how it was taken: replayed from a CUDA graph
-    (``do_bench_cudagraph``: no launch overhead, which is most of a short decode launch's wall
-    time), else ``do_bench`` where capture fails."""
-    try:
-        return triton.testing.do_bench_cudagraph(fn, return_mode="median"), "cuda_graph"
-    except Exception:  # noqa: BLE001 - any capture failure: time it eagerly instead
-        torch.cuda.synchronize()
-        return triton.testing.do_bench(fn, return_mode="median"), "eager"
-
-
 def split_sweep(name: str, splits: list[int], device, rounds: int = 3) -> None:
     """Time the decode case ``name`` at each split count against the default, interleaved over
     ``rounds``; print one JSON line per count (median ms, speedup, max |difference| of outputs)."""
@@ -130,15 +121,14 @@ def split_sweep(name: str, splits: list[int], device, rounds: int = 3) -> None:
     variants = {"default": decode_case(batch, context, device)}
     variants.update({f"splits={n}": decode_case(batch, context, device, num_splits=n) for n in splits})
     outs = {label: fn().float().clone() for label, fn in variants.items()}
-    times, how = {label: [] for label in variants}, {}
+    times = {label: [] for label in variants}
     for _ in range(rounds):
         for label, fn in variants.items():
-            ms, how[label] = device_ms(fn)
-            times[label].append(ms)
+            times[label].append(bench_ms(fn))
     base = sorted(times["default"])[rounds // 2]
     for label, ms in times.items():
         med = sorted(ms)[rounds // 2]
-        print(json.dumps({"case": name, "variant": label, "ms": ms, "median_ms": med, "timed": how[label],
+        print(json.dumps({"case": name, "variant": label, "ms": ms, "median_ms": med,
                           "speedup_vs_default": base / med,
                           "max_abs_diff_vs_default": float((outs[label] - outs["default"]).abs().max())}), flush=True)
 
@@ -146,8 +136,7 @@ def split_sweep(name: str, splits: list[int], device, rounds: int = 3) -> None:
 def static_report(launchers: dict, decode_splits: list[int], device) -> None:
     """Print each case's median ms, the split sweeps, then each compiled kernel variant, as JSON lines."""
     for name, fn in launchers.items():
-        ms, how = device_ms(fn)
-        print(json.dumps({"case": name, "median_ms": ms, "timed": how}), flush=True)
+        print(json.dumps({"case": name, "median_ms": bench_ms(fn)}), flush=True)
     if decode_splits:
         for name in DECODE_SHAPES:
             split_sweep(name, decode_splits, device)
@@ -164,6 +153,8 @@ def main() -> None:
     ap.add_argument("--decode-splits", default="", help="with --static: comma-separated split counts to time "
                     "each decode case at (e.g. 1,3,32,48)")
     args = ap.parse_args()
+    if args.decode_splits and not args.static:
+        raise SystemExit("--decode-splits needs --static")
     device = torch.device("cuda")
     names = args.cases.split(",")
     unknown = [n for n in names if n not in CASES]

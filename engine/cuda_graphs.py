@@ -184,7 +184,7 @@ class DecodeGraphs:
         n, words = len(seqs), self.inputs.num_words(len(seqs))
         self.inputs.flat[:words].copy_(self.staging.flat[:words], non_blocking=True)
         if self.staged is not None:
-            self.staged.record()
+            self.staged.record(torch.cuda.current_stream(self.device))  # the stream the copy went on
         self.num_replays += 1
         if batch in self.graphs:
             self.graphs[batch].replay()

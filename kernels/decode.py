@@ -53,9 +53,9 @@ def decode_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
-    out_ptr,  # [num_tokens, num_heads, head_dim] (written when NUM_SPLITS == 1)
-    part_out_ptr,  # [num_work, num_heads, NUM_SPLITS, head_dim] float32 (NUM_SPLITS > 1)
-    part_lse_ptr,  # [num_work, num_heads, NUM_SPLITS] float32 log2-sum-exp2 (NUM_SPLITS > 1)
+    out_ptr,  # [num_tokens, num_heads, head_dim] (written without SPLIT_KV)
+    part_out_ptr,  # [num_work, num_heads, num_splits, head_dim] float32 (SPLIT_KV)
+    part_lse_ptr,  # [num_work, num_heads, num_splits] float32 log2-sum-exp2 (SPLIT_KV)
     block_tables_ptr,  # [num_seqs, max_blocks] int64 packed (id | valid-1 | delta)
     run_starts_ptr,  # [num_seqs, max_blocks + 1] int32 first block of each run of equal delta, then n_blocks
     num_runs_ptr,  # [num_seqs] int32 runs per sequence
@@ -82,7 +82,7 @@ def decode_kernel(
     BLOCK_SIZE: tl.constexpr,  # slots per cache block
     BLOCK_N: tl.constexpr,  # key lanes per tile (a power of two >= BLOCK_SIZE)
     TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
-    NUM_SPLITS: tl.constexpr,
+    SPLIT_KV: tl.constexpr,  # num_splits (grid axis 2, a runtime count: no compile per count) > 1
     ROTATION: tl.constexpr,  # 0 none (benchmark of its cost only), 1 query by -delta per run
     CHUNK_SCALING: tl.constexpr,  # runs of flagged blocks use ChunkScaling (False: the flag is ignored)
     ACCURATE_TRIG: tl.constexpr,  # libdevice cos/sin (GPU); tl.cos/tl.sin under the interpreter
@@ -92,13 +92,14 @@ def decode_kernel(
     work = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     seq = tl.load(seq_ids_ptr + work)
     q_row = tl.load(cu_seqlens_q_ptr + seq)
     n_blocks = tl.load(num_blocks_ptr + seq)
     n_runs = tl.load(num_runs_ptr + seq)
     # Each sequence spreads its own tiles evenly over the splits (whole tiles per split), so a
     # launch's shape does not depend on the batch's longest sequence (CUDA-graph replays reuse it).
-    blocks_per_split = tl.cdiv(tl.cdiv(n_blocks, TILE_BLOCKS), NUM_SPLITS) * TILE_BLOCKS
+    blocks_per_split = tl.cdiv(tl.cdiv(n_blocks, TILE_BLOCKS), num_splits) * TILE_BLOCKS
     split_lo = split * blocks_per_split
     split_hi = tl.minimum(split_lo + blocks_per_split, n_blocks)
     dtype = q_ptr.dtype.element_ty
@@ -182,39 +183,39 @@ def decode_kernel(
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # [BLOCK_G, HEAD_DIM]
-    if NUM_SPLITS == 1:
+    if not SPLIT_KV:
         o_rows = q_row.to(tl.int64) * stride_ot + heads * stride_oh
         tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
     else:
-        part = (work.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        part = (work.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * num_splits + split  # [BLOCK_G]
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_ok[:, None])
         lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=g_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # any count: one compile per SPLITS_POW2
 def decode_reduce_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
-    part_out_ptr,  # [num_work, num_heads, NUM_SPLITS, head_dim] float32
-    part_lse_ptr,  # [num_work, num_heads, NUM_SPLITS] float32
+    part_out_ptr,  # [num_work, num_heads, num_splits, head_dim] float32
+    part_lse_ptr,  # [num_work, num_heads, num_splits] float32
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32
     seq_ids_ptr,  # [num_work] int32
     stride_ot, stride_oh,  # out strides (tokens, heads)
+    num_splits,  # int: partial outputs per (sequence, head)
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_POW2: tl.constexpr,  # NUM_SPLITS rounded up to a power of two (tl.arange's length)
+    SPLITS_POW2: tl.constexpr,  # num_splits rounded up to a power of two (tl.arange's length)
 ):
     work = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(cu_seqlens_q_ptr + tl.load(seq_ids_ptr + work))
     base = work.to(tl.int64) * tl.num_programs(1) + head
     splits = tl.arange(0, SPLITS_POW2)
-    split_ok = splits < NUM_SPLITS
-    lse = tl.load(part_lse_ptr + base * NUM_SPLITS + splits, mask=split_ok, other=float("-inf"))  # [SPLITS_POW2]
+    split_ok = splits < num_splits
+    lse = tl.load(part_lse_ptr + base * num_splits + splits, mask=split_ok, other=float("-inf"))  # [SPLITS_POW2]
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, output 0
     w = tl.math.exp2(lse - m)  # [SPLITS_POW2], 0 for empty and padding splits
-    parts = tl.load(part_out_ptr + (base * NUM_SPLITS + splits)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :],
+    parts = tl.load(part_out_ptr + (base * num_splits + splits)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :],
                     mask=split_ok[:, None], other=0.0)  # [SPLITS_POW2, HEAD_DIM]
     total = tl.sum(w, axis=0)
     out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)  # [HEAD_DIM]
@@ -230,35 +231,35 @@ def _num_sms(device: torch.device) -> int:
 
 
 # Decode programs resident per multiprocessor (4 warps, ~165 registers per thread and 40 KB of
-# shared memory: 3 by both limits on an H200, Nsight Compute), and the share of whole waves a
-# split count must fill before a larger count is worth its partial outputs.
-PROGRAMS_PER_SM, MIN_WAVE_FILL, MAX_SPLITS = 3, 0.95, 64
+# shared memory: 3 by both limits on an H200, Nsight Compute). The split choice's cost model,
+# fitted to the H200 split sweep (docs/benchmarks.md, "Issue 19, fourth pass"): a launch's time
+# goes as (1 / wave fill) ** FILL_EXPONENT (a partly filled wave runs each program faster, so
+# filling it gains less than the idle slots suggest) times (1 + SPLIT_COST * splits) (partial
+# outputs, shorter pipelines).
+PROGRAMS_PER_SM, FILL_EXPONENT, SPLIT_COST, MAX_SPLITS = 3, 0.4, 0.008, 64
 
 
 def wave_fill(num_programs: int, num_sms: int) -> float:
-    """The share of resident-program slots that ``num_programs`` fill over the waves they take."""
-    slots = PROGRAMS_PER_SM * num_sms
+    """The share of resident-program slots that ``num_programs`` (>= 1) fill over the waves they take."""
+    slots = PROGRAMS_PER_SM * max(1, num_sms)
     return num_programs / (-(-num_programs // slots) * slots)
+
+
+def split_cost(num_programs: int, num_splits: int, num_sms: int) -> float:
+    """The cost model's relative time of a decode launch of ``num_programs`` per split (see above)."""
+    return wave_fill(num_programs * num_splits, num_sms) ** -FILL_EXPONENT * (1.0 + SPLIT_COST * num_splits)
 
 
 @functools.lru_cache(maxsize=4096)  # called once per layer of every eager decode step
 def choose_num_splits(num_work: int, num_kv_heads: int, max_tiles: int, num_sms: int) -> int:
-    """Splits per (sequence, KV head): the smallest count whose programs fill at least
-    :data:`MIN_WAVE_FILL` of the waves they take (any count, not only powers of two), else the
-    count that fills them best; at most :data:`MAX_SPLITS` and at least 4 tiles per split, so the
-    partial-output traffic stays small. On an H200 this picks the fastest count of a sweep of 13
-    on each of six shapes (batch 1 x 20k to 128 x 2k); a launch in part of one wave, or one that
-    spills a little into a second, ran 2-21 % slower (docs/benchmarks.md "Issue 19, fourth pass")."""
+    """Splits per (sequence, KV head): the count of least :func:`split_cost` (any count, not only
+    powers of two; the smallest among equals), at most :data:`MAX_SPLITS` and with at least 4
+    tiles per split. On the H200 sweep of six shapes (batch 1 x 20k to 128 x 2k) the counts it
+    picks are the fastest measured or next to it; the power-of-two rule it replaced left
+    launches in part of one wave, 2-21 % slower."""
     programs = max(1, num_work * num_kv_heads)
     cap = max(1, min(max_tiles // 4, MAX_SPLITS))
-    best = 1
-    for splits in range(1, cap + 1):
-        fill = wave_fill(programs * splits, num_sms)
-        if fill >= MIN_WAVE_FILL:
-            return splits
-        if fill > wave_fill(programs * best, num_sms):
-            best = splits
-    return best
+    return min(range(1, cap + 1), key=lambda splits: (split_cost(programs, splits, num_sms), splits))
 
 
 def paged_decode(
@@ -341,7 +342,7 @@ def paged_decode(
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
         TILE_BLOCKS=tile_blocks,
-        NUM_SPLITS=num_splits,
+        SPLIT_KV=num_splits > 1,
         ROTATION=code,
         CHUNK_SCALING=scaling["CHUNK_SCALING"],
         num_warps=num_warps or 4,
@@ -350,9 +351,8 @@ def paged_decode(
     if num_splits > 1:
         decode_reduce_kernel[(num_work, num_heads)](
             out, part_out, part_lse, cu_seqlens_q, seq_ids,
-            out.stride(0), out.stride(1),
+            out.stride(0), out.stride(1), num_splits,
             HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
             SPLITS_POW2=triton.next_power_of_2(num_splits),
             num_warps=4,
         )

@@ -70,6 +70,8 @@ def test_bucketing_padding_and_eager_fallbacks():
     with pytest.raises(ValueError, match="sequence 1: 1 tokens, 1 positions, 2 slots"):
         graphs.run([seqs[1], bad])
     assert len(calls) == 2 and graphs.num_replays == 2  # nothing ran
+    with pytest.raises(ValueError, match="sequence 0: empty block table for 1 new tokens"):
+        graphs.run([decode_seq(3, 4, [], 30)])
     assert graphs.run(seqs[1:3]) is not None  # the next step runs with its own inputs only
     ids, num_blocks, slots, _, _, seq_lens, _ = calls[-1]
     assert (ids.tolist(), num_blocks.tolist(), slots.tolist(), seq_lens.tolist()) == ([8, 9], [1, 1], [12, 18], [1, 3])

@@ -9,7 +9,7 @@ import torch
 from kernel_tolerances import assert_close
 from paged_case import SeqSpec, make_case
 
-from lazyattn_rag.kernels.decode import choose_num_splits, paged_decode, wave_fill
+from lazyattn_rag.kernels.decode import choose_num_splits, paged_decode, split_cost, wave_fill
 from lazyattn_rag.kernels.reference import decode_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -132,13 +132,16 @@ def test_choose_num_splits():
     assert choose_num_splits(32, 8, 128, num_sms=132) == 3  # 256 programs fill 0.65 of a wave, 768 0.97 of 2
     assert choose_num_splits(8, 8, 128, num_sms=132) == 6  # 384 of 396 slots
     assert choose_num_splits(32, 3, 64, num_sms=132) == 4  # 96 programs x 4
-    assert choose_num_splits(1, 8, 512, num_sms=132) == 48  # one long sequence: 384 programs, the first >= 0.95
-    assert choose_num_splits(128, 8, 128, num_sms=132) == 3  # 1024 programs fill 0.86 of 3 waves, 3072 0.97 of 8
+    assert choose_num_splits(1, 8, 512, num_sms=132) == 49  # one long sequence: 392 programs
     assert choose_num_splits(1, 8, 512, num_sms=4) == 3  # 24 programs: 2 full waves of 12 slots
+    assert choose_num_splits(128, 8, 128, num_sms=132) == 3  # 1024 programs fill 0.86 of 3 waves, 3072 0.97 of 8
+    for batch in range(43, 50):  # one split already fills 0.87-0.99 of a wave: no jump to 15-20 splits
+        assert choose_num_splits(batch, 8, 128, num_sms=132) == 1
     assert choose_num_splits(1, 8, 8, num_sms=132) == 2  # at least 4 tiles per split
     assert choose_num_splits(1, 1, 7, num_sms=132) == 1  # too few tiles to split
-    assert choose_num_splits(1, 1, 10_000, num_sms=132) == 64  # no count fills 0.9: the best, at most 64
+    assert choose_num_splits(1, 1, 10_000, num_sms=132) == 64  # at most 64
     assert wave_fill(384, 132) == 384 / 396 and wave_fill(400, 132) == 400 / 792
+    assert split_cost(256, 3, 132) < split_cost(256, 1, 132) and split_cost(256, 3, 132) < split_cost(256, 6, 132)
 
 
 @pytest.mark.gpu

@@ -55,8 +55,9 @@ class AttentionMetadata:
         cu_seqlens_q: ``[num_seqs + 1]`` int32, start of each sequence's rows in the flat batch.
         seq_lens: ``[num_seqs]`` int32, valid context keys per sequence (new tokens included).
         num_blocks_per_seq: ``[num_seqs]`` int32, used entries of each block-table row.
-        block_tables: ``[num_seqs, max_num_blocks]`` int64 packed words (padding entries are 0,
-            never read past ``num_blocks_per_seq``).
+        block_tables: ``[num_seqs, max_num_blocks]`` int64 packed words; entries past a row's
+            ``num_blocks_per_seq`` are never read (0 here; a CUDA-graph step's static rows keep
+            an earlier step's words there).
         slot_mapping: ``[num_tokens]`` int64, where each new token's K/V is written.
         max_query_len: largest ``query_len`` in the batch.
         max_seq_len: largest ``seq_len`` in the batch.
@@ -90,9 +91,12 @@ def check_sequence_input(index: int, seq: SequenceInput) -> None:
     """Check that ``seq`` (the ``index``-th of its batch) is self-consistent.
 
     Raises:
-        ValueError: no new tokens, a position or slot list of the wrong length, or a block
-            table that holds fewer keys than new tokens.
+        ValueError: no new tokens, a position or slot list of the wrong length, a ``seq_len``
+            below the number of new tokens, or an empty block table (the valid slots of the
+            table's words are not summed here: the runner packs them from ``seq_len``).
     """
+    if seq.block_table.numel() == 0:
+        raise ValueError(f"sequence {index}: empty block table for {seq.query_len} new tokens")
     if seq.query_len == 0 or len(seq.positions) != seq.query_len or len(seq.slot_mapping) != seq.query_len:
         raise ValueError(f"sequence {index}: {seq.query_len} tokens, {len(seq.positions)} positions, "
                          f"{len(seq.slot_mapping)} slots")
@@ -106,8 +110,7 @@ def build_attention_metadata(
     """Build :class:`AttentionMetadata` for a batch (the one builder every backend uses).
 
     Raises:
-        ValueError: a sequence has no new tokens, a slot list of the wrong length, or a block
-            table that holds fewer keys than new tokens.
+        ValueError: an empty batch, or a sequence that :func:`check_sequence_input` refuses.
     """
     if not seqs:
         raise ValueError("empty batch")
