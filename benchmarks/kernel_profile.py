@@ -93,8 +93,8 @@ def prefill_case(new_tokens: int, cached_chunks: int, device, rotation: str = "q
 DECODE_SHAPES = {"decode_b32_8k": (32, 8192), "decode_b1_20k": (1, 20480), "decode_b8_8k": (8, 8192),
                  "decode_b4_16k": (4, 16384), "decode_b64_4k": (64, 4096), "decode_b128_2k": (128, 2048)}
 CASES = {
-    "decode_b32_8k": lambda d: decode_case(32, 8192, d),
-    "decode_b1_20k": lambda d: decode_case(1, 20480, d),
+    **{name: (lambda d, shape=DECODE_SHAPES[name]: decode_case(*shape, d))
+       for name in ("decode_b32_8k", "decode_b1_20k")},
     "prefill_16k": lambda d: prefill_case(16384, 0, d),
     "prefill_4k_after_12k": lambda d: prefill_case(4096, 4, d),
     "prefill_4k_after_12k_norot": lambda d: prefill_case(4096, 4, d, rotation="none"),

@@ -82,7 +82,7 @@ def decode_kernel(
     BLOCK_SIZE: tl.constexpr,  # slots per cache block
     BLOCK_N: tl.constexpr,  # key lanes per tile (a power of two >= BLOCK_SIZE)
     TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
-    SPLIT_KV: tl.constexpr,  # num_splits (grid axis 2, a runtime count: no compile per count) > 1
+    SPLIT_KV: tl.constexpr,  # more than one split (the count is grid axis 2, read at run time)
     ROTATION: tl.constexpr,  # 0 none (benchmark of its cost only), 1 query by -delta per run
     CHUNK_SCALING: tl.constexpr,  # runs of flagged blocks use ChunkScaling (False: the flag is ignored)
     ACCURATE_TRIG: tl.constexpr,  # libdevice cos/sin (GPU); tl.cos/tl.sin under the interpreter
