@@ -267,12 +267,12 @@ def bench_decode(name: str, cfg: dict, copy_gbps: float, device, batch=32, conte
         return finish_decode(res, lambda rotation, scaled=False: ours(rotation=rotation, scaled=scaled), "default",
                              kv_bytes, copy_gbps, qd, P)
     sweep = {}
-    # batch 32: 16 KB K tiles and 4 warps / 3 stages won every pairing in the first H200 sweeps (v1 JSON);
-    # batch 1 (few programs, long contexts): the split count and tile shape are swept again.
+    # Tile shape, warps and stages around the default (64 keys at d128, 4 warps, 3 stages), at
+    # split counts around choose_num_splits' (3 at batch 32 x 8k, 49 at batch 1 x 20k on an H200).
     one = batch == 1
-    for block_n in ((64, 128) if one else (max(64, 8192 // D),)):
-        for splits in ((8, 16, 32, 64) if one else (1, 2, 4, 8)):
-            for warps, stages in (((4, 3), (4, 4), (8, 3)) if one else ((4, 3),)):
+    for block_n in (32, 64, 128):
+        for splits in ((16, 32, 49, 64) if one else (1, 3, 6)):
+            for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 3)):
                 key = f"block_n={block_n},splits={splits},warps={warps},stages={stages}"
                 try:
                     ms = bench_ms(ours(splits, block_n, "query", warps, stages), rep=100)

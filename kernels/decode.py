@@ -250,6 +250,19 @@ def split_cost(num_programs: int, num_splits: int, num_sms: int) -> float:
     return wave_fill(num_programs * num_splits, num_sms) ** -FILL_EXPONENT * (1.0 + SPLIT_COST * num_splits)
 
 
+# Launches of at least this many programs per multiprocessor at one split (batch >= 32 at 8 KV
+# heads on an H200's 132) run wide tiles: 128 keys at d128 with 2 stages and no split. On the H200
+# sweep (docs/benchmarks.md, "Issue 19, fifth pass") that is 6.1-7.9 % faster than the split rule's
+# 64-key tiles at batch 32 x 8k, 64 x 4k and 128 x 2k, and 2-4x slower at batch 1-8 (too few programs).
+WIDE_TILE_MIN_PROGRAMS_PER_SM, WIDE_TILE_BLOCK_N, WIDE_TILE_STAGES = 1.9, 128, 2
+
+
+def uses_wide_tiles(num_work: int, num_kv_heads: int, head_dim: int, num_sms: int) -> bool:
+    """Whether a default GPU decode launch of ``num_work`` sequences runs wide tiles (see above;
+    measured at head_dim 128 only, so other head dims keep the split rule)."""
+    return head_dim == 128 and num_work * num_kv_heads >= WIDE_TILE_MIN_PROGRAMS_PER_SM * num_sms
+
+
 @functools.lru_cache(maxsize=4096)  # called once per layer of every eager decode step
 def choose_num_splits(num_work: int, num_kv_heads: int, max_tiles: int, num_sms: int) -> int:
     """Splits per (sequence, KV head): the count of least :func:`split_cost` (any count, not only
@@ -313,8 +326,12 @@ def paged_decode(
     if num_work == 0:
         return out
     group = num_heads // num_kv_heads
-    # ~16 KB of K per tile on the GPU (H200 sweep): 64 keys at d128, 128 keys at d64.
-    default_block_n = 32 if interpreter else max(64, 8192 // head_dim)
+    # ~16 KB of K per tile on the GPU (H200 sweep): 64 keys at d128, 128 keys at d64; wide tiles
+    # for launches with programs enough to fill the GPU without a split (uses_wide_tiles).
+    default_block_n, default_stages = (32, 1) if interpreter else (max(64, 8192 // head_dim), 3)
+    if (not interpreter and block_n is None and num_stages is None and num_splits in (None, 1)
+            and uses_wide_tiles(num_work, num_kv_heads, head_dim, _num_sms(query.device))):
+        default_block_n, default_stages, num_splits = WIDE_TILE_BLOCK_N, WIDE_TILE_STAGES, 1
     block_n = triton.next_power_of_2(max(block_n or default_block_n, block_size))
     tile_blocks = block_n // block_size
     # Every block holds >= 1 key, so a sequence has at most min(max_blocks, max_seq_len) blocks.
@@ -346,7 +363,7 @@ def paged_decode(
         ROTATION=code,
         CHUNK_SCALING=scaling["CHUNK_SCALING"],
         num_warps=num_warps or 4,
-        num_stages=num_stages or (1 if interpreter else 3),
+        num_stages=num_stages or default_stages,
     )
     if num_splits > 1:
         decode_reduce_kernel[(num_work, num_heads)](

@@ -9,7 +9,7 @@ import torch
 from kernel_tolerances import assert_close
 from paged_case import SeqSpec, make_case
 
-from lazyattn_rag.kernels.decode import choose_num_splits, paged_decode, split_cost, wave_fill
+from lazyattn_rag.kernels.decode import choose_num_splits, paged_decode, split_cost, uses_wide_tiles, wave_fill
 from lazyattn_rag.kernels.reference import decode_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,6 +142,27 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 1, 10_000, num_sms=132) == 64  # at most 64
     assert wave_fill(384, 132) == 384 / 396 and wave_fill(400, 132) == 400 / 792
     assert split_cost(256, 3, 132) < split_cost(256, 1, 132) and split_cost(256, 3, 132) < split_cost(256, 6, 132)
+
+
+def test_uses_wide_tiles():
+    assert uses_wide_tiles(32, 8, 128, num_sms=132)  # 256 programs >= 1.9 x 132
+    assert not uses_wide_tiles(31, 8, 128, num_sms=132)  # 248
+    assert uses_wide_tiles(128, 8, 128, num_sms=132)
+    assert not uses_wide_tiles(128, 8, 64, num_sms=132)  # measured at d128 only
+    assert uses_wide_tiles(4, 8, 128, num_sms=4)  # 32 programs on 4 SMs
+
+
+@pytest.mark.gpu
+@gpu
+def test_wide_tile_default_gpu():
+    """Batch 40 x 8 KV heads at d128: the default launch runs wide tiles (128 keys, 2 stages, one split)."""
+    specs = [SeqSpec([(100 + 7 * i, 13 * i - 50), (33, 2**24 - i)], own_len=1 + i % 17) for i in range(40)]
+    case = make_case(specs, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda", seed=13)
+    assert uses_wide_tiles(40, 8, 128, torch.cuda.get_device_properties(0).multi_processor_count)
+    out, ref = run(case)
+    assert_close(out, ref, torch.bfloat16)
+    split, _ = run(case, num_splits=3)  # the split rule's tiles: the same result
+    assert_close(out, split.float(), torch.bfloat16)
 
 
 @pytest.mark.gpu
