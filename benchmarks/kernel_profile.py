@@ -44,7 +44,8 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks.*`` importab
 
 from benchmarks.kernels import (BLOCK_SIZE, DTYPE, MODELS, bench_ms, build_paged, decode_segments,
                                inv_freq_for, prefill_segments)
-from lazyattn_rag.kernels.decode import decode_kernel, decode_reduce_kernel, paged_decode
+from lazyattn_rag.kernels.decode import (WIDE_TILE_BLOCK_N, WIDE_TILE_STAGES, decode_kernel, decode_reduce_kernel,
+                                         paged_decode)
 from lazyattn_rag.kernels.launch import block_key_starts, block_runs
 from lazyattn_rag.kernels.prefill import paged_prefill, prefill_kernel
 
@@ -62,15 +63,15 @@ def decode_inputs(batch: int, context: int, device) -> dict:
     return P
 
 
-def decode_case(batch: int, context: int, device, num_splits: int | None = None):
+def decode_case(batch: int, context: int, device, **options):
     """A launcher of one decode step (its own output buffer) over :func:`decode_inputs`;
-    ``num_splits`` ``None``: the launcher's default."""
+    ``options``: ``paged_decode``'s launch options (none: its defaults)."""
     P = decode_inputs(batch, context, device)
     out = torch.empty_like(P["q"])
     inv_freq, max_len = inv_freq_for(LLAMA["head_dim"], LLAMA["theta"], device), max(P["seq_lens_list"])
     return lambda: paged_decode(P["q"], P["k_cache"], P["v_cache"], P["block_tables"], P["num_blocks"], P["cu"],
                                 max_len, inv_freq, LLAMA["head_dim"] ** -0.5, runs=P["runs"], out=out,
-                                seq_ids=P["seq_ids"], num_splits=num_splits)
+                                seq_ids=P["seq_ids"], **options)
 
 
 def prefill_case(new_tokens: int, cached_chunks: int, device, rotation: str = "query", chunk_len: int = 3072):
@@ -114,12 +115,19 @@ def compiled_variants(fn) -> list[dict]:
     return rows
 
 
-def split_sweep(name: str, splits: list[int], device, rounds: int = 3) -> None:
-    """Time the decode case ``name`` at each split count against the default, interleaved over
-    ``rounds``; print one JSON line per count (median ms, speedup, max |difference| of outputs)."""
+# --decode-wide-splits: wide tiles (decode.WIDE_TILE_*) at the given split counts.
+WIDE_TILE = {"block_n": WIDE_TILE_BLOCK_N, "num_stages": WIDE_TILE_STAGES}
+
+
+def split_sweep(name: str, splits: list[int], device, rounds: int = 3, **options) -> None:
+    """Time the decode case ``name`` at each split count (with the launch ``options``) against
+    the default, interleaved over ``rounds``; print one JSON line per count (median ms, speedup,
+    max |difference| of outputs)."""
     batch, context = DECODE_SHAPES[name]
+    prefix = "".join(f"{k}={v}," for k, v in options.items())
     variants = {"default": decode_case(batch, context, device)}
-    variants.update({f"splits={n}": decode_case(batch, context, device, num_splits=n) for n in splits})
+    variants.update({f"{prefix}splits={n}": decode_case(batch, context, device, num_splits=n, **options)
+                     for n in splits})
     outs = {label: fn().float().clone() for label, fn in variants.items()}
     times = {label: [] for label in variants}
     for _ in range(rounds):
@@ -133,13 +141,14 @@ def split_sweep(name: str, splits: list[int], device, rounds: int = 3) -> None:
                           "max_abs_diff_vs_default": float((outs[label] - outs["default"]).abs().max())}), flush=True)
 
 
-def static_report(launchers: dict, decode_splits: list[int], device) -> None:
+def static_report(launchers: dict, decode_splits: list[int], wide_splits: list[int], device) -> None:
     """Print each case's median ms, the split sweeps, then each compiled kernel variant, as JSON lines."""
     for name, fn in launchers.items():
         print(json.dumps({"case": name, "median_ms": bench_ms(fn)}), flush=True)
-    if decode_splits:
-        for name in DECODE_SHAPES:
-            split_sweep(name, decode_splits, device)
+    for name in DECODE_SHAPES if decode_splits else ():
+        split_sweep(name, decode_splits, device)
+    for name in DECODE_SHAPES if wide_splits else ():
+        split_sweep(name, wide_splits, device, **WIDE_TILE)
     for fn in (decode_kernel, decode_reduce_kernel, prefill_kernel):
         for row in compiled_variants(fn):
             print(json.dumps(row), flush=True)
@@ -152,9 +161,11 @@ def main() -> None:
                     "(no profiler ranges)")
     ap.add_argument("--decode-splits", default="", help="with --static: comma-separated split counts to time "
                     "each decode case at (e.g. 1,3,32,48)")
+    ap.add_argument("--decode-wide-splits", default="", help="with --static: the same sweep with wide "
+                    "tiles (128 keys, 2 stages)")
     args = ap.parse_args()
-    if args.decode_splits and not args.static:
-        raise SystemExit("--decode-splits needs --static")
+    if (args.decode_splits or args.decode_wide_splits) and not args.static:
+        raise SystemExit("--decode-splits and --decode-wide-splits need --static")
     device = torch.device("cuda")
     names = args.cases.split(",")
     unknown = [n for n in names if n not in CASES]
@@ -165,7 +176,8 @@ def main() -> None:
         fn()
     torch.cuda.synchronize()
     if args.static:
-        static_report(launchers, [int(n) for n in args.decode_splits.split(",") if n], device)
+        static_report(launchers, [int(n) for n in args.decode_splits.split(",") if n],
+                      [int(n) for n in args.decode_wide_splits.split(",") if n], device)
         return
     for name, fn in launchers.items():
         print(f"profiled launch: {name}", flush=True)

@@ -253,7 +253,7 @@ def split_cost(num_programs: int, num_splits: int, num_sms: int) -> float:
 # Launches of at least this many programs per multiprocessor at one split (batch >= 32 at 8 KV
 # heads on an H200's 132) run wide tiles: 128 keys at d128 with 2 stages and no split. On the H200
 # sweep (docs/benchmarks.md, "Issue 19, fifth pass") that is 6.1-7.9 % faster than the split rule's
-# 64-key tiles at batch 32 x 8k, 64 x 4k and 128 x 2k, and 2-4x slower at batch 1-8 (too few programs).
+# 64-key tiles at batch 32 x 8k, 64 x 4k and 128 x 2k, and 2-10x slower at batch 1-8 (too few programs).
 WIDE_TILE_MIN_PROGRAMS_PER_SM, WIDE_TILE_BLOCK_N, WIDE_TILE_STAGES = 1.9, 128, 2
 
 

@@ -161,8 +161,10 @@ def test_wide_tile_default_gpu():
     assert uses_wide_tiles(40, 8, 128, torch.cuda.get_device_properties(0).multi_processor_count)
     out, ref = run(case)
     assert_close(out, ref, torch.bfloat16)
+    wide, _ = run(case, block_n=128, num_stages=2, num_splits=1)
+    assert torch.equal(out, wide)  # the default launch is the wide one, bit for bit
     split, _ = run(case, num_splits=3)  # the split rule's tiles: the same result
-    assert_close(out, split.float(), torch.bfloat16)
+    assert_close(out, split, torch.bfloat16)
 
 
 @pytest.mark.gpu
