@@ -59,74 +59,134 @@ from lazyattn_rag.kernels.triton_helpers import cos_sin, mma, run_score_scale
 
 
 @triton.jit
+def rotary_columns(HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PAIR_STRIDE: tl.constexpr, X2_OFF: tl.constexpr):
+    """Per head-dimension column: its rotary pair's frequency index, its partner column, the sign
+    of the partner's term, and whether it rotates (``x'[c] = x[c] cos + sign * x[partner] sin``;
+    columns past ``2 * HALF`` keep ``x[c]``). Covers half-split and interleaved pairing alike."""
+    col = tl.arange(0, HEAD_DIM)  # [HEAD_DIM]
+    rotates = col < 2 * HALF
+    second = ((col // X2_OFF) % 2) == 1  # the pair's second element (x2)
+    first_col = tl.where(second, col - X2_OFF, col)
+    freq_idx = tl.where(rotates, first_col // PAIR_STRIDE, 0)  # [HEAD_DIM] in [0, HALF)
+    partner = tl.where(rotates, tl.where(second, col - X2_OFF, col + X2_OFF), col)
+    sign = tl.where(second, 1.0, -1.0)
+    return freq_idx, partner, sign, rotates
+
+
+@triton.jit
+def rotation_vectors(angle_scale, inv_freq_cols, sign, rotates, ACCURATE_TRIG: tl.constexpr):
+    """``cos`` and signed ``sin`` per column ([HEAD_DIM] float32) of a rotation by ``angle_scale``
+    positions: ``x'[c] = x[c] * cos[c] + x[partner[c]] * sin[c]``."""
+    c, s = cos_sin(angle_scale * inv_freq_cols, ACCURATE_TRIG)
+    return tl.where(rotates, c, 1.0), tl.where(rotates, sign * s, 0.0)
+
+
+@triton.jit
 def prefill_tile(
     acc, m_i, l_i,  # running output [BLOCK_M, HEAD_DIM], row max and row sum [BLOCK_M] (float32)
-    qa1, qa2, q3,  # query parts for this run: [BLOCK_M, HALF] x 2 (rotated by -delta, or not), [BLOCK_M, REST]
-    cos, sin,  # [HALF] float32: the run's rotation of K (ROTATION == 2 only)
+    qa,  # [BLOCK_M, HEAD_DIM] the query for this run (rotated by -delta, or as given)
+    cos, sin, partner,  # [HEAD_DIM] the run's rotation of K (ROTATE_K only): float32 x 2, int32 column
     first_blk, blk_end,  # block-table indices: this tile starts at first_blk; blocks >= blk_end are out
     bt_row, ks_row, k_cache_ptr, v_cache_ptr,
     kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    row_limit,  # [BLOCK_M] last key index each row may see
+    row_limit, limit_max,  # [BLOCK_M] last key index each row may see; their maximum
     score_scale, score_bias,  # float32 scalars: this run's log2-domain score is dot * score_scale + score_bias
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr, PAIR_STRIDE: tl.constexpr,
-    X2_OFF: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_BLOCKS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_BLOCKS: tl.constexpr,
     MASKED: tl.constexpr,  # False: every lane is a valid key every row may see (no masks at all)
     CHUNK_SCALING: tl.constexpr,  # add score_bias (False: it is 0)
     ROTATE_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     """One K/V tile of ``TILE_BLOCKS`` blocks of one run: scores, online softmax, P @ V."""
-    dtype = qa1.dtype
+    dtype = qa.dtype
     offs_n = tl.arange(0, BLOCK_N)
     slot = offs_n % BLOCK_SIZE  # [BLOCK_N] slot within its block
     blk = first_blk + offs_n // BLOCK_SIZE  # [BLOCK_N] block-table index of each lane
-    c1 = tl.arange(0, HALF) * PAIR_STRIDE  # [HALF] first element of each rotary pair
-    c2 = c1 + X2_OFF  # [HALF] second element
     offs_d = tl.arange(0, HEAD_DIM)
     if MASKED:
         blk_ok = (offs_n < TILE_BLOCKS * BLOCK_SIZE) & (blk < blk_end)
         word = tl.load(bt_row + blk, mask=blk_ok, other=0)  # [BLOCK_N] int64
-        key_ok = blk_ok & (slot < ((word >> 31) & 0x7F) + 1)
+        key_idx = tl.load(ks_row + blk, mask=blk_ok, other=0) + slot  # [BLOCK_N] global key index
+        # valid slots no row may see are not read either (their values need not be finite)
+        key_ok = blk_ok & (slot < ((word >> 31) & 0x7F) + 1) & (key_idx <= limit_max)
     else:
         word = tl.load(bt_row + blk)
     block_id = word & 0x3FFFFFFF
     k_rows = block_id * stride_kb + slot * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
     v_rows = block_id * stride_vb + slot * stride_vs + kv_head * stride_vh
     if MASKED:
-        k1 = tl.load(k_cache_ptr + k_rows[:, None] + c1[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HALF]
-        k2 = tl.load(k_cache_ptr + k_rows[:, None] + c2[None, :], mask=key_ok[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
     else:
-        k1 = tl.load(k_cache_ptr + k_rows[:, None] + c1[None, :])
-        k2 = tl.load(k_cache_ptr + k_rows[:, None] + c2[None, :])
+        k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :])
         v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :])
     if ROTATE_K:  # the issue's literal form: R_delta on every K tile, in registers
-        k1f = k1.to(tl.float32)
-        k2f = k2.to(tl.float32)
-        k1 = (k1f * cos[None, :] - k2f * sin[None, :]).to(dtype)
-        k2 = (k2f * cos[None, :] + k1f * sin[None, :]).to(dtype)
-    s = tl.zeros([qa1.shape[0], BLOCK_N], tl.float32)
-    s = mma(qa1, tl.trans(k1), s, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N]
-    s = mma(qa2, tl.trans(k2), s, DOT_PRECISION, DOT_UPCAST)
-    if REST > 0:
-        c3 = 2 * HALF + tl.arange(0, REST)
         if MASKED:
-            k3 = tl.load(k_cache_ptr + k_rows[:, None] + c3[None, :], mask=key_ok[:, None], other=0.0)
+            kp = tl.load(k_cache_ptr + k_rows[:, None] + partner[None, :], mask=key_ok[:, None], other=0.0)
         else:
-            k3 = tl.load(k_cache_ptr + k_rows[:, None] + c3[None, :])
-        s = mma(q3, tl.trans(k3), s, DOT_PRECISION, DOT_UPCAST)
-    s = s * score_scale
-    if CHUNK_SCALING:
-        s = s + score_bias
+            kp = tl.load(k_cache_ptr + k_rows[:, None] + partner[None, :])
+        k = (k.to(tl.float32) * cos[None, :] + kp.to(tl.float32) * sin[None, :]).to(dtype)
+    keep = 0  # no mask
     if MASKED:
-        key_idx = tl.load(ks_row + blk, mask=blk_ok, other=0) + slot  # [BLOCK_N] global key index
         keep = key_ok[None, :] & (key_idx[None, :] <= row_limit[:, None])
+    return attend(acc, m_i, l_i, qa, k, v, keep, score_scale, score_bias,
+                  MASKED, CHUNK_SCALING, DOT_PRECISION, DOT_UPCAST)
+
+
+@triton.jit
+def step_tile(
+    acc, m_i, l_i,  # running output [BLOCK_M, HEAD_DIM], row max and row sum [BLOCK_M] (float32)
+    q,  # [BLOCK_M, HEAD_DIM] the query as given (these keys have delta 0)
+    k_base, v_base,  # the sequence's first new token's K and V row of this KV head
+    stride_nkt, stride_nvt,  # token strides of the new tokens' K and V
+    t0,  # first new-token index of this tile
+    offs_m, q_len,  # [BLOCK_M] rows' new-token indices; the sequence's new tokens
+    sm_scale_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of the tile is before every row (no masks at all)
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """One tile of ``BLOCK_N`` new tokens' keys read from the step's own contiguous K/V: causal."""
+    offs_t = t0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] new-token index of each key
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_ptrs = k_base + offs_t.to(tl.int64)[:, None] * stride_nkt + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+    v_ptrs = v_base + offs_t.to(tl.int64)[:, None] * stride_nvt + offs_d[None, :]
+    keep = 0  # no mask
+    if MASKED:
+        k = tl.load(k_ptrs, mask=(offs_t < q_len)[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=(offs_t < q_len)[:, None], other=0.0)
+        keep = (offs_t[None, :] <= offs_m[:, None]) & (offs_t < q_len)[None, :]
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    return attend(acc, m_i, l_i, q, k, v, keep, sm_scale_log2, 0.0, MASKED, False, DOT_PRECISION, DOT_UPCAST)
+
+
+@triton.jit
+def attend(
+    acc, m_i, l_i,  # running output [BLOCK_M, HEAD_DIM], row max and row sum [BLOCK_M] (float32)
+    q, k, v,  # [BLOCK_M, HEAD_DIM], [BLOCK_N, HEAD_DIM] x 2
+    keep,  # [BLOCK_M, BLOCK_N] bool: the pairs that attend (MASKED only)
+    score_scale, score_bias,  # float32 scalars (score_scale > 0): log2-domain score = dot * score_scale + score_bias
+    MASKED: tl.constexpr, CHUNK_SCALING: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """Scores of one tile, the online-softmax update (float32, exp2) and ``acc += P @ V``.
+
+    The scale is applied inside the row max and the exponent's multiply-add (``score_scale > 0``,
+    so ``max(s) * scale = max(s * scale)``): one fused multiply-add per score, no separate scaling."""
+    s = tl.zeros([q.shape[0], k.shape[0]], tl.float32)
+    s = mma(q, tl.trans(k), s, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N] raw dot products
+    if MASKED:
         s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if CHUNK_SCALING:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * score_scale + score_bias)
+        p = tl.math.exp2(s * score_scale + (score_bias - m_new)[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * score_scale)
+        p = tl.math.exp2(s * score_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
-    acc = mma(p.to(dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
+    acc = mma(p.to(q.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
     return acc, m_new, l_i
 
 
@@ -154,6 +214,8 @@ def prefill_kernel(
     k_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
     out_ptr,  # [num_tokens, num_heads, head_dim]
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim] the new tokens' K as written to the cache (IN_STEP)
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim] their V (IN_STEP)
     block_tables_ptr,  # [num_seqs, max_blocks] int64 packed (id | valid-1 | delta)
     key_starts_ptr,  # [num_seqs, max_blocks] int32 index of each block's first key
     run_starts_ptr,  # [num_seqs, max_blocks + 1] int32 first block of each run of equal delta, then n_blocks
@@ -170,6 +232,7 @@ def prefill_kernel(
     stride_kb, stride_ks, stride_kh,  # key-cache strides (block, slot, head)
     stride_vb, stride_vs, stride_vh,  # value-cache strides (block, slot, head)
     stride_ot, stride_oh,  # out strides (tokens, heads)
+    stride_nkt, stride_nkh, stride_nvt, stride_nvh,  # new tokens' K and V strides (tokens, heads)
     stride_bt,  # block_tables row stride
     stride_ksr,  # key_starts row stride
     stride_rsr,  # run_starts row stride
@@ -186,6 +249,7 @@ def prefill_kernel(
     TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
     ROTATION: tl.constexpr,  # 0 none (benchmark only), 1 query by -delta per run, 2 each K tile by delta
     CHUNK_SCALING: tl.constexpr,  # runs of flagged blocks use ChunkScaling (False: the flag is ignored)
+    IN_STEP: tl.constexpr,  # read the new tokens' keys from key_ptr/value_ptr where they have delta 0
     ACCURATE_TRIG: tl.constexpr,  # libdevice cos/sin (GPU); tl.cos/tl.sin under the interpreter
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, None (default) for half types
     DOT_UPCAST: tl.constexpr,  # interpreter only: dots in float32
@@ -211,22 +275,25 @@ def prefill_kernel(
     limit_min = ctx_len + m_start
     limit_max = ctx_len + tl.minimum(m_start + BLOCK_M, q_len) - 1
     offs_d = tl.arange(0, HEAD_DIM)
-    c1 = tl.arange(0, HALF) * PAIR_STRIDE
-    c2 = c1 + X2_OFF
-
     q_rows = (q_start + offs_m).to(tl.int64) * stride_qt + head * stride_qh  # [BLOCK_M]
-    q1_ptrs = q_ptr + q_rows[:, None] + c1[None, :]  # [BLOCK_M, HALF]
-    q2_ptrs = q_ptr + q_rows[:, None] + c2[None, :]
-    if REST > 0:
-        c3 = 2 * HALF + tl.arange(0, REST)  # [REST] columns that do not rotate
-        q3 = tl.load(q_ptr + q_rows[:, None] + c3[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, REST]
-    else:
-        q3 = tl.zeros([BLOCK_M, 16], dtype)  # unused
-    inv_freq = tl.load(inv_freq_ptr + tl.arange(0, HALF))  # [HALF] float32
+    q_ptrs = q_ptr + q_rows[:, None] + offs_d[None, :]  # [BLOCK_M, HEAD_DIM]
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     ks_row = key_starts_ptr + seq.to(tl.int64) * stride_ksr
     rs_row = run_starts_ptr + seq.to(tl.int64) * stride_rsr
+    # The new tokens' own keys come from the step's contiguous K/V (no block-table gather) when
+    # they all lie in the last run and that run has delta 0 and no scaling flag (the request's
+    # own tokens, or a chunk being encoded); the block walk then stops before them.
+    in_step = False
+    if IN_STEP:
+        last_start = tl.load(rs_row + tl.maximum(n_runs - 1, 0))
+        last_word = tl.load(bt_row + last_start)
+        in_step = (n_runs > 0) & (tl.load(ks_row + last_start) <= ctx_len) & ((last_word >> 38) == 0)
+        if CHUNK_SCALING:
+            in_step = in_step & (((last_word >> 30) & 1) == 0)
+        row_limit = tl.where(in_step, ctx_len - 1, row_limit)
+        limit_min = tl.where(in_step, ctx_len - 1, limit_min)
+        limit_max = tl.where(in_step, ctx_len - 1, limit_max)
     # Blocks any row may see: first key <= limit_max. Blocks every row sees whole: the NEXT block
     # starts at or before limit_min + 1 (so the block's keys are all <= limit_min).
     n_visit = count_at_most(ks_row, n_blocks, limit_max, search_steps)
@@ -251,8 +318,9 @@ def prefill_kernel(
                                                           chunk_log2_weight)
             # The query is (re)loaded per run (a few KB from L2) rather than kept in registers
             # across the walk, which leaves the registers to the K/V pipeline.
-            cos = tl.full([HALF], 1.0, tl.float32)
-            sin = tl.zeros([HALF], tl.float32)
+            cos = tl.full([HEAD_DIM], 1.0, tl.float32)
+            sin = tl.zeros([HEAD_DIM], tl.float32)
+            partner = offs_d
             if ROTATION == 1:  # R_(-delta) on the ORIGINAL query, once per run
                 # The rotated tile goes through this program's own output rows (written only at
                 # the end) and is loaded back: a loaded tile feeds the QK^T products from shared
@@ -260,43 +328,59 @@ def prefill_kernel(
                 # the whole walk (measured: docs/benchmarks.md "Rotation overhead").
                 rotated = delta != 0
                 o_rows = (q_start + offs_m).to(tl.int64) * stride_ot + head * stride_oh  # [BLOCK_M]
-                r1_ptrs = out_ptr + o_rows[:, None] + c1[None, :]  # [BLOCK_M, HALF] the rotated query's scratch
-                r2_ptrs = out_ptr + o_rows[:, None] + c2[None, :]
+                r_ptrs = out_ptr + o_rows[:, None] + offs_d[None, :]  # [BLOCK_M, HEAD_DIM] the rotated query's scratch
                 if rotated:
-                    cq, sq = cos_sin((-delta).to(tl.float32) * inv_freq, ACCURATE_TRIG)  # [HALF]
-                    q1f = tl.load(q1_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-                    q2f = tl.load(q2_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+                    freq_idx, partner, sign, rotates = rotary_columns(HEAD_DIM, HALF, PAIR_STRIDE, X2_OFF)
+                    inv_freq = tl.load(inv_freq_ptr + freq_idx)  # [HEAD_DIM] float32: each column's pair frequency
+                    cq, sq = rotation_vectors((-delta).to(tl.float32), inv_freq, sign, rotates, ACCURATE_TRIG)
+                    qf = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+                    qp = tl.load(q_ptr + q_rows[:, None] + partner[None, :], mask=row_ok[:, None], other=0.0)
                     tl.debug_barrier()  # the previous run's loads of these rows are done
-                    tl.store(r1_ptrs, (q1f * cq[None, :] - q2f * sq[None, :]).to(dtype), mask=row_ok[:, None])
-                    tl.store(r2_ptrs, (q2f * cq[None, :] + q1f * sq[None, :]).to(dtype), mask=row_ok[:, None])
+                    tl.store(r_ptrs, (qf * cq[None, :] + qp.to(tl.float32) * sq[None, :]).to(dtype),
+                             mask=row_ok[:, None])
                     tl.debug_barrier()  # every thread's stores are visible to the loads below
-                qa1 = tl.load(tl.where(rotated, r1_ptrs, q1_ptrs), mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF]
-                qa2 = tl.load(tl.where(rotated, r2_ptrs, q2_ptrs), mask=row_ok[:, None], other=0.0)
+                qa = tl.load(tl.where(rotated, r_ptrs, q_ptrs), mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
             else:
-                qa1 = tl.load(q1_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF]
-                qa2 = tl.load(q2_ptrs, mask=row_ok[:, None], other=0.0)
+                qa = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
             if ROTATION == 2:  # R_delta on each K tile; angles once per run
-                cos, sin = cos_sin(delta.to(tl.float32) * inv_freq, ACCURATE_TRIG)
+                freq_idx, partner, sign, rotates = rotary_columns(HEAD_DIM, HALF, PAIR_STRIDE, X2_OFF)
+                inv_freq = tl.load(inv_freq_ptr + freq_idx)
+                cos, sin = rotation_vectors(delta.to(tl.float32), inv_freq, sign, rotates, ACCURATE_TRIG)
             # whole tiles that every row sees entirely (the run's last block may be partial: excluded)
             n_full = tl.maximum(tl.minimum(b1 - 1, n_safe) - b0, 0) // TILE_BLOCKS
             for t in range(0, n_full):
                 acc, m_i, l_i = prefill_tile(
-                    acc, m_i, l_i, qa1, qa2, q3, cos, sin, b0 + t * TILE_BLOCKS, b_end,
+                    acc, m_i, l_i, qa, cos, sin, partner, b0 + t * TILE_BLOCKS, b_end,
                     bt_row, ks_row, k_cache_ptr, v_cache_ptr,
                     kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    row_limit, score_scale, score_bias,
-                    HEAD_DIM, HALF, REST, PAIR_STRIDE, X2_OFF, BLOCK_SIZE, BLOCK_N, TILE_BLOCKS,
+                    row_limit, limit_max, score_scale, score_bias,
+                    HEAD_DIM, BLOCK_SIZE, BLOCK_N, TILE_BLOCKS,
                     False, CHUNK_SCALING, ROTATION == 2, DOT_PRECISION, DOT_UPCAST,
                 )
             for first in range(b0 + n_full * TILE_BLOCKS, b_end, TILE_BLOCKS):
                 acc, m_i, l_i = prefill_tile(
-                    acc, m_i, l_i, qa1, qa2, q3, cos, sin, first, b_end,
+                    acc, m_i, l_i, qa, cos, sin, partner, first, b_end,
                     bt_row, ks_row, k_cache_ptr, v_cache_ptr,
                     kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    row_limit, score_scale, score_bias,
-                    HEAD_DIM, HALF, REST, PAIR_STRIDE, X2_OFF, BLOCK_SIZE, BLOCK_N, TILE_BLOCKS,
+                    row_limit, limit_max, score_scale, score_bias,
+                    HEAD_DIM, BLOCK_SIZE, BLOCK_N, TILE_BLOCKS,
                     True, CHUNK_SCALING, ROTATION == 2, DOT_PRECISION, DOT_UPCAST,
                 )
+
+    if IN_STEP:
+        if in_step:  # causal attention over the new tokens' own keys, as computed this step
+            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+            k_base = key_ptr + q_start.to(tl.int64) * stride_nkt + kv_head * stride_nkh
+            v_base = value_ptr + q_start.to(tl.int64) * stride_nvt + kv_head * stride_nvh
+            n_below = m_start // BLOCK_N  # tiles whose keys all precede the tile's first row
+            for t in range(0, n_below):
+                acc, m_i, l_i = step_tile(acc, m_i, l_i, q, k_base, v_base, stride_nkt, stride_nvt, t * BLOCK_N,
+                                          offs_m, q_len, sm_scale_log2, HEAD_DIM, BLOCK_N, False,
+                                          DOT_PRECISION, DOT_UPCAST)
+            for t0 in range(n_below * BLOCK_N, tl.minimum(m_start + BLOCK_M, q_len), BLOCK_N):
+                acc, m_i, l_i = step_tile(acc, m_i, l_i, q, k_base, v_base, stride_nkt, stride_nvt, t0,
+                                          offs_m, q_len, sm_scale_log2, HEAD_DIM, BLOCK_N, True,
+                                          DOT_PRECISION, DOT_UPCAST)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no keys (padding): zeros
     o_rows = (q_start + offs_m).to(tl.int64) * stride_ot + head * stride_oh
@@ -332,6 +416,27 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def _check_step_kv(query: torch.Tensor, key_cache: torch.Tensor, key: torch.Tensor | None,
+                   value: torch.Tensor | None) -> bool:
+    """Whether the launch reads the new tokens' keys from ``key``/``value``; ``ValueError`` for
+    tensors it would misread (one given without the other, another shape, dtype or device than
+    the cache's rows, a head_dim that is not contiguous)."""
+    if key is None and value is None:
+        return False
+    if key is None or value is None:
+        raise ValueError("key and value must be given together")
+    rows = (query.shape[0], key_cache.shape[2], key_cache.shape[3])
+    for t, name in ((key, "key"), (value, "value")):
+        if tuple(t.shape) != rows:
+            raise ValueError(f"{name} must be [num_tokens, num_kv_heads, head_dim] = {list(rows)}, got {list(t.shape)}")
+        if t.dtype != key_cache.dtype or t.device != key_cache.device:
+            raise ValueError(f"{name} must have the cache's dtype and device ({key_cache.dtype}, {key_cache.device}), "
+                             f"got {t.dtype}, {t.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim")
+    return True
+
+
 def paged_prefill(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated at global positions
     key_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
@@ -351,6 +456,8 @@ def paged_prefill(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     rotation: Rotation = "query",  # see Rotation: "query", "key" or "none"
     chunk_scaling: ChunkScaling | None = None,  # APE on flagged blocks (None: plain attention)
+    key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim] the new tokens' K, as in the cache
+    value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim] their V
     block_m: int | None = None,
     block_n: int | None = None,  # key lanes per tile (rounded up to a power of two >= block_size)
     num_warps: int | None = None,
@@ -364,7 +471,11 @@ def paged_prefill(
     once per chunk; ``"key"`` rotates every K tile by ``delta`` in registers (same result, more
     work: kept to measure the difference); ``"none"`` skips it (only for measuring its cost).
     ``chunk_scaling``: keys of blocks flagged ``scaled`` are scored by APE's temperature and
-    weight (:class:`~lazyattn_rag.kernels.launch.ChunkScaling`). ``block_m``, ``block_n``,
+    weight (:class:`~lazyattn_rag.kernels.launch.ChunkScaling`). ``key`` and ``value``, the new
+    tokens' K/V exactly as written to the cache (rows of ``query``'s tokens): the new tokens' own
+    keys are read from them, contiguous, instead of through the block table, for every sequence
+    whose new tokens lie in one last run of delta 0 and no scaling flag (the engine's case); the
+    result is the same. ``block_m``, ``block_n``,
     ``num_warps`` and ``num_stages`` change the launch only, never the result.
 
     Returns:
@@ -385,6 +496,7 @@ def paged_prefill(
             raise ValueError(f"out must have the query's dtype {query.dtype}, got {out.dtype}")
         if _overlaps(out, query):
             raise ValueError("out must not overlap the query's memory")
+    in_step = _check_step_kv(query, key_cache, key, value)
     launch = launch_prologue(query, key_cache, value_cache, block_tables, inv_freq, scale,
                              interleaved=interleaved, out=out, seq_ids=seq_ids)
     out, seq_ids = launch.out, launch.seq_ids
@@ -402,10 +514,11 @@ def paged_prefill(
     scaling = (chunk_scaling or ChunkScaling()).kernel_args()
     grid = (num_heads, triton.cdiv(max_query_len, block_m), seq_ids.numel())
     prefill_kernel[grid](
-        query, key_cache, value_cache, out,
+        query, key_cache, value_cache, out, key if in_step else query, value if in_step else query,
         block_tables, key_starts, runs.starts, runs.num_runs, num_blocks_per_seq, seq_lens, cu_seqlens_q, seq_ids,
         launch.inv_freq, launch.sm_scale_log2, scaling["chunk_inv_temperature"], scaling["chunk_log2_weight"],
         *launch.strides,
+        *(key.stride(0), key.stride(1), value.stride(0), value.stride(1)) if in_step else (0, 0, 0, 0),
         block_tables.stride(0), key_starts.stride(0), runs.starts.stride(0),
         max(1, max_blocks + 1).bit_length(),
         **launch.constexprs,
@@ -414,6 +527,7 @@ def paged_prefill(
         TILE_BLOCKS=block_n // block_size,
         ROTATION=code,
         CHUNK_SCALING=scaling["CHUNK_SCALING"],
+        IN_STEP=in_step,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
     )

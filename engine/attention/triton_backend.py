@@ -6,7 +6,8 @@ sequence kind and each kind runs its own kernel, both writing into one output te
 * sequences with one new token run :func:`~lazyattn_rag.kernels.decode.paged_decode` (one query
   row, rotated by ``-delta`` once per chunk; split-KV for long contexts);
 * the others run :func:`~lazyattn_rag.kernels.prefill.paged_prefill` (a query tile rotated by
-  ``-delta`` once per chunk, K tiles read as stored; causal over the new tokens).
+  ``-delta`` once per chunk, K tiles read as stored; causal over the new tokens, whose own keys
+  it reads from this call's ``key``/``value`` rather than back through the block table).
 
 The split (sequence ids per kernel), each block's first key index and the runs of equal delta
 are derived once per batch from the metadata (device ops, no host sync) and kept in
@@ -138,5 +139,6 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata.seq_lens, metadata.cu_seqlens_q, plan.max_prefill_query_len, inv_freq, self.scale,
                 interleaved=self.rotary.interleaved, key_starts=plan.key_starts, runs=plan.runs,
                 seq_ids=plan.prefill_ids, out=out, chunk_scaling=self.chunk_scaling,
+                key=key.to(key_cache.dtype), value=value.to(value_cache.dtype),  # as write_kv stored them
             )
         return out if out.dtype == query.dtype else out.to(query.dtype)
