@@ -1,6 +1,7 @@
 """The fused Triton deferred-RoPE attention backend (CUDA; or the interpreter for tests).
 
-Per forward call: :func:`write_kv` scatters the new tokens' K/V, then the batch is split by
+Per forward call: :func:`~lazyattn_rag.kernels.kv_write.write_kv_cache` scatters the new tokens'
+K/V (one launch for both), then the batch is split by
 sequence kind and each kind runs its own kernel, both writing into one output tensor:
 
 * sequences with one new token run :func:`~lazyattn_rag.kernels.decode.paged_decode` (one query
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lazyattn_rag.engine.attention.base import AttentionBackend, write_kv
+from lazyattn_rag.engine.attention.base import AttentionBackend
 from lazyattn_rag.engine.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -117,9 +118,10 @@ class TritonAttentionBackend(AttentionBackend):
                 "use the torch backend on the CPU"
             )
         from lazyattn_rag.kernels.decode import paged_decode
+        from lazyattn_rag.kernels.kv_write import write_kv_cache
         from lazyattn_rag.kernels.prefill import paged_prefill
 
-        write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)  # as write_kv, one launch
         plan = _plan(metadata, query.device)
         q = query if query.dtype == key_cache.dtype else query.to(key_cache.dtype)
         out = torch.empty_like(q)

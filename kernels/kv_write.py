@@ -1,0 +1,91 @@
+"""Writing the new tokens' K and V into the paged cache: one Triton launch for both.
+
+The plain-PyTorch form is two indexed assignments (``cache.view(-1, heads, dim)[slot_mapping] =
+k``), two kernels per layer; in a decode step of a large model at batch 1 each launch costs a few
+microseconds of GPU time however little it writes, some 64 per step for a 32-layer model
+(docs/benchmarks.md, issue 19). This kernel copies both in one launch (K/V of another dtype than
+the cache's are converted by ``Tensor.to`` first), so the caches end up bit for bit as the two
+assignments leave them. Its reference is
+:func:`lazyattn_rag.engine.attention.base.write_kv`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kv_write_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_slots, num_kv_heads, head_dim] (the cache's blocks flattened)
+    v_cache_ptr,  # [num_slots, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # [num_tokens] int64 flat slot of each token
+    stride_kt, stride_kh,  # key strides (tokens, heads); head_dim is contiguous
+    stride_vt, stride_vh,  # value strides (tokens, heads)
+    stride_cs, stride_ch,  # cache strides (slots, heads), equal for both caches
+    NUM_KV_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # NUM_KV_HEADS rounded up to a power of two
+    HEAD_DIM: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)  # int64
+    heads = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = (heads < NUM_KV_HEADS)[:, None]
+    t = token.to(tl.int64)
+    k = tl.load(key_ptr + t * stride_kt + heads[:, None] * stride_kh + offs_d[None, :], mask=ok)
+    v = tl.load(value_ptr + t * stride_vt + heads[:, None] * stride_vh + offs_d[None, :], mask=ok)
+    dst = slot * stride_cs + heads[:, None] * stride_ch + offs_d[None, :]  # [BLOCK_H, HEAD_DIM] int64
+    tl.store(k_cache_ptr + dst, k, mask=ok)
+    tl.store(v_cache_ptr + dst, v, mask=ok)
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Store each token's K and V at its flat slot (``block_id * block_size + offset``), in the
+    caches' dtype (converted by ``Tensor.to``); slots must lie in the caches (they are not checked on the device).
+
+    Raises:
+        ValueError: K/V rows of another shape than the caches', caches of unequal layout, a
+            head_dim that is not contiguous, a power-of-two-less ``head_dim``, a slot mapping that
+            is not int64 with one slot per token.
+
+    Example:
+        >>> write_kv_cache(k, v, key_cache, value_cache, md.slot_mapping)
+    """
+    num_tokens = key.shape[0]
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    if key.shape != value.shape or tuple(key.shape[1:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"key {list(key.shape)} and value {list(value.shape)} must be "
+                         f"[num_tokens, {num_kv_heads}, {head_dim}] like the caches' rows")
+    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
+        raise ValueError("key_cache and value_cache must have one shape and layout")
+    if key.stride(-1) != 1 or value.stride(-1) != 1 or key_cache.stride(-1) != 1:
+        raise ValueError("key, value and the caches must be contiguous in head_dim")
+    if key_cache.stride(0) != key_cache.shape[1] * key_cache.stride(1):
+        raise ValueError("a cache's blocks must be contiguous runs of slots")
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be int64 [{num_tokens}], got {slot_mapping.dtype} "
+                         f"{list(slot_mapping.shape)}")
+    if num_tokens == 0:
+        return
+    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)  # no copy when they match
+    kv_write_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(1), key_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )
