@@ -178,7 +178,8 @@ def bench_prefill(model, device, tokens: int, compiled: bool, repeats: int) -> d
 
 
 def profile_decode(model, device, batch: int, context: int, compiled: bool) -> dict:
-    """Kernels of 3 eager (not graph-replayed) decode steps: count per step and the top 12 by device time."""
+    """Kernels of 3 eager (not graph-replayed) decode steps: count per step, the top 12 ops by device
+    time, and every kernel name with its launches per step and mean device microseconds."""
     from torch.profiler import ProfilerActivity, profile
 
     runner = runner_for(model, device, batch * context, compiled)
@@ -193,8 +194,14 @@ def profile_decode(model, device, batch: int, context: int, compiled: bool) -> d
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     top, _ = top_device_kernels(prof, 12)
     busy_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3  # kernels only: an op's self time repeats its kernels'
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    launches = {name: {"per_step": len(us) / 3, "us_each": sum(us) / len(us)}
+                for name, us in sorted(by_name.items(), key=lambda kv: -len(kv[1]))}
     return {"batch": batch, "context": context, "kernels_per_step": len(kernels) / 3,
-            "device_busy_ms_per_step": busy_ms / 3, "ms_per_step_by_part": kernel_parts(kernels, 3), "top": top}
+            "device_busy_ms_per_step": busy_ms / 3, "ms_per_step_by_part": kernel_parts(kernels, 3), "top": top,
+            "kernels": launches}
 
 
 def kernel_parts(kernels, num_calls: int) -> dict:

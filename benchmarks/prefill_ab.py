@@ -2,8 +2,9 @@
 
 Side by side in one process (``benchmarks/kernels.py``'s ``launch_options``: interleaved 3 times,
 median of triton's ``do_bench`` over CUDA-graph replays, L2 flushed; the earlier kernel is the
-``default``): the earlier kernel file, today's kernel with its default launch and with
-``num_stages=3``, on the prefills the serving engine runs most (Llama
+``default``): the earlier kernel file, today's kernel with its default launch and with each of
+``TILE_CONFIGS`` (today's given the new tokens' K/V, as the engine does), on the prefills the
+serving engine runs most (Llama
 heads 32/8, d128, bf16, block 16): requests of 64 new tokens over 5 cached 512-token chunks at
 distinct offsets, 512-token document encodes (no context, delta 0), and requests of 512 new
 tokens over 5 chunks. Also each output's largest difference from the earlier kernel's.
@@ -31,6 +32,10 @@ from lazyattn_rag.kernels import prefill as current
 from lazyattn_rag.kernels.launch import block_key_starts, block_runs
 
 HEADS, KV_HEADS, HEAD_DIM, THETA = 32, 8, 128, 500000.0
+# launch configurations timed beside the default (block_m, block_n, warps, stages): the best of
+# kernels.py's sweep for a causal prefill from the step's K/V (128 rows, 3 stages) and after
+# cached chunks (64 x 64, one warpgroup, two programs per multiprocessor)
+TILE_CONFIGS = [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)]
 
 
 def shapes() -> dict:
@@ -40,6 +45,7 @@ def shapes() -> dict:
         "16 requests: 5 chunks x 512 cached + 64 new": ([chunks(b) + [(64, 0)] for b in range(16)], 64),
         "16 encodes of 512 tokens (delta 0)": ([[(512, 0)] for _ in range(16)], 512),
         "4 requests: 5 chunks x 512 cached + 512 new": ([chunks(b) + [(512, 0)] for b in range(4)], 512),
+        "1 prompt of 8192 tokens (delta 0)": ([[(8192, 0)]], 8192),
     }
 
 
@@ -63,13 +69,21 @@ def compare(segs, query_len: int, earlier, device) -> dict:
     out = torch.empty_like(q)
     pairs = sum(query_len * (n - query_len) + query_len * (query_len + 1) // 2 for n in P["seq_lens_list"])
 
+    # the new tokens' K/V as the engine passes them (the last query_len keys of each sequence)
+    seq_len = P["seq_lens_list"][0]
+    step = {n: t[:, :, seq_len - query_len: seq_len].permute(0, 2, 1, 3).reshape(-1, KV_HEADS, HEAD_DIM)
+            for n, t in (("key", P["k_dense"]), ("value", P["v_dense"]))}
+
     def launch(module=earlier, **kw):
         return lambda: module.paged_prefill(q, P["k_cache"], P["v_cache"], P["block_tables"], P["num_blocks"],
                                             P["seq_lens"], cu, query_len, inv_freq, HEAD_DIM**-0.5,
                                             key_starts=key_starts, runs=runs, out=out, **kw)
 
-    return launch_options(launch, {"now": dict(module=current), "now, 3 stages": dict(module=current, num_stages=3)},
-                          4 * HEADS * HEAD_DIM * pairs, "TFLOPs", per=1e9)
+    variants = {"now": dict(module=current, **step)}
+    for bm, bn, warps, stages in TILE_CONFIGS:
+        variants[f"now, {bm}x{bn} w{warps} s{stages}"] = dict(module=current, block_m=bm, block_n=bn,
+                                                               num_warps=warps, num_stages=stages, **step)
+    return launch_options(launch, variants, 4 * HEADS * HEAD_DIM * pairs, "TFLOPs", per=1e9)
 
 
 def main() -> None:
