@@ -76,18 +76,19 @@ def rope(head_dim: int) -> dict:
 
 def main() -> None:
     print("kernel   heads       tile               rotation  resources")
-    for head_dim, group, (bm, bn, warps, stages) in ((128, 4, (128, 128, 8, 2)), (64, 3, (128, 64, 4, 3))):
+    for head_dim, group, (bm, bn, warps, stages) in ((128, 4, (64, 64, 4, 3)), (128, 4, (128, 64, 8, 3)),
+                                                    (64, 3, (128, 64, 4, 3))):
         for rotation in ("none", "query", "key"):
-            c = dict(rope(head_dim), GROUP=group, BLOCK_M=bm, BLOCK_N=bn, TILE_BLOCKS=bn // 16,
+            c = dict(rope(head_dim), GROUP=group, BLOCK_M=bm, BLOCK_N=bn, TILE_BLOCKS=bn // 16, IN_STEP=True,
                      ROTATION=ROTATION_CODES[rotation])
             print(f"prefill  d{head_dim:<3} g{group}    {bm}x{bn} w{warps} s{stages}    {rotation:<8}  "
                   f"{resources(prefill.prefill_kernel, c, warps, stages)}")
-    for head_dim, group, bn, splits in ((128, 4, 64, 1), (64, 3, 128, 4)):
+    for head_dim, group, bn, split, stages in ((128, 4, 64, True, 3), (128, 4, 128, False, 2), (64, 3, 128, True, 3)):
         for rotation in ("none", "query"):
-            c = dict(rope(head_dim), GROUP=group, BLOCK_G=16, BLOCK_N=bn, TILE_BLOCKS=bn // 16, NUM_SPLITS=splits,
+            c = dict(rope(head_dim), GROUP=group, BLOCK_G=16, BLOCK_N=bn, TILE_BLOCKS=bn // 16, SPLIT_KV=split,
                      ROTATION=ROTATION_CODES[rotation])
-            print(f"decode   d{head_dim:<3} g{group}    n{bn} splits {splits} w4 s3   {rotation:<8}  "
-                  f"{resources(decode.decode_kernel, c, 4, 3)}")
+            print(f"decode   d{head_dim:<3} g{group}    n{bn} split {split:d} w4 s{stages}   {rotation:<8}  "
+                  f"{resources(decode.decode_kernel, c, 4, stages)}")
 
 
 if __name__ == "__main__":

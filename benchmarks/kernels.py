@@ -46,7 +46,13 @@ import triton.testing
 from lazyattn_rag.kernels.block_table import pack_entries, unpack_block_table
 from lazyattn_rag.kernels.decode import paged_decode
 from lazyattn_rag.kernels.launch import ChunkScaling, block_key_starts, block_runs
-from lazyattn_rag.kernels.prefill import _default_config, paged_prefill
+from lazyattn_rag.kernels.prefill import (
+    CONFIG_CACHED,
+    CONFIG_LONG_STEP,
+    _default_config,
+    _shared_bytes,
+    paged_prefill,
+)
 
 MODELS = {
     "llama3.1-8b": dict(num_heads=32, num_kv_heads=8, head_dim=128, theta=500000.0),
@@ -342,7 +348,8 @@ def bench_prefill(name: str, cfg: dict, device, new_tokens=16384, cached_chunks=
                                      cu, new_tokens, inv_freq, scale, key_starts=ks, runs=run_list, out=out,
                                      rotation=rotation, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
                                      chunk_scaling=CHUNK_SCALING if scaled else None,
-                                     key=k_new if step else None, value=v_new if step else None, **options)
+                                     key=k_new if step else None, value=v_new if step else None,
+                                     max_context_len=ctx, **options)
 
     qd = q.transpose(0, 1)[None]  # [1, H, L, D]
     mask_kw = {"is_causal": True} if ctx == 0 else None
@@ -361,8 +368,12 @@ def bench_prefill(name: str, cfg: dict, device, new_tokens=16384, cached_chunks=
     out_key = ours("key")().clone()
     ours("query")()
     res["check_rel_err_query_vs_key_rotation"] = rel_err(out, out_key)  # two independent rotation paths
-    default_stages = _default_config(D, BLOCK_SIZE, False, q.element_size())["num_stages"]
-    variants = {f"stages={n}": dict(stages=n) for n in (2, 3) if n != default_stages}  # the depth the default does not use
+    default = _default_config(D, BLOCK_SIZE, False, q.element_size(), new_tokens, ctx, _shared_bytes(device))
+    res["default_launch"] = default
+    variants = {}
+    for bm, bn, warps, stages in (CONFIG_CACHED, CONFIG_LONG_STEP):  # the tile rule's other choice
+        if (bm, bn, warps, stages) != tuple(default[k] for k in ("block_m", "block_n", "num_warps", "num_stages")):
+            variants[f"{bm}x{bn} w{warps} s{stages}"] = dict(bm=bm, bn=bn, warps=warps, stages=stages)
     variants["new_tokens_through_block_table"] = dict(step=False)  # the kernel without key=/value=
     res["launch_options"] = launch_options(ours, variants, flops, "TFLOPs", per=1e9)
     if QUICK:

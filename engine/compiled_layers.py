@@ -8,7 +8,7 @@ run of them into one kernel. The layer is cut at the attention backend, which st
 (its Triton kernels, its CUDA-graph plan):
 
 * :func:`attention_input`: the previous layer's MLP output added to the residual stream, the
-  input RMSNorm, the fused q/k/v product, Qwen3's q/k norms and RoPE of q and k;
+  input RMSNorm, the fused q/k/v product, Qwen3's q/k norms and RoPE of q and k (together);
 * :func:`attention_output`: the output projection added to the residual stream, the
   post-attention RMSNorm and the SwiGLU MLP, whose output is added by the next layer's
   :func:`attention_input` (or before the final norm) so that add fuses with that norm.
@@ -67,12 +67,13 @@ def attention_input(
         x = x + delta
     n, kv_size = x.shape[0], num_kv_heads * head_dim
     qkv = F.linear(_rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
-    q, k, v = qkv.split([num_heads * head_dim, kv_size, kv_size], dim=-1)
-    q, k, v = q.view(n, num_heads, head_dim), k.view(n, num_kv_heads, head_dim), v.view(n, num_kv_heads, head_dim)
-    if q_norm_weight is not None:
-        q, k = _rms_norm(q, q_norm_weight, eps), _rms_norm(k, k_norm_weight, eps)
-    q = apply_rotation(q, cos, sin, rotary_dim, interleaved)
-    k = apply_rotation(k, cos, sin, rotary_dim, interleaved)
+    qk, v = qkv.split([(num_heads + num_kv_heads) * head_dim, kv_size], dim=-1)
+    qk, v = qk.view(n, num_heads + num_kv_heads, head_dim), v.view(n, num_kv_heads, head_dim)
+    if q_norm_weight is not None:  # Qwen3: per-head norms of q and k, each its own weight
+        q, k = qk.split([num_heads, num_kv_heads], dim=1)
+        qk = torch.cat((_rms_norm(q, q_norm_weight, eps), _rms_norm(k, k_norm_weight, eps)), dim=1)
+    # q and k rotated together: one kernel instead of one each (every launch counts at batch 1)
+    q, k = apply_rotation(qk, cos, sin, rotary_dim, interleaved).split([num_heads, num_kv_heads], dim=1)
     return x, q, k, v
 
 
@@ -93,7 +94,10 @@ def attention_output(
     Returns:
         ``(x, delta)``, both ``[n, hidden_size]`` in ``x``'s dtype.
     """
-    x = x + F.linear(attn, o_weight, o_bias)
+    # The residual add in float32, rounded once (equal to the half-type add): so inductor fuses it
+    # with the norm below instead of folding it into the product as addmm (whose bias copy and
+    # split-K reduction were two more kernels per layer in an H200 decode step).
+    x = (x.to(torch.float32) + F.linear(attn, o_weight, o_bias).to(torch.float32)).to(x.dtype)
     gate, up = F.linear(_rms_norm(x, norm_weight, eps), gate_up_weight, gate_up_bias).chunk(2, dim=-1)
     return x, F.linear(F.silu(gate) * up, down_weight, down_bias)
 

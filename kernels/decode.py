@@ -45,7 +45,7 @@ from lazyattn_rag.kernels.launch import (
     launch_prologue,
     rotation_code,
 )
-from lazyattn_rag.kernels.triton_helpers import cos_sin, mma, run_score_scale
+from lazyattn_rag.kernels.triton_helpers import mma, rotary_columns, rotation_vectors, run_score_scale
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_rsr"])  # step-varying widths: see prefill_kernel
@@ -112,20 +112,10 @@ def decode_kernel(
     blk_in_tile = offs_n // BLOCK_SIZE
     lane_ok = offs_n < TILE_BLOCKS * BLOCK_SIZE  # all True when BLOCK_SIZE is a power of two
     offs_d = tl.arange(0, HEAD_DIM)
-    c1 = tl.arange(0, HALF) * PAIR_STRIDE  # [HALF] first element of each rotary pair
-    c2 = c1 + X2_OFF  # [HALF] second element
 
     q_rows = q_row.to(tl.int64) * stride_qt + heads * stride_qh  # [BLOCK_G]
-    q1_ptrs = q_ptr + q_rows[:, None] + c1[None, :]  # [BLOCK_G, HALF]
-    q2_ptrs = q_ptr + q_rows[:, None] + c2[None, :]
-    q1 = tl.load(q1_ptrs, mask=g_ok[:, None], other=0.0)  # [BLOCK_G, HALF]
-    q2 = tl.load(q2_ptrs, mask=g_ok[:, None], other=0.0)
-    if REST > 0:
-        c3 = 2 * HALF + tl.arange(0, REST)  # [REST] columns that do not rotate
-        q3 = tl.load(q_ptr + q_rows[:, None] + c3[None, :], mask=g_ok[:, None], other=0.0)  # [BLOCK_G, REST]
-    inv_freq = tl.load(inv_freq_ptr + tl.arange(0, HALF))  # [HALF] float32
-    qr1 = q1  # the query rotated by -cur_delta (starts unrotated: delta 0)
-    qr2 = q2
+    q_ptrs = q_ptr + q_rows[:, None] + offs_d[None, :]  # [BLOCK_G, HEAD_DIM]
+    qr = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0)  # the query rotated by -cur_delta (starts unrotated: delta 0)
     cur_delta = tl.full([], 0, tl.int64)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -146,11 +136,12 @@ def decode_kernel(
             if ROTATION == 1:  # "query" (launch.ROTATION_CODES)
                 delta = word0 >> 38  # one delta per run (arithmetic shift)
                 if delta != cur_delta:  # a new chunk: rotate the ORIGINAL query (re-read) by -delta
-                    cos, sin = cos_sin((-delta).to(tl.float32) * inv_freq, ACCURATE_TRIG)  # [HALF]
-                    q1f = tl.load(q1_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
-                    q2f = tl.load(q2_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
-                    qr1 = (q1f * cos[None, :] - q2f * sin[None, :]).to(dtype)
-                    qr2 = (q2f * cos[None, :] + q1f * sin[None, :]).to(dtype)
+                    freq_idx, partner, sign, rotates = rotary_columns(HEAD_DIM, HALF, PAIR_STRIDE, X2_OFF)
+                    inv_freq = tl.load(inv_freq_ptr + freq_idx)  # [HEAD_DIM] float32: each column's pair frequency
+                    cos, sin = rotation_vectors((-delta).to(tl.float32), inv_freq, sign, rotates, ACCURATE_TRIG)
+                    qf = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
+                    qp = tl.load(q_ptr + q_rows[:, None] + partner[None, :], mask=g_ok[:, None], other=0.0)
+                    qr = (qf * cos[None, :] + qp.to(tl.float32) * sin[None, :]).to(dtype)
                     cur_delta = delta
             for first in range(b0, b1, TILE_BLOCKS):
                 blk = first + blk_in_tile  # [BLOCK_N] block-table index per key
@@ -160,22 +151,15 @@ def decode_kernel(
                 key_ok = blk_ok & (slot < ((word >> 31) & 0x7F) + 1)
                 k_rows = block_id * stride_kb + slot * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
                 v_rows = block_id * stride_vb + slot * stride_vs + kv_head * stride_vh
-                k1 = tl.load(k_cache_ptr + k_rows[:, None] + c1[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HALF]
-                k2 = tl.load(k_cache_ptr + k_rows[:, None] + c2[None, :], mask=key_ok[:, None], other=0.0)
+                k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
                 v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
                 s = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
-                s = mma(qr1, tl.trans(k1), s, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_G, BLOCK_N]
-                s = mma(qr2, tl.trans(k2), s, DOT_PRECISION, DOT_UPCAST)
-                if REST > 0:
-                    k3 = tl.load(k_cache_ptr + k_rows[:, None] + c3[None, :], mask=key_ok[:, None], other=0.0)
-                    s = mma(q3, tl.trans(k3), s, DOT_PRECISION, DOT_UPCAST)
-                s = s * score_scale
-                if CHUNK_SCALING:
-                    s = s + score_bias
+                s = mma(qr, tl.trans(k), s, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_G, BLOCK_N] raw dot products
                 s = tl.where(key_ok[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                # the scale inside the row max and the exponent's multiply-add (score_scale > 0)
+                m_new = tl.maximum(m_i, tl.max(s, axis=1) * score_scale + score_bias)
                 alpha = tl.math.exp2(m_i - m_new)
-                p = tl.math.exp2(s - m_new[:, None])
+                p = tl.math.exp2(s * score_scale + (score_bias - m_new)[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 acc = acc * alpha[:, None]
                 acc = mma(p.to(dtype), v, acc, DOT_PRECISION, DOT_UPCAST)

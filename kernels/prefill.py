@@ -42,6 +42,8 @@ computes them; on the GPU ``cos``/``sin`` come from libdevice (full range reduct
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -55,30 +57,7 @@ from lazyattn_rag.kernels.launch import (
     launch_prologue,
     rotation_code,
 )
-from lazyattn_rag.kernels.triton_helpers import cos_sin, mma, run_score_scale
-
-
-@triton.jit
-def rotary_columns(HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PAIR_STRIDE: tl.constexpr, X2_OFF: tl.constexpr):
-    """Per head-dimension column: its rotary pair's frequency index, its partner column, the sign
-    of the partner's term, and whether it rotates (``x'[c] = x[c] cos + sign * x[partner] sin``;
-    columns past ``2 * HALF`` keep ``x[c]``). Covers half-split and interleaved pairing alike."""
-    col = tl.arange(0, HEAD_DIM)  # [HEAD_DIM]
-    rotates = col < 2 * HALF
-    second = ((col // X2_OFF) % 2) == 1  # the pair's second element (x2)
-    first_col = tl.where(second, col - X2_OFF, col)
-    freq_idx = tl.where(rotates, first_col // PAIR_STRIDE, 0)  # [HEAD_DIM] in [0, HALF)
-    partner = tl.where(rotates, tl.where(second, col - X2_OFF, col + X2_OFF), col)
-    sign = tl.where(second, 1.0, -1.0)
-    return freq_idx, partner, sign, rotates
-
-
-@triton.jit
-def rotation_vectors(angle_scale, inv_freq_cols, sign, rotates, ACCURATE_TRIG: tl.constexpr):
-    """``cos`` and signed ``sin`` per column ([HEAD_DIM] float32) of a rotation by ``angle_scale``
-    positions: ``x'[c] = x[c] * cos[c] + x[partner[c]] * sin[c]``."""
-    c, s = cos_sin(angle_scale * inv_freq_cols, ACCURATE_TRIG)
-    return tl.where(rotates, c, 1.0), tl.where(rotates, sign * s, 0.0)
+from lazyattn_rag.kernels.triton_helpers import mma, rotary_columns, rotation_vectors, run_score_scale
 
 
 @triton.jit
@@ -389,18 +368,45 @@ def prefill_kernel(
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _default_config(head_dim: int, block_size: int, interpreter: bool, element_size: int) -> dict:
-    """Tile shapes: large on the GPU (tensor cores), small under the interpreter (fast tests)."""
+# Tile configurations (block_m, block_n, num_warps, num_stages) at head_dim 128, half types. From
+# the H200 runs of docs/benchmarks.md ("Issue 19, sixth pass"): 64 x 64 tiles of one warpgroup, 3
+# stages (64 KB of shared memory: two programs per multiprocessor) are the fastest measured on
+# every batch with cached context (requests of 64 or 512 new tokens over 5 chunks: 2.04x and
+# 1.12x the previous default's kernel; 4k new tokens after 12k of chunks: 344 against 311
+# TFLOP/s) and on 512-token encodes (1.32x); for long prompts computed whole (no cached keys,
+# every key from the step) 128 x 64 tiles of 8 warps are 4-6 % faster (8k prompt 1.245x against
+# 1.19x; 16k causal 467 against 442 TFLOP/s), with 128 KB of shared memory.
+CONFIG_CACHED = (64, 64, 4, 3)
+CONFIG_LONG_STEP = (128, 64, 8, 3)
+LONG_STEP_MIN_TOKENS = 4096  # new tokens from which a launch without cached keys takes CONFIG_LONG_STEP
+LONG_STEP_SHARED_BYTES = 128 * 1024
+
+
+def _default_config(head_dim: int, block_size: int, interpreter: bool, element_size: int,
+                    max_query_len: int = 0, max_context_len: int | None = None, shared_bytes: int = 0) -> dict:
+    """Tile shapes: large on the GPU (tensor cores), small under the interpreter (fast tests).
+
+    ``max_context_len`` (cached keys before the new tokens, host-side; ``None``: unknown) and
+    ``shared_bytes`` (the device's shared memory per program) choose between the two head_dim-128
+    configurations above."""
     if interpreter:
         return {"block_m": 16, "block_n": max(block_size, 32), "num_warps": 4, "num_stages": 1}
     if head_dim <= 64 or element_size > 2:
         # H200 sweep (docs/benchmarks.md): 128x64 tiles, 4 warps, 3 stages at d64; float32 (tests)
         # at d128 needs these smaller tiles too (128x128 x 2 stages exceeds shared memory).
         return {"block_m": 128, "block_n": max(block_size, 64), "num_warps": 4, "num_stages": 3}
-    # 128x128 at d128, 8 warps, 2 stages. A third stage is 1.4 % faster at 16k causal but 5.8 %
-    # slower on 512-token encodes and 2.2-2.8 % on requests over 5 chunks, the serving engine's
-    # common prefills (H200; docs/benchmarks.md, "Issue 19, second pass").
-    return {"block_m": 128, "block_n": max(block_size, 128), "num_warps": 8, "num_stages": 2}
+    long_step = (max_context_len == 0 and max_query_len >= LONG_STEP_MIN_TOKENS
+                 and shared_bytes >= LONG_STEP_SHARED_BYTES)
+    bm, bn, warps, stages = CONFIG_LONG_STEP if long_step else CONFIG_CACHED
+    return {"block_m": bm, "block_n": max(block_size, bn), "num_warps": warps, "num_stages": stages}
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_bytes(device: torch.device) -> int:
+    """Shared memory one program may take on ``device`` (opt-in limit), 0 if unknown."""
+    if device.type != "cuda":
+        return 0
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -458,6 +464,7 @@ def paged_prefill(
     chunk_scaling: ChunkScaling | None = None,  # APE on flagged blocks (None: plain attention)
     key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim] the new tokens' K, as in the cache
     value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim] their V
+    max_context_len: int | None = None,  # host-side: most cached keys before a sequence's new tokens
     block_m: int | None = None,
     block_n: int | None = None,  # key lanes per tile (rounded up to a power of two >= block_size)
     num_warps: int | None = None,
@@ -475,7 +482,9 @@ def paged_prefill(
     tokens' K/V exactly as written to the cache (rows of ``query``'s tokens): the new tokens' own
     keys are read from them, contiguous, instead of through the block table, for every sequence
     whose new tokens lie in one last run of delta 0 and no scaling flag (the engine's case); the
-    result is the same. ``block_m``, ``block_n``,
+    result is the same. ``max_context_len`` (``seq_len - query_len`` at most, a host int; ``None``:
+    unknown) only picks the default tiles (long prompts without cached keys take larger ones).
+    ``block_m``, ``block_n``,
     ``num_warps`` and ``num_stages`` change the launch only, never the result.
 
     Returns:
@@ -503,7 +512,8 @@ def paged_prefill(
     code = rotation_code(rotation)
     if seq_ids.numel() == 0 or max_query_len == 0:
         return out
-    cfg = _default_config(head_dim, block_size, launch.interpreter, query.element_size())
+    cfg = _default_config(head_dim, block_size, launch.interpreter, query.element_size(), max_query_len,
+                          max_context_len, _shared_bytes(query.device))
     block_m = block_m or cfg["block_m"]
     block_n = triton.next_power_of_2(max(block_n or cfg["block_n"], block_size))
     if key_starts is None:

@@ -42,6 +42,7 @@ class _TritonPlan:
     runs: BlockRuns  # runs of blocks with one delta (one per chunk), shared by both kernels
     max_decode_seq_len: int
     max_prefill_query_len: int
+    max_prefill_context_len: int  # cached keys before a prefill sequence's new tokens, at most
     num_rows: int  # rows of the batch that belong to a sequence
 
 
@@ -64,6 +65,7 @@ def _plan(metadata: AttentionMetadata, device: torch.device) -> _TritonPlan:
         runs=block_runs(metadata.block_tables, metadata.num_blocks_per_seq, metadata.block_size),
         max_decode_seq_len=max((metadata.seq_lens_list[i] for i in decode), default=0),
         max_prefill_query_len=max((metadata.query_lens[i] for i in prefill), default=0),
+        max_prefill_context_len=max((metadata.seq_lens_list[i] - metadata.query_lens[i] for i in prefill), default=0),
         num_rows=sum(metadata.query_lens),
     )
     metadata.backend_state["triton"] = plan
@@ -86,6 +88,7 @@ def plan_decode_batch(metadata: AttentionMetadata, seq_ids: torch.Tensor) -> Non
         runs=block_runs(metadata.block_tables, metadata.num_blocks_per_seq, metadata.block_size),
         max_decode_seq_len=metadata.max_seq_len,
         max_prefill_query_len=0,
+        max_prefill_context_len=0,
         num_rows=metadata.num_seqs,
     )
 
@@ -141,6 +144,7 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata.seq_lens, metadata.cu_seqlens_q, plan.max_prefill_query_len, inv_freq, self.scale,
                 interleaved=self.rotary.interleaved, key_starts=plan.key_starts, runs=plan.runs,
                 seq_ids=plan.prefill_ids, out=out, chunk_scaling=self.chunk_scaling,
-                key=key.to(key_cache.dtype), value=value.to(value_cache.dtype),  # as write_kv stored them
+                key=key.to(key_cache.dtype), value=value.to(value_cache.dtype),  # as write_kv_cache stored them
+                max_context_len=plan.max_prefill_context_len,
             )
         return out if out.dtype == query.dtype else out.to(query.dtype)
