@@ -16,7 +16,8 @@ Kernel structure (one program = one KV head of one sequence x one split of its b
   query is rotated again from the ORIGINAL query (never from the previous rotated one, so
   rounding does not accumulate): once per chunk. Inside a run the loop reads tiles of
   ``BLOCK_N // block_size`` blocks, one packed int64 word per block (id | valid-1 | delta), and
-  feeds K as stored straight into the dot; a run's last tile may be partly idle.
+  feeds K as stored, full head width, straight into one dot; a run's last tile may be partly
+  idle. The rotation reads each column's rotary partner (``triton_helpers.rotary_columns``).
 * Split-KV (flash-decoding): with few sequences and long contexts, each (sequence, KV head) is
   split into ``num_splits`` ranges of whole tiles (each sequence's own blocks spread evenly,
   so short sequences leave later splits empty) processed by separate programs; each writes a

@@ -18,17 +18,21 @@ kept so the benchmark can show the difference (docs/benchmarks.md).
 
 Kernel structure (one program = one query head x ``BLOCK_M`` new tokens of one sequence):
 
-* The head dimension is read in up to three parts: ``x1`` and ``x2``, the two halves of every
-  rotary pair (half-split: columns ``i`` and ``i + rotary_dim/2``; interleaved: ``2i`` and
-  ``2i+1``), and ``rest``, the columns past ``rotary_dim`` that do not rotate. A score is
-  ``q1.k1 + q2.k2 + q3.k3``, so a rotation ``x1' = x1 c - x2 s``, ``x2' = x2 c + x1 s`` needs no
-  register shuffles.
+* Tiles are full head width: one QK^T product per tile. A rotation ``x'[c] = x[c] cos + sign *
+  x[partner(c)] sin`` reads each column's rotary partner (half-split: ``c +- rotary_dim/2``;
+  interleaved: ``c xor 1``; columns past ``rotary_dim`` keep their value), so one code path covers
+  every pairing (``triton_helpers.rotary_columns``).
 * A K tile is ``BLOCK_N // block_size`` consecutive blocks of one run (``BLOCK_N`` a power of two).
   Tiles that every row sees whole (before the causal diagonal, no partial block) run without any
   mask; the rest (a run's last tile, tiles on the diagonal) mask invalid slots and future keys.
 * The walk stops at the last block holding a key the tile's last row can see, found by binary
   search over each block's first key index (``key_starts``). Online softmax in float32 (``exp2``,
-  scale folded in); query tiles are scheduled longest first.
+  the scale folded into the row max and the exponent's multiply-add); query tiles are scheduled
+  longest first.
+* The new tokens' own keys (``key=``/``value=``, the step's K/V as written to the cache): where they
+  all lie in the sequence's last run with delta 0 and no scaling flag, the block walk stops before
+  them and a causal loop reads them contiguously from the step's tensors (no block-table word or
+  64-bit row offset per key); otherwise the walk covers them as any other key.
 * Chunk attention scaling (APE, :class:`~lazyattn_rag.kernels.launch.ChunkScaling`): with
   ``CHUNK_SCALING``, a run whose blocks carry the ``scaled`` flag is scored with
   ``sm_scale / temperature`` and ``log2(weight)`` added (one multiply-add per score, chosen once
