@@ -269,9 +269,11 @@ def prefill_kernel(
     # own tokens, or a chunk being encoded); the block walk then stops before them.
     in_step = False
     if IN_STEP:
+        has_runs = n_runs > 0  # a sequence without blocks (padding) reads no table entry at all
         last_start = tl.load(rs_row + tl.maximum(n_runs - 1, 0))
-        last_word = tl.load(bt_row + last_start)
-        in_step = (n_runs > 0) & (tl.load(ks_row + last_start) <= ctx_len) & ((last_word >> 38) == 0)
+        last_word = tl.load(bt_row + last_start, mask=has_runs, other=0)
+        last_key = tl.load(ks_row + last_start, mask=has_runs, other=0)
+        in_step = has_runs & (last_key <= ctx_len) & ((last_word >> 38) == 0)
         if CHUNK_SCALING:
             in_step = in_step & (((last_word >> 30) & 1) == 0)
         row_limit = tl.where(in_step, ctx_len - 1, row_limit)
