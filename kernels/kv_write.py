@@ -26,12 +26,14 @@ def kv_write_kernel(
     stride_kt, stride_kh,  # key strides (tokens, heads); head_dim is contiguous
     stride_vt, stride_vh,  # value strides (tokens, heads)
     stride_cs, stride_ch,  # cache strides (slots, heads), equal for both caches
+    num_slots,  # num_cache_blocks * block_size: a negative slot counts from the end, as torch indexing
     NUM_KV_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,  # NUM_KV_HEADS rounded up to a power of two
     HEAD_DIM: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)  # int64
+    slot = tl.where(slot < 0, slot + num_slots, slot)
     heads = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = (heads < NUM_KV_HEADS)[:, None]
@@ -51,7 +53,9 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
     """Store each token's K and V at its flat slot (``block_id * block_size + offset``), in the
-    caches' dtype (converted by ``Tensor.to``); slots must lie in the caches (they are not checked on the device).
+    caches' dtype (converted by ``Tensor.to``). A negative slot counts from the end, as in
+    ``write_kv``'s indexing; slots must lie in ``[-num_slots, num_slots)`` (not checked on the
+    device, where ``write_kv`` would raise).
 
     Raises:
         ValueError: K/V rows of another shape than the caches', caches of unequal layout, a
@@ -83,7 +87,7 @@ def write_kv_cache(
     kv_write_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(1), key_cache.stride(2),
+        key_cache.stride(1), key_cache.stride(2), key_cache.shape[0] * key_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,

@@ -385,7 +385,11 @@ def prefill_kernel(
 CONFIG_CACHED = (64, 64, 4, 3)
 CONFIG_LONG_STEP = (128, 64, 8, 3)
 LONG_STEP_MIN_TOKENS = 4096  # new tokens from which a launch without cached keys takes CONFIG_LONG_STEP
-LONG_STEP_SHARED_BYTES = 128 * 1024
+
+
+def tile_shared_bytes(block_m: int, block_n: int, num_stages: int, head_dim: int, element_size: int) -> int:
+    """Shared memory a launch's tiles take: the query tile and ``num_stages`` K and V tiles."""
+    return (block_m + 2 * num_stages * block_n) * head_dim * element_size
 
 
 def _default_config(head_dim: int, block_size: int, interpreter: bool, element_size: int,
@@ -393,17 +397,23 @@ def _default_config(head_dim: int, block_size: int, interpreter: bool, element_s
     """Tile shapes: large on the GPU (tensor cores), small under the interpreter (fast tests).
 
     ``max_context_len`` (cached keys before the new tokens, host-side; ``None``: unknown) and
-    ``shared_bytes`` (the device's shared memory per program) choose between the two head_dim-128
-    configurations above."""
+    ``shared_bytes`` (the device's shared memory per program, 0 if unknown) choose between the two
+    configurations above; a configuration whose tiles do not fit (:func:`tile_shared_bytes`, e.g.
+    at head_dim 256) is not taken, and the default then runs fewer stages."""
     if interpreter:
         return {"block_m": 16, "block_n": max(block_size, 32), "num_warps": 4, "num_stages": 1}
     if head_dim <= 64 or element_size > 2:
         # H200 sweep (docs/benchmarks.md): 128x64 tiles, 4 warps, 3 stages at d64; float32 (tests)
         # at d128 needs these smaller tiles too (128x128 x 2 stages exceeds shared memory).
         return {"block_m": 128, "block_n": max(block_size, 64), "num_warps": 4, "num_stages": 3}
-    long_step = (max_context_len == 0 and max_query_len >= LONG_STEP_MIN_TOKENS
-                 and shared_bytes >= LONG_STEP_SHARED_BYTES)
+    def fits(cfg: tuple) -> bool:  # 16 KB left for the compiler's own scratch (reductions, layout changes)
+        need = tile_shared_bytes(cfg[0], max(block_size, cfg[1]), cfg[3], head_dim, element_size)
+        return need + 16 * 1024 <= shared_bytes
+
+    long_step = max_context_len == 0 and max_query_len >= LONG_STEP_MIN_TOKENS and fits(CONFIG_LONG_STEP)
     bm, bn, warps, stages = CONFIG_LONG_STEP if long_step else CONFIG_CACHED
+    while shared_bytes and stages > 1 and not fits((bm, bn, warps, stages)):  # head_dim 256, large blocks
+        stages -= 1
     return {"block_m": bm, "block_n": max(block_size, bn), "num_warps": warps, "num_stages": stages}
 
 

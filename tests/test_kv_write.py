@@ -20,7 +20,8 @@ def test_caches_equal_the_indexed_assignments_bit_for_bit(num_kv_heads, head_dim
     qkv = torch.randn(num_tokens, 3 * num_kv_heads * head_dim, generator=g).to(src_dtype)
     key = qkv[:, num_kv_heads * head_dim: 2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(src_dtype)
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots = torch.randperm(num_blocks * block_size - 1, generator=g)[:num_tokens]  # distinct, not the last
+    slots[0] = -1  # the last slot, as torch indexing counts it
     caches = [torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
               for _ in range(2)]
     expected = [c.clone() for c in caches]

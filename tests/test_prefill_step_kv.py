@@ -162,3 +162,21 @@ def test_batch_of_padding_rows_with_an_empty_block_table():
     key = torch.randn(3, 1, 16, device=DEVICE)
     out = prefill(case, key, torch.randn_like(key), out=torch.full_like(case.query, float("nan")))
     assert torch.count_nonzero(out) == 0
+
+
+def test_default_tiles_fit_the_device_shared_memory():
+    """The tile rule (kernels/prefill.py): the measured H200 choices at head_dim 128, and no
+    configuration whose tiles exceed the device's shared memory (head_dim 256, 128-slot blocks)."""
+    from lazyattn_rag.kernels.prefill import _default_config, tile_shared_bytes
+
+    h200 = 232448  # shared memory per program, opt-in (bytes)
+    pick = lambda *a: tuple(_default_config(*a).values())  # noqa: E731
+    assert pick(128, 16, False, 2, 20480, 0, h200) == (128, 64, 8, 3)  # long prompt, no cached keys
+    assert pick(128, 16, False, 2, 20480, 512, h200) == (64, 64, 4, 3)  # cached context
+    assert pick(128, 16, False, 2, 512, 0, h200) == (64, 64, 4, 3)  # short prompt
+    assert pick(128, 16, False, 2, 20480, None, h200) == (64, 64, 4, 3)  # context unknown
+    assert pick(128, 16, False, 2, 20480, 0, 100 * 1024) == (64, 64, 4, 2)  # 100 KB parts: 2 stages fit
+    for head_dim, block_size in ((128, 16), (128, 128), (256, 16), (256, 128)):
+        for q_len, ctx in ((20480, 0), (64, 512)):
+            bm, bn, _, stages = pick(head_dim, block_size, False, 2, q_len, ctx, h200)
+            assert tile_shared_bytes(bm, bn, stages, head_dim, 2) + 16 * 1024 <= h200, (head_dim, block_size)
