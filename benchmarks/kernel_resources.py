@@ -70,7 +70,7 @@ def resources(fn, constexprs: dict, num_warps: int, num_stages: int) -> str:
 
 
 def rope(head_dim: int) -> dict:
-    return dict(HEAD_DIM=head_dim, HALF=head_dim // 2, REST=0, PAIR_STRIDE=1, X2_OFF=head_dim // 2, BLOCK_SIZE=16,
+    return dict(HEAD_DIM=head_dim, HALF=head_dim // 2, PAIR_STRIDE=1, X2_OFF=head_dim // 2, BLOCK_SIZE=16,
                 ACCURATE_TRIG=True, DOT_PRECISION=None, DOT_UPCAST=False, CHUNK_SCALING=False)
 
 

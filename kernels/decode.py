@@ -46,7 +46,7 @@ from lazyattn_rag.kernels.launch import (
     launch_prologue,
     rotation_code,
 )
-from lazyattn_rag.kernels.triton_helpers import mma, rotary_columns, rotation_vectors, run_score_scale
+from lazyattn_rag.kernels.triton_helpers import mma, rotated_rows, rotation, run_score_scale
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_rsr"])  # step-varying widths: see prefill_kernel
@@ -77,7 +77,6 @@ def decode_kernel(
     BLOCK_G: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot rows)
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,  # rotary_dim // 2
-    REST: tl.constexpr,  # head_dim - rotary_dim
     PAIR_STRIDE: tl.constexpr,  # 1 half-split, 2 interleaved
     X2_OFF: tl.constexpr,  # column offset of a pair's second element
     BLOCK_SIZE: tl.constexpr,  # slots per cache block
@@ -137,12 +136,9 @@ def decode_kernel(
             if ROTATION == 1:  # "query" (launch.ROTATION_CODES)
                 delta = word0 >> 38  # one delta per run (arithmetic shift)
                 if delta != cur_delta:  # a new chunk: rotate the ORIGINAL query (re-read) by -delta
-                    freq_idx, partner, sign, rotates = rotary_columns(HEAD_DIM, HALF, PAIR_STRIDE, X2_OFF)
-                    inv_freq = tl.load(inv_freq_ptr + freq_idx)  # [HEAD_DIM] float32: each column's pair frequency
-                    cos, sin = rotation_vectors((-delta).to(tl.float32), inv_freq, sign, rotates, ACCURATE_TRIG)
-                    qf = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
-                    qp = tl.load(q_ptr + q_rows[:, None] + partner[None, :], mask=g_ok[:, None], other=0.0)
-                    qr = (qf * cos[None, :] + qp.to(tl.float32) * sin[None, :]).to(dtype)
+                    cos, sin, partner = rotation(-delta, inv_freq_ptr, HEAD_DIM, HALF, PAIR_STRIDE, X2_OFF,
+                                                 ACCURATE_TRIG)
+                    qr = rotated_rows(q_ptr + q_rows, g_ok, cos, sin, partner, HEAD_DIM).to(dtype)
                     cur_delta = delta
             for first in range(b0, b1, TILE_BLOCKS):
                 blk = first + blk_in_tile  # [BLOCK_N] block-table index per key
@@ -154,6 +150,9 @@ def decode_kernel(
                 v_rows = block_id * stride_vb + slot * stride_vs + kv_head * stride_vh
                 k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
                 v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+                # prefill's triton_helpers.attend computes the same update, but called here it took
+                # the wide-tile launch (128 keys, no split) from 212 to 255 registers per thread
+                # (offline sm_90a, Triton 3.6), so decode keeps its own, measured, order of operations
                 s = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
                 s = mma(qr, tl.trans(k), s, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_G, BLOCK_N] raw dot products
                 s = tl.where(key_ok[None, :], s, float("-inf"))

@@ -90,7 +90,10 @@ def dot_precision(dtype: torch.dtype) -> str | None:
 
 
 def check_gpu_shapes(layout: RopeLayout) -> None:
-    """Compiled ``tl.dot`` needs an inner dimension of at least 16 for each head-dim part."""
+    """Refuse rotary layouts not yet run compiled. The kernels once multiplied each rotary half in
+    its own ``tl.dot`` (an inner dimension of at least 16 each); since their tiles are full head
+    width (one product per tile) that reason is gone, but smaller halves have not been run on a
+    GPU, so they stay refused there."""
     if layout.half < 16 or 0 < layout.rest < 16:
         raise NotImplementedError(
             f"compiled kernels need rotary_dim/2 >= 16 and head_dim - rotary_dim in {{0}} or >= 16; got "
@@ -246,7 +249,7 @@ class Launch:
         sm_scale_log2: softmax scale times ``log2(e)`` (the kernels use ``exp2``).
         strides: ``stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
             stride_vh, stride_ot, stride_oh``, in the order both kernels take them.
-        constexprs: ``GROUP, HEAD_DIM, HALF, REST, PAIR_STRIDE, X2_OFF, BLOCK_SIZE,
+        constexprs: ``GROUP, HEAD_DIM, HALF, PAIR_STRIDE, X2_OFF, BLOCK_SIZE,
             ACCURATE_TRIG, DOT_PRECISION, DOT_UPCAST``, named as in both kernels.
     """
 
@@ -300,7 +303,6 @@ def launch_prologue(
             GROUP=num_heads // num_kv_heads,
             HEAD_DIM=head_dim,
             HALF=layout.half,
-            REST=layout.rest,
             PAIR_STRIDE=layout.pair_stride,
             X2_OFF=layout.x2_offset,
             BLOCK_SIZE=block_size,

@@ -61,7 +61,7 @@ from lazyattn_rag.kernels.launch import (
     launch_prologue,
     rotation_code,
 )
-from lazyattn_rag.kernels.triton_helpers import mma, rotary_columns, rotation_vectors, run_score_scale
+from lazyattn_rag.kernels.triton_helpers import attend, rotated_rows, rotation, run_score_scale
 
 
 @triton.jit
@@ -145,35 +145,6 @@ def step_tile(
 
 
 @triton.jit
-def attend(
-    acc, m_i, l_i,  # running output [BLOCK_M, HEAD_DIM], row max and row sum [BLOCK_M] (float32)
-    q, k, v,  # [BLOCK_M, HEAD_DIM], [BLOCK_N, HEAD_DIM] x 2
-    keep,  # [BLOCK_M, BLOCK_N] bool: the pairs that attend (MASKED only)
-    score_scale, score_bias,  # float32 scalars (score_scale > 0): log2-domain score = dot * score_scale + score_bias
-    MASKED: tl.constexpr, CHUNK_SCALING: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-):
-    """Scores of one tile, the online-softmax update (float32, exp2) and ``acc += P @ V``.
-
-    The scale is applied inside the row max and the exponent's multiply-add (``score_scale > 0``,
-    so ``max(s) * scale = max(s * scale)``): one fused multiply-add per score, no separate scaling."""
-    s = tl.zeros([q.shape[0], k.shape[0]], tl.float32)
-    s = mma(q, tl.trans(k), s, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N] raw dot products
-    if MASKED:
-        s = tl.where(keep, s, float("-inf"))
-    if CHUNK_SCALING:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * score_scale + score_bias)
-        p = tl.math.exp2(s * score_scale + (score_bias - m_new)[:, None])
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * score_scale)
-        p = tl.math.exp2(s * score_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None]
-    acc = mma(p.to(q.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
-    return acc, m_new, l_i
-
-
-@triton.jit
 def count_at_most(row_ptr, n, limit, search_steps):
     """Number of leading entries of a non-decreasing int row ``row_ptr[0:n]`` that are <= limit."""
     lo = 0
@@ -223,7 +194,6 @@ def prefill_kernel(
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,  # rotary_dim // 2
-    REST: tl.constexpr,  # head_dim - rotary_dim (0: every column rotates)
     PAIR_STRIDE: tl.constexpr,  # 1 half-split, 2 interleaved
     X2_OFF: tl.constexpr,  # column offset of a pair's second element
     BLOCK_SIZE: tl.constexpr,  # slots per cache block
@@ -315,22 +285,16 @@ def prefill_kernel(
                 o_rows = (q_start + offs_m).to(tl.int64) * stride_ot + head * stride_oh  # [BLOCK_M]
                 r_ptrs = out_ptr + o_rows[:, None] + offs_d[None, :]  # [BLOCK_M, HEAD_DIM] the rotated query's scratch
                 if rotated:
-                    freq_idx, partner, sign, rotates = rotary_columns(HEAD_DIM, HALF, PAIR_STRIDE, X2_OFF)
-                    inv_freq = tl.load(inv_freq_ptr + freq_idx)  # [HEAD_DIM] float32: each column's pair frequency
-                    cq, sq = rotation_vectors((-delta).to(tl.float32), inv_freq, sign, rotates, ACCURATE_TRIG)
-                    qf = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-                    qp = tl.load(q_ptr + q_rows[:, None] + partner[None, :], mask=row_ok[:, None], other=0.0)
+                    cq, sq, pq = rotation(-delta, inv_freq_ptr, HEAD_DIM, HALF, PAIR_STRIDE, X2_OFF, ACCURATE_TRIG)
+                    qr = rotated_rows(q_ptr + q_rows, row_ok, cq, sq, pq, HEAD_DIM)  # [BLOCK_M, HEAD_DIM] float32
                     tl.debug_barrier()  # the previous run's loads of these rows are done
-                    tl.store(r_ptrs, (qf * cq[None, :] + qp.to(tl.float32) * sq[None, :]).to(dtype),
-                             mask=row_ok[:, None])
+                    tl.store(r_ptrs, qr.to(dtype), mask=row_ok[:, None])
                     tl.debug_barrier()  # every thread's stores are visible to the loads below
                 qa = tl.load(tl.where(rotated, r_ptrs, q_ptrs), mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
             else:
                 qa = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
             if ROTATION == 2:  # R_delta on each K tile; angles once per run
-                freq_idx, partner, sign, rotates = rotary_columns(HEAD_DIM, HALF, PAIR_STRIDE, X2_OFF)
-                inv_freq = tl.load(inv_freq_ptr + freq_idx)
-                cos, sin = rotation_vectors(delta.to(tl.float32), inv_freq, sign, rotates, ACCURATE_TRIG)
+                cos, sin, partner = rotation(delta, inv_freq_ptr, HEAD_DIM, HALF, PAIR_STRIDE, X2_OFF, ACCURATE_TRIG)
             # whole tiles that every row sees entirely (the run's last block may be partial: excluded)
             n_full = tl.maximum(tl.minimum(b1 - 1, n_safe) - b0, 0) // TILE_BLOCKS
             for t in range(0, n_full):

@@ -51,8 +51,52 @@ def rotary_columns(HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PAIR_STRIDE: tl.c
 
 
 @triton.jit
-def rotation_vectors(angle_scale, inv_freq_cols, sign, rotates, ACCURATE_TRIG: tl.constexpr):
-    """``cos`` and signed ``sin`` per column ([HEAD_DIM] float32) of a rotation by ``angle_scale``
-    positions: ``x'[c] = x[c] * cos[c] + x[partner[c]] * sin[c]``."""
-    c, s = cos_sin(angle_scale * inv_freq_cols, ACCURATE_TRIG)
-    return tl.where(rotates, c, 1.0), tl.where(rotates, sign * s, 0.0)
+def rotation(positions, inv_freq_ptr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PAIR_STRIDE: tl.constexpr,
+             X2_OFF: tl.constexpr, ACCURATE_TRIG: tl.constexpr):
+    """A rotation by ``positions`` (a scalar) per head-dimension column: ``cos`` and signed ``sin``
+    ([HEAD_DIM] float32) and the partner column ([HEAD_DIM] int32), for
+    ``x'[c] = x[c] * cos[c] + x[partner[c]] * sin[c]`` (angles ``float32(positions) * inv_freq``
+    from ``inv_freq_ptr``, ``[HALF]`` float32)."""
+    freq_idx, partner, sign, rotates = rotary_columns(HEAD_DIM, HALF, PAIR_STRIDE, X2_OFF)
+    inv_freq = tl.load(inv_freq_ptr + freq_idx)  # [HEAD_DIM] each column's pair frequency
+    c, s = cos_sin(positions.to(tl.float32) * inv_freq, ACCURATE_TRIG)
+    return tl.where(rotates, c, 1.0), tl.where(rotates, sign * s, 0.0), partner
+
+
+@triton.jit
+def rotated_rows(row_ptrs, row_ok, cos, sin, partner, HEAD_DIM: tl.constexpr):
+    """Rows ``row_ptrs[:, None] + column`` (``[R]`` pointers to each row's first element, ``row_ok``
+    ``[R]``) rotated by :func:`rotation`'s ``cos``, ``sin``, ``partner``: ``[R, HEAD_DIM]`` float32."""
+    x = tl.load(row_ptrs[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=row_ok[:, None], other=0.0)
+    xp = tl.load(row_ptrs[:, None] + partner[None, :], mask=row_ok[:, None], other=0.0)
+    return x.to(tl.float32) * cos[None, :] + xp.to(tl.float32) * sin[None, :]
+
+
+@triton.jit
+def attend(
+    acc, m_i, l_i,  # running output [M, HEAD_DIM], row max and row sum [M] (float32)
+    q, k, v,  # [M, HEAD_DIM], [N, HEAD_DIM] x 2
+    keep,  # [M, N] or [1, N] bool: the pairs that attend (MASKED only)
+    score_scale, score_bias,  # float32 scalars (score_scale > 0): log2-domain score = dot * score_scale + score_bias
+    MASKED: tl.constexpr, CHUNK_SCALING: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """Scores of one tile, the online-softmax update (float32, exp2) and ``acc += P @ V``; both
+    paged kernels' inner step.
+
+    The scale is applied inside the row max and the exponent's multiply-add (``score_scale > 0``,
+    so ``max(s) * scale = max(s * scale)``): one fused multiply-add per score, no separate scaling."""
+    s = tl.zeros([q.shape[0], k.shape[0]], tl.float32)
+    s = mma(q, tl.trans(k), s, DOT_PRECISION, DOT_UPCAST)  # [M, N] raw dot products
+    if MASKED:
+        s = tl.where(keep, s, float("-inf"))
+    if CHUNK_SCALING:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * score_scale + score_bias)
+        p = tl.math.exp2(s * score_scale + (score_bias - m_new)[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * score_scale)
+        p = tl.math.exp2(s * score_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    acc = mma(p.to(q.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
+    return acc, m_new, l_i

@@ -124,6 +124,7 @@ class TritonAttentionBackend(AttentionBackend):
         from lazyattn_rag.kernels.kv_write import write_kv_cache
         from lazyattn_rag.kernels.prefill import paged_prefill
 
+        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)  # as stored (no copy when equal)
         write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)  # as write_kv, one launch
         plan = _plan(metadata, query.device)
         q = query if query.dtype == key_cache.dtype else query.to(key_cache.dtype)
@@ -144,7 +145,7 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata.seq_lens, metadata.cu_seqlens_q, plan.max_prefill_query_len, inv_freq, self.scale,
                 interleaved=self.rotary.interleaved, key_starts=plan.key_starts, runs=plan.runs,
                 seq_ids=plan.prefill_ids, out=out, chunk_scaling=self.chunk_scaling,
-                key=key.to(key_cache.dtype), value=value.to(value_cache.dtype),  # as write_kv_cache stored them
+                key=key, value=value,  # the new tokens' K/V as just stored
                 max_context_len=plan.max_prefill_context_len,
             )
         return out if out.dtype == query.dtype else out.to(query.dtype)
