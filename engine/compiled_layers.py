@@ -35,6 +35,19 @@ if TYPE_CHECKING:
     from lazyattn_rag.engine.model import CausalLM, DecoderLayer
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``; one row on a CUDA device (a batch-1 decode step) goes through the one-row
+    kernel (``kernels/gemv.py``: no split-K reduction kernel, more of the copy bandwidth) where
+    :func:`~lazyattn_rag.kernels.gemv.gemv_applies`. Dynamo traces the Triton launch into the
+    graph; the row count is a static guard (it specializes size 1)."""
+    if x.is_cuda and x.shape[0] == 1:
+        from lazyattn_rag.kernels.gemv import gemv, gemv_applies
+
+        if gemv_applies(x, weight):
+            return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``engine/model.py``'s RMSNorm: float32 statistics, the weight applied in ``x``'s dtype."""
     return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=eps).to(x.dtype)
@@ -66,7 +79,7 @@ def attention_input(
     if delta is not None:
         x = x + delta
     n, kv_size = x.shape[0], num_kv_heads * head_dim
-    qkv = F.linear(_rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
+    qkv = _linear(_rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
     qk, v = qkv.split([(num_heads + num_kv_heads) * head_dim, kv_size], dim=-1)
     qk, v = qk.view(n, num_heads + num_kv_heads, head_dim), v.view(n, num_kv_heads, head_dim)
     if q_norm_weight is not None:  # Qwen3: per-head norms of q and k, each its own weight
@@ -97,9 +110,9 @@ def attention_output(
     # The residual add in float32, rounded once (equal to the half-type add): so inductor fuses it
     # with the norm below instead of folding it into the product as addmm (whose bias copy and
     # split-K reduction were two more kernels per layer in an H200 decode step).
-    x = (x.to(torch.float32) + F.linear(attn, o_weight, o_bias).to(torch.float32)).to(x.dtype)
-    gate, up = F.linear(_rms_norm(x, norm_weight, eps), gate_up_weight, gate_up_bias).chunk(2, dim=-1)
-    return x, F.linear(F.silu(gate) * up, down_weight, down_bias)
+    x = (x.to(torch.float32) + _linear(attn, o_weight, o_bias).to(torch.float32)).to(x.dtype)
+    gate, up = _linear(_rms_norm(x, norm_weight, eps), gate_up_weight, gate_up_bias).chunk(2, dim=-1)
+    return x, _linear(F.silu(gate) * up, down_weight, down_bias)
 
 
 @functools.cache
