@@ -283,10 +283,15 @@ def main(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat1
          shapes: list[str] = typer.Option(["1x20480", "32x8192"], help="decode shapes BxL"),
          prefill_tokens: int = 20480, repeats: int = 20, engine: bool = True, profile: bool = True,
          profile_context: int = typer.Option(2048, help="context of the profiled batch-1 decode steps"),
+         modes: list[str] = typer.Option(list(MODES), help="eager and/or compiled"),
+         prefill: bool = typer.Option(True, help="time (and profile) the full prefill too"),
          out: str = "decode_step") -> None:
     """Decode steps and full prefill, eager vs compiled, against limits measured in the same run."""
     if arch not in ARCHS:
         raise typer.BadParameter(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if not modes or set(modes) - set(MODES):
+        raise typer.BadParameter(f"--modes takes {' and/or '.join(MODES)}, got {modes}")
+    run_modes = {m: c for m, c in MODES.items() if m in modes}
     model = random_model(arch, torch.device(device), getattr(torch, dtype))
     # a fixed fingerprint instead of hashing the weights (the engine runs compute; nothing is shared)
     bench, dev = Bench(model, word_tokenizer(model.config.vocab_size), f"random-{arch}-{dtype}"), torch.device(device)
@@ -301,7 +306,7 @@ def main(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat1
     rows = []
     for shape in shapes:
         batch, context = (int(v) for v in shape.split("x"))
-        for mode, compiled in MODES.items():
+        for mode, compiled in run_modes.items():
             row = {"mode": mode, **bench_decode(model, dev, batch, context, compiled, repeats, elem)}
             if lims:
                 row["limit_ms"] = (wbytes + row["kv_bytes"]) / lims["copy_GBps"] / 1e6
@@ -311,7 +316,7 @@ def main(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat1
             print(row, flush=True)
     results["decode"] = rows
     results["prefill"] = []
-    for mode, compiled in MODES.items():
+    for mode, compiled in run_modes.items() if prefill else ():
         row = {"mode": mode, **bench_prefill(model, dev, prefill_tokens, compiled, max(3, repeats // 5))}
         if lims:
             row["limit_ms"] = flops["matrix"] / lims["mm_TFLOPs"] / 1e9 + flops["attention"] / \
@@ -321,14 +326,14 @@ def main(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat1
         print(row, flush=True)
     if profile:
         results["profile"] = {mode: profile_decode(model, dev, 1, profile_context, compiled)
-                              for mode, compiled in MODES.items()}
+                              for mode, compiled in run_modes.items()}
         results["prefill_profile"] = {mode: profile_prefill(model, dev, prefill_tokens, compiled)
-                                      for mode, compiled in MODES.items()}
+                                      for mode, compiled in run_modes.items() if prefill}
         print({"decode": {m: p["ms_per_step_by_part"] for m, p in results["profile"].items()},
                "prefill": {m: p["ms_by_part"] for m, p in results["prefill_profile"].items()}}, flush=True)
     if engine:
         results["engine"] = [{"mode": mode, **bench_engine(bench, device, prefill_tokens, compiled)}
-                             for mode, compiled in MODES.items()]
+                             for mode, compiled in run_modes.items()]
         print([{k: v for k, v in row.items() if k != "host_profile"} for row in results["engine"]], flush=True)
     write(out, results)
 

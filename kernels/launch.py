@@ -135,6 +135,15 @@ def check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     return layout, interpreter
 
 
+def addressable_table(block_tables: torch.Tensor) -> torch.Tensor:
+    """``block_tables`` [num_seqs, max_blocks], or one zero column when ``max_blocks`` is 0 (every
+    sequence padding): a CUDA tensor of no elements has no device address, which Triton refuses as
+    a pointer argument. The column is never read (each sequence's block count is 0)."""
+    if block_tables.shape[1] > 0:
+        return block_tables
+    return block_tables.new_zeros(block_tables.shape[0], 1)
+
+
 def block_key_starts(block_tables: torch.Tensor, num_blocks_per_seq: torch.Tensor) -> torch.Tensor:
     """Index of each block's first key (exclusive prefix sum of valid slots along each row).
 

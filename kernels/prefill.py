@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from lazyattn_rag.kernels.launch import (
+    addressable_table,
     BlockRuns,
     ChunkScaling,
     Rotation,
@@ -496,6 +497,8 @@ def paged_prefill(
                           max_context_len, _shared_bytes(query.device))
     block_m = block_m or cfg["block_m"]
     block_n = triton.next_power_of_2(max(block_n or cfg["block_n"], block_size))
+    if block_tables.shape[1] == 0:  # padding only: a column to point at (its tables and runs are empty)
+        block_tables, key_starts, runs = addressable_table(block_tables), None, None
     if key_starts is None:
         key_starts = block_key_starts(block_tables, num_blocks_per_seq)
     if runs is None:

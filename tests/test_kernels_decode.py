@@ -205,3 +205,17 @@ def test_long_decode_launch_options_gpu(options):
     case = make_case(specs, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda", seed=12)
     out, ref = run(case, **options)
     assert_close(out, ref, torch.bfloat16, str(options))
+
+
+def test_split_counters_are_zero_again_after_each_launch():
+    """The fused split reduction (the last program of each sequence and KV head combines the
+    splits) leaves its counters at zero, so launches in a row (graph replays) each combine once:
+    two different batches back to back, and one again, all equal to the reference."""
+    from lazyattn_rag.kernels.decode import split_counters
+
+    cases = [make_case([SeqSpec([(40, 100)], own_len=9), SeqSpec([], own_len=23)], num_heads=4, num_kv_heads=2,
+                       head_dim=32, device=DEVICE, seed=s) for s in (31, 32)]
+    for case in (*cases, cases[0]):
+        out, ref = run(case, num_splits=4)
+        assert_close(out, ref, torch.float32, "split launch in a row")
+        assert torch.count_nonzero(split_counters(torch.device(DEVICE), 1)) == 0
