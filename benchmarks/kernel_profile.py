@@ -44,7 +44,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks.*`` importab
 
 from benchmarks.kernels import (BLOCK_SIZE, DTYPE, MODELS, bench_ms, build_paged, decode_segments,
                                inv_freq_for, prefill_segments)
-from lazyattn_rag.kernels.decode import (WIDE_TILE_BLOCK_N, WIDE_TILE_STAGES, decode_kernel,
+from lazyattn_rag.kernels.decode import (WIDE_TILE_BLOCK_N, WIDE_TILE_STAGES, decode_kernel, decode_reduce_kernel,
                                          paged_decode)
 from lazyattn_rag.kernels.launch import block_key_starts, block_runs
 from lazyattn_rag.kernels.prefill import paged_prefill, prefill_kernel
@@ -149,7 +149,7 @@ def static_report(launchers: dict, decode_splits: list[int], wide_splits: list[i
         split_sweep(name, decode_splits, device)
     for name in DECODE_SHAPES if wide_splits else ():
         split_sweep(name, wide_splits, device, **WIDE_TILE)
-    for fn in (decode_kernel, prefill_kernel):
+    for fn in (decode_kernel, decode_reduce_kernel, prefill_kernel):
         for row in compiled_variants(fn):
             print(json.dumps(row), flush=True)
 

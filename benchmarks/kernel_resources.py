@@ -86,7 +86,7 @@ def main() -> None:
     for head_dim, group, bn, split, stages in ((128, 4, 64, True, 3), (128, 4, 128, False, 2), (64, 3, 128, True, 3)):
         for rotation in ("none", "query"):
             c = dict(rope(head_dim), GROUP=group, BLOCK_G=16, BLOCK_N=bn, TILE_BLOCKS=bn // 16, SPLIT_KV=split,
-                     SPLITS_POW2=64, ROTATION=ROTATION_CODES[rotation])
+                     ROTATION=ROTATION_CODES[rotation])
             print(f"decode   d{head_dim:<3} g{group}    n{bn} split {split:d} w4 s{stages}   {rotation:<8}  "
                   f"{resources(decode.decode_kernel, c, 4, stages)}")
 

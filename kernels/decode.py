@@ -58,7 +58,6 @@ def decode_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim] (written without SPLIT_KV)
     part_out_ptr,  # [num_work, num_heads, num_splits, head_dim] float32 (SPLIT_KV)
     part_lse_ptr,  # [num_work, num_heads, num_splits] float32 log2-sum-exp2 (SPLIT_KV)
-    split_counter_ptr,  # [num_work * num_kv_heads] int32, zero at launch: splits done (SPLIT_KV)
     block_tables_ptr,  # [num_seqs, max_blocks] int64 packed (id | valid-1 | delta)
     run_starts_ptr,  # [num_seqs, max_blocks + 1] int32 first block of each run of equal delta, then n_blocks
     num_runs_ptr,  # [num_seqs] int32 runs per sequence
@@ -85,7 +84,6 @@ def decode_kernel(
     BLOCK_N: tl.constexpr,  # key lanes per tile (a power of two >= BLOCK_SIZE)
     TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
     SPLIT_KV: tl.constexpr,  # more than one split (the count is grid axis 2, read at run time)
-    SPLITS_POW2: tl.constexpr,  # the split count rounded up to a power of two (SPLIT_KV)
     ROTATION: tl.constexpr,  # 0 none (benchmark of its cost only), 1 query by -delta per run
     CHUNK_SCALING: tl.constexpr,  # runs of flagged blocks use ChunkScaling (False: the flag is ignored)
     ACCURATE_TRIG: tl.constexpr,  # libdevice cos/sin (GPU); tl.cos/tl.sin under the interpreter
@@ -178,38 +176,36 @@ def decode_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_ok[:, None])
         lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=g_ok)
-        # The last of this (sequence, KV head)'s programs to finish combines every split (no second
-        # launch): the barrier puts every thread's stores above before the ticket's release (an
-        # acq_rel atomic at GPU scope, one per program), and the last ticket's acquire before its loads.
-        tl.debug_barrier()
-        counter = split_counter_ptr + work * tl.num_programs(1) + kv_head
-        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if ticket == num_splits - 1:
-            tl.store(counter, 0)  # zero again for the next launch (CUDA-graph replays reuse the buffer)
-            first = (work.to(tl.int64) * tl.num_programs(1) + kv_head) * GROUP  # [num_work, num_heads] row
-            for g in tl.static_range(GROUP):
-                combine_splits(out_ptr, part_out_ptr, part_lse_ptr, first + g, q_row.to(tl.int64) * stride_ot
-                               + (kv_head * GROUP + g) * stride_oh, num_splits, HEAD_DIM, SPLITS_POW2)
 
 
-@triton.jit
-def combine_splits(out_ptr, part_out_ptr, part_lse_ptr, row, out_offset, num_splits,
-                   HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr):
-    """Flash-decoding's reduction for one (sequence, head): the ``num_splits`` partial outputs of
-    ``row`` (an int64 index into ``[num_work, num_heads]``) weighted by their log2-sum-exp2, into
-    ``out_ptr + out_offset``. Loads bypass L1 (``.cg``): other multiprocessors wrote them."""
+@triton.jit(do_not_specialize=["num_splits"])  # any count: one compile per SPLITS_POW2
+def decode_reduce_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_out_ptr,  # [num_work, num_heads, num_splits, head_dim] float32
+    part_lse_ptr,  # [num_work, num_heads, num_splits] float32
+    cu_seqlens_q_ptr,  # [num_seqs + 1] int32
+    seq_ids_ptr,  # [num_work] int32
+    stride_ot, stride_oh,  # out strides (tokens, heads)
+    num_splits,  # int: partial outputs per (sequence, head)
+    HEAD_DIM: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,  # num_splits rounded up to a power of two (tl.arange's length)
+):
+    work = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(cu_seqlens_q_ptr + tl.load(seq_ids_ptr + work))
+    base = work.to(tl.int64) * tl.num_programs(1) + head
     splits = tl.arange(0, SPLITS_POW2)
     split_ok = splits < num_splits
-    lse = tl.load(part_lse_ptr + row * num_splits + splits, mask=split_ok, other=float("-inf"),
-                  cache_modifier=".cg")  # [SPLITS_POW2]
+    lse = tl.load(part_lse_ptr + base * num_splits + splits, mask=split_ok, other=float("-inf"))  # [SPLITS_POW2]
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, output 0
     w = tl.math.exp2(lse - m)  # [SPLITS_POW2], 0 for empty and padding splits
-    parts = tl.load(part_out_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :],
-                    mask=split_ok[:, None], other=0.0, cache_modifier=".cg")  # [SPLITS_POW2, HEAD_DIM]
+    parts = tl.load(part_out_ptr + (base * num_splits + splits)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :],
+                    mask=split_ok[:, None], other=0.0)  # [SPLITS_POW2, HEAD_DIM]
     total = tl.sum(w, axis=0)
     out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)  # [HEAD_DIM]
-    tl.store(out_ptr + out_offset + tl.arange(0, HEAD_DIM), out.to(out_ptr.dtype.element_ty))
+    o = q_row.to(tl.int64) * stride_ot + head * stride_oh + tl.arange(0, HEAD_DIM)
+    tl.store(out_ptr + o, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,22 +258,6 @@ def choose_num_splits(num_work: int, num_kv_heads: int, max_tiles: int, num_sms:
     programs = max(1, num_work * num_kv_heads)
     cap = max(1, min(max_tiles // 4, MAX_SPLITS))
     return min(range(1, cap + 1), key=lambda splits: (split_cost(programs, splits, num_sms), splits))
-
-
-# Split launches' counters, zero between launches, one buffer per device (grown when too small;
-# the old ones are kept, never freed: a CUDA graph captured with one replays it). Launches on one
-# device run one at a time, as on the engine's single stream; two split launches running at once
-# on two streams would share counters.
-_SPLIT_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` int32 counters on ``device``, all zero (each split launch's last programs
-    set theirs back to zero)."""
-    buffers = _SPLIT_COUNTERS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < n:
-        buffers.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
-    return buffers[-1]
 
 
 def paged_decode(
@@ -354,11 +334,10 @@ def paged_decode(
     if num_splits > 1:
         part_out = torch.empty(num_work, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_work, num_heads, num_splits, dtype=torch.float32, device=query.device)
-        counters = split_counters(query.device, num_work * num_kv_heads)
     else:
-        part_out = part_lse = counters = out  # unused
+        part_out = part_lse = out  # unused
     decode_kernel[(num_work, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, out, part_out, part_lse, counters,
+        query, key_cache, value_cache, out, part_out, part_lse,
         block_tables, runs.starts, runs.num_runs, num_blocks_per_seq, cu_seqlens_q, seq_ids,
         launch.inv_freq, launch.sm_scale_log2, scaling["chunk_inv_temperature"], scaling["chunk_log2_weight"],
         *launch.strides,
@@ -368,10 +347,17 @@ def paged_decode(
         BLOCK_N=block_n,
         TILE_BLOCKS=tile_blocks,
         SPLIT_KV=num_splits > 1,
-        SPLITS_POW2=triton.next_power_of_2(num_splits),
         ROTATION=code,
         CHUNK_SCALING=scaling["CHUNK_SCALING"],
         num_warps=num_warps or 4,
         num_stages=num_stages or default_stages,
     )
+    if num_splits > 1:
+        decode_reduce_kernel[(num_work, num_heads)](
+            out, part_out, part_lse, cu_seqlens_q, seq_ids,
+            out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=head_dim,
+            SPLITS_POW2=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
     return out
