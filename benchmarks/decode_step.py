@@ -205,14 +205,15 @@ def profile_decode(model, device, batch: int, context: int, compiled: bool) -> d
 
 
 def kernel_parts(kernels, num_calls: int) -> dict:
-    """Device ms per call of each part: ``matrix`` (cuBLAS / CUTLASS products), ``attention``
+    """Device ms per call of each part: ``matrix`` (cuBLAS / CUTLASS products and the one-row
+    ``gemv_kernel``, which ``decode_step_ab_gemv_h200.json`` still counts under ``other``), ``attention``
     (the paged kernels and their split reduction), ``other`` (everything else: the elementwise,
     norm and copy kernels), by kernel name."""
     parts = {"matrix": 0.0, "attention": 0.0, "other": 0.0}
     for e in kernels:
         name = e.name.lower()
         part = ("attention" if name.startswith(("prefill_kernel", "decode_kernel", "decode_reduce_kernel")) else
-                "matrix" if any(k in name for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas")) else "other")
+                "matrix" if any(k in name for k in ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas")) else "other")
         parts[part] += e.time_range.elapsed_us() / 1e3 / num_calls
     return parts
 

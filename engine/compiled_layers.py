@@ -13,6 +13,10 @@ run of them into one kernel. The layer is cut at the attention backend, which st
   post-attention RMSNorm and the SwiGLU MLP, whose output is added by the next layer's
   :func:`attention_input` (or before the final norm) so that add fuses with that norm.
 
+At one row on CUDA (a batch-1 decode step) the products of up to 64 Mi weights (Llama-3.1-8B's
+q/k/v, output and down) run ``kernels/gemv.py``'s one-row kernel instead of cuBLAS, which reads
+them more slowly at M = 1 and adds a split-K reduction kernel to two of them (:func:`_linear`).
+
 Both take the layer's weights as tensor arguments, so one compiled graph serves every layer
 (Dynamo would recompile per module instance otherwise). The arithmetic is that of
 ``engine/model.py``'s modules, float32 where they use float32; inductor may order float
