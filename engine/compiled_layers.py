@@ -13,8 +13,8 @@ run of them into one kernel. The layer is cut at the attention backend, which st
   post-attention RMSNorm and the SwiGLU MLP, whose output is added by the next layer's
   :func:`attention_input` (or before the final norm) so that add fuses with that norm.
 
-At one row on CUDA (a batch-1 decode step) the products of up to 64 Mi weights (Llama-3.1-8B's
-q/k/v, output and down) run ``kernels/gemv.py``'s one-row kernel instead of cuBLAS, which reads
+At one row on CUDA (a batch-1 decode step) the half-type products of up to 64 Mi weights
+(Llama-3.1-8B's q/k/v, output and down) run ``kernels/gemv.py``'s one-row kernel instead of cuBLAS, which reads
 them more slowly at M = 1 and adds a split-K reduction kernel to two of them (:func:`_linear`).
 
 Both take the layer's weights as tensor arguments, so one compiled graph serves every layer
@@ -47,7 +47,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     if x.is_cuda and x.shape[0] == 1:
         from lazyattn_rag.kernels.gemv import gemv, gemv_applies
 
-        if gemv_applies(x, weight):
+        if gemv_applies(x, weight, bias):
             return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 

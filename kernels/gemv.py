@@ -5,8 +5,8 @@ sides, in another order, so results agree to rounding).
 
 At batch 1 a decode step is bound by reading its weights once. cuBLAS runs these products as
 split-K GEMMs followed by a separate reduction kernel; on an H200 (docs/benchmarks.md, "Issue 19,
-seventh pass") it reads Llama-3.1-8B's q/k/v, output and down projections at 2.6-3.7 TB/s, this
-kernel at 3.2-4.0 TB/s, with no second kernel. The gate/up product (117 Mi weights) is as fast
+seventh pass") it reads Llama-3.1-8B's q/k/v, output and down projections at 2.6-3.7 TB/s (the
+output and down projections split-K, each with a reduction kernel), this kernel at 3.2-4.0 TB/s. The gate/up product (117 Mi weights) is as fast
 under cuBLAS, so :func:`gemv_applies` keeps the large products there.
 
 Kernel structure: one program computes ``BLOCK_N`` outputs. It walks ``K`` in ``BLOCK_K`` steps,
@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 # Weights up to this many elements go through the kernel; larger ones stay with cuBLAS (the
-# measured gate/up product, 117 Mi weights, is 1.5 % faster there; the others, 16-56 Mi, are
-# 8-18 % slower there).
+# measured gate/up product, 117 Mi weights, is 1.5 % faster there; on the others, 16-56 Mi, the
+# kernel takes 7-18 % less time).
 GEMV_MAX_WEIGHT_ELEMENTS = 64 * 2**20
 
 
@@ -64,49 +64,72 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for an ``[n, k]`` weight.
 
     From the H200 sweep (docs/benchmarks.md, "Issue 19, seventh pass"; 8 or 16 outputs, 512 or
-    1,024 weights per step, 4 or 8 warps, 2-4 stages): 8 outputs per program where that still
-    leaves fewer than 1,024 programs (q/k/v: 6,144 outputs), 16 with 8 warps and 1,024-wide steps
-    below (output and down projections: 4,096 outputs)."""
+    1,024 weights per step, 4 or 8 warps, 2-4 stages): from 6,144 outputs (the q/k/v product: 768
+    programs) 8 outputs per program, 4 warps and 512-wide steps; below (the output and down
+    projections: 4,096 outputs) 16 outputs, 8 warps and 1,024-wide steps, so 256 programs."""
     if n >= 6144:
         return 8, min(512, triton.next_power_of_2(k)), 4, 3
     return 16, min(1024, triton.next_power_of_2(k)), 8, 3
 
 
-def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`gemv` takes this product: one row on a CUDA device, half-type operands of
-    one dtype, a weight of at most ``GEMV_MAX_WEIGHT_ELEMENTS`` with ``K`` contiguous."""
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether the compiled layers hand this product to :func:`gemv`: one row on a CUDA device,
+    contiguous along ``K > 0``, half-type operands of one dtype on one device, a 2-D weight of at
+    most ``GEMV_MAX_WEIGHT_ELEMENTS`` contiguous along ``K``, a 1-D bias or none, and nothing
+    that needs a gradient (the kernel has no backward)."""
     return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.float16, torch.bfloat16)
-            and weight.dtype == x.dtype and weight.stride(-1) == 1
-            and weight.numel() <= GEMV_MAX_WEIGHT_ELEMENTS)
+            and x.stride(-1) == 1 and weight.dim() == 2 and weight.shape[1] == x.shape[1] > 0
+            and weight.dtype == x.dtype and weight.device == x.device and weight.stride(-1) == 1
+            and weight.numel() <= GEMV_MAX_WEIGHT_ELEMENTS
+            and (bias is None or (bias.dim() == 1 and bias.device == x.device))
+            and not _needs_grad(x, weight, bias))
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for one row.
 
     Args:
-        x: ``[1, K]`` (contiguous in ``K``), the dtype of ``weight``.
-        weight: ``[N, K]``, ``K`` contiguous (an ``nn.Linear`` weight).
-        bias: ``[N]`` or ``None``.
+        x: ``[1, K]``, contiguous along ``K``; float16, bfloat16 or float32.
+        weight: ``[N, K]``, contiguous along ``K`` (an ``nn.Linear`` weight), ``x``'s dtype and device.
+        bias: ``[N]`` on ``x``'s device, or ``None``.
 
     Returns:
-        ``[1, N]`` in ``x``'s dtype (float32 accumulation, rounded once).
+        ``[1, N]`` in ``x``'s dtype (float32 accumulation, rounded once); no autograd graph.
 
     Raises:
-        ValueError: another row count, mismatched ``K``, a weight or input not contiguous in ``K``,
-            or a bias of another length.
+        ValueError: another row count, mismatched ``K``, a weight or input not contiguous along
+            ``K``, another dtype or device than ``x``'s, a bias of another length, or inputs that
+            need a gradient.
 
     Example:
         >>> y = gemv(hidden[:1], layer.self_attn.o_proj.weight)  # [1, hidden_size]
     """
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"x must be one row [1, K], got {list(x.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [N, K], got {list(weight.shape)}")
     n, k = weight.shape
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} columns, the weight {k}")
     if weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("x and weight must be contiguous along K")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or weight.dtype != x.dtype:
+        raise ValueError(f"x and weight must share a float16, bfloat16 or float32 dtype, got {x.dtype}, {weight.dtype}")
+    for t, name in ((weight, "weight"), (bias, "bias")):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias must be [{n}], got {list(bias.shape)}")
+    if _needs_grad(x, weight, bias):
+        raise ValueError("gemv has no backward: call it under torch.no_grad() or inference_mode()")
+    if k == 0:  # an empty sum
+        return (torch.zeros(1, n, dtype=x.dtype, device=x.device) if bias is None
+                else bias.to(x.dtype).reshape(1, n).clone())
+    bias = None if bias is None else bias.contiguous()  # the kernel reads it at unit stride
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps, num_stages = gemv_config(n, k)
     gemv_kernel[(triton.cdiv(n, block_n),)](

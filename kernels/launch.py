@@ -137,8 +137,10 @@ def check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
 
 def addressable_table(block_tables: torch.Tensor) -> torch.Tensor:
     """``block_tables`` [num_seqs, max_blocks], or one zero column when ``max_blocks`` is 0 (every
-    sequence padding): a CUDA tensor of no elements has no device address, which Triton refuses as
-    a pointer argument. The column is never read (each sequence's block count is 0)."""
+    sequence padding), so the table argument points at memory. Defensive: a CUDA tensor of no
+    elements passes a null pointer, which Triton's launcher accepts; the zero-width launch ran on a
+    GPU only with this column (docs/benchmarks.md, "Issue 19, seventh pass"). With consistent
+    input (block counts 0) the column is never read."""
     if block_tables.shape[1] > 0:
         return block_tables
     return block_tables.new_zeros(block_tables.shape[0], 1)

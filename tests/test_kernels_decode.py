@@ -208,8 +208,8 @@ def test_long_decode_launch_options_gpu(options):
 
 
 def test_a_batch_of_padding_with_a_zero_width_block_table():
-    """Every sequence padding and a block table of no columns (its CUDA tensor has no address to
-    pass a kernel): zeros out, nothing read."""
+    """Every sequence padding and a block table of no columns (an empty tensor: a null pointer
+    unless the launcher substitutes a column): zeros out, nothing read."""
     specs = [SeqSpec([], own_len=0), SeqSpec([], own_len=0)]
     case = make_case(specs, num_heads=4, num_kv_heads=2, head_dim=64, device=DEVICE, seed=6)
     case = case.__class__(**{**case.__dict__, "block_tables": case.block_tables[:, :0].contiguous()})
