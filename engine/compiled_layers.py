@@ -14,8 +14,9 @@ run of them into one kernel. The layer is cut at the attention backend, which st
   :func:`attention_input` (or before the final norm) so that add fuses with that norm.
 
 At one row on CUDA (a batch-1 decode step) the half-type products of up to 64 Mi weights
-(Llama-3.1-8B's q/k/v, output and down) run ``kernels/gemv.py``'s one-row kernel instead of cuBLAS, which reads
-them more slowly at M = 1 and adds a split-K reduction kernel to two of them (:func:`_linear`).
+(Llama-3.1-8B's q/k/v, output and down) run ``kernels/gemv.py``'s one-row kernel instead of
+cuBLAS, which reads them more slowly at M = 1 and adds a split-K reduction kernel to two of them
+(:func:`_linear`).
 
 Both take the layer's weights as tensor arguments, so one compiled graph serves every layer
 (Dynamo would recompile per module instance otherwise). The arithmetic is that of

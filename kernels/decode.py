@@ -39,10 +39,10 @@ import triton
 import triton.language as tl
 
 from lazyattn_rag.kernels.launch import (
-    addressable_table,
     BlockRuns,
     ChunkScaling,
     Rotation,
+    addressable_table,
     block_runs,
     launch_prologue,
     rotation_code,

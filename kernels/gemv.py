@@ -3,11 +3,11 @@
 Its reference is ``torch.nn.functional.linear`` (the same product; float32 accumulation on both
 sides, in another order, so results agree to rounding).
 
-At batch 1 a decode step is bound by reading its weights once. cuBLAS runs these products as
-split-K GEMMs followed by a separate reduction kernel; on an H200 (docs/benchmarks.md, "Issue 19,
-seventh pass") it reads Llama-3.1-8B's q/k/v, output and down projections at 2.6-3.7 TB/s (the
-output and down projections split-K, each with a reduction kernel), this kernel at 3.2-4.0 TB/s. The gate/up product (117 Mi weights) is as fast
-under cuBLAS, so :func:`gemv_applies` keeps the large products there.
+At batch 1 a decode step is bound by reading its weights once. On an H200 (docs/benchmarks.md,
+"Issue 19, seventh pass") cuBLAS reads Llama-3.1-8B's q/k/v, output and down projections at
+2.6-3.7 TB/s at one row, two of them as split-K GEMMs with a separate reduction kernel; this
+kernel reads them at 3.2-4.0 TB/s in one launch each. The gate/up product (117 Mi weights) is
+as fast under cuBLAS, so :func:`gemv_applies` keeps the large products there.
 
 Kernel structure: one program computes ``BLOCK_N`` outputs. It walks ``K`` in ``BLOCK_K`` steps,
 each loading a ``[BLOCK_N, BLOCK_K]`` tile of ``W`` (row-major, ``K`` contiguous) and the matching
