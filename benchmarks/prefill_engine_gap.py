@@ -32,6 +32,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gemv import graph_ms
 from benchmarks.kernels import DTYPE, bench_ms, build_paged, inv_freq_for, prefill_segments
 from lazyattn_rag.kernels.launch import block_key_starts, block_runs
 from lazyattn_rag.kernels.prefill import paged_prefill
@@ -89,16 +90,7 @@ def layout(tokens_list=(16384, 20480)) -> dict:
             row[name] = {"ms": ms, "TFLOPs": flops / ms / 1e9}
         for name, views in (("contiguous_x8_graph", (False, False)), ("engine_views_x8_graph", (True, True))):
             run, flops = attention_launch(tokens, views)
-            graph = graph_of(lambda run=run: [run() for _ in range(8)])
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(5):
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 8)
-            ms = sorted(times)[2]
+            ms = graph_ms(lambda run=run: [run() for _ in range(8)], 5) / 8
             row[name] = {"ms": ms, "TFLOPs": flops / ms / 1e9}
         print(tokens, row, flush=True)
         res[str(tokens)] = row
