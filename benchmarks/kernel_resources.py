@@ -41,14 +41,16 @@ def cuobjdump() -> str:
     return str(found) if found.exists() else (shutil.which("cuobjdump") or "cuobjdump")
 
 
-def resources(fn, constexprs: dict, num_warps: int, num_stages: int) -> str:
+def resources(fn, constexprs: dict, num_warps: int, num_stages: int, types: dict | None = None) -> str:
+    """``types`` overrides :data:`POINTER_TYPES` (e.g. a tensor descriptor's ``tensordesc<...>``)."""
     names = fn.arg_names
+    types = {**POINTER_TYPES, **(types or {})}
     sig = {}
     for n in names:
         if n in constexprs:
             sig[n] = "constexpr"
-        elif n in POINTER_TYPES:
-            sig[n] = POINTER_TYPES[n]
+        elif n in types:
+            sig[n] = types[n]
         elif n.endswith("_ptr"):
             sig[n] = "*i32"
         else:
@@ -78,11 +80,14 @@ def main() -> None:
     print("kernel   heads       tile               rotation  resources")
     for head_dim, group, (bm, bn, warps, stages) in ((128, 4, (64, 64, 4, 3)), (128, 4, (128, 64, 8, 3)),
                                                     (64, 3, (128, 64, 4, 3))):
-        for rotation in ("none", "query", "key"):
+        for rotation, tma in (("none", True), ("query", True), ("key", True), ("query", False)):
             c = dict(rope(head_dim), GROUP=group, BLOCK_M=bm, BLOCK_N=bn, TILE_BLOCKS=bn // 16, IN_STEP=True,
-                     ROTATION=ROTATION_CODES[rotation])
-            print(f"prefill  d{head_dim:<3} g{group}    {bm}x{bn} w{warps} s{stages}    {rotation:<8}  "
-                  f"{resources(prefill.prefill_kernel, c, warps, stages)}")
+                     ROTATION=ROTATION_CODES[rotation], STEP_TMA=tma)
+            desc = f"tensordesc<bf16[{bn},{head_dim}]>"  # the step's K/V boxes (STEP_TMA, the Hopper default)
+            types = {"key_desc": desc, "value_desc": desc} if tma else {"key_desc": "*bf16", "value_desc": "*bf16"}
+            label = rotation + ("" if tma else ", step K/V through pointers")
+            print(f"prefill  d{head_dim:<3} g{group}    {bm}x{bn} w{warps} s{stages}    {label:<8}  "
+                  f"{resources(prefill.prefill_kernel, c, warps, stages, types)}")
     for head_dim, group, bn, split, stages in ((128, 4, 64, True, 3), (128, 4, 128, False, 2), (64, 3, 128, True, 3)):
         for rotation in ("none", "query"):
             c = dict(rope(head_dim), GROUP=group, BLOCK_G=16, BLOCK_N=bn, TILE_BLOCKS=bn // 16, SPLIT_KV=split,

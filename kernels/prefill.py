@@ -32,7 +32,9 @@ Kernel structure (one program = one query head x ``BLOCK_M`` new tokens of one s
 * The new tokens' own keys (``key=``/``value=``, the step's K/V as written to the cache): where they
   all lie in the sequence's last run with delta 0 and no scaling flag, the block walk stops before
   them and a causal loop reads them contiguously from the step's tensors (no block-table word or
-  64-bit row offset per key); otherwise the walk covers them as any other key.
+  64-bit row offset per key); otherwise the walk covers them as any other key. On Hopper that
+  loop loads each K/V tile with one bulk tensor copy (TMA, through tensor descriptors) instead of
+  per-lane loads (``STEP_TMA``; a paged gather cannot use them, the step's tensors can).
 * Chunk attention scaling (APE, :class:`~lazyattn_rag.kernels.launch.ChunkScaling`): with
   ``CHUNK_SCALING``, a run whose blocks carry the ``scaled`` flag is scored with
   ``sm_scale / temperature`` and ``log2(weight)`` added (one multiply-add per score, chosen once
@@ -63,6 +65,11 @@ from lazyattn_rag.kernels.launch import (
     rotation_code,
 )
 from lazyattn_rag.kernels.triton_helpers import attend, rotated_rows, rotation, run_score_scale
+
+try:  # host-side tensor descriptors (TMA on Hopper): Triton >= 3.3
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # older Triton: the step's K/V are read through pointers
+    TensorDescriptor = None
 
 
 @triton.jit
@@ -122,26 +129,32 @@ def step_tile(
     q,  # [BLOCK_M, HEAD_DIM] the query as given (these keys have delta 0)
     k_base, v_base,  # the sequence's first new token's K and V row of this KV head
     stride_nkt, stride_nvt,  # token strides of the new tokens' K and V
+    k_desc, v_desc,  # STEP_TMA: descriptors of K and V as [num_tokens, num_kv_heads * head_dim]
+    row0, col,  # STEP_TMA: the sequence's first new token's row; this KV head's first column
     t0,  # first new-token index of this tile
     offs_m, q_len,  # [BLOCK_M] rows' new-token indices; the sequence's new tokens
     sm_scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is before every row (no masks at all)
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    STEP_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     """One tile of ``BLOCK_N`` new tokens' keys read from the step's own contiguous K/V: causal."""
     offs_t = t0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] new-token index of each key
-    offs_d = tl.arange(0, HEAD_DIM)
-    k_ptrs = k_base + offs_t.to(tl.int64)[:, None] * stride_nkt + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
-    v_ptrs = v_base + offs_t.to(tl.int64)[:, None] * stride_nvt + offs_d[None, :]
     keep = 0  # no mask
-    if MASKED:
+    if MASKED:  # per-lane loads: rows past the sequence (the next one's) are not read
+        offs_d = tl.arange(0, HEAD_DIM)
+        k_ptrs = k_base + offs_t.to(tl.int64)[:, None] * stride_nkt + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+        v_ptrs = v_base + offs_t.to(tl.int64)[:, None] * stride_nvt + offs_d[None, :]
         k = tl.load(k_ptrs, mask=(offs_t < q_len)[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=(offs_t < q_len)[:, None], other=0.0)
         keep = (offs_t[None, :] <= offs_m[:, None]) & (offs_t < q_len)[None, :]
+    elif STEP_TMA:  # a whole tile of the sequence's rows: one bulk copy each (TMA on Hopper)
+        k = k_desc.load([row0 + t0, col])  # [BLOCK_N, HEAD_DIM]
+        v = v_desc.load([row0 + t0, col])
     else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+        offs_d = tl.arange(0, HEAD_DIM)
+        k = tl.load(k_base + offs_t.to(tl.int64)[:, None] * stride_nkt + offs_d[None, :])  # [BLOCK_N, HEAD_DIM]
+        v = tl.load(v_base + offs_t.to(tl.int64)[:, None] * stride_nvt + offs_d[None, :])
     return attend(acc, m_i, l_i, q, k, v, keep, sm_scale_log2, 0.0, MASKED, False, DOT_PRECISION, DOT_UPCAST)
 
 
@@ -171,6 +184,8 @@ def prefill_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     key_ptr,  # [num_tokens, num_kv_heads, head_dim] the new tokens' K as written to the cache (IN_STEP)
     value_ptr,  # [num_tokens, num_kv_heads, head_dim] their V (IN_STEP)
+    key_desc,  # STEP_TMA: a descriptor of key as [num_tokens, num_kv_heads * head_dim], [BLOCK_N, HEAD_DIM] boxes
+    value_desc,  # STEP_TMA: the same of value
     block_tables_ptr,  # [num_seqs, max_blocks] int64 packed (id | valid-1 | delta)
     key_starts_ptr,  # [num_seqs, max_blocks] int32 index of each block's first key
     run_starts_ptr,  # [num_seqs, max_blocks + 1] int32 first block of each run of equal delta, then n_blocks
@@ -204,6 +219,7 @@ def prefill_kernel(
     ROTATION: tl.constexpr,  # 0 none (benchmark only), 1 query by -delta per run, 2 each K tile by delta
     CHUNK_SCALING: tl.constexpr,  # runs of flagged blocks use ChunkScaling (False: the flag is ignored)
     IN_STEP: tl.constexpr,  # read the new tokens' keys from key_ptr/value_ptr where they have delta 0
+    STEP_TMA: tl.constexpr,  # whole step tiles through key_desc/value_desc (IN_STEP only; else unused)
     ACCURATE_TRIG: tl.constexpr,  # libdevice cos/sin (GPU); tl.cos/tl.sin under the interpreter
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, None (default) for half types
     DOT_UPCAST: tl.constexpr,  # interpreter only: dots in float32
@@ -324,13 +340,13 @@ def prefill_kernel(
             v_base = value_ptr + q_start.to(tl.int64) * stride_nvt + kv_head * stride_nvh
             n_below = m_start // BLOCK_N  # tiles whose keys all precede the tile's first row
             for t in range(0, n_below):
-                acc, m_i, l_i = step_tile(acc, m_i, l_i, q, k_base, v_base, stride_nkt, stride_nvt, t * BLOCK_N,
-                                          offs_m, q_len, sm_scale_log2, HEAD_DIM, BLOCK_N, False,
-                                          DOT_PRECISION, DOT_UPCAST)
+                acc, m_i, l_i = step_tile(acc, m_i, l_i, q, k_base, v_base, stride_nkt, stride_nvt, key_desc,
+                                          value_desc, q_start, kv_head * HEAD_DIM, t * BLOCK_N, offs_m, q_len, sm_scale_log2,
+                                          HEAD_DIM, BLOCK_N, False, STEP_TMA, DOT_PRECISION, DOT_UPCAST)
             for t0 in range(n_below * BLOCK_N, tl.minimum(m_start + BLOCK_M, q_len), BLOCK_N):
-                acc, m_i, l_i = step_tile(acc, m_i, l_i, q, k_base, v_base, stride_nkt, stride_nvt, t0,
-                                          offs_m, q_len, sm_scale_log2, HEAD_DIM, BLOCK_N, True,
-                                          DOT_PRECISION, DOT_UPCAST)
+                acc, m_i, l_i = step_tile(acc, m_i, l_i, q, k_base, v_base, stride_nkt, stride_nvt, key_desc,
+                                          value_desc, q_start, kv_head * HEAD_DIM, t0, offs_m, q_len, sm_scale_log2,
+                                          HEAD_DIM, BLOCK_N, True, STEP_TMA, DOT_PRECISION, DOT_UPCAST)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no keys (padding): zeros
     o_rows = (q_start + offs_m).to(tl.int64) * stride_ot + head * stride_oh
@@ -424,6 +440,39 @@ def _check_step_kv(query: torch.Tensor, key_cache: torch.Tensor, key: torch.Tens
     return True
 
 
+def _step_descriptors(key: torch.Tensor, value: torch.Tensor, block_n: int, interpreter: bool,
+                      step_tma: bool | None) -> tuple | None:
+    """Tensor descriptors of the step's K and V as ``[num_tokens, num_kv_heads * head_dim]`` with
+    ``[block_n, head_dim]`` boxes, or ``None`` for the pointer path.
+
+    ``step_tma=None`` takes descriptors on a CUDA device of compute capability 9.0 or later (TMA
+    bulk copies; measured on an H200, docs/benchmarks.md "Issue 19, eighth pass") when the layout
+    allows them: heads contiguous within a token (``stride(1) == head_dim``, true of the engine's
+    views of its fused q/k/v product), 16-byte aligned base and token stride. ``True`` asks for
+    them anywhere, the interpreter included (tests), and raises ``ValueError`` where the layout or
+    the installed Triton cannot give them; ``False`` never takes them."""
+    if step_tma is False:
+        return None
+    head_dim = key.shape[2]
+
+    def fits(t: torch.Tensor) -> bool:
+        elem = t.element_size()
+        return (t.stride(1) == head_dim and t.data_ptr() % 16 == 0 and (t.stride(0) * elem) % 16 == 0
+                and t.shape[0] > 0)
+
+    if step_tma is None:
+        hopper = not interpreter and torch.cuda.get_device_capability(key.device) >= (9, 0)
+        if not (hopper and TensorDescriptor is not None and fits(key) and fits(value)):
+            return None
+    elif TensorDescriptor is None:
+        raise ValueError("step_tma=True needs triton.tools.tensor_descriptor (Triton >= 3.3)")
+    elif not (fits(key) and fits(value)):
+        raise ValueError("step_tma=True needs key and value with contiguous heads (stride(1) == head_dim) "
+                         "and a 16-byte aligned base and token stride")
+    return tuple(TensorDescriptor(t, [t.shape[0], t.shape[1] * head_dim], [t.stride(0), 1], [block_n, head_dim])
+                 for t in (key, value))
+
+
 def paged_prefill(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated at global positions
     key_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
@@ -446,6 +495,7 @@ def paged_prefill(
     key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim] the new tokens' K, as in the cache
     value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim] their V
     max_context_len: int | None = None,  # host-side: most cached keys before a sequence's new tokens
+    step_tma: bool | None = None,  # read key/value through tensor descriptors (None: on Hopper, where they fit)
     block_m: int | None = None,
     block_n: int | None = None,  # key lanes per tile (rounded up to a power of two >= block_size)
     num_warps: int | None = None,
@@ -465,7 +515,8 @@ def paged_prefill(
     whose new tokens lie in one last run of delta 0 and no scaling flag (the engine's case); the
     result is the same. ``max_context_len`` (``seq_len - query_len`` at most, a host int; ``None``:
     unknown) only picks the default tiles (long prompts without cached keys take larger ones).
-    ``block_m``, ``block_n``,
+    ``step_tma``: how ``key``/``value`` are read, the same result either way (:func:`_step_descriptors`:
+    bulk tensor copies on Hopper by default, per-lane loads otherwise). ``block_m``, ``block_n``,
     ``num_warps`` and ``num_stages`` change the launch only, never the result.
 
     Returns:
@@ -474,7 +525,8 @@ def paged_prefill(
         ValueError, NotImplementedError: inputs the kernel would misread
             (:func:`~lazyattn_rag.kernels.launch.check_inputs`), an unknown ``rotation``, an
             ``out`` of another dtype than ``query`` or overlapping its memory (the kernel stages
-            the rotated query in ``out``).
+            the rotated query in ``out``), ``step_tma=True`` where descriptors cannot be had
+            (no ``key``/``value``, their layout, the installed Triton).
 
     Example:
         >>> out = paged_prefill(q, kc, vc, md.block_tables, md.num_blocks_per_seq, md.seq_lens,
@@ -487,6 +539,8 @@ def paged_prefill(
         if _overlaps(out, query):
             raise ValueError("out must not overlap the query's memory")
     in_step = _check_step_kv(query, key_cache, key, value)
+    if step_tma and not in_step:
+        raise ValueError("step_tma=True needs key and value (the step's K/V to read through descriptors)")
     launch = launch_prologue(query, key_cache, value_cache, block_tables, inv_freq, scale,
                              interleaved=interleaved, out=out, seq_ids=seq_ids)
     out, seq_ids = launch.out, launch.seq_ids
@@ -505,9 +559,11 @@ def paged_prefill(
         runs = block_runs(block_tables, num_blocks_per_seq, block_size)
     max_blocks = block_tables.shape[1]
     scaling = (chunk_scaling or ChunkScaling()).kernel_args()
+    descriptors = _step_descriptors(key, value, block_n, launch.interpreter, step_tma) if in_step else None
+    step_k, step_v = (key, value) if in_step else (query, query)
     grid = (num_heads, triton.cdiv(max_query_len, block_m), seq_ids.numel())
     prefill_kernel[grid](
-        query, key_cache, value_cache, out, key if in_step else query, value if in_step else query,
+        query, key_cache, value_cache, out, step_k, step_v, *(descriptors or (step_k, step_v)),
         block_tables, key_starts, runs.starts, runs.num_runs, num_blocks_per_seq, seq_lens, cu_seqlens_q, seq_ids,
         launch.inv_freq, launch.sm_scale_log2, scaling["chunk_inv_temperature"], scaling["chunk_log2_weight"],
         *launch.strides,
@@ -521,6 +577,7 @@ def paged_prefill(
         ROTATION=code,
         CHUNK_SCALING=scaling["CHUNK_SCALING"],
         IN_STEP=in_step,
+        STEP_TMA=descriptors is not None,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
     )

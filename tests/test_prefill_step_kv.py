@@ -74,26 +74,28 @@ def prefill(case, key, value, **kw):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotation", ["query", "key"])
-def test_new_tokens_keys_are_read_from_the_step(dtype, rotation):
+@pytest.mark.parametrize("step_tma", [False, True])  # per-lane loads; tensor descriptors (TMA on Hopper)
+def test_new_tokens_keys_are_read_from_the_step(dtype, rotation, step_tma):
     """With the cache's slots of every new token poisoned, the output still equals the reference
     on the true values: those keys came from ``key``/``value``, every other key from the cache."""
     case = make_case(SPECS, num_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype, device=DEVICE, seed=21)
     ref = reference(case)
     key, value = step_kv(case)
     poison_new_tokens(case, range(len(SPECS)))
-    out = prefill(case, key, value, rotation=rotation)
+    out = prefill(case, key, value, rotation=rotation, step_tma=step_tma)
     assert_close(out, ref, dtype)
     assert torch.count_nonzero(out[sum(s.query_len for s in SPECS[:3]):][:2]) == 0  # the padding rows
 
 
 @pytest.mark.parametrize("interleaved,rotary_dim", [(True, 64), (False, 32), (True, 32)])
-def test_rope_layouts_with_step_keys(interleaved, rotary_dim):
+@pytest.mark.parametrize("step_tma", [False, True])
+def test_rope_layouts_with_step_keys(interleaved, rotary_dim, step_tma):
     case = make_case(SPECS[:2], num_heads=6, num_kv_heads=2, head_dim=64, device=DEVICE, seed=22,
                      interleaved=interleaved, rotary_dim=rotary_dim)
     ref = reference(case)
     key, value = step_kv(case)
     poison_new_tokens(case, range(2))
-    assert_close(prefill(case, key, value), ref, torch.float32)
+    assert_close(prefill(case, key, value, step_tma=step_tma), ref, torch.float32)
 
 
 def with_own_run(case, seq: int, delta: int = 0, scaled: bool = False):
@@ -108,7 +110,8 @@ def with_own_run(case, seq: int, delta: int = 0, scaled: bool = False):
 
 
 @pytest.mark.parametrize("delta,scaled", [(3, False), (-(2**20), False), (0, True)])
-def test_new_tokens_in_a_rotated_or_scaled_run_are_read_from_the_cache(delta, scaled):
+@pytest.mark.parametrize("step_tma", [False, True])
+def test_new_tokens_in_a_rotated_or_scaled_run_are_read_from_the_cache(delta, scaled, step_tma):
     """Where the new tokens' run has a nonzero delta or the scaling flag, the step's K/V (NaN
     here) are not read: the kernel walks the block table for them, as without ``key``/``value``;
     the other sequence of the batch still reads its own from the step."""
@@ -120,7 +123,24 @@ def test_new_tokens_in_a_rotated_or_scaled_run_are_read_from_the_cache(delta, sc
     rows0 = SPECS[0].query_len
     key[:rows0], value[:rows0] = float("nan"), float("nan")
     poison_new_tokens(case, [1])
-    out = prefill(case, key, value, chunk_scaling=scaling)
+    out = prefill(case, key, value, chunk_scaling=scaling, step_tma=step_tma)
+    assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("step_tma", [False, True])
+def test_step_rows_past_a_sequence_are_never_used(step_tma):
+    """A tile of the step's K/V can reach past a sequence's new tokens into the next sequence's
+    rows (a descriptor's box is not masked): with those rows NaN (the next sequence reads its own
+    keys from the cache), the first sequence's output still equals the reference."""
+    case = with_own_run(make_case(SPECS[:2], num_heads=4, num_kv_heads=2, head_dim=64, device=DEVICE, seed=27),
+                        1, delta=3)
+    ref = reference(case)
+    key, value = step_kv(case)
+    rows0 = SPECS[0].query_len
+    key[rows0:], value[rows0:] = float("nan"), float("nan")  # sequence 1's step rows: read from the cache
+    poison_new_tokens(case, [0])  # sequence 0 must read its own keys from the step
+    out = prefill(case, key, value, step_tma=step_tma)
+    assert torch.isfinite(out).all()
     assert_close(out, ref, torch.float32)
 
 
@@ -135,6 +155,13 @@ def test_step_kv_bad_inputs_raise_clear_errors():
         prefill(case, key, value.half())
     with pytest.raises(ValueError, match="contiguous in head_dim"):
         prefill(case, key, torch.zeros(19, 64, 2, device=DEVICE).transpose(1, 2))
+    with pytest.raises(ValueError, match="step_tma=True needs key and value"):
+        prefill(case, None, None, step_tma=True)
+    heads_apart = torch.zeros(2, 19, 64, device=DEVICE).transpose(0, 1)  # [19, 2, 64], stride(1) = 19 * 64
+    with pytest.raises(ValueError, match=r"contiguous heads \(stride\(1\) == head_dim\)"):
+        prefill(case, key, heads_apart, step_tma=True)
+    assert_close(prefill(case, key, heads_apart.copy_(value), step_tma=None),  # the default: pointers there
+                 prefill(case, key, value, step_tma=False), torch.float32)
 
 
 @pytest.mark.gpu
