@@ -1,0 +1,123 @@
+"""The one-launch RoPE of q and k (``kernels/rope_apply.py``) against ``apply_rotation`` (the
+eager reference): float32 bit for bit under the interpreter, otherwise within one rounding of the
+output's dtype (fused multiply-adds compiled; the interpreter rounds to bfloat16 toward zero); and
+its use in the compiled layers on CUDA."""
+
+import pytest
+import torch
+
+from lazyattn_rag.kernels.rope import RotaryEmbedding, apply_rotation
+from lazyattn_rag.kernels.rope_apply import BLOCK_H, BLOCK_T, rope_applies, rope_apply
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def angles(num_tokens: int, rotary_dim: int, first_position: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of Llama's frequencies (base 500,000) at positions ``first_position ..``."""
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    a = torch.arange(first_position, first_position + num_tokens).float()[:, None] * inv_freq[None, :]
+    return a.cos(), a.sin()
+
+
+def check(x: torch.Tensor, cos, sin, rotary_dim: int, interleaved: bool) -> None:
+    """Float32 inputs under the interpreter: equal to apply_rotation. Otherwise each output within
+    one rounding of apply_rotation's float32 result (before it rounds to x's dtype)."""
+    got = rope_apply(x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE), rotary_dim, interleaved).cpu()
+    assert got.shape == x.shape and got.dtype == x.dtype and got.is_contiguous()
+    if CUDA or x.dtype != torch.float32:
+        exact = apply_rotation(x.float(), cos, sin, rotary_dim, interleaved).double()
+        eps = torch.finfo(x.dtype).eps
+        assert ((got.double() - exact).abs() <= eps * exact.abs() + 1e-6).all()
+    else:
+        assert torch.equal(got, apply_rotation(x, cos, sin, rotary_dim, interleaved))
+
+
+@pytest.mark.parametrize("num_tokens,num_heads,head_dim,rotary_dim,interleaved,dtype", [
+    (9, 10, 32, 32, False, torch.float32),  # partial token and head tiles (BLOCK_T 4, BLOCK_H 8)
+    (5, 3, 32, 32, True, torch.float32),  # GPT-J pairing
+    (7, 12, 64, 48, False, torch.bfloat16),  # partial rotary; 24 pairs (not a power of two), 16 kept
+    (6, 4, 32, 20, True, torch.float16),  # interleaved, partial, 12 columns copied
+    (1, 40, 128, 128, False, torch.bfloat16),  # a batch-1 decode step of Llama-3.1-8B's q and k
+])
+def test_matches_apply_rotation(num_tokens, num_heads, head_dim, rotary_dim, interleaved, dtype):
+    g = torch.Generator().manual_seed(num_tokens * 100 + head_dim)
+    x = (torch.randn(num_tokens, num_heads, head_dim, generator=g) * 3).to(dtype)
+    cos, sin = angles(num_tokens, rotary_dim, first_position=4090)
+    check(x, cos, sin, rotary_dim, interleaved)
+
+
+def test_strided_views_of_a_fused_product_and_a_magnitude_factor():
+    """q and k as views of a fused q/k/v product (token stride past the heads' width), angles
+    carrying YaRN's magnitude factor: the rows read are the view's, the output is contiguous."""
+    num_tokens, num_q, num_kv, head_dim = 6, 4, 2, 32
+    qkv = torch.randn(num_tokens, (num_q + 2 * num_kv) * head_dim).to(torch.bfloat16)
+    qk = qkv[:, : (num_q + num_kv) * head_dim].view(num_tokens, num_q + num_kv, head_dim)
+    assert qk.stride(0) == (num_q + 2 * num_kv) * head_dim
+    cos, sin = angles(num_tokens, head_dim)
+    check(qk, cos * 1.2, sin * 1.2, head_dim, False)
+    every_other_head = torch.randn(num_tokens, 2 * num_q, head_dim)[:, ::2]  # head stride 2 * head_dim
+    check(every_other_head, cos, sin, head_dim, False)
+
+
+def test_the_rotation_encodes_positions():
+    """Independent of apply_rotation: the kernel's rotation at position p equals the model's RoPE
+    (RotaryEmbedding.encode), and scores after it depend only on relative position."""
+    cfg = type("Cfg", (), {"hidden_size": 64, "num_attention_heads": 2, "rope_theta": 10000.0})()
+    rotary = RotaryEmbedding.from_hf_config(cfg)
+    q, k = torch.randn(1, 1, 32, dtype=torch.float64).float(), torch.randn(1, 1, 32).float()
+
+    def at(x, position):
+        tables = rotary.tables(torch.tensor([position]))
+        return rope_apply(x.to(DEVICE), tables.cos.to(DEVICE), tables.sin.to(DEVICE), 32, False).cpu()
+
+    assert torch.allclose(at(q, 7), rotary.encode(q, torch.tensor([7])), atol=1e-6)
+    near = (at(q, 10) * at(k, 3)).sum()
+    far = (at(q, 1010) * at(k, 1003)).sum()
+    assert torch.allclose(near, far, atol=2e-3)  # float32 angles at position ~1,000
+
+
+def test_empty_and_bad_inputs():
+    cos, sin = angles(3, 32)
+    empty = rope_apply(torch.zeros(0, 2, 32, device=DEVICE), cos[:0].to(DEVICE), sin[:0].to(DEVICE), 32, False)
+    assert empty.shape == (0, 2, 32)
+    x = torch.randn(3, 2, 32, device=DEVICE)
+    c, s = cos.to(DEVICE), sin.to(DEVICE)
+    with pytest.raises(ValueError, match="contiguous along head_dim"):
+        rope_apply(torch.randn(3, 32, 2, device=DEVICE).transpose(1, 2), c, s, 32, False)
+    with pytest.raises(ValueError, match=r"rotary_dim must be even and in \[2, head_dim=32\], got 33"):
+        rope_apply(x, c, s, 33, False)
+    with pytest.raises(ValueError, match=r"cos must be \[3, 16\] float32"):
+        rope_apply(x, c[:2], s, 32, False)
+    with pytest.raises(ValueError, match=r"sin must be \[3, 16\] float32"):
+        rope_apply(x, c, s.double(), 32, False)
+    with pytest.raises(ValueError, match="cos must be contiguous along its rows"):
+        rope_apply(x, torch.randn(16, 3, device=DEVICE).t(), s, 32, False)
+    with pytest.raises(ValueError, match=r"x must be \[num_tokens, num_heads, head_dim\]"):
+        rope_apply(x[0], c, s, 32, False)
+    with torch.enable_grad(), pytest.raises(ValueError, match="no backward"):
+        rope_apply(x.clone().requires_grad_(), c, s, 32, False)
+    assert rope_applies(x, c, s, 32) and not rope_applies(x, c, s, 34)
+    assert (BLOCK_T, BLOCK_H) == (4, 8)  # the tiles the tests' partial shapes were chosen around
+
+
+@pytest.mark.skipif(not CUDA, reason="the compiled layers take the kernel on CUDA only")
+def test_compiled_layers_trace_the_kernel():
+    """``torch.compile(fullgraph=True, dynamic=True)`` of the layers' rotation traces the Triton
+    launch at one token and at many (one graph for the sizes past one), and runs the kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lazyattn_rag.engine.compiled_layers import _rotate
+
+    compiled = torch.compile(_rotate, fullgraph=True, dynamic=True)
+    for num_tokens in (1, 37, 2048):
+        qkv = torch.randn(num_tokens, 48 * 128, device="cuda", dtype=torch.bfloat16)
+        qk = qkv[:, : 40 * 128].view(num_tokens, 40, 128)
+        cos, sin = (t.cuda() for t in angles(num_tokens, 128, first_position=100))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            got = compiled(qk, cos, sin, 128, False)
+            torch.cuda.synchronize()
+        assert torch.equal(got, rope_apply(qk, cos, sin, 128, False))
+        assert any("rope_kernel" in e.name for e in prof.events())
+        expected = apply_rotation(qk, cos, sin, 128, False)
+        assert ((got.double() - expected.double()).abs() <= 2**-7 * expected.double().abs() + 1e-6).all()
