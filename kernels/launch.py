@@ -29,8 +29,9 @@ Rotation = Literal["query", "key", "none"]
 * ``"query"`` (default): the query by ``-delta``, once per run of blocks with one delta;
 * ``"key"``: every K tile by ``delta`` in registers (prefill only; same scores, more work: kept to
   measure the difference, docs/benchmarks.md);
-* ``"none"``: not at all (only for measuring the rotation's cost: the result is wrong for any
-  block with a nonzero delta).
+* ``"none"``: not at all, the rotation code compiled out: the result is wrong for any block
+  with a nonzero delta; the Triton backend launches the prefill so for batches whose deltas are
+  all 0, and benchmarks use it to measure the rotation's cost.
 """
 
 ROTATION_CODES: dict[str, int] = {"none": 0, "query": 1, "key": 2}  # the kernels' ROTATION constexpr

@@ -216,7 +216,7 @@ def prefill_kernel(
     BLOCK_M: tl.constexpr,  # new tokens per program
     BLOCK_N: tl.constexpr,  # key lanes per tile (a power of two >= BLOCK_SIZE)
     TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
-    ROTATION: tl.constexpr,  # 0 none (benchmark only), 1 query by -delta per run, 2 each K tile by delta
+    ROTATION: tl.constexpr,  # 0 none (every delta 0, or measuring), 1 query by -delta per run, 2 each K tile by delta
     CHUNK_SCALING: tl.constexpr,  # runs of flagged blocks use ChunkScaling (False: the flag is ignored)
     IN_STEP: tl.constexpr,  # read the new tokens' keys from key_ptr/value_ptr where they have delta 0
     STEP_TMA: tl.constexpr,  # whole step tiles through key_desc/value_desc (IN_STEP only; else unused)
@@ -507,7 +507,9 @@ def paged_prefill(
     rows would race on the staged query) are written to ``out``; a sequence with no keys
     (padding) gets zeros. ``rotation``: ``"query"`` (default) rotates the query tile by ``-delta``
     once per chunk; ``"key"`` rotates every K tile by ``delta`` in registers (same result, more
-    work: kept to measure the difference); ``"none"`` skips it (only for measuring its cost).
+    work: kept to measure the difference); ``"none"`` compiles the rotation out: the same result
+    where every block's delta is 0 (the engine's batches without a moved chunk), and a
+    measure of its cost elsewhere.
     ``chunk_scaling``: keys of blocks flagged ``scaled`` are scored by APE's temperature and
     weight (:class:`~lazyattn_rag.kernels.launch.ChunkScaling`). ``key`` and ``value``, the new
     tokens' K/V exactly as written to the cache (rows of ``query``'s tokens): the new tokens' own

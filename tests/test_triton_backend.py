@@ -52,6 +52,9 @@ KINDS = {
     "decode": [([(37, 5), (16, 2**24 - 2)], 20, 1), ([], 3, 1), ([(17, -9)], 0, 1)],
     "prefill": [([(15, 3), (1, 70)], 0, 18), ([], 0, 5)],
     "mixed": [([(37, 5), (16, 2**24 - 2)], 20, 1), ([(15, 3), (17, 70)], 4, 18), ([], 0, 1), ([], 16, 7)],
+    # no block moved (chunks where they were encoded, prompts computed whole): the prefill kernel
+    # runs with its rotation compiled out (metadata.any_delta False)
+    "prefill_no_delta": [([(15, 0), (17, 0)], 0, 18), ([], 0, 5), ([], 16, 7)],
 }
 
 
@@ -73,6 +76,7 @@ def test_triton_backend_matches_torch_backend(kind, num_heads, num_kv_heads, hea
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     md_ref = build_attention_metadata(seqs, block_size, DEVICE)
     md = build_attention_metadata(seqs, block_size, DEVICE)
+    assert md.any_delta == (kind != "prefill_no_delta")
     expected = torch_be.forward(query, key, value, k_ref, v_ref, md_ref)
     for _ in range(2):  # the second call reuses the plan cached in metadata.backend_state
         out = triton_be.forward(query, key, value, k_cache, v_cache, md)
@@ -80,6 +84,23 @@ def test_triton_backend_matches_torch_backend(kind, num_heads, num_kv_heads, hea
         assert_close(out, expected, dtype, kind)
     torch.testing.assert_close(k_cache, k_ref, equal_nan=True)
     torch.testing.assert_close(v_cache, v_ref, equal_nan=True)
+
+
+def test_any_delta_reaches_the_prefill_launch():
+    """``metadata.any_delta`` is what decides the prefill's rotation: a batch with moved chunks
+    whose flag is forced off comes out unrotated (wrong), which proves the flag is not ignored."""
+    seqs, k_cache, v_cache, g = make_batch(KINDS["prefill"], 16, 2, 64, torch.float32, seed=3)
+    n = sum(s.query_len for s in seqs)
+    query, key = torch.randn(n, 4, 64, generator=g).to(DEVICE), torch.randn(n, 2, 64, generator=g).to(DEVICE)
+    backend = TritonAttentionBackend(make_rotary(64), 4, 2, 64, 0.125)
+    md = build_attention_metadata(seqs, 16, DEVICE)
+    right = backend.forward(query, key, key, k_cache.clone(), v_cache.clone(), md)
+    md_off = build_attention_metadata(seqs, 16, DEVICE)
+    md_off.any_delta = False
+    unrotated = backend.forward(query, key, key, k_cache.clone(), v_cache.clone(), md_off)
+    first = seqs[0].query_len  # the first sequence reads chunks at deltas 3 and 70; the second none
+    assert (right[:first] - unrotated[:first]).abs().max() > 1e-2
+    torch.testing.assert_close(right[first:], unrotated[first:], rtol=0, atol=0)
 
 
 def test_torch_backend_refuses_a_rotation_it_has_no_form_for():

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from lazyattn_rag.kernels.block_table import unpack_block_table
+
 
 @dataclass
 class SequenceInput:
@@ -62,6 +64,9 @@ class AttentionMetadata:
         max_query_len: largest ``query_len`` in the batch.
         max_seq_len: largest ``seq_len`` in the batch.
         query_lens, seq_lens_list: the same counts as Python lists (no device sync needed).
+        any_delta: whether any block of the batch has a nonzero RoPE offset ``delta`` (a chunk
+            placed away from its encoding position), known on the host; ``False`` lets a
+            backend leave out its rotation code (the same result). ``True`` when not known.
         backend_state: per-backend derived data (e.g. gather indices), built lazily once.
     """
 
@@ -75,6 +80,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens: list[int]
     seq_lens_list: list[int]
+    any_delta: bool = True
     backend_state: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -139,4 +145,5 @@ def build_attention_metadata(
         max_seq_len=max(seq_lens),
         query_lens=query_lens,
         seq_lens_list=seq_lens,
+        any_delta=bool(unpack_block_table(block_tables)[1].any()),
     )

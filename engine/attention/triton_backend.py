@@ -8,7 +8,9 @@ sequence kind and each kind runs its own kernel, both writing into one output te
   row, rotated by ``-delta`` once per chunk; split-KV for long contexts);
 * the others run :func:`~lazyattn_rag.kernels.prefill.paged_prefill` (a query tile rotated by
   ``-delta`` once per chunk, K tiles read as stored; causal over the new tokens, whose own keys
-  it reads from this call's ``key``/``value`` rather than back through the block table).
+  it reads from this call's ``key``/``value`` rather than back through the block table). A
+  batch in which no block has a nonzero delta (``metadata.any_delta``: prompts computed whole,
+  chunks being encoded, prefix-cache hits) launches it with the rotation compiled out.
 
 The split (sequence ids per kernel), each block's first key index and the runs of equal delta
 are derived once per batch from the metadata (device ops, no host sync) and kept in
@@ -147,5 +149,6 @@ class TritonAttentionBackend(AttentionBackend):
                 seq_ids=plan.prefill_ids, out=out, chunk_scaling=self.chunk_scaling,
                 key=key, value=value,  # the new tokens' K/V as just stored
                 max_context_len=plan.max_prefill_context_len,
+                rotation="query" if metadata.any_delta else "none",  # no chunk moved: nothing to rotate
             )
         return out if out.dtype == query.dtype else out.to(query.dtype)
