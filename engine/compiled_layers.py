@@ -101,10 +101,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: i
     :func:`~lazyattn_rag.kernels.rope_apply.rope_applies` (the kernel inductor fuses from
     ``apply_rotation`` ran at a tenth of the copy bandwidth in a 20k-token prefill)."""
     if x.is_cuda:
-        from lazyattn_rag.kernels.rope_apply import rope_applies, rope_apply
+        from lazyattn_rag.kernels.rope_apply import rope_applies, rope_apply_op
 
         if rope_applies(x, cos, sin, rotary_dim):
-            return rope_apply(x, cos, sin, rotary_dim, interleaved)
+            return rope_apply_op(x, cos, sin, rotary_dim, interleaved)
     return apply_rotation(x, cos, sin, rotary_dim, interleaved)
 
 

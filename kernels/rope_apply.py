@@ -110,6 +110,21 @@ def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim
     return out
 
 
+@torch.library.custom_op("lazyattn_rag::rope_apply", mutates_args=())
+def rope_apply_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+                  interleaved: bool) -> torch.Tensor:
+    """:func:`rope_apply` as an operator opaque to ``torch.compile``, which the compiled layers
+    call: inductor schedules it as one external kernel. (Traced as a plain Triton launch inside
+    the whole compiled layer, inductor 2.11's scheduler failed on it: ``KeyError`` in
+    ``compute_ancestors``, on the H200; the launch alone compiled.)"""
+    return rope_apply(x, cos, sin, rotary_dim, interleaved)
+
+
+@rope_apply_op.register_fake
+def _(x, cos, sin, rotary_dim, interleaved):
+    return x.new_empty(x.shape)  # contiguous, x's dtype and device
+
+
 def rope_applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> bool:
     """Whether :func:`rope_apply` takes these inputs (the compiled layers fall back to
     ``apply_rotation`` otherwise)."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lazyattn_rag.kernels.rope import RotaryEmbedding, apply_rotation
-from lazyattn_rag.kernels.rope_apply import BLOCK_H, BLOCK_T, rope_applies, rope_apply
+from lazyattn_rag.kernels.rope_apply import BLOCK_H, BLOCK_T, rope_applies, rope_apply, rope_apply_op
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -101,10 +101,72 @@ def test_empty_and_bad_inputs():
     assert (BLOCK_T, BLOCK_H) == (4, 8)  # the tiles the tests' partial shapes were chosen around
 
 
+def test_the_operator_and_its_fake():
+    """The operator the compiled layers call: torch.library's checks (schema, fake tensor, dynamic
+    shapes) and, in a graph compiled like a layer's (a fused product, views, the rotation, a split),
+    the kernel's result."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 3, 32, generator=g).to(DEVICE)
+    cos, sin = (t.to(DEVICE) for t in angles(6, 32))
+    torch.library.opcheck(rope_apply_op, (x, cos, sin, 32, False))
+    torch.library.opcheck(rope_apply_op, (x[:, :, :24].contiguous(), cos[:, :8], sin[:, :8], 16, True))
+
+    def layer_like(h, weight, cos, sin):
+        qkv = h @ weight.t()
+        qk, v = qkv.split([3 * 32, 32], dim=-1)
+        q, k = rope_apply_op(qk.view(h.shape[0], 3, 32), cos, sin, 32, False).split([2, 1], dim=1)
+        return q, k, v.view(h.shape[0], 1, 32)
+
+    compiled = torch.compile(layer_like, fullgraph=True, dynamic=True)
+    weight = torch.randn(128, 48, generator=g).to(DEVICE)
+    for n in (5, 9):
+        h = torch.randn(n, 48, generator=g).to(DEVICE)
+        c, s = (t.to(DEVICE) for t in angles(n, 32, first_position=n))
+        q, k, v = compiled(h, weight, c, s)
+        eq, ek, ev = layer_like(h, weight, c, s)
+        for got, want in ((q, eq), (k, ek), (v, ev)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not CUDA, reason="the compiled layers take the kernel on CUDA only")
-def test_compiled_layers_trace_the_kernel():
-    """``torch.compile(fullgraph=True, dynamic=True)`` of the layers' rotation traces the Triton
-    launch at one token and at many (one graph for the sizes past one), and runs the kernel."""
+def test_compiled_attention_input_on_cuda():
+    """The whole compiled ``attention_input`` (norm, fused product, Qwen3's q/k norms, the
+    rotation, the splits) on CUDA, one graph for every size past one, against the eager function
+    on the CPU (apply_rotation) in float32."""
+    from lazyattn_rag.engine.compiled_layers import attention_input
+
+    g = torch.Generator().manual_seed(7)
+    hidden, num_heads, num_kv_heads, head_dim = 256, 4, 2, 64
+    weights = {
+        "norm_weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+        "qkv_weight": torch.randn((num_heads + 2 * num_kv_heads) * head_dim, hidden, generator=g) / 16,
+        "qkv_bias": None,
+        "q_norm_weight": 1 + 0.1 * torch.randn(head_dim, generator=g),
+        "k_norm_weight": 1 + 0.1 * torch.randn(head_dim, generator=g),
+    }
+    compiled = torch.compile(attention_input, fullgraph=True, dynamic=True)
+    for num_tokens, qk_norm, with_delta in ((1, False, True), (37, False, True), (64, True, False), (20, False, False)):
+        x = torch.randn(num_tokens, hidden, generator=g)
+        delta = torch.randn(num_tokens, hidden, generator=g) if with_delta else None
+        cos, sin = angles(num_tokens, head_dim, first_position=3000)
+        w = dict(weights, **({} if qk_norm else {"q_norm_weight": None, "k_norm_weight": None}))
+        args = (1e-5, num_heads, num_kv_heads, head_dim, head_dim, False)
+
+        def on(device):
+            moved = {k: None if v is None else v.to(device) for k, v in w.items()}
+            return (x.to(device), None if delta is None else delta.to(device), *moved.values(),
+                    cos.to(device), sin.to(device), *args)
+
+        got = compiled(*on("cuda"))
+        expected = attention_input(*on("cpu"))
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not CUDA, reason="the compiled layers take the kernel on CUDA only")
+def test_compiled_rotation_runs_the_kernel():
+    """``torch.compile(fullgraph=True, dynamic=True)`` of the layers' rotation calls the operator
+    at one token and at many (one graph for the sizes past one), and runs the kernel."""
     from torch.profiler import ProfilerActivity, profile
 
     from lazyattn_rag.engine.compiled_layers import _rotate
