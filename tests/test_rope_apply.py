@@ -34,7 +34,7 @@ def check(x: torch.Tensor, cos, sin, rotary_dim: int, interleaved: bool) -> None
 
 
 @pytest.mark.parametrize("num_tokens,num_heads,head_dim,rotary_dim,interleaved,dtype", [
-    (9, 10, 32, 32, False, torch.float32),  # partial token and head tiles (BLOCK_T 4, BLOCK_H 8)
+    (9, 10, 32, 32, False, torch.float32),  # a partial head tile (BLOCK_H 8)
     (5, 3, 32, 32, True, torch.float32),  # GPT-J pairing
     (7, 12, 64, 48, False, torch.bfloat16),  # partial rotary; 24 pairs (not a power of two), 16 kept
     (6, 4, 32, 20, True, torch.float16),  # interleaved, partial, 12 columns copied
@@ -98,7 +98,7 @@ def test_empty_and_bad_inputs():
     with torch.enable_grad(), pytest.raises(ValueError, match="no backward"):
         rope_apply(x.clone().requires_grad_(), c, s, 32, False)
     assert rope_applies(x, c, s, 32) and not rope_applies(x, c, s, 34)
-    assert (BLOCK_T, BLOCK_H) == (4, 8)  # the tiles the tests' partial shapes were chosen around
+    assert (BLOCK_T, BLOCK_H) == (1, 8)  # the tiles the tests' partial shapes were chosen around
 
 
 def test_the_operator_and_its_fake():
