@@ -15,6 +15,8 @@ pair's two halves as two tiles.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -59,8 +61,9 @@ def rope_kernel(
     c = tl.load(cos_ptr + t64[:, None] * stride_ct + offs_i[None, :], mask=angle_ok, other=0.0)[:, None, :]
     s = tl.load(sin_ptr + t64[:, None] * stride_st + offs_i[None, :], mask=angle_ok, other=0.0)[:, None, :]
 
-    x_rows = x_ptr + t64[:, None, None] * stride_xt + offs_h[None, :, None] * stride_xh  # [BLOCK_T, BLOCK_H, 1]
-    o_rows = out_ptr + t64[:, None, None] * stride_ot + offs_h[None, :, None] * stride_oh
+    h64 = offs_h.to(tl.int64)  # head-major views can put heads 2**31 elements apart
+    x_rows = x_ptr + t64[:, None, None] * stride_xt + h64[None, :, None] * stride_xh  # [BLOCK_T, BLOCK_H, 1]
+    o_rows = out_ptr + t64[:, None, None] * stride_ot + h64[None, :, None] * stride_oh
     col1 = (offs_i * PAIR_STRIDE)[None, None, :]  # [1, 1, HALF_P2] each pair's first column
     x1 = tl.load(x_rows + col1, mask=pair_ok, other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H, HALF_P2]
     x2 = tl.load(x_rows + col1 + X2_OFF, mask=pair_ok, other=0.0).to(tl.float32)
@@ -127,6 +130,9 @@ def rope_apply_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_
 
 @rope_apply_op.register_fake
 def _(x, cos, sin, rotary_dim, interleaved):
+    problem = _problem(x, cos, sin, rotary_dim)
+    if problem:  # refused while tracing, as the real operator would refuse it
+        raise ValueError(f"rope_apply: {problem}")
     return x.new_empty(x.shape)  # contiguous, x's dtype and device
 
 
@@ -138,8 +144,12 @@ def rope_applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_d
 
 def _problem(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> str:
     """What :func:`rope_apply` cannot take in these inputs, or ``""``."""
-    if x.dim() != 3 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"x must be [num_tokens, num_heads, head_dim] of a float type, got {list(x.shape)} {x.dtype}"
+    if x.dim() != 3:
+        return f"x must be [num_tokens, num_heads, head_dim], got shape {list(x.shape)}"
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"x must be float16, bfloat16 or float32, got {x.dtype}"
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"x is on {x.device}: the kernel runs on CUDA (or on the CPU under TRITON_INTERPRET=1)"
     num_tokens, _, head_dim = x.shape
     if x.stride(2) != 1:
         return "x must be contiguous along head_dim"
@@ -148,8 +158,10 @@ def _problem(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: 
     for t, name in ((cos, "cos"), (sin, "sin")):
         if tuple(t.shape) != (num_tokens, rotary_dim // 2) or t.dtype != torch.float32:
             return f"{name} must be [{num_tokens}, {rotary_dim // 2}] float32, got {list(t.shape)} {t.dtype}"
-        if t.stride(1) != 1 or t.device != x.device:
-            return f"{name} must be contiguous along its rows and on {x.device}, got {t.device}"
+        if t.device != x.device:
+            return f"{name} is on {t.device}, x on {x.device}"
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            return f"{name} must be contiguous along its rows, got column stride {t.stride(1)}"
     if torch.is_grad_enabled() and x.requires_grad:
         return "no backward: call it under torch.no_grad() or inference_mode()"
     return ""

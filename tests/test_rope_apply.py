@@ -39,6 +39,8 @@ def check(x: torch.Tensor, cos, sin, rotary_dim: int, interleaved: bool) -> None
     (7, 12, 64, 48, False, torch.bfloat16),  # partial rotary; 24 pairs (not a power of two), 16 kept
     (6, 4, 32, 20, True, torch.float16),  # interleaved, partial, 12 columns copied
     (1, 40, 128, 128, False, torch.bfloat16),  # a batch-1 decode step of Llama-3.1-8B's q and k
+    (3, 5, 48, 48, False, torch.float32),  # full rotary, 24 pairs: masked pairs write nothing past a head
+    (2, 9, 96, 96, True, torch.float16),  # the same, interleaved
 ])
 def test_matches_apply_rotation(num_tokens, num_heads, head_dim, rotary_dim, interleaved, dtype):
     g = torch.Generator().manual_seed(num_tokens * 100 + head_dim)
@@ -58,6 +60,22 @@ def test_strided_views_of_a_fused_product_and_a_magnitude_factor():
     check(qk, cos * 1.2, sin * 1.2, head_dim, False)
     every_other_head = torch.randn(num_tokens, 2 * num_q, head_dim)[:, ::2]  # head stride 2 * head_dim
     check(every_other_head, cos, sin, head_dim, False)
+
+
+def test_cos_and_sin_of_other_layouts():
+    """sin read with its own row stride (a column slice of a wider table), cos with another; and at
+    rotary_dim 2 a one-column table whose column stride is irrelevant."""
+    x = torch.randn(5, 3, 32)
+    cos, sin = angles(5, 32)
+    wide = torch.zeros(5, 48)
+    wide[:, 8:24] = sin
+    assert wide[:, 8:24].stride(0) == 48 and cos.stride(0) == 16
+    check(x, cos, wide[:, 8:24], 32, False)
+    c1, s1 = angles(5, 2)
+    one_column = torch.zeros(3, 5).t()[:, :1]  # [5, 1], column stride 5
+    one_column.copy_(c1)
+    assert one_column.stride(1) != 1
+    check(x, one_column, s1, 2, False)
 
 
 def test_the_rotation_encodes_positions():
@@ -91,13 +109,29 @@ def test_empty_and_bad_inputs():
         rope_apply(x, c[:2], s, 32, False)
     with pytest.raises(ValueError, match=r"sin must be \[3, 16\] float32"):
         rope_apply(x, c, s.double(), 32, False)
-    with pytest.raises(ValueError, match="cos must be contiguous along its rows"):
+    with pytest.raises(ValueError, match="cos must be contiguous along its rows, got column stride 3"):
         rope_apply(x, torch.randn(16, 3, device=DEVICE).t(), s, 32, False)
-    with pytest.raises(ValueError, match=r"x must be \[num_tokens, num_heads, head_dim\]"):
+    with pytest.raises(ValueError, match="sin is on meta, x on"):
+        rope_apply(x, c, s.to("meta"), 32, False)
+    with pytest.raises(ValueError, match=r"x must be \[num_tokens, num_heads, head_dim\], got shape \[2, 32\]"):
         rope_apply(x[0], c, s, 32, False)
+    with pytest.raises(ValueError, match="x must be float16, bfloat16 or float32, got torch.float64"):
+        rope_apply(x.double(), c, s, 32, False)
     with torch.enable_grad(), pytest.raises(ValueError, match="no backward"):
         rope_apply(x.clone().requires_grad_(), c, s, 32, False)
     assert rope_applies(x, c, s, 32) and not rope_applies(x, c, s, 34)
+    # the fake refuses what the operator refuses (Dynamo reports it as a RuntimeError naming it)
+    with pytest.raises(RuntimeError, match="rope_apply: rotary_dim must be even"):
+        torch.compile(rope_apply_op, fullgraph=True)(x, c, s, 33, False)
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    """Outside the interpreter a CPU tensor is refused with a clear error, not a driver failure."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, (cos, sin) = torch.randn(3, 2, 32), angles(3, 32)
+    assert not rope_applies(x, cos, sin, 32)
+    with pytest.raises(ValueError, match="x is on cpu: the kernel runs on CUDA"):
+        rope_apply(x, cos, sin, 32, False)
     assert (BLOCK_T, BLOCK_H) == (1, 8)  # the tiles the tests' partial shapes were chosen around
 
 

@@ -55,6 +55,9 @@ KINDS = {
     # no block moved (chunks where they were encoded, prompts computed whole): the prefill kernel
     # runs with its rotation compiled out (metadata.any_delta False)
     "prefill_no_delta": [([(15, 0), (17, 0)], 0, 18), ([], 0, 5), ([], 16, 7)],
+    # deltas that a wrong any_delta could miss: only negative ones, and two that cancel in a sum
+    "prefill_negative_delta": [([(15, -3), (17, -70)], 0, 18), ([], 0, 5)],
+    "prefill_cancelling_deltas": [([(15, 3), (17, -3)], 0, 18)],
 }
 
 
