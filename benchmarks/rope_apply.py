@@ -28,20 +28,12 @@ if __package__ in (None, ""):
 
 from benchmarks.gemv import graph_ms
 from lazyattn_rag.kernels.rope import apply_rotation
-from lazyattn_rag.kernels.rope_apply import rope_apply, rope_kernel
+from lazyattn_rag.kernels.rope_apply import launch, rope_apply
 
 NUM_LAYERS = 32
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 TOKENS = (1, 2, 4, 16, 64, 256, 1024, 4096, 20480)
 SWEEP = list(itertools.product((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4)))  # tokens, heads per program; warps
-
-
-def launch(x, cos, sin, out, block_t, block_h, num_warps):
-    n, h, d = x.shape
-    grid = (triton.cdiv(n, block_t), triton.cdiv(h, block_h))
-    rope_kernel[grid](x, cos, sin, out, n, h, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
-                      out.stride(0), out.stride(1), HALF=d // 2, HALF_P2=d // 2, PAIR_STRIDE=1, X2_OFF=d // 2,
-                      REST=0, REST_P2=1, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps)
 
 
 def bench_tokens(n: int, sweep: bool) -> dict:
@@ -77,7 +69,7 @@ def bench_tokens(n: int, sweep: bool) -> dict:
         for block_t, block_h, warps in SWEEP:
             def run(bt=block_t, bh=block_h, w=warps):
                 for x, o in zip(qk, outs):
-                    launch(x, cos, sin, o, bt, bh, w)
+                    launch(x, cos, sin, o, HEAD_DIM, False, bt, bh, w)
 
             ms = graph_ms(run, replays)
             diff = max((o.float() - r.float()).abs().max().item() for o, r in zip(outs, reference))

@@ -102,20 +102,27 @@ def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim
     problem = _problem(x, cos, sin, rotary_dim)
     if problem:
         raise ValueError(f"rope_apply: {problem}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel():
+        launch(x, cos, sin, out, rotary_dim, interleaved, BLOCK_T, BLOCK_H, NUM_WARPS)
+    return out
+
+
+def launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, rotary_dim: int,
+           interleaved: bool, block_t: int, block_h: int, num_warps: int) -> None:
+    """One launch of :func:`rope_kernel` into ``out`` (``x``'s shape, ``head_dim`` contiguous) with
+    the given tiles, unchecked: :func:`rope_apply` checks its inputs first, the tile sweep of
+    ``benchmarks/rope_apply.py`` calls it directly."""
     num_tokens, num_heads, head_dim = x.shape
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
     half, rest = rotary_dim // 2, head_dim - rotary_dim
-    grid = (triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(num_heads, BLOCK_H))
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_heads, block_h))
     rope_kernel[grid](
         x, cos, sin, out, num_tokens, num_heads, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
         out.stride(0), out.stride(1),
         HALF=half, HALF_P2=triton.next_power_of_2(half), PAIR_STRIDE=2 if interleaved else 1,
         X2_OFF=1 if interleaved else half, REST=rest, REST_P2=triton.next_power_of_2(max(rest, 1)),
-        BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS,
+        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps,
     )
-    return out
 
 
 @torch.library.custom_op("lazyattn_rag::rope_apply", mutates_args=())
