@@ -116,7 +116,7 @@ class ChunkAdmission:
             blocks = self.cache.allocate(self.blocks_for(len(chunk.token_ids)))
             try:
                 self.cache.insert_pending(chunk.key, blocks, len(chunk.token_ids), chunk.local_start,
-                                          chunk.source_key, document=chunk.doc_id is not None,
+                                          chunk.source_key, document=chunk.doc_id is not None and not chunk.learned,
                                           token_ids=chunk.token_ids)
             except Exception:
                 self.cache.pool.decref(blocks)
@@ -159,19 +159,21 @@ class ChunkAdmission:
 
     @staticmethod
     def _account(request: Request, missed_keys: set[str], copied_keys: set[str]) -> None:
-        """Per-request stats: documents hit/missed and prompt-head tokens cached (first acquisition),
-        prompt tokens computed."""
+        """Per-request stats: documents hit/missed, tokens reused where they were computed
+        (the prompt head, exact-prefix blocks) (first acquisition), prompt tokens computed."""
         stats = request.stats
         encoded = sum(len(c.token_ids) for c in {c.key: c for c in request.plan.chunks}.values()
                       if c.key in missed_keys and c.key not in copied_keys)
         stats.num_computed_tokens += encoded
         if request.num_preemptions == 0:
             stats.num_computed_tokens -= request.num_prefix_tokens
-            stats.num_cached_head_tokens = sum(len(c.token_ids) for c in request.plan.chunks if c.doc_id is None
-                                               and (c.key not in missed_keys or c.key in copied_keys))
+            stats.num_exact_prefix_tokens = request.num_prefix_tokens + sum(
+                len(c.token_ids) for c in request.plan.chunks
+                if c.doc_id is None and (c.key not in missed_keys or c.key in copied_keys))
             for c in request.plan.chunks:
                 if c.doc_id is None:
                     continue
                 loaded = c.key in request.loaded_tiers  # from a storage tier: not computed, a hit
                 (stats.docs_missed if c.key in missed_keys and not loaded else stats.docs_hit).append(c.doc_id)
                 stats.doc_tiers[c.doc_id] = request.loaded_tiers.get(c.key, "computed" if c.key in missed_keys else "kv")
+                stats.doc_sources.setdefault(c.doc_id, "learned" if c.learned else "id")

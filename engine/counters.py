@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -17,6 +17,11 @@ class EngineCounters:
     num_requests_aborted: int = 0
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
+    num_exact_prefix_tokens: int = 0  # of the cached ones: reused where they were computed
+    num_shifted_tokens: int = 0  # of the cached ones: documents and passages at new offsets
+    num_computed_prompt_tokens: int = 0
+    num_recomputed_tokens: int = 0  # of the computed ones: fidelity remedies' document tokens
+    doc_placements: dict[str, int] = field(default_factory=dict)  # by RequestStats.doc_sources
     num_doc_lookups: int = 0
     num_doc_hits: int = 0
     num_output_tokens: int = 0

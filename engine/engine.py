@@ -34,6 +34,7 @@ from lazyattn_rag.engine.counters import EngineCounters
 from lazyattn_rag.engine.detokenizer import IncrementalDetokenizer
 from lazyattn_rag.engine.host_arena import gather_event
 from lazyattn_rag.engine.output_processor import OutputProcessor, Sink
+from lazyattn_rag.engine.passage_learning import PassageLearner
 from lazyattn_rag.engine.planner import PromptPlanner
 from lazyattn_rag.engine.prompt_plan import PromptPlan
 from lazyattn_rag.engine.registry import DocumentRegistry, RegisteredDocument
@@ -119,6 +120,8 @@ class LLMEngine:
             cache.on_evict = self._write_back
         self.max_model_len = self.planner.max_model_len = self._fit_max_model_len(max_model_len)
         self.outputs = OutputProcessor(self.scheduler, self.counters, self.max_model_len)
+        learn = config.cache.learn_passages and config.cache.mode == "lazy"
+        self.passages = PassageLearner(self.planner, cache, config.cache) if learn else None
         self.step_listeners: list[StepListener] = []
         self.default_sampling = SamplingParams()  # the factory sets the model's own under generation_config="auto"
         self.info: dict = {}
@@ -230,9 +233,19 @@ class LLMEngine:
     def submit_chat(self, messages: list[Message], documents: list[tuple[str, str]], params: SamplingParams,
                     sink: Sink, namespace: str = "", remedies: RequestRemedies = RequestRemedies()) -> Request:
         """Plan chat ``messages`` (:meth:`PromptPlanner.plan_messages`) with inline ``documents``
-        in ``namespace`` and queue it; errors as :meth:`submit_question`."""
+        in ``namespace`` and queue it; errors as :meth:`submit_question`. With
+        ``CacheConfig.learn_passages``, passages of their text that recur are placed from cached
+        chunks when that computes less (``engine/passage_learning.py``)."""
         with self.documents.inline(documents, namespace):
-            return self.submit(self.planner.plan_messages(messages, namespace, remedies), params, sink)
+            plan = self.planner.plan_messages(messages, namespace, remedies)
+            if self.passages is not None:
+                learned = self.passages.choose(messages, plan, namespace, remedies)
+                if learned is not plan:
+                    try:
+                        return self.submit(learned, params, sink)
+                    except CacheCapacityError:  # its chunks each start a block: the plain prompt may still fit
+                        pass
+            return self.submit(plan, params, sink)
 
     def submit_prompt(self, prompt: str | list[int], params: SamplingParams, sink: Sink) -> Request:
         """Queue a raw prompt, computed whole (:meth:`PromptPlanner.plan_prompt`)."""
@@ -252,6 +265,7 @@ class LLMEngine:
         rid = uuid.uuid4().hex[:16]
         stats = RequestStats(rid, num_prompt_tokens=plan.num_prompt_tokens)
         stats.num_computed_tokens = len(plan.query_token_ids) + plan.num_text_tokens
+        stats.num_recomputed_tokens = sum(c.num_skipped for c in plan.chunks if c.doc_id is not None)
         gen = torch.Generator(device=self.runner.device).manual_seed(params.seed) if params.seed is not None else self.generator
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         request = Request(rid, plan, params, sink, stats, IncrementalDetokenizer(self.tokenizer, params.stop), gen,

@@ -133,6 +133,13 @@ class OutputProcessor:
         c.num_doc_lookups += len(s.docs_hit) + len(s.docs_missed)
         c.num_doc_hits += len(s.docs_hit)
         c.num_output_tokens += s.num_output_tokens
+        c.num_exact_prefix_tokens += s.num_exact_prefix_tokens
+        c.num_shifted_tokens += s.num_shifted_tokens
+        c.num_computed_prompt_tokens += s.num_computed_tokens
+        c.num_recomputed_tokens += s.num_recomputed_tokens
+        for doc_id in s.docs_hit + s.docs_missed:
+            source = s.doc_sources.get(doc_id, "id")
+            c.doc_placements[source] = c.doc_placements.get(source, 0) + 1
 
     def _emit(self, r: Request, item: StreamDelta | BaseException) -> bool:
         """Hand ``item`` to the request's sink; ``False`` if the sink raised (e.g. its asyncio
@@ -168,3 +175,5 @@ def _fill_stats(r: Request) -> None:
     if r.first_token_time is not None and len(r.output_ids) > 1:
         s.tpot_ms = (now - r.first_token_time) * 1e3 / (len(r.output_ids) - 1)
     s.num_cached_tokens = max(0, s.num_prompt_tokens - s.num_computed_tokens)
+    s.num_exact_prefix_tokens = min(s.num_exact_prefix_tokens, s.num_cached_tokens)
+    s.num_shifted_tokens = s.num_cached_tokens - s.num_exact_prefix_tokens

@@ -10,6 +10,8 @@ happens here, before a request exists, so bad input raises at the call and touch
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Mapping
 from typing import Any
 
 from lazyattn_rag.engine.fingerprint import anchor_fingerprint, chunk_key
@@ -99,8 +101,19 @@ class PromptPlanner:
             raise DocumentTooLongError(
                 f"document {doc_id!r} has {len(ids)} tokens; with the {len(self.head_ids)}-token prompt head and "
                 f"a question, at most {budget} fit the context limit of {self.max_model_len} tokens")
+        return RegisteredDocument(text, ids, self.document_key(ids, namespace))
+
+    def document_key(self, token_ids: tuple[int, ...], namespace: str = "") -> str:
+        """The content key of a document chunk of ``token_ids`` (model, anchor, namespace, tokens)."""
         anchor = self.anchor_fp if not namespace else f"{self.anchor_fp}|namespace:{namespace}"
-        return RegisteredDocument(text, ids, chunk_key(self.model_digest, anchor, list(ids)))
+        return chunk_key(self.model_digest, anchor, list(token_ids))
+
+    def prepare_passage(self, text: str, namespace: str = "") -> RegisteredDocument:
+        """A passage of plain prompt text as a chunk (``CacheConfig.learn_passages``): tokenized
+        and keyed exactly as a document registered with ``text`` in ``namespace`` would be, so
+        the two share one cached chunk."""
+        ids = tuple(self.template.document_token_ids(text))
+        return RegisteredDocument(text, ids, self.document_key(ids, namespace))
 
     def chunks(self, doc_ids: list[str], namespace: str = "") -> list[ChunkSegment]:
         """The head and the documents' chunks at their offsets, in order (ids must be registered
@@ -137,9 +150,11 @@ class PromptPlanner:
         return self._for_mode(plan, *remedy)
 
     def plan_messages(self, messages: list[Message], namespace: str = "",
-                      remedies: RequestRemedies = RequestRemedies()) -> PromptPlan:
+                      remedies: RequestRemedies = RequestRemedies(),
+                      passages: Mapping[str, RegisteredDocument] | None = None) -> PromptPlan:
         """The plan of chat ``messages`` whose content places documents registered in
-        ``namespace`` (:class:`DocumentRef`).
+        ``namespace`` (:class:`DocumentRef`), or learned passages (``passages``: id -> the
+        passage, as :meth:`prepare_passage` gives it).
 
         The messages are rendered in the chat template (:meth:`PromptTemplate.render_messages`).
         Text before the first document becomes the prompt head, a chunk cached like an exact
@@ -158,9 +173,10 @@ class PromptPlanner:
         remedy = self._remedies(remedies)
         if not messages:
             raise EmptyInputError("no messages")
+        passages = passages or {}
         pieces = self.template.render_messages(messages)
         doc_ids = [p.id for p in pieces if isinstance(p, DocumentRef)]
-        self.documents.check_ids(doc_ids, namespace)
+        self.documents.check_ids([d for d in doc_ids if d not in passages], namespace)
         lead = self.template.leading_special_ids()
         if not doc_ids:
             return self.plan_plain(lead + self.template.encode_runs(pieces[0].runs if pieces else ()))
@@ -171,8 +187,10 @@ class PromptPlanner:
         chunks, texts, pos = [], [], 0
         for i, piece in enumerate(pieces[:-1]):
             if isinstance(piece, DocumentRef):
-                doc = self.documents.get(piece.id, namespace)
-                chunks.append(ChunkSegment(doc.key, doc.token_ids, len(self.anchor_ids), pos, piece.id))
+                learned = piece.id in passages
+                doc = passages[piece.id] if learned else self.documents.get(piece.id, namespace)
+                chunks.append(ChunkSegment(doc.key, doc.token_ids, len(self.anchor_ids), pos, piece.id,
+                                           learned=learned))
                 pos += len(doc.token_ids)
                 continue
             ids = (lead if i == 0 else []) + self.template.encode_runs(piece.runs)
@@ -217,7 +235,7 @@ class PromptPlanner:
                 raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}")
         plan = PromptPlan((), tuple(prompt_ids))
         self._check_length(plan, "plain prompt")
-        return plan
+        return self._with_prefix_keys(plan) if self.caches_prefixes else plan
 
     def plan_warm(self, doc_ids: list[str], namespace: str = "") -> PromptPlan:
         """A warm-up's plan: the documents' chunks, no question. Raises ``UnknownDocumentError``."""
@@ -282,14 +300,16 @@ class PromptPlanner:
         if mode == "full":
             return PromptPlan((), tuple(plan.token_ids()))
         if mode == "prefix":
-            return PromptPlan((), tuple(plan.token_ids()), self._prefix_keys(plan.token_ids()))
+            return self._with_prefix_keys(PromptPlan((), tuple(plan.token_ids())))
         if mode == "block_attention":
             return PromptPlan(tuple(self._positioned(c) for c in plan.chunks), plan.query_token_ids,
                               texts=plan.texts)
         plan = with_head_recompute(plan, head_tokens)
         if chunk_scaling and any(c.doc_id is not None for c in plan.chunks):
-            return dataclasses.replace(plan, chunk_scaling=True)
-        return dataclasses.replace(plan, selective_ratio=selective_ratio) if selective_ratio and plan.chunks else plan
+            plan = dataclasses.replace(plan, chunk_scaling=True)
+        elif selective_ratio and plan.chunks:
+            plan = dataclasses.replace(plan, selective_ratio=selective_ratio)
+        return self._with_prefix_keys(plan) if self.caches_prefixes else plan
 
     @staticmethod
     def _positioned(chunk: ChunkSegment) -> ChunkSegment:
@@ -299,10 +319,38 @@ class PromptPlanner:
         key = chunk_key(chunk.key, f"at:{chunk.global_start}", [])
         return ChunkSegment(key, chunk.token_ids, chunk.global_start, chunk.global_start, chunk.doc_id, chunk.key)
 
-    def _prefix_keys(self, token_ids: list[int]) -> tuple[str, ...]:
-        keys, parent = [], self.model_digest
-        for i in range(len(token_ids) // self.block_size):
-            parent = chunk_key(parent, "prefix", token_ids[i * self.block_size: (i + 1) * self.block_size])
+    # --- exact-prefix caching (CacheConfig.prefix_caching, mode="prefix") ----------------------
+    @property
+    def caches_prefixes(self) -> bool:
+        """Whether plans carry prefix block keys for their tails."""
+        cache = self.config.cache
+        return cache.mode == "prefix" or (cache.mode == "lazy" and cache.prefix_caching)
+
+    def _with_prefix_keys(self, plan: PromptPlan) -> PromptPlan:
+        """``plan`` with the chained keys of its tail's full blocks (``PromptPlan.prefix_block_keys``).
+
+        The chain starts from the model's digest for a prompt with nothing before its tail (a
+        plain prompt: vLLM's automatic prefix caching), else from a digest of everything the
+        tail attends to: each chunk's key, offset and skipped head, each text segment's tokens
+        and position, and the request's remedies, so a block is reused only after the same
+        context at the same positions."""
+        return dataclasses.replace(plan, prefix_block_keys=self.prefix_keys(plan.query_token_ids,
+                                                                             self._context_seed(plan)))
+
+    def _context_seed(self, plan: PromptPlan) -> str:
+        if not plan.chunks and not plan.texts:
+            return self.model_digest
+        context = {"chunks": [[c.key, c.global_start, c.num_skipped] for c in plan.chunks],
+                   "texts": [[t.global_start, list(t.token_ids)] for t in plan.texts],
+                   "selective_ratio": plan.selective_ratio, "chunk_scaling": plan.chunk_scaling}
+        return chunk_key(self.model_digest, "context:" + json.dumps(context, separators=(",", ":")), [])
+
+    def prefix_keys(self, token_ids: tuple[int, ...] | list[int], seed: str | None = None) -> tuple[str, ...]:
+        """The chained key of each full block of ``token_ids`` from ``seed`` (the model's digest
+        by default): block ``j``'s key names every token up to its end."""
+        keys, parent, bs = [], seed or self.model_digest, self.block_size
+        for i in range(len(token_ids) // bs):
+            parent = chunk_key(parent, "prefix", list(token_ids[i * bs: (i + 1) * bs]))
             keys.append(parent)
         return tuple(keys)
 

@@ -26,12 +26,14 @@ class ChunkSegment:
         token_ids: its tokens.
         local_start: ``l``, the position its first token was encoded at.
         global_start: ``g``, where it sits in this request.
-        doc_id: the document id, or ``None`` for the head.
+        doc_id: the document id (a learned passage's ``passage:<hash>``), or ``None`` for the head.
         source_key: for a position-aware copy (``block_attention`` mode), the document's
             position-agnostic key; copies of one source can be made from each other.
         num_skipped: its first tokens that the request computes itself (a :class:`TextSegment`
             of them at ``global_start``: chunk-head recompute, ``CacheConfig.recompute_chunk_head_tokens``);
             only the others are read from the cache. The chunk is still acquired whole.
+        learned: a passage learned from traffic (``CacheConfig.learn_passages``): content-keyed
+            like a document but bound to no document id, so its entry lives until evicted.
     """
 
     key: str
@@ -41,6 +43,7 @@ class ChunkSegment:
     doc_id: str | None
     source_key: str | None = None
     num_skipped: int = 0
+    learned: bool = False
 
     @property
     def cached_token_ids(self) -> tuple[int, ...]:
@@ -80,8 +83,9 @@ class PromptPlan:
     Attributes:
         chunks: head and documents in prompt order.
         query_token_ids: the tail (question and template closing), computed per request.
-        prefix_block_keys: ``prefix`` mode only: the chained hash of every full block of
-            ``query_token_ids`` (exact-prefix reuse, as vLLM's automatic prefix caching).
+        prefix_block_keys: the chained hash of every full block of ``query_token_ids``, from a
+            seed that names everything before the tail (exact-prefix reuse, as vLLM's automatic
+            prefix caching; ``CacheConfig.prefix_caching`` and ``mode="prefix"``).
         texts: private text segments between chunks, in prompt order. Chunks and texts tile
             positions ``0 .. tail_start - 1`` without gaps; the tail follows.
         selective_ratio: selective recompute's ``r`` for this request's documents

@@ -158,8 +158,8 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
 
     def update_from_output(self, out: SchedulerOutput) -> None:
         """After the step's forward pass ran: copied and fully encoded chunks become readable
-        (their writers let go), and each compute job's tokens count as computed (``prefix``
-        mode also hands newly completed full prompt blocks to the cache)."""
+        (their writers let go), and each compute job's tokens count as computed (a plan with
+        prefix block keys also hands its newly completed full tail blocks to the cache)."""
         for copy in out.copies:
             self.cache.mark_ready(copy.dst_key)
             self.cache.unpin(copy.dst_key)  # the writer's pin (insert_pending)
@@ -196,15 +196,19 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
         return list(victims.values())
 
     def _register_prefix_blocks(self, r: Request) -> None:
-        """Prefix mode: hand the request's newly completed full prompt blocks to the cache."""
+        """Exact-prefix caching: hand the request's newly completed full blocks of its query tail
+        to the cache (``PromptPlan.prefix_block_keys``). The tail's blocks follow its text
+        segments' among its private blocks, and a prefix hit's blocks are not among them."""
         bs = self.block_size
         hit_blocks = r.num_prefix_tokens // bs
-        prompt_done = min(r.num_computed, len(r.plan.query_token_ids) - r.num_prefix_tokens)
-        full = (r.num_prefix_tokens + prompt_done) // bs
+        text_blocks = sum(self.blocks_for(len(t.token_ids)) for t in r.plan.texts)
+        tail_done = min(max(0, r.num_computed - r.plan.num_text_tokens),
+                        len(r.plan.query_token_ids) - r.num_prefix_tokens)
+        full = (r.num_prefix_tokens + tail_done) // bs
         for j in range(hit_blocks + r.num_prefix_registered, min(full, len(r.plan.prefix_block_keys))):
             key = r.plan.prefix_block_keys[j]
             if self.cache.lookup(key, touch=False) is None:
-                block = r.private_blocks[j - hit_blocks]
+                block = r.private_blocks[text_blocks + j - hit_blocks]
                 self.cache.pool.incref([block])
                 self.cache.insert(key, [block], bs, j * bs, tuple(r.plan.query_token_ids[j * bs:(j + 1) * bs]))
                 # Pinned while the request also holds the block: evicting the entry now would not

@@ -79,7 +79,9 @@ class SelectiveRecompute:
         """After the pass: the measured selections (applied when each request is promoted)."""
         for job in out.selections:
             job.request.selected_tokens = job.selected
-            job.request.stats.num_computed_tokens += sum(len(t) for t in job.selected.values())
+            num_selected_tokens = sum(len(t) for t in job.selected.values())
+            job.request.stats.num_computed_tokens += num_selected_tokens
+            job.request.stats.num_recomputed_tokens += num_selected_tokens
 
     def _release_selection(self, request: Request) -> None:
         if request.selected_blocks:

@@ -107,4 +107,4 @@ def test_per_request_setting_overrides_the_engines(make_llm):
     messages = [("user", ["Context:", {"type": "document", "id": "a"}, QUESTION])]
     chat = plain.chat(messages, sampling=FIRST, recompute_chunk_head_tokens=64)
     assert chat.stats.num_computed_tokens == len(plain.plan_chat(messages).token_ids()) - \
-        chat.stats.num_cached_head_tokens
+        chat.stats.num_exact_prefix_tokens

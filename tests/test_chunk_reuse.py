@@ -242,7 +242,11 @@ def test_plain_prompt_completion_equals_full_prefill(make_llm):
     tokens, _ = full_prefill_generate(hf, prompt_ids, 6)
     assert out.token_ids == tokens
     assert out.stats.num_computed_tokens == len(prompt_ids) and out.stats.num_cached_tokens == 0
-    assert llm.engine.cache.num_entries == 0  # nothing cached for a plain prompt
+    # exact-prefix caching (CacheConfig.prefix_caching): its one full block, nothing else
+    assert llm.engine.cache.num_entries == len(prompt_ids) // 16 == 1
+    again = llm.complete(prompt_ids, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert again.token_ids == tokens  # the cached block read back gives the full prefill's answer
+    assert again.stats.num_exact_prefix_tokens == 16 and again.stats.num_computed_tokens == len(prompt_ids) - 16
     with pytest.raises(EmptyInputError):
         llm.complete([])
 

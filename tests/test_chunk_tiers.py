@@ -81,7 +81,7 @@ def test_host_tier_write_back_serves_evicted_chunks_bit_identical(make_llm, devi
     for doc_id, _ in docs(6):
         out, logits = answer(llm, doc_id)
         assert out.stats.doc_tiers == {doc_id: "host"} and out.stats.docs_hit == [doc_id]
-        assert out.stats.num_computed_tokens == out.stats.num_prompt_tokens - DOC_TOKENS - out.stats.num_cached_head_tokens
+        assert out.stats.num_computed_tokens == out.stats.num_prompt_tokens - DOC_TOKENS - out.stats.num_exact_prefix_tokens
         text, fresh_logits, (keys, values) = first[doc_id]
         again_keys, again_values = stored_kv(llm, doc_id)
         assert torch.equal(again_keys, keys) and torch.equal(again_values, values)
@@ -104,7 +104,7 @@ _CHILD = textwrap.dedent("""
     llm.add_documents([("d0", words({n}, start=10))])
     out = llm.generate("w5 w6", ["d0"], sampling=SamplingParams(max_tokens=3))
     print(json.dumps({{"tiers": out.stats.doc_tiers, "text": out.text, "computed": out.stats.num_computed_tokens,
-                      "documents": out.stats.num_cached_tokens - out.stats.num_cached_head_tokens}}))
+                      "documents": out.stats.num_cached_tokens - out.stats.num_exact_prefix_tokens}}))
     llm.close()
 """)
 

@@ -156,7 +156,7 @@ def test_ask_json_stats_carry_the_cached_head_tokens(tmp_path, tiny_model):
     result = runner().invoke(app, ["ask", "w1 w2", "--doc", str(doc), "--max-tokens", "2", "--json"])
     assert result.exit_code == 0, result.output
     stats = json.loads(result.stdout)["stats"]
-    assert stats["docs_missed"] == [str(doc)] and stats["num_cached_head_tokens"] == 0  # first request: computed
+    assert stats["docs_missed"] == [str(doc)] and stats["num_exact_prefix_tokens"] == 0  # first request: computed
 
 
 def test_info_labels_the_anchor_and_the_prompt_head(tiny_model):
@@ -174,13 +174,18 @@ def test_stats_line_labels_the_cached_prompt_head_and_plurals():
     def line(**kw):
         return RequestStats("r", ttft_ms=5.0, **kw).summary(NO_DOCUMENTS)
 
-    head_only = line(num_prompt_tokens=50, num_cached_tokens=33, num_cached_head_tokens=33, num_computed_tokens=17,
+    head_only = line(num_prompt_tokens=50, num_cached_tokens=33, num_exact_prefix_tokens=33, num_computed_tokens=17,
                      num_output_tokens=1, docs_missed=["a"])
-    assert "prompt 50 tokens: 33 cached (prompt head), 17 computed" in head_only and "| 1 output token]" in head_only
-    both = line(num_prompt_tokens=600, num_cached_tokens=533, num_cached_head_tokens=33, num_computed_tokens=67,
+    assert "prompt 50 tokens: 33 cached (exact prefix), 17 computed" in head_only and "| 1 output token]" in head_only
+    both = line(num_prompt_tokens=600, num_cached_tokens=533, num_exact_prefix_tokens=33, num_computed_tokens=67,
                 num_output_tokens=2, docs_hit=["a"], docs_missed=["b"])
-    assert "docs hit 1, missed 1" in both and "533 cached (500 from documents, 33 prompt head), 67 computed" in both
+    assert "docs hit 1, missed 1" in both and "533 cached (500 shifted, 33 exact prefix), 67 computed" in both
     assert "2 output tokens" in both
+    learned = line(num_prompt_tokens=600, num_cached_tokens=533, num_exact_prefix_tokens=33, num_computed_tokens=67,
+                   num_recomputed_tokens=16, docs_hit=["a", "passage:1"], docs_missed=["passage:2"],
+                   doc_sources={"a": "matched", "passage:1": "learned", "passage:2": "learned"})
+    assert "[docs hit 1, missed 0; passages hit 1, missed 1 | " in learned
+    assert "67 computed (16 recomputed) |" in learned
     assert "prompt 9 tokens: 0 cached, 9 computed" in line(num_prompt_tokens=9, num_computed_tokens=9, docs_missed=["a"])
     assert line(num_prompt_tokens=9, num_computed_tokens=9).startswith(f"[{NO_DOCUMENTS} | prompt 9 tokens")
 
@@ -195,9 +200,9 @@ def test_request_stats_count_the_cached_prompt_head():
     first = llm.generate("w1 w2", ["a"], sampling=sampling).stats
     second = llm.generate("w1 w2", ["b"], sampling=sampling).stats
     third = llm.generate("w1 w2", ["a", "b"], sampling=sampling).stats
-    assert head == 3 and first.num_cached_tokens == first.num_cached_head_tokens == 0  # all computed
-    assert second.docs_hit == [] and second.num_cached_tokens == second.num_cached_head_tokens == head
-    assert third.docs_hit == ["a", "b"] and third.num_cached_head_tokens == head
+    assert head == 3 and first.num_cached_tokens == first.num_exact_prefix_tokens == 0  # all computed
+    assert second.docs_hit == [] and second.num_cached_tokens == second.num_exact_prefix_tokens == head
+    assert third.docs_hit == ["a", "b"] and third.num_exact_prefix_tokens == head
     assert third.num_cached_tokens == head + 20 + 24
 
 

@@ -83,9 +83,13 @@ def assert_reused(spy: PlanSpy, since: int, stats: dict | None = None) -> int:
         assert s.docs_hit == [d for d in placed if d in earlier]
         assert s.docs_missed == [d for d in placed if d not in earlier]
         new_tokens = sum(len(c.token_ids) for c in plan.chunks if c.doc_id in s.docs_missed)
-        assert s.num_cached_tokens == plan.num_cached_prompt_tokens - new_tokens
+        # exact-prefix blocks of the tail, cached by an earlier call with the same context
+        head = sum(len(c.token_ids) for c in plan.chunks if c.doc_id is None)
+        tail_hits = s.num_exact_prefix_tokens - head
+        assert tail_hits % 16 == 0 and 0 <= tail_hits < len(plan.query_token_ids)
+        assert s.num_cached_tokens == plan.num_cached_prompt_tokens - new_tokens + tail_hits
         text_tokens = plan.num_text_tokens + len(plan.query_token_ids)
-        assert s.num_computed_tokens == text_tokens + new_tokens
+        assert s.num_computed_tokens == text_tokens + new_tokens - tail_hits
         earlier |= set(placed)
         hits += len(s.docs_hit)
     assert hits > 0

@@ -3,7 +3,7 @@
 import hypothesis.strategies as st
 from hypothesis import assume, given, settings
 
-from lazyattn_rag.integrations.prompt_match import (
+from lazyattn_rag.engine.prompt_match import (
     MIN_CHARS,
     Candidate,
     DocumentMatcher,

@@ -147,7 +147,7 @@ def test_affinity_sends_a_document_set_to_one_replica_which_then_computes_no_doc
         stats = second["lazyattn"]["stats"]
         assert stats["docs_hit"] == [f"d{i}"] and stats["doc_tiers"] == {f"d{i}": "kv"}
         assert stats["num_computed_tokens"] == stats["num_prompt_tokens"] - stats["num_cached_tokens"]
-        assert stats["num_cached_tokens"] - stats["num_cached_head_tokens"] >= 40  # the whole document
+        assert stats["num_cached_tokens"] - stats["num_exact_prefix_tokens"] >= 40  # the whole document
         where[f"d{i}"] = first["lazyattn"]["replica"]
     assert len(set(where.values())) == 2  # 9 documents over 2 owners: both own some (odds 1 in 256 otherwise)
 

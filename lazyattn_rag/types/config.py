@@ -92,6 +92,35 @@ class CacheConfig:
             the recompute remedies.
         chunk_attention_temperature: APE's temperature ``T`` (> 0, default 1).
         chunk_attention_weight: APE's scaling factor ``S`` (> 0, default 1).
+        prefix_caching: exact-prefix caching of what is not a document or passage (default
+            True, as vLLM's automatic prefix caching): the full KV blocks of a request's own
+            prompt tokens are kept in the cache under a chained hash of their tokens and of
+            everything before them (for a plain prompt, the model; after placed documents, the
+            documents' keys, offsets and the text between them), and a later request whose
+            prompt starts the same reads them instead of computing them: a byte-identical
+            repeat computes at most one block, a chat's next turn its new messages. Prefix
+            blocks live in the KV pool under the same eviction policy as chunks. ``mode="lazy"``
+            only (``"prefix"`` always caches prefixes, ``"full"`` and ``"block_attention"`` never).
+        learn_passages: serve passages that recur in plain prompts from cached chunks (default
+            True; ``engine/passage_learning.py``). A plain chat prompt (text with no document
+            placed by id) is split at the boundaries RAG templates produce (blank lines,
+            separator lines, ``Context:``/``Question:`` labels; fenced code is never split), in
+            its system messages and its last user message only; a piece of at least
+            ``passage_min_tokens`` tokens that earlier requests contained whole at least
+            ``passage_min_sightings`` times is placed as a position-agnostic chunk, keyed by
+            namespace, model, anchor and tokens as a registered document with that text is, and
+            read from the cache at whatever offset it recurs. Text seen fewer times is computed
+            as it is today, and a request takes the learned layout only when it computes fewer
+            tokens than the plain prompt with its exact-prefix blocks (a passage encoded for
+            the first time counts as free: it serves every later request), and never when the
+            plain prompt computes at most one block. Like documents, a reused passage does not
+            attend to the text before it. ``mode="lazy"`` only.
+        passage_min_tokens: the shortest passage learned, in tokens (default 32, two blocks).
+        passage_min_sightings: earlier requests that must have contained a passage before it is
+            served from a chunk (default 1: its second occurrence is encoded as a chunk, its
+            third is a hit; 0 turns every eligible piece into a chunk at first sight).
+        passage_history: distinct passages whose sightings are remembered (an LRU; default
+            100,000, about 10 MB).
     """
 
     block_size: int = 16
@@ -113,6 +142,11 @@ class CacheConfig:
     chunk_attention_scaling: bool = False
     chunk_attention_temperature: float = 1.0
     chunk_attention_weight: float = 1.0
+    prefix_caching: bool = True
+    learn_passages: bool = True
+    passage_min_tokens: int = 32
+    passage_min_sightings: int = 1
+    passage_history: int = 100_000
 
     @property
     def has_tiers(self) -> bool:
@@ -155,6 +189,12 @@ class CacheConfig:
                              f"must be 'lazy', got {self.mode!r}")
         check_selective_ratio(self.recompute_selective_ratio, self.mode, self.recompute_chunk_head_tokens)
         self._check_chunk_attention()
+        for name in ("prefix_caching", "learn_passages"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        _check_int("passage_min_tokens", self.passage_min_tokens, 1)
+        _check_int("passage_min_sightings", self.passage_min_sightings, 0)
+        _check_int("passage_history", self.passage_history, 1)
         if self.has_tiers and self.mode != "lazy":
             raise ValueError(f"storage tiers (host_memory_bytes, disk_dir, redis_url) serve position-agnostic "
                              f"chunks: mode must be 'lazy', got {self.mode!r}")

@@ -14,16 +14,29 @@ class RequestStats:
     Attributes:
         request_id: the engine's id for the request.
         num_prompt_tokens: prompt length (head + documents + query tail).
-        num_cached_tokens: prompt tokens whose K/V came from the chunk cache.
-        num_cached_head_tokens: of ``num_cached_tokens``, the prompt head's: the prompt's text
-            before the first document (template, instruction), cached by the first request and
-            shared by every prompt that starts with it. The rest came from documents (or, for a
-            plain prompt or ``CacheConfig(mode="prefix")``, from matching prefix blocks).
+        num_cached_tokens: prompt tokens whose K/V came from the cache:
+            ``num_exact_prefix_tokens + num_shifted_tokens``.
+        num_exact_prefix_tokens: of ``num_cached_tokens``, those reused at the very positions
+            they were computed at, after the very same tokens: the prompt head (the text before
+            the first document, cached by the first request and shared by every prompt that
+            starts with it) and exact-prefix blocks (``CacheConfig.prefix_caching``: a plain
+            prompt's opening, a chat's earlier turns, a repeated tail).
+        num_shifted_tokens: of ``num_cached_tokens``, those of documents and learned passages
+            read from their position-agnostic chunks at this prompt's offsets (each encoded
+            alone, RoPE applied at attention time).
         num_computed_tokens: prompt tokens whose K/V this request computed (documents encoded on
-            a miss, plus the query tail).
+            a miss, text between documents, the query tail); includes ``num_recomputed_tokens``.
+        num_recomputed_tokens: of ``num_computed_tokens``, document tokens a fidelity remedy
+            computed in the request although their chunk is cached (chunk-head recompute,
+            selective recompute).
         num_output_tokens: tokens generated.
-        docs_hit: document ids served from the cache, in prompt order.
+        docs_hit: document ids served from the cache, in prompt order (a learned passage's id is
+            ``passage:<hash>``).
         docs_missed: document ids encoded for this request, in prompt order.
+        doc_sources: how each placed document came to be placed: ``"id"`` (named by id: a
+            ``documents`` list, a document part, ``doc_ids=``), ``"matched"`` (its registered text
+            was found in the prompt's plain text: ``lazyattn serve``'s matcher, the framework
+            wrappers') or ``"learned"`` (a passage of plain text seen in earlier requests).
         doc_tiers: where each document's K/V came from: ``"kv"`` (already in the KV pool),
             ``"host"``, ``"disk"`` or ``"redis"`` (loaded from that storage tier: a hit, not
             computed) or ``"computed"`` (a miss; ``block_attention`` mode's re-rotated copies too).
@@ -37,12 +50,15 @@ class RequestStats:
     request_id: str
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    num_cached_head_tokens: int = 0
+    num_exact_prefix_tokens: int = 0
+    num_shifted_tokens: int = 0
     num_computed_tokens: int = 0
+    num_recomputed_tokens: int = 0
     num_output_tokens: int = 0
     docs_hit: list[str] = field(default_factory=list)
     docs_missed: list[str] = field(default_factory=list)
     doc_tiers: dict[str, str] = field(default_factory=dict)
+    doc_sources: dict[str, str] = field(default_factory=dict)
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2e_ms: float | None = None
@@ -54,17 +70,28 @@ class RequestStats:
 
     def summary(self, no_documents: str = "no documents") -> str:
         """One console line, as ``lazyattn ask`` and ``lazyattn chat`` print it, e.g.
-        ``[docs hit 1, missed 1 | prompt 600 tokens: 533 cached (500 from documents, 33 prompt
-        head), 67 computed | TTFT 5 ms | 2 output tokens]``; ``no_documents`` replaces the
-        document counts when the request named none."""
+        ``[docs hit 1, missed 1 | prompt 600 tokens: 533 cached (500 shifted, 33 exact prefix),
+        67 computed | TTFT 5 ms | 2 output tokens]``; ``no_documents`` replaces the document
+        counts when the request named none. Learned passages are counted apart from documents
+        (``passages hit 2``), recomputed tokens are named (``67 computed, 16 recomputed``)."""
         from lazyattn_rag.utils.progress import plural
 
         ttft = f"{self.ttft_ms:.0f} ms" if self.ttft_ms is not None else "n/a"
-        docs = (f"docs hit {len(self.docs_hit)}{self._tiers_label()}, missed {len(self.docs_missed)}"
-                if self.docs_hit or self.docs_missed else no_documents)
-        return (f"[{docs} | prompt {self.num_prompt_tokens} tokens: {self._cached_label()}, "
-                f"{self.num_computed_tokens} computed | TTFT {ttft} | "
+        recomputed = f" ({self.num_recomputed_tokens} recomputed)" if self.num_recomputed_tokens else ""
+        return (f"[{self._documents_label(no_documents)} | prompt {self.num_prompt_tokens} tokens: "
+                f"{self._cached_label()}, {self.num_computed_tokens} computed{recomputed} | TTFT {ttft} | "
                 f"{plural(self.num_output_tokens, 'output token')}]")
+
+    def _documents_label(self, no_documents: str) -> str:
+        """``"docs hit 2 (1 from disk), missed 1; passages hit 3"``."""
+        learned = {d for d, source in self.doc_sources.items() if source == "learned"}
+        parts = []
+        for what, keep in (("docs", lambda d: d not in learned), ("passages", lambda d: d in learned)):
+            hit, missed = [d for d in self.docs_hit if keep(d)], [d for d in self.docs_missed if keep(d)]
+            if hit or missed:
+                tiers = self._tiers_label() if what == "docs" else ""
+                parts.append(f"{what} hit {len(hit)}{tiers}, missed {len(missed)}")
+        return "; ".join(parts) or no_documents
 
     def _tiers_label(self) -> str:
         """``" (1 from disk)"``: hits loaded from storage tiers below the KV pool, by tier."""
@@ -75,16 +102,15 @@ class RequestStats:
         return f" ({', '.join(f'{n} from {t}' for t, n in counts.items())})" if counts else ""
 
     def _cached_label(self) -> str:
-        """``"33 cached (prompt head)"``, ``"533 cached (500 from documents, 33 prompt head)"``:
-        the prompt head (the template's text before the documents) is cached by the first
-        request and shared by every later one, so a request whose documents all miss still
-        reads it from the cache."""
-        cached, head = self.num_cached_tokens, min(self.num_cached_head_tokens, self.num_cached_tokens)
-        if not head:
-            return f"{cached} cached"
-        if head == cached:
-            return f"{cached} cached (prompt head)"
-        return f"{cached} cached ({cached - head} from documents, {head} prompt head)"
+        """``"33 cached (exact prefix)"``, ``"533 cached (500 shifted, 33 exact prefix)"``: tokens
+        of documents and passages placed at new offsets, and tokens reused where they were
+        computed (the prompt head, exact-prefix blocks)."""
+        cached, exact = self.num_cached_tokens, min(self.num_exact_prefix_tokens, self.num_cached_tokens)
+        if not exact:
+            return f"{cached} cached" if not cached else f"{cached} cached (shifted)"
+        if exact == cached:
+            return f"{cached} cached (exact prefix)"
+        return f"{cached} cached ({cached - exact} shifted, {exact} exact prefix)"
 
 
 class VocabLogprobs(Mapping):

@@ -27,10 +27,11 @@ Texts shorter than ``MIN_CHARS`` characters are never matched (they occur by acc
 
 from __future__ import annotations
 
+import bisect
 import re
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lazyattn_rag.types.messages import DocumentRef, MessagePart
 
@@ -98,36 +99,64 @@ class PromptMatch:
         return out
 
 
-@dataclass
 class _View:
-    """A normalized view of a text: ``chars[i]`` came from ``text[spans[i][0]:spans[i][1]]``."""
+    """A normalized view of a text: every whitespace run is one space, and (``unescape``) escape
+    sequences are decoded; ``span(i)`` is the raw character span ``chars[i]`` came from.
 
-    chars: str
-    spans: list[tuple[int, int]] = field(repr=False)
+    The raw text is kept as runs: ``(raw start, raw end, normalized start, is_one_char)``; a run
+    is a stretch copied as it is (one normalized char per raw char), a whitespace run, or one
+    escape sequence (one normalized char each). Building it is a few regex passes, not a Python
+    loop over every character (the server matches every prompt against every registered text).
+    """
+
+    def __init__(self, text: str, unescape: bool):
+        raw_pieces: list[tuple[int, int, str]] = []  # (raw start, raw end, normalized text)
+        pos = 0
+        for m in _ESCAPE.finditer(text) if unescape else ():
+            code = m.group(1)
+            char = _SIMPLE.get(code) or (chr(int(code[1:], 16)) if int(code[1:], 16) <= sys.maxunicode else None)
+            if char is None:  # e.g. "\UFFFFFFFF" in a path or a hex dump: no escape, left as it is
+                continue
+            raw_pieces.append((pos, m.start(), text[pos:m.start()]))
+            raw_pieces.append((m.start(), m.end(), char))
+            pos = m.end()
+        raw_pieces.append((pos, len(text), text[pos:]))
+        self._starts: list[int] = []  # normalized index where each run starts
+        self._runs: list[tuple[int, int, bool]] = []  # (raw start, raw end, copied char by char)
+        out: list[str] = []
+        n = 0
+        for raw_start, raw_end, piece in raw_pieces:
+            escaped = raw_end - raw_start != len(piece)  # one escape sequence -> one character
+            for m in _TOKENS.finditer(piece):
+                chunk = m.group(0)
+                start, end = (raw_start, raw_end) if escaped else (raw_start + m.start(), raw_start + m.end())
+                if chunk.isspace():
+                    if out and out[-1] == " ":  # adjacent whitespace (across an escape) folds into one
+                        prev_start, _, _ = self._runs[-1]
+                        self._runs[-1] = (prev_start, end, False)
+                        continue
+                    chunk = " "
+                self._starts.append(n)
+                self._runs.append((start, end, not escaped and chunk != " "))
+                out.append(chunk)
+                n += len(chunk)
+        self.chars = "".join(out)
+
+    def span(self, i: int) -> tuple[int, int]:
+        """The raw ``(start, end)`` of normalized character ``i``."""
+        k = bisect.bisect_right(self._starts, i) - 1
+        start, end, copied = self._runs[k]
+        if copied:
+            offset = start + i - self._starts[k]
+            return offset, offset + 1
+        return start, end
+
+
+_TOKENS = re.compile(r"\s+|\S+")
 
 
 def _view(text: str, unescape: bool) -> _View:
-    units: list[tuple[str, int, int]] = []  # (char, raw start, raw end)
-    pos = 0
-    for m in _ESCAPE.finditer(text) if unescape else ():
-        code = m.group(1)
-        char = _SIMPLE.get(code) or (chr(int(code[1:], 16)) if int(code[1:], 16) <= sys.maxunicode else None)
-        if char is None:  # e.g. "\UFFFFFFFF" in a path or a hex dump: no escape, left as it is
-            continue
-        units += [(c, i, i + 1) for i, c in enumerate(text[pos:m.start()], pos)]
-        units.append((char, m.start(), m.end()))
-        pos = m.end()
-    units += [(c, i, i + 1) for i, c in enumerate(text[pos:], pos)]
-    chars, spans = [], []
-    for c, start, end in units:
-        if c.isspace():
-            if chars and chars[-1] == " ":
-                spans[-1] = (spans[-1][0], end)
-                continue
-            c = " "
-        chars.append(c)
-        spans.append((start, end))
-    return _View("".join(chars), spans)
+    return _View(text, unescape)
 
 
 def normalize(text: str) -> str:
@@ -136,41 +165,74 @@ def normalize(text: str) -> str:
 
 
 class DocumentMatcher:
-    """Candidates indexed for repeated matching (build once per candidate set).
+    """Candidates indexed for repeated matching; :meth:`add` and :meth:`remove` keep the index
+    current as documents change (the server keeps one per namespace).
 
     Args:
         candidates: documents to look for; shorter than ``MIN_CHARS`` (normalized) are skipped,
-            and of two with the same normalized text the first is kept.
+            and of two with the same normalized text the first is matched (the other takes
+            over when the first is removed).
     """
 
-    def __init__(self, candidates: Iterable[Candidate]):
-        self._by_key: dict[str, list[tuple[str, Candidate]]] = {}
-        self.num_candidates = 0
-        seen: set[str] = set()
+    def __init__(self, candidates: Iterable[Candidate] = ()):
+        self._by_key: dict[str, list[str]] = {}  # first normalized chars -> normalized texts
+        self._by_norm: dict[str, list[Candidate]] = {}  # normalized text -> candidates with it, first matched
+        self._norm_of: dict[str, str] = {}  # doc id -> its normalized text
         for c in candidates:
-            norm = normalize(c.text)
-            if len(norm) < MIN_CHARS or norm in seen:
-                continue
-            seen.add(norm)
-            self._by_key.setdefault(norm[:_KEY_CHARS], []).append((norm, c))
-            self.num_candidates += 1
+            if c.doc_id not in self._norm_of:
+                self.add(c)
+
+    @property
+    def num_candidates(self) -> int:
+        """Distinct texts matched (a candidate whose text another one has is not counted)."""
+        return len(self._by_norm)
+
+    def add(self, candidate: Candidate) -> None:
+        """Look for ``candidate`` from now on (replacing an earlier text under its id)."""
+        self.remove(candidate.doc_id)
+        norm = normalize(candidate.text)
+        if len(norm) < MIN_CHARS:
+            return
+        self._norm_of[candidate.doc_id] = norm
+        same = self._by_norm.setdefault(norm, [])
+        if not same:
+            self._by_key.setdefault(norm[:_KEY_CHARS], []).append(norm)
+        same.append(candidate)
+
+    def remove(self, doc_id: str) -> None:
+        """Stop looking for ``doc_id`` (a no-op for an unknown id)."""
+        norm = self._norm_of.pop(doc_id, None)
+        if norm is None:
+            return
+        same = self._by_norm[norm]
+        same[:] = [c for c in same if c.doc_id != doc_id]
+        if same:
+            return
+        del self._by_norm[norm]
+        bucket = self._by_key[norm[:_KEY_CHARS]]
+        bucket.remove(norm)
+        if not bucket:
+            del self._by_key[norm[:_KEY_CHARS]]
 
     def _scan(self, view: _View) -> tuple[list[tuple[int, int, Candidate]], set[str]]:
         """Raw spans of full matches (whole words at both ends), and ids of candidates found only
         in part: a long opening (``PARTIAL_FRACTION`` of the text, at least ``2 * MIN_CHARS``
-        characters) without the rest."""
+        characters) without the rest. Only positions where a word or a non-alphanumeric
+        character starts are tried (a document never starts inside a word)."""
         found, partial = [], set()
-        chars = view.chars
-        for i in range(len(chars) - _KEY_CHARS + 1):
-            bucket = self._by_key.get(chars[i:i + _KEY_CHARS])
-            if bucket is None or (i > 0 and chars[i - 1].isalnum() and chars[i].isalnum()):
+        chars, by_key = view.chars, self._by_key
+        for m in _STARTS.finditer(chars, 0, max(0, len(chars) - _KEY_CHARS + 1)):
+            i = m.start()
+            bucket = by_key.get(chars[i:i + _KEY_CHARS])
+            if bucket is None:
                 continue
-            for norm, c in bucket:
+            for norm in bucket:
+                c = self._by_norm[norm][0]
                 end = i + len(norm)
                 if chars.startswith(norm, i):
                     if end < len(chars) and chars[end].isalnum() and chars[end - 1].isalnum():
                         continue  # the prompt's word goes on: not this document's end
-                    found.append((view.spans[i][0], view.spans[end - 1][1], c))
+                    found.append((view.span(i)[0], view.span(end - 1)[1], c))
                 elif _common_prefix(chars, i, norm) >= max(2 * MIN_CHARS, PARTIAL_FRACTION * len(norm)):
                     partial.add(c.doc_id)
         return found, partial
@@ -189,6 +251,10 @@ class DocumentMatcher:
             matches += [(s, e, c, True) for s, e, c in escaped if (s, e) not in known]
             partial |= esc_partial
         return matches, partial - {m[2].doc_id for m in matches}
+
+
+# where a document may start: a letter or digit that no letter or digit precedes, or any other character
+_STARTS = re.compile(r"(?<![^\W_])[^\W_]|[\W_]")
 
 
 def _common_prefix(chars: str, start: int, norm: str) -> int:

@@ -1,0 +1,162 @@
+"""Passages learned from traffic: recurring pieces of plain prompts placed as cached chunks (issue 36).
+
+An application that pastes retrieved texts into its messages names no documents. The learner
+(``CacheConfig.learn_passages``) splits the system messages and the last user message of each
+chat request into pieces (``engine/passages.py``), records which pieces it has seen
+(:class:`~lazyattn_rag.engine.passages.PassageHistory`), and lays out a request whose pieces
+recur with those pieces as position-agnostic chunks (ids ``passage:<hash>``), keyed exactly as a
+registered document with the same text, so a passage served once is read from the cache at
+whatever offset it comes back. The rule, in order:
+
+1. eligible pieces: in a system message or the last user message (never a chat history turn),
+   not a separator or label, not a message's whole text (a single chat turn is never cut);
+2. recurring: earlier requests contained the piece whole at least
+   ``CacheConfig.passage_min_sightings`` times, and not always as the opening piece of a message
+   (a template's fixed instruction stays where it is, served by the prompt head or exact-prefix
+   blocks); at least ``CacheConfig.passage_min_tokens`` tokens as a chunk;
+3. worth it: the learned layout is taken only when it computes fewer tokens now than the plain
+   prompt with its cached exact-prefix blocks, counting a passage encoded for the first time as
+   free (it costs what computing it in place would, and serves every later request), and never
+   when the plain prompt computes at most one block (an exact repeat keeps its prefix).
+
+Text that never recurs costs the split and one XXH3 hash per piece; its tokens are the plain
+prompt's, computed as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lazyattn_rag.engine.chunk_cache import ChunkCache
+from lazyattn_rag.engine.passages import PassageHistory, Piece, passage_key, split_passages
+from lazyattn_rag.engine.planner import PromptPlanner
+from lazyattn_rag.engine.prompt_plan import PromptPlan
+from lazyattn_rag.engine.registry import RegisteredDocument
+from lazyattn_rag.types.config import CacheConfig, RequestRemedies
+from lazyattn_rag.types.errors import LazyAttentionError
+from lazyattn_rag.types.messages import DocumentRef, Message, MessagePart
+
+PASSAGE_ID_PREFIX = "passage:"
+
+
+class PassageLearner:
+    """Chooses, for each plain chat request, its plain plan or the one with learned passages.
+
+    Args:
+        planner: the engine's planner (tokenizes passages, plans both layouts).
+        cache: the chunk cache (read only: which chunks and prefix blocks are cached now).
+        config: the ``CacheConfig`` (``passage_*`` fields).
+    """
+
+    def __init__(self, planner: PromptPlanner, cache: ChunkCache, config: CacheConfig):
+        self.planner, self.cache = planner, cache
+        self.min_tokens, self.min_sightings = config.passage_min_tokens, config.passage_min_sightings
+        self.history = PassageHistory(config.passage_history)
+
+    def choose(self, messages: Sequence[Message], plain: PromptPlan, namespace: str = "",
+               remedies: RequestRemedies = RequestRemedies()) -> PromptPlan:
+        """``plain`` (the plan of ``messages`` as they are) or the plan with their recurring
+        passages placed as chunks (see the module docstring); records the request's pieces."""
+        recurring = self._recurring(messages, namespace)
+        if not recurring:
+            return plain
+        learned_messages, passages = self._substitute(messages, recurring, namespace)
+        if not passages:
+            return plain
+        try:
+            learned = self.planner.plan_messages(learned_messages, namespace, remedies, passages)
+        except (LazyAttentionError, ValueError):  # e.g. longer than the context once split: keep it plain
+            return plain
+        plain_cost = self.num_to_compute(plain)
+        if plain_cost <= self.cache.block_size:
+            return plain
+        new = {p.key for p in passages.values() if self.cache.lookup(p.key, touch=False, include_dead=True) is None}
+        return learned if self.num_to_compute(learned, free=new) < plain_cost else plain
+
+    def num_to_compute(self, plan: PromptPlan, free: set[str] = frozenset()) -> int:
+        """Prompt tokens ``plan`` would compute if it were admitted now: chunks not cached (but
+        those in ``free``), its text segments, and its tail past the cached prefix blocks."""
+        total, seen = plan.num_text_tokens, set()
+        for c in plan.chunks:
+            if c.key in seen or c.key in free:
+                continue
+            seen.add(c.key)
+            if self.cache.lookup(c.key, touch=False, include_dead=True) is None:
+                total += len(c.token_ids)
+        hits = 0
+        for key in plan.prefix_block_keys:
+            entry = self.cache.lookup(key, touch=False)
+            if entry is None or not entry.ready:
+                break
+            hits += 1
+        tail = len(plan.query_token_ids)
+        return total + max(tail - hits * self.cache.block_size, min(tail, 1))
+
+    # --- pieces -------------------------------------------------------------------------------
+    def _recurring(self, messages: Sequence[Message], namespace: str) -> dict[tuple[int, int], list[Piece]]:
+        """Record the eligible pieces; those recurring enough, by ``(message, part)`` index."""
+        found: dict[tuple[int, int], list[tuple[Piece, str]]] = {}
+        keys, openings = [], set()
+        for where, text, whole in _eligible_parts(messages):
+            pieces = split_passages(text)
+            for i, piece in enumerate(pieces):
+                if piece.separator or len(piece.text) < self.min_tokens or (whole and len(pieces) == 1):
+                    continue
+                key = passage_key(namespace, piece.text)
+                keys.append(key)
+                if i == 0 and where[1] == 0:
+                    openings.add(key)
+                found.setdefault(where, []).append((piece, key))
+        if not keys:
+            return {}
+        before = self.history.observe(keys, openings)
+        out: dict[tuple[int, int], list[Piece]] = {}
+        for where, pieces in found.items():
+            chosen = [p for p, k in pieces if before[k].count >= self.min_sightings
+                      and not (k in openings and before[k].always_opening)]
+            if chosen:
+                out[where] = chosen
+        return out
+
+    def _substitute(self, messages: Sequence[Message], recurring: dict[tuple[int, int], list[Piece]],
+                    namespace: str) -> tuple[list[Message], dict[str, RegisteredDocument]]:
+        """``messages`` with each recurring piece long enough in tokens replaced by a reference
+        to its passage, and the passages by id."""
+        passages: dict[str, RegisteredDocument] = {}
+        out = []
+        for m_index, message in enumerate(messages):
+            parts: list[MessagePart] = []
+            for p_index, part in enumerate(message.parts()):
+                pieces = recurring.get((m_index, p_index), ())
+                if not pieces:
+                    parts.append(part)
+                    continue
+                pos = 0
+                for piece in pieces:
+                    passage = self.planner.prepare_passage(piece.text, namespace)
+                    if len(passage.token_ids) < self.min_tokens:
+                        continue
+                    passage_id = PASSAGE_ID_PREFIX + passage.key[:16]
+                    passages[passage_id] = passage
+                    gap = part[pos:piece.start]
+                    if gap and not (parts and isinstance(parts[-1], DocumentRef) and not gap.strip()):
+                        parts.append(gap)
+                    parts.append(DocumentRef(passage_id))
+                    pos = piece.end
+                if part[pos:]:
+                    parts.append(part[pos:])
+            out.append(Message(message.role, tuple(parts)) if parts != list(message.parts()) else message)
+        return out, passages
+
+
+def _eligible_parts(messages: Sequence[Message]):
+    """``((message index, part index), text, whole)`` of the text parts passages may come from:
+    system messages and the last user message; ``whole``: the part is its message's only content."""
+    last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=None)
+    for m_index, message in enumerate(messages):
+        if message.role != "system" and m_index != last_user:
+            continue
+        parts = message.parts()
+        for p_index, part in enumerate(parts):
+            if isinstance(part, str) and part.strip():
+                yield (m_index, p_index), part, len(parts) == 1

@@ -1,0 +1,169 @@
+"""Plain prompt text split into passages at the boundaries RAG templates produce (issue 36).
+
+A RAG application that talks to an OpenAI-compatible server pastes its retrieved texts into the
+message: LangChain's ``format_docs`` joins them with blank lines, LlamaIndex puts them between
+``---------------------`` rules (with ``key: value`` metadata headers and a blank line before
+each text), other templates write ``Context: ...``, ``Sources:`` or ``<document>`` tags. The
+splitter cuts a message's text into pieces at exactly those places, deterministically, so a
+text pasted whole into two prompts yields the same piece (the same characters) in both, at
+whatever position it sits:
+
+* **blank lines** end a piece;
+* **separator lines** (``-----``, ``=====``, ``***``, ``###``, ``~~~`` rules of three or more,
+  a tag alone on its line such as ``<document>`` or ``</context>``, a short label alone on its
+  line such as ``Sources:`` or ``Document 2:``) are pieces of their own, except that a rule
+  directly followed by a short piece (fewer than ``HEADER_ATTACH_CHARS``: a template's own
+  sentence, never a retrieved passage) begins that piece, as LlamaIndex's closing rule begins
+  its "Given the context information..." line;
+* **labels** that open a RAG section (``Context:``, ``Documents:``, ``Question:``,
+  ``Query:``, ``Answer:``...) at the start of a line start a new piece, and are cut from the
+  text that follows them on the same line (``Context: <first passage>``);
+* **fenced code** (between ````` or ``~~~`` fences) is never cut: the fence and what it holds
+  stay in one piece, blank lines included.
+
+Pieces are stripped of surrounding whitespace; their spans index the original text.
+:func:`passage_key` names a piece by namespace and content for the sightings history.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import xxhash
+
+HEADER_ATTACH_CHARS = 160
+_FENCE = re.compile(r"[ \t]*(```|~~~)")
+_RULE = re.compile(r"[ \t]*([-=*_#~+])\1{2,}[ \t]*\r?\n?")
+_TAG = re.compile(r"[ \t]*</?[A-Za-z][\w:.-]*(?:\s[^<>\n]*)?>[ \t]*\r?\n?")
+_LONE_LABEL = re.compile(r"[ \t]*[A-Za-z][\w .#-]{0,38}:[ \t]*\r?\n?")
+_LABEL = re.compile(
+    r"[ \t]*(?:context(?:s| information)?|documents?|passages?|sources?|references?|excerpts?|snippets?"
+    r"|retrieved(?: context| documents?| passages?| information)?|background(?: information)?|knowledge(?: base)?"
+    r"|question|query|answer|helpful answer|final answer|input|user|assistant)[ \t]*:[ \t]*", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A piece of a message's text.
+
+    Attributes:
+        start, end: its span in the text (surrounding whitespace excluded).
+        text: ``text[start:end]``.
+        separator: a separator line or a label alone (never a passage).
+    """
+
+    start: int
+    end: int
+    text: str
+    separator: bool = False
+
+
+def split_passages(text: str) -> list[Piece]:
+    """``text`` cut into pieces at the boundaries of the module docstring, in order.
+
+    Example::
+
+        >>> [p.text for p in split_passages("Context: A text.\\n\\nB text.\\n---\\nQuestion: why?")]
+        ['Context:', 'A text.', 'B text.', '---', 'Question:', 'why?']
+    """
+    pieces: list[Piece] = []
+    start = None  # where the open piece began (None: none is open)
+    end = 0  # where its last non-blank line ended
+    fenced = False
+    pos = 0
+    for line in text.splitlines(keepends=True):
+        line_start, pos = pos, pos + len(line)
+        if fenced or _FENCE.match(line):
+            fenced = fenced != bool(_FENCE.match(line))  # a fence line opens or closes
+            start, end = (line_start if start is None else start), pos
+            continue
+        if not line.strip():
+            _close(pieces, text, start, end)
+            start = None
+            continue
+        if _RULE.fullmatch(line) or _TAG.fullmatch(line) or _LONE_LABEL.fullmatch(line):
+            _close(pieces, text, start, end)
+            _close(pieces, text, line_start, pos, separator=True)
+            start = None
+            continue
+        label = _LABEL.match(line)
+        if label:
+            _close(pieces, text, start, end)
+            _close(pieces, text, line_start, line_start + label.end(), separator=True)
+            start, end = line_start + label.end(), pos
+            continue
+        start, end = (line_start if start is None else start), pos
+    _close(pieces, text, start, end)
+    return _attach_headers(pieces, text)
+
+
+def _close(pieces: list[Piece], text: str, start: int | None, end: int, separator: bool = False) -> None:
+    """Append ``text[start:end]`` stripped, if anything is left of it."""
+    if start is None:
+        return
+    chunk = text[start:end]
+    lead = len(chunk) - len(chunk.lstrip())
+    stripped = chunk.strip()
+    if stripped:
+        pieces.append(Piece(start + lead, start + lead + len(stripped), stripped, separator))
+
+
+def _attach_headers(pieces: list[Piece], text: str) -> list[Piece]:
+    """A rule directly followed (on the next line) by a short piece begins that piece."""
+    out: list[Piece] = []
+    for piece in pieces:
+        prev = out[-1] if out else None
+        if (prev is not None and prev.separator and _RULE.fullmatch(prev.text) and not piece.separator
+                and len(piece.text) < HEADER_ATTACH_CHARS and text[prev.end:piece.start].count("\n") <= 1):
+            out[-1] = Piece(prev.start, piece.end, text[prev.start:piece.end])
+        else:
+            out.append(piece)
+    return out
+
+
+def passage_key(namespace: str, text: str) -> str:
+    """A piece's name in the sightings history: 32 hex digits of XXH3-128 over its namespace and text."""
+    return xxhash.xxh3_128_hexdigest(f"{namespace}\x00{text}".encode())
+
+
+@dataclass
+class Sighting:
+    """What the history remembers of a passage: in how many requests it occurred, and whether
+    every one of them had it as the opening piece of a message (a template's fixed instruction,
+    which stays where it is and is served by the prompt head or exact-prefix blocks there)."""
+
+    count: int = 0
+    always_opening: bool = True
+
+
+class PassageHistory:
+    """Sightings of passages in earlier requests, bounded (least recently seen forgotten first).
+
+    Args:
+        max_entries: passages remembered.
+    """
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self._seen: OrderedDict[str, Sighting] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def observe(self, keys: Iterable[str], openings: set[str] = frozenset()) -> dict[str, Sighting]:
+        """Record one request's passages (each counted once, however often it occurs in it);
+        ``openings``: the keys that open a message in it. Returns each key's sighting before
+        this request (a copy; count 0 when new)."""
+        before: dict[str, Sighting] = {}
+        for key in dict.fromkeys(keys):
+            seen = self._seen.pop(key, None) or Sighting()
+            before[key] = Sighting(seen.count, seen.always_opening)
+            seen.count += 1
+            seen.always_opening = seen.always_opening and key in openings
+            self._seen[key] = seen
+        while len(self._seen) > self.max_entries:
+            self._seen.popitem(last=False)
+        return before
