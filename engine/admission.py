@@ -176,4 +176,4 @@ class ChunkAdmission:
                 loaded = c.key in request.loaded_tiers  # from a storage tier: not computed, a hit
                 (stats.docs_missed if c.key in missed_keys and not loaded else stats.docs_hit).append(c.doc_id)
                 stats.doc_tiers[c.doc_id] = request.loaded_tiers.get(c.key, "computed" if c.key in missed_keys else "kv")
-                stats.doc_sources.setdefault(c.doc_id, "learned" if c.learned else "id")
+                stats.doc_sources.setdefault(c.doc_id, c.source)

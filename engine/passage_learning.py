@@ -97,16 +97,11 @@ class PassageLearner:
         """Record the eligible pieces; those recurring enough, by ``(message, part)`` index."""
         found: dict[tuple[int, int], list[tuple[Piece, str]]] = {}
         keys, openings = [], set()
-        for where, text, whole in _eligible_parts(messages):
-            pieces = split_passages(text)
-            for i, piece in enumerate(pieces):
-                if piece.separator or len(piece.text) < self.min_tokens or (whole and len(pieces) == 1):
-                    continue
-                key = passage_key(namespace, piece.text)
-                keys.append(key)
-                if i == 0 and where[1] == 0:
-                    openings.add(key)
-                found.setdefault(where, []).append((piece, key))
+        for where, index, piece, key in eligible_pieces(messages, namespace, self.min_tokens):
+            keys.append(key)
+            if index == 0 and where[1] == 0:
+                openings.add(key)
+            found.setdefault(where, []).append((piece, key))
         if not keys:
             return {}
         before = self.history.observe(keys, openings)
@@ -147,6 +142,19 @@ class PassageLearner:
                     parts.append(part[pos:])
             out.append(Message(message.role, tuple(parts)) if parts != list(message.parts()) else message)
         return out, passages
+
+
+def eligible_pieces(messages: Sequence[Message], namespace: str, min_chars: int):
+    """``((message index, part index), piece index, piece, key)`` of every piece a passage may
+    be learned from (rule 1 of the module docstring; at least ``min_chars`` characters), with its
+    sightings key (:func:`~lazyattn_rag.engine.passages.passage_key`): what ``lazyattn serve``'s
+    router hashes to send a request where its passages were seen."""
+    for where, text, whole in _eligible_parts(messages):
+        pieces = split_passages(text)
+        for index, piece in enumerate(pieces):
+            if piece.separator or len(piece.text) < min_chars or (whole and len(pieces) == 1):
+                continue
+            yield where, index, piece, passage_key(namespace, piece.text)
 
 
 def _eligible_parts(messages: Sequence[Message]):

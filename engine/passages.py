@@ -12,9 +12,10 @@ whatever position it sits:
 * **separator lines** (``-----``, ``=====``, ``***``, ``###``, ``~~~`` rules of three or more,
   a tag alone on its line such as ``<document>`` or ``</context>``, a short label alone on its
   line such as ``Sources:`` or ``Document 2:``) are pieces of their own, except that a rule
-  directly followed by a short piece (fewer than ``HEADER_ATTACH_CHARS``: a template's own
-  sentence, never a retrieved passage) begins that piece, as LlamaIndex's closing rule begins
-  its "Given the context information..." line;
+  directly followed by a short piece that closes the context (fewer than
+  ``HEADER_ATTACH_CHARS``, with a separator, a label or the end after it: a template's own
+  sentence, not a retrieved passage) begins that piece, as LlamaIndex's closing rule begins its
+  "Given the context information..." line;
 * **labels** that open a RAG section (``Context:``, ``Documents:``, ``Question:``,
   ``Query:``, ``Answer:``...) at the start of a line start a new piece, and are cut from the
   text that follows them on the same line (``Context: <first passage>``);
@@ -112,11 +113,13 @@ def _close(pieces: list[Piece], text: str, start: int | None, end: int, separato
 
 
 def _attach_headers(pieces: list[Piece], text: str) -> list[Piece]:
-    """A rule directly followed (on the next line) by a short piece begins that piece."""
+    """A rule directly followed (on the next line) by a short piece that closes the context (a
+    separator, a label or the end follows it) begins that piece: the template's closing sentence."""
     out: list[Piece] = []
-    for piece in pieces:
+    for i, piece in enumerate(pieces):
         prev = out[-1] if out else None
-        if (prev is not None and prev.separator and _RULE.fullmatch(prev.text) and not piece.separator
+        closing = i + 1 == len(pieces) or pieces[i + 1].separator
+        if (prev is not None and prev.separator and _RULE.fullmatch(prev.text) and not piece.separator and closing
                 and len(piece.text) < HEADER_ATTACH_CHARS and text[prev.end:piece.start].count("\n") <= 1):
             out[-1] = Piece(prev.start, piece.end, text[prev.start:piece.end])
         else:

@@ -147,7 +147,7 @@ class PromptPlanner:
         remedy = self._remedies(remedies)
         plan = PromptPlan(tuple(self.chunks(doc_ids, namespace)), tuple(self.template.tail_token_ids(question)))
         self._check_length(plan, f"{len(doc_ids)} documents")
-        return self._for_mode(plan, *remedy)
+        return self._for_mode(plan, *remedy, namespace=namespace)
 
     def plan_messages(self, messages: list[Message], namespace: str = "",
                       remedies: RequestRemedies = RequestRemedies(),
@@ -179,7 +179,7 @@ class PromptPlanner:
         self.documents.check_ids([d for d in doc_ids if d not in passages], namespace)
         lead = self.template.leading_special_ids()
         if not doc_ids:
-            return self.plan_plain(lead + self.template.encode_runs(pieces[0].runs if pieces else ()))
+            return self.plan_plain(lead + self.template.encode_runs(pieces[0].runs if pieces else ()), namespace)
         if isinstance(pieces[-1], DocumentRef):
             raise EmptyInputError("the messages end with a document: nothing follows it to answer from")
         if isinstance(pieces[0], DocumentRef):
@@ -189,8 +189,9 @@ class PromptPlanner:
             if isinstance(piece, DocumentRef):
                 learned = piece.id in passages
                 doc = passages[piece.id] if learned else self.documents.get(piece.id, namespace)
+                source = "learned" if learned else "matched" if piece.matched else "id"
                 chunks.append(ChunkSegment(doc.key, doc.token_ids, len(self.anchor_ids), pos, piece.id,
-                                           learned=learned))
+                                           source=source))
                 pos += len(doc.token_ids)
                 continue
             ids = (lead if i == 0 else []) + self.template.encode_runs(piece.runs)
@@ -202,7 +203,7 @@ class PromptPlanner:
         tail = self.template.encode_runs(pieces[-1].runs)
         plan = PromptPlan(tuple(chunks), tuple(tail), texts=tuple(texts))
         self._check_length(plan, f"{len(messages)} messages, {len(doc_ids)} documents")
-        return self._for_mode(plan, *remedy)
+        return self._for_mode(plan, *remedy, namespace=namespace)
 
     def plan_prompt(self, prompt: str | list[int] | tuple[int, ...]) -> PromptPlan:
         """A raw prompt (text in the caller's own template, or token ids), computed whole.
@@ -220,8 +221,10 @@ class PromptPlanner:
             return self.plan_plain(list(prompt))
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def plan_plain(self, prompt_ids: list[int]) -> PromptPlan:
-        """A plan without cached chunks: the whole prompt is computed (a standard prefill).
+    def plan_plain(self, prompt_ids: list[int], namespace: str = "") -> PromptPlan:
+        """A plan without cached chunks: the whole prompt is computed (a standard prefill), its
+        full blocks reused from an earlier prompt of ``namespace`` that starts the same
+        (:attr:`caches_prefixes`).
 
         Raises:
             EmptyInputError: empty prompt.
@@ -235,7 +238,7 @@ class PromptPlanner:
                 raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}")
         plan = PromptPlan((), tuple(prompt_ids))
         self._check_length(plan, "plain prompt")
-        return self._with_prefix_keys(plan) if self.caches_prefixes else plan
+        return self._with_prefix_keys(plan, namespace) if self.caches_prefixes else plan
 
     def plan_warm(self, doc_ids: list[str], namespace: str = "") -> PromptPlan:
         """A warm-up's plan: the documents' chunks, no question. Raises ``UnknownDocumentError``."""
@@ -292,7 +295,7 @@ class PromptPlanner:
         return head_k, ratio, scaling
 
     def _for_mode(self, plan: PromptPlan, head_tokens: int = 0, selective_ratio: float = 0.0,
-                  chunk_scaling: bool = False) -> PromptPlan:
+                  chunk_scaling: bool = False, namespace: str = "") -> PromptPlan:
         """The plan as ``CacheConfig.mode`` runs it (the comparison modes of the benchmarks), with
         ``head_tokens`` of every document recomputed, a ``selective_ratio`` of its tokens, or its
         documents read with chunk attention scaling (``lazy`` mode)."""
@@ -300,7 +303,7 @@ class PromptPlanner:
         if mode == "full":
             return PromptPlan((), tuple(plan.token_ids()))
         if mode == "prefix":
-            return self._with_prefix_keys(PromptPlan((), tuple(plan.token_ids())))
+            return self._with_prefix_keys(PromptPlan((), tuple(plan.token_ids())), namespace)
         if mode == "block_attention":
             return PromptPlan(tuple(self._positioned(c) for c in plan.chunks), plan.query_token_ids,
                               texts=plan.texts)
@@ -309,7 +312,7 @@ class PromptPlanner:
             plan = dataclasses.replace(plan, chunk_scaling=True)
         elif selective_ratio and plan.chunks:
             plan = dataclasses.replace(plan, selective_ratio=selective_ratio)
-        return self._with_prefix_keys(plan) if self.caches_prefixes else plan
+        return self._with_prefix_keys(plan, namespace) if self.caches_prefixes else plan
 
     @staticmethod
     def _positioned(chunk: ChunkSegment) -> ChunkSegment:
@@ -326,21 +329,22 @@ class PromptPlanner:
         cache = self.config.cache
         return cache.mode == "prefix" or (cache.mode == "lazy" and cache.prefix_caching)
 
-    def _with_prefix_keys(self, plan: PromptPlan) -> PromptPlan:
+    def _with_prefix_keys(self, plan: PromptPlan, namespace: str = "") -> PromptPlan:
         """``plan`` with the chained keys of its tail's full blocks (``PromptPlan.prefix_block_keys``).
 
-        The chain starts from the model's digest for a prompt with nothing before its tail (a
-        plain prompt: vLLM's automatic prefix caching), else from a digest of everything the
-        tail attends to: each chunk's key, offset and skipped head, each text segment's tokens
-        and position, and the request's remedies, so a block is reused only after the same
-        context at the same positions."""
+        The chain starts from the model's digest and ``namespace`` for a prompt with nothing
+        before its tail (a plain prompt: vLLM's automatic prefix caching, one tenant's prefixes
+        never another's), else from a digest of everything the tail attends to as well: each
+        chunk's key, offset and skipped head, each text segment's tokens and position, and the
+        request's remedies, so a block is reused only after the same context at the same
+        positions."""
         return dataclasses.replace(plan, prefix_block_keys=self.prefix_keys(plan.query_token_ids,
-                                                                             self._context_seed(plan)))
+                                                                             self._context_seed(plan, namespace)))
 
-    def _context_seed(self, plan: PromptPlan) -> str:
+    def _context_seed(self, plan: PromptPlan, namespace: str) -> str:
         if not plan.chunks and not plan.texts:
-            return self.model_digest
-        context = {"chunks": [[c.key, c.global_start, c.num_skipped] for c in plan.chunks],
+            return chunk_key(self.model_digest, f"namespace:{namespace}", []) if namespace else self.model_digest
+        context = {"namespace": namespace, "chunks": [[c.key, c.global_start, c.num_skipped] for c in plan.chunks],
                    "texts": [[t.global_start, list(t.token_ids)] for t in plan.texts],
                    "selective_ratio": plan.selective_ratio, "chunk_scaling": plan.chunk_scaling}
         return chunk_key(self.model_digest, "context:" + json.dumps(context, separators=(",", ":")), [])

@@ -293,7 +293,7 @@ def split_message(text: str, matches: Sequence[tuple[int, int, Candidate, bool]]
         after_document = bool(parts) and isinstance(parts[-1], DocumentRef)
         if gap and not (after_document and not _view(gap, unescape=True).chars.strip()):
             parts.append(gap)
-        parts.append(DocumentRef(candidate.doc_id))
+        parts.append(DocumentRef(candidate.doc_id, matched=True))
         pos = end
     if text[pos:] or not parts:
         parts.append(text[pos:])

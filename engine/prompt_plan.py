@@ -32,8 +32,10 @@ class ChunkSegment:
         num_skipped: its first tokens that the request computes itself (a :class:`TextSegment`
             of them at ``global_start``: chunk-head recompute, ``CacheConfig.recompute_chunk_head_tokens``);
             only the others are read from the cache. The chunk is still acquired whole.
-        learned: a passage learned from traffic (``CacheConfig.learn_passages``): content-keyed
-            like a document but bound to no document id, so its entry lives until evicted.
+        source: how a document came to be placed (``RequestStats.doc_sources``): ``"id"``,
+            ``"matched"`` (its text found in the prompt) or ``"learned"`` (a passage learned from
+            traffic, ``CacheConfig.learn_passages``: content-keyed like a document but bound to
+            no document id, so its entry lives until evicted).
     """
 
     key: str
@@ -43,7 +45,11 @@ class ChunkSegment:
     doc_id: str | None
     source_key: str | None = None
     num_skipped: int = 0
-    learned: bool = False
+    source: str = "id"
+
+    @property
+    def learned(self) -> bool:
+        return self.source == "learned"
 
     @property
     def cached_token_ids(self) -> tuple[int, ...]:

@@ -112,8 +112,16 @@ class DocumentRegistry:
         return self._bind(self._prepare(documents, namespace))
 
     def _prepare(self, documents: list[tuple[str, str]], namespace: str) -> list[tuple[str, RegisteredDocument]]:
+        """Each document validated and tokenized, except one registered with this very text (a
+        server sends a request's documents with every request: they are compared, not tokenized
+        again)."""
         check_namespace(namespace)
-        return [(scoped_id(doc_id, namespace), self.prepare(doc_id, text, namespace)) for doc_id, text in documents]
+        out = []
+        for doc_id, text in documents:
+            old = self._documents.get(scoped_id(doc_id, namespace)) if isinstance(doc_id, str) else None
+            doc = old if old is not None and old.text == text else self.prepare(doc_id, text, namespace)
+            out.append((scoped_id(doc_id, namespace), doc))
+        return out
 
     def remove(self, doc_id: str, namespace: str = "") -> None:
         """Forget a document; its cached K/V is dropped once no running request reads it.

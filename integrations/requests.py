@@ -32,7 +32,7 @@ from lazyattn_rag.engine.prompt_match import (
     split_message,
 )
 from lazyattn_rag.integrations.reuse_report import CallReport
-from lazyattn_rag.types.messages import DocumentRef, Message
+from lazyattn_rag.types.messages import Message, rag_messages
 from lazyattn_rag.types.outputs import StreamDelta
 
 if TYPE_CHECKING:
@@ -144,9 +144,7 @@ def rag_request(question: str, documents: Sequence[Document], preamble: Sequence
         kept.append(d)
     if not preamble:
         return EngineRequest(question=question, documents=kept)
-    turn = (prompt.instruction, *(DocumentRef(d.id) for d in kept), prompt.question_prefix + question.strip())
-    messages = [Message(role, text) for role, text in preamble] + [Message("user", turn)]
-    return EngineRequest(documents=kept, messages=messages)
+    return EngineRequest(documents=kept, messages=rag_messages(question, [d.id for d in kept], preamble, prompt))
 
 
 def looks_like_rag(text: str) -> bool:
@@ -206,10 +204,17 @@ class PromptMatcher:
     def request(self, messages: Sequence[tuple[str, str]], retrieved: Sequence[Candidate] = ()) -> EngineRequest:
         """The chat request for formatted ``messages`` ``(role, text)``.
 
+        Against a ``lazyattn serve`` server (a remote engine) the messages go as plain text: the
+        server finds its registered documents in them and learns the passages that recur
+        (``lazyattn_rag/serve/payload.py``), so the client makes no call of its own per query and
+        never downloads the registry.
+
         Args:
             messages: roles ``system``, ``user`` or ``assistant``.
             retrieved: documents the framework retrieved in this query (registered when found).
         """
+        if getattr(self.llm, "is_remote", False):
+            return EngineRequest(messages=[Message(role, text) for role, text in messages])
         registered, texts = self.registered()
         own = [_own_id(c, texts) for c in retrieved]
         fresh = DocumentMatcher(own)

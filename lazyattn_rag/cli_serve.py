@@ -32,22 +32,35 @@ def serve(
     disk_cache_bytes: str = cli_opts.DISK_CACHE_BYTES,
     host_cache_bytes: str = cli_opts.HOST_CACHE_BYTES,
     redis_url: Optional[str] = cli_opts.REDIS_URL,
+    learn_passages: bool = typer.Option(True, "--learn-passages/--no-learn-passages",
+                                        help="Serve passages that recur in plain prompts (retrieved texts an "
+                                             "unchanged OpenAI client pastes into its messages) from cached chunks "
+                                             "at any offset."),
+    enable_prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching",
+                                               help="Reuse exact prompt prefixes (system prompts, earlier chat "
+                                                    "turns, repeats), as vLLM does."),
+    registry: str = typer.Option("auto", metavar="WHERE",
+                                 help="Where registered documents persist: auto (the --redis-url server, else a "
+                                      "SQLite file under the cache dir), a redis:// URL, a file path, or memory."),
+    ingress_replicas: int = typer.Option(1, min=1, help="HTTP ingress replicas (they share the registry)."),
 ) -> None:
     """Serve the model over HTTP: OpenAI chat completions with document ids, on Ray Serve replicas.
 
-    POST /v1/documents registers documents; POST /v1/chat/completions answers, placing the documents whose ids its "documents" field lists; GET /metrics is Prometheus.
+    POST /v1/documents registers documents; POST /v1/chat/completions answers, placing the documents whose ids its "documents" field lists, or, for a plain prompt, those whose registered text it contains; passages that recur in plain prompts are learned and exact prefixes cached; GET /metrics is Prometheus.
 
-    The engine options are lazyattn chat's; with --redis-url the replicas share computed chunks.
+    The engine options are lazyattn chat's; with --redis-url the replicas share computed chunks and the registry.
     """
     from lazyattn_rag.serve.config import ServeConfig
 
     try:
         tiers = cli_opts.tier_settings(cache_dir, disk_cache, no_disk_cache, disk_cache_bytes, host_cache_bytes,
                                        redis_url)
-        engine = cli_opts.engine_config(model, device, backend, anchor, cache_dir, tiers)
+        reuse = {"learn_passages": learn_passages, "prefix_caching": enable_prefix_caching}
+        engine = cli_opts.engine_config(model, device, backend, anchor, cache_dir, tiers | reuse)
         gpus = gpus_per_replica if gpus_per_replica is not None else float(_uses_cuda(device))
         config = ServeConfig(num_replicas=replicas, num_gpus_per_replica=gpus, router=router,
-                             imbalanced_threshold=imbalanced_threshold, host=host, port=port)
+                             imbalanced_threshold=imbalanced_threshold, host=host, port=port, registry=registry,
+                             num_ingress_replicas=ingress_replicas)
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e

@@ -22,6 +22,13 @@ _COUNTERS = {
     "num_requests_aborted": ("requests_aborted", "Requests cancelled by the caller."),
     "num_prompt_tokens": ("prompt_tokens", "Prompt tokens of finished requests."),
     "num_cached_prompt_tokens": ("cached_prompt_tokens", "Prompt tokens served from the chunk cache."),
+    "num_exact_prefix_tokens": ("exact_prefix_tokens", "Cached prompt tokens reused where they were computed "
+                                                      "(prompt heads, exact-prefix blocks)."),
+    "num_shifted_tokens": ("shifted_tokens", "Cached prompt tokens of documents and learned passages placed at "
+                                             "new offsets."),
+    "num_computed_prompt_tokens": ("computed_prompt_tokens", "Prompt tokens computed by their requests."),
+    "num_recomputed_tokens": ("recomputed_tokens", "Computed prompt tokens of cached documents a fidelity remedy "
+                                                   "computed again."),
     "num_output_tokens": ("output_tokens", "Generated tokens."),
     "num_evictions": ("chunk_evictions", "Chunks evicted from the cache."),
     "num_preemptions": ("preemptions", "Requests preempted (blocks freed, recomputed later)."),
@@ -89,7 +96,20 @@ def _tier_metrics(prefix: str, tiers: dict):
         yield family
 
 
-ENGINE_STAT_KEYS = (*_COUNTERS, *_GAUGES)  # the engine-wide keys of stats() exported as metrics
+_PLACEMENTS = ("document_placements", "Documents placed in finished requests, by how they came to be placed: id "
+                                      "(named), matched (their text found in a plain prompt), learned (a recurring "
+                                      "passage).")
+ENGINE_STAT_KEYS = (*_COUNTERS, *_GAUGES, "doc_placements")  # the engine-wide keys of stats() exported as metrics
+
+
+def _placements(prefix: str, stats_by_replica: dict[str, dict], labels: tuple[str, ...]):
+    from prometheus_client.core import CounterMetricFamily
+
+    family = CounterMetricFamily(f"{prefix}_{_PLACEMENTS[0]}", _PLACEMENTS[1], labels=[*labels, "source"])
+    for replica, stats in sorted(stats_by_replica.items()):
+        for source in ("id", "matched", "learned"):
+            family.add_metric([*([replica] if labels else []), source], (stats.get("doc_placements") or {}).get(source, 0))
+    return family
 
 
 def engine_stat_families(namespace: str, stats_by_replica: dict[str, dict]):
@@ -104,6 +124,7 @@ def engine_stat_families(namespace: str, stats_by_replica: dict[str, dict]):
                 if stats.get(key) is not None:
                     family.add_metric([replica], stats[key])
             yield family
+    yield _placements(namespace, stats_by_replica, ("replica",))
 
 
 class EngineCollector:
@@ -126,6 +147,7 @@ class EngineCollector:
             yield CounterMetricFamily(f"{self.namespace}_{name}", doc, value=stats[key])
         for key, (name, doc) in _GAUGES.items():
             yield GaugeMetricFamily(f"{self.namespace}_{name}", doc, value=stats[key])
+        yield _placements(self.namespace, {"": stats}, ())
         if stats.get("tiers"):
             yield from _tier_metrics(self.namespace, stats["tiers"])
 

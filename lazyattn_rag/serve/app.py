@@ -47,8 +47,10 @@ def build_app(engine_config: EngineConfig | None, config: ServeConfig = ServeCon
             request_router_class=DocumentAffinityRouter,
             request_router_kwargs={"imbalanced_threshold": config.imbalanced_threshold})
     engine = serve.deployment(**options)(EngineReplica)
-    ingress = serve.deployment(name="ingress", num_replicas=1, max_ongoing_requests=4 * config.max_ongoing_requests,
-                               ray_actor_options={"num_cpus": 0}, logging_config=logging_config)(make_ingress(config))
+    ingress = serve.deployment(name="ingress", num_replicas=config.num_ingress_replicas,
+                               max_ongoing_requests=4 * config.max_ongoing_requests,
+                               ray_actor_options={"num_cpus": 0}, logging_config=logging_config)(
+        make_ingress(config, engine_config))
     return ingress.bind(engine.bind(engine_config, build))
 
 

@@ -28,6 +28,11 @@ class ServeConfig:
         host, port: where the HTTP API listens.
         max_body_bytes: request bodies larger than this are refused with 413.
         app_name: the Ray Serve application's name.
+        num_ingress_replicas: HTTP ingress replicas (they share the registry below).
+        registry: where registered documents persist (``lazyattn_rag/serve/registry.py``):
+            ``"auto"`` (the engine's Redis server when ``CacheConfig.redis_url`` is set, else a
+            SQLite file ``registry/<app_name>.sqlite3`` under the engine's cache dir), a
+            ``redis://`` URL, a file path, or ``"memory"`` (this ingress only; gone on restart).
         log_level: the replicas' log level (Ray Serve's ``LoggingConfig``); ``"INFO"`` adds
             one access-log line per request.
     Raises:
@@ -45,9 +50,13 @@ class ServeConfig:
     max_body_bytes: int = 16 << 20
     app_name: str = "lazyattn"
     log_level: str = "WARNING"
+    num_ingress_replicas: int = 1
+    registry: str = "auto"
 
     def __post_init__(self):
-        for name in ("num_replicas", "max_ongoing_requests", "max_body_bytes"):
+        if not isinstance(self.registry, str) or not self.registry:
+            raise ValueError(f"registry must be 'auto', 'memory', a redis:// URL or a file path, got {self.registry!r}")
+        for name in ("num_replicas", "max_ongoing_requests", "max_body_bytes", "num_ingress_replicas"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -9,14 +9,17 @@ Routes (OpenAI's shapes where OpenAI has the route; errors are OpenAI's
   usage chunk; ``usage.prompt_tokens_details.cached_tokens`` counts prompt tokens served from
   cached K/V.
 * ``POST /v1/documents`` ``{"documents": [{"id", "text"}], "namespace"}``: checked and
-  registered on a replica, then kept here; ``GET /v1/documents`` lists them
+  registered on a replica, then kept in the registry (``registry.py``: Redis or a SQLite file,
+  so a restarted ingress, or a second one, knows them); ``GET /v1/documents`` lists them
   (``?texts=true`` with their texts); ``DELETE /v1/documents/{id}``.
 * ``POST /tokenize`` (vLLM's shape: ``prompt`` or ``messages``), ``GET /v1/models``,
   ``GET /health``, ``GET /metrics`` (Prometheus: requests by route and status, and each
   replica's engine stats as of its last finished request).
 
-The document registry lives in this (single) ingress replica; every request carries the texts
-of the documents it places, so any engine replica can serve it. A replica that dies before a
+A chat request that names no document has the registered documents found in its plain text
+(``payload.py``); every request carries the texts of the documents it places, so any engine
+replica can serve it, and the router sends it where its documents and passages were computed.
+A replica that dies before a
 request has sent any output is retried once on another (the router no longer offers the dead
 one); one that dies mid-stream ends the stream with an ``error`` event. Unknown document ids
 are 404 naming the id; bodies over ``ServeConfig.max_body_bytes`` 413; bad JSON, bad fields
@@ -34,152 +37,23 @@ from typing import Any
 
 from fastapi import FastAPI, Request  # at module level: FastAPI resolves the routes' annotations here
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
 
 from lazyattn_rag.serve.config import ServeConfig
+from lazyattn_rag.serve.http_errors import ApiError, parse, read_json
+from lazyattn_rag.serve.payload import chat_payload, registered_text, routing_keys
 from lazyattn_rag.serve.protocol import ChatCompletionRequest, DocumentsRequest, TokenizeRequest
-from lazyattn_rag.types.wire import DOCUMENT_CHANGED, stats_from_body, text_hash, usage
+from lazyattn_rag.serve.registry import DocumentStore, open_registry
+from lazyattn_rag.types.config import EngineConfig
+from lazyattn_rag.types.wire import stats_from_body, usage
 
 logger = logging.getLogger("lazyattn_rag.serve")
 RESPONSES: Counter[tuple[str, int]] = Counter()  # (route, status) -> responses of this (single) ingress process
-
-
-class ApiError(Exception):
-    """An HTTP error with OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 def _replica_gone_errors() -> tuple[type[BaseException], ...]:
     from ray.exceptions import ActorUnavailableError, RayActorError
 
     return RayActorError, ActorUnavailableError
-
-
-def parse(model: type[BaseModel], data: Any) -> BaseModel:
-    """``data`` validated as ``model``; a :class:`ApiError` (400) naming the first bad field."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as error:
-        errors = error.errors()
-        # of a union's branches, the one of the value's own type says what is wrong with it
-        first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
-        where = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("constrained-", "list[")))
-        where = where or "body"
-        raise ApiError(400, f"{where}: {first['msg']}", param=where) from None
-
-
-async def read_json(request, limit: int) -> Any:
-    """The request's JSON body, read up to ``limit`` bytes (413 past it, 400 if not JSON)."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise ApiError(413, f"the request body has {length} bytes; the limit is {limit}", code="body_too_large")
-    body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > limit:
-            raise ApiError(413, f"the request body exceeds the limit of {limit} bytes", code="body_too_large")
-    try:
-        data = json.loads(body)
-    except ValueError as error:
-        raise ApiError(400, f"the request body is not valid JSON: {error}") from None
-    except RecursionError:
-        raise ApiError(400, "the request body is nested too deeply") from None
-    _check_text(data)
-    return data
-
-
-def _check_text(value: Any, where: str = "body") -> None:
-    """Every string in ``value`` must be Unicode text (JSON's ``\\ud800`` escapes can make lone
-    surrogates, which no tokenizer takes): 400 naming where one is."""
-    stack = [(value, where)]
-    while stack:
-        item, path = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ApiError(400, f"{path}: not valid Unicode text (a lone surrogate)", param=path) from None
-        elif isinstance(item, dict):
-            stack.extend((v, f"{path}.{k}") for k, v in item.items())
-            stack.extend((k, f"{path} key") for k in item)
-        elif isinstance(item, list):
-            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
-
-
-class DocumentStore:
-    """The ingress's documents: ``(namespace, id) -> text``, with a version that changes with them."""
-
-    def __init__(self):
-        self.texts: dict[tuple[str, str], str] = {}
-        self.version = 0
-
-    def text(self, namespace: str, doc_id: str) -> str:
-        try:
-            return self.texts[(namespace, doc_id)]
-        except KeyError:
-            where = f" in namespace {namespace!r}" if namespace else ""
-            raise ApiError(404, f"unknown document id {doc_id!r}{where}: register it with POST /v1/documents",
-                           kind="not_found_error", param="documents", code="document_not_found") from None
-
-    def put(self, namespace: str, documents: list[tuple[str, str]]) -> None:
-        for doc_id, text in documents:
-            if self.texts.get((namespace, doc_id)) != text:
-                self.texts[(namespace, doc_id)] = text
-                self.version += 1
-
-    def delete(self, namespace: str, doc_id: str) -> None:
-        self.text(namespace, doc_id)  # 404 when unknown
-        del self.texts[(namespace, doc_id)]
-        self.version += 1
-
-    def ids(self, namespace: str) -> list[str]:
-        return [i for ns, i in self.texts if ns == namespace]
-
-
-def routing_keys(namespace: str, doc_ids) -> list[str]:
-    """What the router hashes: each distinct document's namespace and id."""
-    return [f"{namespace}\x00{i}" for i in dict.fromkeys(doc_ids)]
-
-
-def chat_payload(body: ChatCompletionRequest, store: DocumentStore) -> tuple[dict[str, Any], list[str]]:
-    """The replica's payload for ``body`` (``EngineReplica.generate``) and its routing keys.
-
-    Raises:
-        ApiError: 404 for a document id neither registered nor given inline.
-    """
-    ns, placed, texts, transient = body.namespace, [], {}, []
-    for d in body.documents:
-        if isinstance(d, str):
-            texts.setdefault(d, store.text(ns, d))
-            placed.append(d)
-            continue
-        registered = store.texts.get((ns, d.id))
-        if registered is not None and registered != d.text or texts.get(d.id, d.text) != d.text:
-            raise ApiError(400, f"document id {d.id!r} is given with two different texts (inline and registered, or "
-                                "twice inline): give the inline text another id, or register it first",
-                           param="documents")
-        if registered is None and d.id not in transient:
-            transient.append(d.id)
-        texts[d.id] = d.text
-        placed.append(d.id)
-    for message in body.messages:
-        for doc_id in message.document_ids():
-            texts.setdefault(doc_id, texts.get(doc_id) or store.text(ns, doc_id))
-    changed = [i for i, h in body.document_hashes.items() if i in texts and text_hash(texts[i]) != h]
-    if changed:
-        raise ApiError(409, f"documents registered since with other texts: {', '.join(map(repr, changed))} (register "
-                            "yours again)", kind="invalid_request_error", param="document_hashes",
-                       code=DOCUMENT_CHANGED)
-    payload = {"messages": [m.as_wire() for m in body.messages], "documents": list(texts.items()),
-               "placed": placed, "sampling": body.sampling_body(), "namespace": ns, "transient": transient}
-    return payload, routing_keys(ns, texts)
 
 
 async def count_responses(request: Request, call_next):
@@ -191,8 +65,12 @@ async def count_responses(request: Request, call_next):
     return response
 
 
-def make_ingress(config: ServeConfig):
-    """The ingress deployment class (undecorated by ``serve.deployment``) over a FastAPI app."""
+def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None):
+    """The ingress deployment class (undecorated by ``serve.deployment``) over a FastAPI app;
+    ``engine_config`` (the replicas', when known) locates the registry and says whether
+    passages are learned (their keys then route requests)."""
+    cache = (engine_config or EngineConfig()).cache
+    passage_min_chars = cache.passage_min_tokens if cache.learn_passages and cache.mode == "lazy" else None
     from ray import serve
 
     import lazyattn_rag
@@ -218,7 +96,7 @@ def make_ingress(config: ServeConfig):
 
         def __init__(self, engine):
             self.engine = engine
-            self.documents = DocumentStore()
+            self.documents = DocumentStore(open_registry(config, engine_config))
             self.replica_stats: dict[str, dict] = {}
             self.replica_requests: Counter[str] = Counter()
             self.num_retries = 0
@@ -260,24 +138,29 @@ def make_ingress(config: ServeConfig):
             ids, namespace = (data.get("ids"), data.get("namespace", "")) if isinstance(data, dict) else (None, "")
             if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids) or not isinstance(namespace, str):
                 raise ApiError(400, "give 'ids', a list of registered document ids, and optionally 'namespace'")
-            documents = [(i, self.documents.text(namespace, i)) for i in dict.fromkeys(ids)]
+            self.documents.sync()
+            documents = [(i, registered_text(self.documents, namespace, i)) for i in dict.fromkeys(ids)]
             result = await self.engine.warm.remote(documents, namespace, routing_keys=routing_keys(namespace, ids))
             _raise_for(result)
             return result
 
         @app.get("/v1/documents/version")
         async def documents_version(self):
+            self.documents.sync()
             return {"version": self.documents.version}
 
         @app.get("/v1/documents")
         async def list_documents(self, namespace: str = "", texts: bool = False):
+            self.documents.sync()
             ids = self.documents.ids(namespace)
-            data = [{"id": i, "object": "document", **({"text": self.documents.text(namespace, i)} if texts else {})}
+            data = [{"id": i, "object": "document", **({"text": self.documents.get(namespace, i)} if texts else {})}
                     for i in ids]
             return {"object": "list", "namespace": namespace, "version": self.documents.version, "data": data}
 
         @app.delete("/v1/documents/{doc_id:path}")
         async def delete_document(self, doc_id: str, namespace: str = ""):
+            self.documents.sync()
+            registered_text(self.documents, namespace, doc_id)  # 404 when unknown
             self.documents.delete(namespace, doc_id)
             return {"id": doc_id, "object": "document", "deleted": True, "version": self.documents.version}
 
@@ -289,7 +172,7 @@ def make_ingress(config: ServeConfig):
                                                             "add_special_tokens": body.add_special_tokens})
             else:
                 chat = ChatCompletionRequest(messages=body.messages, documents=body.documents, namespace=body.namespace)
-                payload, keys = chat_payload(chat, self.documents)
+                payload, keys = chat_payload(chat, self.documents, passage_min_chars)
                 result = await self.engine.tokenize.remote({"payload": payload}, routing_keys=keys)
             _raise_for(result)
             return result
@@ -301,7 +184,7 @@ def make_ingress(config: ServeConfig):
             if body.model not in (None, "", info["model"]):
                 raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {info['model']!r}",
                                kind="not_found_error", param="model", code="model_not_found")
-            payload, keys = chat_payload(body, self.documents)
+            payload, keys = chat_payload(body, self.documents, passage_min_chars)
             answer = _Answer(info["model"])
             if not body.stream:
                 return answer.completion(await self._collect(payload, keys))

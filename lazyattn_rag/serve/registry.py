@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Protocol
 
 from lazyattn_rag.engine.prompt_match import Candidate, DocumentMatcher
+from lazyattn_rag.serve.config import ServeConfig
+from lazyattn_rag.types.config import EngineConfig
 
 Change = tuple[str, str, str | None]  # (namespace, id, text; None: deleted)
 
@@ -157,6 +159,22 @@ class RedisRegistry:
             text = by_field[f]
             out.append((namespace, doc_id, None if text is None else text.decode()))
         return version, out
+
+
+def open_registry(config: ServeConfig, engine_config: EngineConfig | None = None) -> "RegistryStore | None":
+    """The store ``config.registry`` names (``None`` for ``"memory"``); see :class:`ServeConfig`."""
+    where = config.registry
+    engine_config = engine_config or EngineConfig()
+    if where == "memory":
+        return None
+    if where == "auto":
+        url = engine_config.cache.redis_url
+        if url is not None:
+            return RedisRegistry(url, prefix=f"lazyattn:registry:{config.app_name}")
+        return SqliteRegistry(engine_config.resolved_cache_dir() / "registry" / f"{config.app_name}.sqlite3")
+    if where.startswith(("redis://", "rediss://", "unix://")):
+        return RedisRegistry(where, prefix=f"lazyattn:registry:{config.app_name}")
+    return SqliteRegistry(where)
 
 
 class DocumentStore:

@@ -27,7 +27,7 @@ from lazyattn_rag.metrics import ENGINE_STAT_KEYS
 from lazyattn_rag.types.config import EngineConfig
 from lazyattn_rag.types.documents import Document
 from lazyattn_rag.types.errors import LazyAttentionError, UnknownDocumentError
-from lazyattn_rag.types.messages import as_message
+from lazyattn_rag.types.messages import Message, as_message, rag_messages
 from lazyattn_rag.types.wire import ERROR_CODES, sampling_from_body, stats_to_body
 
 def error_event(error: BaseException) -> dict[str, Any]:
@@ -138,38 +138,49 @@ class EngineReplica:
             yield {"error": {"message": f"the answer failed: {type(error).__name__}: {error}",
                              "type": type(error).__name__, "status": 500, "code": None}}
 
-    def _request(self, payload: dict[str, Any]):
-        """``(EngineRequest, documents)`` of a payload (the documents registered with it)."""
-        from lazyattn_rag.integrations.requests import EngineRequest, rag_request
+    def _request(self, payload: dict[str, Any]) -> tuple[list[Message], list[Document], str | None]:
+        """A payload as ``(messages, documents, question)``: the documents (registered with the
+        request) and either chat messages that place them, or, for the ``documents`` field
+        with no earlier turn, the question of the engine's own RAG prompt (``None`` otherwise).
 
+        Raises:
+            ValueError: ``documents`` with a last message that is not the user's plain text, or
+                with earlier turns that place documents themselves.
+        """
         messages = [as_message(m) for m in payload["messages"]]
         documents = [Document(i, t) for i, t in payload.get("documents", ())]
         placed = payload.get("placed", [])
         if not placed:
-            return EngineRequest(documents=documents, messages=messages), documents
+            return messages, documents, None
         *history, last = messages
         if last.role != "user" or not isinstance(last.content, str):
             raise ValueError("with 'documents', the last message must be the user's question, as plain text")
         if any(not isinstance(m.content, str) for m in history):
             raise ValueError("with 'documents', earlier messages must be plain text (place documents in one way)")
         by_id = {d.id: d for d in documents}
-        request = rag_request(last.content, [by_id[i] for i in placed], [(m.role, m.content) for m in history],
-                              self.llm.config.prompt)
-        return request, documents
+        kept = [by_id[i] for i in placed if by_id[i].text.strip()]  # an empty retrieved text carries nothing
+        if not history:
+            return [], kept, last.content
+        turns = rag_messages(last.content, [d.id for d in kept], [(m.role, m.content) for m in history],
+                             self.llm.config.prompt)
+        return turns, documents, None
 
     def _start(self, payload: dict[str, Any]) -> AsyncIterator:
-        request, _ = self._request(payload)
+        messages, documents, question = self._request(payload)
         sampling = sampling_from_body(payload.get("sampling", {}), self.llm.default_sampling)
-        return request.astream(self.llm, sampling, payload.get("namespace", ""))
+        namespace = payload.get("namespace", "")
+        if question is not None:
+            return self.allm.stream(question, documents=documents, sampling=sampling, namespace=namespace)
+        return self.allm.stream_chat(messages, documents, sampling, namespace)
 
     def _count(self, payload: dict[str, Any]) -> int:
         """The prompt tokens of ``payload``'s request (its documents registered first)."""
-        request, documents = self._request(payload)
+        messages, documents, question = self._request(payload)
         namespace = payload.get("namespace", "")
         self.llm.add_documents(documents, namespace)
-        if request.messages is not None:
-            return self.llm.plan_chat(request.messages, namespace).num_prompt_tokens
-        return self.llm.plan(request.question, [d.id for d in request.documents], namespace).num_prompt_tokens
+        if question is None:
+            return self.llm.plan_chat(messages, namespace).num_prompt_tokens
+        return self.llm.plan(question, [d.id for d in documents], namespace).num_prompt_tokens
 
     async def _forget_transient(self, payload: dict[str, Any]) -> None:
         """Drop the request's inline documents the ingress does not keep (``payload["transient"]``):

@@ -115,7 +115,8 @@ class CacheConfig:
             the first time counts as free: it serves every later request), and never when the
             plain prompt computes at most one block. Like documents, a reused passage does not
             attend to the text before it. ``mode="lazy"`` only.
-        passage_min_tokens: the shortest passage learned, in tokens (default 32, two blocks).
+        passage_min_tokens: the shortest passage learned, in tokens with its separator (default 16,
+            one block: a template's fixed sentence, such as LlamaIndex's closing instruction, counts).
         passage_min_sightings: earlier requests that must have contained a passage before it is
             served from a chunk (default 1: its second occurrence is encoded as a chunk, its
             third is a hit; 0 turns every eligible piece into a chunk at first sight).
@@ -144,7 +145,7 @@ class CacheConfig:
     chunk_attention_weight: float = 1.0
     prefix_caching: bool = True
     learn_passages: bool = True
-    passage_min_tokens: int = 32
+    passage_min_tokens: int = 16
     passage_min_sightings: int = 1
     passage_history: int = 100_000
 

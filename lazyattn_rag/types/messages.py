@@ -17,8 +17,11 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lazyattn_rag.types.config import PromptConfig
 
 ROLES = ("system", "user", "assistant")
 
@@ -33,9 +36,13 @@ class DocumentRef:
 
     Attributes:
         id: the document id (registered with ``add_document`` or passed in ``documents=``).
+        matched: a matcher found the document's text in the prompt (``lazyattn serve``, the
+            framework wrappers) rather than the caller naming it; reported in
+            ``RequestStats.doc_sources``, not compared.
     """
 
     id: str
+    matched: bool = field(default=False, compare=False)
 
 
 MessagePart = str | DocumentRef
@@ -99,8 +106,17 @@ def _parts(content: Any) -> str | tuple[MessagePart, ...]:
         elif isinstance(part, Mapping) and part.get("type") == "text":
             parts.append(str(part.get("text", "")))
         elif isinstance(part, Mapping) and part.get("type") == "document" and isinstance(part.get("id"), str):
-            parts.append(DocumentRef(part["id"]))
+            parts.append(DocumentRef(part["id"], matched=part.get("matched") is True))
         else:
             raise ValueError(f"unsupported message content part {part!r}: use text or "
                              '{"type": "document", "id": ...}')
     return tuple(parts)
+
+
+def rag_messages(question: str, doc_ids: Sequence[str], preamble: Sequence[tuple[str, str]],
+                 prompt: "PromptConfig") -> list[Message]:
+    """Chat turns ``preamble`` (``(role, text)``: a system prompt, a history), then the engine's
+    RAG turn: ``prompt``'s instruction, the documents by id, its question prefix and ``question``
+    (what :meth:`LazyAttention.stream` builds, after earlier turns)."""
+    turn = (prompt.instruction, *(DocumentRef(d) for d in doc_ids), prompt.question_prefix + question.strip())
+    return [Message(role, text) for role, text in preamble] + [Message("user", turn)]

@@ -82,8 +82,8 @@ def message_to_body(message: Message) -> dict[str, Any]:
     ``{"type": "document", "id": ...}`` parts."""
     if isinstance(message.content, str):
         return {"role": message.role, "content": message.content}
-    parts = [{"type": "document", "id": p.id} if isinstance(p, DocumentRef) else {"type": "text", "text": p}
-             for p in message.parts()]
+    parts = [({"type": "document", "id": p.id} | ({"matched": True} if p.matched else {}))
+             if isinstance(p, DocumentRef) else {"type": "text", "text": p} for p in message.parts()]
     return {"role": message.role, "content": parts}
 
 
@@ -108,10 +108,15 @@ def stats_from_body(body: Mapping[str, Any]) -> RequestStats:
 
 
 def usage(stats: RequestStats) -> dict[str, Any]:
-    """OpenAI's ``usage`` object, cached prompt tokens in ``prompt_tokens_details``."""
+    """OpenAI's ``usage`` object. ``prompt_tokens_details.cached_tokens`` counts every prompt
+    token served from cached K/V (as OpenAI's and vLLM's), split beside it into
+    ``exact_prefix_tokens`` (reused where they were computed: the prompt's opening, earlier
+    turns) and ``shifted_tokens`` (documents and learned passages at new offsets);
+    ``recomputed_tokens`` are cached document tokens a fidelity remedy computed again."""
+    details = {"cached_tokens": stats.num_cached_tokens, "exact_prefix_tokens": stats.num_exact_prefix_tokens,
+               "shifted_tokens": stats.num_shifted_tokens, "recomputed_tokens": stats.num_recomputed_tokens}
     return {"prompt_tokens": stats.num_prompt_tokens, "completion_tokens": stats.num_output_tokens,
-            "total_tokens": stats.num_prompt_tokens + stats.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": stats.num_cached_tokens}}
+            "total_tokens": stats.num_prompt_tokens + stats.num_output_tokens, "prompt_tokens_details": details}
 
 
 # The engine's refusals as OpenAI-style error codes (``error.code`` of a 4xx body), and back.

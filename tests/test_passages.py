@@ -1,0 +1,239 @@
+"""Plain prompts (issue 36): the passage splitter, the sightings history, passages learned from
+traffic, and exact-prefix caching in lazy mode, on a tiny engine against the transformers oracle."""
+
+import functools
+
+import pytest
+
+from lazyattn_rag import DocumentRef, Message, SamplingParams
+from lazyattn_rag.engine.passage_learning import PASSAGE_ID_PREFIX
+from lazyattn_rag.engine.passages import PassageHistory, passage_key, split_passages
+from tests.integrations_kit import PlanSpy
+from tests.oracle import plan_oracle
+from tests.tiny import words
+
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+P = [words(40, start=10 + 11 * i) for i in range(5)]  # passages: 40 distinct word tokens each
+
+
+@pytest.fixture
+def make_llm(make_llm):
+    return functools.partial(make_llm, anchor="none")
+
+
+def texts(pieces):
+    return [p.text for p in pieces]
+
+
+# --- the splitter ---------------------------------------------------------------------------------
+def test_langchain_format_docs_and_its_tutorial_prompt_split_into_the_documents():
+    context = "\n\n".join(["First doc text.", "Second doc\nspans two lines.", "Third."])
+    prompt = ("Use the following pieces of context to answer the question at the end.\nIf you don't know, "
+              f"say so.\n\n{context}\n\nQuestion: what is it?\n\nHelpful Answer:")
+    pieces = split_passages(prompt)
+    assert texts(pieces) == ["Use the following pieces of context to answer the question at the end.\nIf you "
+                             "don't know, say so.", "First doc text.", "Second doc\nspans two lines.", "Third.",
+                             "Question:", "what is it?", "Helpful Answer:"]
+    assert [p.separator for p in pieces] == [False, False, False, False, True, False, True]
+    assert all(prompt[p.start:p.end] == p.text for p in pieces)
+
+
+def test_a_label_is_cut_from_the_passage_on_its_line():
+    prompt = "You are an assistant.\nQuestion: why? \nContext: Doc one.\n\nDoc two. \nAnswer:"
+    assert texts(split_passages(prompt)) == ["You are an assistant.", "Question:", "why?", "Context:", "Doc one.",
+                                             "Doc two.", "Answer:"]
+
+
+def test_llamaindex_rules_metadata_headers_and_its_closing_instruction():
+    node = "file_path: a.txt\n\nThe text of the node,\nover two lines."
+    prompt = (f"Context information is below.\n---------------------\n{node}\n\nAnother node's text.\n"
+              "---------------------\nGiven the context information and not prior knowledge, answer the query.\n"
+              "Query: q?\nAnswer: ")
+    assert texts(split_passages(prompt)) == [
+        "Context information is below.", "---------------------", "file_path: a.txt", "The text of the node,\nover "
+        "two lines.", "Another node's text.", "---------------------\nGiven the context information and not prior "
+        "knowledge, answer the query.", "Query:", "q?", "Answer:"]
+    # a rule before a long piece (a retrieved passage) stays apart from it
+    long = "A " + "long retrieved passage " * 10
+    assert texts(split_passages(f"---\n{long}"))[0] == "---"
+
+
+def test_fenced_code_and_tags_are_never_cut_and_tags_are_separators():
+    code = "```python\ndef f():\n\n    return 1\n\n\n# end\n```"
+    prompt = f"<context>\nDoc one.\n</context>\n\nHere:\n\n{code}\n\nWhy?"
+    pieces = split_passages(prompt)
+    assert texts(pieces) == ["<context>", "Doc one.", "</context>", "Here:", code, "Why?"]
+    assert [p.separator for p in pieces] == [True, False, True, True, False, False]
+
+
+def test_the_history_counts_a_passage_once_per_request_and_forgets_the_oldest():
+    history = PassageHistory(max_entries=2)
+    a, b, c = (passage_key("", t) for t in ("a", "b", "c"))
+    assert history.observe([a, a, b], openings={a})[a].count == 0
+    seen = history.observe([a, c])
+    assert seen[a].count == 1 and seen[a].always_opening and seen[c].count == 0
+    seen = history.observe([a, b])
+    assert seen[a].count == 2 and not seen[a].always_opening  # the last time, it did not open its message
+    assert seen[b].count == 0 and len(history) == 2  # b was forgotten (least recently seen), then seen anew
+    assert passage_key("ns", "a") != passage_key("", "a")
+
+
+# --- passages learned from plain prompts --------------------------------------------------------
+def rag_prompt(order, question="w5 w6"):
+    return "documents :\n\n" + "\n\n".join(P[i] for i in order) + "\n\nQuestion : " + question
+
+
+def ask(llm, order, question="w5 w6", namespace="", system=None):
+    messages = ([Message("system", system)] if system else []) + [Message("user", rag_prompt(order, question))]
+    return llm.chat(messages, sampling=GREEDY, namespace=namespace)
+
+
+def passage_id(llm, i, namespace=""):
+    return PASSAGE_ID_PREFIX + llm.engine.planner.prepare_passage(P[i], namespace).key[:16]
+
+
+def test_a_passage_seen_before_is_served_from_its_chunk_at_a_new_offset_as_the_oracle_computes_it(make_llm):
+    hf, llm = make_llm()
+    spy = PlanSpy(llm)
+    first = ask(llm, [0, 1, 2])  # seen once: computed as it is today
+    assert first.stats.docs_hit == first.stats.docs_missed == [] and first.stats.num_cached_tokens == 0
+    second = ask(llm, [2, 0, 1], "w7")  # recurring: encoded as chunks now
+    ids = [passage_id(llm, i) for i in (2, 0, 1)]
+    assert second.stats.docs_missed == ids and second.stats.doc_sources == dict.fromkeys(ids, "learned")
+    third = ask(llm, [1, 2, 0], "w8 w9")  # served from the chunks, each at a new offset
+    stats = third.stats
+    assert stats.docs_hit == [ids[2], ids[0], ids[1]] and stats.docs_missed == []
+    assert stats.num_shifted_tokens == 3 * 40 and stats.num_computed_tokens == stats.num_prompt_tokens - 3 * 40 - \
+        stats.num_exact_prefix_tokens
+    plan = spy.calls[-1]["plan"]
+    assert [c.doc_id for c in plan.chunks] == [None, ids[2], ids[0], ids[1]]
+    before = {c.doc_id: c.delta for c in spy.calls[-2]["plan"].chunks}
+    assert all(c.delta != before[c.doc_id] for c in plan.chunks[1:])  # every one moved
+    tokens, _ = plan_oracle(hf, plan, [], GREEDY.max_tokens)  # each passage encoded alone, rotated to its offset
+    assert third.token_ids == tokens
+    llm.client.call(lambda engine: engine.cache.check_integrity())
+
+
+def test_a_learned_passage_answers_as_the_same_document_placed_by_id(make_llm):
+    _, llm = make_llm()
+    for order, q in (([0, 1], "w5"), ([1, 0], "w6")):
+        ask(llm, order, q, namespace="plain")
+    learned = ask(llm, [1, 0], "w7", namespace="plain")
+    assert [learned.stats.doc_sources[d] for d in learned.stats.docs_hit] == ["learned", "learned"]
+    llm.add_documents([("p0", P[0]), ("p1", P[1])], namespace="ids")  # another namespace: its own chunks
+    by_id = llm.chat([Message("user", ("documents :\n\n", DocumentRef("p1"), DocumentRef("p0"), "Question : w7"))],
+                     sampling=GREEDY, namespace="ids")
+    assert by_id.stats.docs_missed == ["p1", "p0"] and by_id.stats.num_prompt_tokens == learned.stats.num_prompt_tokens
+    assert by_id.token_ids == learned.token_ids
+    # what the prompt would reuse by its exact prefix instead (an earlier request's opening) wins
+    repeat = ask(llm, [0, 1], "w8", namespace="plain")
+    assert repeat.stats.docs_hit == [] and repeat.stats.num_computed_tokens <= 16
+
+
+def test_text_seen_once_is_planned_exactly_as_without_learning(make_llm):
+    _, llm = make_llm()
+    _, plain = make_llm(learn_passages=False, prefix_caching=False)
+    essay = "\n\n".join(words(30, start=7 * i) for i in range(4)) + "\n\nQuestion : w1"
+    code = "```\n" + words(20, 3) + "\n\n" + words(20, 60) + "\n```\n\n" + words(25, 100) + "\n\nw1 ?"
+    for text in (essay, code):
+        messages = [Message("user", text)]
+        out, expected = llm.chat(messages, sampling=GREEDY), plain.chat(messages, sampling=GREEDY)
+        assert out.stats.docs_hit == out.stats.docs_missed == []
+        assert out.stats.num_prompt_tokens == expected.stats.num_prompt_tokens
+        assert out.token_ids == expected.token_ids
+        assert llm.plan_chat(messages).token_ids() == plain.plan_chat(messages).token_ids()
+
+
+def test_history_turns_single_turns_and_short_pieces_are_never_learned(make_llm):
+    _, llm = make_llm(passage_min_sightings=0)  # every eligible piece at first sight
+    spy = PlanSpy(llm)
+    history = [Message("user", rag_prompt([0, 1])), Message("assistant", P[2] + "\n\n" + P[3]), Message("user", "w1")]
+    llm.chat(history, sampling=GREEDY)
+    llm.chat([Message("user", P[4])], sampling=GREEDY)  # one piece: the whole turn
+    llm.chat([Message("user", "w1 w2 w3\n\nw4 w5\n\nQuestion : w6")], sampling=GREEDY)  # pieces under 16 tokens
+    assert all(c["doc_ids"] == [] for c in spy.calls)
+    out = llm.chat([Message("system", "w180 w181\n\n" + P[3]), Message("user", rag_prompt([0, 1]))],
+                   sampling=GREEDY)
+    assert out.stats.docs_missed == [passage_id(llm, 3), passage_id(llm, 0), passage_id(llm, 1)]
+
+
+def test_a_template_opening_stays_in_the_prompt_head(make_llm):
+    _, llm = make_llm()
+    instruction = words(30, start=150)  # the same instruction opens every prompt
+    for order in ([0, 1], [1, 2], [2, 0]):
+        out = llm.chat([Message("user", instruction + "\n\n" + rag_prompt(order))], sampling=GREEDY)
+    assert passage_id(llm, 0) in out.stats.docs_missed + out.stats.docs_hit
+    assert all(d.startswith(PASSAGE_ID_PREFIX) and d != PASSAGE_ID_PREFIX + llm.engine.planner.prepare_passage(
+        instruction).key[:16] for d in out.stats.docs_hit + out.stats.docs_missed)
+    assert out.stats.num_exact_prefix_tokens >= 30  # the instruction, read as the cached prompt head
+
+
+def test_namespaces_learn_apart(make_llm):
+    _, llm = make_llm()
+    for order in ([0, 1], [1, 0]):
+        ask(llm, order, namespace="a")
+    in_b = ask(llm, [0, 1], namespace="b")  # b has seen them once, and shares no prefix block with a
+    assert in_b.stats.docs_missed == [] and in_b.stats.num_cached_tokens == 0
+    assert ask(llm, [1, 0], "w9", namespace="a").stats.docs_hit == [passage_id(llm, 1, "a"), passage_id(llm, 0, "a")]
+
+
+# --- exact-prefix caching in lazy mode -------------------------------------------------------------
+def cache_entries(llm):
+    return llm.client.call(lambda engine: {e.key: list(e.block_ids) for e in engine.cache.entries()})
+
+
+def test_a_byte_identical_repeat_reads_the_first_requests_blocks_and_computes_one_block(make_llm):
+    hf, llm = make_llm()
+    messages = [Message("system", words(20, 100)), Message("user", words(37, 3) + " w5")]
+    first = llm.chat(messages, sampling=GREEDY)
+    plan = llm.plan_chat(messages)
+    entries = cache_entries(llm)
+    assert [entries[k] for k in plan.prefix_block_keys[:3]] and len(plan.prefix_block_keys) == 3  # 3 full blocks
+    spy = PlanSpy(llm)
+    contexts = []
+    remove = llm.add_step_listener(lambda step: contexts.extend(
+        [e.block_id for e in job.request.context_entries] for job in step.output.computes))
+    again = llm.chat(messages, sampling=GREEDY)
+    remove()
+    assert again.token_ids == first.token_ids
+    assert again.stats.num_exact_prefix_tokens == 48 and again.stats.num_computed_tokens == plan.num_prompt_tokens - 48
+    assert contexts[0] == [entries[k][0] for k in plan.prefix_block_keys]  # the first request's own blocks
+    assert spy.calls[0]["plan"].prefix_block_keys == plan.prefix_block_keys
+    llm.client.call(lambda engine: engine.cache.check_integrity())
+
+
+def test_a_chats_next_turn_reuses_the_first_turns_blocks(make_llm):
+    _, llm = make_llm()
+    turn = [Message("system", words(20, 100)), Message("user", words(30, 3))]
+    first = llm.chat(turn, sampling=GREEDY)
+    second = llm.chat(turn + [Message("assistant", first.text), Message("user", "w9 w8")], sampling=GREEDY)
+    assert second.stats.num_exact_prefix_tokens == first.stats.num_prompt_tokens // 16 * 16 > 0
+
+
+def test_a_tail_after_documents_and_text_is_reused_only_after_the_same_context(make_llm):
+    """The tail's blocks follow the text segments' among the request's own blocks: the cached one
+    is the tail's, and it answers as the oracle does; another document order is another context."""
+    hf, llm = make_llm()
+    llm.add_documents([("a", words(17, start=3)), ("b", words(33, start=40))])
+    question = words(40, start=120)
+
+    def messages(first, second):
+        return [Message("user", ("w150 ", DocumentRef(first), "w152 w153 ", DocumentRef(second), question))]
+
+    spy = PlanSpy(llm)
+    llm.chat(messages("a", "b"), sampling=GREEDY)
+    again = llm.chat(messages("a", "b"), sampling=GREEDY)
+    assert again.stats.num_exact_prefix_tokens - len(spy.calls[1]["plan"].chunks[0].token_ids) == 32
+    tokens, _ = plan_oracle(hf, spy.calls[1]["plan"], [], GREEDY.max_tokens)
+    assert again.token_ids == tokens
+    swapped = llm.chat(messages("b", "a"), sampling=GREEDY)
+    assert swapped.stats.num_exact_prefix_tokens == len(spy.calls[2]["plan"].chunks[0].token_ids)  # head only
+    llm.client.call(lambda engine: engine.cache.check_integrity())
+
+
+def test_prefix_caching_off_caches_nothing_for_a_plain_prompt(make_llm):
+    _, llm = make_llm(prefix_caching=False, learn_passages=False)
+    prompt = [Message("user", words(40, 3))]
+    llm.chat(prompt, sampling=GREEDY)
+    assert llm.chat(prompt, sampling=GREEDY).stats.num_cached_tokens == 0
+    assert llm.plan_chat(prompt).prefix_block_keys == ()
