@@ -8,16 +8,18 @@ recur with those pieces as position-agnostic chunks (ids ``passage:<hash>``), ke
 registered document with the same text, so a passage served once is read from the cache at
 whatever offset it comes back. The rule, in order:
 
-1. eligible pieces: in a system message or the last user message (never a chat history turn),
-   not a separator or label, not a message's whole text (a single chat turn is never cut);
+1. eligible pieces: in a request that places no document by id, in a system message or the last
+   user message (never a chat history turn), not a separator or label, not a message's whole
+   text (a single chat turn is never cut);
 2. recurring: earlier requests contained the piece whole at least
-   ``CacheConfig.passage_min_sightings`` times, and not always as the opening piece of a message
-   (a template's fixed instruction stays where it is, served by the prompt head or exact-prefix
-   blocks); at least ``CacheConfig.passage_min_tokens`` tokens as a chunk;
-3. worth it: the learned layout is taken only when it computes fewer tokens now than the plain
-   prompt with its cached exact-prefix blocks, counting a passage encoded for the first time as
-   free (it costs what computing it in place would, and serves every later request), and never
-   when the plain prompt computes at most one block (an exact repeat keeps its prefix).
+   ``CacheConfig.passage_min_sightings`` times; at least ``CacheConfig.passage_min_tokens``
+   tokens as a chunk;
+3. worth it: a learned layout is taken only when it computes fewer tokens now than the plain
+   prompt with its cached head and exact-prefix blocks, counting a passage encoded for the first
+   time as free (it costs what computing it in place would, and serves every later request), and
+   never when the plain prompt computes at most one block (an exact repeat keeps its prefix);
+   passages that lie where the plain prompt reads cached K/V in place are left there when that
+   computes less (a template's fixed instruction in a cached prompt head).
 
 Text that never recurs costs the split and one XXH3 hash per piece; its tokens are the plain
 prompt's, computed as before.
@@ -55,23 +57,55 @@ class PassageLearner:
 
     def choose(self, messages: Sequence[Message], plain: PromptPlan, namespace: str = "",
                remedies: RequestRemedies = RequestRemedies()) -> PromptPlan:
-        """``plain`` (the plan of ``messages`` as they are) or the plan with their recurring
-        passages placed as chunks (see the module docstring); records the request's pieces."""
+        """``plain`` (the plan of ``messages`` as they are) or a plan with recurring passages
+        placed as chunks (see the module docstring); records the request's pieces.
+
+        Two layouts are weighed against ``plain``: every recurring passage a chunk, and the same
+        without the passages that lie where ``plain`` already reads cached K/V in place (its
+        cached prompt head, or its exact-prefix blocks): those are served exactly as they are.
+        """
         recurring = self._recurring(messages, namespace)
         if not recurring:
-            return plain
-        learned_messages, passages = self._substitute(messages, recurring, namespace)
-        if not passages:
-            return plain
-        try:
-            learned = self.planner.plan_messages(learned_messages, namespace, remedies, passages)
-        except (LazyAttentionError, ValueError):  # e.g. longer than the context once split: keep it plain
             return plain
         plain_cost = self.num_to_compute(plain)
         if plain_cost <= self.cache.block_size:
             return plain
+        best, best_cost = plain, plain_cost
+        learned = self._learned(messages, recurring, namespace, remedies)
+        if learned is not None:
+            best, best_cost = min((best, best_cost), learned, key=lambda c: c[1])
+            in_place = self._cached_in_place(plain)
+            inside = {c.doc_id for c in learned[0].chunks if c.learned and c.global_start < in_place}
+            if inside:
+                rest = self._learned(messages, recurring, namespace, remedies, skip=inside)
+                if rest is not None:
+                    best, best_cost = min((best, best_cost), rest, key=lambda c: c[1])
+        return best
+
+    def _learned(self, messages: Sequence[Message], recurring: dict[tuple[int, int], list[Piece]], namespace: str,
+                 remedies: RequestRemedies, skip: set[str] = frozenset()) -> tuple[PromptPlan, int] | None:
+        """The plan with the recurring passages (but ``skip``) as chunks and what it computes now
+        (a passage not cached yet counted as free); ``None`` when none is placed or it does not plan."""
+        learned_messages, passages = self._substitute(messages, recurring, namespace, skip)
+        if not passages:
+            return None
+        try:
+            plan = self.planner.plan_messages(learned_messages, namespace, remedies, passages)
+        except (LazyAttentionError, ValueError):  # e.g. longer than the context once split: keep it plain
+            return None
         new = {p.key for p in passages.values() if self.cache.lookup(p.key, touch=False, include_dead=True) is None}
-        return learned if self.num_to_compute(learned, free=new) < plain_cost else plain
+        return plan, self.num_to_compute(plan, free=new)
+
+    def _cached_in_place(self, plan: PromptPlan) -> int:
+        """Tokens at the start of ``plan`` it reads from the cache where they were computed: its
+        prompt head when cached, or its cached exact-prefix blocks (a prompt with nothing placed)."""
+        if plan.chunks:
+            head = plan.chunks[0]
+            cached = head.doc_id is None and self.cache.lookup(head.key, touch=False) is not None
+            return len(head.token_ids) if cached else 0
+        if plan.texts:
+            return 0
+        return self._prefix_hits(plan) * self.cache.block_size
 
     def num_to_compute(self, plan: PromptPlan, free: set[str] = frozenset()) -> int:
         """Prompt tokens ``plan`` would compute if it were admitted now: chunks not cached (but
@@ -83,40 +117,39 @@ class PassageLearner:
             seen.add(c.key)
             if self.cache.lookup(c.key, touch=False, include_dead=True) is None:
                 total += len(c.token_ids)
+        tail = len(plan.query_token_ids)
+        return total + max(tail - self._prefix_hits(plan) * self.cache.block_size, min(tail, 1))
+
+    def _prefix_hits(self, plan: PromptPlan) -> int:
+        """The leading prefix blocks of ``plan``'s tail that are cached now."""
         hits = 0
         for key in plan.prefix_block_keys:
             entry = self.cache.lookup(key, touch=False)
             if entry is None or not entry.ready:
                 break
             hits += 1
-        tail = len(plan.query_token_ids)
-        return total + max(tail - hits * self.cache.block_size, min(tail, 1))
+        return hits
 
     # --- pieces -------------------------------------------------------------------------------
     def _recurring(self, messages: Sequence[Message], namespace: str) -> dict[tuple[int, int], list[Piece]]:
         """Record the eligible pieces; those recurring enough, by ``(message, part)`` index."""
         found: dict[tuple[int, int], list[tuple[Piece, str]]] = {}
-        keys, openings = [], set()
-        for where, index, piece, key in eligible_pieces(messages, namespace, self.min_tokens):
-            keys.append(key)
-            if index == 0 and where[1] == 0:
-                openings.add(key)
+        for where, piece, key in eligible_pieces(messages, namespace, self.min_tokens):
             found.setdefault(where, []).append((piece, key))
-        if not keys:
+        if not found:
             return {}
-        before = self.history.observe(keys, openings)
+        before = self.history.observe(k for pieces in found.values() for _, k in pieces)
         out: dict[tuple[int, int], list[Piece]] = {}
         for where, pieces in found.items():
-            chosen = [p for p, k in pieces if before[k].count >= self.min_sightings
-                      and not (k in openings and before[k].always_opening)]
+            chosen = [p for p, k in pieces if before[k] >= self.min_sightings]
             if chosen:
                 out[where] = chosen
         return out
 
     def _substitute(self, messages: Sequence[Message], recurring: dict[tuple[int, int], list[Piece]],
-                    namespace: str) -> tuple[list[Message], dict[str, RegisteredDocument]]:
-        """``messages`` with each recurring piece long enough in tokens replaced by a reference
-        to its passage, and the passages by id."""
+                    namespace: str, skip: set[str] = frozenset()) -> tuple[list[Message], dict[str, RegisteredDocument]]:
+        """``messages`` with each recurring piece long enough in tokens (and whose passage id is
+        not in ``skip``) replaced by a reference to its passage, and the passages by id."""
         passages: dict[str, RegisteredDocument] = {}
         out = []
         for m_index, message in enumerate(messages):
@@ -129,9 +162,9 @@ class PassageLearner:
                 pos = 0
                 for piece in pieces:
                     passage = self.planner.prepare_passage(piece.text, namespace)
-                    if len(passage.token_ids) < self.min_tokens:
-                        continue
                     passage_id = PASSAGE_ID_PREFIX + passage.key[:16]
+                    if len(passage.token_ids) < self.min_tokens or passage_id in skip:
+                        continue
                     passages[passage_id] = passage
                     gap = part[pos:piece.start]
                     if gap and not (parts and isinstance(parts[-1], DocumentRef) and not gap.strip()):
@@ -145,21 +178,24 @@ class PassageLearner:
 
 
 def eligible_pieces(messages: Sequence[Message], namespace: str, min_chars: int):
-    """``((message index, part index), piece index, piece, key)`` of every piece a passage may
-    be learned from (rule 1 of the module docstring; at least ``min_chars`` characters), with its
+    """``((message index, part index), piece, key)`` of every piece a passage may be learned from (rule 1 of the module docstring; at least ``min_chars`` characters), with its
     sightings key (:func:`~lazyattn_rag.engine.passages.passage_key`): what ``lazyattn serve``'s
     router hashes to send a request where its passages were seen."""
     for where, text, whole in _eligible_parts(messages):
         pieces = split_passages(text)
-        for index, piece in enumerate(pieces):
+        for piece in pieces:
             if piece.separator or len(piece.text) < min_chars or (whole and len(pieces) == 1):
                 continue
-            yield where, index, piece, passage_key(namespace, piece.text)
+            yield where, piece, passage_key(namespace, piece.text)
 
 
 def _eligible_parts(messages: Sequence[Message]):
     """``((message index, part index), text, whole)`` of the text parts passages may come from:
-    system messages and the last user message; ``whole``: the part is its message's only content."""
+    system messages and the last user message, of a request that places no document by id (a
+    caller that names its documents has said what its documents are; one found by a matcher in
+    plain text is no such statement); ``whole``: the part is its message's only content."""
+    if any(isinstance(p, DocumentRef) and not p.matched for m in messages for p in m.parts()):
+        return
     last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=None)
     for m_index, message in enumerate(messages):
         if message.role != "system" and m_index != last_user:

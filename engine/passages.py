@@ -132,16 +132,6 @@ def passage_key(namespace: str, text: str) -> str:
     return xxhash.xxh3_128_hexdigest(f"{namespace}\x00{text}".encode())
 
 
-@dataclass
-class Sighting:
-    """What the history remembers of a passage: in how many requests it occurred, and whether
-    every one of them had it as the opening piece of a message (a template's fixed instruction,
-    which stays where it is and is served by the prompt head or exact-prefix blocks there)."""
-
-    count: int = 0
-    always_opening: bool = True
-
-
 class PassageHistory:
     """Sightings of passages in earlier requests, bounded (least recently seen forgotten first).
 
@@ -151,22 +141,19 @@ class PassageHistory:
 
     def __init__(self, max_entries: int):
         self.max_entries = max_entries
-        self._seen: OrderedDict[str, Sighting] = OrderedDict()
+        self._seen: OrderedDict[str, int] = OrderedDict()  # key -> requests it occurred in
 
     def __len__(self) -> int:
         return len(self._seen)
 
-    def observe(self, keys: Iterable[str], openings: set[str] = frozenset()) -> dict[str, Sighting]:
-        """Record one request's passages (each counted once, however often it occurs in it);
-        ``openings``: the keys that open a message in it. Returns each key's sighting before
-        this request (a copy; count 0 when new)."""
-        before: dict[str, Sighting] = {}
+    def observe(self, keys: Iterable[str]) -> dict[str, int]:
+        """Record one request's passages (each counted once, however often it occurs in it).
+        Returns in how many earlier requests each key occurred (0 when new)."""
+        before: dict[str, int] = {}
         for key in dict.fromkeys(keys):
-            seen = self._seen.pop(key, None) or Sighting()
-            before[key] = Sighting(seen.count, seen.always_opening)
-            seen.count += 1
-            seen.always_opening = seen.always_opening and key in openings
-            self._seen[key] = seen
+            count = self._seen.pop(key, 0)
+            before[key] = count
+            self._seen[key] = count + 1
         while len(self._seen) > self.max_entries:
             self._seen.popitem(last=False)
         return before

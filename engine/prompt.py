@@ -196,8 +196,9 @@ class PromptTemplate:
 
         The template's markup (turn markers, the assistant opening) becomes markup runs around
         each message's parts, whose text is literal; adjacent text is merged into one
-        :class:`PromptText`, and whitespace right after a document reference is dropped (the
-        document's chunk ends with the separator). Without a chat template: ``role: content``
+        :class:`PromptText`, whitespace right after a document reference is dropped (the
+        document's chunk ends with the separator), and so are spaces and tabs right before one
+        (``"Context: "``: the document's stripped text starts its chunk). Without a chat template: ``role: content``
         lines, then ``assistant:``.
 
         Raises:
@@ -244,6 +245,9 @@ def _merge_text(pieces: list[tuple[str, bool] | DocumentRef]) -> list[PromptText
     after_document = False
     for piece in pieces:
         if isinstance(piece, DocumentRef):
+            if runs and not runs[-1][1]:  # spaces that end a label ("Context: ") before a document: its text starts it
+                runs[-1] = (runs[-1][0].rstrip(" \t"), False)
+                runs = runs if runs[-1][0] else runs[:-1]
             if runs:
                 merged.append(PromptText(tuple(runs)))
                 runs = []

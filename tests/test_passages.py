@@ -69,13 +69,10 @@ def test_fenced_code_and_tags_are_never_cut_and_tags_are_separators():
 def test_the_history_counts_a_passage_once_per_request_and_forgets_the_oldest():
     history = PassageHistory(max_entries=2)
     a, b, c = (passage_key("", t) for t in ("a", "b", "c"))
-    assert history.observe([a, a, b], openings={a})[a].count == 0
-    seen = history.observe([a, c])
-    assert seen[a].count == 1 and seen[a].always_opening and seen[c].count == 0
-    seen = history.observe([a, b])
-    assert seen[a].count == 2 and not seen[a].always_opening  # the last time, it did not open its message
-    assert seen[b].count == 0 and len(history) == 2  # b was forgotten (least recently seen), then seen anew
-    assert passage_key("ns", "a") != passage_key("", "a")
+    assert history.observe([a, a, b]) == {a: 0, b: 0}
+    assert history.observe([a, c]) == {a: 1, c: 0}
+    assert history.observe([a, b]) == {a: 2, b: 0}  # b was forgotten (least recently seen), then seen anew
+    assert len(history) == 2 and passage_key("ns", "a") != passage_key("", "a")
 
 
 # --- passages learned from plain prompts --------------------------------------------------------
@@ -157,15 +154,29 @@ def test_history_turns_single_turns_and_short_pieces_are_never_learned(make_llm)
     assert out.stats.docs_missed == [passage_id(llm, 3), passage_id(llm, 0), passage_id(llm, 1)]
 
 
-def test_a_template_opening_stays_in_the_prompt_head(make_llm):
+def test_a_template_opening_stays_in_the_cached_head_where_that_computes_less(make_llm):
+    """The instruction that opens every prompt recurs too; it becomes a passage only where that
+    computes less than the prompt head it is part of (question after the documents: it stays in
+    the cached head, exact; question before them: the head varies, the instruction is learned)."""
     _, llm = make_llm()
-    instruction = words(30, start=150)  # the same instruction opens every prompt
-    for order in ([0, 1], [1, 2], [2, 0]):
-        out = llm.chat([Message("user", instruction + "\n\n" + rag_prompt(order))], sampling=GREEDY)
-    assert passage_id(llm, 0) in out.stats.docs_missed + out.stats.docs_hit
-    assert all(d.startswith(PASSAGE_ID_PREFIX) and d != PASSAGE_ID_PREFIX + llm.engine.planner.prepare_passage(
-        instruction).key[:16] for d in out.stats.docs_hit + out.stats.docs_missed)
-    assert out.stats.num_exact_prefix_tokens >= 30  # the instruction, read as the cached prompt head
+    llm.add_documents([(f"d{i}", P[i]) for i in range(3)])
+    instruction = words(30, start=150)
+
+    def chat(order, question, question_first=False):
+        refs = tuple(DocumentRef(f"d{i}", matched=True) for i in order)  # as the server's matcher places them
+        content = ((instruction + "\nQuestion : " + question + "\ndocuments : ", *refs, "Answer :")
+                   if question_first else (instruction + "\n\ndocuments : ", *refs, "Question : " + question))
+        return llm.chat([Message("user", content)], sampling=GREEDY)
+
+    for order, q in (([0, 1], "w1"), ([1, 2], "w2"), ([2, 0], "w3")):
+        out = chat(order, q)
+    assert out.stats.doc_sources == {"d2": "matched", "d0": "matched"}  # no passage: the head serves it
+    assert out.stats.num_exact_prefix_tokens >= 30
+    for order, q in (([0, 1], "w4"), ([1, 2], "w5"), ([2, 0], "w6")):
+        out = chat(order, q, question_first=True)
+    learned = [d for d, source in out.stats.doc_sources.items() if source == "learned"]
+    assert len(learned) == 1 and out.stats.docs_hit[0] == learned[0]  # the instruction, from its chunk
+    assert out.stats.num_computed_tokens < 30
 
 
 def test_namespaces_learn_apart(make_llm):

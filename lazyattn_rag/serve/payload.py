@@ -107,5 +107,5 @@ def chat_payload(body: ChatCompletionRequest, store: DocumentStore,
     keys = routing_keys(ns, texts)
     if passage_min_chars is not None and not placed:
         pieces = eligible_pieces([as_message(m) for m in messages], ns, passage_min_chars)
-        keys += [f"passage\x00{key}" for key in dict.fromkeys(p[3] for p in pieces)]
+        keys += [f"passage\x00{key}" for key in dict.fromkeys(p[2] for p in pieces)]
     return payload, keys

@@ -1,0 +1,336 @@
+"""Unchanged OpenAI clients against ``lazyattn serve`` (issue 36): the plain ``openai`` package,
+LangChain ``ChatOpenAI`` under the tutorial LCEL chain (``format_docs``), LlamaIndex ``OpenAILike``
+under ``index.as_query_engine()``, each pasting its retrieved texts into the messages as these
+apps do. One app on a real local Ray cluster: one CPU replica of the default SmolLM2 (its chat
+template and tokenizer, as users run it), the registry in a real Redis, greedy answers.
+
+How many prompt tokens a request computed is read from ``usage`` where the client returns it,
+and from the replica's ``/metrics`` counter otherwise (one replica: its counter is the app's)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from lazyattn_rag import EngineConfig  # noqa: E402
+from lazyattn_rag.types.config import CacheConfig  # noqa: E402
+from tests.redis_server import RedisServer, redis_server_path  # noqa: E402
+
+APP = "lazyattn-plain"
+DOCS = {
+    "eiffel": "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris. It was completed in "
+              "1889 as the entrance arch of the World's Fair and is 330 metres tall.",
+    "fuji": "Mount Fuji is the highest mountain in Japan, at 3,776 metres. It is an active stratovolcano on the "
+            "island of Honshu, about 100 kilometres south-west of Tokyo.",
+    "nile": "The Nile is a major north-flowing river in north-eastern Africa. It is about 6,650 kilometres long "
+            "and flows into the Mediterranean Sea.",
+    "wall": "The Great Wall of China is a series of fortifications built across the historical northern borders "
+            "of ancient Chinese states to guard against raids.",
+    "amazon": "The Amazon rainforest covers much of the Amazon basin of South America. Most of it lies in Brazil, "
+              "with parts in Peru and Colombia.",
+    "sahara": "The Sahara is a desert on the African continent. With an area of about 9.2 million square "
+              "kilometres it is the largest hot desert in the world.",
+}
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    if redis_server_path() is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("redis-server is not on PATH; CI must run the Redis tier's tests", pytrace=False)
+        pytest.skip("redis-server is not on PATH")
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+def engine_config(model_dir, cache_dir, redis_url) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), device="cpu", dtype="float32", attention_backend="torch",
+                        cache_dir=cache_dir, generation_config="none",
+                        cache=CacheConfig(num_blocks=2048, redis_url=redis_url))
+
+
+def start_app(config, port):
+    from ray import serve
+
+    from lazyattn_rag.serve import ServeConfig, build_app
+
+    serve.run(build_app(config, ServeConfig(num_replicas=1, num_cpus_per_replica=0, port=port)), name=APP,
+              route_prefix="/")
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir, redis, tmp_path_factory):
+    """``(base_url, engine_config)``: one replica of SmolLM2, the registry in Redis."""
+    import ray
+    from ray import serve
+
+    from tests.redis_server import free_port
+
+    config = engine_config(smollm2_dir, tmp_path_factory.mktemp("cache"), redis.url)
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_app(config, port)
+    yield f"http://127.0.0.1:{port}", config
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    import httpx
+
+    with httpx.Client(base_url=server[0], timeout=300) as client:
+        response = client.post("/v1/documents", json={"documents": [{"id": k, "text": v} for k, v in DOCS.items()]})
+        assert response.status_code == 200, response.text
+        yield client
+
+
+@pytest.fixture(scope="module")
+def openai_client(server, http):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server[0] + "/v1", api_key="unused")
+    return client, client.models.list().data[0].id
+
+
+def metric(http, name: str, **labels) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    total = 0.0
+    for line in http.get("/metrics").text.splitlines():
+        m = re.fullmatch(rf"{name}(?:\{{(.*)\}})? (\S+)", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def computed(http) -> float:
+    return metric(http, "lazyattn_computed_prompt_tokens_total")
+
+
+def by_id(openai_client, question: str, doc_ids: list[str], namespace: str = ""):
+    """The answer with the documents given by id (asked twice: the engine's own prompt head is
+    cached after the first, as it is in a running service)."""
+    client, model = openai_client
+    for _ in range(2):
+        out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                             max_tokens=MAX_TOKENS, temperature=0,
+                                             extra_body={"documents": doc_ids, "namespace": namespace})
+    return out
+
+
+def computed_of(response) -> int:
+    return response.usage.prompt_tokens - response.usage.prompt_tokens_details.cached_tokens
+
+
+def stats_of(response) -> dict:
+    return response.model_extra["lazyattn"]["stats"]
+
+
+# --- documents registered once, found in the pasted text -------------------------------------------
+def paste(doc_ids, question):
+    return ("Answer the question from the documents.\n\nDocuments:\n\n" + "\n\n".join(DOCS[i] for i in doc_ids)
+            + f"\n\nQuestion: {question}")
+
+
+def test_the_openai_package_pasting_registered_documents_computes_what_the_id_path_does(openai_client):
+    client, model = openai_client
+
+    def ask(doc_ids, question):
+        return client.chat.completions.create(model=model, messages=[
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": paste(doc_ids, question)}], max_tokens=MAX_TOKENS, temperature=0)
+
+    ask(["nile", "wall", "sahara"], "Which is the longest?")  # the app's earlier traffic
+    ask(["eiffel", "fuji", "amazon"], "When was the Eiffel Tower completed?")
+    second = ask(["amazon", "eiffel", "fuji"], "How tall is Mount Fuji?")  # the same documents, shuffled
+    stats = stats_of(second)
+    assert stats["docs_hit"] == ["amazon", "eiffel", "fuji"] and stats["docs_missed"] == []
+    assert stats["doc_sources"] == dict.fromkeys(["amazon", "eiffel", "fuji"], "matched")
+    reference = by_id(openai_client, "How tall is Mount Fuji?", ["amazon", "eiffel", "fuji"])
+    assert computed_of(second) <= computed_of(reference) + 5, (computed_of(second), computed_of(reference))
+    details = second.usage.prompt_tokens_details
+    assert details.cached_tokens == details.model_extra["exact_prefix_tokens"] + details.model_extra["shifted_tokens"]
+    assert details.model_extra["exact_prefix_tokens"] > 0 and details.model_extra["shifted_tokens"] >= 3 * 25
+
+
+# LangChain's LCEL RAG example ("Answer the question based only on the following context"), and the
+# rlm/rag-prompt hub prompt that its RAG tutorial pulls (the question before the context)
+LCEL_TEMPLATES = {
+    "lcel": "Answer the question based only on the following context:\n{context}\n\nQuestion: {question}\n",
+    "rlm/rag-prompt": "You are an assistant for question-answering tasks. Use the following pieces of retrieved "
+                      "context to answer the question. If you don't know the answer, just say that you don't know. "
+                      "Use three sentences maximum and keep the answer concise.\nQuestion: {question} \nContext: "
+                      "{context} \nAnswer:",
+}
+# what each template has the model read per question besides the question and the documents (after the
+# question or between it and them): no cache holds it, since the question comes before it
+PER_QUESTION_TEXT = {"lcel": "", "rlm/rag-prompt": " \nContext:Answer:"}
+
+
+@pytest.mark.parametrize("template", LCEL_TEMPLATES)
+def test_langchain_chatopenai_under_the_tutorial_lcel_chain(server, http, openai_client, template):
+    pytest.importorskip("langchain_openai")
+    from langchain_core.documents import Document
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.runnables import RunnableLambda, RunnablePassthrough
+    from langchain_openai import ChatOpenAI
+
+    retrieved = {"What flows into the Mediterranean?": ["nile", "sahara", "wall"],
+                 "Where is the Great Wall?": ["wall", "nile", "sahara"],
+                 "Which desert is the largest?": ["sahara", "wall", "nile"]}
+    retriever = RunnableLambda(lambda q: [Document(page_content=DOCS[i], id=i) for i in retrieved[q]])
+
+    def format_docs(docs):
+        return "\n\n".join(doc.page_content for doc in docs)
+
+    llm = ChatOpenAI(model=openai_client[1], base_url=server[0] + "/v1", api_key="unused", temperature=0,
+                     max_tokens=MAX_TOKENS)
+    chain = ({"context": retriever | format_docs, "question": RunnablePassthrough()}
+             | ChatPromptTemplate.from_template(LCEL_TEMPLATES[template]) | llm | StrOutputParser())
+    for question in retrieved:  # the last two: the same documents, shuffled
+        before = computed(http)
+        assert chain.invoke(question)
+        spent = computed(http) - before
+    reference = by_id(openai_client, "Which desert is the largest?", retrieved["Which desert is the largest?"])
+    extra = http.post("/tokenize", json={"prompt": PER_QUESTION_TEXT[template], "add_special_tokens": False}
+                      ).json()["count"] if PER_QUESTION_TEXT[template] else 0
+    assert spent <= computed_of(reference) + extra + 5, (spent, computed_of(reference), extra)
+    assert metric(http, "lazyattn_document_placements_total", source="matched") >= 6
+
+
+def test_llamaindex_openailike_under_as_query_engine(server, http, openai_client):
+    pytest.importorskip("llama_index.llms.openai_like")
+    from llama_index.core import Document as LIDocument
+    from llama_index.core import VectorStoreIndex
+    from llama_index.llms.openai_like import OpenAILike
+
+    from tests.integrations_kit import bow_llamaindex_embedding
+
+    ids = ["eiffel", "fuji", "amazon"]
+    index = VectorStoreIndex.from_documents([LIDocument(text=DOCS[i], id_=i) for i in ids],
+                                            embed_model=bow_llamaindex_embedding())
+    llm = OpenAILike(model=openai_client[1], api_base=server[0] + "/v1", api_key="unused", is_chat_model=True,
+                     context_window=2048, max_tokens=MAX_TOKENS, temperature=0)
+    engine = index.as_query_engine(llm=llm, similarity_top_k=3)
+    questions = ["Which mountain is the highest in Japan, Mount Fuji?", "When was the Eiffel Tower in Paris completed?",
+                 "Where does the Amazon rainforest lie?"]
+    orders = []
+    for question in questions:
+        before = computed(http)
+        response = engine.query(question)
+        spent = computed(http) - before
+        orders.append([n.node.ref_doc_id for n in response.source_nodes])
+    assert orders[1] != orders[2] and sorted(orders[2]) == sorted(ids)  # the same documents, shuffled
+    reference = by_id(openai_client, questions[2], orders[2])
+    assert spent <= computed_of(reference) + 5, (spent, computed_of(reference))
+
+
+# --- passages learned with nothing registered -----------------------------------------------------
+PASSAGES = [
+    "Copper is a chemical element with the symbol Cu and atomic number 29. It is a soft and ductile metal with "
+    "very high thermal and electrical conductivity.",
+    "The violin is a wooden string instrument in the violin family. It is the smallest and thus highest-pitched "
+    "instrument in regular use in the family.",
+    "Photosynthesis is the process by which plants use light energy to convert carbon dioxide and water into "
+    "glucose and oxygen.",
+]
+
+
+def learned_prompt(order, question):
+    return "Documents:\n\n" + "\n\n".join(PASSAGES[i] for i in order) + f"\n\nQuestion: {question}"
+
+
+def test_passages_seen_before_are_learned_and_answer_as_the_id_path_at_the_same_placement(openai_client, http):
+    client, model = openai_client
+
+    def ask(order, question):
+        return client.chat.completions.create(model=model, messages=[{"role": "user", "content": learned_prompt(
+            order, question)}], max_tokens=MAX_TOKENS, temperature=0, extra_body={"namespace": "learning"})
+
+    first = ask([0, 1, 2], "What is copper?")
+    assert stats_of(first)["docs_hit"] == stats_of(first)["docs_missed"] == []  # seen once: computed as it is
+    second = ask([2, 0, 1], "What is a violin?")
+    assert len(stats_of(second)["docs_missed"]) == 3  # seen before: encoded as chunks now
+    third = ask([1, 2, 0], "What does photosynthesis make?")
+    stats = stats_of(third)
+    assert len(stats["docs_hit"]) == 3 and set(stats["doc_sources"].values()) == {"learned"}
+    assert third.usage.prompt_tokens_details.model_extra["shifted_tokens"] >= 3 * 20
+    # by id, at the same placement: the same passages registered (another namespace: their own chunks)
+    http.post("/v1/documents", json={"documents": [{"id": f"p{i}", "text": t} for i, t in enumerate(PASSAGES)],
+                                     "namespace": "ids"})
+    parts = ([{"type": "text", "text": "Documents:\n\n"}] + [{"type": "document", "id": f"p{i}"} for i in (1, 2, 0)]
+             + [{"type": "text", "text": "\n\nQuestion: What does photosynthesis make?"}])
+    placed = client.chat.completions.create(model=model, messages=[{"role": "user", "content": parts}],
+                                            max_tokens=MAX_TOKENS, temperature=0, extra_body={"namespace": "ids"})
+    assert stats_of(placed)["docs_missed"] == ["p1", "p2", "p0"]
+    assert placed.usage.prompt_tokens == third.usage.prompt_tokens
+    assert placed.choices[0].message.content == third.choices[0].message.content
+
+
+# --- exact prefixes, and prompts with nothing to learn ---------------------------------------------
+def test_a_byte_identical_repeat_computes_one_block_and_a_chats_next_turn_its_new_messages(openai_client):
+    client, model = openai_client
+    turn = [{"role": "system", "content": "You are a careful assistant who answers in one sentence. " * 4},
+            {"role": "user", "content": "Explain what a hash table is and why lookups in it are fast on average."}]
+
+    def ask(messages):
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+
+    first, repeat = ask(turn), ask(turn)
+    assert computed_of(first) == first.usage.prompt_tokens and computed_of(repeat) <= 16
+    assert repeat.choices[0].message.content == first.choices[0].message.content
+    follow = ask(turn + [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "And a binary search tree?"}])
+    assert follow.usage.prompt_tokens_details.model_extra["exact_prefix_tokens"] >= \
+        first.usage.prompt_tokens // 16 * 16
+
+
+ESSAY = "\n\n".join([
+    "Rivers shape the land they cross. Over thousands of years a river cuts its valley, carries silt downstream "
+    "and builds plains where it slows.",
+    "Cities grew along rivers because water meant trade, food and power. Mills turned on their banks long before "
+    "engines did.",
+    "Today rivers are managed with dams and levees, which tame floods but also change the life in and around them.",
+])
+CODE = ("Why does this fail?\n\n```python\ndef load(path):\n    with open(path) as f:\n\n        data = f.read()\n\n"
+        "    return json.loads(data)\n```\n\nIt raises NameError on the last line of the function shown above.")
+
+
+@pytest.mark.parametrize("text", [ESSAY + "\n\nWhat is the main point?", CODE])
+def test_a_prompt_with_no_recurring_passage_gets_the_same_tokens_as_a_plain_prompt(openai_client, http, text):
+    client, model = openai_client
+    messages = [{"role": "user", "content": text}]
+    expected = http.post("/tokenize", json={"messages": messages}).json()["count"]  # the plain plan's
+    out = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    stats = stats_of(out)
+    assert out.usage.prompt_tokens == expected and stats["docs_hit"] == stats["docs_missed"] == []
+
+
+def test_metrics_split_the_reused_tokens(http):
+    text = http.get("/metrics").text
+    for name in ("exact_prefix_tokens", "shifted_tokens", "computed_prompt_tokens", "recomputed_tokens"):
+        assert f"lazyattn_{name}_total{{replica=" in text
+    assert metric(http, "lazyattn_shifted_tokens_total") > 0 and metric(http, "lazyattn_exact_prefix_tokens_total") > 0
+    for source in ("id", "matched", "learned"):
+        assert metric(http, "lazyattn_document_placements_total", source=source) > 0
+
+
+def test_a_restarted_server_still_serves_the_registered_ids(server, http, openai_client):
+    """The app is deleted and deployed again (ingress and replica restart, Redis stays): the
+    registry comes back from Redis, so ids registered before are placed, not refused."""
+    from ray import serve
+
+    serve.delete(APP)
+    start_app(server[1], int(server[0].rsplit(":", 1)[1]))
+    listed = {d["id"] for d in http.get("/v1/documents").json()["data"]}
+    assert set(DOCS) <= listed
+    out = by_id(openai_client, "How tall is the Eiffel Tower?", ["eiffel"])
+    assert stats_of(out)["docs_missed"] + stats_of(out)["docs_hit"] == ["eiffel"]

@@ -1,0 +1,91 @@
+"""The server's document registry (issue 36): SQLite and Redis stores shared by ingress replicas, the
+memory mirror that catches up with them, and the ingress's matching of registered texts in plain
+messages (no Ray: the functions the ingress calls)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lazyattn_rag.serve.config import ServeConfig
+from lazyattn_rag.serve.http_errors import ApiError
+from lazyattn_rag.serve.payload import chat_payload, match_messages
+from lazyattn_rag.serve.protocol import ChatCompletionRequest
+from lazyattn_rag.serve.registry import DocumentStore, RedisRegistry, SqliteRegistry, open_registry
+from lazyattn_rag.types.config import CacheConfig, EngineConfig
+
+A = "Alpha is the first document, long enough to be matched in a prompt."
+B = "Beta is the second document, also long enough to be matched anywhere."
+
+
+def exercise(make_store):
+    """Two ingresses over one store: what one registers or deletes, the other sees after a sync;
+    a new one starts with everything."""
+    first, second = DocumentStore(make_store()), DocumentStore(make_store())
+    first.put("", [("a", A), ("b", B)])
+    first.put("team", [("a", B)])
+    assert second.get("", "a") is None  # not caught up yet
+    second.sync()
+    assert (second.get("", "a"), second.get("", "b"), second.get("team", "a")) == (A, B, B)
+    version = second.version
+    second.put("", [("a", A)])  # the same text again: no change
+    assert second.version == version
+    second.put("", [("a", B)])
+    second.delete("", "b")
+    first.sync()
+    assert first.get("", "a") == B and first.get("", "b") is None and first.ids("") == ["a"]
+    assert [c.doc_id for _, _, c, _ in first.matcher("").occurrences("x " + B + " y")[0]] == ["a"]
+    assert first.matcher("").occurrences("x " + A + " y")[0] == []  # a's old text, and b, are gone
+    third = DocumentStore(make_store())  # a restarted ingress
+    assert third.get("", "a") == B and third.get("team", "a") == B and third.get("", "b") is None
+
+
+def test_the_sqlite_registry_is_shared_by_ingresses_and_outlives_them(tmp_path):
+    exercise(lambda: SqliteRegistry(tmp_path / "registry" / "app.sqlite3"))
+
+
+def test_the_redis_registry_is_shared_by_ingresses_and_outlives_them(redis_server):
+    pytest.importorskip("redis")
+    exercise(lambda: RedisRegistry(redis_server.url, prefix="test:registry"))
+
+
+def test_the_registry_goes_where_the_config_says(tmp_path):
+    engine = EngineConfig(cache_dir=tmp_path)
+    auto = open_registry(ServeConfig(), engine)
+    assert isinstance(auto, SqliteRegistry) and auto.path == tmp_path / "registry" / "lazyattn.sqlite3"
+    assert isinstance(open_registry(ServeConfig(registry=str(tmp_path / "r.db")), engine), SqliteRegistry)
+    assert open_registry(ServeConfig(registry="memory"), engine) is None
+    with_redis = EngineConfig(cache_dir=tmp_path, cache=CacheConfig(redis_url="redis://127.0.0.1:1/0"))
+    assert isinstance(open_registry(ServeConfig(), with_redis), RedisRegistry)
+    with pytest.raises(ValueError, match="registry"):
+        ServeConfig(registry="")
+
+
+def test_registered_texts_are_found_in_plain_messages_and_named_documents_left_alone():
+    store = DocumentStore()
+    store.put("", [("a", A), ("b", B)])
+    prompt = f"Context:\n\n{B}\n\n{A}\n\nQuestion: which?"
+    wire, found = match_messages([{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}],
+                                 store, "")
+    assert found == ["b", "a"] and wire[0] == {"role": "system", "content": "Be brief."}
+    assert wire[1]["content"] == [{"type": "text", "text": "Context:\n\n"}, {"type": "document", "id": "b", "matched": True},
+                                  {"type": "document", "id": "a", "matched": True},
+                                  {"type": "text", "text": "\n\nQuestion: which?"}]
+    assert match_messages([{"role": "user", "content": prompt}], store, "other") == ([{"role": "user",
+                                                                                       "content": prompt}], [])
+    payload, keys = chat_payload(ChatCompletionRequest(messages=[{"role": "user", "content": prompt}]), store, 16)
+    assert payload["documents"] == [("b", B), ("a", A)] and keys[:2] == ["\x00b", "\x00a"]
+    assert len(keys) == 2  # no passage of its own text is long enough to route
+    named = ChatCompletionRequest(messages=[{"role": "user", "content": prompt}], documents=["a"])
+    payload, _ = chat_payload(named, store, 16)
+    assert payload["messages"][0]["content"] == prompt and payload["placed"] == ["a"]  # named: not matched
+    with pytest.raises(ApiError, match="'nope'"):
+        chat_payload(ChatCompletionRequest(messages=[{"role": "user", "content": "q"}], documents=["nope"]), store)
+
+
+def test_passages_of_plain_text_route_the_request():
+    store = DocumentStore()
+    text = "Documents:\n\n" + "A passage long enough to route a request by. " * 2 + "\n\nQuestion: what?"
+    _, keys = chat_payload(ChatCompletionRequest(messages=[{"role": "user", "content": text}]), store, 16)
+    assert len(keys) == 1 and keys[0].startswith("passage\x00")
+    _, none = chat_payload(ChatCompletionRequest(messages=[{"role": "user", "content": text}]), store, None)
+    assert none == []
