@@ -100,14 +100,19 @@ class Bench:
     weights_sha256: str
 
     @classmethod
-    def build(cls, arch: str, device: str, dtype: str) -> Bench:
-        """Raises ``typer.BadParameter`` for an unknown ``arch`` or a CUDA device on a machine without one."""
+    def build(cls, arch: str, device: str, dtype: str, hash_weights: bool = True) -> Bench:
+        """The model of ``arch`` (``hash_weights=False``: named by arch, dtype and seed instead of a
+        hash of its weights, which :func:`random_model` makes the same every time; an 8B model's
+        hash takes tens of seconds per engine).
+
+        Raises ``typer.BadParameter`` for an unknown ``arch`` or a CUDA device on a machine without one."""
         if arch not in ARCHS:
             raise typer.BadParameter(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise typer.BadParameter(f"--device {device}: no CUDA device here; pass --device cpu (and --dtype float32)")
         model = random_model(arch, torch.device(device), getattr(torch, dtype))
-        return cls(model, word_tokenizer(model.config.vocab_size), tensors_sha256(model.state_dict()))
+        digest = tensors_sha256(model.state_dict()) if hash_weights else f"random-normal-0.02-seed0:{arch}:{dtype}"
+        return cls(model, word_tokenizer(model.config.vocab_size), digest)
 
 
 def chunk_scaling_percent(temperature: str, weight: str | None) -> tuple[float, float] | None:
@@ -143,13 +148,15 @@ def mode_cache_settings(mode: str) -> tuple[str, dict]:
 
 def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_batched: int, max_seqs: int,
                 backend: str = "auto", cuda_graphs: bool = True, prefill_with_encodes: bool = True,
-                host_memory_bytes: int = 0, torch_compile: bool = False) -> LazyAttention:
+                host_memory_bytes: int = 0, torch_compile: bool = False,
+                cache_fields: dict | None = None) -> LazyAttention:
     """An engine over ``bench``'s model in cache ``mode`` with a KV budget of ``budget_bytes``
     (``"lazy+host"``: ``lazy`` with a host-memory tier of ``host_memory_bytes``; ``"lazy+head<k>"``:
     ``lazy`` recomputing the first ``k`` tokens of each document per request; ``"lazy+sel<r>"``:
     ``lazy`` recomputing ``r`` % of each document's tokens (selective recompute); ``"lazy+ape<T>"``:
     ``lazy`` reading documents with chunk attention scaling at temperature ``T`` %; ``torch_compile``:
-    ``EngineConfig.torch_compile``)."""
+    ``EngineConfig.torch_compile``; ``cache_fields``: more ``CacheConfig`` fields, e.g.
+    ``{"learn_passages": False}``)."""
     mode, remedy = mode_cache_settings(mode)
     config = EngineConfig(device=device, dtype=str(next(bench.model.parameters()).dtype).removeprefix("torch."),
                           attention_backend=backend, prompt=PROMPT, cuda_graphs=cuda_graphs,
@@ -157,7 +164,7 @@ def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_bat
                           cache=CacheConfig(kv_cache_bytes=budget_bytes, mode=mode, eviction_policy="lfu",
                                             anchor="none",  # the papers' setting (block_attention has no anchor)
                                             host_memory_bytes=host_memory_bytes if remedy.pop("host", False) else 0,
-                                            **remedy),
+                                            **remedy, **(cache_fields or {})),
                           scheduler=SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs,
                                                     prefill_with_encodes=prefill_with_encodes))
     return LazyAttention.from_model(bench.model, bench.tokenizer, config, name="random",

@@ -7,6 +7,7 @@ is a sha256 over exactly these, so a change of any of them can never hit a stale
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -49,7 +50,7 @@ def chunk_key(model: ModelFingerprint | str, anchor: str, token_ids: list[int]) 
     h.update(b"|")
     h.update(anchor.encode())
     h.update(b"|")
-    h.update(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes())
+    h.update(array.array("q", token_ids).tobytes())  # int64, native order: the bytes of an int64 tensor
     return h.hexdigest()
 
 

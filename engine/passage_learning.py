@@ -27,6 +27,7 @@ prompt's, computed as before.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from lazyattn_rag.engine.chunk_cache import ChunkCache
@@ -39,6 +40,7 @@ from lazyattn_rag.types.errors import LazyAttentionError
 from lazyattn_rag.types.messages import DocumentRef, Message, MessagePart
 
 PASSAGE_ID_PREFIX = "passage:"
+PREPARED_PASSAGES = 2048  # tokenized passages kept (about 7 KB each at 512 tokens)
 
 
 class PassageLearner:
@@ -54,6 +56,8 @@ class PassageLearner:
         self.planner, self.cache = planner, cache
         self.min_tokens, self.min_sightings = config.passage_min_tokens, config.passage_min_sightings
         self.history = PassageHistory(config.passage_history)
+        # recurring passages tokenized once (as registered documents are), the most recent kept
+        self._prepared: OrderedDict[tuple[str, str], RegisteredDocument] = OrderedDict()
 
     def choose(self, messages: Sequence[Message], plain: PromptPlan, namespace: str = "",
                remedies: RequestRemedies = RequestRemedies()) -> PromptPlan:
@@ -146,6 +150,16 @@ class PassageLearner:
                 out[where] = chosen
         return out
 
+    def _prepare(self, text: str, namespace: str) -> RegisteredDocument:
+        """The passage of ``text`` (:meth:`PromptPlanner.prepare_passage`), tokenized once while
+        it keeps recurring."""
+        key = (namespace, text)
+        passage = self._prepared.pop(key, None) or self.planner.prepare_passage(text, namespace)
+        self._prepared[key] = passage
+        if len(self._prepared) > PREPARED_PASSAGES:
+            self._prepared.popitem(last=False)
+        return passage
+
     def _substitute(self, messages: Sequence[Message], recurring: dict[tuple[int, int], list[Piece]],
                     namespace: str, skip: set[str] = frozenset()) -> tuple[list[Message], dict[str, RegisteredDocument]]:
         """``messages`` with each recurring piece long enough in tokens (and whose passage id is
@@ -161,7 +175,7 @@ class PassageLearner:
                     continue
                 pos = 0
                 for piece in pieces:
-                    passage = self.planner.prepare_passage(piece.text, namespace)
+                    passage = self._prepare(piece.text, namespace)
                     passage_id = PASSAGE_ID_PREFIX + passage.key[:16]
                     if len(passage.token_ids) < self.min_tokens or passage_id in skip:
                         continue

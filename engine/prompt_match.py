@@ -103,16 +103,32 @@ class _View:
     """A normalized view of a text: every whitespace run is one space, and (``unescape``) escape
     sequences are decoded; ``span(i)`` is the raw character span ``chars[i]`` came from.
 
-    The raw text is kept as runs: ``(raw start, raw end, normalized start, is_one_char)``; a run
-    is a stretch copied as it is (one normalized char per raw char), a whitespace run, or one
-    escape sequence (one normalized char each). Building it is a few regex passes, not a Python
-    loop over every character (the server matches every prompt against every registered text).
+    Without escapes (the common case) the view is one regex substitution, and only whitespace
+    runs longer than one character (which shift the offsets) are remembered: the server matches
+    every plain prompt against every registered text, so building the view must not loop over
+    the characters in Python. With escapes it is kept as runs: ``(raw start, raw end, copied)``
+    at each normalized start (a stretch copied as it is, a folded whitespace run, or one escape
+    sequence decoded to one character).
     """
 
     def __init__(self, text: str, unescape: bool):
+        self._escaped = unescape
+        if not unescape:
+            self.chars = _WHITESPACE.sub(" ", text)
+            self._starts, self._runs, self._shifts = [], [], []  # runs of 2+ whitespace characters
+            shift = 0
+            for m in _LONG_WHITESPACE.finditer(text):
+                self._starts.append(m.start() - shift)
+                self._runs.append((m.start(), m.end(), False))
+                shift += m.end() - m.start() - 1
+                self._shifts.append(shift)
+            return
+        self._build_escaped(text)
+
+    def _build_escaped(self, text: str) -> None:
         raw_pieces: list[tuple[int, int, str]] = []  # (raw start, raw end, normalized text)
         pos = 0
-        for m in _ESCAPE.finditer(text) if unescape else ():
+        for m in _ESCAPE.finditer(text):
             code = m.group(1)
             char = _SIMPLE.get(code) or (chr(int(code[1:], 16)) if int(code[1:], 16) <= sys.maxunicode else None)
             if char is None:  # e.g. "\UFFFFFFFF" in a path or a hex dump: no escape, left as it is
@@ -121,8 +137,7 @@ class _View:
             raw_pieces.append((m.start(), m.end(), char))
             pos = m.end()
         raw_pieces.append((pos, len(text), text[pos:]))
-        self._starts: list[int] = []  # normalized index where each run starts
-        self._runs: list[tuple[int, int, bool]] = []  # (raw start, raw end, copied char by char)
+        self._starts, self._runs = [], []
         out: list[str] = []
         n = 0
         for raw_start, raw_end, piece in raw_pieces:
@@ -145,6 +160,11 @@ class _View:
     def span(self, i: int) -> tuple[int, int]:
         """The raw ``(start, end)`` of normalized character ``i``."""
         k = bisect.bisect_right(self._starts, i) - 1
+        if not self._escaped:
+            if k >= 0 and self._starts[k] == i:
+                return self._runs[k][:2]
+            raw = i + (self._shifts[k] if k >= 0 else 0)
+            return raw, raw + 1
         start, end, copied = self._runs[k]
         if copied:
             offset = start + i - self._starts[k]
@@ -153,6 +173,8 @@ class _View:
 
 
 _TOKENS = re.compile(r"\s+|\S+")
+_WHITESPACE = re.compile(r"\s+")
+_LONG_WHITESPACE = re.compile(r"\s{2,}")
 
 
 def _view(text: str, unescape: bool) -> _View:
@@ -178,6 +200,7 @@ class DocumentMatcher:
         self._by_key: dict[str, list[str]] = {}  # first normalized chars -> normalized texts
         self._by_norm: dict[str, list[Candidate]] = {}  # normalized text -> candidates with it, first matched
         self._norm_of: dict[str, str] = {}  # doc id -> its normalized text
+        self._automaton = None  # Aho-Corasick over the keys, rebuilt on the first scan after a change
         for c in candidates:
             if c.doc_id not in self._norm_of:
                 self.add(c)
@@ -197,6 +220,7 @@ class DocumentMatcher:
         same = self._by_norm.setdefault(norm, [])
         if not same:
             self._by_key.setdefault(norm[:_KEY_CHARS], []).append(norm)
+            self._automaton = None
         same.append(candidate)
 
     def remove(self, doc_id: str) -> None:
@@ -213,20 +237,21 @@ class DocumentMatcher:
         bucket.remove(norm)
         if not bucket:
             del self._by_key[norm[:_KEY_CHARS]]
+            self._automaton = None
 
     def _scan(self, view: _View) -> tuple[list[tuple[int, int, Candidate]], set[str]]:
         """Raw spans of full matches (whole words at both ends), and ids of candidates found only
         in part: a long opening (``PARTIAL_FRACTION`` of the text, at least ``2 * MIN_CHARS``
-        characters) without the rest. Only positions where a word or a non-alphanumeric
-        character starts are tried (a document never starts inside a word)."""
+        characters) without the rest. The keys (every candidate's first ``_KEY_CHARS``
+        normalized characters) are found in one Aho-Corasick pass (``pyahocorasick``, in C); an
+        occurrence inside a word is skipped (a document never starts inside one)."""
         found, partial = [], set()
-        chars, by_key = view.chars, self._by_key
-        for m in _STARTS.finditer(chars, 0, max(0, len(chars) - _KEY_CHARS + 1)):
-            i = m.start()
-            bucket = by_key.get(chars[i:i + _KEY_CHARS])
-            if bucket is None:
+        chars = view.chars
+        for last, key in self._keys().iter(chars):
+            i = last - _KEY_CHARS + 1
+            if i > 0 and chars[i - 1].isalnum() and chars[i].isalnum():
                 continue
-            for norm in bucket:
+            for norm in self._by_key[key]:
                 c = self._by_norm[norm][0]
                 end = i + len(norm)
                 if chars.startswith(norm, i):
@@ -236,6 +261,16 @@ class DocumentMatcher:
                 elif _common_prefix(chars, i, norm) >= max(2 * MIN_CHARS, PARTIAL_FRACTION * len(norm)):
                     partial.add(c.doc_id)
         return found, partial
+
+    def _keys(self):
+        if self._automaton is None:
+            import ahocorasick
+
+            self._automaton = ahocorasick.Automaton()
+            for key in self._by_key:
+                self._automaton.add_word(key, key)
+            self._automaton.make_automaton()
+        return self._automaton
 
     def occurrences(self, text: str) -> tuple[list[tuple[int, int, Candidate, bool]], set[str]]:
         """Every occurrence ``(start, end, candidate, escaped)`` in ``text`` (raw character spans,
@@ -252,9 +287,6 @@ class DocumentMatcher:
             partial |= esc_partial
         return matches, partial - {m[2].doc_id for m in matches}
 
-
-# where a document may start: a letter or digit that no letter or digit precedes, or any other character
-_STARTS = re.compile(r"(?<![^\W_])[^\W_]|[\W_]")
 
 
 def _common_prefix(chars: str, start: int, norm: str) -> int:

@@ -1,0 +1,258 @@
+"""Reuse for unchanged OpenAI clients (issue 36): the serving benchmark's Zipf RAG trace through
+``lazyattn serve`` with the retrieved documents pasted into the message text, as every app that
+talks to an OpenAI-compatible server sends them, against the same trace by id.
+
+Arms, each a fresh Serve application on the same trace (one replica of a random-weight model of
+``--arch``'s shapes, ``lazy`` mode, ``--budget-gb`` of KV cache, exact-prefix caching on):
+
+* ``plain_learning_off``: nothing registered, documents pasted, passage learning off (what an
+  unchanged client got before: exact prefixes only, as vLLM's automatic prefix caching);
+* ``plain_learning_on``: nothing registered, documents pasted, passages learned from traffic;
+* ``plain_registered``: the documents registered once, pasted (the server finds them);
+* ``by_id``: the documents registered once and named by id (the ``documents`` field).
+
+The trace is driven closed-loop (``--concurrency`` streams in flight) with the ``openai``
+package's async client; TTFT is the first content chunk, as a client sees it. Per arm: request
+throughput, TTFT median and p99, computed prompt tokens per request (median), the hit ratio of
+the documents and passages placed, and how each placement came about (id, matched, learned).
+
+Separately, on this process's CPU (``--overhead-docs`` registered documents, default 10,000):
+what the ingress adds per request for a plain prompt (finding registered texts in it and hashing
+its passages for the router) and what the engine's passage learner adds (splitting, sightings,
+weighing the layouts), each a median and p99 over the trace's prompts.
+
+    python benchmarks/http_reuse.py --arch llama-3.1-8b --device cuda --budget-gb 10 --out http_reuse_h200
+    python benchmarks/http_reuse.py --arch tiny --device cpu --dtype float32 --budget-gb 0.05 --num-requests 80 \\
+        --doc-tokens 128 --query-tokens 16 --output-tokens 8 --concurrency 8 --out http_reuse_cpu_tiny
+
+JSON: ``benchmarks/results/<out>.json``; write-up: docs/benchmarks.md ("Plain prompts over HTTP").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.serving_results import command_line, environment, write  # noqa: E402
+from benchmarks.serving_workload import Workload  # noqa: E402
+
+app = typer.Typer(add_completion=False, help=__doc__)
+ARMS = ("plain_learning_off", "plain_learning_on", "plain_registered", "by_id")
+
+
+def pasted(texts: list[str], question: str) -> str:
+    """The user message a RAG app sends: its retrieved texts joined by blank lines (LangChain's
+    ``format_docs``), between a label and the question."""
+    return "Documents:\n\n" + "\n\n".join(texts) + "\n\nQuestion: " + question
+
+
+def replica_engine(arch: str, device: str, dtype: str, budget_bytes: int, max_batched: int, max_seqs: int,
+                   learn_passages: bool):
+    """Runs in a replica: its engine over a random-weight model of ``arch`` (the serving benchmark's)."""
+    from benchmarks.serving_setup import Bench, make_engine
+
+    bench = Bench.build(arch, device, dtype, hash_weights=False)
+    return make_engine(bench, "lazy", budget_bytes, device, max_batched, max_seqs,
+                       cache_fields={"learn_passages": learn_passages})
+
+
+async def one_request(client, model: str, body: dict, output_tokens: int) -> dict:
+    start, first, final = time.perf_counter(), None, None
+    stream = await client.chat.completions.create(model=model, max_tokens=output_tokens, temperature=0, stream=True,
+                                                  **body)
+    async for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter()
+        extension = (chunk.model_extra or {}).get("lazyattn")
+        if extension:
+            final = extension["stats"]
+    end = time.perf_counter()
+    return {"ttft_ms": ((first or end) - start) * 1e3, "e2e_ms": (end - start) * 1e3,
+            "num_prompt_tokens": final["num_prompt_tokens"], "num_computed_tokens": final["num_computed_tokens"],
+            "num_output_tokens": final["num_output_tokens"], "docs_hit": final["docs_hit"],
+            "docs_missed": final["docs_missed"], "doc_sources": final["doc_sources"]}
+
+
+async def drive(base_url: str, bodies: list[dict], output_tokens: int, concurrency: int) -> tuple[list[dict], float]:
+    import httpx
+    from openai import AsyncOpenAI
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    client = AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600,
+                         http_client=httpx.AsyncClient(limits=limits, timeout=600))
+    model = (await client.models.list()).data[0].id
+    queue = list(enumerate(bodies))
+    results: list[dict | None] = [None] * len(bodies)
+
+    async def worker():
+        while queue:
+            i, body = queue.pop(0)
+            results[i] = await one_request(client, model, body, output_tokens)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    await client.close()
+    return results, wall
+
+
+def bodies_of(arm: str, workload: Workload) -> list[dict]:
+    docs = workload.documents()
+    if arm == "by_id":
+        return [{"messages": [{"role": "user", "content": q}], "extra_body": {"documents": ids, "ignore_eos": True}}
+                for q, ids in workload.requests()]
+    return [{"messages": [{"role": "user", "content": pasted([docs[i] for i in ids], q)}],
+             "extra_body": {"ignore_eos": True}} for q, ids in workload.requests()]
+
+
+def summarize(results: list[dict], wall_s: float) -> dict:
+    ttfts = sorted(r["ttft_ms"] for r in results)
+    hits = sum(len(r["docs_hit"]) for r in results)
+    placements = hits + sum(len(r["docs_missed"]) for r in results)
+    sources: dict[str, int] = {}
+    for r in results:
+        for source in r["doc_sources"].values():
+            sources[source] = sources.get(source, 0) + 1
+    return {"num_requests": len(results), "wall_s": wall_s, "request_throughput_per_s": len(results) / wall_s,
+            "ttft_ms_median": statistics.median(ttfts), "ttft_ms_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+            "computed_tokens_median": statistics.median(r["num_computed_tokens"] for r in results),
+            "prompt_tokens_median": statistics.median(r["num_prompt_tokens"] for r in results),
+            "placement_hit_ratio": hits / max(1, placements), "placements_by_source": sources}
+
+
+def run_arm(arm: str, args: dict, workload: Workload, port: int) -> dict:
+    import httpx
+    from ray import serve
+
+    from lazyattn_rag.serve import ServeConfig, build_app
+
+    gpus = 1.0 if args["device"].startswith("cuda") else 0.0
+    build = functools.partial(replica_engine, args["arch"], args["device"], args["dtype"],
+                              int(args["budget_gb"] * 2**30), args["max_batched_tokens"], args["concurrency"],
+                              arm != "plain_learning_off")
+    config = ServeConfig(num_replicas=1, num_gpus_per_replica=gpus, num_cpus_per_replica=0,
+                         max_ongoing_requests=args["concurrency"], port=port, max_body_bytes=64 << 20,
+                         registry="memory")
+    start = time.perf_counter()
+    serve.run(build_app(None, config, build), name="bench", route_prefix="/")
+    base = f"http://127.0.0.1:{port}"
+    if arm in ("plain_registered", "by_id"):
+        items = list(workload.documents().items())
+        with httpx.Client(base_url=base, timeout=600) as http:
+            for i in range(0, len(items), 50):
+                response = http.post("/v1/documents", json={"documents": [{"id": k, "text": v}
+                                                                          for k, v in items[i:i + 50]]})
+                response.raise_for_status()
+    setup_s = time.perf_counter() - start
+    warm = [{"messages": [{"role": "user", "content": f"warm up {i}"}], "extra_body": {}} for i in range(4)]
+    asyncio.run(drive(base, warm, 2, 2))
+    results, wall = asyncio.run(drive(base, bodies_of(arm, workload), workload.output_tokens, args["concurrency"]))
+    serve.delete("bench")
+    row = {"arm": arm, "setup_s": setup_s, **summarize(results, wall)}
+    print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    return row
+
+
+def overhead(workload: Workload, num_docs: int, doc_tokens: int) -> dict:
+    """Per-request CPU cost of the ingress's matching and passage keys, and of the engine's
+    passage learner, over ``num_docs`` registered documents (see the module docstring)."""
+    import numpy as np
+
+    from benchmarks.serving_setup import make_engine, Bench
+    from benchmarks.serving_workload import random_text
+    from lazyattn_rag.engine.passage_learning import eligible_pieces
+    from lazyattn_rag.serve.payload import match_messages
+    from lazyattn_rag.serve.registry import DocumentStore
+    from lazyattn_rag.types.messages import as_message
+
+    rng = np.random.default_rng(workload.seed + 7)
+    docs = workload.documents()
+    store = DocumentStore()
+    store.put("", list(docs.items()) + [(f"extra{i}", random_text(rng, doc_tokens))
+                                         for i in range(max(0, num_docs - len(docs)))])
+    prompts = [[{"role": "user", "content": pasted([docs[i] for i in ids], q)}] for q, ids in workload.requests()]
+    ingress_ms = []
+    for messages in prompts:
+        start = time.perf_counter()
+        wire, found = match_messages(messages, store, "")
+        keys = [k for _, _, k in eligible_pieces([as_message(m) for m in wire], "", 16)]
+        ingress_ms.append((time.perf_counter() - start) * 1e3)
+        assert len(found) == workload.docs_per_request, "every pasted document is found"
+    llm = make_engine(Bench.build("tiny", "cpu", "float32", hash_weights=False), "lazy", 64 << 20, "cpu", 2048, 16)
+    learner_ms = []
+
+    def time_choice(engine, messages):
+        plain = engine.planner.plan_messages(messages)
+        start = time.perf_counter()
+        engine.passages.choose(messages, plain)
+        return (time.perf_counter() - start) * 1e3
+
+    for messages in prompts:
+        learner_ms.append(llm.client.call(time_choice, [as_message(m) for m in messages]))
+    llm.close()
+    del keys
+
+    def stats(xs):
+        xs = sorted(xs)
+        return {"median_ms": statistics.median(xs), "p99_ms": xs[min(len(xs) - 1, int(0.99 * len(xs)))],
+                "max_ms": xs[-1]}
+
+    return {"num_registered_documents": len(store.texts), "num_prompts": len(prompts),
+            "prompt_chars_median": statistics.median(len(m[0]["content"]) for m in prompts),
+            "ingress_matching_and_passage_keys": stats(ingress_ms),
+            "engine_passage_learner": stats(learner_ms)}
+
+
+@app.command()
+def main(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat16", budget_gb: float = 10.0,
+         arms: list[str] = typer.Option(list(ARMS)), num_docs: int = 200, doc_tokens: int = 512,
+         docs_per_request: int = 5, alpha: float = 2.1, query_tokens: int = 64, output_tokens: int = 32,
+         num_requests: int = 400, concurrency: int = 16, max_batched_tokens: int = 16384, seed: int = 0,
+         overhead_docs: int = 10_000, out: str = "") -> None:
+    """Run the arms on one trace, measure the per-request overhead, write the JSON."""
+    import ray
+    from ray import serve
+
+    from tests.redis_server import free_port
+
+    for arm in arms:
+        if arm not in ARMS:
+            raise typer.BadParameter(f"unknown arm {arm!r}: one of {', '.join(ARMS)}")
+    args = dict(arch=arch, device=device, dtype=dtype, budget_gb=budget_gb, max_batched_tokens=max_batched_tokens,
+                concurrency=concurrency)
+    workload = Workload(num_docs, doc_tokens, docs_per_request, alpha, query_tokens, output_tokens, num_requests, seed)
+    cost = overhead(workload, overhead_docs, doc_tokens) if overhead_docs else {}
+    print({"overhead": cost}, flush=True)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])  # replicas import benchmarks
+    ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    rows = [run_arm(arm, args, workload, port) for arm in arms]
+    serve.shutdown()
+    ray.shutdown()
+    by_arm = {r["arm"]: r for r in rows}
+    ratios = {}
+    if "by_id" in by_arm:
+        ratios = {f"{a}_ttft_vs_by_id": by_arm[a]["ttft_ms_median"] / by_arm["by_id"]["ttft_ms_median"]
+                  for a in by_arm if a != "by_id"}
+    if {"plain_learning_on", "plain_learning_off"} <= set(by_arm):
+        ratios["learning_off_vs_on_ttft"] = (by_arm["plain_learning_off"]["ttft_ms_median"]
+                                             / by_arm["plain_learning_on"]["ttft_ms_median"])
+    print(ratios, flush=True)
+    write(out or f"http_reuse_{arch}_{device}", {
+        "environment": environment(), "command": command_line(), "setting": {**args, **workload.__dict__},
+        "overhead": cost, "runs": rows, "ratios": ratios})
+
+
+if __name__ == "__main__":
+    app()
