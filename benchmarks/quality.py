@@ -14,6 +14,9 @@ Same prompt, same passages in the same order, greedy decoding; only the attentio
   recomputed in the request; composed with transformers (``benchmarks/qa_recompute.py``)
   because the engine cannot place request-private tokens between chunks yet.
   ``recompute-k0`` is the reference's own control (it should agree with ``reuse``).
+* ``http-by-id``, ``http-learned``: the questions through a ``lazyattn serve`` app on this
+  machine (``benchmarks/quality_http.py``): the passages by id, or pasted as plain text and
+  served from the chunks the server learned (issue 36); anchor ``bos`` as ``reuse-bos``.
 
 Metrics per dataset and mode (``benchmarks/qa_metrics.py``): answer contains gold after
 SQuAD normalisation (best-subspan EM), token F1, exact match, the fraction of questions
@@ -65,6 +68,7 @@ from benchmarks.qa_metrics import (
     summarize_raw,
     token_f1,
 )
+from benchmarks.quality_http import HTTP_MODES, QualityServer, run_http_mode, server_engine_config
 from benchmarks.serving_setup import chunk_scaling_percent
 from lazyattn_rag.fidelity import kl_divergence
 
@@ -139,10 +143,17 @@ def shuffled(items: list, seed: int, question_id: str) -> list:
 # --- engine modes -----------------------------------------------------------------------------
 def make_engine(args, anchor: str, recompute_tokens: int = 0, selective_ratio: float = 0.0,
                 temperature: float = 1.0, weight: float = 1.0):
-    from lazyattn_rag import CacheConfig, EngineConfig, SchedulerConfig
     from lazyattn_rag.llm import LazyAttention
 
-    config = EngineConfig(
+    return LazyAttention(engine_config(args, anchor, recompute_tokens, selective_ratio, temperature, weight))
+
+
+def engine_config(args, anchor: str, recompute_tokens: int = 0, selective_ratio: float = 0.0,
+                  temperature: float = 1.0, weight: float = 1.0):
+    """The :class:`EngineConfig` of an engine mode (and of the HTTP modes' server, anchor ``bos``)."""
+    from lazyattn_rag import CacheConfig, EngineConfig, SchedulerConfig
+
+    return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
         cuda_graphs=args.cuda_graphs,
         cache=CacheConfig(anchor=anchor, kv_cache_fraction=args.kv_cache_fraction if args.device != "cpu" else None,
@@ -151,7 +162,6 @@ def make_engine(args, anchor: str, recompute_tokens: int = 0, selective_ratio: f
                           chunk_attention_temperature=temperature, chunk_attention_weight=weight),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.concurrency),
         prompt=prompt_config())
-    return LazyAttention(config)
 
 
 def answer_with_engine(llm, mode: str, dataset: str, ex: QAExample, sampling, seed: int):
@@ -375,6 +385,8 @@ def parse_args(argv=None):
                    help="where converted models and weight hashes are kept (default: the user cache dir)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly on CUDA (default: replay captured CUDA graphs)")
+    p.add_argument("--http-kv-cache-bytes", type=int, default=8 << 30,
+                   help="KV budget of the HTTP modes' server replica (http-by-id, http-learned)")
     p.add_argument("--report", action="store_true", help="print the tables of an existing --out JSON and exit")
     p.add_argument("--resume", action="store_true",
                    help="keep the answers already in --out (same questions) and run only the missing modes")
@@ -399,7 +411,7 @@ def parse_args(argv=None):
     args.datasets = [d for d in args.datasets.split(",") if d]
     args.modes = [m for m in args.modes.split(",") if m]
     args.recompute_tokens = [int(k) for k in args.recompute_tokens.split(",") if k]
-    unknown = [m for m in args.modes if engine_setting(m) is None and m != "recompute"]
+    unknown = [m for m in args.modes if engine_setting(m) is None and m not in ("recompute", *HTTP_MODES)]
     if unknown:
         p.error(f"unknown modes {unknown}")
     return args
@@ -495,6 +507,17 @@ def main(argv=None) -> dict:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+    http_todo = [(d, m) for d in args.datasets for m in args.modes if m in HTTP_MODES and not done(d, m)]
+    if http_todo:
+        server_config = server_engine_config(engine_config(args, "bos"), args.http_kv_cache_bytes)
+        with QualityServer(server_config, args.concurrency) as server:
+            for dataset, mode in http_todo:
+                start = time.perf_counter()
+                gens, logprobs, counts = run_http_mode(server, mode, dataset, examples[dataset], prompt_config(),
+                                                       args, hf_config.vocab_size)
+                results["datasets"][dataset].setdefault("placements", {})[mode] = counts
+                record(dataset, mode, gens, time.perf_counter() - start, logprobs)
 
     if "recompute" in args.modes:
         from benchmarks.qa_recompute import RecomputeReference, generation_eos_ids

@@ -10,16 +10,18 @@ whatever offset it comes back. The rule, in order:
 
 1. eligible pieces: in a request that places no document by id, in a system message or the last
    user message (never a chat history turn), not a separator or label, not a message's whole
-   text (a single chat turn is never cut);
+   text (a single chat turn is never cut), not the user's question (after a ``Question:`` label,
+   or a user message's last piece where it has none);
 2. recurring: earlier requests contained the piece whole at least
    ``CacheConfig.passage_min_sightings`` times; at least ``CacheConfig.passage_min_tokens``
    tokens as a chunk;
 3. worth it: a learned layout is taken only when it computes fewer tokens now than the plain
    prompt with its cached head and exact-prefix blocks, counting a passage encoded for the first
-   time as free (it costs what computing it in place would, and serves every later request), and
-   never when the plain prompt computes at most one block (an exact repeat keeps its prefix);
-   passages that lie where the plain prompt reads cached K/V in place are left there when that
-   computes less (a template's fixed instruction in a cached prompt head).
+   time as free (it costs what computing it in place would, and serves every later request) unless
+   the plain prompt reads it from the cache where it is, and never when the plain prompt computes
+   at most one block (an exact repeat keeps its prefix); the same layout without the passages that
+   lie where the plain prompt reads cached K/V in place (a template's fixed instruction in a
+   cached prompt head) is weighed too, and of equal costs the one with fewer passages is taken.
 
 Text that never recurs costs the split and one XXH3 hash per piece; its tokens are the plain
 prompt's, computed as before.
@@ -27,6 +29,7 @@ prompt's, computed as before.
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -74,22 +77,25 @@ class PassageLearner:
         plain_cost = self.num_to_compute(plain)
         if plain_cost <= self.cache.block_size:
             return plain
-        best, best_cost = plain, plain_cost
-        learned = self._learned(messages, recurring, namespace, remedies)
+        options = [(plain, plain_cost)]
+        in_place = self._cached_in_place(plain)
+        learned = self._learned(messages, recurring, namespace, remedies, in_place)
         if learned is not None:
-            best, best_cost = min((best, best_cost), learned, key=lambda c: c[1])
-            in_place = self._cached_in_place(plain)
+            options.append(learned)
             inside = {c.doc_id for c in learned[0].chunks if c.learned and c.global_start < in_place}
-            if inside:
-                rest = self._learned(messages, recurring, namespace, remedies, skip=inside)
-                if rest is not None:
-                    best, best_cost = min((best, best_cost), rest, key=lambda c: c[1])
-        return best
+            rest = self._learned(messages, recurring, namespace, remedies, in_place, skip=inside) if inside else None
+            if rest is not None:
+                options.append(rest)
+        # the fewest tokens to compute; of equals, the fewest passages (the least attention changed)
+        return min(options, key=lambda o: (o[1], sum(c.learned for c in o[0].chunks)))[0]
 
     def _learned(self, messages: Sequence[Message], recurring: dict[tuple[int, int], list[Piece]], namespace: str,
-                 remedies: RequestRemedies, skip: set[str] = frozenset()) -> tuple[PromptPlan, int] | None:
-        """The plan with the recurring passages (but ``skip``) as chunks and what it computes now
-        (a passage not cached yet counted as free); ``None`` when none is placed or it does not plan."""
+                 remedies: RequestRemedies, in_place: int, skip: set[str] = frozenset()
+                 ) -> tuple[PromptPlan, int] | None:
+        """The plan with the recurring passages (but ``skip``) as chunks and what it computes now:
+        a passage not cached yet counts as free, unless it starts within the first ``in_place``
+        tokens, which the plain prompt reads from the cache where they are (there, learning it
+        would compute it again); ``None`` when none is placed or it does not plan."""
         learned_messages, passages = self._substitute(messages, recurring, namespace, skip)
         if not passages:
             return None
@@ -97,7 +103,8 @@ class PassageLearner:
             plan = self.planner.plan_messages(learned_messages, namespace, remedies, passages)
         except (LazyAttentionError, ValueError):  # e.g. longer than the context once split: keep it plain
             return None
-        new = {p.key for p in passages.values() if self.cache.lookup(p.key, touch=False, include_dead=True) is None}
+        new = {c.key for c in plan.chunks if c.learned and c.global_start >= in_place
+               and self.cache.lookup(c.key, touch=False, include_dead=True) is None}
         return plan, self.num_to_compute(plan, free=new)
 
     def _cached_in_place(self, plan: PromptPlan) -> int:
@@ -192,29 +199,42 @@ class PassageLearner:
 
 
 def eligible_pieces(messages: Sequence[Message], namespace: str, min_chars: int):
-    """``((message index, part index), piece, key)`` of every piece a passage may be learned from (rule 1 of the module docstring; at least ``min_chars`` characters), with its
-    sightings key (:func:`~lazyattn_rag.engine.passages.passage_key`): what ``lazyattn serve``'s
-    router hashes to send a request where its passages were seen."""
-    for where, text, whole in _eligible_parts(messages):
-        pieces = split_passages(text)
-        for piece in pieces:
-            if piece.separator or len(piece.text) < min_chars or (whole and len(pieces) == 1):
+    """``((message index, part index), piece, key)`` of every piece a passage may be learned from
+    (rule 1 of the module docstring; at least ``min_chars`` characters), with its sightings key
+    (:func:`~lazyattn_rag.engine.passages.passage_key`): what ``lazyattn serve``'s router hashes
+    to send a request where its passages were seen.
+
+    The user's question is never one: a piece right after a question label (``Question:``,
+    ``Query:``, ``Input:``), or, in a message with no such label, its last piece. The question
+    has to read the documents before it, and a question asked again in the same words would
+    otherwise come back as a chunk that reads none of them."""
+    for m_index, message, parts in _eligible_messages(messages):
+        pieces = [(p_index, piece) for p_index, part in parts for piece in split_passages(part)]
+        labelled = any(piece.separator and _QUESTION_LABEL.match(piece.text) for _, piece in pieces)
+        last = max((i for i, (_, piece) in enumerate(pieces) if not piece.separator), default=None)
+        whole = len(message.parts()) == 1 and len(pieces) == 1
+        for i, (p_index, piece) in enumerate(pieces):
+            after_question = i > 0 and pieces[i - 1][1].separator and _QUESTION_LABEL.match(pieces[i - 1][1].text)
+            if piece.separator or len(piece.text) < min_chars or whole or after_question or (
+                    not labelled and i == last and message.role == "user"):
                 continue
-            yield where, piece, passage_key(namespace, piece.text)
+            yield (m_index, p_index), piece, passage_key(namespace, piece.text)
 
 
-def _eligible_parts(messages: Sequence[Message]):
-    """``((message index, part index), text, whole)`` of the text parts passages may come from:
+_QUESTION_LABEL = re.compile(r"(?:question|query|input|user)\s*:", re.IGNORECASE)
+
+
+def _eligible_messages(messages: Sequence[Message]):
+    """``(message index, message, [(part index, text)])`` of the messages passages may come from:
     system messages and the last user message, of a request that places no document by id (a
     caller that names its documents has said what its documents are; one found by a matcher in
-    plain text is no such statement); ``whole``: the part is its message's only content."""
+    plain text is no such statement)."""
     if any(isinstance(p, DocumentRef) and not p.matched for m in messages for p in m.parts()):
         return
     last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=None)
     for m_index, message in enumerate(messages):
         if message.role != "system" and m_index != last_user:
             continue
-        parts = message.parts()
-        for p_index, part in enumerate(parts):
-            if isinstance(part, str) and part.strip():
-                yield (m_index, p_index), part, len(parts) == 1
+        parts = [(p_index, part) for p_index, part in enumerate(message.parts()) if isinstance(part, str) and part.strip()]
+        if parts:
+            yield m_index, message, parts

@@ -43,6 +43,8 @@ def serve(
                                  help="Where registered documents persist: auto (the --redis-url server, else a "
                                       "SQLite file under the cache dir), a redis:// URL, a file path, or memory."),
     ingress_replicas: int = typer.Option(1, min=1, help="HTTP ingress replicas (they share the registry)."),
+    max_logprobs: int = typer.Option(20, min=-1, help="The most top_logprobs a request may ask for (-1: the whole "
+                                                      "vocabulary)."),
 ) -> None:
     """Serve the model over HTTP: OpenAI chat completions with document ids, on Ray Serve replicas.
 
@@ -60,7 +62,7 @@ def serve(
         gpus = gpus_per_replica if gpus_per_replica is not None else float(_uses_cuda(device))
         config = ServeConfig(num_replicas=replicas, num_gpus_per_replica=gpus, router=router,
                              imbalanced_threshold=imbalanced_threshold, host=host, port=port, registry=registry,
-                             num_ingress_replicas=ingress_replicas)
+                             num_ingress_replicas=ingress_replicas, max_logprobs=max_logprobs)
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e

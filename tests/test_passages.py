@@ -154,6 +154,16 @@ def test_history_turns_single_turns_and_short_pieces_are_never_learned(make_llm)
     assert out.stats.docs_missed == [passage_id(llm, 3), passage_id(llm, 0), passage_id(llm, 1)]
 
 
+def test_the_users_question_is_never_learned_even_asked_again_in_the_same_words(make_llm):
+    _, llm = make_llm(passage_min_sightings=0)
+    question = words(20, start=170)  # long enough to be a passage
+    for prompt in (rag_prompt([0, 1], question),  # after a question label
+                   "documents :\n\n" + P[0] + "\n\n" + P[1] + "\n\n" + question):  # no label: the last piece
+        for _ in range(2):
+            out = llm.chat([Message("user", prompt)], sampling=GREEDY)
+        assert out.stats.docs_hit == [passage_id(llm, 0), passage_id(llm, 1)]  # the documents only
+
+
 def test_a_template_opening_stays_in_the_cached_head_where_that_computes_less(make_llm):
     """The instruction that opens every prompt recurs too; it becomes a passage only where that
     computes less than the prompt head it is part of (question after the documents: it stays in

@@ -314,6 +314,28 @@ def test_a_prompt_with_no_recurring_passage_gets_the_same_tokens_as_a_plain_prom
     assert out.usage.prompt_tokens == expected and stats["docs_hit"] == stats["docs_missed"] == []
 
 
+def test_logprobs_come_in_openais_shape(openai_client):
+    openai = pytest.importorskip("openai")
+    client, model = openai_client
+    messages = [{"role": "user", "content": "Name three colours."}]
+    out = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0, logprobs=True,
+                                         top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 4
+    assert "".join(c.token for c in content) == out.choices[0].message.content
+    for c in content:  # greedy: the token picked is the most likely, and the top three come most likely first
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token and c.logprob <= 0
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0, stream=True,
+                                            logprobs=True, top_logprobs=1, extra_body={"return_tokens_as_token_ids": True})
+    streamed = [e for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for e in chunk.choices[0].logprobs.content]
+    assert len(streamed) == 4 and all(e.token.startswith("token_id:") for e in streamed)
+    assert [e.logprob for e in streamed] == pytest.approx([c.logprob for c in content], abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=model, messages=messages, max_tokens=1, logprobs=True, top_logprobs=21)
+
+
 def test_metrics_split_the_reused_tokens(http):
     text = http.get("/metrics").text
     for name in ("exact_prefix_tokens", "shifted_tokens", "computed_prompt_tokens", "recomputed_tokens"):

@@ -29,6 +29,9 @@ class ServeConfig:
         max_body_bytes: request bodies larger than this are refused with 413.
         app_name: the Ray Serve application's name.
         num_ingress_replicas: HTTP ingress replicas (they share the registry below).
+        max_logprobs: the most ``top_logprobs`` a request may ask for (vLLM's ``--max-logprobs``,
+            default 20 as OpenAI's limit); ``-1`` lets a request ask for ``-1``, the whole
+            vocabulary (fidelity measurements: ``benchmarks/quality.py --http``).
         registry: where registered documents persist (``lazyattn_rag/serve/registry.py``):
             ``"auto"`` (the engine's Redis server when ``CacheConfig.redis_url`` is set, else a
             SQLite file ``registry/<app_name>.sqlite3`` under the engine's cache dir), a
@@ -52,8 +55,11 @@ class ServeConfig:
     log_level: str = "WARNING"
     num_ingress_replicas: int = 1
     registry: str = "auto"
+    max_logprobs: int = 20
 
     def __post_init__(self):
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
         if not isinstance(self.registry, str) or not self.registry:
             raise ValueError(f"registry must be 'auto', 'memory', a redis:// URL or a file path, got {self.registry!r}")
         for name in ("num_replicas", "max_ongoing_requests", "max_body_bytes", "num_ingress_replicas"):

@@ -184,6 +184,7 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             if body.model not in (None, "", info["model"]):
                 raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {info['model']!r}",
                                kind="not_found_error", param="model", code="model_not_found")
+            _check_logprobs(body, config.max_logprobs)
             payload, keys = chat_payload(body, self.documents, passage_min_chars)
             answer = _Answer(info["model"])
             if not body.stream:
@@ -236,8 +237,8 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             try:
                 while True:
                     _raise_for(event)
-                    if event.get("text"):
-                        yield _sse(answer.chunk({"content": event["text"]}))
+                    if event.get("text") or event.get("logprobs"):
+                        yield _sse(answer.chunk({"content": event.get("text", "")}, logprobs=event.get("logprobs")))
                     if "finish_reason" in event:
                         stats = stats_from_body(event["stats"])
                         yield _sse(answer.chunk({}, event["finish_reason"], {"stats": event["stats"],
@@ -267,6 +268,16 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
     return Ingress
 
 
+def _check_logprobs(body: ChatCompletionRequest, max_logprobs: int) -> None:
+    """400 for ``top_logprobs`` past ``ServeConfig.max_logprobs`` (``-1`` only where it is ``-1``)."""
+    asked = body.num_logprobs
+    if asked is None or max_logprobs == -1:
+        return
+    if asked == -1 or asked > max_logprobs:
+        raise ApiError(400, f"top_logprobs={asked} is more than this server returns (at most {max_logprobs}; "
+                            "lazyattn serve --max-logprobs)", param="top_logprobs")
+
+
 def _raise_for(event: dict) -> None:
     """Raise the :class:`ApiError` of a replica's error event (see ``EngineReplica.generate``)."""
     if "error" in event:
@@ -285,18 +296,23 @@ class _Answer:
     def __init__(self, model: str):
         self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model
 
-    def chunk(self, delta: dict, finish_reason: str | None = None, extension: dict | None = None) -> dict:
+    def chunk(self, delta: dict, finish_reason: str | None = None, extension: dict | None = None,
+              logprobs: dict | None = None) -> dict:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason,
+                  "logprobs": {"content": [logprobs]} if logprobs else None}
         out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-               "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+               "choices": [choice]}
         return out | ({"lazyattn": extension} if extension else {})
 
     def completion(self, events: list[dict]) -> dict:
         last = events[-1]
         stats = stats_from_body(last["stats"])
         text = "".join(e.get("text", "") for e in events)
+        entries = [e["logprobs"] for e in events if e.get("logprobs")]
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": last["finish_reason"], "logprobs": None}],
+                             "finish_reason": last["finish_reason"],
+                             "logprobs": {"content": entries} if entries else None}],
                 "usage": usage(stats), "lazyattn": {"stats": last["stats"], "replica": last["replica"]}}
 
 

@@ -104,6 +104,8 @@ def chat_payload(body: ChatCompletionRequest, store: DocumentStore,
                        code=DOCUMENT_CHANGED)
     payload = {"messages": messages, "documents": list(texts.items()), "placed": placed,
                "sampling": body.sampling_body(), "namespace": ns, "transient": transient}
+    if body.num_logprobs is not None:
+        payload["logprobs"] = {"num": body.num_logprobs, "token_ids": body.return_tokens_as_token_ids}
     keys = routing_keys(ns, texts)
     if passage_min_chars is not None and not placed:
         pieces = eligible_pieces([as_message(m) for m in messages], ns, passage_min_chars)

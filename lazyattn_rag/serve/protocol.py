@@ -2,8 +2,8 @@
 
 ``ChatCompletionRequest`` is OpenAI's chat completions request with the extension fields of
 ``lazyattn_rag/types/wire.py``. Fields OpenAI defines that change the answer and that this
-server does not implement (``n`` > 1, ``tools``, ``response_format``, ``logprobs``, ...) are
-refused with 400 rather than ignored; the rest (``user``, ``metadata``, ``store``...) are
+server does not implement (``n`` > 1, ``tools``, ``response_format``, ...) are refused with 400
+rather than ignored; the rest (``user``, ``metadata``, ``store``...) are
 accepted and ignored, as OpenAI-compatible servers do.
 """
 
@@ -108,6 +108,8 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=-1)  # -1: the whole vocabulary (ServeConfig.max_logprobs)
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
     # extensions (lazyattn_rag/types/wire.py)
     documents: list[str | DocumentIn] = Field(default_factory=list)
     namespace: str = Field(default="", pattern=NAMESPACE_PATTERN)
@@ -130,12 +132,18 @@ class ChatCompletionRequest(BaseModel):
         asked = [k for k in UNSUPPORTED if extra.get(k) not in (None, [], {})]
         if asked:
             raise ValueError(f"not supported by this server: {', '.join(asked)}")
-        if self.logprobs or (self.model_extra or {}).get("top_logprobs") is not None:
-            raise ValueError("not supported by this server: logprobs, top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """The engine's ``SamplingParams.logprobs`` for this request (``None``: none asked)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def sampling_body(self) -> dict[str, Any]:
         """The fields :func:`~lazyattn_rag.types.wire.sampling_from_body` reads."""
         keys = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "frequency_penalty",
                 "presence_penalty", "top_k", "repetition_penalty", "ignore_eos", "stop_token_ids")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        body = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        return body | ({"logprobs": self.num_logprobs} if self.num_logprobs is not None else {})

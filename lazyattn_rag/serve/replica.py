@@ -19,6 +19,7 @@ request; a replica registers the ones it has not seen (or whose text changed) wi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -28,7 +29,7 @@ from lazyattn_rag.types.config import EngineConfig
 from lazyattn_rag.types.documents import Document
 from lazyattn_rag.types.errors import LazyAttentionError, UnknownDocumentError
 from lazyattn_rag.types.messages import Message, as_message, rag_messages
-from lazyattn_rag.types.wire import ERROR_CODES, sampling_from_body, stats_to_body
+from lazyattn_rag.types.wire import ERROR_CODES, logprob_entry, sampling_from_body, stats_to_body
 
 def error_event(error: BaseException) -> dict[str, Any]:
     """The event for a request the engine refused: 404 for an unknown document, 400 otherwise."""
@@ -108,7 +109,8 @@ class EngineReplica:
                 before the last user message's text, in the engine's RAG prompt; ``[]``: the
                 messages place documents themselves), ``"sampling": body fields``,
                 ``"namespace"``, ``"transient": [ids]`` (inline documents the ingress does not
-                keep: removed here when the request ends)}``.
+                keep: removed here when the request ends), ``"logprobs": {"num", "token_ids"}``
+                (optional: each token's event carries OpenAI's logprobs entry)}``.
             routing_keys: for the router only (``lazyattn_rag/serve/router.py``).
         """
         try:
@@ -131,12 +133,25 @@ class EngineReplica:
                            "stats": stats_to_body(delta.stats), "replica": self.replica_id,
                            "engine": await self._engine_stats()}
                     return
-                if delta.text:
-                    yield {"text": delta.text}
+                logprobs = self._logprobs(delta, payload.get("logprobs"))
+                if delta.text or logprobs:
+                    yield {"text": delta.text} | ({"logprobs": logprobs} if logprobs else {})
                 delta = await anext(deltas)
         except Exception as error:  # noqa: BLE001 - a failed step: the caller gets an error event, not a cut
             yield {"error": {"message": f"the answer failed: {type(error).__name__}: {error}",
                              "type": type(error).__name__, "status": 500, "code": None}}
+
+    def _logprobs(self, delta, spec: dict | None) -> dict | None:
+        """OpenAI's logprobs entry of ``delta``'s token (``spec``: ``{"num", "token_ids"}`` of the
+        request; ``None``: none asked)."""
+        if spec is None or delta.logprobs is None or delta.token_id is None:
+            return None
+        name = (lambda i: f"token_id:{i}") if spec.get("token_ids") else self._token_text
+        return logprob_entry(delta.token_id, delta.logprobs, spec["num"], name)
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one replica object per process, kept for its life
+    def _token_text(self, token_id: int) -> str:
+        return self.llm.tokenizer.decode([token_id])
 
     def _request(self, payload: dict[str, Any]) -> tuple[list[Message], list[Document], str | None]:
         """A payload as ``(messages, documents, question)``: the documents (registered with the

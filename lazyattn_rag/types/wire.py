@@ -74,6 +74,8 @@ def sampling_from_body(body: Mapping[str, Any], default: SamplingParams) -> Samp
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         values["max_tokens"] = max_tokens
+    if body.get("logprobs") is not None:  # the server's count (ChatCompletionRequest.num_logprobs)
+        values["logprobs"] = body["logprobs"]
     return replace(default, **values)  # validated again by SamplingParams.__post_init__
 
 
@@ -133,3 +135,18 @@ def error_class(code: str | None) -> type[ValueError]:
 
     name = {v: k for k, v in ERROR_CODES.items()}.get(code or "")
     return getattr(errors, name) if name else ValueError
+
+
+def logprob_entry(token_id: int, logprobs: Mapping[int, float], num: int, token_text) -> dict[str, Any]:
+    """OpenAI's ``logprobs.content`` entry of one generated token: ``{"token", "logprob",
+    "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}`` with the ``num`` most likely
+    tokens (``-1``: all, most likely first). ``logprobs`` is the engine's
+    (:attr:`~lazyattn_rag.types.outputs.StreamDelta.logprobs`); ``token_text(id)`` names a token."""
+    def item(i: int, lp: float) -> dict[str, Any]:
+        text = token_text(i)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", errors="replace"))}
+
+    values = dict(zip(range(len(logprobs)), logprobs.values())) if not isinstance(logprobs, dict) else logprobs
+    top = sorted(values.items(), key=lambda kv: -kv[1])
+    top = top if num == -1 else top[:num]
+    return {**item(token_id, float(values[token_id])), "top_logprobs": [item(i, float(lp)) for i, lp in top]}
