@@ -237,9 +237,16 @@ def main(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat1
     ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    rows = [run_arm(arm, args, workload, port) for arm in arms]
+    rows = []
+    for arm in arms:  # the file is written after each arm: a run cut short keeps what it measured
+        rows.append(run_arm(arm, args, workload, port))
+        report(out or f"http_reuse_{arch}_{device}", args, workload, cost, rows)
     serve.shutdown()
     ray.shutdown()
+
+
+def report(out: str, args: dict, workload: Workload, cost: dict, rows: list[dict]) -> None:
+    """Write the JSON: the environment, the setting, the overhead, the arms and their ratios."""
     by_arm = {r["arm"]: r for r in rows}
     ratios = {}
     if "by_id" in by_arm:
@@ -249,9 +256,8 @@ def main(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat1
         ratios["learning_off_vs_on_ttft"] = (by_arm["plain_learning_off"]["ttft_ms_median"]
                                              / by_arm["plain_learning_on"]["ttft_ms_median"])
     print(ratios, flush=True)
-    write(out or f"http_reuse_{arch}_{device}", {
-        "environment": environment(), "command": command_line(), "setting": {**args, **workload.__dict__},
-        "overhead": cost, "runs": rows, "ratios": ratios})
+    write(out, {"environment": environment(), "command": command_line(), "setting": {**args, **workload.__dict__},
+                "overhead": cost, "runs": rows, "ratios": ratios})
 
 
 if __name__ == "__main__":

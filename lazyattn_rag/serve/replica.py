@@ -146,8 +146,9 @@ class EngineReplica:
         request; ``None``: none asked)."""
         if spec is None or delta.logprobs is None or delta.token_id is None:
             return None
-        name = (lambda i: f"token_id:{i}") if spec.get("token_ids") else self._token_text
-        return logprob_entry(delta.token_id, delta.logprobs, spec["num"], name)
+        if spec.get("token_ids"):  # vLLM's return_tokens_as_token_ids: "token_id:<id>", no bytes
+            return logprob_entry(delta.token_id, delta.logprobs, spec["num"], "token_id:{}".format, with_bytes=False)
+        return logprob_entry(delta.token_id, delta.logprobs, spec["num"], self._token_text)
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one replica object per process, kept for its life
     def _token_text(self, token_id: int) -> str:

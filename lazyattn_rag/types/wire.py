@@ -137,16 +137,24 @@ def error_class(code: str | None) -> type[ValueError]:
     return getattr(errors, name) if name else ValueError
 
 
-def logprob_entry(token_id: int, logprobs: Mapping[int, float], num: int, token_text) -> dict[str, Any]:
+def logprob_entry(token_id: int, logprobs: Mapping[int, float], num: int, token_text,
+                  with_bytes: bool = True) -> dict[str, Any]:
     """OpenAI's ``logprobs.content`` entry of one generated token: ``{"token", "logprob",
     "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}`` with the ``num`` most likely
     tokens (``-1``: all, most likely first). ``logprobs`` is the engine's
-    (:attr:`~lazyattn_rag.types.outputs.StreamDelta.logprobs`); ``token_text(id)`` names a token."""
-    def item(i: int, lp: float) -> dict[str, Any]:
-        text = token_text(i)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", errors="replace"))}
-
-    values = dict(zip(range(len(logprobs)), logprobs.values())) if not isinstance(logprobs, dict) else logprobs
-    top = sorted(values.items(), key=lambda kv: -kv[1])
-    top = top if num == -1 else top[:num]
-    return {**item(token_id, float(values[token_id])), "top_logprobs": [item(i, float(lp)) for i, lp in top]}
+    (:attr:`~lazyattn_rag.types.outputs.StreamDelta.logprobs`: a dict, or the whole vocabulary's
+    ``VocabLogprobs``, sorted as a tensor); ``token_text(id)`` names a token; ``with_bytes=False``
+    gives ``"bytes": null`` (tokens named by id carry no text)."""
+    if isinstance(logprobs, dict):
+        top = sorted(logprobs.items(), key=lambda kv: -kv[1])
+        top = top if num == -1 else top[:num]
+        ids, values, chosen = [i for i, _ in top], [v for _, v in top], logprobs[token_id]
+    else:
+        values_t, order = logprobs.tensor.sort(descending=True)
+        keep = len(order) if num == -1 else num
+        ids, values, chosen = order[:keep].tolist(), values_t[:keep].tolist(), float(logprobs.tensor[token_id])
+    names = [token_text(i) for i in ids]
+    encode = (lambda t: list(t.encode("utf-8", errors="replace"))) if with_bytes else (lambda t: None)
+    chosen_text = token_text(token_id)
+    return {"token": chosen_text, "logprob": float(chosen), "bytes": encode(chosen_text),
+            "top_logprobs": [{"token": t, "logprob": v, "bytes": encode(t)} for t, v in zip(names, values)]}
