@@ -123,11 +123,16 @@ def summarize(results: list[dict], wall_s: float) -> dict:
     for r in results:
         for source in r["doc_sources"].values():
             sources[source] = sources.get(source, 0) + 1
+    later = results[len(results) // 2:]  # the trace's second half: past the first sightings
     return {"num_requests": len(results), "wall_s": wall_s, "request_throughput_per_s": len(results) / wall_s,
             "ttft_ms_median": statistics.median(ttfts), "ttft_ms_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+            "second_half_ttft_ms_median": statistics.median(r["ttft_ms"] for r in later),
+            "computed_tokens_total": sum(r["num_computed_tokens"] for r in results),
             "computed_tokens_median": statistics.median(r["num_computed_tokens"] for r in results),
             "prompt_tokens_median": statistics.median(r["num_prompt_tokens"] for r in results),
-            "placement_hit_ratio": hits / max(1, placements), "placements_by_source": sources}
+            "placement_hit_ratio": hits / max(1, placements), "placements_by_source": sources,
+            "per_request": {"ttft_ms": [round(r["ttft_ms"], 1) for r in results],
+                            "computed_tokens": [r["num_computed_tokens"] for r in results]}}
 
 
 def run_arm(arm: str, args: dict, workload: Workload, port: int) -> dict:
@@ -157,10 +162,26 @@ def run_arm(arm: str, args: dict, workload: Workload, port: int) -> dict:
     warm = [{"messages": [{"role": "user", "content": f"warm up {i}"}], "extra_body": {}} for i in range(4)]
     asyncio.run(drive(base, warm, 2, 2))
     results, wall = asyncio.run(drive(base, bodies_of(arm, workload), workload.output_tokens, args["concurrency"]))
+    engine = engine_counters(base)
     serve.delete("bench")
-    row = {"arm": arm, "setup_s": setup_s, **summarize(results, wall)}
-    print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    row = {"arm": arm, "setup_s": setup_s, **summarize(results, wall), "engine": engine}
+    print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items() if k != "per_request"}, flush=True)
     return row
+
+
+def engine_counters(base: str) -> dict:
+    """The replica's counters from ``/metrics`` (as of its last finished request): preemptions,
+    evictions, prompt tokens by how they were served."""
+    import httpx
+
+    names = ("preemptions", "chunk_evictions", "exact_prefix_tokens", "shifted_tokens", "computed_prompt_tokens",
+             "recomputed_tokens", "prompt_tokens")
+    out = {}
+    for line in httpx.get(base + "/metrics", timeout=60).text.splitlines():
+        for name in names:
+            if line.startswith(f"lazyattn_{name}_total{{"):
+                out[name] = out.get(name, 0) + float(line.split()[-1])
+    return out
 
 
 def overhead(workload: Workload, num_docs: int, doc_tokens: int) -> dict:
