@@ -488,8 +488,9 @@ def main(argv=None) -> dict:
     # the others in the order given
     modes = engine_run_order(args.modes)
 
-    def pending(dataset, mode):
-        return not done(dataset, mode) or (mode == "full" and any(not done(dataset, m) for m in modes))
+    def pending(dataset, mode):  # full again where another mode (an HTTP one too) still needs its distributions
+        return not done(dataset, mode) or (mode == "full" and any(
+            not done(dataset, m) for m in modes + [m for m in args.modes if m in HTTP_MODES]))
 
     for setting in dict.fromkeys(engine_setting(m) for m in modes):
         todo = [(d, m) for d in args.datasets for m in modes if engine_setting(m) == setting and pending(d, m)]

@@ -179,7 +179,8 @@ class PromptPlanner:
         self.documents.check_ids([d for d in doc_ids if d not in passages], namespace)
         lead = self.template.leading_special_ids()
         if not doc_ids:
-            return self.plan_plain(lead + self.template.encode_runs(pieces[0].runs if pieces else ()), namespace)
+            return self.plan_plain(lead + self.template.encode_runs(pieces[0].runs if pieces else ()), namespace,
+                                   from_tokenizer=True)
         if isinstance(pieces[-1], DocumentRef):
             raise EmptyInputError("the messages end with a document: nothing follows it to answer from")
         if isinstance(pieces[0], DocumentRef):
@@ -216,15 +217,16 @@ class PromptPlanner:
             see :meth:`plan_plain`.
         """
         if isinstance(prompt, str):
-            return self.plan_plain(list(self.tokenizer(prompt)["input_ids"]))
+            return self.plan_plain(list(self.tokenizer(prompt)["input_ids"]), from_tokenizer=True)
         if isinstance(prompt, (list, tuple)):
             return self.plan_plain(list(prompt))
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def plan_plain(self, prompt_ids: list[int], namespace: str = "") -> PromptPlan:
+    def plan_plain(self, prompt_ids: list[int], namespace: str = "", from_tokenizer: bool = False) -> PromptPlan:
         """A plan without cached chunks: the whole prompt is computed (a standard prefill), its
         full blocks reused from an earlier prompt of ``namespace`` that starts the same
-        (:attr:`caches_prefixes`).
+        (:attr:`caches_prefixes`); ``from_tokenizer``: the ids come from the tokenizer (integers,
+        only their range is checked).
 
         Raises:
             EmptyInputError: empty prompt.
@@ -233,7 +235,9 @@ class PromptPlanner:
         """
         if not prompt_ids:
             raise EmptyInputError("the prompt is empty")
-        for t in prompt_ids:
+        # the tokenizer's own ids are integers: only their range is checked (at C speed)
+        for t in ([t for t in (min(prompt_ids), max(prompt_ids)) if not 0 <= t < self.vocab_size]
+                  if from_tokenizer else prompt_ids):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}")
         plan = PromptPlan((), tuple(prompt_ids))

@@ -66,6 +66,8 @@ class PromptTemplate:
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self._special = _special_tokens(tokenizer)
         self._special_ids = {tokenizer.convert_tokens_to_ids(t) for t in self._special}
+        self._unk_id, self._unk_text = tokenizer.unk_token_id, tokenizer.unk_token
+        self._leading_special_ids: list[int] | None = None
         self.opening_runs, self.closing = self._split_template()
         self.opening = "".join(text for text, _ in self.opening_runs)
 
@@ -140,6 +142,8 @@ class PromptTemplate:
             if token not in self._special_ids:
                 continue
             piece = text[start:end]  # without the whitespace an lstrip/rstrip token absorbs
+            if token == self._unk_id and piece.strip() != self._unk_text:
+                continue  # a word-level tokenizer's unknown word, not the unknown token's text spelled out
             start, end = start + len(piece) - len(piece.lstrip()), end - len(piece) + len(piece.rstrip())
             if not any(a <= start and end <= b for a, b in markup):
                 return None
@@ -154,7 +158,13 @@ class PromptTemplate:
 
     def leading_special_ids(self) -> list[int]:
         """Ids the tokenizer adds before any text (e.g. BOS) when there is no chat template to
-        write them; empty with a chat template (the template writes its own BOS, if any)."""
+        write them; empty with a chat template (the template writes its own BOS, if any).
+        Worked out once (every plan asks)."""
+        if self._leading_special_ids is None:
+            self._leading_special_ids = self._probe_leading_special_ids()
+        return list(self._leading_special_ids)
+
+    def _probe_leading_special_ids(self) -> list[int]:
         if self.has_chat_template:
             return []
         probe = "a"

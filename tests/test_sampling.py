@@ -97,7 +97,11 @@ def test_logprobs_are_refused_where_they_are_not_carried():
     with pytest.raises(ValueError, match="logprobs"):
         default_sampling(0.0, 16, 1.0, [], {"logprobs": 2})
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    for extra in ({"logprobs": True}, {"top_logprobs": 3}, {"logprobs": False, "top_logprobs": 3}):
+    for extra in ({"top_logprobs": 3}, {"logprobs": False, "top_logprobs": 3}, {"logprobs": True, "top_logprobs": -2}):
         with pytest.raises(ValueError, match="top_logprobs"):
             ChatCompletionRequest.model_validate(body | extra)
-    ChatCompletionRequest.model_validate(body | {"logprobs": False})
+    # the server returns them (OpenAI's shape; tests/test_serve_plain_prompts.py): the engine's count
+    assert ChatCompletionRequest.model_validate(body | {"logprobs": False}).num_logprobs is None
+    assert ChatCompletionRequest.model_validate(body | {"logprobs": True}).num_logprobs == 0
+    assert ChatCompletionRequest.model_validate(body | {"logprobs": True, "top_logprobs": 5}).sampling_body()[
+        "logprobs"] == 5
