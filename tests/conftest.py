@@ -72,6 +72,16 @@ def redis_server(tmp_path):
     ``.url``, ``.port``, ``.stop()``, ``.start()`` again on the same port), stopped after the test.
     Without ``redis-server`` on PATH the test fails when ``CI=true`` (CI must run it: ``.ci/run``
     installs it) and is skipped elsewhere."""
+    yield from _redis_server(tmp_path / "redis")
+
+
+@pytest.fixture(scope="module")
+def module_redis_server(tmp_path_factory):
+    """:func:`redis_server` for a whole module (the ``lazyattn serve`` modules start one app each)."""
+    yield from _redis_server(tmp_path_factory.mktemp("redis"))
+
+
+def _redis_server(directory):
     from tests.redis_server import RedisServer, redis_server_path
 
     executable = redis_server_path()
@@ -80,7 +90,7 @@ def redis_server(tmp_path):
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"{message}; CI must run the Redis tier's tests", pytrace=False)
         pytest.skip(message)
-    server = RedisServer(tmp_path / "redis", executable=executable)
+    server = RedisServer(directory, executable=executable)
     server.start()
     try:
         yield server

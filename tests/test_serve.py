@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import threading
 import time
 
@@ -19,7 +18,6 @@ pytest.importorskip("ray.serve")
 
 from lazyattn_rag import EngineConfig, SamplingParams  # noqa: E402
 from lazyattn_rag.types.config import CacheConfig  # noqa: E402
-from tests.redis_server import RedisServer, redis_server_path  # noqa: E402
 from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words  # noqa: E402
 
 APP = "lazyattn-test"
@@ -34,18 +32,6 @@ def engine_config(model_dir, cache_dir, redis_url=None) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def redis(tmp_path_factory):
-    if redis_server_path() is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("redis-server is not on PATH; CI must run the Redis tier's tests", pytrace=False)
-        pytest.skip("redis-server is not on PATH")
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("model")
     hf, _ = hf_and_ours(hf_config())
@@ -55,7 +41,7 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, redis, tmp_path_factory):
+def server(model_dir, module_redis_server, tmp_path_factory):
     """``(base_url, engine_config)`` of the app: 2 replicas, affinity routing with an imbalance
     threshold of 1 request, 1 MiB body limit."""
     import ray
@@ -64,7 +50,7 @@ def server(model_dir, redis, tmp_path_factory):
     from lazyattn_rag.serve import ServeConfig, build_app
     from tests.redis_server import free_port
 
-    config = engine_config(model_dir, tmp_path_factory.mktemp("cache"), redis.url)
+    config = engine_config(model_dir, tmp_path_factory.mktemp("cache"), module_redis_server.url)
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})

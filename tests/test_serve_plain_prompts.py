@@ -9,7 +9,6 @@ and from the replica's ``/metrics`` counter otherwise (one replica: its counter 
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -18,7 +17,6 @@ pytest.importorskip("ray.serve")
 
 from lazyattn_rag import EngineConfig  # noqa: E402
 from lazyattn_rag.types.config import CacheConfig  # noqa: E402
-from tests.redis_server import RedisServer, redis_server_path  # noqa: E402
 
 APP = "lazyattn-plain"
 DOCS = {
@@ -38,18 +36,6 @@ DOCS = {
 MAX_TOKENS = 6
 
 
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory):
-    if redis_server_path() is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("redis-server is not on PATH; CI must run the Redis tier's tests", pytrace=False)
-        pytest.skip("redis-server is not on PATH")
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
-
-
 def engine_config(model_dir, cache_dir, redis_url) -> EngineConfig:
     return EngineConfig(model=str(model_dir), device="cpu", dtype="float32", attention_backend="torch",
                         cache_dir=cache_dir, generation_config="none",
@@ -66,14 +52,14 @@ def start_app(config, port):
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir, redis, tmp_path_factory):
+def server(smollm2_dir, module_redis_server, tmp_path_factory):
     """``(base_url, engine_config)``: one replica of SmolLM2, the registry in Redis."""
     import ray
     from ray import serve
 
     from tests.redis_server import free_port
 
-    config = engine_config(smollm2_dir, tmp_path_factory.mktemp("cache"), redis.url)
+    config = engine_config(smollm2_dir, tmp_path_factory.mktemp("cache"), module_redis_server.url)
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
