@@ -162,10 +162,10 @@ class ChunkAdmission:
         """Per-request stats: documents hit/missed, tokens reused where they were computed
         (the prompt head, exact-prefix blocks) (first acquisition), prompt tokens computed."""
         stats = request.stats
-        encoded = sum(len(c.token_ids) for c in {c.key: c for c in request.plan.chunks}.values()
-                      if c.key in missed_keys and c.key not in copied_keys)
-        stats.num_computed_tokens += encoded
-        if request.num_preemptions == 0:
+        if request.num_preemptions == 0:  # what the prompt reused and computed (a preempted request's second
+            # admission redoes work, but its prompt's accounting is that of its first)
+            stats.num_computed_tokens += sum(len(c.token_ids) for c in {c.key: c for c in request.plan.chunks}.values()
+                                             if c.key in missed_keys and c.key not in copied_keys)
             stats.num_computed_tokens -= request.num_prefix_tokens
             stats.num_exact_prefix_tokens = request.num_prefix_tokens + sum(
                 len(c.token_ids) for c in request.plan.chunks

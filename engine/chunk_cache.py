@@ -69,6 +69,7 @@ class ChunkEntry:
     source_key: str | None = None  # block_attention mode: the document this is a positioned copy of
     listed_evictable: bool = False  # what the policy and the evictable count were last told
     token_ids: tuple[int, ...] | None = None
+    exact_prefix: bool = False  # a block of a request's own prompt (prefix caching): read in place, never stored below
 
     def check_tokens(self, token_ids: tuple[int, ...] | list[int]) -> None:
         """Raise :class:`ChunkKeyCollisionError` unless this entry holds exactly ``token_ids``
@@ -162,9 +163,11 @@ class ChunkCache:
         self._sync_evictable(entry)
 
     def insert(self, key: str, block_ids: list[int], num_tokens: int, local_start: int,
-               token_ids: tuple[int, ...] | None = None) -> ChunkEntry:
-        """Insert an already-written entry, unpinned (``insert_pending`` + ``mark_ready`` + ``unpin``)."""
+               token_ids: tuple[int, ...] | None = None, exact_prefix: bool = False) -> ChunkEntry:
+        """Insert an already-written entry, unpinned (``insert_pending`` + ``mark_ready`` + ``unpin``);
+        ``exact_prefix``: a block of a request's own prompt (see :attr:`ChunkEntry.exact_prefix`)."""
         entry = self.insert_pending(key, block_ids, num_tokens, local_start, token_ids=token_ids)
+        entry.exact_prefix = exact_prefix
         self.mark_ready(key)
         self.unpin(key)
         return entry

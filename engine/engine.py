@@ -174,7 +174,10 @@ class LLMEngine:
         self.tiers.save(chunk, tiers, gather_event(self.runner.device))
 
     def _storable(self, entry: ChunkEntry | None) -> bool:
-        return entry is not None and entry.ready and entry.token_ids is not None and entry.source_key is None
+        """A chunk the storage tiers take: written, its tokens known, position-agnostic (not a
+        positioned copy, nor an exact-prefix block, which only the KV pool looks up)."""
+        return (entry is not None and entry.ready and entry.token_ids is not None and entry.source_key is None
+                and not entry.exact_prefix)
 
     def _write_back(self, entry: ChunkEntry) -> None:
         """The pool evicts ``entry`` (its blocks still hold its K/V): queue it for the host tier."""

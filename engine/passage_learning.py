@@ -11,7 +11,7 @@ whatever offset it comes back. The rule, in order:
 1. eligible pieces: in a request that places no document by id, in a system message or the last
    user message (never a chat history turn), not a separator or label, not a message's whole
    text (a single chat turn is never cut), not the user's question (after a ``Question:`` label,
-   or a user message's last piece where it has none);
+   ending with a question mark, or a user message's last piece where it has no label);
 2. recurring: earlier requests contained the piece whole at least
    ``CacheConfig.passage_min_sightings`` times; at least ``CacheConfig.passage_min_tokens``
    tokens as a chunk;
@@ -205,9 +205,10 @@ def eligible_pieces(messages: Sequence[Message], namespace: str, min_chars: int)
     to send a request where its passages were seen.
 
     The user's question is never one: a piece right after a question label (``Question:``,
-    ``Query:``, ``Input:``), or, in a message with no such label, its last piece. The question
-    has to read the documents before it, and a question asked again in the same words would
-    otherwise come back as a chunk that reads none of them."""
+    ``Query:``, ``Input:``), a piece that ends with a question mark, or, in a user message with
+    no question label, its last piece. The question has to read the documents before it, and a
+    question asked again in the same words would otherwise come back as a chunk that reads none
+    of them."""
     for m_index, message, parts in _eligible_messages(messages):
         pieces = [(p_index, piece) for p_index, part in parts for piece in split_passages(part)]
         labelled = any(piece.separator and _QUESTION_LABEL.match(piece.text) for _, piece in pieces)
@@ -215,13 +216,14 @@ def eligible_pieces(messages: Sequence[Message], namespace: str, min_chars: int)
         whole = len(message.parts()) == 1 and len(pieces) == 1
         for i, (p_index, piece) in enumerate(pieces):
             after_question = i > 0 and pieces[i - 1][1].separator and _QUESTION_LABEL.match(pieces[i - 1][1].text)
-            if piece.separator or len(piece.text) < min_chars or whole or after_question or (
-                    not labelled and i == last and message.role == "user"):
+            question = after_question or piece.text.endswith("?") or (
+                not labelled and i == last and message.role == "user")
+            if piece.separator or len(piece.text) < min_chars or whole or question:
                 continue
             yield (m_index, p_index), piece, passage_key(namespace, piece.text)
 
 
-_QUESTION_LABEL = re.compile(r"(?:question|query|input|user)\s*:", re.IGNORECASE)
+_QUESTION_LABEL = re.compile(r"(?:question|query|input)\s*:", re.IGNORECASE)
 
 
 def _eligible_messages(messages: Sequence[Message]):

@@ -19,8 +19,9 @@ whatever position it sits:
 * **labels** that open a RAG section (``Context:``, ``Documents:``, ``Question:``,
   ``Query:``, ``Answer:``...) at the start of a line start a new piece, and are cut from the
   text that follows them on the same line (``Context: <first passage>``);
-* **fenced code** (between ````` or ``~~~`` fences) is never cut: the fence and what it holds
-  stay in one piece, blank lines included.
+* **fenced code** (between ````` or ``~~~`` fences, closed by a line of the same character, at
+  least as many, as CommonMark closes them) is never cut: the fence and what it holds stay in one
+  piece, blank lines included.
 
 Pieces are stripped of surrounding whitespace; their spans index the original text.
 :func:`passage_key` names a piece by namespace and content for the sightings history.
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 import xxhash
 
 HEADER_ATTACH_CHARS = 160
-_FENCE = re.compile(r"[ \t]*(```|~~~)")
+_FENCE_OPEN = re.compile(r"[ \t]*(`{3,}(?=[^`]*$)|~{3,})")  # CommonMark: no backtick in a backtick fence's info
 _RULE = re.compile(r"[ \t]*([-=*_#~+])\1{2,}[ \t]*\r?\n?")
 _TAG = re.compile(r"[ \t]*</?[A-Za-z][\w:.-]*(?:\s[^<>\n]*)?>[ \t]*\r?\n?")
 _LONE_LABEL = re.compile(r"[ \t]*[A-Za-z][\w .#-]{0,38}:[ \t]*\r?\n?")
@@ -73,12 +74,16 @@ def split_passages(text: str) -> list[Piece]:
     pieces: list[Piece] = []
     start = None  # where the open piece began (None: none is open)
     end = 0  # where its last non-blank line ended
-    fenced = False
+    fence = None  # the open fence's marker, e.g. "```" or "~~~~"
     pos = 0
     for line in text.splitlines(keepends=True):
         line_start, pos = pos, pos + len(line)
-        if fenced or _FENCE.match(line):
-            fenced = fenced != bool(_FENCE.match(line))  # a fence line opens or closes
+        opening = _FENCE_OPEN.match(line) if fence is None else None
+        if fence is not None or opening:
+            if opening:
+                fence = opening.group(1)
+            elif _closes(line, fence):
+                fence = None
             start, end = (line_start if start is None else start), pos
             continue
         if not line.strip():
@@ -99,6 +104,13 @@ def split_passages(text: str) -> list[Piece]:
         start, end = (line_start if start is None else start), pos
     _close(pieces, text, start, end)
     return _attach_headers(pieces, text)
+
+
+def _closes(line: str, fence: str) -> bool:
+    """Whether ``line`` closes a fence opened with ``fence``: the same character, at least as
+    many, nothing else on the line."""
+    stripped = line.strip()
+    return len(stripped) >= len(fence) and set(stripped) == {fence[0]}
 
 
 def _close(pieces: list[Piece], text: str, start: int | None, end: int, separator: bool = False) -> None:

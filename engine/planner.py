@@ -196,8 +196,9 @@ class PromptPlanner:
                 pos += len(doc.token_ids)
                 continue
             ids = (lead if i == 0 else []) + self.template.encode_runs(piece.runs)
-            if i == 0 and ids:  # the head: an exact prefix, shared by every prompt that starts with it
-                chunks.append(ChunkSegment(chunk_key(self.model_digest, "prompt", ids), tuple(ids), 0, 0, None))
+            if i == 0 and ids:  # the head: an exact prefix, shared by every prompt of the namespace that starts with it
+                kind = f"prompt|namespace:{namespace}" if namespace else "prompt"
+                chunks.append(ChunkSegment(chunk_key(self.model_digest, kind, ids), tuple(ids), 0, 0, None))
             elif ids:
                 texts.append(TextSegment(tuple(ids), pos))
             pos += len(ids)

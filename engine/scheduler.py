@@ -210,7 +210,8 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
             if self.cache.lookup(key, touch=False) is None:
                 block = r.private_blocks[text_blocks + j - hit_blocks]
                 self.cache.pool.incref([block])
-                self.cache.insert(key, [block], bs, j * bs, tuple(r.plan.query_token_ids[j * bs:(j + 1) * bs]))
+                self.cache.insert(key, [block], bs, j * bs, tuple(r.plan.query_token_ids[j * bs:(j + 1) * bs]),
+                                  exact_prefix=True)
                 # Pinned while the request also holds the block: evicting the entry now would not
                 # free it, so it must not count as evictable room.
                 self.cache.pin(key, holder=r.request_id)

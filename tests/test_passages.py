@@ -58,6 +58,12 @@ def test_llamaindex_rules_metadata_headers_and_its_closing_instruction():
     assert texts(split_passages(f"---\n{long}"))[0] == "---"
 
 
+def test_a_fence_closes_only_on_its_own_marker():
+    assert texts(split_passages("```python\na\n~~~\nb\n```\n\nc")) == ["```python\na\n~~~\nb\n```", "c"]
+    assert texts(split_passages("````\ncode\n```\nin\n````\n\nafter")) == ["````\ncode\n```\nin\n````", "after"]
+    assert texts(split_passages("```x``` is inline\n\nnext")) == ["```x``` is inline", "next"]
+
+
 def test_fenced_code_and_tags_are_never_cut_and_tags_are_separators():
     code = "```python\ndef f():\n\n    return 1\n\n\n# end\n```"
     prompt = f"<context>\nDoc one.\n</context>\n\nHere:\n\n{code}\n\nWhy?"
@@ -164,6 +170,16 @@ def test_the_users_question_is_never_learned_even_asked_again_in_the_same_words(
         assert out.stats.docs_hit == [passage_id(llm, 0), passage_id(llm, 1)]  # the documents only
 
 
+def test_a_question_with_a_closing_line_after_it_is_not_learned_either(make_llm):
+    _, llm = make_llm(passage_min_sightings=0)
+    question, closing = words(20, start=170) + " ?", words(18, start=120)
+    for order in ([0, 1], [2, 3], [0, 2]):
+        out = llm.chat([Message("user", "\n\n".join(P[i] for i in order) + "\n\n" + question + "\n\n" + closing)],
+                       sampling=GREEDY)
+    question_id = PASSAGE_ID_PREFIX + llm.engine.planner.prepare_passage(question).key[:16]
+    assert question_id not in out.stats.doc_sources and passage_id(llm, 0) in out.stats.docs_hit
+
+
 def test_a_template_opening_stays_in_the_cached_head_where_that_computes_less(make_llm):
     """The instruction that opens every prompt recurs too; it becomes a passage only where that
     computes less than the prompt head it is part of (question after the documents: it stays in
@@ -187,6 +203,18 @@ def test_a_template_opening_stays_in_the_cached_head_where_that_computes_less(ma
     learned = [d for d, source in out.stats.doc_sources.items() if source == "learned"]
     assert len(learned) == 1 and out.stats.docs_hit[0] == learned[0]  # the instruction, from its chunk
     assert out.stats.num_computed_tokens < 30
+
+
+def test_a_tenant_never_reads_another_tenants_prompt_head(make_llm):
+    """The head of a prompt with placed documents is keyed by its namespace too (else one tenant
+    could tell from its cached tokens that another used the same system prompt)."""
+    _, llm = make_llm()
+    secret = words(30, start=150)
+    for namespace in ("a", "a", "b"):
+        llm.add_document("d", P[0], namespace=namespace)
+        out = llm.chat([Message("system", secret), Message("user", ("w1 ", DocumentRef("d"), "Question : w2"))],
+                       sampling=GREEDY, namespace=namespace)
+    assert out.stats.num_exact_prefix_tokens == 0 and out.stats.num_cached_tokens == 0
 
 
 def test_namespaces_learn_apart(make_llm):
@@ -249,6 +277,32 @@ def test_a_tail_after_documents_and_text_is_reused_only_after_the_same_context(m
     assert again.token_ids == tokens
     swapped = llm.chat(messages("b", "a"), sampling=GREEDY)
     assert swapped.stats.num_exact_prefix_tokens == len(spy.calls[2]["plan"].chunks[0].token_ids)  # head only
+    llm.client.call(lambda engine: engine.cache.check_integrity())
+
+
+def test_exact_prefix_blocks_stay_out_of_the_storage_tiers(make_llm):
+    """Only the KV pool looks them up, so the host tier never receives them when evicted."""
+    _, llm = make_llm(num_blocks=24, host_memory_bytes=4 << 20)
+    for i in range(20):
+        llm.chat([Message("user", words(60, start=7 * i))], sampling=GREEDY)
+    stats = llm.stats()
+    assert stats["num_evictions"] > 0 and stats["tiers"]["host"]["num_puts"] == 0
+
+
+def test_a_preempted_requests_accounting_is_its_prompts(make_llm):
+    """Preempted and recomputed, a request still reports what its prompt reused and computed."""
+    import concurrent.futures
+
+    _, llm = make_llm(num_blocks=20, max_num_batched_tokens=16)
+    llm.add_documents([(f"d{i}", words(30, start=20 * i)) for i in range(4)])
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda i: llm.generate("w1 w2", [f"d{i % 4}"], sampling=sampling), range(16)))
+    assert llm.stats()["num_preemptions"] > 0
+    for out in outs:
+        s = out.stats
+        assert s.num_computed_tokens <= s.num_prompt_tokens and s.num_cached_tokens + s.num_computed_tokens == \
+            s.num_prompt_tokens
     llm.client.call(lambda engine: engine.cache.check_integrity())
 
 

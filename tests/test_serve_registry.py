@@ -48,6 +48,22 @@ def test_the_redis_registry_is_shared_by_ingresses_and_outlives_them(redis_serve
     exercise(lambda: RedisRegistry(redis_server.url, prefix="test:registry"))
 
 
+def test_a_redis_server_that_lost_the_registry_is_followed_not_ignored(redis_server):
+    """Flushed (or restarted without persistence, or evicted under allkeys-lru): the change log
+    begins a new generation and every ingress starts over from what the server holds."""
+    pytest.importorskip("redis")
+    first, second = DocumentStore(RedisRegistry(redis_server.url)), DocumentStore(RedisRegistry(redis_server.url))
+    first.put("", [(f"d{i}", f"{A} {i}") for i in range(5)])
+    second.sync()
+    assert second.get("", "d0") is not None
+    RedisRegistry(redis_server.url).client.flushdb()
+    first.put("", [("new", B)])
+    assert first.get("", "new") == B and first.get("", "d0") is None
+    second.sync()
+    assert second.get("", "new") == B and second.ids("") == ["new"]
+    assert [c.doc_id for _, _, c, _ in second.matcher("").occurrences("x " + B + " y")[0]] == ["new"]
+
+
 def test_the_registry_goes_where_the_config_says(tmp_path):
     engine = EngineConfig(cache_dir=tmp_path)
     auto = open_registry(ServeConfig(), engine)

@@ -6,7 +6,9 @@ it), else a SQLite file under the cache dir (every process on the machine). Each
 keeps the documents in memory (:class:`DocumentStore`: texts and one
 :class:`~lazyattn_rag.engine.prompt_match.DocumentMatcher` per namespace) and catches up with
 the others' changes before each request that reads them: a store keeps a change log whose
-length is its version, so catching up reads one number and then only the changes since.
+length is its version, so catching up reads one number and then only the changes since. A
+Redis server that lost the log (flushed, restarted without persistence, or evicted it) begins a
+new generation of it, and every mirror starts over from what the server holds.
 
 A restarted server, or a second ingress replica, starts from the store's full contents.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+import uuid
 from pathlib import Path
 from typing import Protocol
 
@@ -24,6 +27,7 @@ from lazyattn_rag.serve.config import ServeConfig
 from lazyattn_rag.types.config import EngineConfig
 
 Change = tuple[str, str, str | None]  # (namespace, id, text; None: deleted)
+Version = tuple[str, int]  # (the change log's generation, its length)
 
 
 class RegistryStore(Protocol):
@@ -35,12 +39,14 @@ class RegistryStore(Protocol):
     def delete(self, namespace: str, doc_id: str) -> None:
         """Forget a document (a no-op when unknown)."""
 
-    def version(self) -> int:
-        """The number of changes made so far."""
+    def version(self) -> Version:
+        """The change log's generation (new when the log was lost and begun again) and length."""
 
-    def changes(self, since: int) -> tuple[int, list[Change]]:
-        """The version and every change after version ``since``, oldest first (a document
-        changed twice appears twice; its text is the latest)."""
+    def changes(self, since: Version | None) -> tuple[Version, list[Change], bool]:
+        """``(version, changes, reset)``: every change after ``since``, oldest first (a document
+        changed twice appears twice; its text is the latest), or, when ``since`` is of another
+        generation or past the log's end (it was lost), every document the store holds and
+        ``reset`` true: the mirror starts over from them."""
 
 
 class SqliteRegistry:
@@ -94,20 +100,23 @@ class SqliteRegistry:
             db.execute("ROLLBACK")
             raise
 
-    def version(self) -> int:
-        return self._db().execute("SELECT COALESCE(MAX(version), 0) FROM changes").fetchone()[0]
+    def version(self) -> Version:
+        return "", self._db().execute("SELECT COALESCE(MAX(version), 0) FROM changes").fetchone()[0]
 
-    def changes(self, since: int) -> tuple[int, list[Change]]:
+    def changes(self, since: Version | None) -> tuple[Version, list[Change], bool]:
         db = self._db()
         db.execute("BEGIN")  # one snapshot: the version and the rows agree
         try:
-            version = db.execute("SELECT COALESCE(MAX(version), 0) FROM changes").fetchone()[0]
-            rows = db.execute("SELECT c.namespace, c.id, d.text FROM changes c LEFT JOIN documents d "
-                              "ON d.namespace = c.namespace AND d.id = c.id WHERE c.version > ? "
-                              "ORDER BY c.version", (since,)).fetchall()
+            version = self.version()
+            if since is None or since[1] > version[1]:
+                rows, reset = db.execute("SELECT namespace, id, text FROM documents").fetchall(), True
+            else:
+                rows, reset = db.execute("SELECT c.namespace, c.id, d.text FROM changes c LEFT JOIN documents d "
+                                         "ON d.namespace = c.namespace AND d.id = c.id WHERE c.version > ? "
+                                         "ORDER BY c.version", (since[1],)).fetchall(), False
         finally:
             db.execute("COMMIT")
-        return version, [(ns, i, t) for ns, i, t in rows]
+        return version, [(ns, i, t) for ns, i, t in rows], reset
 
 
 class RedisRegistry:
@@ -123,7 +132,7 @@ class RedisRegistry:
         import redis
 
         self.client = redis.Redis.from_url(url, socket_timeout=5)
-        self.texts, self.log = f"{prefix}:texts", f"{prefix}:changes"
+        self.texts, self.log, self.generation = f"{prefix}:texts", f"{prefix}:changes", f"{prefix}:generation"
 
     def put(self, namespace: str, documents: list[tuple[str, str]]) -> None:
         fields = [json.dumps([namespace, doc_id]) for doc_id, _ in documents]
@@ -132,6 +141,7 @@ class RedisRegistry:
                    if old is None or old.decode() != text}
         if changed:
             with self.client.pipeline(transaction=True) as pipe:
+                pipe.set(self.generation, uuid.uuid4().hex, nx=True)  # begun again if the server lost it
                 pipe.hset(self.texts, mapping=changed)
                 pipe.rpush(self.log, *changed)
                 pipe.execute()
@@ -139,26 +149,31 @@ class RedisRegistry:
     def delete(self, namespace: str, doc_id: str) -> None:
         field = json.dumps([namespace, doc_id])
         with self.client.pipeline(transaction=True) as pipe:  # a delete of an unknown id logs a no-op
+            pipe.set(self.generation, uuid.uuid4().hex, nx=True)
             pipe.hdel(self.texts, field)
             pipe.rpush(self.log, field)
             pipe.execute()
 
-    def version(self) -> int:
-        return int(self.client.llen(self.log))
+    def version(self) -> Version:
+        with self.client.pipeline(transaction=True) as pipe:
+            generation, length = pipe.get(self.generation).llen(self.log).execute()
+        return (generation or b"").decode(), int(length)
 
-    def changes(self, since: int) -> tuple[int, list[Change]]:
-        fields = self.client.lrange(self.log, since, -1)
-        version = since + len(fields)
-        if not fields:
-            return version, []
-        texts = self.client.hmget(self.texts, list(dict.fromkeys(fields)))
+    def changes(self, since: Version | None) -> tuple[Version, list[Change], bool]:
+        version = self.version()
+        if since is None or since[0] != version[0] or since[1] > version[1]:  # the log was lost: all of it
+            texts = self.client.hgetall(self.texts)
+            version = self.version()
+            return version, [(*json.loads(f), t.decode()) for f, t in texts.items()], True
+        fields = self.client.lrange(self.log, since[1], version[1] - 1)
+        texts = self.client.hmget(self.texts, list(dict.fromkeys(fields))) if fields else []
         by_field = dict(zip(dict.fromkeys(fields), texts))
         out = []
         for f in fields:
             namespace, doc_id = json.loads(f)
             text = by_field[f]
             out.append((namespace, doc_id, None if text is None else text.decode()))
-        return version, out
+        return (version[0], since[1] + len(fields)), out, False
 
 
 def open_registry(config: ServeConfig, engine_config: EngineConfig | None = None) -> "RegistryStore | None":
@@ -189,25 +204,33 @@ class DocumentStore:
         self.store = store
         self.texts: dict[tuple[str, str], str] = {}
         self.matchers: dict[str, DocumentMatcher] = {}
-        self.version = 0
+        self._store_version: Version | None = None
+        self.version = 0  # grows with every change this mirror applies (GET /v1/documents/version)
         self.sync()
 
     def sync(self) -> None:
-        """Apply the store's changes since the last sync (one version read when there are none)."""
-        if self.store is None or self.store.version() == self.version:
+        """Apply the store's changes since the last sync (one version read when there are none);
+        start over from the store's contents when it lost its change log."""
+        if self.store is None or (self._store_version is not None and self.store.version() == self._store_version):
             return
-        self.version, changes = self.store.changes(self.version)
+        self._store_version, changes, reset = self.store.changes(self._store_version)
+        if reset:
+            keep = {(ns, i) for ns, i, _ in changes}
+            for namespace, doc_id in [k for k in self.texts if k not in keep]:
+                self._apply(namespace, doc_id, None)
         for namespace, doc_id, text in changes:
             self._apply(namespace, doc_id, text)
 
     def _apply(self, namespace: str, doc_id: str, text: str | None) -> None:
         matcher = self.matchers.setdefault(namespace, DocumentMatcher())
         if text is None:
-            self.texts.pop((namespace, doc_id), None)
+            if self.texts.pop((namespace, doc_id), None) is not None:
+                self.version += 1
             matcher.remove(doc_id)
         elif self.texts.get((namespace, doc_id)) != text:
             self.texts[(namespace, doc_id)] = text
             matcher.add(Candidate(doc_id, text))
+            self.version += 1
 
     def get(self, namespace: str, doc_id: str) -> str | None:
         return self.texts.get((namespace, doc_id))
@@ -218,9 +241,7 @@ class DocumentStore:
             self.sync()
             return
         for doc_id, text in documents:
-            if self.texts.get((namespace, doc_id)) != text:
-                self._apply(namespace, doc_id, text)
-                self.version += 1
+            self._apply(namespace, doc_id, text)
 
     def delete(self, namespace: str, doc_id: str) -> None:
         if self.store is not None:
@@ -228,7 +249,6 @@ class DocumentStore:
             self.sync()
             return
         self._apply(namespace, doc_id, None)
-        self.version += 1
 
     def ids(self, namespace: str) -> list[str]:
         return [i for ns, i in self.texts if ns == namespace]
