@@ -266,6 +266,29 @@ def test_the_package_clients_answer_as_an_in_process_engine_does(server, http):
         assert "".join(d.text for d in llm.stream_rag(QUESTION, [_doc("d4"), _doc("d5")], greedy)) == expected
 
 
+def test_the_package_clients_send_plain_text_and_let_the_server_find_the_documents(server, http):
+    """A formatted prompt from a wrapper with ``server_url=``: no version call, no download of the
+    registry; the server finds the registered documents in the text (``doc_sources``: matched)."""
+    from lazyattn_rag.integrations.langchain import ChatLazyAttention
+
+    def reads():
+        text = http.get("/metrics").text
+        return {route: sum(float(line.split()[-1]) for line in text.splitlines()
+                           if line.startswith(f'lazyattn_http_responses_total{{route="{route}"'))
+                for route in ("/v1/documents/version", "/v1/documents", "/v1/chat/completions")}
+
+    chat = ChatLazyAttention(server_url=server[0], max_tokens=2)
+    before = reads()
+    for question in ("w5 w6", "w7"):
+        out = chat.invoke(f"documents below :\n\n{DOCS['d7']}\n\n{DOCS['d8']}\n\nQuestion : {question}")
+    after = reads()
+    assert after["/v1/chat/completions"] - before["/v1/chat/completions"] == 2  # one call per question
+    assert after["/v1/documents/version"] == before["/v1/documents/version"]
+    assert after["/v1/documents"] == before["/v1/documents"]
+    stats = out.response_metadata["lazyattn"]["stats"]
+    assert stats["doc_sources"] == {"d7": "matched", "d8": "matched"} and stats["docs_hit"] == ["d7", "d8"]
+
+
 def _doc(doc_id):
     from lazyattn_rag import Document
 
