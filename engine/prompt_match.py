@@ -113,8 +113,9 @@ class _View:
 
     def __init__(self, text: str, unescape: bool):
         self._escaped = unescape
-        if not unescape:
-            self.chars = _WHITESPACE.sub(" ", text)
+        if not unescape:  # str.split and re's \s take the same characters for whitespace
+            self.chars = (" " * text[:1].isspace()) + " ".join(text.split()) + (" " * (text[-1:].isspace()
+                                                                                      and not text.isspace()))
             self._starts, self._runs, self._shifts = [], [], []  # runs of 2+ whitespace characters
             shift = 0
             for m in _LONG_WHITESPACE.finditer(text):
@@ -173,7 +174,6 @@ class _View:
 
 
 _TOKENS = re.compile(r"\s+|\S+")
-_WHITESPACE = re.compile(r"\s+")
 _LONG_WHITESPACE = re.compile(r"\s{2,}")
 
 
