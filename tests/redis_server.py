@@ -87,3 +87,18 @@ class RedisServer:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(5)
+
+
+def local_serve(port: int):
+    """A local Ray cluster (2 CPUs) with Serve's HTTP proxy on ``127.0.0.1:port``, for one test
+    module (a generator: the fixture yields while they run, then both shut down)."""
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()

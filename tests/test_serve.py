@@ -44,21 +44,17 @@ def model_dir(tmp_path_factory):
 def server(model_dir, module_redis_server, tmp_path_factory):
     """``(base_url, engine_config)`` of the app: 2 replicas, affinity routing with an imbalance
     threshold of 1 request, 1 MiB body limit."""
-    import ray
     from ray import serve
 
     from lazyattn_rag.serve import ServeConfig, build_app
-    from tests.redis_server import free_port
+    from tests.redis_server import free_port, local_serve
 
     config = engine_config(model_dir, tmp_path_factory.mktemp("cache"), module_redis_server.url)
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(config, ServeConfig(num_replicas=2, num_cpus_per_replica=0, imbalanced_threshold=1,
-                                            max_body_bytes=1 << 20, port=port)), name=APP, route_prefix="/")
-    yield f"http://127.0.0.1:{port}", config
-    serve.shutdown()
-    ray.shutdown()
+    for url in local_serve(port):
+        serve.run(build_app(config, ServeConfig(num_replicas=2, num_cpus_per_replica=0, imbalanced_threshold=1,
+                                                max_body_bytes=1 << 20, port=port)), name=APP, route_prefix="/")
+        yield url, config
 
 
 @pytest.fixture(scope="module")

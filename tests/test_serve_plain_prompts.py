@@ -54,19 +54,13 @@ def start_app(config, port):
 @pytest.fixture(scope="module")
 def server(smollm2_dir, module_redis_server, tmp_path_factory):
     """``(base_url, engine_config)``: one replica of SmolLM2, the registry in Redis."""
-    import ray
-    from ray import serve
-
-    from tests.redis_server import free_port
+    from tests.redis_server import free_port, local_serve
 
     config = engine_config(smollm2_dir, tmp_path_factory.mktemp("cache"), module_redis_server.url)
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    start_app(config, port)
-    yield f"http://127.0.0.1:{port}", config
-    serve.shutdown()
-    ray.shutdown()
+    for url in local_serve(port):
+        start_app(config, port)
+        yield url, config
 
 
 @pytest.fixture(scope="module")
