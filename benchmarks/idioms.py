@@ -121,14 +121,15 @@ def _measure_idiom(smollm2, run) -> dict:
     run(engine, QUESTIONS[1])
     num_calls = len(calls) - since
     plan, stats = calls[-1]["plan"], calls[-1]["stats"]
-    doc_ids = [c.doc_id for c in plan.chunks if c.doc_id is not None]
+    doc_ids = [c.doc_id for c in plan.chunks if c.doc_id is not None and not c.learned]  # ids the id path knows
     new_doc_tokens = sum(len(c.token_ids) for c in plan.chunks if c.doc_id in stats.docs_missed)
     greedy = SamplingParams(max_tokens=1)
-    engine.generate(QUESTIONS[1], doc_ids, sampling=greedy)  # the engine's own prompt head, cached once
+    engine.generate(QUESTIONS[0], doc_ids, sampling=greedy)  # the engine's own prompt head, cached once
     by_id = engine.generate(QUESTIONS[1], doc_ids, sampling=greedy).stats  # head and documents cached
     full = engine.complete(plan.token_ids(), greedy).stats  # the same prompt, no reuse
     engine.shutdown()
     return {"num_llm_calls": num_calls, "docs_placed": len(doc_ids), "docs_hit": len(stats.docs_hit),
+            "passages_learned": sum(c.learned for c in plan.chunks),
             "num_prompt_tokens": stats.num_prompt_tokens, "num_cached_tokens": stats.num_cached_tokens,
             "num_computed_tokens": stats.num_computed_tokens, "new_document_tokens": new_doc_tokens,
             "text_tokens": plan.num_text_tokens + len(plan.query_token_ids), "ttft_ms": stats.ttft_ms,
