@@ -44,7 +44,7 @@ from lazyattn_rag.engine.scheduler import Scheduler
 from lazyattn_rag.engine.scheduler_output import ChunkPrefillJob, SchedulerOutput
 from lazyattn_rag.types.config import EngineConfig, RequestRemedies
 from lazyattn_rag.types.errors import CacheCapacityError, DocumentTooLongError
-from lazyattn_rag.types.messages import Message
+from lazyattn_rag.types.messages import DocumentRef, Message
 from lazyattn_rag.types.outputs import RequestStats
 from lazyattn_rag.types.sampling_params import SamplingParams
 
@@ -234,21 +234,49 @@ class LLMEngine:
                                params, sink)
 
     def submit_chat(self, messages: list[Message], documents: list[tuple[str, str]], params: SamplingParams,
-                    sink: Sink, namespace: str = "", remedies: RequestRemedies = RequestRemedies()) -> Request:
+                    sink: Sink, namespace: str = "", remedies: RequestRemedies = RequestRemedies(),
+                    plans: list[PromptPlan] | None = None) -> Request:
         """Plan chat ``messages`` (:meth:`PromptPlanner.plan_messages`) with inline ``documents``
         in ``namespace`` and queue it; errors as :meth:`submit_question`. With
         ``CacheConfig.learn_passages``, passages of their text that recur are placed from cached
-        chunks when that computes less (``engine/passage_learning.py``)."""
+        chunks when that computes less (``engine/passage_learning.py``). ``plans``: what
+        :meth:`plan_plain_chat` gave for the same arguments off the engine thread (the first
+        that fits the cache is queued); ``None`` plans here.
+        """
         with self.documents.inline(documents, namespace):
-            plan = self.planner.plan_messages(messages, namespace, remedies)
-            if self.passages is not None:
-                learned = self.passages.choose(messages, plan, namespace, remedies)
-                if learned is not plan:
-                    try:
-                        return self.submit(learned, params, sink)
-                    except CacheCapacityError:  # its chunks each start a block: the plain prompt may still fit
-                        pass
-            return self.submit(plan, params, sink)
+            if plans is None:
+                plans = self._chat_plans(messages, namespace, remedies)
+            for plan in plans[:-1]:
+                try:
+                    return self.submit(plan, params, sink)
+                except CacheCapacityError:  # a learned layout's chunks each start a block: the next may still fit
+                    pass
+            return self.submit(plans[-1], params, sink)
+
+    def plan_plain_chat(self, messages: list[Message], namespace: str = "",
+                        remedies: RequestRemedies = RequestRemedies()) -> list[PromptPlan] | None:
+        """The plans :meth:`submit_chat` tries, in order, for ``messages`` that place no
+        document (no :class:`~lazyattn_rag.types.messages.DocumentRef`; no inline documents
+        are passed with them), or ``None`` for messages that do.
+
+        Safe to call from any thread while the engine steps, so that tokenizing a long pasted
+        prompt (most of planning it) does not hold up the step loop (vLLM tokenizes in its API
+        process for the same reason): it reads the tokenizer, the chunk cache's entries by key
+        (only to choose the cheaper layout; every layout is correct whatever the cache holds
+        when it runs) and the passage learner's history, under the learner's lock.
+
+        Raises:
+            what :meth:`PromptPlanner.plan_messages` raises.
+        """
+        if any(isinstance(part, DocumentRef) for m in messages for part in m.parts()):
+            return None
+        return self._chat_plans(messages, namespace, remedies)
+
+    def _chat_plans(self, messages: list[Message], namespace: str, remedies: RequestRemedies) -> list[PromptPlan]:
+        """The layout the passage learner prefers (if it is not the plain one), then the plain one."""
+        plan = self.planner.plan_messages(messages, namespace, remedies)
+        learned = self.passages.choose(messages, plan, namespace, remedies) if self.passages is not None else plan
+        return [plan] if learned is plan else [learned, plan]
 
     def submit_prompt(self, prompt: str | list[int], params: SamplingParams, sink: Sink) -> Request:
         """Queue a raw prompt, computed whole (:meth:`PromptPlanner.plan_prompt`)."""

@@ -30,6 +30,7 @@ prompt's, computed as before.
 from __future__ import annotations
 
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -61,6 +62,7 @@ class PassageLearner:
         self.history = PassageHistory(config.passage_history)
         # recurring passages tokenized once (as registered documents are), the most recent kept
         self._prepared: OrderedDict[tuple[str, str], RegisteredDocument] = OrderedDict()
+        self._lock = threading.Lock()  # choose() runs in the callers' threads (LLMEngine.plan_plain_chat)
 
     def choose(self, messages: Sequence[Message], plain: PromptPlan, namespace: str = "",
                remedies: RequestRemedies = RequestRemedies()) -> PromptPlan:
@@ -70,7 +72,14 @@ class PassageLearner:
         Two layouts are weighed against ``plain``: every recurring passage a chunk, and the same
         without the passages that lie where ``plain`` already reads cached K/V in place (its
         cached prompt head, or its exact-prefix blocks): those are served exactly as they are.
+        Thread-safe: the history and the prepared passages change under a lock; the cache is
+        only read, entry by entry (a layout chosen on a stale view is still correct).
         """
+        with self._lock:
+            return self._choose(messages, plain, namespace, remedies)
+
+    def _choose(self, messages: Sequence[Message], plain: PromptPlan, namespace: str,
+                remedies: RequestRemedies) -> PromptPlan:
         recurring = self._recurring(messages, namespace)
         if not recurring:
             return plain

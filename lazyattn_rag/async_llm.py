@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterable
 
-from lazyattn_rag.client import MakeRequest, chat_request, prompt_request, question_request
+from lazyattn_rag.client import MakeRequest, PlannedRequest, chat_request, prompt_request, question_request
 from lazyattn_rag.llm import LazyAttention, recompute_kwargs
 from lazyattn_rag.types.config import RequestRemedies
 from lazyattn_rag.types.documents import Document
@@ -46,7 +46,7 @@ class AsyncLazyAttention:
     async def stats(self) -> dict:
         return await asyncio.to_thread(self.llm.stats)
 
-    async def _submit(self, make: MakeRequest) -> AsyncIterator[StreamDelta]:
+    async def _submit(self, make: MakeRequest | PlannedRequest) -> AsyncIterator[StreamDelta]:
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
 

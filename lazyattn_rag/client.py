@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from lazyattn_rag.engine.engine import LLMEngine
@@ -25,6 +26,20 @@ Sink = Callable[[StreamDelta | BaseException], None]
 MakeRequest = Callable[[LLMEngine, Sink], Request]
 
 
+@dataclass(frozen=True)
+class PlannedRequest:
+    """A request planned in the submitting thread, then queued on the engine thread.
+
+    Attributes:
+        plan: ``plan(engine)``, run in the caller's thread while the engine keeps stepping
+            (only what the engine documents as safe there, e.g. :meth:`LLMEngine.plan_plain_chat`).
+        submit: ``submit(engine, sink, planned)`` on the engine thread, given ``plan``'s result.
+    """
+
+    plan: Callable[[LLMEngine], Any]
+    submit: Callable[[LLMEngine, Sink, Any], Request]
+
+
 class EngineClient:
     """Submit, abort and call into one engine over its loop.
 
@@ -39,8 +54,12 @@ class EngineClient:
         """``fn(engine, *args)`` on the engine thread; its result, or its exception raised here."""
         return self.loop.call(fn, self.loop.engine, *args)
 
-    def submit(self, make: MakeRequest, sink: Sink) -> str:
-        """Plan and queue a request on the engine thread (its errors raise here); its id."""
+    def submit(self, make: MakeRequest | PlannedRequest, sink: Sink) -> str:
+        """Plan and queue a request (a :class:`PlannedRequest` is planned in this thread, the
+        rest on the engine thread; errors raise here); its id."""
+        if isinstance(make, PlannedRequest):
+            planned = make.plan(self.loop.engine)
+            return self.call(make.submit, sink, planned).request_id
         return self.call(make, sink).request_id
 
     def abort(self, request_id: str) -> None:
@@ -121,9 +140,15 @@ def question_request(question: str, doc_ids: Iterable[str], documents: Iterable[
 
 def chat_request(messages: Iterable[Message | dict | tuple], documents: Iterable[Document | tuple[str, str]],
                  params: SamplingParams, namespace: str = "",
-                 remedies: RequestRemedies = RequestRemedies()) -> MakeRequest:
+                 remedies: RequestRemedies = RequestRemedies()) -> MakeRequest | PlannedRequest:
+    """Messages that place no document (plain text, e.g. pasted retrieved texts) are tokenized
+    and laid out in the submitting thread (:meth:`LLMEngine.plan_plain_chat`)."""
     msgs, docs = [as_message(m) for m in messages], document_pairs(documents)
-    return lambda engine, sink: engine.submit_chat(msgs, docs, params, sink, namespace, remedies)
+    if docs:
+        return lambda engine, sink: engine.submit_chat(msgs, docs, params, sink, namespace, remedies)
+    return PlannedRequest(lambda engine: engine.plan_plain_chat(msgs, namespace, remedies),
+                          lambda engine, sink, plans: engine.submit_chat(msgs, [], params, sink, namespace, remedies,
+                                                                         plans))
 
 
 def prompt_request(prompt: str | list[int], params: SamplingParams) -> MakeRequest:

@@ -14,6 +14,7 @@ from typing import Any
 from lazyattn_rag.client import (
     EngineClient,
     MakeRequest,
+    PlannedRequest,
     RequestStream,
     chat_request,
     document_ids,
@@ -181,7 +182,7 @@ class LazyAttention:
         return final.stats.docs_missed
 
     # --- generation -----------------------------------------------------------------------
-    def _submit(self, make: MakeRequest) -> "RequestStream":
+    def _submit(self, make: MakeRequest | PlannedRequest) -> "RequestStream":
         """Submit on the engine thread (errors raise here) and return the delta stream."""
         deltas: queue.SimpleQueue = queue.SimpleQueue()
         return RequestStream(self.client, self.client.submit(make, deltas.put), deltas)

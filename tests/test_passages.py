@@ -2,6 +2,7 @@
 traffic, and exact-prefix caching in lazy mode, on a tiny engine against the transformers oracle."""
 
 import functools
+import threading
 
 import pytest
 
@@ -131,6 +132,43 @@ def test_a_learned_passage_answers_as_the_same_document_placed_by_id(make_llm):
     # what the prompt would reuse by its exact prefix instead (an earlier request's opening) wins
     repeat = ask(llm, [0, 1], "w8", namespace="plain")
     assert repeat.stats.docs_hit == [] and repeat.stats.num_computed_tokens <= 16
+
+
+def test_plain_prompts_are_planned_in_the_callers_threads_and_every_sighting_counts(make_llm, monkeypatch):
+    """A pasted prompt is tokenized and laid out in the submitting thread (the engine thread
+    keeps stepping meanwhile); concurrent callers share the learner's history without losing a
+    sighting. A prompt naming documents is planned on the engine thread (the registry lives there)."""
+    _, llm = make_llm()
+    planner, on_engine = llm.engine.planner, []
+    original = planner.plan_messages
+
+    def spy(messages, *args, **kwargs):
+        if not any(isinstance(p, DocumentRef) and p.id.startswith(PASSAGE_ID_PREFIX) for m in messages for p in m.parts()):
+            on_engine.append(llm.client.loop.on_engine_thread())  # the plan of the messages as sent
+        return original(messages, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "plan_messages", spy)
+    orders = [[0, 1, 2], [2, 0, 1], [1, 2, 0], [0, 2, 1], [2, 1, 0], [1, 0, 2]]
+    answers: list = [None] * len(orders)
+
+    def caller(i):
+        answers[i] = ask(llm, orders[i], f"w{5 + i}")
+
+    callers = [threading.Thread(target=caller, args=(i,)) for i in range(len(orders))]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert on_engine == [False] * len(orders) and all(len(a.token_ids) == GREEDY.max_tokens for a in answers)
+    keys = [passage_key("", P[i]) for i in range(3)]
+    assert llm.engine.passages.history.observe(keys) == dict.fromkeys(keys, len(orders))
+    last = ask(llm, [1, 0, 2], "w20")  # every passage recurs and was encoded by one of the callers
+    ids = [passage_id(llm, i) for i in (1, 0, 2)]
+    assert last.stats.docs_hit == ids and last.stats.num_shifted_tokens == 3 * 40
+    llm.add_documents([("p0", P[0])])
+    llm.chat([Message("user", ("documents :\n\n", DocumentRef("p0"), "Question : w7"))], sampling=GREEDY)
+    assert on_engine[-1] is True and len(on_engine) == len(orders) + 2
+    llm.client.call(lambda engine: engine.cache.check_integrity())
 
 
 def test_text_seen_once_is_planned_exactly_as_without_learning(make_llm):
