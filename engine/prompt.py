@@ -138,6 +138,8 @@ class PromptTemplate:
             encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         except (NotImplementedError, ValueError, TypeError):  # slow tokenizers have no offsets
             return None
+        if self._special_ids.isdisjoint(encoded["input_ids"]):
+            return list(encoded["input_ids"])
         for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
             if token not in self._special_ids:
                 continue
