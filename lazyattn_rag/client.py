@@ -1,7 +1,8 @@
 """The one client of the engine loop that :class:`LazyAttention` and :class:`AsyncLazyAttention` share.
 
 Every call reaches the engine on its own thread (``engine/loop.py``): submissions, aborts,
-document changes and reads of its state. The public classes differ only in how a request's
+document changes and reads of its state. Chat messages that place no document are planned
+(tokenized, their learned passages chosen) in the submitting thread first. The public classes differ only in how a request's
 deltas come back (a ``queue.SimpleQueue`` or an ``asyncio.Queue``) and in blocking or awaiting.
 """
 
