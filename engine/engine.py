@@ -14,8 +14,8 @@ Request lifecycle (``docs/architecture.md`` has the one-page map):
 
 The engine is single-threaded: :mod:`lazyattn_rag.engine.loop` drives it from one thread
 and serializes every call into it. One exception: :meth:`LLMEngine.plan_plain_chat` (chat
-messages that place no document) runs in the submitting thread, so that tokenizing a long
-pasted prompt does not hold up the steps.
+messages that place no document) runs in another thread (the client's planning thread), so
+that tokenizing a long pasted prompt does not hold up the steps.
 """
 
 from __future__ import annotations
