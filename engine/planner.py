@@ -16,7 +16,7 @@ from typing import Any
 
 from lazyattn_rag.engine.fingerprint import anchor_fingerprint, chunk_key
 from lazyattn_rag.engine.prompt import PromptTemplate, PromptText
-from lazyattn_rag.engine.prompt_plan import ChunkSegment, PromptPlan, TextSegment
+from lazyattn_rag.engine.prompt_plan import ChunkSegment, PrefixKeys, PromptPlan, TextSegment
 from lazyattn_rag.engine.registry import DocumentRegistry, RegisteredDocument
 from lazyattn_rag.types.config import (
     EngineConfig,
@@ -354,14 +354,10 @@ class PromptPlanner:
                    "selective_ratio": plan.selective_ratio, "chunk_scaling": plan.chunk_scaling}
         return chunk_key(self.model_digest, "context:" + json.dumps(context, separators=(",", ":")), [])
 
-    def prefix_keys(self, token_ids: tuple[int, ...] | list[int], seed: str | None = None) -> tuple[str, ...]:
+    def prefix_keys(self, token_ids: tuple[int, ...] | list[int], seed: str | None = None) -> PrefixKeys:
         """The chained key of each full block of ``token_ids`` from ``seed`` (the model's digest
-        by default): block ``j``'s key names every token up to its end."""
-        keys, parent, bs = [], seed or self.model_digest, self.block_size
-        for i in range(len(token_ids) // bs):
-            parent = chunk_key(parent, "prefix", list(token_ids[i * bs: (i + 1) * bs]))
-            keys.append(parent)
-        return tuple(keys)
+        by default): block ``j``'s key names every token up to its end (hashed when read)."""
+        return PrefixKeys(token_ids, seed or self.model_digest, self.block_size)
 
 
 def with_head_recompute(plan: PromptPlan, num_tokens: int) -> PromptPlan:

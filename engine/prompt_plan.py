@@ -13,8 +13,68 @@ on a miss.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+
+from lazyattn_rag.engine.fingerprint import chunk_key
+
+
+class PrefixKeys(Sequence[str]):
+    """The chained key of each full block of ``token_ids`` from ``seed``: block ``j``'s key
+    names every token up to its end (exact-prefix reuse, as vLLM's automatic prefix caching).
+
+    A key is hashed when it is first read, so a plan that is weighed and dropped (the passage
+    learner's plain layout of a prompt it serves from chunks) hashes only the blocks looked up.
+    Compares equal to the tuple of its keys.
+
+    Args:
+        token_ids: the tail's tokens.
+        seed: what the chain starts from (a digest of everything before the tail).
+        block_size: tokens per block.
+    """
+
+    def __init__(self, token_ids: Sequence[int], seed: str, block_size: int):
+        self._token_ids, self._block_size = token_ids, block_size
+        self._keys: list[str] = []
+        self._parent = seed
+        self._len = len(token_ids) // block_size
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _hash_to(self, n: int) -> None:
+        bs = self._block_size
+        for j in range(len(self._keys), n):
+            self._parent = chunk_key(self._parent, "prefix", list(self._token_ids[j * bs: (j + 1) * bs]))
+            self._keys.append(self._parent)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, _ = index.indices(self._len)
+            self._hash_to(stop)
+            return tuple(self._keys[index])
+        if index < 0:
+            index += self._len
+        if not 0 <= index < self._len:
+            raise IndexError(f"prefix block {index} of {self._len}")
+        self._hash_to(index + 1)
+        return self._keys[index]
+
+    def __iter__(self) -> Iterator[str]:
+        for j in range(self._len):
+            yield self[j]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (PrefixKeys, tuple, list)):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"PrefixKeys({self._len} blocks, {len(self._keys)} hashed)"
 
 
 @dataclass(frozen=True)
@@ -105,7 +165,7 @@ class PromptPlan:
 
     chunks: tuple[ChunkSegment, ...]
     query_token_ids: tuple[int, ...]
-    prefix_block_keys: tuple[str, ...] = ()
+    prefix_block_keys: Sequence[str] = ()
     texts: tuple[TextSegment, ...] = ()
     selective_ratio: float = 0.0
     chunk_scaling: bool = False

@@ -8,7 +8,9 @@ import pytest
 
 from lazyattn_rag import DocumentRef, Message, SamplingParams
 from lazyattn_rag.engine.passage_learning import PASSAGE_ID_PREFIX
+from lazyattn_rag.engine.fingerprint import chunk_key
 from lazyattn_rag.engine.passages import PassageHistory, passage_key, split_passages
+from lazyattn_rag.engine.prompt_plan import PrefixKeys
 from tests.integrations_kit import PlanSpy
 from tests.oracle import plan_oracle
 from tests.tiny import words
@@ -268,6 +270,21 @@ def test_namespaces_learn_apart(make_llm):
 # --- exact-prefix caching in lazy mode -------------------------------------------------------------
 def cache_entries(llm):
     return llm.client.call(lambda engine: {e.key: list(e.block_ids) for e in engine.cache.entries()})
+
+
+def test_prefix_keys_are_the_chain_of_block_hashes_hashed_when_read():
+    tokens = list(range(100, 150))  # 3 full blocks of 16, 2 tokens over
+    keys = PrefixKeys(tokens, "seed", 16)
+    assert len(keys) == 3 and repr(keys) == "PrefixKeys(3 blocks, 0 hashed)"
+    assert keys[0] == chunk_key("seed", "prefix", tokens[:16]) and repr(keys) == "PrefixKeys(3 blocks, 1 hashed)"
+    chain = [chunk_key("seed", "prefix", tokens[:16])]
+    chain.append(chunk_key(chain[0], "prefix", tokens[16:32]))
+    chain.append(chunk_key(chain[1], "prefix", tokens[32:48]))
+    assert keys[-1] == chain[2] and keys[:2] == tuple(chain[:2]) and list(keys) == chain
+    assert keys == tuple(chain) and keys == PrefixKeys(tokens, "seed", 16) and keys != PrefixKeys(tokens, "other", 16)
+    with pytest.raises(IndexError):
+        keys[3]
+    assert not PrefixKeys(tokens[:15], "seed", 16)
 
 
 def test_a_byte_identical_repeat_reads_the_first_requests_blocks_and_computes_one_block(make_llm):
