@@ -26,7 +26,8 @@ class IncrementalDetokenizer:
 
     Args:
         tokenizer: a transformers tokenizer (``decode``).
-        stop: stop strings; the text ends before the first occurrence of any.
+        stop: stop strings; the text ends before the earliest occurrence of any in the text
+            (not the first in list order).
     """
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()):
@@ -60,11 +61,11 @@ class IncrementalDetokenizer:
                 return ""
         self.text = text
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
-        for s in self.stop:  # the text before search_from held none: a first occurrence ends after it
-            idx = self.text.find(s, max(0, search_from - len(s) + 1))
-            if idx != -1:
-                self.text = self.text[:idx]
-                self.stopped = True
+        # the text before search_from held none: a first occurrence ends after it. Two stop
+        # strings may complete on one token: the text ends before the one that starts first.
+        starts = [i for s in self.stop if (i := self.text.find(s, max(0, search_from - len(s) + 1))) != -1]
+        if starts:
+            self.text, self.stopped = self.text[:min(starts)], True
         if self.stopped:
             return self.flush()
         safe_end = max(self._emitted, len(self.text) - self._holdback)

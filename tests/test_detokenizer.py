@@ -13,7 +13,7 @@ from tests.tiny import word_tokenizer
 
 class WholeDecode:
     """The reference: decode every token so far at each step, release complete characters,
-    cut at the first stop string, hold back what could still become one."""
+    cut before the earliest stop string in the text, hold back what could still become one."""
 
     def __init__(self, tokenizer, stop=()):
         self.tokenizer, self.stop, self.ids, self.text, self.emitted = tokenizer, stop, [], "", 0
@@ -24,9 +24,9 @@ class WholeDecode:
         full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if full.endswith(REPLACEMENT):
             return ""
-        for s in self.stop:
-            if (idx := full.find(s)) != -1:
-                full, self.stopped = full[:idx], True
+        starts = [i for s in self.stop if (i := full.find(s)) != -1]
+        if starts:
+            full, self.stopped = full[:min(starts)], True
         self.text = full
         end = len(full) if self.stopped else max(self.emitted, len(full) - self.holdback)
         delta, self.emitted = full[self.emitted:end], end
@@ -88,8 +88,21 @@ def test_stop_strings_cut_where_whole_decoding_cuts(bpe, stop):
 
 def test_word_level_tokenizer():
     tok = word_tokenizer()
-    ids = tok("alpha beta gamma delta alpha beta", add_special_tokens=False)["input_ids"]
-    for stop in ((), ("gamma d",), ("beta",)):
+    ids = tok("w1 w2 w3 w4 w1 w2", add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == "w1 w2 w3 w4 w1 w2"
+    for stop in ((), ("w3 w",), ("w2",)):
         ours, ref = IncrementalDetokenizer(tok, stop), WholeDecode(tok, stop)
         assert stream(ours, ids) == stream(ref, ids)
         assert ours.text == ref.text
+
+
+@pytest.mark.parametrize(("stop", "expected"), [(("w4", "3 w"), "w1 w2 w1"), (("3 w", "w4"), "w1 w2 w1"),
+                                               (("w4", "3 w", "w13 w"), "w1 w2 ")])
+def test_two_stop_strings_completing_on_one_token_cut_at_the_earlier_in_the_text(stop, expected):
+    """vLLM's bug of the same shape: "w4" and "3 w" both complete on the token "w4"; the
+    answer ends before the one that starts first, whatever the list order, none of it left."""
+    tok = word_tokenizer()
+    ids = tok("w1 w2 w13 w4 w1", add_special_tokens=False)["input_ids"]
+    ours, ref = IncrementalDetokenizer(tok, stop), WholeDecode(tok, stop)
+    assert "".join(stream(ours, ids)) == ours.text == expected and ours.stopped
+    assert "".join(stream(ref, ids)) == ref.text == expected
