@@ -2,7 +2,8 @@
 
 Hits are pinned (re-validated now: a chunk evicted while the request waited is simply a miss,
 and a hit's tokens are checked against the request's, so another sequence's K/V is never
-served); misses get blocks, a pending cache entry and an encode task (or a load from a
+served: a colliding key is a miss, the chunk encoded under a key salted with its tokens);
+misses get blocks, a pending cache entry and an encode task (or a load from a
 storage tier below the pool that holds it, or, in ``block_attention`` mode, a copy of another
 offset's chunk). Everything is taken only if the
 cache has room for the misses and the request's own prompt blocks; an acquisition that raises
@@ -11,9 +12,15 @@ gives back exactly what it took.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
+from lazyattn_rag.engine.fingerprint import chunk_key
 from lazyattn_rag.engine.request import Request
 from lazyattn_rag.engine.scheduler_output import CopyJob, ChunkPrefillTask, LoadJob, SchedulerOutput
 from lazyattn_rag.types.errors import CacheCapacityError
+
+logger = logging.getLogger(__name__)
 
 
 class ChunkAdmission:
@@ -31,11 +38,14 @@ class ChunkAdmission:
                 f"the cache has {self.describe_capacity()}")))
             return "failed"
         hits, misses = [], []
-        for key, chunk in chunks.items():
+        for key, chunk in list(chunks.items()):
             # a dead entry still held by others holds exactly this content: a hit
             entry = self.cache.lookup(key, touch=False, include_dead=True)
-            if entry is not None:
-                entry.check_tokens(chunk.token_ids)  # never serve another sequence's K/V
+            if entry is not None and not entry.holds(chunk.token_ids):  # never serve another sequence's K/V
+                chunk = self._rekey_collision(request, chunk)
+                entry = self.cache.lookup(chunk.key, touch=False, include_dead=True)
+                if entry is not None:
+                    entry.check_tokens(chunk.token_ids)  # the salted key collides too: refuse
             (hits if entry is not None else misses).append(chunk)
         self._acquire_prefix(request)
         for chunk in hits:
@@ -77,6 +87,21 @@ class ChunkAdmission:
         self._account(request, {c.key for c in misses}, copied)
         return "ok"
 
+    def _rekey_collision(self, request: Request, chunk):
+        """A cached entry under ``chunk``'s key holds other tokens (a digest collision, or a key
+        built without all of its content): serve the chunk as a miss, under a key salted with
+        its tokens, in ``request``'s plan (every placement of it). Counted; logged once."""
+        salted = chunk_key(chunk.key, "collision", list(chunk.token_ids))
+        self.counters.num_key_collisions += 1
+        if self.counters.num_key_collisions == 1:
+            logger.warning("chunk key %s holds other tokens than a request places (%d); served as a miss under "
+                           "a salted key (counted in num_key_collisions, logged once)", chunk.key[:12],
+                           len(chunk.token_ids))
+        plan = request.plan
+        request.plan = dataclasses.replace(plan, chunks=tuple(
+            dataclasses.replace(c, key=salted) if c.key == chunk.key else c for c in plan.chunks))
+        return dataclasses.replace(chunk, key=salted)
+
     def _abandon_acquire(self, request: Request, out: SchedulerOutput, created: list[str]) -> None:
         """Undo an acquisition that raised: drop the jobs and pending entries it ``created``
         (never those of other requests that it merely pinned), then release its pins."""
@@ -97,9 +122,10 @@ class ChunkAdmission:
         sources = {}
         for chunk in misses:
             ready = self.cache.ready_copies(chunk.source_key) if chunk.source_key else []
-            if ready:
-                ready[0].check_tokens(chunk.token_ids)  # a copy must hold the tokens it is copied for
+            if ready and ready[0].holds(chunk.token_ids):  # a copy must hold the tokens it is copied for
                 sources[chunk.key] = ready[0]
+            elif ready:  # a colliding source: encode the chunk instead
+                self.counters.num_key_collisions += 1
         return sources
 
     def _start_misses(self, request: Request, misses, out: SchedulerOutput, sources: dict,
@@ -149,7 +175,9 @@ class ChunkAdmission:
             entry = self.cache.lookup(key)
             if entry is None or not entry.ready:
                 break
-            entry.check_tokens(prompt[j * bs:(j + 1) * bs])
+            if not entry.holds(prompt[j * bs:(j + 1) * bs]):  # a colliding block: computed from here on
+                self.counters.num_key_collisions += 1
+                break
             self.cache.pin(key, holder=request.request_id)
             request.num_prefix_tokens += self.block_size
         total = len(request.plan.query_token_ids)

@@ -71,10 +71,14 @@ class ChunkEntry:
     token_ids: tuple[int, ...] | None = None
     exact_prefix: bool = False  # a block of a request's own prompt (prefix caching): read in place, never stored below
 
+    def holds(self, token_ids: tuple[int, ...] | list[int]) -> bool:
+        """Whether this entry holds exactly ``token_ids`` (a tuple comparison: cheap next to the
+        attention it saves; an entry inserted without its tokens is taken at its key's word)."""
+        return self.token_ids is None or self.token_ids == tuple(token_ids)
+
     def check_tokens(self, token_ids: tuple[int, ...] | list[int]) -> None:
-        """Raise :class:`ChunkKeyCollisionError` unless this entry holds exactly ``token_ids``
-        (a tuple comparison: cheap next to the attention it saves)."""
-        if self.token_ids is not None and self.token_ids != tuple(token_ids):
+        """Raise :class:`ChunkKeyCollisionError` unless this entry holds exactly ``token_ids``."""
+        if not self.holds(token_ids):
             raise ChunkKeyCollisionError(
                 f"chunk key {self.key[:12]} holds {len(self.token_ids)} other tokens than the "
                 f"{len(token_ids)} requested; refusing to serve its K/V")

@@ -27,4 +27,5 @@ class EngineCounters:
     num_output_tokens: int = 0
     num_steps: int = 0
     num_preemptions: int = 0
+    num_key_collisions: int = 0  # cached entries whose tokens differed from a request's: served as misses
     first_request_ttft_ms: float | None = None  # of the first request that produced a token

@@ -450,6 +450,7 @@ class LLMEngine:
             "num_documents": len(self.documents),
             "num_evictions": cache.num_evictions,
             "num_preemptions": c.num_preemptions,
+            "num_key_collisions": c.num_key_collisions,
             "num_steps": c.num_steps,
             "first_request_ttft_ms": c.first_request_ttft_ms,
             "tiers": self.tiers.stats() if self.tiers is not None else {},

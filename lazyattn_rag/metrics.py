@@ -32,6 +32,8 @@ _COUNTERS = {
     "num_output_tokens": ("output_tokens", "Generated tokens."),
     "num_evictions": ("chunk_evictions", "Chunks evicted from the cache."),
     "num_preemptions": ("preemptions", "Requests preempted (blocks freed, recomputed later)."),
+    "num_key_collisions": ("key_collisions", "Cached chunks whose tokens differed from a request's under one key "
+                                             "(served as misses)."),
     "num_steps": ("engine_steps", "Engine forward steps."),
     "num_tier_writes_dropped": ("tier_writes_dropped", "Chunk writes to the storage tiers dropped: the writer's queue was full."),
 }
