@@ -38,7 +38,7 @@ from lazyattn_rag.engine.host_arena import gather_event
 from lazyattn_rag.engine.output_processor import OutputProcessor, Sink
 from lazyattn_rag.engine.passage_learning import PassageLearner
 from lazyattn_rag.engine.planner import PromptPlanner
-from lazyattn_rag.engine.prompt_plan import PromptPlan
+from lazyattn_rag.engine.prompt_plan import PrefixKeys, PromptPlan
 from lazyattn_rag.engine.registry import DocumentRegistry, RegisteredDocument
 from lazyattn_rag.engine.request import Request
 from lazyattn_rag.engine.runner import ModelRunner
@@ -278,6 +278,8 @@ class LLMEngine:
         """The layout the passage learner prefers (if it is not the plain one), then the plain one."""
         plan = self.planner.plan_messages(messages, namespace, remedies)
         learned = self.passages.choose(messages, plan, namespace, remedies) if self.passages is not None else plan
+        if isinstance(learned.prefix_block_keys, PrefixKeys):  # the layout queued first: hashed here, off the steps
+            learned.prefix_block_keys.hash_all()
         return [plan] if learned is plan else [learned, plan]
 
     def submit_prompt(self, prompt: str | list[int], params: SamplingParams, sink: Sink) -> Request:

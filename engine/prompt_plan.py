@@ -49,6 +49,10 @@ class PrefixKeys(Sequence[str]):
             self._parent = chunk_key(self._parent, "prefix", list(self._token_ids[j * bs: (j + 1) * bs]))
             self._keys.append(self._parent)
 
+    def hash_all(self) -> None:
+        """Hash every key now (a plan about to be queued: spare the engine thread the work)."""
+        self._hash_to(self._len)
+
     def __getitem__(self, index):
         if isinstance(index, slice):
             start, stop, _ = index.indices(self._len)

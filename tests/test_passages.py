@@ -285,6 +285,16 @@ def test_prefix_keys_are_the_chain_of_block_hashes_hashed_when_read():
     with pytest.raises(IndexError):
         keys[3]
     assert not PrefixKeys(tokens[:15], "seed", 16)
+    fresh = PrefixKeys(tokens, "seed", 16)
+    fresh.hash_all()
+    assert repr(fresh) == "PrefixKeys(3 blocks, 3 hashed)" and fresh == keys
+
+
+def test_the_plan_queued_first_has_its_prefix_blocks_hashed_off_the_engine_thread(make_llm):
+    _, llm = make_llm()
+    plans = llm.engine.plan_plain_chat([Message("user", rag_prompt([0, 1, 2]))])  # any thread may plan it
+    keys = plans[0].prefix_block_keys
+    assert len(plans) == 1 and len(keys) >= 7 and repr(keys) == f"PrefixKeys({len(keys)} blocks, {len(keys)} hashed)"
 
 
 def test_a_byte_identical_repeat_reads_the_first_requests_blocks_and_computes_one_block(make_llm):
