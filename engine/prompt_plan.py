@@ -55,8 +55,8 @@ class PrefixKeys(Sequence[str]):
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            start, stop, _ = index.indices(self._len)
-            self._hash_to(stop)
+            start, stop, step = index.indices(self._len)
+            self._hash_to(max(start + 1, stop) if step < 0 else stop)
             return tuple(self._keys[index])
         if index < 0:
             index += self._len

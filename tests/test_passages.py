@@ -280,6 +280,7 @@ def test_prefix_keys_are_the_chain_of_block_hashes_hashed_when_read():
     chain = [chunk_key("seed", "prefix", tokens[:16])]
     chain.append(chunk_key(chain[0], "prefix", tokens[16:32]))
     chain.append(chunk_key(chain[1], "prefix", tokens[32:48]))
+    assert PrefixKeys(tokens, "seed", 16)[::-1] == tuple(reversed(chain))  # a reversed slice hashes what it reads
     assert keys[-1] == chain[2] and keys[:2] == tuple(chain[:2]) and list(keys) == chain
     assert keys == tuple(chain) and keys == PrefixKeys(tokens, "seed", 16) and keys != PrefixKeys(tokens, "other", 16)
     with pytest.raises(IndexError):
