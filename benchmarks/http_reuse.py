@@ -227,9 +227,9 @@ def overhead(workload: Workload, num_docs: int, doc_tokens: int) -> dict:
     for messages in prompts:
         start = time.perf_counter()
         wire, found = match_messages(messages, store, "")
-        keys = [k for _, _, k in eligible_pieces([as_message(m) for m in wire], "", 16)]
+        keys = [k for _, _, k in eligible_pieces([as_message(m) for m in wire], "", 16)]  # the router's, as the ingress hashes them
         ingress_ms.append((time.perf_counter() - start) * 1e3)
-        assert len(found) == workload.docs_per_request, "every pasted document is found"
+        assert len(found) == workload.docs_per_request and keys, "every pasted document is found and hashed"
     llm = make_engine(Bench.build("tiny", "cpu", "float32", hash_weights=False), "lazy", 64 << 20, "cpu", 2048, 16)
     learner_ms = []
 
@@ -242,7 +242,6 @@ def overhead(workload: Workload, num_docs: int, doc_tokens: int) -> dict:
     for messages in prompts:
         learner_ms.append(llm.client.call(time_choice, [as_message(m) for m in messages]))
     llm.close()
-    del keys
 
     def stats(xs):
         xs = sorted(xs)

@@ -52,9 +52,10 @@ class EngineClient:
     def __init__(self, loop: EngineLoop):
         self.loop = loop
         # Plain chat prompts are planned here, one at a time, off the engine thread (vLLM's API
-        # server tokenizes in one worker thread too): concurrent planners only contend for the
-        # GIL and the passage learner's lock, and delay one another (measured: about 100 ms of
-        # TTFT over HTTP at 16 concurrent 17k-character prompts).
+        # server tokenizes in one worker thread too): concurrent planners would contend for the
+        # GIL and the passage learner's lock. With a thread per caller, 16 concurrent
+        # 17k-character prompts spent about 100 ms more before submission than by-id requests
+        # on the H200 (docs/benchmarks.md); this one thread is not measured there yet.
         self.planning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazyattn-plan")
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:

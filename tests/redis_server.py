@@ -7,6 +7,7 @@ same port (a restart, empty: nothing is saved).
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -89,9 +90,10 @@ class RedisServer:
             process.wait(5)
 
 
+@contextlib.contextmanager
 def local_serve(port: int):
     """A local Ray cluster (2 CPUs) with Serve's HTTP proxy on ``127.0.0.1:port``, for one test
-    module (a generator: the fixture yields while they run, then both shut down)."""
+    module (``with local_serve(port) as url:``; both shut down on leaving)."""
     import ray
     from ray import serve
 

@@ -51,7 +51,7 @@ def server(model_dir, module_redis_server, tmp_path_factory):
 
     config = engine_config(model_dir, tmp_path_factory.mktemp("cache"), module_redis_server.url)
     port = free_port()
-    for url in local_serve(port):
+    with local_serve(port) as url:
         serve.run(build_app(config, ServeConfig(num_replicas=2, num_cpus_per_replica=0, imbalanced_threshold=1,
                                                 max_body_bytes=1 << 20, port=port)), name=APP, route_prefix="/")
         yield url, config

@@ -58,7 +58,7 @@ def server(smollm2_dir, module_redis_server, tmp_path_factory):
 
     config = engine_config(smollm2_dir, tmp_path_factory.mktemp("cache"), module_redis_server.url)
     port = free_port()
-    for url in local_serve(port):
+    with local_serve(port) as url:
         start_app(config, port)
         yield url, config
 
