@@ -291,6 +291,31 @@ class ChunkCache:
             if entry.pin_count == 0:
                 self._drop(entry, evicted=False)
 
+    def purge(self, key: str) -> tuple[int, int]:
+        """Drop the entry under ``key`` and its positioned copies, whatever document ids still
+        bind them (a deleted document's K/V; the caller checked that no other document needs
+        it): each unpinned one now, each pinned one when its last reader releases it (dead
+        meanwhile: found by no new plan and, by the engine, never written to a storage tier).
+
+        Returns:
+            ``(blocks freed now, entries still read by running requests)``.
+        """
+        freed, in_use = 0, 0
+        for entry in self._bound_entries(key):
+            entry.doc_ids.clear()
+            entry.dead = True
+            self._sync_evictable(entry)
+            if entry.pin_count == 0:
+                freed += len(entry.block_ids)
+                self._drop(entry, evicted=False)
+            else:
+                in_use += 1
+        return freed, in_use
+
+    def holds_key(self, key: str) -> bool:
+        """Whether any entry (live or dead, or a positioned copy) holds ``key``'s K/V now."""
+        return bool(self._bound_entries(key))
+
     # --- allocation and eviction ----------------------------------------------------------
     @property
     def num_evictable_blocks(self) -> int:

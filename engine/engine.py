@@ -177,9 +177,11 @@ class LLMEngine:
 
     def _storable(self, entry: ChunkEntry | None) -> bool:
         """A chunk the storage tiers take: written, its tokens known, position-agnostic (not a
-        positioned copy, nor an exact-prefix block, which only the KV pool looks up)."""
+        positioned copy, nor an exact-prefix block, which only the KV pool looks up), and live: a
+        dead chunk's document was deleted or changed, so no later request needs it, and a deleted
+        document's K/V must not land in a tier after the delete."""
         return (entry is not None and entry.ready and entry.token_ids is not None and entry.source_key is None
-                and not entry.exact_prefix)
+                and not entry.exact_prefix and not entry.dead)
 
     def _write_back(self, entry: ChunkEntry) -> None:
         """The pool evicts ``entry`` (its blocks still hold its K/V): queue it for the host tier."""

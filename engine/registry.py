@@ -135,6 +135,10 @@ class DocumentRegistry:
         self.version += 1
         self.cache.unbind_document(key)
 
+    def uses_key(self, key: str) -> bool:
+        """Whether a registered document (of any namespace) has the chunk key ``key``."""
+        return any(doc.key == key for doc in self._documents.values())
+
     @contextlib.contextmanager
     def inline(self, documents: list[tuple[str, str]], namespace: str = "") -> Iterator[None]:
         """Inside the block, ``documents`` read as registered but nothing is bound; on a normal

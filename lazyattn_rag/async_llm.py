@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterable
 from lazyattn_rag.client import MakeRequest, PlannedRequest, chat_request, prompt_request, question_request
 from lazyattn_rag.llm import LazyAttention, recompute_kwargs
 from lazyattn_rag.types.config import RequestRemedies
-from lazyattn_rag.types.documents import Document
+from lazyattn_rag.types.documents import Document, RemovedDocument
 from lazyattn_rag.types.messages import Message
 from lazyattn_rag.types.outputs import Completion, FidelityReport, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
@@ -37,8 +37,8 @@ class AsyncLazyAttention:
     async def add_document(self, doc_id: str, text: str, namespace: str = "") -> bool:
         return await asyncio.to_thread(self.llm.add_document, doc_id, text, namespace)
 
-    async def remove_document(self, doc_id: str, namespace: str = "") -> None:
-        await asyncio.to_thread(self.llm.remove_document, doc_id, namespace)
+    async def remove_document(self, doc_id: str, namespace: str = "") -> RemovedDocument:
+        return await asyncio.to_thread(self.llm.remove_document, doc_id, namespace)
 
     async def warm(self, doc_ids: Iterable[str], namespace: str = "") -> list[str]:
         return await asyncio.to_thread(self.llm.warm, list(doc_ids), namespace)

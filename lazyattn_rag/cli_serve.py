@@ -45,6 +45,20 @@ def serve(
     ingress_replicas: int = typer.Option(1, min=1, help="HTTP ingress replicas (they share the registry)."),
     max_logprobs: int = typer.Option(20, min=-1, help="The most top_logprobs a request may ask for (-1: the whole "
                                                       "vocabulary)."),
+    api_key: list[str] = typer.Option([], "--api-key", envvar="LAZYATTN_API_KEY", show_envvar=True,
+                                      help="A key requests must carry (Authorization: Bearer KEY), allowed every "
+                                           "namespace; repeat for several (the variable: separated by spaces)."),
+    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", exists=True, dir_okay=False,
+                                                help="JSON file binding keys to namespaces: {\"keys\": [{\"key\", "
+                                                     "\"namespaces\": [...], \"manage_documents\": bool}]} (docs/"
+                                                     "serving.md)."),
+    allow_unauthenticated: bool = typer.Option(False, "--allow-unauthenticated",
+                                               help="Without keys, serve clients beyond loopback too (needed to "
+                                                    "listen on another --host without keys)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address",
+                                              help="Run on this Ray cluster (auto, host:port; several nodes: protect "
+                                                   "its ports, see docs/serving.md). Default: a private local cluster "
+                                                   "listening on 127.0.0.1 only, without a dashboard."),
 ) -> None:
     """Serve the model over HTTP: OpenAI chat completions with document ids, on Ray Serve replicas.
 
@@ -62,7 +76,13 @@ def serve(
         gpus = gpus_per_replica if gpus_per_replica is not None else float(_uses_cuda(device))
         config = ServeConfig(num_replicas=replicas, num_gpus_per_replica=gpus, router=router,
                              imbalanced_threshold=imbalanced_threshold, host=host, port=port, registry=registry,
-                             num_ingress_replicas=ingress_replicas, max_logprobs=max_logprobs)
+                             num_ingress_replicas=ingress_replicas, max_logprobs=max_logprobs,
+                             api_keys=tuple(api_key), allow_unauthenticated=allow_unauthenticated,
+                             api_key_file=None if api_key_file is None else str(api_key_file),
+                             ray_address=ray_address)
+        from lazyattn_rag.serve.auth import load_grants
+
+        load_grants(config.api_keys, config.api_key_file)  # a bad key file is named now, before Ray starts
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e

@@ -23,13 +23,14 @@ from lazyattn_rag.client import (
     question_request,
     warm_request,
 )
+from lazyattn_rag.engine.document_removal import remove_document
 from lazyattn_rag.engine.engine import LLMEngine, StepResult
 from lazyattn_rag.engine.factory import build_engine, build_engine_from_model, describe
 from lazyattn_rag.engine.loop import EngineLoop
 from lazyattn_rag.engine.model import CausalLM
 from lazyattn_rag.fidelity import check_fidelity
 from lazyattn_rag.types.config import EngineConfig, RequestRemedies
-from lazyattn_rag.types.documents import Document
+from lazyattn_rag.types.documents import Document, RemovedDocument
 from lazyattn_rag.types.messages import Message, as_message
 from lazyattn_rag.types.outputs import Completion, FidelityReport, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
@@ -149,9 +150,18 @@ class LazyAttention:
         pairs = document_pairs(documents)
         return self.client.call(lambda engine: engine.documents.add(pairs, namespace))
 
-    def remove_document(self, doc_id: str, namespace: str = "") -> None:
-        """Forget a document and its cached K/V. Raises ``UnknownDocumentError``."""
-        self.client.call(lambda engine: engine.documents.remove(doc_id, namespace))
+    def remove_document(self, doc_id: str, namespace: str = "") -> RemovedDocument:
+        """Forget a document and delete its K/V from the KV pool and from every storage tier
+        (host memory, disk, Redis); requests running over it finish with its old text, and its
+        blocks are freed when they do. Another registered document with the same text keeps
+        the K/V (``shared``).
+
+        Returns:
+            what was removed (:class:`~lazyattn_rag.types.documents.RemovedDocument`).
+        Raises:
+            UnknownDocumentError: the id is not registered in ``namespace``.
+        """
+        return self.client.call(lambda engine: remove_document(engine, doc_id, namespace))
 
     def has_document(self, doc_id: str, namespace: str = "") -> bool:
         return self.client.call(lambda engine: engine.documents.contains(doc_id, namespace))

@@ -27,7 +27,7 @@ from typing import Any
 from urllib.parse import quote
 
 from lazyattn_rag.types.config import PromptConfig
-from lazyattn_rag.types.documents import Document
+from lazyattn_rag.types.documents import Document, RemovedDocument
 from lazyattn_rag.types.messages import Message, as_message
 from lazyattn_rag.types.outputs import Completion, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
@@ -82,15 +82,20 @@ class RemoteLazyAttention:
         base_url: the server, e.g. ``"http://127.0.0.1:8000"``.
         timeout_s: seconds to wait for a response (or the next streamed piece).
         headers: extra HTTP headers (e.g. an ``Authorization`` for a proxy in front).
+        api_key: the server's API key (``lazyattn serve --api-key``), sent as
+            ``Authorization: Bearer <key>``; it also decides the namespace (see
+            ``lazyattn_rag/serve/auth.py``).
     Raises:
         ServerError: the server does not answer ``GET /v1/models``.
     """
 
     is_remote = True
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0, headers: dict[str, str] | None = None):
+    def __init__(self, base_url: str, timeout_s: float = 600.0, headers: dict[str, str] | None = None,
+                 api_key: str | None = None):
         import httpx
 
+        headers = {**(headers or {}), **({"Authorization": f"Bearer {api_key}"} if api_key else {})} or None
         self.base_url = base_url.rstrip("/")
         self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
         self._async_options = {"base_url": self.base_url, "timeout": timeout_s, "headers": headers}
@@ -116,10 +121,16 @@ class RemoteLazyAttention:
             self._sent[(namespace, d.id)] = d.text
         return len(docs)
 
-    def remove_document(self, doc_id: str, namespace: str = "") -> None:
+    def remove_document(self, doc_id: str, namespace: str = "") -> RemovedDocument:
+        """Delete a document on the server, from every replica and storage tier; what was
+        removed, summed over the replicas."""
         path = quote(doc_id, safe="").replace(".", "%2E")  # "." and ".." are path segments an HTTP client folds
-        self._request("DELETE", f"/v1/documents/{path}", params={"namespace": namespace})
+        body = self._request("DELETE", f"/v1/documents/{path}", params={"namespace": namespace})
         self._sent.pop((namespace, doc_id), None)
+        removed = body.get("removed", {})
+        return RemovedDocument(doc_id, body.get("namespace", namespace), removed.get("num_kv_blocks", 0),
+                               removed.get("num_in_use", 0), tuple(removed.get("tiers", ())),
+                               removed.get("shared", False))
 
     def document_ids(self, namespace: str = "") -> list[str]:
         return [d["id"] for d in self._get("/v1/documents", namespace=namespace)["data"]]

@@ -92,12 +92,15 @@ class RedisServer:
 
 @contextlib.contextmanager
 def local_serve(port: int):
-    """A local Ray cluster (2 CPUs) with Serve's HTTP proxy on ``127.0.0.1:port``, for one test
-    module (``with local_serve(port) as url:``; both shut down on leaving)."""
+    """A private local Ray cluster (2 CPUs, every process on loopback: ``start_ray``) with
+    Serve's HTTP proxy on ``127.0.0.1:port``, for one test module (``with local_serve(port) as
+    url:``; both shut down on leaving)."""
     import ray
     from ray import serve
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    from lazyattn_rag.serve.app import start_ray
+
+    start_ray(num_cpus=2, logging_level="ERROR", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         yield f"http://127.0.0.1:{port}"

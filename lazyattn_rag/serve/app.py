@@ -54,8 +54,44 @@ def build_app(engine_config: EngineConfig | None, config: ServeConfig = ServeCon
     return ingress.bind(engine.bind(engine_config, build))
 
 
+def start_ray(address: str | None = None, **init_options) -> None:
+    """Connect to the Ray cluster at ``address``, or, with ``None``, start a private one: a
+    local cluster whose processes (GCS, raylet, workers, agents, Serve's controller and proxy)
+    listen on 127.0.0.1 only, without a dashboard.
+
+    Ray resolves a node address of 127.0.0.1 to the machine's outward address (so that other
+    nodes can join) unless its cluster mode is off, as it is on macOS and Windows; it is turned
+    off here while the local cluster starts (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` for the
+    processes it starts, and the constant Ray read from it at import). Every server then binds
+    the node address. ``tests/test_serve_security.py`` lists the listening sockets to check it.
+    ``init_options`` go to ``ray.init`` (``num_cpus``, ``log_to_driver``...).
+    """
+    import os
+
+    import ray
+
+    if address is not None:
+        ray.init(address=address, **{"logging_level": "WARNING", **init_options})
+        return
+    from ray._private import ray_constants
+
+    variable = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+    saved_env, saved_constant = os.environ.get(variable), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[variable], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+                 **{"logging_level": "WARNING", **init_options})
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_constant
+        if saved_env is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = saved_env
+
+
 def run(engine_config: EngineConfig, config: ServeConfig = ServeConfig(), ready: Callable[[], None] | None = None):
-    """Start Ray (a local cluster unless one is running or ``RAY_ADDRESS`` names one), Serve's
+    """Start Ray (:func:`start_ray`: a private local cluster unless ``config.ray_address``
+    names one; a cluster this process already joined is used as it is), Serve's
     HTTP proxy on ``config.host:config.port`` and the application, call ``ready()`` once it
     answers, and serve until interrupted (``KeyboardInterrupt``); with ``ready=None``, return
     the ingress's handle instead of blocking."""
@@ -65,7 +101,7 @@ def run(engine_config: EngineConfig, config: ServeConfig = ServeConfig(), ready:
     from ray import serve
 
     if not ray.is_initialized():
-        ray.init(include_dashboard=False, logging_level="WARNING")
+        start_ray(config.ray_address)
     serve.start(http_options={"host": config.host, "port": config.port})
     logging.getLogger("ray.serve").setLevel(logging.ERROR)  # "connecting to existing Serve app": ours, just started
     handle = serve.run(build_app(engine_config, config), name=config.app_name, route_prefix="/", blocking=False)

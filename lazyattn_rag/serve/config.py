@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ROUTERS = ("affinity", "default")
 
@@ -38,8 +38,18 @@ class ServeConfig:
             ``redis://`` URL, a file path, or ``"memory"`` (this ingress only; gone on restart).
         log_level: the replicas' log level (Ray Serve's ``LoggingConfig``); ``"INFO"`` adds
             one access-log line per request.
+        api_keys: keys a request may carry (``Authorization: Bearer <key>``), each allowed every
+            namespace (``lazyattn_rag/serve/auth.py``); never shown in ``repr``.
+        api_key_file: a JSON file binding keys to namespaces and to the right to manage
+            documents (format in ``lazyattn_rag/serve/auth.py``).
+        allow_unauthenticated: with no key configured, serve clients that are not on loopback
+            too; without it such a server must listen on a loopback ``host``.
+        ray_address: the Ray cluster to run on (``ray.init(address=...)``: ``"auto"`` or
+            ``"ray://..."``/``"host:port"``, for several nodes); ``None``: a private local
+            cluster whose processes listen on 127.0.0.1 only, with no dashboard.
     Raises:
-        ValueError: at construction, for a value out of range (named).
+        ValueError: at construction, for a value out of range (named), or a ``host`` other
+            than loopback with no key and no ``allow_unauthenticated``.
     """
 
     num_replicas: int = 1
@@ -56,8 +66,19 @@ class ServeConfig:
     num_ingress_replicas: int = 1
     registry: str = "auto"
     max_logprobs: int = 20
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    api_key_file: str | None = None
+    allow_unauthenticated: bool = False
+    ray_address: str | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        if any(not isinstance(k, str) or not k.strip() for k in self.api_keys):
+            raise ValueError("api_keys must be non-empty strings")
+        if not self.authenticates and not self.allow_unauthenticated and not _is_loopback(self.host):
+            raise ValueError(f"host {self.host!r} is not loopback: give API keys (--api-key or --api-key-file) so "
+                             "that only their holders are served, or --allow-unauthenticated to serve anyone who "
+                             "can reach it")
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
         if not isinstance(self.registry, str) or not self.registry:
@@ -76,3 +97,14 @@ class ServeConfig:
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port!r}")
+
+    @property
+    def authenticates(self) -> bool:
+        """Whether requests must carry a key."""
+        return bool(self.api_keys) or self.api_key_file is not None
+
+
+def _is_loopback(host: str) -> bool:
+    from lazyattn_rag.serve.auth import is_loopback
+
+    return is_loopback(host)

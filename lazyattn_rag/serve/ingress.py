@@ -11,10 +11,17 @@ Routes (OpenAI's shapes where OpenAI has the route; errors are OpenAI's
 * ``POST /v1/documents`` ``{"documents": [{"id", "text"}], "namespace"}``: checked and
   registered on a replica, then kept in the registry (``registry.py``: Redis or a SQLite file,
   so a restarted ingress, or a second one, knows them); ``GET /v1/documents`` lists them
-  (``?texts=true`` with their texts); ``DELETE /v1/documents/{id}``.
+  (``?texts=true`` with their texts); ``DELETE /v1/documents/{id}`` removes the document from
+  the registry, then its K/V from every replica's KV pool and from the host, disk and Redis
+  tiers (``EngineReplica.forget`` on each replica), and answers what was removed.
 * ``POST /tokenize`` (vLLM's shape: ``prompt`` or ``messages``), ``GET /v1/models``,
   ``GET /health``, ``GET /metrics`` (Prometheus: requests by route and status, and each
   replica's engine stats as of its last finished request).
+
+Every route but ``/health`` passes the gate of ``auth.py`` first: with keys configured, a
+request without a valid ``Authorization: Bearer <key>`` is 401, and its namespace is the key's
+(the request's ``namespace`` field or parameter may pick another of the key's namespaces; any
+other is 403); registering, warming and deleting documents need a key that may manage them.
 
 A chat request that names no document has the registered documents found in its plain text
 (``payload.py``); every request carries the texts of the documents it places, so any engine
@@ -38,6 +45,7 @@ from typing import Any
 from fastapi import FastAPI, Request  # at module level: FastAPI resolves the routes' annotations here
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from lazyattn_rag.serve.auth import Authenticator, KeyGrant, load_grants
 from lazyattn_rag.serve.config import ServeConfig
 from lazyattn_rag.serve.http_errors import ApiError, parse, read_json
 from lazyattn_rag.serve.payload import chat_payload, registered_text, routing_keys
@@ -76,6 +84,7 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
     import lazyattn_rag
 
     app = FastAPI(title="lazyattn-rag", version=lazyattn_rag.__version__)
+    gate = Authenticator(load_grants(config.api_keys, config.api_key_file), config.allow_unauthenticated)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, error: ApiError):
@@ -88,7 +97,17 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
         body = ApiError(500, f"the server failed: {type(error).__name__}: {last}", kind="server_error").body()
         return JSONResponse(body, status_code=500)
 
-    app.middleware("http")(count_responses)
+    @app.middleware("http")
+    async def _authenticate(request: Request, call_next):
+        if request.url.path != "/health":
+            try:
+                client = request.client.host if request.client is not None else None
+                request.state.grant = gate.caller(request.headers.get("authorization"), client)
+            except ApiError as error:
+                return JSONResponse(error.body(), status_code=error.status, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+    app.middleware("http")(count_responses)  # added last: the outer one, so it counts the 401s too
 
     @serve.ingress(app)
     class Ingress:
@@ -120,24 +139,30 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
 
         @app.post("/v1/documents")
         async def add_documents(self, request: Request):
+            grant = _grant(request)
+            grant.check_manage()
             body = parse(DocumentsRequest, await read_json(request, config.max_body_bytes))
+            namespace = grant.namespace(body.namespace)
             documents = [(d.id, d.text) for d in body.documents]
             # checked on any replica (no routing keys: registering computes nothing, so it must
             # not teach the router that this replica holds the documents' K/V)
-            result = await self.engine.register.remote(documents, body.namespace)
+            result = await self.engine.register.remote(documents, namespace)
             _raise_for(result)
-            self.documents.put(body.namespace, documents)
-            return {"object": "list", "namespace": body.namespace, "version": self.documents.version,
+            self.documents.put(namespace, documents)
+            return {"object": "list", "namespace": namespace, "version": self.documents.version,
                     "data": [{"id": d, "object": "document"} for d, _ in documents]}
 
         @app.post("/v1/documents/warm")
         async def warm_documents(self, request: Request):
             """``{"ids": [...], "namespace"}``: compute the documents' K/V now, on their owner
             replica (those already cached are left alone); answers the ids it computed."""
+            grant = _grant(request)
+            grant.check_manage()
             data = await read_json(request, config.max_body_bytes)
             ids, namespace = (data.get("ids"), data.get("namespace", "")) if isinstance(data, dict) else (None, "")
             if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids) or not isinstance(namespace, str):
                 raise ApiError(400, "give 'ids', a list of registered document ids, and optionally 'namespace'")
+            namespace = grant.namespace(namespace)
             self.documents.sync()
             documents = [(i, registered_text(self.documents, namespace, i)) for i in dict.fromkeys(ids)]
             result = await self.engine.warm.remote(documents, namespace, routing_keys=routing_keys(namespace, ids))
@@ -150,7 +175,8 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             return {"version": self.documents.version}
 
         @app.get("/v1/documents")
-        async def list_documents(self, namespace: str = "", texts: bool = False):
+        async def list_documents(self, request: Request, namespace: str = "", texts: bool = False):
+            namespace = _grant(request).namespace(namespace)
             self.documents.sync()
             ids = self.documents.ids(namespace)
             data = [{"id": i, "object": "document", **({"text": self.documents.get(namespace, i)} if texts else {})}
@@ -158,20 +184,33 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             return {"object": "list", "namespace": namespace, "version": self.documents.version, "data": data}
 
         @app.delete("/v1/documents/{doc_id:path}")
-        async def delete_document(self, doc_id: str, namespace: str = ""):
+        async def delete_document(self, request: Request, doc_id: str, namespace: str = ""):
+            """Unregister, then purge the K/V on every replica and in every tier (requests running
+            over it finish first, up to ``wait_s`` seconds each); the answer's ``removed`` sums
+            what went (``RemovedDocument``) and ``replicas`` has each replica's report."""
+            grant = _grant(request)
+            grant.check_manage()
+            namespace = grant.namespace(namespace)
             self.documents.sync()
-            registered_text(self.documents, namespace, doc_id)  # 404 when unknown
-            self.documents.delete(namespace, doc_id)
-            return {"id": doc_id, "object": "document", "deleted": True, "version": self.documents.version}
+            text = registered_text(self.documents, namespace, doc_id)  # 404 when unknown
+            self.documents.delete(namespace, doc_id)  # from here no request can name it
+            keep = any(self.documents.get(namespace, i) == text for i in self.documents.ids(namespace))
+            results = await self.engine.broadcast("forget", doc_id, text, namespace, keep).results_async(
+                return_exceptions=True)
+            reports = [r if isinstance(r, dict) else {"error": f"{type(r).__name__}: {r}"} for r in results]
+            return {"id": doc_id, "object": "document", "deleted": True, "namespace": namespace,
+                    "version": self.documents.version, "removed": _removed(reports, keep), "replicas": reports}
 
         @app.post("/tokenize")
         async def tokenize(self, request: Request):
+            namespace_of = _grant(request).namespace
             body = parse(TokenizeRequest, await read_json(request, config.max_body_bytes))
             if body.prompt is not None:
                 result = await self.engine.tokenize.remote({"prompt": body.prompt,
                                                             "add_special_tokens": body.add_special_tokens})
             else:
-                chat = ChatCompletionRequest(messages=body.messages, documents=body.documents, namespace=body.namespace)
+                chat = ChatCompletionRequest(messages=body.messages, documents=body.documents,
+                                             namespace=namespace_of(body.namespace))
                 payload, keys = chat_payload(chat, self.documents, passage_min_chars)
                 result = await self.engine.tokenize.remote({"payload": payload}, routing_keys=keys)
             _raise_for(result)
@@ -179,7 +218,9 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(self, request: Request):
+            namespace_of = _grant(request).namespace
             body = parse(ChatCompletionRequest, await read_json(request, config.max_body_bytes))
+            body.namespace = namespace_of(body.namespace)
             info = await self.info()
             if body.model not in (None, "", info["model"]):
                 raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {info['model']!r}",
@@ -266,6 +307,23 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return Ingress
+
+
+def _grant(request: Request) -> KeyGrant:
+    """The caller's grant, set by the ingress's gate."""
+    return request.state.grant
+
+
+def _removed(reports: list[dict], kept: bool) -> dict:
+    """What a delete removed, over every replica's ``EngineReplica.forget`` report: blocks freed
+    (now and once running requests finished), the tiers cleaned, whether any replica still
+    caches it (requests still running past the wait), and whether the K/V was kept for another
+    document with the same text."""
+    return {"num_kv_blocks": sum(r.get("num_kv_blocks", 0) for r in reports),
+            "num_in_use": sum(r.get("num_in_use", 0) for r in reports),
+            "tiers": sorted({t for r in reports for t in r.get("tiers", ())}),
+            "cached_on": [r["replica"] for r in reports if r.get("cached")],
+            "num_failed_replicas": sum("error" in r for r in reports), "shared": kept}
 
 
 def _check_logprobs(body: ChatCompletionRequest, max_logprobs: int) -> None:

@@ -10,7 +10,10 @@ built from an :class:`~lazyattn_rag.types.config.EngineConfig` and answers the i
   ``{"error": {"message", "type", "status"}}`` event instead and touches nothing;
 * :meth:`register`: check and register documents (what ``POST /v1/documents`` does first on
   the replica that will own them);
-* :meth:`info`: the model's name, context limit and prompt settings.
+* :meth:`info`: the model's name, context limit and prompt settings;
+* :meth:`forget` (called on every replica: ``DeploymentHandle.broadcast``): delete a document's
+  K/V from this replica's KV pool and from the storage tiers; :meth:`holds`: where this
+  replica holds a text's chunk.
 
 The ingress sends every document a request places with its text, so any replica can serve any
 request; a replica registers the ones it has not seen (or whose text changed) with the request.
@@ -18,6 +21,7 @@ request; a replica registers the ones it has not seen (or whose text changed) wi
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import time
@@ -26,7 +30,7 @@ from typing import Any
 
 from lazyattn_rag.metrics import ENGINE_STAT_KEYS
 from lazyattn_rag.types.config import EngineConfig
-from lazyattn_rag.types.documents import Document
+from lazyattn_rag.types.documents import Document, RemovedDocument
 from lazyattn_rag.types.errors import LazyAttentionError, UnknownDocumentError
 from lazyattn_rag.types.messages import Message, as_message, rag_messages
 from lazyattn_rag.types.wire import ERROR_CODES, logprob_entry, sampling_from_body, stats_to_body
@@ -80,6 +84,44 @@ class EngineReplica:
         except (LazyAttentionError, ValueError, TypeError) as error:
             return error_event(error)
         return {"computed": computed, "replica": self.replica_id}
+
+    async def forget(self, doc_id: str, text: str, namespace: str = "", keep_kv: bool = False,
+                     wait_s: float = 30.0) -> dict[str, Any]:
+        """Delete document ``doc_id`` (whose text was ``text``) here: unregister it and, unless
+        ``keep_kv`` (another document of the namespace has the same text), drop its chunk from
+        the KV pool and the storage tiers (``engine/document_removal.py``), whether or not this
+        replica registered it. Chunks that running requests read are freed when they finish;
+        this waits up to ``wait_s`` seconds for that.
+
+        Returns:
+            ``RemovedDocument.as_dict()`` with ``"replica"``, ``"cached"`` (whether the KV pool
+            still holds the chunk when this returns) and ``"kv_blocks_at_finish"`` (blocks freed
+            while waiting).
+        """
+        from lazyattn_rag.engine.document_removal import holds_text, purge_text
+
+        def run(engine):
+            if keep_kv:
+                if engine.documents.contains(doc_id, namespace):
+                    engine.documents.remove(doc_id, namespace)
+                return RemovedDocument(doc_id, namespace, shared=True)
+            return purge_text(engine, doc_id, text, namespace)
+
+        removed = await _to_thread(self.llm.client.call, run)
+        cached = removed.num_in_use > 0
+        deadline = time.monotonic() + wait_s
+        while cached and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            cached = "kv" in await _to_thread(self.llm.client.call, lambda engine: holds_text(engine, text, namespace))
+        return removed.as_dict() | {"replica": self.replica_id, "cached": cached}
+
+    async def holds(self, text: str, namespace: str = "") -> dict[str, Any]:
+        """``{"replica", "where": ["kv", tier names...]}``: where this replica holds the chunk
+        of a document with ``text`` in ``namespace`` (``[]``: nowhere)."""
+        from lazyattn_rag.engine.document_removal import holds_text
+
+        where = await _to_thread(self.llm.client.call, lambda engine: holds_text(engine, text, namespace))
+        return {"replica": self.replica_id, "where": where}
 
     async def tokenize(self, body: dict[str, Any], routing_keys: list[str] = ()) -> dict[str, Any]:
         """vLLM's ``/tokenize``: ``{"prompt", "add_special_tokens"}`` -> ``{"count", "tokens",
@@ -201,11 +243,14 @@ class EngineReplica:
     async def _forget_transient(self, payload: dict[str, Any]) -> None:
         """Drop the request's inline documents the ingress does not keep (``payload["transient"]``):
         a replica's registry holds what the ingress's does, not every document a request carried."""
+        namespace = payload.get("namespace", "")
+
+        def unregister(engine, doc_id):  # the id only: its chunk stays in the tiers for the next request carrying it
+            if engine.documents.contains(doc_id, namespace):  # else never registered (the request was refused first)
+                engine.documents.remove(doc_id, namespace)
+
         for doc_id in payload.get("transient", ()):
-            try:
-                await _to_thread(self.llm.remove_document, doc_id, payload.get("namespace", ""))
-            except (LazyAttentionError, KeyError):
-                pass  # never registered (the request was refused first)
+            await _to_thread(self.llm.client.call, unregister, doc_id)
 
     async def _engine_stats(self) -> dict[str, Any]:
         stats = await self.allm.stats()
@@ -219,8 +264,6 @@ class EngineReplica:
 
 
 async def _to_thread(fn, *args):
-    import asyncio
-
     return await asyncio.to_thread(fn, *args)
 
 

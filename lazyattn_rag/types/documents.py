@@ -52,3 +52,30 @@ def read_text_file(path: Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise NotUTF8Error(path, f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from e
+
+
+@dataclass(frozen=True)
+class RemovedDocument:
+    """What deleting a document removed (``LazyAttention.remove_document``,
+    ``DELETE /v1/documents/{id}``).
+
+    Attributes:
+        id, namespace: the document.
+        num_kv_blocks: KV-pool blocks its chunk held that were freed now.
+        num_in_use: its cached chunks still read by running requests: they finish with the text
+            they started with, and the blocks are freed when they do (never stored again).
+        tiers: the storage tiers (``"host"``, ``"disk"``, ``"redis"``) its chunk was deleted from.
+        shared: another registered document has the very same text (and namespace), so the
+            K/V was kept for it; only the id was removed.
+    """
+
+    id: str
+    namespace: str = ""
+    num_kv_blocks: int = 0
+    num_in_use: int = 0
+    tiers: tuple[str, ...] = ()
+    shared: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "namespace": self.namespace, "num_kv_blocks": self.num_kv_blocks,
+                "num_in_use": self.num_in_use, "tiers": list(self.tiers), "shared": self.shared}
