@@ -114,6 +114,9 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
         """Routes of the module docstring over ``engine``, a handle to the engine replicas."""
 
         def __init__(self, engine):
+            from lazyattn_rag.serve.loopback import bind_replica_server_to_loopback
+
+            bind_replica_server_to_loopback()
             self.engine = engine
             self.documents = DocumentStore(open_registry(config, engine_config))
             self.replica_stats: dict[str, dict] = {}

@@ -55,7 +55,9 @@ class EngineReplica:
     def __init__(self, config: EngineConfig | None = None, build: Callable[[], Any] | None = None):
         from lazyattn_rag.async_llm import AsyncLazyAttention
         from lazyattn_rag.llm import LazyAttention
+        from lazyattn_rag.serve.loopback import bind_replica_server_to_loopback
 
+        bind_replica_server_to_loopback()
         self.llm = build() if build is not None else LazyAttention(config)
         self.allm = AsyncLazyAttention(self.llm)
         self.replica_id = _replica_id()
