@@ -15,7 +15,7 @@ Not pinned: the ``serve`` extra (ray[serve] and httpx: their floors are the vers
 ``tests/test_serve.py`` runs with in ``make test``; the floor run leaves that module out), openai
 (a test client), torch (this machine's CPU wheel, ``TORCH_SPEC``), numpy (1.26 cannot install with the
 dev extra: langchain-tests needs >= 1.26.2), triton (no use on a CPU) and the small utilities
-(tqdm, typer, platformdirs, prometheus-client, matplotlib, hypothesis, and pytest with its plugins
+(tqdm, typer, platformdirs, prometheus-client, matplotlib, hypothesis, psutil, and pytest with its plugins
 other than pytest-asyncio).
 """
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field, PrivateAttr
+from pydantic import BaseModel, Field, PrivateAttr, SecretStr
 
 from lazyattn_rag.types.config import EngineConfig
 from lazyattn_rag.types.sampling_params import SamplingParams
@@ -115,6 +115,8 @@ class WrapperSettings(BaseModel):
         server_url: a ``lazyattn serve`` server (``http://host:port``): calls go there through
             :class:`~lazyattn_rag.remote.RemoteLazyAttention` instead of an in-process engine
             (``model`` and ``engine_kwargs`` are then the server's business).
+        api_key: the server's key (``lazyattn serve --api-key``/``--api-key-file``), sent as
+            ``Authorization: Bearer``; a key bound to namespaces decides the namespace.
     """
 
     model: str | None = Field(default=None, description="Local HF model directory; None: the offline SmolLM2.")
@@ -129,6 +131,7 @@ class WrapperSettings(BaseModel):
                            description="Tenant namespace of the documents; '' is shared.")
     server_url: str | None = Field(default=None, pattern=r"^https?://",
                                    description="A `lazyattn serve` server to use instead of an in-process engine.")
+    api_key: SecretStr | None = Field(default=None, description="The `lazyattn serve` server's API key.")
 
     _engine: Any = PrivateAttr(default=None)  # the LazyAttention in use
     _from_settings: bool = PrivateAttr(default=False)
@@ -145,7 +148,8 @@ class WrapperSettings(BaseModel):
         from lazyattn_rag.llm import LazyAttention
 
         if self._engine is None and self.server_url:
-            self._engine = remote_engine(self.server_url)
+            self._engine = remote_engine(self.server_url,
+                                         None if self.api_key is None else self.api_key.get_secret_value())
         if self._engine is None or (self._from_settings and self._engine.loop.stopped):
             self._engine, self._from_settings = LazyAttention.shared(self.engine_settings()), True
         return self._engine
@@ -166,14 +170,15 @@ class WrapperSettings(BaseModel):
         self.engine_settings()
 
 
-_REMOTES: dict[str, Any] = {}
+_REMOTES: dict[tuple[str, str | None], Any] = {}
 
 
-def remote_engine(url: str):
-    """The process's :class:`~lazyattn_rag.remote.RemoteLazyAttention` for ``url`` (one per server)."""
+def remote_engine(url: str, api_key: str | None = None):
+    """The process's :class:`~lazyattn_rag.remote.RemoteLazyAttention` for ``url`` and ``api_key``
+    (one per server and key)."""
     from lazyattn_rag.remote import RemoteLazyAttention
 
-    key = url.rstrip("/")
+    key = (url.rstrip("/"), api_key)
     if key not in _REMOTES:
-        _REMOTES[key] = RemoteLazyAttention(key)
+        _REMOTES[key] = RemoteLazyAttention(key[0], api_key=api_key)
     return _REMOTES[key]

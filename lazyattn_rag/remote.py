@@ -346,8 +346,9 @@ class AsyncRemoteLazyAttention:
 
 
 def raise_for_status(status: int, content: bytes) -> None:
-    """Raise for a non-2xx response: this package's exception for the body's ``code`` (4xx) or
-    :class:`ServerError` (5xx)."""
+    """Raise for a non-2xx response: ``PermissionError`` for 401/403 (no key, a wrong key, a
+    namespace or an action the key does not allow), this package's exception for the body's
+    ``code`` (other 4xx) or :class:`ServerError` (5xx)."""
     if status < 300:
         return
     try:
@@ -357,6 +358,8 @@ def raise_for_status(status: int, content: bytes) -> None:
         message, code = content.decode(errors="replace")[:500], None
     if status >= 500:
         raise ServerError(f"server error {status}: {message}", status)
+    if status in (401, 403):
+        raise PermissionError(f"{status}: {message}")
     if code == "document_not_found":
         raise _unknown(message)
     if code == DOCUMENT_CHANGED:

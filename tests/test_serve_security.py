@@ -212,3 +212,29 @@ def test_a_request_running_over_a_deleted_document_completes_with_its_text(clien
     assert json.loads(rest[-2][len("data: "):])["usage"]["completion_tokens"] == 200
     assert deleted["deleted"] and deleted["removed"]["num_in_use"] == 1 and deleted["removed"]["cached_on"] == []
     assert [h["where"] for h in everywhere("holds", text, "team-a")] == [[], []], json.dumps(deleted)
+
+
+def test_the_package_clients_carry_a_key(server):
+    """``RemoteLazyAttention(api_key=)`` and the wrappers' ``api_key`` reach the key's namespace;
+    without a key the server refuses them (``PermissionError``); a remote delete says what went."""
+    from langchain_core.documents import Document
+
+    from lazyattn_rag.integrations.langchain import ChatLazyAttention
+    from lazyattn_rag.remote import RemoteLazyAttention
+
+    url = server[0]
+    with pytest.raises(PermissionError, match="401"):
+        RemoteLazyAttention(url)
+    remote = RemoteLazyAttention(url, api_key=KEYS["b"])
+    text = words(24, start=57)
+    remote.add_document("note", text)
+    assert set(remote.document_ids()) == {"memo", "same", "note"}  # team-b's, registered by the tests above
+    chat = ChatLazyAttention(server_url=url, api_key=KEYS["b"], max_tokens=2)
+    assert "sk-team-b" not in repr(chat)
+    answer = chat.invoke(QUESTION, documents=[Document(id="note", page_content=text)])
+    assert answer.response_metadata["lazyattn"]["stats"]["doc_tiers"] == {"note": "computed"}
+    with pytest.raises(PermissionError, match="403"):
+        remote.document_ids("team-a")
+    removed = remote.remove_document("note")
+    assert removed.namespace == "team-b" and removed.num_kv_blocks == 2 and not removed.shared
+    assert "note" not in remote.document_ids()
