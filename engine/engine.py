@@ -30,6 +30,7 @@ import torch
 
 from lazyattn_rag.engine.block_table import BlockEntry, block_table_entries
 from lazyattn_rag.engine.chunk_cache import ChunkCache, ChunkEntry
+from lazyattn_rag.engine.cpu_threads import engine_cpu_threads
 from lazyattn_rag.engine.chunk_format import ChunkKV
 from lazyattn_rag.engine.chunk_tiers import ChunkTiers
 from lazyattn_rag.engine.counters import EngineCounters
@@ -125,6 +126,7 @@ class LLMEngine:
         learn = config.cache.learn_passages and config.cache.mode == "lazy"
         self.passages = PassageLearner(self.planner, cache, config.cache) if learn else None
         self.step_listeners: list[StepListener] = []
+        self.cpu_threads = engine_cpu_threads(config.cpu_threads, runner.device)  # on the engine thread
         self.default_sampling = SamplingParams()  # the factory sets the model's own under generation_config="auto"
         self.info: dict = {}
         self.startup: dict = {}
@@ -358,6 +360,8 @@ class LLMEngine:
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> bool:
         """Schedule, run one forward pass, process its outputs. ``False`` if there was nothing to do."""
+        if self.cpu_threads is not None:
+            self.cpu_threads.maybe_fit()
         if not self.step_listeners:
             return self._step() is not None
         self._synchronize()

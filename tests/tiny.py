@@ -101,7 +101,8 @@ def hf_and_ours(cfg, seed: int = 0):
 
 def tiny_config(*, device: str = "cpu", attention_backend: str = "torch", prompt: PromptConfig = PROMPT,
                 max_model_len: int | None = None, cuda_graphs: bool = True, torch_compile: bool = False,
-                cpu_weight_packing: bool = True, **cache_and_scheduler: Any) -> EngineConfig:
+                cpu_weight_packing: bool = True, cpu_threads: int | None = None,
+                **cache_and_scheduler: Any) -> EngineConfig:
     """The tiny engines' configuration: float32, :data:`PROMPT`, 256 blocks of 16 tokens unless
     ``num_blocks`` says otherwise; the other keywords are :class:`SchedulerConfig` fields
     (``max_num_batched_tokens``, ``max_num_seqs``, ``prefill_with_encodes``) or
@@ -111,7 +112,8 @@ def tiny_config(*, device: str = "cpu", attention_backend: str = "torch", prompt
     cache = {"num_blocks": 256, **cache_and_scheduler}
     return EngineConfig(device=device, dtype="float32", attention_backend=attention_backend, max_model_len=max_model_len,
                         cuda_graphs=cuda_graphs, torch_compile=torch_compile,
-                        cpu_weight_packing=cpu_weight_packing, prompt=prompt, cache=CacheConfig(**cache),
+                        cpu_weight_packing=cpu_weight_packing, cpu_threads=cpu_threads, prompt=prompt,
+                        cache=CacheConfig(**cache),
                         scheduler=SchedulerConfig(**scheduler))
 
 

@@ -343,6 +343,10 @@ class EngineConfig:
             ``do_sample``; repetition_penalty), as vLLM's ``generation_config="auto"``; the
             converted default model carries its model card's (temperature 0.2, top_p 0.9).
             ``"none"``: greedy decoding (the :class:`SamplingParams` defaults).
+        cpu_threads: on the CPU, the intra-op threads of the engine's forward passes. ``None``
+            (the default): fitted to the idle cores between steps, at most the count the process
+            started with (``engine/cpu_threads.py``: beside another busy process, libgomp's
+            spinning threads make each step several times slower); an integer: that many, fixed.
         cache: :class:`CacheConfig`.
         scheduler: :class:`SchedulerConfig`.
         prompt: :class:`PromptConfig`.
@@ -360,6 +364,7 @@ class EngineConfig:
     cpu_weight_packing: bool = True
     self_check: bool = True
     generation_config: str = "auto"
+    cpu_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
@@ -371,6 +376,7 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         _check_int("max_model_len", self.max_model_len, 2, optional=True)
         _check_int("seed", self.seed, 0)
+        _check_int("cpu_threads", self.cpu_threads, 1, optional=True)
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         if not isinstance(self.cpu_weight_packing, bool):
