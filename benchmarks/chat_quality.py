@@ -12,7 +12,13 @@ Settings compared side by side in one run (same retrieval, same engine):
 * ``model defaults``: the model's recommended sampling (``LazyAttention.default_sampling``, from
   its generation config), end of turn, 128 tokens; sampled settings run with ``--seeds`` seeds
   per question and count the mean;
-* ``model defaults + repetition_penalty 1.1``: the same with a mild repetition penalty.
+* ``model defaults + repetition_penalty 1.1``: the same with a mild repetition penalty;
+* ``model defaults + loop guard N`` (``--loop-guards N ...``): the model's sampling with
+  ``SamplingParams.loop_guard_ngram=N`` (issue 38: the answer ends before a repeated run of N
+  tokens).
+
+``--settings`` runs only the named ones. Besides answers right, each setting counts the answers
+that reach the token cap (``num_output_tokens == max_tokens``: what a looping answer does).
 
 A question is answered right when the answer contains one of its answers and none of its wrong
 ones (case-insensitive; numbers as whole numbers); retrieval is scored the same way on the
@@ -47,13 +53,14 @@ def sklearn_descr_dir() -> Path | None:
     return path if path.is_dir() else None
 
 
-def settings(default: SamplingParams, max_tokens: int) -> dict[str, SamplingParams]:
-    model = dataclasses.replace(default, max_tokens=max_tokens)
+def settings(default: SamplingParams, max_tokens: int, loop_guards=()) -> dict[str, SamplingParams]:
+    model = dataclasses.replace(default, max_tokens=max_tokens, loop_guard_ngram=None)
     return {
         "v0.1": SamplingParams(max_tokens=max_tokens, stop=("\n\n",)),
         "greedy, end of turn": SamplingParams(max_tokens=max_tokens),
         "model defaults": model,
         "model defaults + repetition_penalty 1.1": dataclasses.replace(model, repetition_penalty=1.1),
+        **{f"model defaults + loop guard {n}": dataclasses.replace(model, loop_guard_ngram=n) for n in loop_guards},
     }
 
 
@@ -103,7 +110,10 @@ def run(args) -> dict:
     engine = LazyAttention(EngineConfig(device=args.device))
     indexes = query_engines(corpora, engine, args.top_k, engine.config.resolved_cache_dir(), sys.stderr)
     results = {"questions": [], "settings": {}}
-    for name, base in settings(engine.default_sampling, args.max_tokens).items():
+    chosen = settings(engine.default_sampling, args.max_tokens, args.loop_guards)
+    for name, base in chosen.items():
+        if args.settings and name not in args.settings:
+            continue
         seeds = range(args.seeds) if base.temperature > 0 else [None]
         llms = {seed: LazyAttentionLLM(engine, dataclasses.replace(base, seed=seed)) for seed in seeds}
         rows = []
@@ -127,6 +137,8 @@ def run(args) -> dict:
         results["settings"][name] = {"sampling": dataclasses.asdict(base), "num_seeds": len(seeds),
                                      "answered_right": right, "num_questions": len(rows),
                                      "degenerate": sum(sum(r["degenerate"] for r in per) / len(per) for per in rows),
+                                     "reached_cap": sum(sum(r["num_output_tokens"] >= args.max_tokens for r in per)
+                                                        / len(per) for per in rows),
                                      "median_output_tokens": statistics.median(
                                          r["num_output_tokens"] for per in rows for r in per),
                                      "retrieved_right": sum(per[0]["retrieved_right"] for per in rows),
@@ -149,6 +161,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="the chat's answer limit")
     parser.add_argument("--sklearn-descr", type=Path, default=sklearn_descr_dir(),
                         help="folder of .rst documents (default: scikit-learn's dataset descriptions)")
+    parser.add_argument("--loop-guards", type=int, nargs="*", default=[], help="loop guard n-grams to compare")
+    parser.add_argument("--settings", nargs="*", default=[], help="run only these settings (names as printed)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/chat_quality_cpu.json"))
     args = parser.parse_args()
     if args.sklearn_descr is None:
@@ -157,7 +171,8 @@ def main() -> None:
     args.out.write_text(json.dumps(results, indent=1))
     for name, r in results["settings"].items():
         print(f"{name:40s} {r['answered_right']:.2f} / {r['num_questions']} answered right, "
-              f"{r['degenerate']:.2f} phrase loops, median {r['median_output_tokens']} tokens "
+              f"{r['degenerate']:.2f} phrase loops, {r['reached_cap']:.2f} reach the cap, "
+              f"median {r['median_output_tokens']} tokens "
               f"(retrieval found an answer for {r['retrieved_right']})")
 
 

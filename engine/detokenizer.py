@@ -2,13 +2,16 @@
 
 Byte-level BPE tokens can split a multi-byte character; decoding such a prefix yields
 U+FFFD. Text is released only up to the last complete character, and (when stop strings
-are set) the tail that could still become a stop string is held back, so the streamed
-pieces always concatenate to exactly the final text.
+are set) the tail that could still become a stop string is held back, as is (with a loop guard,
+``engine/loop_guard.py``) the tail that repeats an earlier run of tokens, so the streamed pieces
+always concatenate to exactly the final text.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from lazyattn_rag.engine.loop_guard import LoopGuard
 
 REPLACEMENT = "\ufffd"
 
@@ -28,11 +31,17 @@ class IncrementalDetokenizer:
         tokenizer: a transformers tokenizer (``decode``).
         stop: stop strings; the text ends before the earliest occurrence of any in the text
             (not the first in list order).
+        loop_guard_ngram: end the text before the output's last ``n`` tokens once they repeat
+            a run it produced earlier (``None``: no guard).
     """
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), loop_guard_ngram: int | None = None):
         self.tokenizer = tokenizer
         self.stop = stop
+        self.loop_guard = LoopGuard(loop_guard_ngram) if loop_guard_ngram else None
+        self._text_ends = [0]  # [i]: len(self.text) once the first i tokens were added (with a guard)
+        self._loop_boundary: int | None = None  # where the text repeating an earlier run begins
+        self.looped = False  # the guard ended the text
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""  # final text so far (complete characters, stop-cut)
@@ -46,6 +55,19 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly releasable text (may be empty)."""
+        if self.loop_guard is None:
+            return self._add(token_id)
+        match = self.loop_guard.add(token_id)  # the run at the end (this token included) seen earlier
+        # the text before that run may be released; the run's own may become the repeat
+        self._loop_boundary = self._text_ends[len(self.token_ids) + 1 - match] if match else None
+        delta = self._add(token_id)
+        self._text_ends.append(len(self.text))
+        if self.loop_guard.looping and not self.stopped:
+            self.text, self.stopped, self.looped = self.text[:self._loop_boundary], True, True
+            delta += self.flush()
+        return delta
+
+    def _add(self, token_id: int) -> str:
         self.token_ids.append(token_id)
         context = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
         window = self._decode(self.token_ids[self._prefix_offset:])
@@ -68,7 +90,10 @@ class IncrementalDetokenizer:
             self.text, self.stopped = self.text[:min(starts)], True
         if self.stopped:
             return self.flush()
-        safe_end = max(self._emitted, len(self.text) - self._holdback)
+        safe_end = len(self.text) - self._holdback
+        if self._loop_boundary is not None:
+            safe_end = min(safe_end, self._loop_boundary)
+        safe_end = max(self._emitted, safe_end)
         delta, self._emitted = self.text[self._emitted : safe_end], safe_end
         return delta
 

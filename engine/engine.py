@@ -307,7 +307,7 @@ class LLMEngine:
         stats.num_recomputed_tokens = sum(c.num_skipped for c in plan.chunks if c.doc_id is not None)
         gen = torch.Generator(device=self.runner.device).manual_seed(params.seed) if params.seed is not None else self.generator
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        request = Request(rid, plan, params, sink, stats, IncrementalDetokenizer(self.tokenizer, params.stop), gen,
+        request = Request(rid, plan, params, sink, stats, IncrementalDetokenizer(self.tokenizer, params.stop, params.loop_guard_ngram), gen,
                           stop_token_ids=stop_ids, warm_only=warm_only)
         self._check_capacity(request)
         self.outputs.add(request)

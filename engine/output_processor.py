@@ -172,6 +172,7 @@ def _fill_stats(r: Request) -> None:
     s.e2e_ms = (now - r.arrival_time) * 1e3
     s.queue_ms = ((r.first_scheduled_time or now) - r.arrival_time) * 1e3
     s.num_preemptions = r.num_preemptions
+    s.loop_stopped = r.detokenizer.looped
     if r.first_token_time is not None and len(r.output_ids) > 1:
         s.tpot_ms = (now - r.first_token_time) * 1e3 / (len(r.output_ids) - 1)
     s.num_cached_tokens = max(0, s.num_prompt_tokens - s.num_computed_tokens)

@@ -33,7 +33,7 @@ from lazyattn_rag.integrations.corpus import (
 )
 from lazyattn_rag.integrations.embeddings import embedding_model_name, embedding_tokenizer, llamaindex_embedding
 from lazyattn_rag.types.outputs import RequestStats
-from lazyattn_rag.types.sampling_params import SamplingParams
+from lazyattn_rag.types.sampling_params import CHAT_LOOP_GUARD_NGRAM, SamplingParams
 
 if TYPE_CHECKING:
     from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -64,7 +64,8 @@ class ChatOptions:
         rebuild: re-embed even when a saved index exists.
         sampling_overrides: :class:`SamplingParams` fields set by the user; the others are the
             model's recommended sampling (``LazyAttention.default_sampling``, from its generation
-            config), with answers of at most 128 tokens that end at the template's end of turn.
+            config), with answers of at most 128 tokens that end at the template's end of turn or
+            before they repeat a run of ``CHAT_LOOP_GUARD_NGRAM`` tokens (``loop_guard_ngram``).
         sampling: the whole sampling instead (overrides are then ignored).
         engine: :class:`EngineConfig` of the LLM.
     """
@@ -75,7 +76,8 @@ class ChatOptions:
     chunk_overlap: int = 16
     index_dir: Path | None = None
     rebuild: bool = False
-    sampling_overrides: dict = field(default_factory=lambda: {"max_tokens": 128})
+    sampling_overrides: dict = field(default_factory=lambda: {"max_tokens": 128,
+                                                              "loop_guard_ngram": CHAT_LOOP_GUARD_NGRAM})
     sampling: SamplingParams | None = None
     engine: EngineConfig = EngineConfig()
 

@@ -76,6 +76,7 @@ def ask(
     temperature: Optional[float] = cli_opts.TEMPERATURE,
     top_p: Optional[float] = cli_opts.TOP_P,
     repetition_penalty: Optional[float] = cli_opts.REPETITION_PENALTY,
+    loop_guard: int = cli_opts.LOOP_GUARD,
     seed: Optional[int] = typer.Option(None, help="Sampling seed."),
     model: Optional[str] = cli_opts.MODEL,
     device: str = cli_opts.DEVICE,
@@ -95,7 +96,7 @@ def ask(
         if not question.strip():
             raise ValueError("the question is empty")
         overrides = cli_opts.sampling_overrides(temperature, top_p, repetition_penalty, max_tokens=max_tokens,
-                                                seed=seed)
+                                                seed=seed, loop_guard_ngram=loop_guard or None)
         documents = _read_documents(doc)
         tiers = cli_opts.tier_settings(cache_dir, disk_cache, no_disk_cache, disk_cache_bytes, host_cache_bytes,
                                        redis_url)

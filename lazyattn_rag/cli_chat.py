@@ -34,6 +34,7 @@ def chat(
     temperature: Optional[float] = cli_opts.TEMPERATURE,
     top_p: Optional[float] = cli_opts.TOP_P,
     repetition_penalty: Optional[float] = cli_opts.REPETITION_PENALTY,
+    loop_guard: int = cli_opts.LOOP_GUARD,
     index_dir: Optional[Path] = typer.Option(None, help="Where the FAISS index is kept "
                                              "(default: under the cache dir)."),
     rebuild: bool = typer.Option(False, "--rebuild", metavar=cli_opts.FLAG,
@@ -68,7 +69,8 @@ def chat(
         options = ChatOptions(questions=tuple(questions), docs=docs, top_k=top_k, index_dir=index_dir,
                               rebuild=rebuild, engine=engine,
                               sampling_overrides=cli_opts.sampling_overrides(temperature, top_p, repetition_penalty,
-                                                                             max_tokens=max_tokens))
+                                                                             max_tokens=max_tokens,
+                                                                             loop_guard_ngram=loop_guard or None))
         run_chat(options)
     except ModuleNotFoundError as e:
         typer.echo(f"error: {e}. The chatbot needs the integration extras: pip install 'lazyattn-rag[all]'", err=True)

@@ -9,6 +9,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from lazyattn_rag.types.config import ANCHOR_MODES, CacheConfig, EngineConfig
+from lazyattn_rag.types.sampling_params import CHAT_LOOP_GUARD_NGRAM
 
 MODEL = typer.Option(None, help="A local Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3) or a .gguf "
                      "file, converted once (default: the offline SmolLM2-135M-Instruct).")
@@ -100,6 +101,8 @@ TEMPERATURE = typer.Option(None, help="Sampling temperature, 0 for greedy (defau
 TOP_P = typer.Option(None, "--top-p", help="Nucleus sampling mass in (0, 1] (default: the model's).")
 REPETITION_PENALTY = typer.Option(None, "--repetition-penalty",
                                   help="> 1 discourages repeating tokens (default: the model's, usually 1).")
+LOOP_GUARD = typer.Option(CHAT_LOOP_GUARD_NGRAM, "--loop-guard", min=0, metavar="N",
+                          help="End an answer before it repeats a run of N tokens it already said (0: off).")
 
 
 def sampling_overrides(temperature: Optional[float], top_p: Optional[float], repetition_penalty: Optional[float],

@@ -45,6 +45,8 @@ class RequestStats:
         e2e_ms: submission to finish, in milliseconds.
         queue_ms: submission to first scheduling, in milliseconds.
         num_preemptions: times the request's blocks were taken back and it was recomputed.
+        loop_stopped: the loop guard ended the answer (``SamplingParams.loop_guard_ngram``): it
+            began repeating a run of tokens it had produced; the text ends before the repeat.
     """
 
     request_id: str
@@ -64,6 +66,7 @@ class RequestStats:
     e2e_ms: float | None = None
     queue_ms: float | None = None
     num_preemptions: int = 0
+    loop_stopped: bool = False
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

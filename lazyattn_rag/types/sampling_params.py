@@ -8,6 +8,9 @@ from dataclasses import dataclass
 GREEDY_TEMPERATURE = 1e-5
 
 
+CHAT_LOOP_GUARD_NGRAM = 12  # the loop guard of lazyattn chat/ask and the chatbot (benchmarks/chat_quality.py)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick output tokens (the vLLM meaning of each field).
@@ -31,6 +34,11 @@ class SamplingParams:
             ``-1``: every token of the vocabulary, a diagnostic, e.g. the first-token KL
             divergence of ``benchmarks/quality.py``). They are the model's own distribution
             (``log_softmax`` of its float32 logits), before penalties, temperature, top-k/top-p.
+        loop_guard_ngram: ``None`` (the default: off), or end the answer once its last ``n``
+            tokens repeat a run of ``n`` it already produced; the text ends before the repeat
+            (``finish_reason="stop"``, ``stats.loop_stopped``) and a stream never shows it
+            (``engine/loop_guard.py``). Nothing is banned from sampling, so an answer that does
+            not loop is unchanged; ``lazyattn chat``/``ask`` and the chatbot use 12.
     Raises:
         ValueError: at construction, for any value outside its range (the field is named).
     """
@@ -47,6 +55,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: int | None = None
+    loop_guard_ngram: int | None = None
 
     def __post_init__(self):
         _check_types(self)
@@ -72,6 +81,10 @@ class SamplingParams:
                                           or self.logprobs < -1):
             raise ValueError(f"logprobs must be None, -1 (the whole vocabulary) or an integer >= 0, "
                              f"got {self.logprobs!r}")
+        if self.loop_guard_ngram is not None and (not isinstance(self.loop_guard_ngram, int)
+                                                  or isinstance(self.loop_guard_ngram, bool)
+                                                  or self.loop_guard_ngram < 2):
+            raise ValueError(f"loop_guard_ngram must be None or an integer >= 2, got {self.loop_guard_ngram!r}")
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
