@@ -81,6 +81,11 @@ class ChatOptions:
     sampling: SamplingParams | None = None
     engine: EngineConfig = EngineConfig()
 
+    def __post_init__(self):
+        for i, question in enumerate(self.questions):
+            if not isinstance(question, str) or not question.strip():
+                raise ValueError(f"question {i + 1} is empty: ask something")
+
 
 def corpus_fingerprint(sources: list[Source], embed_model: "BaseEmbedding", overlap: int) -> str:
     """A digest of everything the index depends on (texts, ids, chunking, embedding model: its

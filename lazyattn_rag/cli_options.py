@@ -91,7 +91,17 @@ def tier_settings(cache_dir: Optional[Path], disk_cache: Optional[Path], no_disk
 
 def engine_config(model: Optional[str], device: str, backend: str, anchor: str,
                   cache_dir: Optional[Path], tiers: dict | None = None) -> EngineConfig:
-    """The :class:`EngineConfig` the shared options describe (``tiers``: :func:`tier_settings`)."""
+    """The :class:`EngineConfig` the shared options describe (``tiers``: :func:`tier_settings`).
+
+    Raises:
+        FileNotFoundError: ``model`` is neither a ``.gguf`` file nor a directory with a
+            ``config.json`` (checked now, before documents are embedded or anything loads).
+    """
+    if model is not None:
+        path = Path(model).expanduser()
+        if not (path.is_file() and path.suffix.lower() == ".gguf") and not (path / "config.json").is_file():
+            raise FileNotFoundError(f"--model {model!r} is not a .gguf file or a local model directory with a "
+                                    "config.json (no model hub is used)")
     return EngineConfig(model=model, device=device, attention_backend=backend, cache_dir=cache_dir,
                         cache=CacheConfig(anchor=anchor, **(tiers or {})))
 

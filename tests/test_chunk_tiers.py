@@ -347,12 +347,14 @@ def test_prometheus_metrics_carry_each_tier(make_llm, tmp_path):
 
     from lazyattn_rag.metrics import register_metrics
 
+    # loads always (not when measured speeds favour them: timings vary on a loaded machine), and
+    # each write-back lands before the next request looks (the writer is waited for, not timed)
     _, llm = make_llm(num_blocks=40, host_memory_bytes=1 << 26, disk_dir=str(tmp_path / "tier"),
-                      eviction_policy="lru")
+                      eviction_policy="lru", tier_loads="always")
     llm.add_documents(docs(6))
     for doc_id, _ in docs(6) * 2:
         answer(llm, doc_id)
-    flush(llm)
+        flush(llm)
     registry = CollectorRegistry()
     register_metrics(llm, registry)
     text = generate_latest(registry).decode()

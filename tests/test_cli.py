@@ -125,6 +125,16 @@ def test_ask_refuses_an_empty_question_and_a_missing_or_folder_doc_before_the_mo
     assert no_model == []
 
 
+def test_chat_refuses_an_empty_question_and_a_missing_model_before_embedding_anything(tmp_path, no_model):
+    for args in (["-q", ""], ["-q", "What is it?", "-q", "  "]):
+        result = runner().invoke(app, ["chat", *args])
+        assert result.exit_code == 2 and "is empty: ask something" in result.output
+    (tmp_path / "notes.md").write_text("# Notes\n\nSome text.", encoding="utf-8")
+    result = runner().invoke(app, ["chat", "--docs", str(tmp_path), "-q", "What is it?", "--model", "TYPO"])
+    assert result.exit_code == 2 and "--model 'TYPO' is not a .gguf file or a local model directory" in result.output
+    assert no_model == []  # neither the corpus embedded nor a model loaded
+
+
 def test_ask_file_errors_come_before_a_bad_model_path(tmp_path):
     """No patching: with a --model that does not exist, the file's error is the one reported."""
     bad = tmp_path / "latin1.txt"
@@ -420,9 +430,9 @@ def recorded_sampling(monkeypatch):
 def test_ask_uses_the_models_sampling_unless_overridden(recorded_sampling):
     assert runner().invoke(app, ["ask", "w1 w2", "--max-tokens", "2", "--seed", "3"]).exit_code == 0
     assert recorded_sampling()[-1] == SamplingParams(max_tokens=2, temperature=0.5, top_p=0.7, repetition_penalty=1.05,
-                                                     seed=3)
+                                                     seed=3, loop_guard_ngram=12)  # the command's loop guard
     result = runner().invoke(app, ["ask", "w1 w2", "--max-tokens", "2", "--temperature", "0", "--top-p", "0.9",
-                                   "--repetition-penalty", "1.2"])
+                                   "--repetition-penalty", "1.2", "--loop-guard", "0"])
     assert result.exit_code == 0, result.output
     assert recorded_sampling()[-1] == SamplingParams(max_tokens=2, temperature=0.0, top_p=0.9, repetition_penalty=1.2)
 

@@ -305,8 +305,14 @@ def test_a_killed_replica_fails_its_stream_cleanly_retries_a_whole_answer_and_th
     shared Redis tier there, not recomputed."""
     import ray
 
+    from ray import serve
+
     owner = ask(http, ["d6"], max_tokens=1)["lazyattn"]["replica"]  # d6 computed there, and written to Redis
-    time.sleep(1.0)  # the tiers' writer stores it
+    handle = serve.get_deployment_handle("engine", APP)
+    deadline = time.monotonic() + 60
+    while not any("redis" in h["where"] for h in handle.broadcast("holds", DOCS["d6"]).results(timeout_s=60)):
+        assert time.monotonic() < deadline, "the tiers' writer did not store d6"  # polled, not timed
+        time.sleep(0.05)
     whole = {}
     long_body = {"messages": [{"role": "user", "content": QUESTION}], "documents": ["d6"], "max_tokens": 2000,
                  "ignore_eos": True}
