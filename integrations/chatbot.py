@@ -32,6 +32,7 @@ from lazyattn_rag.integrations.corpus import (
     pydoc_sources,
 )
 from lazyattn_rag.integrations.embeddings import embedding_model_name, embedding_tokenizer, llamaindex_embedding
+from lazyattn_rag.integrations.hybrid_retrieval import RETRIEVAL_MODES, chat_retriever
 from lazyattn_rag.types.outputs import RequestStats
 from lazyattn_rag.types.sampling_params import CHAT_LOOP_GUARD_NGRAM, SamplingParams
 
@@ -59,6 +60,8 @@ class ChatOptions:
         questions: asked in order; empty means interactive (read questions from ``stdin``).
         docs: a folder / ``.txt`` / ``.md`` / ``.jsonl`` path; ``None`` = Python's language reference.
         top_k: chunks retrieved per question.
+        retrieval: ``"hybrid"`` (BM25 and embeddings fused by reciprocal rank,
+            ``integrations/hybrid_retrieval.py``) or ``"vector"`` (embeddings alone).
         chunk_overlap: embedder tokens shared by consecutive chunks.
         index_dir: where the FAISS index lives; ``None`` = ``<cache dir>/indexes/<corpus hash>``.
         rebuild: re-embed even when a saved index exists.
@@ -73,6 +76,7 @@ class ChatOptions:
     questions: tuple[str, ...] = ()
     docs: Path | None = None
     top_k: int = 3
+    retrieval: str = "hybrid"
     chunk_overlap: int = 16
     index_dir: Path | None = None
     rebuild: bool = False
@@ -82,6 +86,8 @@ class ChatOptions:
     engine: EngineConfig = EngineConfig()
 
     def __post_init__(self):
+        if self.retrieval not in RETRIEVAL_MODES:
+            raise ValueError(f"retrieval must be one of {', '.join(RETRIEVAL_MODES)}, got {self.retrieval!r}")
         for i, question in enumerate(self.questions):
             if not isinstance(question, str) or not question.strip():
                 raise ValueError(f"question {i + 1} is empty: ask something")
@@ -121,12 +127,28 @@ def load_or_build_store(sources: list[Source], embed_model: "BaseEmbedding", ind
     print(f"Embedding {len(docs)} chunks with {name} and building the FAISS index (first run only):", file=log,
           flush=True)
     store = FaissVectorStore(embed_model_name=name)
-    VectorStoreIndex([node_from_document(d) for d in docs], embed_model=embed_model, show_progress=True,
-                     storage_context=StorageContext.from_defaults(vector_store=store))
+    nodes = [node_from_document(d) for d in docs]
+    embed_nodes(nodes, embed_model, log)
+    VectorStoreIndex(nodes, embed_model=embed_model, storage_context=StorageContext.from_defaults(vector_store=store))
     store.persist(str(index_dir))
     print(f"Indexed {len(docs)} chunks in {time.perf_counter() - t0:.0f} s; the index takes "
           f"{format_bytes(directory_bytes(index_dir))} in {index_dir}", file=log)
     return store
+
+
+def embed_nodes(nodes: list, embed_model: "BaseEmbedding", log: TextIO, batch_size: int = 64) -> None:
+    """Set each node's embedding (the text LlamaIndex itself embeds: ``MetadataMode.EMBED``), under
+    one progress bar for the whole corpus (LlamaIndex's own restarts from 0 for every insert batch)."""
+    from llama_index.core.schema import MetadataMode
+    from tqdm import tqdm
+
+    texts = [n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes]
+    with tqdm(total=len(nodes), desc="Embedding", unit="chunk", file=log) as bar:
+        for i in range(0, len(nodes), batch_size):
+            for node, vector in zip(nodes[i:i + batch_size],
+                                    embed_model.get_text_embedding_batch(texts[i:i + batch_size])):
+                node.embedding = vector
+            bar.update(len(texts[i:i + batch_size]))
 
 
 def better_model_hint(candidates: list[Path] | None = None) -> str:
@@ -230,7 +252,8 @@ def run_chat(options: ChatOptions, out: TextIO | None = None, log: TextIO | None
     sampling = options.sampling or dataclasses.replace(engine.default_sampling, **options.sampling_overrides)
     llm = LazyAttentionLLM(engine, sampling)
     index = VectorStoreIndex.from_vector_store(store, embed_model=embed_model)
-    query_engine = as_query_engine(index, llm, similarity_top_k=options.top_k, streaming=True)
+    retriever = chat_retriever(index, store.client.documents(), options.top_k, options.retrieval, llm)
+    query_engine = as_query_engine(retriever, llm, streaming=True)
     if options.questions:
         return [answer(query_engine, q, out) for q in options.questions]
     return _interactive(options, query_engine, stdin, out, log)

@@ -156,8 +156,11 @@ def llamaindex_embedding(model_path: str | Path | None = None, device: str = "cp
         FileNotFoundError: ``model_path`` is not a folder. ModuleNotFoundError: the
         ``llamaindex`` extra (``llama-index-embeddings-huggingface``) is missing.
     """
-    return _checked_llamaindex_class()(model_name=_local_model_path(model_path), device=device, normalize=True,
-                                       embed_batch_size=batch_size, local_files_only=True)
+    from lazyattn_rag.utils.progress import no_transformers_bars
+
+    with no_transformers_bars():
+        return _checked_llamaindex_class()(model_name=_local_model_path(model_path), device=device, normalize=True,
+                                           embed_batch_size=batch_size, local_files_only=True)
 
 
 @functools.cache
@@ -192,9 +195,12 @@ def langchain_embeddings(model_path: str | Path | None = None, device: str = "cp
         FileNotFoundError: ``model_path`` is not a folder. ModuleNotFoundError: the
         ``langchain`` extra (``langchain-huggingface``) is missing.
     """
-    return _checked_langchain_class()(model_name=_local_model_path(model_path),
-                                       model_kwargs={"device": device, "local_files_only": True},
-                                       encode_kwargs={"normalize_embeddings": True, "batch_size": batch_size})
+    from lazyattn_rag.utils.progress import no_transformers_bars
+
+    with no_transformers_bars():
+        return _checked_langchain_class()(model_name=_local_model_path(model_path),
+                                           model_kwargs={"device": device, "local_files_only": True},
+                                           encode_kwargs={"normalize_embeddings": True, "batch_size": batch_size})
 
 
 @functools.cache
@@ -263,7 +269,10 @@ class SentenceEmbedder:
         from sentence_transformers import SentenceTransformer
 
         self.name = embedding_model_name(model_path)
-        self.model = SentenceTransformer(_local_model_path(model_path), device=device, local_files_only=True)
+        from lazyattn_rag.utils.progress import no_transformers_bars
+
+        with no_transformers_bars():
+            self.model = SentenceTransformer(_local_model_path(model_path), device=device, local_files_only=True)
         self.batch_size = batch_size
         dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
         self.dim = int(dim())

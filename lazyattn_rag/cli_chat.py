@@ -30,6 +30,8 @@ def chat(
                               help="Ask two built-in questions that share retrieved chunks."),
     docs: Optional[Path] = typer.Option(None, "--docs", metavar="PATH", help=DOCS_HELP),
     top_k: int = typer.Option(3, "--top-k", min=1, help="Chunks retrieved per question."),
+    retrieval: str = typer.Option("hybrid", help="hybrid (BM25 and embeddings, fused by reciprocal rank) or vector "
+                                                 "(embeddings alone)."),
     max_tokens: int = typer.Option(128, min=1, help="Most tokens per answer."),
     temperature: Optional[float] = cli_opts.TEMPERATURE,
     top_p: Optional[float] = cli_opts.TOP_P,
@@ -66,7 +68,8 @@ def chat(
         tiers = cli_opts.tier_settings(cache_dir, disk_cache, no_disk_cache, disk_cache_bytes, host_cache_bytes,
                                        redis_url)
         engine = cli_opts.engine_config(model, device, backend, anchor, cache_dir, tiers)
-        options = ChatOptions(questions=tuple(questions), docs=docs, top_k=top_k, index_dir=index_dir,
+        options = ChatOptions(questions=tuple(questions), docs=docs, top_k=top_k, retrieval=retrieval,
+                              index_dir=index_dir,
                               rebuild=rebuild, engine=engine,
                               sampling_overrides=cli_opts.sampling_overrides(temperature, top_p, repetition_penalty,
                                                                              max_tokens=max_tokens,

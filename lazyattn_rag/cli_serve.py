@@ -92,8 +92,13 @@ def serve(
         typer.echo(f"error: lazyattn serve needs Ray Serve ({e.name} is missing): pip install 'lazyattn-rag[serve]'",
                    err=True)
         raise typer.Exit(2) from e
-    typer.echo(f"starting {replicas} replica{'s' if replicas != 1 else ''} ({router} routing) and the HTTP API on "
-               f"http://{host}:{port} ...", err=True)
+    where = (f"on the Ray cluster at {ray_address}" if ray_address is not None else
+             "on a private local Ray cluster (127.0.0.1 only, token authentication, no dashboard)")
+    keys = "API keys required" if config.authenticates else "no API key: loopback clients only"
+    if config.allow_unauthenticated and not config.authenticates:
+        keys = "no API key: anyone who can reach it"
+    typer.echo(f"starting {replicas} replica{'s' if replicas != 1 else ''} ({router} routing) {where}, and the HTTP "
+               f"API on http://{host}:{port} ({keys}) ...", err=True)
     try:
         run(engine, config, ready=lambda: typer.echo(f"ready: http://{host}:{port} (Ctrl-C stops)", err=True))
     except KeyboardInterrupt:

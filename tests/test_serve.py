@@ -322,7 +322,11 @@ def test_a_killed_replica_fails_its_stream_cleanly_retries_a_whole_answer_and_th
         lines = response.iter_lines()
         next(line for line in lines if '"content": "w' in line)  # tokens are flowing
         retried.start()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 60
+        while not any(s["replica"] == owner and s["num_requests_running"] >= 2
+                      for s in handle.broadcast("stats").results(timeout_s=60)):  # both answers run on the owner
+            assert time.monotonic() < deadline, "the whole answer did not reach d6's owner"
+            time.sleep(0.02)
         ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#engine#{owner}", namespace="serve"), no_restart=True)
         rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2] and "replica" in rest[-2]

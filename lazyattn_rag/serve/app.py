@@ -79,8 +79,10 @@ def start_ray(address: str | None = None, **init_options) -> None:
     saved_env, saved_constant = os.environ.get(variable), ray_constants.ENABLE_RAY_CLUSTER
     os.environ[variable], ray_constants.ENABLE_RAY_CLUSTER = "0", False
     try:
+        # ERROR: the driver's Ray logs (token authentication is on, Serve started) are said in
+        # one line by `lazyattn serve`
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                 **{"logging_level": "WARNING", **init_options})
+                 **{"logging_level": "ERROR", **init_options})
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved_constant
         if saved_env is None:
@@ -100,9 +102,13 @@ def run(engine_config: EngineConfig, config: ServeConfig = ServeConfig(), ready:
     import ray
     from ray import serve
 
+    from ray.serve.schema import LoggingConfig
+
     if not ray.is_initialized():
         start_ray(config.ray_address)
-    serve.start(http_options={"host": config.host, "port": config.port})
+    # Serve's controller and proxy log at the app's level too (their INFO lines are start-up chatter)
+    serve.start(http_options={"host": config.host, "port": config.port},
+                logging_config=LoggingConfig(log_level=config.log_level))
     logging.getLogger("ray.serve").setLevel(logging.ERROR)  # "connecting to existing Serve app": ours, just started
     handle = serve.run(build_app(engine_config, config), name=config.app_name, route_prefix="/", blocking=False)
     if ready is None:
@@ -112,5 +118,8 @@ def run(engine_config: EngineConfig, config: ServeConfig = ServeConfig(), ready:
         while True:
             time.sleep(3600)
     finally:  # here, not in an exit handler a second Ctrl-C would interrupt
-        serve.shutdown()
+        if config.ray_address is not None:  # a shared cluster: take our app off it, leave the rest
+            serve.delete(config.app_name)
+        # a private cluster goes with its processes (serve.shutdown() first would kill Serve's
+        # controller under its own graceful_shutdown call, which Ray then logs as a failure)
         ray.shutdown()

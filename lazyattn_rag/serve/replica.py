@@ -117,6 +117,11 @@ class EngineReplica:
             cached = "kv" in await _to_thread(self.llm.client.call, lambda engine: holds_text(engine, text, namespace))
         return removed.as_dict() | {"replica": self.replica_id, "cached": cached}
 
+    async def stats(self) -> dict[str, Any]:
+        """This replica's engine stats now (the keys ``/metrics`` exports, ``num_requests_running``
+        among them) and ``"replica"``."""
+        return await self._engine_stats() | {"replica": self.replica_id}
+
     async def holds(self, text: str, namespace: str = "") -> dict[str, Any]:
         """``{"replica", "where": ["kv", tier names...]}``: where this replica holds the chunk
         of a document with ``text`` in ``namespace`` (``[]``: nowhere)."""

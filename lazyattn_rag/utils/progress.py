@@ -81,3 +81,18 @@ def format_bytes(num_bytes: int) -> str:
 def plural(n: int, word: str, words: str | None = None) -> str:
     """``1 text``, ``2 texts``; ``words`` for an irregular plural."""
     return f"{n} {word if n == 1 else (words or word + 's')}"
+
+
+@contextmanager
+def no_transformers_bars() -> Iterator[None]:
+    """transformers' progress bars off inside the block ("Loading weights" of a small model that
+    loads in a blink: noise in the chat's output), as they were after it."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
