@@ -24,7 +24,8 @@ import sys
 import tomllib
 from pathlib import Path
 
-PINNED = ("llama-index-core", "llama-index-embeddings-huggingface", "langchain-core", "langchain-huggingface",
+PINNED = ("llama-index-core", "llama-index-embeddings-huggingface", "llama-index-retrievers-bm25", "langchain-core",
+          "langchain-huggingface",
           "langchain-tests", "pytest-asyncio",
           "transformers", "tokenizers", "safetensors", "gguf", "accelerate", "sentence-transformers", "faiss-cpu",
           "redis")

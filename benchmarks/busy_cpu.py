@@ -14,7 +14,7 @@ after). Arms, interleaved run by run:
 
 "The fitting off" replaces ``engine_cpu_threads`` with a function that returns ``None`` before the
 snippet runs. Recorded per run: wall time from spawn to exit, the snippet's own time (after
-imports), the 1-minute load average before. Medians per (arm, busy) and the ratios the issue
+imports), the 1-minute load average before, how often the engine changed its thread count. Medians per (arm, busy) and the ratios the issue
 asks for go to ``benchmarks/results/busy_cpu.json``::
 
     .venv/bin/python benchmarks/busy_cpu.py --busy 0 1 2 --runs 2
@@ -39,12 +39,20 @@ ARMS = ("fitted", "passive", "defaults")
 WRAPPER = """
 import sys, time
 start = time.perf_counter()
+from lazyattn_rag.engine import cpu_threads
+fitters = []
+init = cpu_threads.CpuThreads.__init__
+def record(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    fitters.append(self)
+cpu_threads.CpuThreads.__init__ = record
 if {off}:
     import lazyattn_rag.engine.engine as engine_module
     engine_module.engine_cpu_threads = lambda cpu_threads, device: None
 import runpy
 runpy.run_path({snippet!r}, run_name="__main__")
 print("SNIPPET_S", time.perf_counter() - start, file=sys.stderr)
+print("THREAD_CHANGES", sum(f.num_changes for f in fitters), file=sys.stderr)
 """
 
 
@@ -81,8 +89,9 @@ def run_once(arm: str, busy: int, snippet_path: str) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"{arm} busy={busy} failed:\n{done.stderr[-3000:]}")
     snippet_s = float(re.search(r"SNIPPET_S ([\d.]+)", done.stderr).group(1))
+    changes = int(re.search(r"THREAD_CHANGES (\d+)", done.stderr).group(1))
     return {"arm": arm, "busy": busy, "wall_s": round(wall, 2), "snippet_s": round(snippet_s, 2),
-            "load_1min_before": round(load, 2)}
+            "load_1min_before": round(load, 2), "thread_changes": changes}
 
 
 def main() -> None:

@@ -8,11 +8,11 @@ its core stalls every region (decode steps of the default SmolLM2 on 2 cores: 40
 "Start-up (CPU)"). libgomp's wait policy is fixed when torch loads it, but the thread count is
 not: :class:`CpuThreads` counts, every ``interval_s`` between steps, the threads of *other*
 processes that are running (``procs_running`` of ``/proc/stat`` less this process's running
-threads, the least of a few reads ~1 ms apart: what stays busy, not a blip) and gives the
-engine thread's parallel regions the idle cores, at least one and at most the count the
-process started with (``OMP_NUM_THREADS``, ``torch.set_num_threads``, or the cores). A change
-takes two agreeing looks, so a passing job does not make it flap. A quiet machine keeps the
-count it started with.
+threads; one read, ~0.1 ms, no sleep on the engine thread) and gives the engine thread's
+parallel regions the idle cores, at least one and at most the count the process started with
+(``OMP_NUM_THREADS``, ``torch.set_num_threads``, or the cores). A change takes two agreeing
+looks, so a blip or a passing job does not make it flap. A quiet machine keeps the count it
+started with.
 
 OpenMP's thread count is a per-thread setting: it is applied on the engine thread, the one that
 runs every forward pass, so the program's own threads keep theirs.
@@ -52,7 +52,7 @@ def own_running_threads(task_dir: str = "/proc/self/task") -> int:
     return count
 
 
-def others_running(samples: int = 3, interval_s: float = 0.001) -> int:
+def others_running(samples: int = 1, interval_s: float = 0.001) -> int:
     """Threads of other processes running or runnable: the least, over ``samples`` reads, of the
     machine's running threads less this process's; 0 where there is no ``/proc``."""
     counts = []
@@ -84,13 +84,13 @@ class CpuThreads:
 
     Args:
         max_threads: the most threads to use (the count the engine thread started with).
-        interval_s: seconds between looks (each costs ~2-3 ms: three reads 1 ms apart).
+        interval_s: seconds between looks (each costs ~0.1 ms).
         cores: usable cores (default: this process's CPU affinity).
         others: counts other processes' running threads (default :func:`others_running`).
         set_threads, get_threads: default ``torch.set_num_threads`` / ``torch.get_num_threads``.
     """
 
-    def __init__(self, max_threads: int, interval_s: float = 1.0, cores: int | None = None,
+    def __init__(self, max_threads: int, interval_s: float = 0.5, cores: int | None = None,
                  others: Callable[[], int] = others_running, set_threads: Callable[[int], None] | None = None,
                  get_threads: Callable[[], int] | None = None):
         import torch

