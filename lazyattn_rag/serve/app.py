@@ -106,10 +106,12 @@ def run(engine_config: EngineConfig, config: ServeConfig = ServeConfig(), ready:
 
     if not ray.is_initialized():
         start_ray(config.ray_address)
-    # Serve's controller and proxy log at the app's level too (their INFO lines are start-up chatter)
+    # the driver's "Started Serve", "connecting to existing Serve app" (ours, just started): said
+    # by `lazyattn serve`'s own start line; Serve's controller and proxy log at the app's level
+    logging.getLogger("ray.serve").setLevel(max(logging.getLogger("ray.serve").getEffectiveLevel(), logging.WARNING))
     serve.start(http_options={"host": config.host, "port": config.port},
                 logging_config=LoggingConfig(log_level=config.log_level))
-    logging.getLogger("ray.serve").setLevel(logging.ERROR)  # "connecting to existing Serve app": ours, just started
+    logging.getLogger("ray.serve").setLevel(logging.ERROR)
     handle = serve.run(build_app(engine_config, config), name=config.app_name, route_prefix="/", blocking=False)
     if ready is None:
         return handle
