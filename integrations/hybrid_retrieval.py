@@ -33,8 +33,8 @@ def chat_retriever(index: Any, documents: Sequence[Document], top_k: int, mode: 
         top_k: chunks returned per question.
         mode: ``"hybrid"`` (BM25 and the index's embeddings, fused by reciprocal rank) or
             ``"vector"`` (the index's embeddings alone).
-        llm: the LLM handed to ``QueryFusionRetriever`` (it asks none with one query; without
-            it LlamaIndex would resolve its default, OpenAI).
+        llm: a LlamaIndex LLM for ``QueryFusionRetriever``, which asks it nothing with one query
+            (default: LlamaIndex's ``MockLLM``, so that its default, OpenAI, is never resolved).
         candidates: chunks each ranking contributes to the fusion (default ``2 * top_k``).
     Raises:
         ValueError: an unknown ``mode``, or ``top_k`` < 1.
@@ -45,10 +45,12 @@ def chat_retriever(index: Any, documents: Sequence[Document], top_k: int, mode: 
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if mode == "vector" or not documents:
         return index.as_retriever(similarity_top_k=top_k)
+    from llama_index.core.llms.mock import MockLLM
     from llama_index.core.retrievers import QueryFusionRetriever
     from llama_index.retrievers.bm25 import BM25Retriever
 
     n = min(candidates or 2 * top_k, len(documents))
     bm25 = BM25Retriever.from_defaults(nodes=[node_from_document(d) for d in documents], similarity_top_k=n)
-    return QueryFusionRetriever([index.as_retriever(similarity_top_k=n), bm25], llm=llm, similarity_top_k=top_k,
+    return QueryFusionRetriever([index.as_retriever(similarity_top_k=n), bm25], llm=llm or MockLLM(),
+                                similarity_top_k=top_k,
                                 num_queries=1, mode="reciprocal_rerank", use_async=False)
