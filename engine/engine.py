@@ -31,6 +31,7 @@ import torch
 from lazyattn_rag.engine.block_table import BlockEntry, block_table_entries
 from lazyattn_rag.engine.chunk_cache import ChunkCache, ChunkEntry
 from lazyattn_rag.engine.cpu_threads import engine_cpu_threads
+from lazyattn_rag.engine.document_removal import purge_replaced
 from lazyattn_rag.engine.chunk_format import ChunkKV
 from lazyattn_rag.engine.chunk_tiers import ChunkTiers
 from lazyattn_rag.engine.counters import EngineCounters
@@ -109,6 +110,7 @@ class LLMEngine:
         self.tiers = tiers
         self.model_digest, self.block_size = model_digest, cache.block_size
         self.documents = DocumentRegistry(cache, self._prepare_document)
+        self.documents.on_replaced = lambda old, doc_id: purge_replaced(self, old, doc_id)
         self.planner = PromptPlanner(tokenizer, config, model_digest, cache.block_size,
                                      runner.model.config.vocab_size, max_model_len, self.documents)
         self.eos_token_ids = set(eos_token_ids or ())

@@ -64,6 +64,9 @@ class DocumentRegistry:
         self.cache, self.prepare = cache, prepare
         self._documents: dict[str, RegisteredDocument] = {}
         self.version = 0  # grows whenever a document is added, changed or removed
+        # called with a replaced text (its document now has another) once the new one is bound:
+        # the engine deletes its chunk from the storage tiers (engine/document_removal.py)
+        self.on_replaced: Callable[[RegisteredDocument, str], None] | None = None
 
     def __len__(self) -> int:
         return len(self._documents)
@@ -164,5 +167,7 @@ class DocumentRegistry:
             self._documents[doc_id] = doc
             self.cache.bind_document(doc_id, doc.key)
             changed += old is None or old.key != doc.key
+            if old is not None and old.key != doc.key and self.on_replaced is not None:
+                self.on_replaced(old, doc_id)
         self.version += bool(changed)
         return changed

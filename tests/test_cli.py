@@ -28,6 +28,7 @@ from lazyattn_rag.cli import NO_DOCUMENTS, app
 from lazyattn_rag.integrations.chatbot import ChatOptions, run_chat
 from lazyattn_rag.integrations.corpus import JSONL_SUFFIXES, TEXT_SUFFIXES, folder_sources
 from lazyattn_rag.llm import LazyAttention, RequestStream
+from lazyattn_rag.types.sampling_params import CHAT_LOOP_GUARD_NGRAM
 from tests.integrations_kit import CORPUS, tiny_engine
 from tests.observe import StepLog
 from tests.tiny import words
@@ -430,7 +431,7 @@ def recorded_sampling(monkeypatch):
 def test_ask_uses_the_models_sampling_unless_overridden(recorded_sampling):
     assert runner().invoke(app, ["ask", "w1 w2", "--max-tokens", "2", "--seed", "3"]).exit_code == 0
     assert recorded_sampling()[-1] == SamplingParams(max_tokens=2, temperature=0.5, top_p=0.7, repetition_penalty=1.05,
-                                                     seed=3, loop_guard_ngram=12)  # the command's loop guard
+                                                     seed=3, loop_guard_ngram=CHAT_LOOP_GUARD_NGRAM)  # the command's guard
     result = runner().invoke(app, ["ask", "w1 w2", "--max-tokens", "2", "--temperature", "0", "--top-p", "0.9",
                                    "--repetition-penalty", "1.2", "--loop-guard", "0"])
     assert result.exit_code == 0, result.output

@@ -186,3 +186,36 @@ def test_a_chunk_a_running_request_reads_is_freed_when_it_finishes(tiered):
     flush(llm)
     assert where(llm, doc(5)[1]) == []
     check_integrity(llm)
+
+
+def test_passages_learned_from_the_documents_text_go_with_it(tiered):
+    """Plain prompts that pasted the document's text taught the engine its two paragraphs as
+    passages; deleting the document removes them too (pool and tiers), not only its whole-text
+    chunk, while a registered document with the same text as one paragraph keeps that one."""
+    llm, disk, server = tiered
+    p1, p2, p3 = words(32, start=3), words(32, start=77), words(32, start=141)
+    for order in ((p1, p2, p3), (p3, p1, p2), (p2, p3, p1)):  # seen twice at new offsets: learned
+        llm.chat([{"role": "user", "content": "Context:\n\n" + "\n\n".join(order) + "\n\nQuestion: w5 w6?"}],
+                 sampling=GREEDY)
+    settle(llm)
+    flush(llm)
+    assert all(where(llm, p) == ["kv", "disk", "redis"] for p in (p1, p2, p3))
+    llm.add_documents([("whole", f"{p1}\n\n{p2}\n\n{p3}"), ("third", p3)])
+    removed = llm.remove_document("whole")
+    assert removed.tiers == ("disk", "redis") and removed.num_kv_blocks == 2 * 2  # two 32-token passages
+    assert where(llm, p1) == [] and where(llm, p2) == [] and where(llm, p3) == ["kv", "disk", "redis"]
+    check_integrity(llm)
+
+
+def test_a_replaced_text_leaves_the_pool_and_the_tiers(tiered):
+    llm, disk, server = tiered
+    old, new = doc(6)[1], doc(7)[1]
+    llm.add_documents([("upd", old)])
+    llm.generate("w5 w6", ["upd"], sampling=GREEDY)
+    settle(llm)
+    flush(llm)
+    assert where(llm, old) == ["kv", "disk", "redis"]
+    llm.add_documents([("upd", new)])
+    assert where(llm, old) == []
+    assert llm.generate("w5 w6", ["upd"], sampling=GREEDY).stats.doc_tiers == {"upd": "computed"}
+    check_integrity(llm)

@@ -105,3 +105,14 @@ def test_passages_of_plain_text_route_the_request():
     assert len(keys) == 1 and keys[0].startswith("passage\x00")
     _, none = chat_payload(ChatCompletionRequest(messages=[{"role": "user", "content": text}]), store, None)
     assert none == []
+
+
+def test_the_sqlite_registry_is_readable_by_its_owner_only(tmp_path):
+    """It holds every tenant's texts: mode 0600, and deleted texts overwritten (secure_delete)."""
+    from lazyattn_rag.serve.registry import SqliteRegistry
+
+    store = SqliteRegistry(tmp_path / "registry" / "app.sqlite3")
+    store.put("team-a", [("pii", "SSN-123-45-6789")])
+    store.delete("team-a", "pii")
+    assert (tmp_path / "registry" / "app.sqlite3").stat().st_mode & 0o777 == 0o600
+    assert store._db().execute("PRAGMA secure_delete").fetchone()[0] == 1

@@ -238,3 +238,20 @@ def test_the_package_clients_carry_a_key(server):
     removed = remote.remove_document("note")
     assert removed.namespace == "team-b" and removed.num_kv_blocks == 2 and not removed.shared
     assert "note" not in remote.document_ids()
+
+
+def test_what_a_tenant_sees_of_the_others(clients):
+    """The registry version a key sees is its namespace's; /metrics (every tenant's counts) needs
+    a key allowed every namespace; an id with a control character is refused (it could not be
+    deleted through a URL path)."""
+    a, b, admin = clients["a"], clients["b"], clients["admin"]
+    before = b.get("/v1/documents/version").json()
+    assert before["namespace"] == "team-b"
+    register(a, {"another": words(20, start=90)})
+    a.delete("/v1/documents/another")
+    assert b.get("/v1/documents/version").json() == before
+    response = b.get("/metrics")
+    assert response.status_code == 403 and response.json()["error"]["code"] == "metrics_forbidden"
+    assert admin.get("/metrics").status_code == 200
+    response = register(a, {"a\nb": "w1 w2"})
+    assert response.status_code == 400 and "documents.0.id" in response.text

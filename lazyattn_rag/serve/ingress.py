@@ -45,7 +45,7 @@ from typing import Any
 from fastapi import FastAPI, Request  # at module level: FastAPI resolves the routes' annotations here
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from lazyattn_rag.serve.auth import Authenticator, KeyGrant, load_grants
+from lazyattn_rag.serve.auth import ANY_NAMESPACE, Authenticator, KeyGrant, load_grants
 from lazyattn_rag.serve.config import ServeConfig
 from lazyattn_rag.serve.http_errors import ApiError, parse, read_json
 from lazyattn_rag.serve.payload import chat_payload, registered_text, routing_keys
@@ -149,10 +149,10 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             documents = [(d.id, d.text) for d in body.documents]
             # checked on any replica (no routing keys: registering computes nothing, so it must
             # not teach the router that this replica holds the documents' K/V)
-            result = await self.engine.register.remote(documents, namespace)
+            result = await self.engine.register.remote(documents, namespace, issued_at=time.time())
             _raise_for(result)
             self.documents.put(namespace, documents)
-            return {"object": "list", "namespace": namespace, "version": self.documents.version,
+            return {"object": "list", "namespace": namespace, "version": self.documents.versions[namespace],
                     "data": [{"id": d, "object": "document"} for d, _ in documents]}
 
         @app.post("/v1/documents/warm")
@@ -168,14 +168,17 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             namespace = grant.namespace(namespace)
             self.documents.sync()
             documents = [(i, registered_text(self.documents, namespace, i)) for i in dict.fromkeys(ids)]
-            result = await self.engine.warm.remote(documents, namespace, routing_keys=routing_keys(namespace, ids))
+            result = await self.engine.warm.remote(documents, namespace, routing_keys=routing_keys(namespace, ids),
+                                                   issued_at=time.time())
             _raise_for(result)
             return result
 
         @app.get("/v1/documents/version")
-        async def documents_version(self):
+        async def documents_version(self, request: Request, namespace: str = ""):
+            """The namespace's registry version: it grows with each change of its documents."""
+            namespace = _grant(request).namespace(namespace)
             self.documents.sync()
-            return {"version": self.documents.version}
+            return {"version": self.documents.versions[namespace], "namespace": namespace}
 
         @app.get("/v1/documents")
         async def list_documents(self, request: Request, namespace: str = "", texts: bool = False):
@@ -184,7 +187,8 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             ids = self.documents.ids(namespace)
             data = [{"id": i, "object": "document", **({"text": self.documents.get(namespace, i)} if texts else {})}
                     for i in ids]
-            return {"object": "list", "namespace": namespace, "version": self.documents.version, "data": data}
+            return {"object": "list", "namespace": namespace, "version": self.documents.versions[namespace],
+                    "data": data}
 
         @app.delete("/v1/documents/{doc_id:path}")
         async def delete_document(self, request: Request, doc_id: str, namespace: str = ""):
@@ -202,7 +206,8 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
                 return_exceptions=True)
             reports = [r if isinstance(r, dict) else {"error": f"{type(r).__name__}: {r}"} for r in results]
             return {"id": doc_id, "object": "document", "deleted": True, "namespace": namespace,
-                    "version": self.documents.version, "removed": _removed(reports, keep), "replicas": reports}
+                    "version": self.documents.versions[namespace], "removed": _removed(reports, keep),
+                    "replicas": reports}
 
         @app.post("/tokenize")
         async def tokenize(self, request: Request):
@@ -302,7 +307,10 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             yield "data: [DONE]\n\n"
 
         @app.get("/metrics")
-        async def metrics(self):
+        async def metrics(self, request: Request):
+            if ANY_NAMESPACE not in _grant(request).namespaces:  # counts of every tenant's traffic: operators only
+                raise ApiError(403, "/metrics needs a key allowed every namespace (an --api-key key, or \"*\")",
+                               kind="permission_denied", code="metrics_forbidden")
             from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
             registry = CollectorRegistry()
@@ -326,7 +334,8 @@ def _removed(reports: list[dict], kept: bool) -> dict:
             "num_in_use": sum(r.get("num_in_use", 0) for r in reports),
             "tiers": sorted({t for r in reports for t in r.get("tiers", ())}),
             "cached_on": [r["replica"] for r in reports if r.get("cached")],
-            "num_failed_replicas": sum("error" in r for r in reports), "shared": kept}
+            "num_failed_replicas": sum("error" in r for r in reports),
+            "shared": kept or any(r.get("shared") for r in reports)}
 
 
 def _check_logprobs(body: ChatCompletionRequest, max_logprobs: int) -> None:

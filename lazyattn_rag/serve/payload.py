@@ -11,6 +11,7 @@ plain text the engine may learn (``engine/passage_learning.py``), so a request g
 documents and passages were computed before.
 """
 
+import time
 from typing import Any
 
 from lazyattn_rag.engine.passage_learning import eligible_pieces
@@ -103,7 +104,8 @@ def chat_payload(body: ChatCompletionRequest, store: DocumentStore,
                             "yours again)", kind="invalid_request_error", param="document_hashes",
                        code=DOCUMENT_CHANGED)
     payload = {"messages": messages, "documents": list(texts.items()), "placed": placed,
-               "sampling": body.sampling_body(), "namespace": ns, "transient": transient}
+               "sampling": body.sampling_body(), "namespace": ns, "transient": transient,
+               "issued_at": time.time()}  # a replica refuses documents deleted after this (EngineReplica)
     if body.num_logprobs is not None:
         payload["logprobs"] = {"num": body.num_logprobs, "token_ids": body.return_tokens_as_token_ids}
     keys = routing_keys(ns, texts)

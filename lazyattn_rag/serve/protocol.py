@@ -24,7 +24,8 @@ class DocumentIn(BaseModel):
     """A document: a non-empty id and its text."""
 
     model_config = ConfigDict(extra="forbid")
-    id: str = Field(min_length=1, max_length=1024)
+    id: str = Field(min_length=1, max_length=1024, pattern=r"^[^\x00-\x1f\x7f]+$")  # no control characters:
+    # an id must fit a URL path (DELETE /v1/documents/{id}) and a log line
     text: str
 
 

@@ -16,7 +16,9 @@ A restarted server, or a second ingress replica, starts from the store's full co
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+from collections import Counter
 import threading
 import uuid
 from pathlib import Path
@@ -59,6 +61,8 @@ class SqliteRegistry:
     def __init__(self, path: Path | str):
         self.path = Path(path).expanduser()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.touch(mode=0o600, exist_ok=True)  # every tenant's texts: readable by the server's user only
+        os.chmod(self.path, 0o600)
         self._local = threading.local()  # one connection per thread (sqlite3 objects are not shared)
         with self._db() as db:
             db.execute("PRAGMA journal_mode=WAL")
@@ -71,6 +75,7 @@ class SqliteRegistry:
         db = getattr(self._local, "db", None)
         if db is None:
             db = self._local.db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+            db.execute("PRAGMA secure_delete=ON")  # a deleted text is overwritten, not left in free pages
         return db
 
     def put(self, namespace: str, documents: list[tuple[str, str]]) -> None:
@@ -205,7 +210,8 @@ class DocumentStore:
         self.texts: dict[tuple[str, str], str] = {}
         self.matchers: dict[str, DocumentMatcher] = {}
         self._store_version: Version | None = None
-        self.version = 0  # grows with every change this mirror applies (GET /v1/documents/version)
+        self.version = 0  # grows with every change this mirror applies
+        self.versions: Counter[str] = Counter()  # per namespace (GET /v1/documents/version: a tenant sees its own)
         self.sync()
 
     def sync(self) -> None:
@@ -226,11 +232,13 @@ class DocumentStore:
         if text is None:
             if self.texts.pop((namespace, doc_id), None) is not None:
                 self.version += 1
+                self.versions[namespace] += 1
             matcher.remove(doc_id)
         elif self.texts.get((namespace, doc_id)) != text:
             self.texts[(namespace, doc_id)] = text
             matcher.add(Candidate(doc_id, text))
             self.version += 1
+            self.versions[namespace] += 1
 
     def get(self, namespace: str, doc_id: str) -> str | None:
         return self.texts.get((namespace, doc_id))

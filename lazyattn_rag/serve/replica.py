@@ -17,6 +17,10 @@ built from an :class:`~lazyattn_rag.types.config.EngineConfig` and answers the i
 
 The ingress sends every document a request places with its text, so any replica can serve any
 request; a replica registers the ones it has not seen (or whose text changed) with the request.
+A request queued before a delete must not bring the document back: the ingress stamps every
+call with the time it sent it (``issued_at``), each replica remembers when it was told to forget
+each document (the last ``MAX_DELETED`` of them), and a call sent before that delete is refused
+for that document (404) instead of registering and computing it again.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import asyncio
 import dataclasses
 import functools
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -34,6 +39,9 @@ from lazyattn_rag.types.documents import Document, RemovedDocument
 from lazyattn_rag.types.errors import LazyAttentionError, UnknownDocumentError
 from lazyattn_rag.types.messages import Message, as_message, rag_messages
 from lazyattn_rag.types.wire import ERROR_CODES, logprob_entry, sampling_from_body, stats_to_body
+
+MAX_DELETED = 100_000  # deletes a replica remembers (to refuse calls sent before them)
+
 
 def error_event(error: BaseException) -> dict[str, Any]:
     """The event for a request the engine refused: 404 for an unknown document, 400 otherwise."""
@@ -61,6 +69,18 @@ class EngineReplica:
         self.llm = build() if build is not None else LazyAttention(config)
         self.allm = AsyncLazyAttention(self.llm)
         self.replica_id = _replica_id()
+        self.deleted: OrderedDict[tuple[str, str], float] = OrderedDict()  # (namespace, id) -> when forgotten
+
+    def _check_not_deleted(self, doc_ids, namespace: str, issued_at: float | None) -> None:
+        """Raises ``UnknownDocumentError`` for a document deleted after the call was sent (a call
+        without ``issued_at`` is not checked: the ingress stamps every one)."""
+        if issued_at is None:
+            return
+        for doc_id in doc_ids:
+            deleted_at = self.deleted.get((namespace, doc_id))
+            if deleted_at is not None and deleted_at > issued_at:
+                where = f" in namespace {namespace!r}" if namespace else ""
+                raise UnknownDocumentError(f"document {doc_id!r}{where} was deleted while this request waited")
 
     async def info(self) -> dict[str, Any]:
         """``{"model", "max_model_len", "prompt": PromptConfig as a dict, "replica"}``."""
@@ -68,19 +88,21 @@ class EngineReplica:
                 "prompt": dataclasses.asdict(self.llm.config.prompt), "replica": self.replica_id}
 
     async def register(self, documents: list[tuple[str, str]], namespace: str = "",
-                       routing_keys: list[str] = ()) -> dict[str, Any]:
+                       routing_keys: list[str] = (), issued_at: float | None = None) -> dict[str, Any]:
         """Register ``documents`` (``(id, text)``), all or none: ``{"registered": n}`` or an error event."""
         try:
+            self._check_not_deleted([i for i, _ in documents], namespace, issued_at)
             count = await _to_thread(self.llm.add_documents, [Document(i, t) for i, t in documents], namespace)
         except (LazyAttentionError, ValueError, TypeError) as error:
             return error_event(error)
         return {"registered": count, "replica": self.replica_id}
 
     async def warm(self, documents: list[tuple[str, str]], namespace: str = "",
-                   routing_keys: list[str] = ()) -> dict[str, Any]:
+                   routing_keys: list[str] = (), issued_at: float | None = None) -> dict[str, Any]:
         """Register ``documents`` and compute their K/V now: ``{"computed": [ids]}`` (the ones
         that were not cached yet) or an error event."""
         try:
+            self._check_not_deleted([i for i, _ in documents], namespace, issued_at)
             await _to_thread(self.llm.add_documents, [Document(i, t) for i, t in documents], namespace)
             computed = await _to_thread(self.llm.warm, [i for i, _ in documents], namespace)
         except (LazyAttentionError, ValueError, TypeError) as error:
@@ -101,6 +123,11 @@ class EngineReplica:
             while waiting).
         """
         from lazyattn_rag.engine.document_removal import holds_text, purge_text
+
+        self.deleted[(namespace, doc_id)] = time.time()  # calls sent before now may not bring it back
+        self.deleted.move_to_end((namespace, doc_id))
+        while len(self.deleted) > MAX_DELETED:
+            self.deleted.popitem(last=False)
 
         def run(engine):
             if keep_kv:
@@ -214,6 +241,7 @@ class EngineReplica:
         """
         messages = [as_message(m) for m in payload["messages"]]
         documents = [Document(i, t) for i, t in payload.get("documents", ())]
+        self._check_not_deleted([d.id for d in documents], payload.get("namespace", ""), payload.get("issued_at"))
         placed = payload.get("placed", [])
         if not placed:
             return messages, documents, None

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 GREEDY_TEMPERATURE = 1e-5
 
 
-CHAT_LOOP_GUARD_NGRAM = 12  # the loop guard of lazyattn chat/ask and the chatbot (benchmarks/chat_quality.py)
+CHAT_LOOP_GUARD_NGRAM = 8  # the loop guard of lazyattn chat/ask and the chatbot (benchmarks/chat_quality.py: 8, 12 and 16 all end every looping answer; 8 also the shorter phrase loops)
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class SamplingParams:
             tokens repeat a run of ``n`` it already produced; the text ends before the repeat
             (``finish_reason="stop"``, ``stats.loop_stopped``) and a stream never shows it
             (``engine/loop_guard.py``). Nothing is banned from sampling, so an answer that does
-            not loop is unchanged; ``lazyattn chat``/``ask`` and the chatbot use 12.
+            not loop is unchanged; ``lazyattn chat``/``ask`` and the chatbot use 8.
     Raises:
         ValueError: at construction, for any value outside its range (the field is named).
     """
