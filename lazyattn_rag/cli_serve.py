@@ -50,14 +50,14 @@ def serve(
                                            "namespace; repeat for several (the variable: separated by spaces)."),
     api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", exists=True, dir_okay=False,
                                                 help="JSON file binding keys to namespaces: {\"keys\": [{\"key\", "
-                                                     "\"namespaces\": [...], \"manage_documents\": bool}]} (docs/"
-                                                     "serving.md)."),
+                                                     "\"namespaces\": [...], \"manage_documents\": bool}]} (README, "
+                                                     "'Keys, tenants and deletes')."),
     allow_unauthenticated: bool = typer.Option(False, "--allow-unauthenticated",
                                                help="Without keys, serve clients beyond loopback too (needed to "
                                                     "listen on another --host without keys)."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address",
                                               help="Run on this Ray cluster (auto, host:port; several nodes: protect "
-                                                   "its ports, see docs/serving.md). Default: a private local cluster "
+                                                   "its ports, see the README). Default: a private local cluster "
                                                    "listening on 127.0.0.1 only, without a dashboard."),
 ) -> None:
     """Serve the model over HTTP: OpenAI chat completions with document ids, on Ray Serve replicas.
