@@ -5,7 +5,7 @@ fusion), over a folder of invented facts written for the purpose.
     python benchmarks/retrieval_quality.py                 # default model, CPU, 3 seeds
     python benchmarks/retrieval_quality.py --docs DIR --questions FILE.json
 
-The folder (``benchmarks/data/invented_facts/``) holds eight short files about one invented
+The folder (``benchmarks/data/invented_facts/``) holds 17 short files about one invented
 coast; several repeat a society's name, the file with its founder names it once. The questions
 (``benchmarks/data/invented_facts_questions.json``) name the files that hold each answer.
 Per (retrieval, k): **recall@k** (a gold file among the top k retrieved chunks; retrieval is

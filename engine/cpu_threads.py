@@ -15,7 +15,11 @@ looks, so a blip or a passing job does not make it flap. A quiet machine keeps t
 started with.
 
 OpenMP's thread count is a per-thread setting: it is applied on the engine thread, the one that
-runs every forward pass, so the program's own threads keep theirs.
+runs every forward pass. torch also remembers the last count set in the process and gives it to
+a thread on its first parallel region, so a thread of the program that starts its torch work
+after a change begins with the engine's count. The most an engine takes is the count the process
+had before any engine changed it (recorded once: a second engine is not held to a first one's
+reduced count).
 """
 
 from __future__ import annotations
@@ -132,4 +136,10 @@ def engine_cpu_threads(cpu_threads: int | None, device) -> CpuThreads | None:
     if cpu_threads is not None:
         torch.set_num_threads(cpu_threads)
         return None
-    return CpuThreads(torch.get_num_threads())
+    global _START_THREADS
+    if _START_THREADS is None:
+        _START_THREADS = torch.get_num_threads()
+    return CpuThreads(_START_THREADS)
+
+
+_START_THREADS: int | None = None  # the process's count before any engine changed it

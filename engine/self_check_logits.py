@@ -227,8 +227,11 @@ def _isolated_spans(plan) -> list[tuple[int, int, int]]:
 def _load_reference(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager",
-                                                local_files_only=True).eval()
+    from lazyattn_rag.utils.progress import no_transformers_bars
+
+    with no_transformers_bars():  # a one-line announcement says this step already
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager",
+                                                    local_files_only=True).eval()
 
 
 def reference_logits(hf, token_ids: list[int], isolated: list[tuple[int, ...]],

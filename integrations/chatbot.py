@@ -165,8 +165,9 @@ def better_model_hint(candidates: list[Path] | None = None) -> str:
     return hint + "; found on this machine:\n" + "\n".join(f"  --model {p}" for p in candidates)
 
 
-def answer(query_engine, question: str, out: TextIO) -> dict:
-    """Stream the answer to ``out``, then the sources and the cache stats; returns the stats."""
+def answer(query_engine, question: str, out: TextIO, score: str = "score") -> dict:
+    """Stream the answer to ``out``, then the sources (with their retrieval ``score``, so named)
+    and the cache stats; returns the stats."""
     print(f"\nQ: {question}\nA: ", end="", file=out, flush=True)
     response = query_engine.query(question)
     started = False
@@ -184,7 +185,7 @@ def answer(query_engine, question: str, out: TextIO) -> dict:
     print(file=out)
     for n in response.source_nodes:
         first_line = n.node.get_content().strip().splitlines()[0][:60]
-        print(f"   source {n.node.node_id} (score {n.score:.2f}): {first_line}", file=out)
+        print(f"   source {n.node.node_id} ({score} {n.score:.3f}): {first_line}", file=out)
     stats = response.metadata["lazyattn"]["stats"]
     print("   " + RequestStats(**stats).summary(), file=out, flush=True)
     return stats
@@ -255,7 +256,8 @@ def run_chat(options: ChatOptions, out: TextIO | None = None, log: TextIO | None
     retriever = chat_retriever(index, store.client.documents(), options.top_k, options.retrieval, llm)
     query_engine = as_query_engine(retriever, llm, streaming=True)
     if options.questions:
-        return [answer(query_engine, q, out) for q in options.questions]
+        score = "fused rank score" if options.retrieval == "hybrid" else "similarity"
+        return [answer(query_engine, q, out, score) for q in options.questions]
     return _interactive(options, query_engine, stdin, out, log)
 
 
@@ -342,7 +344,8 @@ def _interactive(options: ChatOptions, query_engine, stdin: TextIO, out: TextIO,
         if not question:
             continue
         try:
-            results.append(answer(query_engine, question, out))
+            results.append(answer(query_engine, question, out,
+                                  "fused rank score" if options.retrieval == "hybrid" else "similarity"))
         except KeyboardInterrupt:
             print("\n[stopped: the answer was cancelled. Ask another question, or press Ctrl-C again to leave]",
                   file=out, flush=True)

@@ -61,7 +61,8 @@ def test_the_engine_fits_its_own_threads_and_leaves_the_callers(make_llm, monkey
     caller = torch.get_num_threads()
     _, llm = make_llm()
     fit = llm.client.call(lambda engine: engine.cpu_threads)
-    assert isinstance(fit, CpuThreads) and fit.max_threads == caller
+    # at most the count the process had before any engine changed it (another test's may have)
+    assert isinstance(fit, CpuThreads) and fit.max_threads == cpu_threads._START_THREADS >= 1
 
     def look_twice(engine):
         engine.cpu_threads._others = lambda: 64  # a machine full of other work
@@ -80,7 +81,7 @@ def test_the_engine_fits_its_own_threads_and_leaves_the_callers(make_llm, monkey
         engine.cpu_threads.maybe_fit(now=4e9)
         return torch.get_num_threads()
 
-    assert llm.client.call(quiet_again) == min(caller, 2)
+    assert llm.client.call(quiet_again) == min(fit.max_threads, 2)
 
 
 def test_a_fixed_count_is_set_on_the_engine_thread(make_llm):

@@ -76,14 +76,15 @@ class RequestStats:
         ``[docs hit 1, missed 1 | prompt 600 tokens: 533 cached (500 shifted, 33 exact prefix),
         67 computed | TTFT 5 ms | 2 output tokens]``; ``no_documents`` replaces the document
         counts when the request named none. Learned passages are counted apart from documents
-        (``passages hit 2``), recomputed tokens are named (``67 computed, 16 recomputed``)."""
+        (``passages hit 2``), recomputed tokens are named (``67 computed, 16 recomputed``), an
+        answer the loop guard ended says so (``12 output tokens, repeat cut``)."""
         from lazyattn_rag.utils.progress import plural
 
         ttft = f"{self.ttft_ms:.0f} ms" if self.ttft_ms is not None else "n/a"
         recomputed = f" ({self.num_recomputed_tokens} recomputed)" if self.num_recomputed_tokens else ""
         return (f"[{self._documents_label(no_documents)} | prompt {self.num_prompt_tokens} tokens: "
                 f"{self._cached_label()}, {self.num_computed_tokens} computed{recomputed} | TTFT {ttft} | "
-                f"{plural(self.num_output_tokens, 'output token')}]")
+                f"{plural(self.num_output_tokens, 'output token')}{', repeat cut' if self.loop_stopped else ''}]")
 
     def _documents_label(self, no_documents: str) -> str:
         """``"docs hit 2 (1 from disk), missed 1; passages hit 3"``."""
