@@ -57,8 +57,10 @@ def own_running_threads(task_dir: str = "/proc/self/task") -> int:
 
 
 def others_running(samples: int = 1, interval_s: float = 0.001) -> int:
-    """Threads of other processes running or runnable: the least, over ``samples`` reads, of the
-    machine's running threads less this process's; 0 where there is no ``/proc``."""
+    """Threads of other processes running or runnable: the least, over ``samples`` reads
+    ``interval_s`` apart, of the machine's running threads less this process's; 0 where there is
+    no ``/proc``. The engine reads once per look (no sleep on its thread); the ``lazyattn``
+    command, once at start, takes the least of several (``lazyattn_rag/cli_runtime.py``)."""
     counts = []
     for i in range(samples):
         total = running_threads()

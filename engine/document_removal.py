@@ -50,12 +50,10 @@ def purge_text(engine: LLMEngine, doc_id: str, text: str, namespace: str = "") -
     return purge_key(engine, key, doc_id, namespace, engine.cache.pool.num_free, piece_keys(engine, text, namespace))
 
 
-def purge_replaced(engine: LLMEngine, old: RegisteredDocument, scoped_id: str) -> None:
+def purge_replaced(engine: LLMEngine, old: RegisteredDocument, doc_id: str, namespace: str) -> None:
     """A document's text was replaced: its old chunk and passages leave the pool and the tiers
     as a deleted document's do (unless another registered document has that text)."""
-    namespace = scoped_id.split("\x00", 1)[0] if "\x00" in scoped_id else ""
-    purge_key(engine, old.key, scoped_id, namespace, engine.cache.pool.num_free,
-              piece_keys(engine, old.text, namespace))
+    purge_key(engine, old.key, doc_id, namespace, engine.cache.pool.num_free, piece_keys(engine, old.text, namespace))
 
 
 def piece_keys(engine: LLMEngine, text: str, namespace: str) -> list[str]:

@@ -110,7 +110,7 @@ class LLMEngine:
         self.tiers = tiers
         self.model_digest, self.block_size = model_digest, cache.block_size
         self.documents = DocumentRegistry(cache, self._prepare_document)
-        self.documents.on_replaced = lambda old, doc_id: purge_replaced(self, old, doc_id)
+        self.documents.on_replaced = lambda old, doc_id, namespace: purge_replaced(self, old, doc_id, namespace)
         self.planner = PromptPlanner(tokenizer, config, model_digest, cache.block_size,
                                      runner.model.config.vocab_size, max_model_len, self.documents)
         self.eos_token_ids = set(eos_token_ids or ())
@@ -309,7 +309,8 @@ class LLMEngine:
         stats.num_recomputed_tokens = sum(c.num_skipped for c in plan.chunks if c.doc_id is not None)
         gen = torch.Generator(device=self.runner.device).manual_seed(params.seed) if params.seed is not None else self.generator
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        request = Request(rid, plan, params, sink, stats, IncrementalDetokenizer(self.tokenizer, params.stop, params.loop_guard_ngram), gen,
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.loop_guard_ngram)
+        request = Request(rid, plan, params, sink, stats, detokenizer, gen,
                           stop_token_ids=stop_ids, warm_only=warm_only)
         self._check_capacity(request)
         self.outputs.add(request)

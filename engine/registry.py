@@ -40,6 +40,12 @@ def scoped_id(doc_id: str, namespace: str) -> str:
     return f"{namespace}\x00{doc_id}" if namespace else doc_id
 
 
+def split_scoped_id(key: str) -> tuple[str, str]:
+    """``(namespace, doc_id)`` of a :func:`scoped_id` key."""
+    namespace, _, doc_id = key.rpartition("\x00")
+    return namespace, doc_id
+
+
 @dataclass(frozen=True)
 class RegisteredDocument:
     """A registered document: its text, its tokens (special-token text tokenized literally) and
@@ -64,9 +70,9 @@ class DocumentRegistry:
         self.cache, self.prepare = cache, prepare
         self._documents: dict[str, RegisteredDocument] = {}
         self.version = 0  # grows whenever a document is added, changed or removed
-        # called with a replaced text (its document now has another) once the new one is bound:
-        # the engine deletes its chunk from the storage tiers (engine/document_removal.py)
-        self.on_replaced: Callable[[RegisteredDocument, str], None] | None = None
+        # called with a replaced text, its document's id and namespace, once the new text is
+        # bound: the engine deletes its chunk from the storage tiers (engine/document_removal.py)
+        self.on_replaced: Callable[[RegisteredDocument, str, str], None] | None = None
 
     def __len__(self) -> int:
         return len(self._documents)
@@ -168,6 +174,7 @@ class DocumentRegistry:
             self.cache.bind_document(doc_id, doc.key)
             changed += old is None or old.key != doc.key
             if old is not None and old.key != doc.key and self.on_replaced is not None:
-                self.on_replaced(old, doc_id)
+                namespace, plain_id = split_scoped_id(doc_id)
+                self.on_replaced(old, plain_id, namespace)
         self.version += bool(changed)
         return changed

@@ -165,6 +165,11 @@ def better_model_hint(candidates: list[Path] | None = None) -> str:
     return hint + "; found on this machine:\n" + "\n".join(f"  --model {p}" for p in candidates)
 
 
+def _score_name(options: ChatOptions) -> str:
+    """What the retriever's score is, as the sources line names it."""
+    return "fused rank score" if options.retrieval == "hybrid" else "similarity"
+
+
 def answer(query_engine, question: str, out: TextIO, score: str = "score") -> dict:
     """Stream the answer to ``out``, then the sources (with their retrieval ``score``, so named)
     and the cache stats; returns the stats."""
@@ -256,8 +261,7 @@ def run_chat(options: ChatOptions, out: TextIO | None = None, log: TextIO | None
     retriever = chat_retriever(index, store.client.documents(), options.top_k, options.retrieval, llm)
     query_engine = as_query_engine(retriever, llm, streaming=True)
     if options.questions:
-        score = "fused rank score" if options.retrieval == "hybrid" else "similarity"
-        return [answer(query_engine, q, out, score) for q in options.questions]
+        return [answer(query_engine, q, out, _score_name(options)) for q in options.questions]
     return _interactive(options, query_engine, stdin, out, log)
 
 
@@ -344,8 +348,7 @@ def _interactive(options: ChatOptions, query_engine, stdin: TextIO, out: TextIO,
         if not question:
             continue
         try:
-            results.append(answer(query_engine, question, out,
-                                  "fused rank score" if options.retrieval == "hybrid" else "similarity"))
+            results.append(answer(query_engine, question, out, _score_name(options)))
         except KeyboardInterrupt:
             print("\n[stopped: the answer was cancelled. Ask another question, or press Ctrl-C again to leave]",
                   file=out, flush=True)

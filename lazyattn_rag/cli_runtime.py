@@ -30,7 +30,8 @@ import atexit
 import gc
 import os
 import sys
-import time
+
+from lazyattn_rag.engine import cpu_threads  # no torch: /proc readings only
 
 
 def openmp_settings(environ: dict[str, str], cores: int, busy_threads: int) -> dict[str, str]:
@@ -42,29 +43,13 @@ def openmp_settings(environ: dict[str, str], cores: int, busy_threads: int) -> d
     return {"OMP_NUM_THREADS": str(max(1, cores - busy_threads)), "OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def others_running(samples: int = 5, interval_s: float = 0.002) -> int:
-    """Threads of other processes running or runnable now: the least ``procs_running`` of
-    ``/proc/stat`` over ``samples`` reads, less this thread; 0 where there is no ``/proc``."""
-    counts = []
-    for i in range(samples):
-        try:
-            with open("/proc/stat") as f:
-                counts.append(next(int(line.split()[1]) for line in f if line.startswith("procs_running")))
-        except (OSError, StopIteration, ValueError):
-            return 0
-        if i + 1 < samples:
-            time.sleep(interval_s)
-    return max(0, min(counts) - 1)
+def others_running() -> int:
+    """Threads of other processes running or runnable now: the least of 5 reads ~2 ms apart
+    (:func:`~lazyattn_rag.engine.cpu_threads.others_running`, the engine's own measure)."""
+    return cpu_threads.others_running(samples=5, interval_s=0.002)
 
 
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-os.environ.update(openmp_settings(os.environ, _usable_cores(), others_running()))
+os.environ.update(openmp_settings(os.environ, cpu_threads.usable_cores(), others_running()))
 
 
 @atexit.register  # registered before the engine's own handler, so it runs after it
