@@ -67,21 +67,39 @@ def replica_engine(arch: str, device: str, dtype: str, budget_bytes: int, max_ba
 
 
 async def one_request(client, model: str, body: dict, output_tokens: int) -> dict:
-    start, first, final = time.perf_counter(), None, None
+    start, first, final, timings = time.time(), None, None, {}
     stream = await client.chat.completions.create(model=model, max_tokens=output_tokens, temperature=0, stream=True,
                                                   **body)
     async for chunk in stream:
         if first is None and chunk.choices and chunk.choices[0].delta.content:
-            first = time.perf_counter()
+            first = time.time()
         extension = (chunk.model_extra or {}).get("lazyattn")
         if extension:
-            final = extension["stats"]
-    end = time.perf_counter()
+            final, timings = extension["stats"], extension.get("timings", {})
+    end = time.time()
     return {"ttft_ms": ((first or end) - start) * 1e3, "e2e_ms": (end - start) * 1e3,
+            "stages_ms": ttft_stages(start, first or end, timings, final["ttft_ms"]),
             "num_prompt_tokens": final["num_prompt_tokens"], "num_computed_tokens": final["num_computed_tokens"],
             "num_output_tokens": final["num_output_tokens"], "docs_hit": final["docs_hit"],
             "docs_missed": final["docs_missed"], "doc_sources": final["doc_sources"],
             "engine_ttft_ms": final["ttft_ms"], "queue_ms": final["queue_ms"]}
+
+
+def ttft_stages(start: float, first: float, timings: dict[str, float], engine_ttft_ms: float) -> dict[str, float]:
+    """Where one request's TTFT went, in ms, from the server's wall-clock ``timings`` (the
+    ``lazyattn`` extension) and the client's own ``start`` and first content (same machine)."""
+    t = timings
+    if not {"ingress_received", "ingress_sent", "ingress_first_event", "replica_received",
+            "replica_first_event"} <= t.keys():
+        return {}
+    submitted = t["replica_first_event"] - engine_ttft_ms / 1e3  # the engine's TTFT counts from its submission
+    marks = [("to_ingress", start, t["ingress_received"]), ("ingress", t["ingress_received"], t["ingress_sent"]),
+             ("to_replica", t["ingress_sent"], t["replica_received"]),
+             ("replica_to_submission", t["replica_received"], submitted),
+             ("engine", submitted, t["replica_first_event"]),
+             ("back_to_ingress", t["replica_first_event"], t["ingress_first_event"]),
+             ("back_to_client", t["ingress_first_event"], first)]
+    return {name: (b - a) * 1e3 for name, a, b in marks}
 
 
 async def drive(base_url: str, bodies: list[dict], output_tokens: int, concurrency: int) -> tuple[list[dict], float]:
@@ -149,6 +167,8 @@ def summarize(results: list[dict], wall_s: float) -> dict:
             # ingress, planning) and after it (the stream back)
             "engine_ttft_ms_median": statistics.median(r["engine_ttft_ms"] for r in results),
             "engine_queue_ms_median": statistics.median(r["queue_ms"] for r in results),
+            "ttft_stages_ms_median": {k: statistics.median(r["stages_ms"][k] for r in results if r["stages_ms"])
+                                      for k in (results[0]["stages_ms"] or {})},
             "placement_hit_ratio": hits / max(1, placements), "placements_by_source": sources,
             "per_request": {"ttft_ms": [round(r["ttft_ms"], 1) for r in results],
                             "computed_tokens": [r["num_computed_tokens"] for r in results],

@@ -5,7 +5,7 @@ Routes (OpenAI's shapes where OpenAI has the route; errors are OpenAI's
 
 * ``POST /v1/chat/completions``: ``lazyattn_rag/types/wire.py`` lists the extension fields
   (``documents``, ``namespace``...); ``stream: true`` answers with server-sent events, the last
-  chunk carrying ``lazyattn`` (stats, replica) and, with ``stream_options.include_usage``, a
+  chunk carrying ``lazyattn`` (stats, replica, timings) and, with ``stream_options.include_usage``, a
   usage chunk; ``usage.prompt_tokens_details.cached_tokens`` counts prompt tokens served from
   cached K/V.
 * ``POST /v1/documents`` ``{"documents": [{"id", "text"}], "namespace"}``: checked and
@@ -226,6 +226,7 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(self, request: Request):
+            received = time.time()
             namespace_of = _grant(request).namespace
             body = parse(ChatCompletionRequest, await read_json(request, config.max_body_bytes))
             body.namespace = namespace_of(body.namespace)
@@ -235,11 +236,12 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
                                kind="not_found_error", param="model", code="model_not_found")
             _check_logprobs(body, config.max_logprobs)
             payload, keys = chat_payload(body, self.documents, passage_min_chars)
-            answer = _Answer(info["model"])
+            answer = _Answer(info["model"], {"ingress_received": received, "ingress_sent": time.time()})
             if not body.stream:
                 return answer.completion(await self._collect(payload, keys))
             events = self._events(payload, keys, retry_after_output=False)
             first = await anext(events)
+            answer.timings["ingress_first_event"] = time.time()
             _raise_for(first)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self._sse(answer, first, events, include_usage), media_type="text/event-stream")
@@ -290,8 +292,7 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
                         yield _sse(answer.chunk({"content": event.get("text", "")}, logprobs=event.get("logprobs")))
                     if "finish_reason" in event:
                         stats = stats_from_body(event["stats"])
-                        yield _sse(answer.chunk({}, event["finish_reason"], {"stats": event["stats"],
-                                                                             "replica": event["replica"]}))
+                        yield _sse(answer.chunk({}, event["finish_reason"], answer.extension(event)))
                         if include_usage:
                             yield _sse({**answer.chunk({}), "choices": [], "usage": usage(stats)})
                         break
@@ -363,8 +364,18 @@ def _sse(data: dict) -> str:
 class _Answer:
     """The OpenAI objects of one answer."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, timings: dict[str, float]):
         self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model
+        self.timings = timings  # wall-clock seconds of the request's stages (see extension())
+
+    def extension(self, last: dict) -> dict:
+        """The ``lazyattn`` field of the answer's last chunk (or of the completion): the engine's
+        ``stats``, the ``replica`` and ``timings``, the wall-clock seconds (``time.time()``) at
+        which the ingress received the request, sent it to a replica, and got its first event
+        back, and at which the replica received it and gave out its first event: with the
+        engine's ``ttft_ms`` they say where a request's time to first token went."""
+        return {"stats": last["stats"], "replica": last["replica"],
+                "timings": self.timings | last.get("timings", {})}
 
     def chunk(self, delta: dict, finish_reason: str | None = None, extension: dict | None = None,
               logprobs: dict | None = None) -> dict:
@@ -383,7 +394,7 @@ class _Answer:
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "finish_reason": last["finish_reason"],
                              "logprobs": {"content": entries} if entries else None}],
-                "usage": usage(stats), "lazyattn": {"stats": last["stats"], "replica": last["replica"]}}
+                "usage": usage(stats), "lazyattn": self.extension(last)}
 
 
 class _Snapshot:

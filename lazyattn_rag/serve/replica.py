@@ -5,7 +5,9 @@ sets its replicas, resources and router). It holds a :class:`~lazyattn_rag.llm.L
 built from an :class:`~lazyattn_rag.types.config.EngineConfig` and answers the ingress:
 
 * :meth:`generate`: one chat request, streamed back as events (dicts): ``{"text"}`` per
-  delta, then ``{"text", "finish_reason", "stats", "replica", "engine"}``; a request the
+  delta, then ``{"text", "finish_reason", "stats", "replica", "engine", "timings"}``
+  (``timings``: wall-clock seconds when the replica received the request and gave out its
+  first event); a request the
   engine refuses (unknown document, prompt too long, bad sampling values) yields one
   ``{"error": {"message", "type", "status"}}`` event instead and touches nothing;
 * :meth:`register`: check and register documents (what ``POST /v1/documents`` does first on
@@ -189,8 +191,12 @@ class EngineReplica:
                 (optional: each token's event carries OpenAI's logprobs entry)}``.
             routing_keys: for the router only (``lazyattn_rag/serve/router.py``).
         """
+        timings = {"replica_received": time.time()}  # wall-clock seconds: where a request's TTFT goes
         try:
             async for event in self._events(payload):
+                timings.setdefault("replica_first_event", time.time())
+                if "finish_reason" in event:
+                    event["timings"] = timings
                 yield event
         finally:
             await self._forget_transient(payload)
