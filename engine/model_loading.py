@@ -24,7 +24,7 @@ import torch
 
 from lazyattn_rag.engine.fingerprint import file_sha256
 from lazyattn_rag.engine.model import UnsupportedModelError
-from lazyattn_rag.utils.progress import directory_bytes, format_bytes, stage
+from lazyattn_rag.utils.progress import directory_bytes, format_bytes, no_transformers_bars, stage
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,9 @@ def _read_gguf(gguf_path: Path):
 
     with stage("  reading its tokenizer from the GGUF"):
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    with stage("  dequantizing its weights", has_own_bar=True):
+    # one bar for the stage: transformers' GGUF dequantization bar (tensor by tensor, the slow
+    # part); its "Loading weights" bar that follows is off
+    with stage("  dequantizing its weights", has_own_bar=True), no_transformers_bars():
         model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                      dtype=torch.float32)
     return tokenizer, model
