@@ -48,6 +48,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from lazyattn_rag.serve.auth import ANY_NAMESPACE, Authenticator, KeyGrant, load_grants
 from lazyattn_rag.serve.config import ServeConfig
 from lazyattn_rag.serve.http_errors import ApiError, parse, read_json
+from lazyattn_rag.serve.middleware import RESPONSES, KeyGate, ResponseCounter
 from lazyattn_rag.serve.payload import chat_payload, registered_text, routing_keys
 from lazyattn_rag.serve.protocol import ChatCompletionRequest, DocumentsRequest, TokenizeRequest
 from lazyattn_rag.serve.registry import DocumentStore, open_registry
@@ -55,22 +56,12 @@ from lazyattn_rag.types.config import EngineConfig
 from lazyattn_rag.types.wire import stats_from_body, usage
 
 logger = logging.getLogger("lazyattn_rag.serve")
-RESPONSES: Counter[tuple[str, int]] = Counter()  # (route, status) -> responses of this (single) ingress process
 
 
 def _replica_gone_errors() -> tuple[type[BaseException], ...]:
     from ray.exceptions import ActorUnavailableError, RayActorError
 
     return RayActorError, ActorUnavailableError
-
-
-async def count_responses(request: Request, call_next):
-    """Middleware: responses by route and status, for /metrics. A module-level function, so the
-    app (which Ray pickles by value) refers to this module's :data:`RESPONSES`, as /metrics does."""
-    response = await call_next(request)
-    route = getattr(request.scope.get("route"), "path", None)  # None: no route matched (404)
-    RESPONSES[(route or "unmatched", response.status_code)] += 1
-    return response
 
 
 def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None):
@@ -97,17 +88,11 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
         body = ApiError(500, f"the server failed: {type(error).__name__}: {last}", kind="server_error").body()
         return JSONResponse(body, status_code=500)
 
-    @app.middleware("http")
-    async def _authenticate(request: Request, call_next):
-        if request.url.path != "/health":
-            try:
-                client = request.client.host if request.client is not None else None
-                request.state.grant = gate.caller(request.headers.get("authorization"), client)
-            except ApiError as error:
-                return JSONResponse(error.body(), status_code=error.status, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
-
-    app.middleware("http")(count_responses)  # added last: the outer one, so it counts the 401s too
+    # plain ASGI middlewares (middleware.py): FastAPI's @app.middleware would pass every streamed
+    # chunk through a task and a memory stream; the counter is added last, the outer one, so it
+    # counts the gate's 401s too
+    app.add_middleware(KeyGate, gate=gate)
+    app.add_middleware(ResponseCounter)
 
     @serve.ingress(app)
     class Ingress:

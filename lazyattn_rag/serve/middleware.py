@@ -1,0 +1,72 @@
+"""The ingress's two middlewares, as plain ASGI callables (issue 36).
+
+FastAPI's ``@app.middleware("http")`` (Starlette's ``BaseHTTPMiddleware``) runs the route in a
+task of its own and passes every chunk of a streamed answer through a memory stream: per
+token of every answer, work on the ingress's event loop that delays the other requests'
+first tokens. These two see only the request's scope and the response's start message.
+
+* :class:`KeyGate`: the caller's grant (``auth.py``) into ``scope["state"]["grant"]``
+  (``request.state.grant`` in a route), or a 401 before any route runs;
+* :class:`ResponseCounter`: responses by route and status into :data:`RESPONSES` (``/metrics``).
+  A module-level counter: Ray pickles the ingress's app by value, and both the middleware and
+  ``/metrics`` must find this process's one by reference.
+"""
+
+from collections import Counter
+from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+
+from lazyattn_rag.serve.auth import Authenticator
+from lazyattn_rag.serve.http_errors import ApiError
+
+Scope = dict[str, Any]
+RESPONSES: Counter[tuple[str, int]] = Counter()  # (route, status) -> responses of this (single) ingress process
+
+
+class KeyGate:
+    """ASGI middleware: every HTTP route but ``open_paths`` needs a grant from ``gate``."""
+
+    def __init__(self, app, gate: Authenticator, open_paths: tuple[str, ...] = ("/health",)):
+        self.app, self.gate, self.open_paths = app, gate, open_paths
+
+    async def __call__(self, scope: Scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        client = scope.get("client")
+        try:
+            grant = self.gate.caller(Headers(scope=scope).get("authorization"), client[0] if client else None)
+        except ApiError as error:
+            response = JSONResponse(error.body(), status_code=error.status, headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        scope.setdefault("state", {})["grant"] = grant
+        await self.app(scope, receive, send)
+
+
+class ResponseCounter:
+    """ASGI middleware: ``RESPONSES[(route path or "unmatched", status)] += 1`` per HTTP
+    response (an exception that escapes the app counts as 500)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_and_note(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            route = getattr(scope.get("route"), "path", None)  # set by the router; None: no route matched
+            RESPONSES[(route or "unmatched", status)] += 1
