@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from lazyattn_rag.serve.router import owner, rank_replicas  # noqa: E402
+from lazyattn_rag.serve.router import owner, rank_replicas, replicas_to_probe  # noqa: E402
 
 KEYS = [f"\x00doc{i}" for i in range(1000)]
 
@@ -58,3 +58,9 @@ def test_a_document_votes_for_the_replica_holding_it_while_that_replica_answers(
     held = {k: "b" for k in owned_by_a[:2]}  # two of the three were computed on b
     assert rank_replicas(owned_by_a, queue, 8, holders=held) == [["b"], ["a"]]
     assert rank_replicas(owned_by_a, {"a": 0, "b": None}, 8, holders=held) == [["a"]]  # b gone: owners again
+
+
+def test_only_replicas_missing_from_the_queue_cache_or_full_in_it_are_probed():
+    cached = {"a": 3, "b": None, "c": 8, "d": 0}
+    assert replicas_to_probe(cached, {"a": 8, "b": 8, "c": 8, "d": 8}) == ["b", "c"]
+    assert replicas_to_probe({"a": 3}, {"a": 4}) == []

@@ -8,7 +8,8 @@ the others, and when a replica joins or leaves only the documents it owned move.
 document was sent to a replica, that replica *holds* it (its K/V is cached there) and the
 document votes for it instead of its owner. A request goes to the replica that holds or owns
 most of its documents, unless that replica's queue is longer than the
-shortest by more than ``imbalanced_threshold`` requests: then to the least loaded (as Ray Serve
+shortest by more than ``imbalanced_threshold`` requests (queue lengths from Serve's cache of
+them; a replica missing from it, or full in it, is asked): then to the least loaded (as Ray Serve
 LLM's ``PrefixCacheAffinityRouter`` falls back under imbalance). A replica that does not answer
 the queue-length probe is never chosen; Ray Serve drops dead replicas from the candidates.
 
@@ -65,6 +66,12 @@ def rank_replicas(keys: list[str], queue_lens: dict[str, int | None], imbalanced
     return [[best], rest] if rest else [[best]]
 
 
+def replicas_to_probe(cached: dict[str, int | None], max_ongoing: dict[str, int]) -> list[str]:
+    """The replicas whose queue length must be asked for: those ``cached`` lacks (``None``) and
+    those it lists as full (``max_ongoing``), which may have room again (as Serve's own router)."""
+    return [r for r, q in cached.items() if q is None or q >= max_ongoing[r]]
+
+
 class DocumentAffinityRouter(FIFOMixin, RequestRouter):
     """Ray Serve request router: :func:`rank_replicas` over the replicas' probed queue lengths.
 
@@ -88,11 +95,24 @@ class DocumentAffinityRouter(FIFOMixin, RequestRouter):
             return []
         if not keys:  # nothing to be near: two random candidates, the shorter queue wins (Serve's default)
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
-        probed = await self._probe_queue_lens(candidate_replicas, 0)
-        by_id = {r.replica_id.unique_id: r for r, _ in probed}
-        ranks = rank_replicas(keys, {r.replica_id.unique_id: q for r, q in probed}, self.imbalanced_threshold,
-                              self.holders)
+        if len(candidate_replicas) == 1:  # nothing to choose: a full replica turns the request back itself
+            return [candidate_replicas]
+        queue_lens = await self._queue_lens(candidate_replicas)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        ranks = rank_replicas(keys, queue_lens, self.imbalanced_threshold, self.holders)
         return [[by_id[i] for i in rank] for rank in ranks]
+
+    async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int | None]:
+        """Each replica's queue length: Serve's cache of them (refreshed by every request sent
+        and answered), probing (an RPC each) only the replicas it lacks or lists as full."""
+        cache = self.replica_queue_len_cache
+        lens = {r.replica_id.unique_id: cache.get(r.replica_id) for r in replicas}
+        stale = replicas_to_probe(lens, {r.replica_id.unique_id: r.max_ongoing_requests for r in replicas})
+        if stale:
+            by_id = {r.replica_id.unique_id: r for r in replicas}
+            for replica, queue_len in await self._probe_queue_lens([by_id[i] for i in stale], 0):
+                lens[replica.replica_id.unique_id] = queue_len
+        return lens
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         """The request's documents are now computed (or cached) on ``replica_id``."""
