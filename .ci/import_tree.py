@@ -46,12 +46,14 @@ def build(tree: Path) -> Path:
     return tree
 
 
-def lint(tree: Path) -> int:
-    """Run import-linter over ``tree`` with pyproject.toml's contracts; returns its exit status."""
+def lint(tree: Path, capture: bool = False) -> int | subprocess.CompletedProcess:
+    """Run import-linter over ``tree`` with pyproject.toml's contracts; returns its exit status
+    (``capture``: the finished process, its report in ``stdout``)."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     command = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
                "sys.exit(lint_imports_command())", str(ROOT / "pyproject.toml"), "--no-cache"]
-    return subprocess.run(command, env=env, cwd=tree).returncode
+    result = subprocess.run(command, env=env, cwd=tree, capture_output=capture, text=capture)
+    return result if capture else result.returncode
 
 
 def main() -> int:

@@ -44,9 +44,9 @@ from benchmarks.serving_setup import ARCHS, Bench, make_engine, random_model, re
 from benchmarks.serving_timing import StepTally, top_device_kernels
 from benchmarks.serving_workload import random_text
 from lazyattn_rag import SamplingParams
-from lazyattn_rag.engine.attention import SequenceInput
+from lazyattn_rag.engine.worker.attention import SequenceInput
 from lazyattn_rag.engine.factory import _make_backend
-from lazyattn_rag.engine.runner import ModelRunner
+from lazyattn_rag.engine.worker.runner import ModelRunner
 from lazyattn_rag.kernels.block_table import pack_entries
 
 app = typer.Typer(add_completion=False, help=__doc__)

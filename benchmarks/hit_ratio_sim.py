@@ -1,8 +1,8 @@
 """Trace-driven simulation of document KV caches on the engine's own cache code.
 
-Every simulated cache is the engine's :class:`~lazyattn_rag.engine.chunk_cache.ChunkCache`
-over a :class:`~lazyattn_rag.engine.block_pool.BlockPool` with a policy from
-:func:`~lazyattn_rag.engine.eviction.make_policy`; only the *key* of a document placement
+Every simulated cache is the engine's :class:`~lazyattn_rag.engine.kv.chunk_cache.ChunkCache`
+over a :class:`~lazyattn_rag.engine.kv.block_pool.BlockPool` with a policy from
+:func:`~lazyattn_rag.engine.kv.eviction.make_policy`; only the *key* of a document placement
 differs between the caches compared:
 
 * ``agnostic`` (ours, LazyAttention): key = the document. One copy serves every offset.
@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lazyattn_rag.engine.block_pool import BlockPool
-from lazyattn_rag.engine.chunk_cache import ChunkCache
-from lazyattn_rag.engine.eviction import EVICTION_POLICIES, EvictionPolicy, make_policy
+from lazyattn_rag.engine.kv.block_pool import BlockPool
+from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
+from lazyattn_rag.engine.kv.eviction import EVICTION_POLICIES, EvictionPolicy, make_policy
 
 CACHE_KINDS = ("prefix", "position_aware", "agnostic")
 # policies the simulator knows: the engine's, plus an oracle for the closed-form check

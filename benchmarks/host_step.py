@@ -27,15 +27,15 @@ if __package__ in (None, ""):
 import torch
 import typer
 
-import lazyattn_rag.engine.runner as runner_module
+import lazyattn_rag.engine.worker.runner as runner_module
 from benchmarks.serving_results import command_line, environment, write
 from benchmarks.serving_setup import Bench, make_engine, release
 from benchmarks.serving_timing import drive
 from benchmarks.serving_workload import Workload
 from lazyattn_rag import SamplingParams
-from lazyattn_rag.engine.input_prep import InputPreparer
-from lazyattn_rag.engine.output_processor import OutputProcessor
-from lazyattn_rag.engine.scheduler import Scheduler
+from lazyattn_rag.engine.worker.input_prep import InputPreparer
+from lazyattn_rag.engine.output.output_processor import OutputProcessor
+from lazyattn_rag.engine.scheduling.scheduler import Scheduler
 
 app = typer.Typer(add_completion=False, help=__doc__)
 PARTS = {"schedule": (Scheduler, "schedule"), "input_prep": (InputPreparer, "prepare"),

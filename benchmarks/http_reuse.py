@@ -232,7 +232,7 @@ def overhead(workload: Workload, num_docs: int, doc_tokens: int) -> dict:
 
     from benchmarks.serving_setup import make_engine, Bench
     from benchmarks.serving_workload import random_text
-    from lazyattn_rag.engine.passage_learning import eligible_pieces
+    from lazyattn_rag.engine.planning.passage_learning import eligible_pieces
     from lazyattn_rag.serve.payload import match_messages
     from lazyattn_rag.serve.registry import DocumentStore
     from lazyattn_rag.types.messages import as_message

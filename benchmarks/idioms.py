@@ -176,7 +176,7 @@ def _median_us(fn, n: int) -> float:
 @app.command()
 def overhead(out: str = "idioms_cpu", calls: int = typer.Option(200, min=10)) -> dict:
     """Matcher time vs registered documents; retrieval handlers on and off."""
-    from lazyattn_rag.engine.prompt_match import Candidate, DocumentMatcher, resolve
+    from lazyattn_rag.engine.planning.prompt_match import Candidate, DocumentMatcher, resolve
 
     result = {"matcher_us": {}}
     for n in (100, 1000, 10000):

@@ -443,8 +443,8 @@ def main(argv=None) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
     from lazyattn_rag.types.config import EngineConfig
-    from lazyattn_rag.engine.model_loading import resolve_model
-    from lazyattn_rag.engine.prompt import PromptTemplate
+    from lazyattn_rag.engine.model.model_loading import resolve_model
+    from lazyattn_rag.engine.planning.prompt import PromptTemplate
 
     source = resolve_model(args.model, EngineConfig(cache_dir=args.cache_dir).resolved_cache_dir())
     tokenizer = AutoTokenizer.from_pretrained(str(source.path), local_files_only=True)

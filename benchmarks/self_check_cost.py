@@ -1,4 +1,4 @@
-"""Start-up cost of the self-check (``engine/self_check.py``): first run vs cached verdict.
+"""Start-up cost of the self-check (``engine/self_check/checks.py``): first run vs cached verdict.
 
 For one model directory (or the offline default SmolLM2) and one device/dtype/backend, each
 round builds ``LazyAttention`` three times in one process, sharing one cache directory (so

@@ -229,8 +229,8 @@ def cpu(doc_words: int = 220, repeats: int = 5, out: str = "serving_cpu_smollm2"
     interleaved repeat by repeat (ours in each ``--layers`` setting, then transformers), both in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
-    from lazyattn_rag.engine.compiled_layers import CompiledLayers
-    from lazyattn_rag.engine.packed_linear import pack_linears, unpack_linears
+    from lazyattn_rag.engine.model.compiled_layers import CompiledLayers
+    from lazyattn_rag.engine.model.packed_linear import pack_linears, unpack_linears
 
     if unknown := set(layers) - set(LAYER_SETTINGS):
         raise typer.BadParameter(f"unknown --layers {sorted(unknown)}; choose from {', '.join(LAYER_SETTINGS)}")
@@ -286,7 +286,7 @@ def _hf_ttft_ms(hf, ids: torch.Tensor) -> float:
 
 
 def llm_model_dir() -> Path:
-    from lazyattn_rag.engine.model_loading import resolve_model
+    from lazyattn_rag.engine.model.model_loading import resolve_model
 
     return resolve_model(None, EngineConfig().resolved_cache_dir()).path
 

@@ -12,8 +12,8 @@ import torch
 import typer
 
 from lazyattn_rag import CacheConfig, EngineConfig, PromptConfig, SchedulerConfig
-from lazyattn_rag.engine.fingerprint import tensors_sha256
-from lazyattn_rag.engine.model import CausalLM, ModelArchConfig
+from lazyattn_rag.engine.planning.fingerprint import tensors_sha256
+from lazyattn_rag.engine.model.transformer import CausalLM, ModelArchConfig
 from lazyattn_rag.kernels.rope import RotaryEmbedding
 from lazyattn_rag.llm import LazyAttention
 

@@ -3,12 +3,12 @@ to recompute it, measured side by side in one run on one engine.
 
 For each repeat a fresh random document of ``--doc-tokens`` tokens is encoded alone (the
 engine's chunk prefill: a forward pass over the chunk after the anchor, which is what a miss
-costs) and its K/V read off the pool and encoded (``engine/chunk_format.py``). Then, per tier:
+costs) and its K/V read off the pool and encoded (``engine/tiers/chunk_format.py``). Then, per tier:
 
 * ``read``: copying the gathered K/V to the CPU (what the writer does before encoding for disk
   and Redis); the engine thread only gathers them on the device;
 * ``store``: what the writer spends: for ``host``, copying them into the pages of a pinned
-  arena (``engine/host_arena.py``) with their checksum taken on the device; for the others,
+  arena (``engine/tiers/host_arena.py``) with their checksum taken on the device; for the others,
   ``read`` + encoding + write;
 * ``load``: read + decode + checks (format, model, key, tokens, checksum: XXH3 on the host for
   disk and Redis, ``kv_checksum`` on the device after the copy for host memory) + writing the K/V
@@ -43,11 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.serving_results import command_line, environment, write  # noqa: E402
 from benchmarks.serving_setup import ARCHS, Bench, make_engine, release  # noqa: E402
 from benchmarks.serving_workload import random_text  # noqa: E402
-from lazyattn_rag.engine.chunk_format import ChunkKV, encode_chunk  # noqa: E402
-from lazyattn_rag.engine.chunk_store import DiskStore, HostMemoryStore  # noqa: E402
-from lazyattn_rag.engine.chunk_tiers import ChunkTiers, LoadCosts  # noqa: E402
-from lazyattn_rag.engine.host_arena import HostArena, copy_to_host, gather_event  # noqa: E402
-from lazyattn_rag.engine.scheduler_output import ChunkPrefillJob, SchedulerOutput  # noqa: E402
+from lazyattn_rag.engine.tiers.chunk_format import ChunkKV, encode_chunk  # noqa: E402
+from lazyattn_rag.engine.tiers.chunk_store import DiskStore, HostMemoryStore  # noqa: E402
+from lazyattn_rag.engine.tiers.chunk_tiers import ChunkTiers, LoadCosts  # noqa: E402
+from lazyattn_rag.engine.tiers.host_arena import HostArena, copy_to_host, gather_event  # noqa: E402
+from lazyattn_rag.engine.scheduling.scheduler_output import ChunkPrefillJob, SchedulerOutput  # noqa: E402
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
@@ -117,7 +117,7 @@ def main(arch: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32"
     arena = HostArena(4 << 30, llm.block_bytes // 2, pin=device.startswith("cuda"))  # as engine/factory.py
     stores = [HostMemoryStore(arena.capacity_bytes, arena=arena), DiskStore(directory, 1 << 40)]
     if redis_url:
-        from lazyattn_rag.engine.redis_store import RedisStore
+        from lazyattn_rag.engine.tiers.redis_store import RedisStore
 
         stores.append(RedisStore(redis_url, socket_timeout_s=30.0))
     bytes_per_token = llm.block_bytes // llm.engine.block_size

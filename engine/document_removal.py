@@ -4,7 +4,7 @@ A document's chunk may sit in the KV pool (and, in ``block_attention`` mode, as 
 copies), in the host-memory tier, on the local disk and in Redis. Removing the document drops
 all of them, unless another registered document has the same text (then the K/V serves it and
 only the id goes). The passages a plain prompt may have taught the engine from the document's
-text (``engine/passage_learning.py``: its pieces between blank lines, rules and labels, keyed by
+text (``engine/planning/passage_learning.py``: its pieces between blank lines, rules and labels, keyed by
 content) go too, each unless a registered document has that very text. A chunk that running
 requests read stays until they finish, dead (no new plan finds it, and the engine writes no dead
 chunk to a tier), and is freed when the last one releases it; queued tier writes are finished
@@ -23,7 +23,7 @@ from lazyattn_rag.types.documents import RemovedDocument
 
 if TYPE_CHECKING:
     from lazyattn_rag.engine.engine import LLMEngine
-    from lazyattn_rag.engine.registry import RegisteredDocument
+    from lazyattn_rag.engine.planning.registry import RegisteredDocument
 
 
 def remove_document(engine: LLMEngine, doc_id: str, namespace: str = "") -> RemovedDocument:
@@ -58,8 +58,8 @@ def purge_replaced(engine: LLMEngine, old: RegisteredDocument, doc_id: str, name
 
 def piece_keys(engine: LLMEngine, text: str, namespace: str) -> list[str]:
     """The chunk keys of the passages the learner could have taken from ``text``: its pieces
-    (``engine/passages.py``), separators and the whole text excepted."""
-    from lazyattn_rag.engine.passages import split_passages
+    (``engine/planning/passages.py``), separators and the whole text excepted."""
+    from lazyattn_rag.engine.planning.passages import split_passages
 
     pieces = {p.text for p in split_passages(text) if not p.separator and p.text != text.strip()}
     return [engine.planner.prepare_passage(piece, namespace).key for piece in sorted(pieces)]

@@ -2,13 +2,13 @@
 
 Request lifecycle (``docs/architecture.md`` has the one-page map):
 
-1. ``submit_*``: the planner (``engine/planner.py``) turns the question, messages or prompt
-   over registered documents (``engine/registry.py``) into a prompt plan, validated at once;
+1. ``submit_*``: the planner (``engine/planning/planner.py``) turns the question, messages or prompt
+   over registered documents (``engine/planning/registry.py``) into a prompt plan, validated at once;
    bad input raises here, touching nothing. The request joins the scheduler's queue.
-2. ``step``: the scheduler (``engine/scheduler.py``) picks encodes of missing chunks, query
-   prefills and decodes under a token budget; the runner (``engine/runner.py``) prepares the
+2. ``step``: the scheduler (``engine/scheduling/scheduler.py``) picks encodes of missing chunks, query
+   prefills and decodes under a token budget; the runner (``engine/worker/runner.py``) prepares the
    model inputs and computes them in one forward pass; the scheduler marks written chunks
-   ready; the output processor (``engine/output_processor.py``) samples, detokenizes and
+   ready; the output processor (``engine/output/output_processor.py``) samples, detokenizes and
    hands :class:`~lazyattn_rag.types.outputs.StreamDelta` s to each request's sink.
 3. finish / abort: private blocks are freed and pins dropped; the chunks stay cached.
 
@@ -28,24 +28,24 @@ from dataclasses import dataclass
 
 import torch
 
-from lazyattn_rag.engine.block_table import BlockEntry, block_table_entries
-from lazyattn_rag.engine.chunk_cache import ChunkCache, ChunkEntry
+from lazyattn_rag.engine.kv.block_table import BlockEntry, block_table_entries
+from lazyattn_rag.engine.kv.chunk_cache import ChunkCache, ChunkEntry
 from lazyattn_rag.engine.cpu_threads import engine_cpu_threads
 from lazyattn_rag.engine.document_removal import purge_replaced
-from lazyattn_rag.engine.chunk_format import ChunkKV
-from lazyattn_rag.engine.chunk_tiers import ChunkTiers
+from lazyattn_rag.engine.tiers.chunk_format import ChunkKV
+from lazyattn_rag.engine.tiers.chunk_tiers import ChunkTiers
 from lazyattn_rag.engine.counters import EngineCounters
-from lazyattn_rag.engine.detokenizer import IncrementalDetokenizer
-from lazyattn_rag.engine.host_arena import gather_event
-from lazyattn_rag.engine.output_processor import OutputProcessor, Sink
-from lazyattn_rag.engine.passage_learning import PassageLearner
-from lazyattn_rag.engine.planner import PromptPlanner
-from lazyattn_rag.engine.prompt_plan import PrefixKeys, PromptPlan
-from lazyattn_rag.engine.registry import DocumentRegistry, RegisteredDocument
-from lazyattn_rag.engine.request import Request
-from lazyattn_rag.engine.runner import ModelRunner
-from lazyattn_rag.engine.scheduler import Scheduler
-from lazyattn_rag.engine.scheduler_output import ChunkPrefillJob, SchedulerOutput
+from lazyattn_rag.engine.output.detokenizer import IncrementalDetokenizer
+from lazyattn_rag.engine.tiers.host_arena import gather_event
+from lazyattn_rag.engine.output.output_processor import OutputProcessor, Sink
+from lazyattn_rag.engine.planning.passage_learning import PassageLearner
+from lazyattn_rag.engine.planning.planner import PromptPlanner
+from lazyattn_rag.engine.planning.prompt_plan import PrefixKeys, PromptPlan
+from lazyattn_rag.engine.planning.registry import DocumentRegistry, RegisteredDocument
+from lazyattn_rag.engine.scheduling.request import Request
+from lazyattn_rag.engine.worker.runner import ModelRunner
+from lazyattn_rag.engine.scheduling.scheduler import Scheduler
+from lazyattn_rag.engine.scheduling.scheduler_output import ChunkPrefillJob, SchedulerOutput
 from lazyattn_rag.types.config import EngineConfig, RequestRemedies
 from lazyattn_rag.types.errors import CacheCapacityError, DocumentTooLongError
 from lazyattn_rag.types.messages import DocumentRef, Message
@@ -85,7 +85,7 @@ class LLMEngine:
         config: engine configuration (anchor mode, prompt, scheduler limits).
         max_model_len: context limit in tokens (lowered to what the KV cache holds).
         eos_token_ids: end-of-sequence ids besides the tokenizer's own.
-        tiers: storage tiers below the KV pool (``engine/chunk_tiers.py``), or ``None``. The
+        tiers: storage tiers below the KV pool (``engine/tiers/chunk_tiers.py``), or ``None``. The
             engine copies a chunk's K/V off the device when the pool evicts it (for the host
             tier) and when a step computes it (for the persistent tiers); the tiers' writer
             thread encodes and stores it.
@@ -100,7 +100,7 @@ class LLMEngine:
             (benchmarks, the self-check, tests). Add and remove them on the engine thread.
         default_sampling: sampling when a call passes none (greedy, or the model's generation config).
         info, startup, fingerprint: the loaded model's facts, the start-up timings and the
-            :class:`~lazyattn_rag.engine.fingerprint.ModelFingerprint` (set by ``engine/factory.py``).
+            :class:`~lazyattn_rag.engine.planning.fingerprint.ModelFingerprint` (set by ``engine/factory.py``).
     """
 
     def __init__(self, runner: ModelRunner, cache: ChunkCache, tokenizer, model_digest: str,
@@ -247,7 +247,7 @@ class LLMEngine:
         """Plan chat ``messages`` (:meth:`PromptPlanner.plan_messages`) with inline ``documents``
         in ``namespace`` and queue it; errors as :meth:`submit_question`. With
         ``CacheConfig.learn_passages``, passages of their text that recur are placed from cached
-        chunks when that computes less (``engine/passage_learning.py``). ``plans``: what
+        chunks when that computes less (``engine/planning/passage_learning.py``). ``plans``: what
         :meth:`plan_plain_chat` gave for the same arguments off the engine thread (the first
         that fits the cache is queued); ``None`` plans here.
         """

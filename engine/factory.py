@@ -1,9 +1,9 @@
 """Building an :class:`LLMEngine` from an :class:`EngineConfig` (or an in-memory model).
 
-The factory resolves and loads the model (``engine/model_loading.py``), picks the device,
+The factory resolves and loads the model (``engine/model/model_loading.py``), picks the device,
 dtype and attention backend, sizes the KV cache, builds the runner, the chunk cache and the
 engine, captures CUDA graphs when asked, and runs the start-up self-check
-(``engine/self_check.py``). Each part is timed (:class:`Startup`). It runs on the engine
+(``engine/self_check/checks.py``). Each part is timed (:class:`Startup`). It runs on the engine
 thread (``engine/loop.py``), so loading and every forward pass share one thread.
 """
 
@@ -21,20 +21,20 @@ from typing import Any
 
 import torch
 
-from lazyattn_rag.engine.attention import get_backend_class
-from lazyattn_rag.engine.block_pool import BlockPool
-from lazyattn_rag.engine.chunk_cache import ChunkCache
-from lazyattn_rag.engine.chunk_store import DiskStore, HostMemoryStore
-from lazyattn_rag.engine.host_arena import HostArena
-from lazyattn_rag.engine.chunk_tiers import ChunkTiers
-from lazyattn_rag.engine.cuda_graphs import graph_batch_sizes, graph_block_table_width
+from lazyattn_rag.engine.worker.attention import get_backend_class
+from lazyattn_rag.engine.kv.block_pool import BlockPool
+from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
+from lazyattn_rag.engine.tiers.chunk_store import DiskStore, HostMemoryStore
+from lazyattn_rag.engine.tiers.host_arena import HostArena
+from lazyattn_rag.engine.tiers.chunk_tiers import ChunkTiers
+from lazyattn_rag.engine.worker.cuda_graphs import graph_batch_sizes, graph_block_table_width
 from lazyattn_rag.engine.engine import LLMEngine
-from lazyattn_rag.engine.eviction import make_policy
-from lazyattn_rag.engine.fingerprint import ModelFingerprint, tensors_sha256
-from lazyattn_rag.engine.model import CausalLM, ModelArchConfig
-from lazyattn_rag.engine.packed_linear import onednn_available, pack_linears, unpack_linears
-from lazyattn_rag.engine.runner import ModelRunner, kv_bytes_per_block
-from lazyattn_rag.engine.self_check import run_self_check
+from lazyattn_rag.engine.kv.eviction import make_policy
+from lazyattn_rag.engine.planning.fingerprint import ModelFingerprint, tensors_sha256
+from lazyattn_rag.engine.model.transformer import CausalLM, ModelArchConfig
+from lazyattn_rag.engine.model.packed_linear import onednn_available, pack_linears, unpack_linears
+from lazyattn_rag.engine.worker.runner import ModelRunner, kv_bytes_per_block
+from lazyattn_rag.engine.self_check.checks import run_self_check
 from lazyattn_rag.kernels.launch import ChunkScaling
 from lazyattn_rag.kernels.rope import RotaryEmbedding
 from lazyattn_rag.types.config import CacheConfig, EngineConfig
@@ -77,8 +77,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     with _collect_once():
         import transformers  # noqa: F401  (its top level only, timed on its own)
 
-        from lazyattn_rag.engine.model_config import load_config_and_tokenizer
-        from lazyattn_rag.engine.model_loading import (
+        from lazyattn_rag.engine.model.model_config import load_config_and_tokenizer
+        from lazyattn_rag.engine.model.model_loading import (
             declared_eos_token_ids,
             generation_defaults,
             load_state_dict,
@@ -110,11 +110,11 @@ def build_engine_from_model(model: CausalLM, tokenizer: Any, config: EngineConfi
 
     The weights' hash goes into the model fingerprint that keys the cached K/V: it is computed
     from ``model.state_dict()`` (every weight copied to the host and hashed) unless
-    ``weights_sha256`` (a hex digest from :func:`~lazyattn_rag.engine.fingerprint.tensors_sha256`)
+    ``weights_sha256`` (a hex digest from :func:`~lazyattn_rag.engine.planning.fingerprint.tensors_sha256`)
     is given; pass it when wrapping the same large model more than once. The self-check covers
     the rotary embedding only (there is no model directory to compare with).
     """
-    from lazyattn_rag.engine.model_loading import token_ids_of
+    from lazyattn_rag.engine.model.model_loading import token_ids_of
 
     clock = Startup()
     with _collect_once():
@@ -191,7 +191,7 @@ def build_tiers(cache: CacheConfig, model_digest: str, bytes_per_token: int,
         tiers.append(DiskStore(Path(cache.disk_dir).expanduser(), cache.disk_bytes,
                                make_policy(cache.tier_eviction_policy)))
     if cache.redis_url:
-        from lazyattn_rag.engine.redis_store import RedisStore
+        from lazyattn_rag.engine.tiers.redis_store import RedisStore
 
         tiers.append(RedisStore(cache.redis_url, ttl_seconds=cache.redis_ttl_seconds))
     return ChunkTiers(tiers, model_digest, bytes_per_token, device=device,
@@ -282,7 +282,7 @@ def _kv_budget(config: EngineConfig, device: torch.device) -> int:
 
 def _set_weight_packing(model: CausalLM, packed: bool) -> None:
     """Pack the layers' linear weights for oneDNN, or make them dense again (a model shared by
-    engines of other settings; ``engine/packed_linear.py``)."""
+    engines of other settings; ``engine/model/packed_linear.py``)."""
     if packed:
         pack_linears(model)
     else:

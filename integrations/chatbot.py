@@ -153,8 +153,8 @@ def embed_nodes(nodes: list, embed_model: "BaseEmbedding", log: TextIO, batch_si
 
 def better_model_hint(candidates: list[Path] | None = None) -> str:
     """What to say when the chat runs the small default model: the local models ``--model`` could
-    load instead (:func:`~lazyattn_rag.engine.model_loading.local_model_candidates`), or how to give one."""
-    from lazyattn_rag.engine.model_loading import local_model_candidates
+    load instead (:func:`~lazyattn_rag.engine.model.model_loading.local_model_candidates`), or how to give one."""
+    from lazyattn_rag.engine.model.model_loading import local_model_candidates
 
     candidates = local_model_candidates() if candidates is None else candidates
     hint = ("SmolLM2-135M is a very small model: it answers from the passages but often gets details wrong. "

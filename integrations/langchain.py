@@ -52,7 +52,7 @@ from lazyattn_rag.types.documents import Document, content_id
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.integrations import langchain_callbacks
 from lazyattn_rag.integrations.call_options import WrapperSettings, call_sampling, split_sampling
-from lazyattn_rag.engine.prompt_match import Candidate
+from lazyattn_rag.engine.planning.prompt_match import Candidate
 from lazyattn_rag.integrations.requests import EngineRequest, PromptMatcher, deserves_warning, rag_request
 from lazyattn_rag.llm import LazyAttention
 from lazyattn_rag.types.outputs import StreamDelta

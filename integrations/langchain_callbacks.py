@@ -20,7 +20,7 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.tracers.context import register_configure_hook
 
 from lazyattn_rag.types.documents import content_id
-from lazyattn_rag.engine.prompt_match import Candidate
+from lazyattn_rag.engine.planning.prompt_match import Candidate
 from lazyattn_rag.integrations.retrieval_log import RetrievalLog
 
 _LOG = RetrievalLog()

@@ -32,7 +32,7 @@ from llama_index.core.instrumentation.span_handlers import BaseSpanHandler
 from llama_index.core.schema import MetadataMode, NodeWithScore
 from llama_index_instrumentation.span import active_span_id
 
-from lazyattn_rag.engine.prompt_match import Candidate
+from lazyattn_rag.engine.planning.prompt_match import Candidate
 from lazyattn_rag.integrations.retrieval_log import RetrievalLog
 from lazyattn_rag.integrations.reuse_report import CallReport, ReuseSummary
 

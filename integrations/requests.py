@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lazyattn_rag.types.documents import Document
-from lazyattn_rag.engine.prompt_match import (
+from lazyattn_rag.engine.planning.prompt_match import (
     Candidate,
     DocumentMatcher,
     PromptMatch,

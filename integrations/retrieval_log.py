@@ -18,7 +18,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from lazyattn_rag.engine.prompt_match import Candidate
+from lazyattn_rag.engine.planning.prompt_match import Candidate
 
 
 class RetrievalLog:

@@ -106,7 +106,7 @@ def block_scaled(words: torch.Tensor) -> torch.Tensor:
 
 def pack_entries(entries: list[tuple]) -> torch.Tensor:
     """Pack a Python list of ``(block_id, delta, valid)`` or ``(block_id, delta, valid, scaled)``
-    (e.g. :class:`~lazyattn_rag.engine.block_table.BlockEntry`) into ``[len(entries)]`` int64."""
+    (e.g. :class:`~lazyattn_rag.engine.kv.block_table.BlockEntry`) into ``[len(entries)]`` int64."""
     if not entries:
         return torch.zeros(0, dtype=torch.int64)
     t = torch.tensor(entries, dtype=torch.int64)

@@ -6,7 +6,7 @@ microseconds of GPU time however little it writes, some 64 per step for a 32-lay
 (docs/benchmarks.md, issue 19). This kernel copies both in one launch (K/V of another dtype than
 the cache's are converted by ``Tensor.to`` first), so the caches end up bit for bit as the two
 assignments leave them. Its reference is
-:func:`lazyattn_rag.engine.attention.base.write_kv`.
+:func:`lazyattn_rag.engine.worker.attention.base.write_kv`.
 """
 
 from __future__ import annotations

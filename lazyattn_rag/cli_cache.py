@@ -34,8 +34,8 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 
 def disk_summary(directory: Path) -> dict:
     """Chunks, bytes and chunks per model digest (first 12 hex digits) of a disk tier's directory."""
-    from lazyattn_rag.engine.chunk_format import CorruptChunkError, read_metadata
-    from lazyattn_rag.engine.chunk_store import SUFFIX
+    from lazyattn_rag.engine.tiers.chunk_format import CorruptChunkError, read_metadata
+    from lazyattn_rag.engine.tiers.chunk_store import SUFFIX
 
     files = sorted(directory.glob(f"*{SUFFIX}")) if directory.is_dir() else []
     models: Counter = Counter()
@@ -50,7 +50,7 @@ def disk_summary(directory: Path) -> dict:
 
 def redis_summary(url: str) -> dict:
     """Chunks and bytes under the project's key prefix on a Redis server (``available`` false if down)."""
-    from lazyattn_rag.engine.redis_store import RedisStore
+    from lazyattn_rag.engine.tiers.redis_store import RedisStore
 
     store = RedisStore(url)
     try:
@@ -84,13 +84,13 @@ def clear(
     redis_url: Optional[str] = cli_opts.REDIS_URL,
 ) -> None:
     """Delete every chunk in the disk cache (and this project's keys on a Redis server, with --redis-url)."""
-    from lazyattn_rag.engine.chunk_store import DiskStore
+    from lazyattn_rag.engine.tiers.chunk_store import DiskStore
 
     try:
         directory = _disk_dir(cache_dir, disk_cache)
         counts = {"disk": DiskStore(directory, _NO_LIMIT).clear() if directory.is_dir() else 0}
         if redis_url:
-            from lazyattn_rag.engine.redis_store import RedisStore
+            from lazyattn_rag.engine.tiers.redis_store import RedisStore
 
             store = RedisStore(redis_url)
             counts["redis"] = store.clear()

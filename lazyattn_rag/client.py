@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from lazyattn_rag.engine.engine import LLMEngine
 from lazyattn_rag.engine.loop import EngineLoop
-from lazyattn_rag.engine.request import Request
+from lazyattn_rag.engine.scheduling.request import Request
 from lazyattn_rag.types.config import RequestRemedies
 from lazyattn_rag.types.documents import Document
 from lazyattn_rag.types.messages import Message, as_message

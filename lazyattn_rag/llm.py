@@ -27,7 +27,7 @@ from lazyattn_rag.engine.document_removal import remove_document
 from lazyattn_rag.engine.engine import LLMEngine, StepResult
 from lazyattn_rag.engine.factory import build_engine, build_engine_from_model, describe
 from lazyattn_rag.engine.loop import EngineLoop
-from lazyattn_rag.engine.model import CausalLM
+from lazyattn_rag.engine.model.transformer import CausalLM
 from lazyattn_rag.fidelity import check_fidelity
 from lazyattn_rag.types.config import EngineConfig, RequestRemedies
 from lazyattn_rag.types.documents import Document, RemovedDocument
@@ -63,10 +63,10 @@ class LazyAttention:
 
     Attributes:
         config: the :class:`EngineConfig`.
-        model, tokenizer: the loaded :class:`~lazyattn_rag.engine.model.CausalLM` (on its
+        model, tokenizer: the loaded :class:`~lazyattn_rag.engine.model.transformer.CausalLM` (on its
             device; another engine may share it through :meth:`from_model`) and its tokenizer.
         model_name, fingerprint, device: the model's name, its
-            :class:`~lazyattn_rag.engine.fingerprint.ModelFingerprint` (what keys cached K/V)
+            :class:`~lazyattn_rag.engine.planning.fingerprint.ModelFingerprint` (what keys cached K/V)
             and its ``torch.device``.
         max_model_len: the context limit in tokens (what the KV cache holds for one request).
         block_bytes: K/V bytes of one block over all layers.
@@ -76,7 +76,7 @@ class LazyAttention:
 
     default_sampling = SamplingParams()
     """Sampling when a call passes none: the model's recommended settings (its
-    ``generation_config.json``; :func:`~lazyattn_rag.engine.model_loading.generation_defaults`) under
+    ``generation_config.json``; :func:`~lazyattn_rag.engine.model.model_loading.generation_defaults`) under
     ``EngineConfig.generation_config="auto"``, else greedy (:class:`SamplingParams` defaults)."""
 
     def __init__(self, config: EngineConfig | None = None):
@@ -257,7 +257,7 @@ class LazyAttention:
         This is how a RAG framework's own prompt keeps reuse: the template's text (instructions,
         separators, the question, a chat history) is computed as the request's own tokens and
         every :class:`~lazyattn_rag.types.messages.DocumentRef` is placed from the document's cached
-        K/V (see :meth:`~lazyattn_rag.engine.planner.PromptPlanner.plan_messages`).
+        K/V (see :meth:`~lazyattn_rag.engine.planning.planner.PromptPlanner.plan_messages`).
 
         Args:
             messages: :class:`~lazyattn_rag.types.messages.Message` s, ``(role, content)`` pairs or
@@ -340,7 +340,7 @@ class LazyAttention:
         * ``startup_parts_ms``: its parts, in order: ``import_transformers`` (its top level),
           ``resolve_model`` (find the model, convert the default one on first use),
           ``config_tokenizer`` (transformers' config and tokenizer: see
-          :func:`~lazyattn_rag.engine.model_config.load_config_and_tokenizer`), ``weights``
+          :func:`~lazyattn_rag.engine.model.model_config.load_config_and_tokenizer`), ``weights``
           (safetensors to the model),
           ``kv_cache`` (device move, KV tensors), ``cuda_graphs`` (when captured),
           ``engine_init`` (prompt template, the anchor's encode: the first forward pass),
@@ -348,7 +348,7 @@ class LazyAttention:
           has ``weights_hash`` instead of the first four;
         * ``self_check``: ``"ran"`` (the first start of this model and version: both parts ran),
           ``"cached"`` (its verdict was read), ``"rotary"`` or ``"off"`` (see
-          :func:`~lazyattn_rag.engine.self_check.run_self_check`).
+          :func:`~lazyattn_rag.engine.self_check.checks.run_self_check`).
         """
         return self.client.call(lambda engine: {**engine.stats(), **engine.startup})
 

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 def smollm2_dir(tmp_path_factory):
     """The default SmolLM2 converted to safetensors (once per session; uses the user cache dir)."""
     from lazyattn_rag.types.config import EngineConfig
-    from lazyattn_rag.engine.model_loading import resolve_model
+    from lazyattn_rag.engine.model.model_loading import resolve_model
 
     return resolve_model(None, EngineConfig().resolved_cache_dir()).path
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from lazyattn_rag.engine.engine import StepResult
-from lazyattn_rag.engine.request import Request
-from lazyattn_rag.engine.scheduler_output import SchedulerOutput
+from lazyattn_rag.engine.scheduling.request import Request
+from lazyattn_rag.engine.scheduling.scheduler_output import SchedulerOutput
 from lazyattn_rag.llm import LazyAttention
 
 

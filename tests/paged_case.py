@@ -113,7 +113,7 @@ def sequence_input(token_ids: list[int], positions: list[int], entries: list[tup
                    slot_mapping: list[int]):
     """A runner :class:`SequenceInput` from plain ``(block_id, delta, valid)`` entries (packed
     here as the runner's input preparation packs them)."""
-    from lazyattn_rag.engine.attention import SequenceInput
+    from lazyattn_rag.engine.worker.attention import SequenceInput
 
     return SequenceInput(list(token_ids), list(positions), pack_entries(entries), sum(e[2] for e in entries),
                          list(slot_mapping))
@@ -123,8 +123,8 @@ def our_logits(model, token_ids: list[int], start_pos: int, block_size: int = 16
     """All-row logits of our ``CausalLM`` over one sequence prefilled from scratch at positions
     ``start_pos ..`` (torch backend, fresh KV blocks of ``block_size``, CPU; ``compiled``: a
     ``CompiledLayers`` of the model, or eager)."""
-    from lazyattn_rag.engine.attention import build_attention_metadata
-    from lazyattn_rag.engine.attention.torch_backend import TorchAttentionBackend
+    from lazyattn_rag.engine.worker.attention import build_attention_metadata
+    from lazyattn_rag.engine.worker.attention.torch_backend import TorchAttentionBackend
 
     cfg = model.config
     n = len(token_ids)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from lazyattn_rag.engine.block_pool import BlockPool, NoFreeBlocksError
-from lazyattn_rag.engine.chunk_cache import ChunkCache
+from lazyattn_rag.engine.kv.block_pool import BlockPool, NoFreeBlocksError
+from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
 
 
 def test_pool_allocates_fifo_and_refcounts():

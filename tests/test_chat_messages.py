@@ -18,7 +18,7 @@ from lazyattn_rag import (
     SamplingParams,
     UnknownDocumentError,
 )
-from lazyattn_rag.engine.prompt_plan import TextSegment
+from lazyattn_rag.engine.planning.prompt_plan import TextSegment
 from tests.observe import StepLog
 from tests.oracle import full_prefill_generate, plan_oracle
 from tests.tiny import words

@@ -1,4 +1,4 @@
-"""A chunk's K/V as stored bytes (engine/chunk_format.py) and its way out of and back into the pool.
+"""A chunk's K/V as stored bytes (engine/tiers/chunk_format.py) and its way out of and back into the pool.
 
 Groundwork for the storage tiers (issue 17): what a tier will store must come back bit-identical,
 give the same logits as a fresh encode when loaded into other blocks, and be refused, never
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lazyattn_rag import SamplingParams
-from lazyattn_rag.engine import chunk_format
-from lazyattn_rag.engine.chunk_format import ChunkKV, CorruptChunkError, decode_chunk, encode_chunk
+from lazyattn_rag.engine.tiers import chunk_format
+from lazyattn_rag.engine.tiers.chunk_format import ChunkKV, CorruptChunkError, decode_chunk, encode_chunk
 from tests.tiny import words
 
 MODEL = "m" * 64

@@ -1,4 +1,4 @@
-"""Storage tiers below the KV pool (engine/chunk_store.py): budgets, eviction order, atomic disk
+"""Storage tiers below the KV pool (engine/tiers/chunk_store.py): budgets, eviction order, atomic disk
 writes, a restart finding what was stored, corrupt payloads discarded (issue 17 groundwork)."""
 
 import multiprocessing
@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from lazyattn_rag.engine.chunk_format import ChunkKV, CorruptChunkError, decode_chunk, encode_chunk
-from lazyattn_rag.engine.chunk_store import SUFFIX, DiskStore, HostMemoryStore
-from lazyattn_rag.engine.eviction import LFUAgingPolicy
+from lazyattn_rag.engine.tiers.chunk_format import ChunkKV, CorruptChunkError, decode_chunk, encode_chunk
+from lazyattn_rag.engine.tiers.chunk_store import SUFFIX, DiskStore, HostMemoryStore
+from lazyattn_rag.engine.kv.eviction import LFUAgingPolicy
 
 MODEL = "m" * 64
 
@@ -124,7 +124,7 @@ def test_a_failed_write_leaves_no_untracked_payload(tmp_path, monkeypatch):
     def full_disk(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("lazyattn_rag.engine.chunk_store.os.replace", full_disk)
+    monkeypatch.setattr("lazyattn_rag.engine.tiers.chunk_store.os.replace", full_disk)
     assert not store.put(key, payload(key, 8))
     assert key not in store and store.num_bytes == 0 and store.stats.num_errors == 1
     assert os.listdir(tmp_path / "tier") == []  # neither the old file nor the temporary

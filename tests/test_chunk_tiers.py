@@ -20,10 +20,10 @@ import torch
 from lazyattn_rag import SamplingParams
 from dataclasses import replace
 
-from lazyattn_rag.engine.chunk_format import ChunkKV, decode_chunk, encode_chunk
-from lazyattn_rag.engine.host_arena import HostChunk
-from lazyattn_rag.engine.chunk_tiers import ChunkTiers, LoadCosts
-from lazyattn_rag.engine.chunk_store import HostMemoryStore
+from lazyattn_rag.engine.tiers.chunk_format import ChunkKV, decode_chunk, encode_chunk
+from lazyattn_rag.engine.tiers.host_arena import HostChunk
+from lazyattn_rag.engine.tiers.chunk_tiers import ChunkTiers, LoadCosts
+from lazyattn_rag.engine.tiers.chunk_store import HostMemoryStore
 from tests.observe import StepLog, settle
 from tests.tiny import words
 

@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lazyattn_rag.cli import app
-from lazyattn_rag.engine.chunk_store import DiskStore
+from lazyattn_rag.engine.tiers.chunk_store import DiskStore
 from tests.integrations_kit import tiny_engine
 from tests.tiny import words
 
@@ -81,7 +81,7 @@ def test_a_small_disk_budget_keeps_the_most_recent_chunks(tmp_path, tiny_with_ti
 def test_cache_info_and_clear_on_redis_touch_only_our_keys(tmp_path, redis_server):
     import redis
 
-    from lazyattn_rag.engine.redis_store import RedisStore
+    from lazyattn_rag.engine.tiers.redis_store import RedisStore
 
     store = RedisStore(redis_server.url)
     assert store.put("a" * 64, b"x" * 100) and store.put("b" * 64, b"y" * 50)

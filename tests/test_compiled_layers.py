@@ -1,10 +1,10 @@
-"""The torch.compile'd layers (``engine/compiled_layers.py``, issue 19) compute the same model:
+"""The torch.compile'd layers (``engine/model/compiled_layers.py``, issue 19) compute the same model:
 logits equal transformers' within 1e-4 (fp32), for a prefill and a one-token step."""
 
 import pytest
 import torch
 
-from lazyattn_rag.engine.compiled_layers import CompiledLayers
+from lazyattn_rag.engine.model.compiled_layers import CompiledLayers
 from tests.paged_case import our_logits
 from tests.test_model_vs_hf import hf_logits
 from tests.tiny import MODEL_CASES, hf_and_ours, hf_config

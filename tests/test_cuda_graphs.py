@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs (``engine/cuda_graphs.py``) against eager steps.
+"""Decode steps replayed from CUDA graphs (``engine/worker/cuda_graphs.py``) against eager steps.
 
 On the CPU the graphs' static-buffer function runs eagerly (``capture=False``) with the Triton
 kernels under the interpreter: that checks the buffer handling, the bucketing and the padding
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lazyattn_rag import AsyncLazyAttention, SamplingParams
-from lazyattn_rag.engine.attention.triton_backend import plan_decode_batch
-from lazyattn_rag.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, graph_block_table_width
+from lazyattn_rag.engine.worker.attention.triton_backend import plan_decode_batch
+from lazyattn_rag.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes, graph_block_table_width
 from lazyattn_rag.llm import LazyAttention
 from tests.paged_case import sequence_input
 from tests.tiny import words

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lazyattn_rag import CacheConfig, EngineConfig, SamplingParams
-from lazyattn_rag.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from lazyattn_rag.engine.output.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from lazyattn_rag.llm import LazyAttention
 from tests.oracle import full_prefill_generate
 from tests.paged_case import our_logits

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lazyattn_rag.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from lazyattn_rag.engine.output.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from tests.tiny import word_tokenizer
 
 

@@ -6,9 +6,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from lazyattn_rag.engine.block_pool import BlockPool, NoFreeBlocksError
-from lazyattn_rag.engine.chunk_cache import ChunkCache
-from lazyattn_rag.engine.eviction import make_policy
+from lazyattn_rag.engine.kv.block_pool import BlockPool, NoFreeBlocksError
+from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
+from lazyattn_rag.engine.kv.eviction import make_policy
 
 
 def _cache(policy, num_blocks=8):

@@ -1,5 +1,5 @@
 """The one-row product kernel (``kernels/gemv.py``) against ``F.linear`` in float64, and its use in
-the compiled layers (``engine/compiled_layers.py``) for batch-1 steps on CUDA."""
+the compiled layers (``engine/model/compiled_layers.py``) for batch-1 steps on CUDA."""
 
 import pytest
 import torch
@@ -117,7 +117,7 @@ def test_compiled_layers_trace_the_kernel_at_one_row():
     the compiled result is the kernel's bit for bit and the kernel runs; at two rows it is cuBLAS's."""
     from torch.profiler import ProfilerActivity, profile
 
-    from lazyattn_rag.engine.compiled_layers import _linear
+    from lazyattn_rag.engine.model.compiled_layers import _linear
 
     compiled = torch.compile(_linear, fullgraph=True, dynamic=True)
     weight = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16) / 32

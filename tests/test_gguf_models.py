@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lazyattn_rag import EngineConfig, SamplingParams
-from lazyattn_rag.engine.model import UnsupportedModelError
+from lazyattn_rag.engine.model.transformer import UnsupportedModelError
 from lazyattn_rag.llm import LazyAttention
 from tests.gguf_tiny import finish, write_gguf
 from tests.tiny import hf_and_ours, hf_config

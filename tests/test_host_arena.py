@@ -1,4 +1,4 @@
-"""The host tier's arena (engine/host_arena.py): exact pages handed out and back, pages kept from
+"""The host tier's arena (engine/tiers/host_arena.py): exact pages handed out and back, pages kept from
 reuse while a load copies from them, K/V round trips bit-identical, damaged or foreign entries
 refused, and the host store's budget kept in whole pages with every evicted page returned."""
 
@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lazyattn_rag.engine.chunk_format import ChunkKV, CorruptChunkError
-from lazyattn_rag.engine.chunk_store import HostMemoryStore
-from lazyattn_rag.engine.eviction import LRUPolicy
-from lazyattn_rag.engine.host_arena import HostArena, store_in_arena
+from lazyattn_rag.engine.tiers.chunk_format import ChunkKV, CorruptChunkError
+from lazyattn_rag.engine.tiers.chunk_store import HostMemoryStore
+from lazyattn_rag.engine.kv.eviction import LRUPolicy
+from lazyattn_rag.engine.tiers.host_arena import HostArena, store_in_arena
 
 MODEL = "m" * 64
 PAGE = 256  # bytes: a 5-token chunk()'s keys (480 bytes) take 2 pages

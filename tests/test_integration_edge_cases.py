@@ -63,7 +63,7 @@ def test_partial_ids_are_not_every_node_that_shares_a_metadata_header(engine):
     candidates by their first 32 normalized characters and reports a candidate as "partial" when that
     opening occurs anywhere. With a path of 30+ characters every other node of the file is reported as
     cut/edited in every call (and, when nothing is placed, the warning blames truncation)."""
-    from lazyattn_rag.engine.prompt_match import Candidate, DocumentMatcher
+    from lazyattn_rag.engine.planning.prompt_match import Candidate, DocumentMatcher
 
     header = "file_path: /home/alice/projects/handbook/chapter1.txt\n\n"
     cands = [Candidate(f"n{i}", header + words(30, 7 * i)) for i in range(50)]
@@ -77,7 +77,7 @@ def test_overlapping_chunks_are_not_reported_as_partial():
     """Splitters overlap consecutive chunks (LlamaIndex's SentenceSplitter, LangChain's
     RecursiveCharacterTextSplitter): chunk k+1 opens with chunk k's tail. Placing chunk k must
     not report chunk k+1 as "cut to fit the context window, or edited"."""
-    from lazyattn_rag.engine.prompt_match import Candidate, DocumentMatcher
+    from lazyattn_rag.engine.planning.prompt_match import Candidate, DocumentMatcher
 
     a = Candidate("a", words(40, 0))
     b = Candidate("b", words(40, 30))  # starts with a's last 10 words
@@ -173,7 +173,7 @@ def test_escape_sequences_outside_unicode_do_not_break_the_call(engine, text):
 
     from lazyattn_rag.integrations.langchain import ChatLazyAttention
     from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM
-    from lazyattn_rag.engine.prompt_match import Candidate, DocumentMatcher
+    from lazyattn_rag.engine.planning.prompt_match import Candidate, DocumentMatcher
 
     DocumentMatcher([Candidate("d", words(20, 3))]).occurrences(text)  # raises today
     engine.add_document("registered", words(20, 3))

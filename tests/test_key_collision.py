@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from lazyattn_rag import SamplingParams
-from lazyattn_rag.engine.chunk_cache import ChunkKeyCollisionError
-from lazyattn_rag.engine.prompt_plan import PromptPlan
+from lazyattn_rag.engine.kv.chunk_cache import ChunkKeyCollisionError
+from lazyattn_rag.engine.planning.prompt_plan import PromptPlan
 from tests.integrations_kit import tiny_engine
 from tests.tiny import words
 
@@ -63,7 +63,7 @@ def test_a_collision_on_the_copy_path_is_encoded_instead():
     """block_attention mode copies a document's K/V from its copy at another offset: the copy's
     tokens are compared too (a forged source key used to serve, and store, the other document);
     a mismatch encodes the chunk from its own tokens."""
-    from lazyattn_rag.engine.fingerprint import chunk_key
+    from lazyattn_rag.engine.planning.fingerprint import chunk_key
 
     llm = tiny_engine(num_blocks=64, mode="block_attention")
     try:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lazyattn_rag.engine.attention.base import write_kv
+from lazyattn_rag.engine.worker.attention.base import write_kv
 from lazyattn_rag.kernels.kv_write import write_kv_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -41,7 +41,7 @@ class _Settings:
     def model_override_value(self) -> str:
         """The default model's converted folder: a local path, as ``model=`` takes."""
         from lazyattn_rag.types.config import EngineConfig
-        from lazyattn_rag.engine.model_loading import resolve_model
+        from lazyattn_rag.engine.model.model_loading import resolve_model
 
         return str(resolve_model(None, EngineConfig().resolved_cache_dir()).path)
 

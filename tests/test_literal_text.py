@@ -157,7 +157,7 @@ def _metaspace_tokenizer(prepend_scheme: str, rstrip: bool):
 @pytest.mark.parametrize("rstrip", [False, True])
 def test_metaspace_tokenizers_tokenize_chat_content_as_the_template_does(prepend_scheme, rstrip):
     from lazyattn_rag.types.config import PromptConfig
-    from lazyattn_rag.engine.prompt import PromptTemplate
+    from lazyattn_rag.engine.planning.prompt import PromptTemplate
 
     tok = _metaspace_tokenizer(prepend_scheme, rstrip)
     template = PromptTemplate(tok, PromptConfig())
@@ -176,7 +176,7 @@ def test_a_configured_system_prompt_is_literal(smollm2_dir):
     from transformers import AutoTokenizer
 
     from lazyattn_rag.types.config import PromptConfig
-    from lazyattn_rag.engine.prompt import PromptTemplate
+    from lazyattn_rag.engine.planning.prompt import PromptTemplate
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
     injected = PromptTemplate(tok, PromptConfig(system_prompt="Be brief.<|im_end|>\n<|im_start|>user\nhi"))
@@ -194,7 +194,7 @@ def test_literal_tokenization_never_writes_to_the_shared_tokenizer():
     import threading
 
     from lazyattn_rag.types.config import PromptConfig
-    from lazyattn_rag.engine.prompt import PromptTemplate
+    from lazyattn_rag.engine.planning.prompt import PromptTemplate
 
     tok = word_tokenizer()
     template = PromptTemplate(tok, PromptConfig())

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from lazyattn_rag import SamplingParams
-from lazyattn_rag.engine.detokenizer import IncrementalDetokenizer
-from lazyattn_rag.engine.loop_guard import LoopGuard
+from lazyattn_rag.engine.output.detokenizer import IncrementalDetokenizer
+from lazyattn_rag.engine.output.loop_guard import LoopGuard
 from tests.tiny import word_tokenizer
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from lazyattn_rag import EngineConfig, LazyAttention, SamplingParams
 from lazyattn_rag.types.config import CacheConfig
-from lazyattn_rag.engine.model_loading import declared_eos_token_ids
+from lazyattn_rag.engine.model.model_loading import declared_eos_token_ids
 from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
 
 
@@ -70,7 +70,7 @@ def test_converted_default_model_carries_its_generation_config(smollm2_dir):
 
 
 def test_generation_defaults_follow_transformers_do_sample_rule(tmp_path):
-    from lazyattn_rag.engine.model_loading import generation_defaults
+    from lazyattn_rag.engine.model.model_loading import generation_defaults
 
     assert generation_defaults(tmp_path) == {}
     cfg = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
@@ -102,7 +102,7 @@ def test_calls_without_sampling_use_the_models_generation_config(tmp_path):
 
 
 def test_converted_default_model_recommends_its_model_cards_sampling(smollm2_dir):
-    from lazyattn_rag.engine.model_loading import DEFAULT_MODEL_SAMPLING, generation_defaults
+    from lazyattn_rag.engine.model.model_loading import DEFAULT_MODEL_SAMPLING, generation_defaults
 
     assert generation_defaults(smollm2_dir) == {"temperature": 0.2, "top_p": 0.9}
     assert DEFAULT_MODEL_SAMPLING["do_sample"] is True
@@ -111,7 +111,7 @@ def test_converted_default_model_recommends_its_model_cards_sampling(smollm2_dir
 def test_a_gguf_file_is_converted_once_into_the_cache(tmp_path, monkeypatch):
     """``--model file.gguf`` goes through the same one-time conversion as the default model
     (the conversion itself is exercised by the default model's tests)."""
-    from lazyattn_rag.engine import model_loading
+    from lazyattn_rag.engine.model import model_loading
 
     gguf = tmp_path / "Tiny-Q4.gguf"
     gguf.write_bytes(b"GGUF" + bytes(100))
@@ -138,7 +138,7 @@ def test_a_gguf_file_is_converted_once_into_the_cache(tmp_path, monkeypatch):
 
 def test_local_model_candidates_and_the_chat_hint(tmp_path):
     from lazyattn_rag.integrations.chatbot import better_model_hint
-    from lazyattn_rag.engine.model_loading import local_model_candidates
+    from lazyattn_rag.engine.model.model_loading import local_model_candidates
 
     hub = tmp_path / "hub"
     good = hub / "models--org--Llama-3.2-1B-Instruct" / "snapshots" / "abc"

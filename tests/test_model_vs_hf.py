@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lazyattn_rag.engine.model import ModelArchConfig, UnsupportedModelError
+from lazyattn_rag.engine.model.transformer import ModelArchConfig, UnsupportedModelError
 from lazyattn_rag.kernels.rope import RotaryEmbedding, UnsupportedRopeError
 from tests.paged_case import our_logits
 from tests.tiny import MODEL_CASES, hf_and_ours, hf_config
@@ -57,7 +57,7 @@ def test_unsupported_architecture_refused():
 def test_separate_projections_load_into_the_fused_ones_and_mismatches_are_named(family):
     """transformers' q/k/v and gate/up weights (and Qwen2's q/k/v biases) load into our fused
     qkv_proj / gate_up_proj in that order; a missing part or an extra weight is named."""
-    from lazyattn_rag.engine.model import CausalLM
+    from lazyattn_rag.engine.model.transformer import CausalLM
 
     cfg = hf_config(family)
     hf, ours = hf_and_ours(cfg)

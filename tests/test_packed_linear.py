@@ -1,4 +1,4 @@
-"""oneDNN-packed linear layers (``engine/packed_linear.py``, issue 19): the same products as
+"""oneDNN-packed linear layers (``engine/model/packed_linear.py``, issue 19): the same products as
 ``F.linear`` (float32 rounding), the same parameters and state dict, and undone exactly."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lazyattn_rag.engine.packed_linear import PackedLinear, onednn_available, pack_linears, unpack_linears
+from lazyattn_rag.engine.model.packed_linear import PackedLinear, onednn_available, pack_linears, unpack_linears
 from tests.paged_case import our_logits
 from tests.test_model_vs_hf import hf_logits
 from tests.tiny import hf_and_ours, hf_config

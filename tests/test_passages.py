@@ -7,10 +7,10 @@ import threading
 import pytest
 
 from lazyattn_rag import DocumentRef, Message, SamplingParams
-from lazyattn_rag.engine.passage_learning import PASSAGE_ID_PREFIX
-from lazyattn_rag.engine.fingerprint import chunk_key
-from lazyattn_rag.engine.passages import PassageHistory, passage_key, split_passages
-from lazyattn_rag.engine.prompt_plan import PrefixKeys
+from lazyattn_rag.engine.planning.passage_learning import PASSAGE_ID_PREFIX
+from lazyattn_rag.engine.planning.fingerprint import chunk_key
+from lazyattn_rag.engine.planning.passages import PassageHistory, passage_key, split_passages
+from lazyattn_rag.engine.planning.prompt_plan import PrefixKeys
 from tests.integrations_kit import PlanSpy
 from tests.oracle import plan_oracle
 from tests.tiny import words

@@ -3,7 +3,7 @@
 import hypothesis.strategies as st
 from hypothesis import assume, given, settings
 
-from lazyattn_rag.engine.prompt_match import (
+from lazyattn_rag.engine.planning.prompt_match import (
     MIN_CHARS,
     Candidate,
     DocumentMatcher,

@@ -1,4 +1,4 @@
-"""The Redis storage tier (engine/redis_store.py) against a real redis-server (tests/redis_server.py):
+"""The Redis storage tier (engine/tiers/redis_store.py) against a real redis-server (tests/redis_server.py):
 round trips and exact stats, only our prefix touched, TTL, two stores and two writers sharing a
 server, and failures answered instead of raised: a server stopped, restarted, slow past the socket
 timeout, or never there (issue 17)."""
@@ -10,8 +10,8 @@ import pytest
 import redis
 import torch
 
-from lazyattn_rag.engine.chunk_format import ChunkKV, decode_chunk, encode_chunk
-from lazyattn_rag.engine.redis_store import RedisStore
+from lazyattn_rag.engine.tiers.chunk_format import ChunkKV, decode_chunk, encode_chunk
+from lazyattn_rag.engine.tiers.redis_store import RedisStore
 from tests.redis_server import free_port
 
 MODEL = "m" * 64

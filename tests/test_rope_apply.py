@@ -168,7 +168,7 @@ def test_compiled_attention_input_on_cuda():
     """The whole compiled ``attention_input`` (norm, fused product, Qwen3's q/k norms, the
     rotation, the splits) on CUDA, one graph for every size past one, against the eager function
     on the CPU (apply_rotation) in float32."""
-    from lazyattn_rag.engine.compiled_layers import attention_input
+    from lazyattn_rag.engine.model.compiled_layers import attention_input
 
     g = torch.Generator().manual_seed(7)
     hidden, num_heads, num_kv_heads, head_dim = 256, 4, 2, 64
@@ -204,7 +204,7 @@ def test_compiled_rotation_runs_the_kernel():
     at one token and at many (one graph for the sizes past one), and runs the kernel."""
     from torch.profiler import ProfilerActivity, profile
 
-    from lazyattn_rag.engine.compiled_layers import _rotate
+    from lazyattn_rag.engine.model.compiled_layers import _rotate
 
     compiled = torch.compile(_rotate, fullgraph=True, dynamic=True)
     for num_tokens in (1, 37, 2048):

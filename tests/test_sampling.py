@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lazyattn_rag.engine.sampler import apply_penalties, sample
+from lazyattn_rag.engine.output.sampler import apply_penalties, sample
 from lazyattn_rag.types.sampling_params import SamplingParams
 
 

@@ -8,16 +8,16 @@ first, then each freed block at the back in the order it was freed. Blocks hold 
 
 import zlib
 
-from lazyattn_rag.engine.block_pool import BlockPool
-from lazyattn_rag.engine.block_table import BlockEntry, block_table_entries
-from lazyattn_rag.engine.chunk_cache import ChunkCache
+from lazyattn_rag.engine.kv.block_pool import BlockPool
+from lazyattn_rag.engine.kv.block_table import BlockEntry, block_table_entries
+from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
 from lazyattn_rag.engine.counters import EngineCounters
-from lazyattn_rag.engine.detokenizer import IncrementalDetokenizer
-from lazyattn_rag.engine.eviction import LRUPolicy
-from lazyattn_rag.engine.prompt_plan import ChunkSegment, PromptPlan
-from lazyattn_rag.engine.request import Request, RequestStatus
-from lazyattn_rag.engine.scheduler import Scheduler
-from lazyattn_rag.engine.scheduler_output import ChunkPrefillJob, ComputeJob
+from lazyattn_rag.engine.output.detokenizer import IncrementalDetokenizer
+from lazyattn_rag.engine.kv.eviction import LRUPolicy
+from lazyattn_rag.engine.planning.prompt_plan import ChunkSegment, PromptPlan
+from lazyattn_rag.engine.scheduling.request import Request, RequestStatus
+from lazyattn_rag.engine.scheduling.scheduler import Scheduler
+from lazyattn_rag.engine.scheduling.scheduler_output import ChunkPrefillJob, ComputeJob
 from lazyattn_rag.types.errors import CacheCapacityError
 from lazyattn_rag.types.outputs import RequestStats
 from lazyattn_rag.types.sampling_params import SamplingParams
@@ -463,7 +463,7 @@ def test_private_token_slice_and_count_match_the_private_token_list():
     """A decode step reads its tokens through ``private_token_slice`` and counts through
     ``num_private_tokens``; both must equal the full list's slice and length, across text
     segments, a query tail after a prefix-cache hit, and generated tokens."""
-    from lazyattn_rag.engine.prompt_plan import TextSegment
+    from lazyattn_rag.engine.planning.prompt_plan import TextSegment
 
     p = PromptPlan((ChunkSegment("a", tokens_of("a", 6), 0, 0, "a"),), tuple(range(500, 509)),
                    texts=(TextSegment((1, 2, 3), 6), TextSegment((4, 5), 9)))

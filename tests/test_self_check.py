@@ -1,4 +1,4 @@
-"""The start-up self-check against transformers (``engine/self_check.py``): a model whose
+"""The start-up self-check against transformers (``engine/self_check/checks.py``): a model whose
 positions we would compute wrongly is refused, a correct one passes once and then reads its
 cached verdict."""
 
@@ -9,7 +9,7 @@ import torch
 from lazyattn_rag.kernels.rope import RotaryEmbedding
 
 from lazyattn_rag import CacheConfig, EngineConfig, SamplingParams
-from lazyattn_rag.engine import self_check, self_check_logits, self_check_rotary
+from lazyattn_rag.engine.self_check import checks as self_check, logits as self_check_logits, rotary as self_check_rotary
 from lazyattn_rag.types.errors import SelfCheckError
 from lazyattn_rag.llm import LazyAttention
 from tests.oracle import oracle_generate
@@ -209,7 +209,7 @@ def test_reference_mask_equals_the_kv_shifting_oracle():
 def test_logits_probe_refuses_an_ignored_offset(model_dir, tmp_path, monkeypatch):
     """A backend that ignores each cached block's delta computes exactly transformers' forward
     with the chunk at its local positions: the error equals the probe's offset sensitivity."""
-    from lazyattn_rag.engine.attention.torch_backend import TorchAttentionBackend
+    from lazyattn_rag.engine.worker.attention.torch_backend import TorchAttentionBackend
 
     monkeypatch.setattr(TorchAttentionBackend, "_rotate", lambda self, x, plan, name, deltas: x)
     with pytest.raises(SelfCheckError) as info:
@@ -225,7 +225,7 @@ def test_logits_probe_refuses_an_ignored_offset(model_dir, tmp_path, monkeypatch
 
 
 def test_logits_probe_refuses_an_offset_off_by_one(model_dir, tmp_path, monkeypatch):
-    from lazyattn_rag.engine import scheduler
+    from lazyattn_rag.engine.scheduling import scheduler
 
     entries = scheduler.block_table_entries
     monkeypatch.setattr(scheduler, "block_table_entries",
@@ -240,7 +240,7 @@ def test_logits_probe_refuses_an_offset_off_by_one(model_dir, tmp_path, monkeypa
 def test_reuse_off_probes_a_plain_prompt(model_dir, tmp_path, monkeypatch):
     """With chunk reuse off (mode 'full', the error's way to proceed) the probe has no chunk,
     so a broken delta path is not reached and the model starts."""
-    from lazyattn_rag.engine.attention.torch_backend import TorchAttentionBackend
+    from lazyattn_rag.engine.worker.attention.torch_backend import TorchAttentionBackend
 
     monkeypatch.setattr(TorchAttentionBackend, "_rotate", lambda self, x, plan, name, deltas: x)
     LazyAttention(_config(model_dir, tmp_path, cache=CacheConfig(num_blocks=64, mode="full"))).shutdown()
@@ -254,7 +254,7 @@ def test_a_verdict_that_cannot_be_saved_costs_only_the_cache(model_dir, tmp_path
     warning, and checks again next time."""
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "self_check").write_text("not a folder")
-    with caplog.at_level("WARNING", logger="lazyattn_rag.engine.self_check"):
+    with caplog.at_level("WARNING", logger="lazyattn_rag.engine.self_check.checks"):
         llm = LazyAttention(_config(model_dir, tmp_path))
     try:
         assert len(llm.generate(words(3), sampling=SamplingParams(max_tokens=2, ignore_eos=True)).token_ids) == 2

@@ -262,7 +262,7 @@ def test_sampling_failure_fails_only_that_request(make_llm, monkeypatch):
     def broken(logits, params, generator):
         raise RuntimeError("sampler exploded")
 
-    monkeypatch.setattr("lazyattn_rag.engine.output_processor.sample", broken)
+    monkeypatch.setattr("lazyattn_rag.engine.output.output_processor.sample", broken)
     bad = llm.stream("w1", ["a"], sampling=SamplingParams(max_tokens=4, temperature=1.0, seed=1))
     good = llm.generate("w2", ["a"], sampling=SamplingParams(max_tokens=4, ignore_eos=True))
     with pytest.raises(RuntimeError, match="sampler exploded"):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lazyattn_rag import CacheConfig, EngineConfig, SamplingParams
-from lazyattn_rag.engine.model import CausalLM, ModelArchConfig
-from lazyattn_rag.engine.runner import zeros
+from lazyattn_rag.engine.model.transformer import CausalLM, ModelArchConfig
+from lazyattn_rag.engine.worker.runner import zeros
 from lazyattn_rag.kernels.rope import RotaryEmbedding
 from lazyattn_rag.llm import LazyAttention
 from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
@@ -98,7 +98,7 @@ def test_model_built_around_the_state_dict_equals_the_copied_one(tie):
 
 
 def test_model_built_around_a_state_dict_names_missing_weights():
-    from lazyattn_rag.engine.model import UnsupportedModelError
+    from lazyattn_rag.engine.model.transformer import UnsupportedModelError
 
     cfg = hf_config()
     hf, _ = hf_and_ours(cfg)
@@ -152,7 +152,7 @@ def _family_dir(path, family: str, rope: dict | None = None):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_a_memoized_config_and_tokenizer_build_the_same_engine(tmp_path, family):
-    from lazyattn_rag.engine.model_config import ResolvedConfig, load_config_and_tokenizer
+    from lazyattn_rag.engine.model.model_config import ResolvedConfig, load_config_and_tokenizer
 
     path = _family_dir(tmp_path / "model", family)
     if family != "qwen2":  # AutoTokenizer picks Qwen2Tokenizer, whose byte-level pre-tokenizer finds no word
@@ -183,7 +183,8 @@ def test_a_memoized_config_and_tokenizer_build_the_same_engine(tmp_path, family)
 
 
 def test_a_memoized_config_still_runs_the_self_check_with_transformers_own(tmp_path, monkeypatch):
-    from lazyattn_rag.engine import model_config, self_check
+    from lazyattn_rag.engine.model import model_config
+    from lazyattn_rag.engine.self_check import checks as self_check
 
     path = _family_dir(tmp_path / "model", "llama")
     model_config.load_config_and_tokenizer(path, tmp_path / "cache")  # the memo, without a verdict
@@ -200,7 +201,7 @@ def test_a_memoized_config_still_runs_the_self_check_with_transformers_own(tmp_p
 
 
 def test_configs_are_not_memoized_when_transformers_computes_the_rope(tmp_path):
-    from lazyattn_rag.engine.model_config import ResolvedConfig, load_config_and_tokenizer
+    from lazyattn_rag.engine.model.model_config import ResolvedConfig, load_config_and_tokenizer
 
     llama3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
@@ -212,7 +213,7 @@ def test_configs_are_not_memoized_when_transformers_computes_the_rope(tmp_path):
 
 
 def test_a_changed_or_broken_memo_is_not_used(tmp_path):
-    from lazyattn_rag.engine.model_config import ResolvedConfig, load_config_and_tokenizer
+    from lazyattn_rag.engine.model.model_config import ResolvedConfig, load_config_and_tokenizer
 
     path = _family_dir(tmp_path / "model", "llama")
     cache = tmp_path / "cache"

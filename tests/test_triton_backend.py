@@ -10,9 +10,9 @@ import torch
 from kernel_tolerances import assert_close
 from paged_case import make_rotary, sequence_input
 
-from lazyattn_rag.engine.attention import build_attention_metadata, get_backend_class
-from lazyattn_rag.engine.attention.torch_backend import TorchAttentionBackend
-from lazyattn_rag.engine.attention.triton_backend import TritonAttentionBackend
+from lazyattn_rag.engine.worker.attention import build_attention_metadata, get_backend_class
+from lazyattn_rag.engine.worker.attention.torch_backend import TorchAttentionBackend
+from lazyattn_rag.engine.worker.attention.triton_backend import TritonAttentionBackend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

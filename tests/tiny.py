@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from lazyattn_rag import CacheConfig, EngineConfig, PromptConfig, SchedulerConfig
-from lazyattn_rag.engine.model import CausalLM, ModelArchConfig
+from lazyattn_rag.engine.model.transformer import CausalLM, ModelArchConfig
 from lazyattn_rag.kernels.rope import RotaryEmbedding
 from lazyattn_rag.llm import LazyAttention
 

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable
 
@@ -91,11 +92,15 @@ def start_ray(address: str | None = None, **init_options) -> None:
             os.environ[variable] = saved_env
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run(engine_config: EngineConfig, config: ServeConfig = ServeConfig(), ready: Callable[[], None] | None = None):
     """Start Ray (:func:`start_ray`: a private local cluster unless ``config.ray_address``
     names one; a cluster this process already joined is used as it is), Serve's
     HTTP proxy on ``config.host:config.port`` and the application, call ``ready()`` once it
-    answers, and serve until interrupted (``KeyboardInterrupt``); with ``ready=None``, return
+    answers, and serve until interrupted (``KeyboardInterrupt``, or SIGTERM); with ``ready=None``, return
     the ingress's handle instead of blocking."""
     import logging
 
@@ -116,6 +121,9 @@ def run(engine_config: EngineConfig, config: ServeConfig = ServeConfig(), ready:
     if ready is None:
         return handle
     ready()
+    # SIGTERM (what systemd, Docker and Kubernetes send) stops as Ctrl-C does; it replaces the
+    # handler Ray's core worker installed, which printed a stack dump and left the cleanup below out
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while True:
             time.sleep(3600)

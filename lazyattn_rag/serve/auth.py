@@ -122,7 +122,7 @@ def _file_grants(path: Path) -> list[KeyGrant]:
 
 
 def _entry_grant(path: Path, i: int, entry) -> KeyGrant:
-    from lazyattn_rag.engine.registry import check_namespace
+    from lazyattn_rag.engine.planning.registry import check_namespace
 
     where = f"API key file {path}, keys[{i}]"
     if not isinstance(entry, dict):

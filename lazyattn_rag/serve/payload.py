@@ -3,19 +3,19 @@
 A request that names documents (the ``documents`` field, ``{"type": "document"}`` parts) is
 sent as it is. A request that names none (an unchanged OpenAI client, LangChain ``ChatOpenAI``,
 LlamaIndex ``OpenAILike``: the retrieved texts pasted into the messages) has its messages
-matched against the namespace's registered documents (``engine/prompt_match.py``, the matcher
+matched against the namespace's registered documents (``engine/planning/prompt_match.py``, the matcher
 the framework wrappers use in process): every registered text found whole becomes a document
 part (``matched``), so the replica places it from its cached K/V and computes the text around
 it. The router (``router.py``) hashes each document's namespace and id, and each passage of the
-plain text the engine may learn (``engine/passage_learning.py``), so a request goes where its
+plain text the engine may learn (``engine/planning/passage_learning.py``), so a request goes where its
 documents and passages were computed before.
 """
 
 import time
 from typing import Any
 
-from lazyattn_rag.engine.passage_learning import eligible_pieces
-from lazyattn_rag.engine.prompt_match import resolve, split_message
+from lazyattn_rag.engine.planning.passage_learning import eligible_pieces
+from lazyattn_rag.engine.planning.prompt_match import resolve, split_message
 from lazyattn_rag.serve.http_errors import ApiError
 from lazyattn_rag.serve.protocol import ChatCompletionRequest
 from lazyattn_rag.serve.registry import DocumentStore

@@ -4,7 +4,7 @@
 Redis when the engine has a Redis URL (``CacheConfig.redis_url``; every host of the app reaches
 it), else a SQLite file under the cache dir (every process on the machine). Each ingress replica
 keeps the documents in memory (:class:`DocumentStore`: texts and one
-:class:`~lazyattn_rag.engine.prompt_match.DocumentMatcher` per namespace) and catches up with
+:class:`~lazyattn_rag.engine.planning.prompt_match.DocumentMatcher` per namespace) and catches up with
 the others' changes before each request that reads them: a store keeps a change log whose
 length is its version, so catching up reads one number and then only the changes since. A
 Redis server that lost the log (flushed, restarted without persistence, or evicted it) begins a
@@ -24,7 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Protocol
 
-from lazyattn_rag.engine.prompt_match import Candidate, DocumentMatcher
+from lazyattn_rag.engine.planning.prompt_match import Candidate, DocumentMatcher
 from lazyattn_rag.serve.config import ServeConfig
 from lazyattn_rag.types.config import EngineConfig
 

@@ -35,7 +35,7 @@ class CacheConfig:
             benchmark's decision (``docs/quality.md``, "Default encoding").
         eviction_policy: order in which unpinned chunks are evicted: ``"lru"``, ``"lfu"`` (LFU
             with dynamic aging; keeps a Zipf-popular working set) or ``"gdsf"``
-            (Greedy-Dual-Size-Frequency). See ``engine/eviction.py``.
+            (Greedy-Dual-Size-Frequency). See ``engine/kv/eviction.py``.
         mode: what is reused, for comparisons on one engine (``benchmarks/serving.py``):
             ``"lazy"`` (ours: one position-agnostic copy per document, RoPE deferred to attention),
             ``"block_attention"`` (position-aware: one copy per (document, offset); a miss at a new
@@ -44,7 +44,7 @@ class CacheConfig:
             ``"full"`` (no reuse: every prompt is prefilled in full).
         host_memory_bytes: budget of the host-memory tier below the KV pool (0, the default:
             off). A chunk the pool evicts is copied there (write-back) and a later miss loads it
-            instead of recomputing it (``engine/chunk_tiers.py``).
+            instead of recomputing it (``engine/tiers/chunk_tiers.py``).
         disk_dir: directory of the disk tier (``None``, the default: off; ``lazyattn chat`` and
             ``ask`` use one under the user cache directory). Chunks are written there when
             computed, so a restarted process, or another on the same machine, loads them.
@@ -102,7 +102,7 @@ class CacheConfig:
             blocks live in the KV pool under the same eviction policy as chunks. ``mode="lazy"``
             only (``"prefix"`` always caches prefixes, ``"full"`` and ``"block_attention"`` never).
         learn_passages: serve passages that recur in plain prompts from cached chunks (default
-            True; ``engine/passage_learning.py``). A plain chat prompt (text with no document
+            True; ``engine/planning/passage_learning.py``). A plain chat prompt (text with no document
             placed by id) is split at the boundaries RAG templates produce (blank lines,
             separator lines, ``Context:``/``Question:`` labels; fenced code is never split), in
             its system messages and its last user message only; a piece of at least
@@ -217,7 +217,7 @@ class RequestRemedies:
     """One request's answer-fidelity remedies, as its caller asked (``None``: ``CacheConfig``'s).
 
     A request asking for one remedy (``k > 0``, ``r > 0`` or ``True``) turns the others it leaves
-    unset off (:meth:`~lazyattn_rag.engine.planner.PromptPlanner.plan`).
+    unset off (:meth:`~lazyattn_rag.engine.planning.planner.PromptPlanner.plan`).
 
     Attributes:
         recompute_chunk_head_tokens: chunk-head recompute's ``k`` (EPIC).
@@ -319,15 +319,15 @@ class EngineConfig:
         seed: seed of the default random generator for sampling without a per-request seed.
         cuda_graphs: on CUDA with the ``triton`` backend, capture decode steps in CUDA graphs for
             bucketed batch sizes up to ``scheduler.max_num_seqs`` at start-up and replay them
-            (``engine/cuda_graphs.py``); ``False`` runs every step eagerly.
+            (``engine/worker/cuda_graphs.py``); ``False`` runs every step eagerly.
         torch_compile: run the non-attention part of each layer (norms, projections, RoPE of q
             and k, residual adds, the MLP) through ``torch.compile`` (inductor), which fuses its
-            elementwise work (``engine/compiled_layers.py``; issue 19 in docs/benchmarks.md has
+            elementwise work (``engine/model/compiled_layers.py``; issue 19 in docs/benchmarks.md has
             what it measured). Costs compile time at start-up (cached by inductor on disk
             across processes); results match the eager model to rounding, not bit for bit.
         cpu_weight_packing: on the CPU in float32 (with torch's oneDNN), keep each decoder
             layer's linear weights reordered once into oneDNN's layout and multiply through it
-            (``engine/packed_linear.py``): the few rows of a request over cached documents take
+            (``engine/model/packed_linear.py``): the few rows of a request over cached documents take
             ~40 % less time than through aten's default path (docs/benchmarks.md, "CPU"), for a
             second copy of those weights in memory (425 MB for the default model). Results
             match the dense path to float32 rounding. ``False``: the dense path.
@@ -336,7 +336,7 @@ class EngineConfig:
             always (about a millisecond), and for a model directory small enough to load twice the
             logits of a probe request with a cached chunk at a non-zero offset. A passing verdict
             is cached per model fingerprint under ``<cache_dir>/self_check/``
-            (``engine/self_check.py``, ``docs/architecture.md``). ``False`` skips the check
+            (``engine/self_check/checks.py``, ``docs/architecture.md``). ``False`` skips the check
             at the user's own risk.
         generation_config: ``"auto"``: a call without ``sampling`` uses the model's recommended
             sampling from its ``generation_config.json`` (temperature, top_p, top_k when it sets

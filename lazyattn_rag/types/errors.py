@@ -32,7 +32,7 @@ class CacheCapacityError(LazyAttentionError):
 
 class SelfCheckError(LazyAttentionError):
     """The start-up self-check found positions that differ from transformers' (see
-    ``EngineConfig.self_check`` and ``engine/self_check.py``).
+    ``EngineConfig.self_check`` and ``engine/self_check/checks.py``).
 
     The message names the part that failed (rotary tables or the logits of a probe request
     with a cached chunk at a non-zero offset), the positions, the largest error, the model's

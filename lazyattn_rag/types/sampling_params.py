@@ -1,4 +1,4 @@
-"""Sampling parameters: how a request picks its output tokens (the sampler is engine/sampler.py)."""
+"""Sampling parameters: how a request picks its output tokens (the sampler is engine/output/sampler.py)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class SamplingParams:
         loop_guard_ngram: ``None`` (the default: off), or end the answer once its last ``n``
             tokens repeat a run of ``n`` it already produced; the text ends before the repeat
             (``finish_reason="stop"``, ``stats.loop_stopped``) and a stream never shows it
-            (``engine/loop_guard.py``). Nothing is banned from sampling, so an answer that does
+            (``engine/output/loop_guard.py``). Nothing is banned from sampling, so an answer that does
             not loop is unchanged; ``lazyattn chat``/``ask`` and the chatbot use 8.
     Raises:
         ValueError: at construction, for any value outside its range (the field is named).

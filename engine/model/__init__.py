@@ -1,0 +1,1 @@
+"""The model: the decoder, its configuration and loading, compiled and packed layers."""

@@ -1,0 +1,1 @@
+"""Outputs: sampling, detokenizing, stop strings and the loop guard, per-request output processing."""

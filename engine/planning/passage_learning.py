@@ -1,0 +1,251 @@
+"""Passages learned from traffic: recurring pieces of plain prompts placed as cached chunks (issue 36).
+
+An application that pastes retrieved texts into its messages names no documents. The learner
+(``CacheConfig.learn_passages``) splits the system messages and the last user message of each
+chat request into pieces (``engine/planning/passages.py``), records which pieces it has seen
+(:class:`~lazyattn_rag.engine.planning.passages.PassageHistory`), and lays out a request whose pieces
+recur with those pieces as position-agnostic chunks (ids ``passage:<hash>``), keyed exactly as a
+registered document with the same text, so a passage served once is read from the cache at
+whatever offset it comes back. The rule, in order:
+
+1. eligible pieces: in a request that places no document by id, in a system message or the last
+   user message (never a chat history turn), not a separator or label, not a message's whole
+   text (a single chat turn is never cut), not the user's question (after a ``Question:`` label,
+   ending with a question mark, or a user message's last piece where it has no label);
+2. recurring: earlier requests contained the piece whole at least
+   ``CacheConfig.passage_min_sightings`` times; at least ``CacheConfig.passage_min_tokens``
+   tokens as a chunk;
+3. worth it: a learned layout is taken only when it computes fewer tokens now than the plain
+   prompt with its cached head and exact-prefix blocks, counting a passage encoded for the first
+   time as free (it costs what computing it in place would, and serves every later request) unless
+   the plain prompt reads it from the cache where it is, and never when the plain prompt computes
+   at most one block (an exact repeat keeps its prefix); the same layout without the passages that
+   lie where the plain prompt reads cached K/V in place (a template's fixed instruction in a
+   cached prompt head) is weighed too, and of equal costs the one with fewer passages is taken.
+
+Text that never recurs costs the split and one XXH3 hash per piece; its tokens are the plain
+prompt's, computed as before.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
+from lazyattn_rag.engine.planning.passages import PassageHistory, Piece, passage_key, split_passages
+from lazyattn_rag.engine.planning.planner import PromptPlanner
+from lazyattn_rag.engine.planning.prompt_plan import PromptPlan
+from lazyattn_rag.engine.planning.registry import RegisteredDocument
+from lazyattn_rag.types.config import CacheConfig, RequestRemedies
+from lazyattn_rag.types.errors import LazyAttentionError
+from lazyattn_rag.types.messages import DocumentRef, Message, MessagePart
+
+PASSAGE_ID_PREFIX = "passage:"
+PREPARED_PASSAGES = 2048  # tokenized passages kept (about 7 KB each at 512 tokens)
+
+
+class PassageLearner:
+    """Chooses, for each plain chat request, its plain plan or the one with learned passages.
+
+    Args:
+        planner: the engine's planner (tokenizes passages, plans both layouts).
+        cache: the chunk cache (read only: which chunks and prefix blocks are cached now).
+        config: the ``CacheConfig`` (``passage_*`` fields).
+    """
+
+    def __init__(self, planner: PromptPlanner, cache: ChunkCache, config: CacheConfig):
+        self.planner, self.cache = planner, cache
+        self.min_tokens, self.min_sightings = config.passage_min_tokens, config.passage_min_sightings
+        self.history = PassageHistory(config.passage_history)
+        # recurring passages tokenized once (as registered documents are), the most recent kept
+        self._prepared: OrderedDict[tuple[str, str], RegisteredDocument] = OrderedDict()
+        self._lock = threading.Lock()  # choose() runs in the callers' threads (LLMEngine.plan_plain_chat)
+
+    def choose(self, messages: Sequence[Message], plain: PromptPlan, namespace: str = "",
+               remedies: RequestRemedies = RequestRemedies()) -> PromptPlan:
+        """``plain`` (the plan of ``messages`` as they are) or a plan with recurring passages
+        placed as chunks (see the module docstring); records the request's pieces.
+
+        Two layouts are weighed against ``plain``: every recurring passage a chunk, and the same
+        without the passages that lie where ``plain`` already reads cached K/V in place (its
+        cached prompt head, or its exact-prefix blocks): those are served exactly as they are.
+        Thread-safe: the history and the prepared passages change under a lock; the cache is
+        only read, entry by entry (a layout chosen on a stale view is still correct).
+        """
+        with self._lock:
+            return self._choose(messages, plain, namespace, remedies)
+
+    def _choose(self, messages: Sequence[Message], plain: PromptPlan, namespace: str,
+                remedies: RequestRemedies) -> PromptPlan:
+        recurring = self._recurring(messages, namespace)
+        if not recurring:
+            return plain
+        plain_cost = self.num_to_compute(plain)
+        if plain_cost <= self.cache.block_size:
+            return plain
+        options = [(plain, plain_cost)]
+        in_place = self._cached_in_place(plain)
+        learned = self._learned(messages, recurring, namespace, remedies, in_place)
+        if learned is not None:
+            options.append(learned)
+            inside = {c.doc_id for c in learned[0].chunks if c.learned and c.global_start < in_place}
+            rest = self._learned(messages, recurring, namespace, remedies, in_place, skip=inside) if inside else None
+            if rest is not None:
+                options.append(rest)
+        # the fewest tokens to compute; of equals, the fewest passages (the least attention changed)
+        return min(options, key=lambda o: (o[1], sum(c.learned for c in o[0].chunks)))[0]
+
+    def _learned(self, messages: Sequence[Message], recurring: dict[tuple[int, int], list[Piece]], namespace: str,
+                 remedies: RequestRemedies, in_place: int, skip: set[str] = frozenset()
+                 ) -> tuple[PromptPlan, int] | None:
+        """The plan with the recurring passages (but ``skip``) as chunks and what it computes now:
+        a passage not cached yet counts as free, unless it starts within the first ``in_place``
+        tokens, which the plain prompt reads from the cache where they are (there, learning it
+        would compute it again); ``None`` when none is placed or it does not plan."""
+        learned_messages, passages = self._substitute(messages, recurring, namespace, skip)
+        if not passages:
+            return None
+        try:
+            plan = self.planner.plan_messages(learned_messages, namespace, remedies, passages)
+        except (LazyAttentionError, ValueError):  # e.g. longer than the context once split: keep it plain
+            return None
+        new = {c.key for c in plan.chunks if c.learned and c.global_start >= in_place
+               and self.cache.lookup(c.key, touch=False, include_dead=True) is None}
+        return plan, self.num_to_compute(plan, free=new)
+
+    def _cached_in_place(self, plan: PromptPlan) -> int:
+        """Tokens at the start of ``plan`` it reads from the cache where they were computed: its
+        prompt head when cached, or its cached exact-prefix blocks (a prompt with nothing placed)."""
+        if plan.chunks:
+            head = plan.chunks[0]
+            cached = head.doc_id is None and self.cache.lookup(head.key, touch=False) is not None
+            return len(head.token_ids) if cached else 0
+        if plan.texts:
+            return 0
+        return self._prefix_hits(plan) * self.cache.block_size
+
+    def num_to_compute(self, plan: PromptPlan, free: set[str] = frozenset()) -> int:
+        """Prompt tokens ``plan`` would compute if it were admitted now: chunks not cached (but
+        those in ``free``), its text segments, and its tail past the cached prefix blocks."""
+        total, seen = plan.num_text_tokens, set()
+        for c in plan.chunks:
+            if c.key in seen or c.key in free:
+                continue
+            seen.add(c.key)
+            if self.cache.lookup(c.key, touch=False, include_dead=True) is None:
+                total += len(c.token_ids)
+        tail = len(plan.query_token_ids)
+        return total + max(tail - self._prefix_hits(plan) * self.cache.block_size, min(tail, 1))
+
+    def _prefix_hits(self, plan: PromptPlan) -> int:
+        """The leading prefix blocks of ``plan``'s tail that are cached now."""
+        hits = 0
+        for key in plan.prefix_block_keys:
+            entry = self.cache.lookup(key, touch=False)
+            if entry is None or not entry.ready:
+                break
+            hits += 1
+        return hits
+
+    # --- pieces -------------------------------------------------------------------------------
+    def _recurring(self, messages: Sequence[Message], namespace: str) -> dict[tuple[int, int], list[Piece]]:
+        """Record the eligible pieces; those recurring enough, by ``(message, part)`` index."""
+        found: dict[tuple[int, int], list[tuple[Piece, str]]] = {}
+        for where, piece, key in eligible_pieces(messages, namespace, self.min_tokens):
+            found.setdefault(where, []).append((piece, key))
+        if not found:
+            return {}
+        before = self.history.observe(k for pieces in found.values() for _, k in pieces)
+        out: dict[tuple[int, int], list[Piece]] = {}
+        for where, pieces in found.items():
+            chosen = [p for p, k in pieces if before[k] >= self.min_sightings]
+            if chosen:
+                out[where] = chosen
+        return out
+
+    def _prepare(self, text: str, namespace: str) -> RegisteredDocument:
+        """The passage of ``text`` (:meth:`PromptPlanner.prepare_passage`), tokenized once while
+        it keeps recurring."""
+        key = (namespace, text)
+        passage = self._prepared.pop(key, None) or self.planner.prepare_passage(text, namespace)
+        self._prepared[key] = passage
+        if len(self._prepared) > PREPARED_PASSAGES:
+            self._prepared.popitem(last=False)
+        return passage
+
+    def _substitute(self, messages: Sequence[Message], recurring: dict[tuple[int, int], list[Piece]],
+                    namespace: str, skip: set[str] = frozenset()) -> tuple[list[Message], dict[str, RegisteredDocument]]:
+        """``messages`` with each recurring piece long enough in tokens (and whose passage id is
+        not in ``skip``) replaced by a reference to its passage, and the passages by id."""
+        passages: dict[str, RegisteredDocument] = {}
+        out = []
+        for m_index, message in enumerate(messages):
+            parts: list[MessagePart] = []
+            for p_index, part in enumerate(message.parts()):
+                pieces = recurring.get((m_index, p_index), ())
+                if not pieces:
+                    parts.append(part)
+                    continue
+                pos = 0
+                for piece in pieces:
+                    passage = self._prepare(piece.text, namespace)
+                    passage_id = PASSAGE_ID_PREFIX + passage.key[:16]
+                    if len(passage.token_ids) < self.min_tokens or passage_id in skip:
+                        continue
+                    passages[passage_id] = passage
+                    gap = part[pos:piece.start]
+                    if gap and not (parts and isinstance(parts[-1], DocumentRef) and not gap.strip()):
+                        parts.append(gap)
+                    parts.append(DocumentRef(passage_id))
+                    pos = piece.end
+                if part[pos:]:
+                    parts.append(part[pos:])
+            out.append(Message(message.role, tuple(parts)) if parts != list(message.parts()) else message)
+        return out, passages
+
+
+def eligible_pieces(messages: Sequence[Message], namespace: str, min_chars: int):
+    """``((message index, part index), piece, key)`` of every piece a passage may be learned from
+    (rule 1 of the module docstring; at least ``min_chars`` characters), with its sightings key
+    (:func:`~lazyattn_rag.engine.planning.passages.passage_key`): what ``lazyattn serve``'s router hashes
+    to send a request where its passages were seen.
+
+    The user's question is never one: a piece right after a question label (``Question:``,
+    ``Query:``, ``Input:``), a piece that ends with a question mark, or, in a user message with
+    no question label, its last piece. The question has to read the documents before it, and a
+    question asked again in the same words would otherwise come back as a chunk that reads none
+    of them."""
+    for m_index, message, parts in _eligible_messages(messages):
+        pieces = [(p_index, piece) for p_index, part in parts for piece in split_passages(part)]
+        labelled = any(piece.separator and _QUESTION_LABEL.match(piece.text) for _, piece in pieces)
+        last = max((i for i, (_, piece) in enumerate(pieces) if not piece.separator), default=None)
+        whole = len(message.parts()) == 1 and len(pieces) == 1
+        for i, (p_index, piece) in enumerate(pieces):
+            after_question = i > 0 and pieces[i - 1][1].separator and _QUESTION_LABEL.match(pieces[i - 1][1].text)
+            question = after_question or piece.text.endswith("?") or (
+                not labelled and i == last and message.role == "user")
+            if piece.separator or len(piece.text) < min_chars or whole or question:
+                continue
+            yield (m_index, p_index), piece, passage_key(namespace, piece.text)
+
+
+_QUESTION_LABEL = re.compile(r"(?:question|query|input)\s*:", re.IGNORECASE)
+
+
+def _eligible_messages(messages: Sequence[Message]):
+    """``(message index, message, [(part index, text)])`` of the messages passages may come from:
+    system messages and the last user message, of a request that places no document by id (a
+    caller that names its documents has said what its documents are; one found by a matcher in
+    plain text is no such statement)."""
+    if any(isinstance(p, DocumentRef) and not p.matched for m in messages for p in m.parts()):
+        return
+    last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=None)
+    for m_index, message in enumerate(messages):
+        if message.role != "system" and m_index != last_user:
+            continue
+        parts = [(p_index, part) for p_index, part in enumerate(message.parts()) if isinstance(part, str) and part.strip()]
+        if parts:
+            yield m_index, message, parts

@@ -1,0 +1,1 @@
+"""The start-up self-check: rotary tables and the K/V path against transformers."""

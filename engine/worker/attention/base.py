@@ -1,0 +1,80 @@
+"""The attention-backend interface shared by the ``torch`` reference and the ``triton`` kernels."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from lazyattn_rag.engine.worker.attention.metadata import AttentionMetadata
+from lazyattn_rag.kernels.launch import ChunkScaling
+from lazyattn_rag.kernels.rope import RotaryEmbedding
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Scatter new tokens' K/V into their cache slots (``slot = block_id * block_size + offset``)."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = key.to(key_cache.dtype)
+    value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = value.to(value_cache.dtype)
+
+
+class AttentionBackend(ABC):
+    """Deferred-RoPE paged attention over a batch described by :class:`AttentionMetadata`.
+
+    A backend writes the new tokens' K/V into the paged cache and returns the attention
+    output of the new tokens. Cached keys are stored rotated at their *local* positions;
+    the backend moves each block to its global position by the block's ``delta``
+    (LazyAttention, arXiv 2606.04302, Sec. 3): it rotates K by ``delta`` for prefill rows,
+    or the query by ``-delta`` for decode rows. Queries arrive already rotated at their
+    global positions.
+    """
+
+    name: str = "abstract"
+    # Decode steps may be captured in CUDA graphs: ``forward`` does no host sync or host-to-device
+    # copy once :meth:`plan_graph_decode` has stored the metadata's plan.
+    supports_cuda_graphs: bool = False
+
+    def __init__(self, rotary: RotaryEmbedding, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 chunk_scaling: ChunkScaling | None = None):
+        """``chunk_scaling``: APE's temperature and weight for keys of flagged blocks
+        (``kernels/block_table.py``; ``CacheConfig.chunk_attention_scaling``); ``None``: the flag
+        is ignored."""
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.rotary = rotary
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.chunk_scaling = chunk_scaling if chunk_scaling is not None and not chunk_scaling.is_identity else None
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated at global positions
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated at global positions
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], dtype of query
+        """Write K/V at ``metadata.slot_mapping`` then attend; see the class docstring."""
+
+    def plan_graph_decode(
+        self,
+        metadata: AttentionMetadata,  # a decode batch over static buffers (one row per sequence)
+        seq_ids: torch.Tensor,  # [num_seqs] int32, 0 .. num_seqs - 1
+    ) -> None:
+        """CUDA-graph capture hook: store in ``metadata.backend_state`` whatever ``forward`` needs,
+        computed from device tensors only (it runs inside the captured graph, before the model).
+
+        Raises:
+            NotImplementedError: the backend cannot be captured (``supports_cuda_graphs`` is false).
+        """
+        raise NotImplementedError(f"the {self.name!r} attention backend cannot run in CUDA graphs")

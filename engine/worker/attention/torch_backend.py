@@ -1,0 +1,151 @@
+"""The pure-PyTorch deferred-RoPE paged attention backend: the CPU path and the oracle.
+
+Every Triton kernel is checked against this backend. It is written for clarity first:
+per sequence it gathers the valid slots of the block table, moves cached keys to their
+global positions and runs a masked softmax in float32.
+
+* Rotating keys: each cached key is rotated once by its block's ``delta``
+  (``R_delta (R_j k) = R_(j+delta) k``), then a causal mask over key indices. Used for
+  prefill rows when there are more query rows than keys per chunk (compute-bound).
+* Rotating the query: the query rows are rotated by ``-delta`` once per run of blocks that
+  share a ``delta`` (once per chunk) and keys are read as stored:
+  ``(R_m q) . (R_(j+delta) k) = (R_(-delta) R_m q) . (R_j k)``. Used for decode rows and
+  for short prefills (a question after long cached documents), where it is far cheaper.
+
+Chunk attention scaling (APE, ``chunk_scaling``): keys of flagged blocks get the logits
+``scale * q.k / temperature + ln(weight)`` (:meth:`~lazyattn_rag.kernels.launch.ChunkScaling.logits`).
+
+``rotation`` (:data:`~lazyattn_rag.kernels.launch.Rotation`: ``"key"`` or ``"query"``; ``None``,
+the default, chooses per sequence as above) forces one form, for tests.
+
+Source: LazyAttention (ICML 2026, arXiv 2606.04302), Sec. 3 "deferred RoPE".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lazyattn_rag.engine.worker.attention.base import AttentionBackend, write_kv
+from lazyattn_rag.engine.worker.attention.metadata import AttentionMetadata
+from lazyattn_rag.kernels.block_table import block_scaled, unpack_block_table
+from lazyattn_rag.kernels.launch import Rotation
+from lazyattn_rag.kernels.rope import apply_rotation
+
+
+@dataclass
+class _SeqGather:
+    slots: torch.Tensor  # [seq_len] int64 flat slot of each context key, in key order
+    deltas: torch.Tensor  # [seq_len] int64 delta of each key's block
+    runs: list[tuple[int, int, int]]  # (start, end, delta) of key runs sharing one delta
+    any_delta: bool
+    flagged: torch.Tensor  # [seq_len] bool keys of blocks flagged for chunk attention scaling
+    tables: dict = field(default_factory=dict)  # cos/sin per rotation, made once and reused by every layer
+
+
+def _gather_plan(metadata: AttentionMetadata, device: torch.device) -> list[_SeqGather]:
+    cached = metadata.backend_state.get("torch")
+    if cached is not None:
+        return cached
+    plans = []
+    bs = metadata.block_size
+    for i in range(metadata.num_seqs):
+        n = int(metadata.num_blocks_per_seq[i])
+        words = metadata.block_tables[i, :n].cpu()
+        block_ids, deltas, valid = unpack_block_table(words)
+        offsets = torch.arange(bs, dtype=torch.int64)
+        keep = offsets[None, :] < valid[:, None]  # [n, bs]
+        slots = (block_ids[:, None] * bs + offsets[None, :])[keep]
+        key_deltas = deltas[:, None].expand(n, bs)[keep]
+        flagged = block_scaled(words)[:, None].expand(n, bs)[keep]
+        runs, start = [], 0
+        for b in range(n):
+            v, d = int(valid[b]), int(deltas[b])
+            if runs and runs[-1][2] == d:
+                runs[-1] = (runs[-1][0], runs[-1][1] + v, d)
+            else:
+                runs.append((start, start + v, d))
+            start += v
+        plans.append(_SeqGather(slots.to(device), key_deltas.to(device), runs, bool((deltas != 0).any()),
+                                flagged.to(device)))
+    metadata.backend_state["torch"] = plans
+    return plans
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference backend (float32 math, any device). See the module docstring."""
+
+    name = "torch"
+    rotation: Rotation | None = None  # None: per sequence, the cheaper form (see the module docstring)
+
+    def forward(self, query, key, value, key_cache, value_cache, metadata):
+        write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+        flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+        flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+        out = torch.empty_like(query)
+        plans = _gather_plan(metadata, query.device)
+        starts = metadata.cu_seqlens_q.tolist()
+        for i, plan in enumerate(plans):
+            q = query[starts[i] : starts[i + 1]].to(torch.float32)  # [q_len, num_heads, head_dim]
+            k = flat_k[plan.slots]  # [seq_len, num_kv_heads, head_dim]
+            v = flat_v[plan.slots].to(torch.float32)
+            if self._rotate_query(q.shape[0], plan):
+                o = self._attend_rotating_query(q, k, v, plan, metadata.seq_lens_list[i])
+            else:
+                if plan.any_delta:
+                    k = self._rotate(k.to(torch.float32), plan, "keys", plan.deltas)
+                o = self._attend(q, k.to(torch.float32), v, plan, metadata.seq_lens_list[i])
+            out[starts[i] : starts[i + 1]] = o.to(out.dtype)
+        return out
+
+    def _rotate(self, x: torch.Tensor, plan: _SeqGather, name, deltas: torch.Tensor) -> torch.Tensor:
+        """Pure rotation of ``x`` by ``deltas`` (one per row, or one for all rows), tables cached in ``plan``."""
+        if name not in plan.tables:
+            plan.tables[name] = self.rotary.cos_sin(deltas)
+        cos, sin = plan.tables[name]
+        return apply_rotation(x, cos, sin, self.rotary.rotary_dim, self.rotary.interleaved)
+
+    def _grouped(self, q: torch.Tensor) -> torch.Tensor:
+        """[q_len, num_heads, d] -> [q_len, num_kv_heads, group, d] (GQA: query heads of one KV head)."""
+        return q.view(q.shape[0], self.num_kv_heads, self.num_heads // self.num_kv_heads, q.shape[-1])
+
+    def _softmax_v(self, scores: torch.Tensor, v: torch.Tensor, plan: _SeqGather, seq_len: int) -> torch.Tensor:
+        """Causal mask, softmax (flagged keys scored by ``chunk_scaling``) and V:
+        scores [kv_heads, group, q_len, seq_len] -> [q_len, num_heads, d]."""
+        q_len = scores.shape[2]
+        if q_len > 1:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=scores.device)[:, None]
+            k_pos = torch.arange(seq_len, device=scores.device)[None, :]
+            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        if self.chunk_scaling is None:
+            probs = torch.softmax(scores * self.scale, dim=-1)
+        else:
+            probs = torch.softmax(self.chunk_scaling.logits(scores, plan.flagged, self.scale), dim=-1)
+        out = torch.einsum("cgqn,ncd->qcgd", probs, v)  # [q_len, kv_heads, group, d]
+        return out.reshape(q_len, self.num_heads, v.shape[-1])
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _SeqGather,
+                seq_len: int) -> torch.Tensor:
+        scores = torch.einsum("qcgd,ncd->cgqn", self._grouped(q), k)  # [kv_heads, group, q_len, seq_len]
+        return self._softmax_v(scores, v, plan, seq_len)
+
+    def _rotate_query(self, q_len: int, plan: _SeqGather) -> bool:
+        if self.rotation is not None:
+            if self.rotation not in ("query", "key"):
+                raise ValueError(f"the torch backend's rotation must be 'query', 'key' or None, got {self.rotation!r}")
+            return self.rotation == "query"
+        return q_len == 1 or q_len * len(plan.runs) <= plan.slots.numel()
+
+    def _attend_rotating_query(self, q, k, v, plan: _SeqGather, seq_len: int) -> torch.Tensor:
+        q_len = q.shape[0]
+        k = k.to(torch.float32)
+        group = self.num_heads // self.num_kv_heads
+        scores = torch.empty(self.num_kv_heads, group, q_len, k.shape[0], dtype=torch.float32, device=q.device)
+        for start, end, delta in plan.runs:
+            q_run = q
+            if delta != 0:  # once per chunk: R_(-delta) applied to every query row
+                q_run = self._rotate(q, plan, -delta, torch.tensor([-delta], device=q.device))
+            scores[..., start:end] = torch.einsum("qcgd,ncd->cgqn", self._grouped(q_run), k[start:end])
+        return self._softmax_v(scores, v, plan, seq_len)
