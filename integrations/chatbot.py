@@ -42,8 +42,9 @@ if TYPE_CHECKING:
     from lazyattn_rag.integrations.llamaindex_store import FaissVectorStore
     from lazyattn_rag.llm import LazyAttention
 
-# Two questions whose retrievals share chunks: the second shows cache hits at new offsets.
-DEMO_QUESTIONS = ("What does the break statement do?", "What does the continue statement do?")
+# Two questions whose retrievals share chunks (break#0 and while#0 of the three, in another order):
+# the second shows cache hits at new offsets.
+DEMO_QUESTIONS = ("What does the break statement do?", "How does a while loop work?")
 INDEX_FORMAT = 2
 
 
