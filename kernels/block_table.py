@@ -15,9 +15,9 @@ Bit layout of the (signed) int64 word, low to high::
     bits 38..63  delta             26 bits, two's complement, -2**25 <= delta < 2**25
 
 Offsets up to +-2**24 tokens (and beyond, to 2**25 - 1) fit. Anything outside these
-ranges raises :class:`BlockTableOverflowError`; nothing wraps. Extraction in a kernel:
-``id = w & 0x3FFFFFFF``, ``scaled = (w >> 30) & 1``, ``valid = ((w >> 31) & 0x7F) + 1``, ``delta = w >> 38`` (an
-arithmetic shift keeps the sign).
+ranges raises :class:`BlockTableOverflowError`; nothing wraps. The layout is read in one
+place on each side: :func:`unpack_word` here, ``triton_helpers.unpack_word`` in the kernels
+(an arithmetic shift keeps delta's sign).
 """
 
 from __future__ import annotations
@@ -84,24 +84,38 @@ def pack_block_table(block_ids: torch.Tensor, deltas: torch.Tensor, valid: torch
     return (deltas << DELTA_SHIFT) | ((valid - 1) << VALID_SHIFT) | (scaled << SCALED_SHIFT) | block_ids
 
 
+def unpack_word(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fields of packed words: the one Python reading of the layout above (its Triton twin is
+    :func:`~lazyattn_rag.kernels.triton_helpers.unpack_word`).
+
+    Args:
+        words: ``[...]`` int64 (any integer dtype is widened first).
+    Returns:
+        ``(block_ids, scaled, valid, deltas)``: int64, bool, int64, int64, each ``[...]``.
+    """
+    words = words.to(torch.int64)
+    block_ids = words & MAX_BLOCK_ID
+    scaled = ((words >> SCALED_SHIFT) & 1).bool()
+    valid = ((words >> VALID_SHIFT) & (MAX_VALID - 1)) + 1
+    deltas = words >> DELTA_SHIFT  # arithmetic: keeps the sign
+    return block_ids, scaled, valid, deltas
+
+
 def unpack_block_table(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`pack_block_table`.
+    """Inverse of :func:`pack_block_table` without the flag.
 
     Args:
         words: ``[...]`` int64.
     Returns:
         ``(block_ids, deltas, valid)``, each ``[...]`` int64.
     """
-    words = words.to(torch.int64)
-    block_ids = words & MAX_BLOCK_ID
-    valid = ((words >> VALID_SHIFT) & (MAX_VALID - 1)) + 1
-    deltas = words >> DELTA_SHIFT
+    block_ids, _, valid, deltas = unpack_word(words)
     return block_ids, deltas, valid
 
 
 def block_scaled(words: torch.Tensor) -> torch.Tensor:
-    """``[...]`` bool: which words have the chunk-attention-scaling flag (bit 30)."""
-    return ((words.to(torch.int64) >> SCALED_SHIFT) & 1).bool()
+    """``[...]`` bool: which words have the chunk-attention-scaling flag."""
+    return unpack_word(words)[1]
 
 
 def pack_entries(entries: list[tuple]) -> torch.Tensor:

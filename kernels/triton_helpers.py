@@ -6,6 +6,27 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from lazyattn_rag.kernels.block_table import DELTA_SHIFT, MAX_BLOCK_ID, MAX_VALID, SCALED_SHIFT, VALID_SHIFT
+
+# the packed block-table word's fields (kernels/block_table.py), as constants a kernel may read
+_ID_MASK = tl.constexpr(MAX_BLOCK_ID)
+_SCALED_SHIFT = tl.constexpr(SCALED_SHIFT)
+_VALID_SHIFT = tl.constexpr(VALID_SHIFT)
+_VALID_MASK = tl.constexpr(MAX_VALID - 1)
+_DELTA_SHIFT = tl.constexpr(DELTA_SHIFT)
+
+
+@triton.jit
+def unpack_word(word):
+    """``(block_id, scaled, valid, delta)`` of int64 block-table words (any shape): the kernels'
+    one reading of the layout (its Python twin: ``block_table.unpack_word``); the fields a
+    caller leaves unused cost nothing once compiled."""
+    block_id = word & _ID_MASK
+    scaled = ((word >> _SCALED_SHIFT) & 1) != 0
+    valid = ((word >> _VALID_SHIFT) & _VALID_MASK) + 1
+    delta = word >> _DELTA_SHIFT  # arithmetic shift: keeps the sign
+    return block_id, scaled, valid, delta
+
 
 @triton.jit
 def cos_sin(angle, ACCURATE_TRIG: tl.constexpr):
@@ -20,8 +41,8 @@ def cos_sin(angle, ACCURATE_TRIG: tl.constexpr):
 def run_score_scale(word, sm_scale_log2, chunk_inv_temperature, chunk_log2_weight):
     """``(scale, bias)`` of a run's log2-domain scores (``dot * scale + bias``), from the run's
     first block-table word: chunk attention scaling's (APE, ``launch.ChunkScaling``) when its
-    ``scaled`` flag (bit 30) is set, else ``(sm_scale_log2, 0)``."""
-    scaled = ((word >> 30) & 1) != 0
+    ``scaled`` flag is set, else ``(sm_scale_log2, 0)``."""
+    _, scaled, _, _ = unpack_word(word)
     return (tl.where(scaled, sm_scale_log2 * chunk_inv_temperature, sm_scale_log2),
             tl.where(scaled, chunk_log2_weight, 0.0))
 
