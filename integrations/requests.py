@@ -87,9 +87,7 @@ class EngineRequest:
         """Async :meth:`stream` through :class:`~lazyattn_rag.async_llm.AsyncLazyAttention`: the
         event loop is never blocked, and leaving the stream early aborts the request. Errors
         raise on the first ``__anext__``."""
-        from lazyattn_rag.async_llm import AsyncLazyAttention
-
-        allm = llm.aio() if getattr(llm, "is_remote", False) else AsyncLazyAttention(llm)
+        allm = llm.aio()
         if self.messages is not None:
             return self._areported(allm.stream_chat(self.messages, self.documents, sampling, namespace))
         return self._areported(allm.stream(self.question, documents=self.documents, sampling=sampling,

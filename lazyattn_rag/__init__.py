@@ -6,7 +6,7 @@ position encoding is applied at attention time (LazyAttention, ICML 2026).
 
 from importlib.metadata import version
 
-from lazyattn_rag.types.config import CacheConfig, EngineConfig, PromptConfig, SchedulerConfig
+from lazyattn_rag.types.config import CacheConfig, EngineConfig, PromptConfig, RequestRemedies, SchedulerConfig
 from lazyattn_rag.types.documents import Document
 from lazyattn_rag.types.errors import (
     CacheCapacityError,
@@ -24,7 +24,8 @@ __version__ = version("lazyattn-rag")  # pyproject.toml's, as installed
 
 __all__ = [
     "AsyncLazyAttention", "CacheCapacityError", "CacheConfig", "Completion", "Document", "DocumentRef", "DocumentTooLongError", "EmptyInputError",
-    "EngineConfig", "FidelityReport", "LazyAttention", "LazyAttentionError", "Message", "PromptConfig", "PromptTooLongError", "RequestStats",
+    "EngineConfig", "FidelityReport", "LazyAttention", "LazyAttentionError", "Message", "PromptConfig", "PromptTooLongError", "RequestRemedies",
+    "RequestStats",
     "SamplingParams", "SchedulerConfig", "StreamDelta", "UnknownDocumentError",
 ]
 

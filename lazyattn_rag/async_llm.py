@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable
 
 from lazyattn_rag.client import MakeRequest, PlannedRequest, chat_request, prompt_request, question_request
-from lazyattn_rag.llm import LazyAttention, recompute_kwargs
+from lazyattn_rag.llm import LazyAttention
 from lazyattn_rag.types.config import RequestRemedies
 from lazyattn_rag.types.documents import Document, RemovedDocument
 from lazyattn_rag.types.messages import Message
@@ -82,33 +82,23 @@ class AsyncLazyAttention:
 
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                sampling: SamplingParams | None = None, namespace: str = "", *,
-               recompute_chunk_head_tokens: int | None = None,
-               recompute_selective_ratio: float | None = None,
-               chunk_attention_scaling: bool | None = None) -> AsyncIterator[StreamDelta]:
+               remedies: RequestRemedies | None = None) -> AsyncIterator[StreamDelta]:
         """Async version of :meth:`LazyAttention.stream` (argument errors raise here, engine errors
         on the first ``__anext__``)."""
-        remedies = RequestRemedies(recompute_chunk_head_tokens, recompute_selective_ratio, chunk_attention_scaling)
         return self._submit(question_request(question, doc_ids, documents, sampling or self.llm.default_sampling,
-                                             namespace, remedies))
+                                             namespace, remedies or RequestRemedies()))
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                     sampling: SamplingParams | None = None, namespace: str = "", *,
-                    recompute_chunk_head_tokens: int | None = None,
-                    recompute_selective_ratio: float | None = None,
-                    chunk_attention_scaling: bool | None = None) -> AsyncIterator[StreamDelta]:
+                    remedies: RequestRemedies | None = None) -> AsyncIterator[StreamDelta]:
         """Async version of :meth:`LazyAttention.stream_chat` (errors as :meth:`stream`)."""
-        remedies = RequestRemedies(recompute_chunk_head_tokens, recompute_selective_ratio, chunk_attention_scaling)
         return self._submit(chat_request(messages, documents, sampling or self.llm.default_sampling, namespace,
-                                         remedies))
+                                         remedies or RequestRemedies()))
 
     async def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                    sampling: SamplingParams | None = None, namespace: str = "", *,
-                   recompute_chunk_head_tokens: int | None = None,
-                   recompute_selective_ratio: float | None = None,
-                   chunk_attention_scaling: bool | None = None) -> Completion:
-        return await _collect(self.stream_chat(messages, documents, sampling, namespace,
-                                               **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio,
-                                                     chunk_attention_scaling)))
+                   remedies: RequestRemedies | None = None) -> Completion:
+        return await _collect(self.stream_chat(messages, documents, sampling, namespace, remedies=remedies))
 
     def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None
                       ) -> AsyncIterator[StreamDelta]:
@@ -117,27 +107,19 @@ class AsyncLazyAttention:
 
     async def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                        sampling: SamplingParams | None = None, namespace: str = "", *,
-                       recompute_chunk_head_tokens: int | None = None,
-                       recompute_selective_ratio: float | None = None,
-                       chunk_attention_scaling: bool | None = None) -> Completion:
-        return await _collect(self.stream(question, doc_ids, documents, sampling, namespace,
-                                          **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio,
-                                                     chunk_attention_scaling)))
+                       remedies: RequestRemedies | None = None) -> Completion:
+        return await _collect(self.stream(question, doc_ids, documents, sampling, namespace, remedies=remedies))
 
     async def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Completion:
         return await _collect(self.stream_prompt(prompt, sampling))
 
     async def check_fidelity(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                              sampling: SamplingParams | None = None, namespace: str = "", *,
-                             recompute_chunk_head_tokens: int | None = None,
-                             recompute_selective_ratio: float | None = None,
-                             chunk_attention_scaling: bool | None = None) -> FidelityReport:
+                             remedies: RequestRemedies | None = None) -> FidelityReport:
         """Async version of :meth:`LazyAttention.check_fidelity` (its four requests run in a
         worker thread; the event loop stays free)."""
         return await asyncio.to_thread(self.llm.check_fidelity, question, list(doc_ids), list(documents), sampling,
-                                       namespace, **recompute_kwargs(recompute_chunk_head_tokens,
-                                                                     recompute_selective_ratio,
-                                                                     chunk_attention_scaling))
+                                       namespace, remedies=remedies)
 
 
 async def _collect(deltas: AsyncIterator[StreamDelta]) -> Completion:
@@ -150,4 +132,3 @@ async def _collect(deltas: AsyncIterator[StreamDelta]) -> Completion:
             logprobs.append(delta.logprobs)
         last = delta
     return Completion("".join(text), token_ids, last.finish_reason, last.stats, logprobs or None)
-

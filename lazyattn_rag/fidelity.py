@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lazyattn_rag.client import document_pairs
+from lazyattn_rag.types.config import RequestRemedies
 from lazyattn_rag.types.documents import Document
 from lazyattn_rag.types.outputs import FidelityReport
 from lazyattn_rag.types.sampling_params import SamplingParams
@@ -47,9 +48,8 @@ def kl_divergence(reference_logprobs: Sequence[float], logprobs: Sequence[float]
 
 def check_fidelity(llm: LazyAttention, question: str, doc_ids: Iterable[str] = (),
                    documents: Iterable[Document] = (), sampling: SamplingParams | None = None,
-                   namespace: str = "", **remedies) -> FidelityReport:
-    """The question served with reuse (``remedies``: ``recompute_chunk_head_tokens``,
-    ``recompute_selective_ratio``, ``chunk_attention_scaling``, as ``LazyAttention.generate``)
+                   namespace: str = "", remedies: RequestRemedies | None = None) -> FidelityReport:
+    """The question served with reuse (``remedies``: this request's, as ``LazyAttention.generate``)
     and computed whole, compared.
 
     Four requests run one after the other: the answer as served under ``sampling`` (default
@@ -65,9 +65,9 @@ def check_fidelity(llm: LazyAttention, question: str, doc_ids: Iterable[str] = (
     """
     doc_ids, documents = list(doc_ids), list(documents)
     params = sampling or SamplingParams(max_tokens=llm.default_sampling.max_tokens)
-    answer = llm.generate(question, doc_ids, documents, params, namespace, **remedies)  # checks all first
+    answer = llm.generate(question, doc_ids, documents, params, namespace, remedies=remedies)  # checks all first
     inline = [doc_id for doc_id, _ in document_pairs(documents)]
-    reused_first = llm.generate(question, doc_ids + inline, (), FIRST_TOKEN, namespace, **remedies)
+    reused_first = llm.generate(question, doc_ids + inline, (), FIRST_TOKEN, namespace, remedies=remedies)
     prompt = llm.plan(question, doc_ids + inline, namespace).token_ids()
     full_answer = llm.complete(prompt, params)
     full_first = llm.complete(prompt, FIRST_TOKEN)

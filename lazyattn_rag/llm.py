@@ -199,9 +199,7 @@ class LazyAttention:
 
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                sampling: SamplingParams | None = None, namespace: str = "", *,
-               recompute_chunk_head_tokens: int | None = None,
-               recompute_selective_ratio: float | None = None,
-               chunk_attention_scaling: bool | None = None) -> "RequestStream":
+               remedies: RequestRemedies | None = None) -> "RequestStream":
         """Stream the answer to ``question`` over documents, in the order given.
 
         Args:
@@ -210,17 +208,11 @@ class LazyAttention:
             documents: inline documents, registered (or updated) first and placed after ``doc_ids``.
             sampling: :class:`SamplingParams`; ``None`` uses :attr:`default_sampling` (the model's own).
             namespace: the documents' namespace (see :meth:`add_document`).
-            recompute_chunk_head_tokens: this request's chunk-head recompute (the first ``k``
-                tokens of each document computed in the request; see
-                :class:`~lazyattn_rag.types.config.CacheConfig`); ``None``: the engine's.
-            recompute_selective_ratio: this request's selective recompute (CacheBlend: ``r`` in
-                ``[0, 1]`` of each document's tokens recomputed, those whose K/V the context
-                changes most; see :class:`~lazyattn_rag.types.config.CacheConfig`); ``None``: the
-                engine's.
-            chunk_attention_scaling: this request reads its documents with chunk attention
-                scaling (APE: the engine's ``CacheConfig.chunk_attention_temperature`` and
-                ``chunk_attention_weight``; nothing recomputed); ``None``: the engine's.
-                Asking for one remedy turns the others off for the request.
+            remedies: this request's answer-fidelity remedies (:class:`RequestRemedies`:
+                chunk-head recompute's ``k`` tokens of each document computed in the request,
+                selective recompute's ratio ``r`` in ``[0, 1]`` (CacheBlend), chunk attention
+                scaling (APE); see :class:`~lazyattn_rag.types.config.CacheConfig`); ``None``, or a
+                field left ``None``: the engine's. Asking for one remedy turns the others off.
         Returns:
             A :class:`RequestStream` of :class:`StreamDelta` pieces, one per generated token (text
             may be empty while a character is incomplete); the last has ``finished=True`` and the
@@ -229,29 +221,22 @@ class LazyAttention:
             UnknownDocumentError, EmptyInputError, PromptTooLongError, DocumentTooLongError:
             at the call, before anything is queued or registered. CacheCapacityError: at the call, when the
             prompt plus ``max_tokens`` could never fit the KV cache. ValueError: a negative
-            ``recompute_chunk_head_tokens``, a ratio outside ``[0, 1]``, a remedy on an engine not
+            chunk-head ``k``, a ratio outside ``[0, 1]``, a remedy on an engine not
             in ``lazy`` mode, two remedies asked together, or chunk attention scaling on an engine
             whose temperature and weight are 1. Other requests are unaffected.
         """
-        remedies = RequestRemedies(recompute_chunk_head_tokens, recompute_selective_ratio, chunk_attention_scaling)
         return self._submit(question_request(question, doc_ids, documents, sampling or self.default_sampling,
-                                             namespace, remedies))
+                                             namespace, remedies or RequestRemedies()))
 
     def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                  sampling: SamplingParams | None = None, namespace: str = "", *,
-                 recompute_chunk_head_tokens: int | None = None,
-                 recompute_selective_ratio: float | None = None,
-                 chunk_attention_scaling: bool | None = None) -> Completion:
+                 remedies: RequestRemedies | None = None) -> Completion:
         """Answer ``question``; same arguments and errors as :meth:`stream`."""
-        return _collect(self.stream(question, doc_ids, documents, sampling, namespace,
-                                    **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio,
-                                                      chunk_attention_scaling)))
+        return _collect(self.stream(question, doc_ids, documents, sampling, namespace, remedies=remedies))
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                     sampling: SamplingParams | None = None, namespace: str = "", *,
-                    recompute_chunk_head_tokens: int | None = None,
-                    recompute_selective_ratio: float | None = None,
-                    chunk_attention_scaling: bool | None = None) -> "RequestStream":
+                    remedies: RequestRemedies | None = None) -> "RequestStream":
         """Stream the answer to chat ``messages`` whose content places documents by id.
 
         This is how a RAG framework's own prompt keeps reuse: the template's text (instructions,
@@ -265,8 +250,7 @@ class LazyAttention:
             documents: inline documents, registered (or updated) first, all or none.
             sampling: :class:`SamplingParams`.
             namespace: the documents' namespace (see :meth:`add_document`).
-            recompute_chunk_head_tokens, recompute_selective_ratio, chunk_attention_scaling: as
-                :meth:`stream`.
+            remedies: as :meth:`stream`.
         Returns:
             A :class:`RequestStream`, as :meth:`stream`.
         Raises:
@@ -274,18 +258,23 @@ class LazyAttention:
             PromptTooLongError, DocumentTooLongError: at the call, before anything is queued
             or registered.
         """
-        remedies = RequestRemedies(recompute_chunk_head_tokens, recompute_selective_ratio, chunk_attention_scaling)
-        return self._submit(chat_request(messages, documents, sampling or self.default_sampling, namespace, remedies))
+        return self._submit(chat_request(messages, documents, sampling or self.default_sampling, namespace,
+                                         remedies or RequestRemedies()))
 
     def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
              sampling: SamplingParams | None = None, namespace: str = "", *,
-             recompute_chunk_head_tokens: int | None = None,
-             recompute_selective_ratio: float | None = None,
-             chunk_attention_scaling: bool | None = None) -> Completion:
+             remedies: RequestRemedies | None = None) -> Completion:
         """Answer chat ``messages``; same arguments and errors as :meth:`stream_chat`."""
-        return _collect(self.stream_chat(messages, documents, sampling, namespace,
-                                         **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio,
-                                                      chunk_attention_scaling)))
+        return _collect(self.stream_chat(messages, documents, sampling, namespace, remedies=remedies))
+
+    def aio(self) -> "AsyncLazyAttention":
+        """The asyncio twin of this engine (:class:`~lazyattn_rag.async_llm.AsyncLazyAttention`),
+        as :meth:`RemoteLazyAttention.aio <lazyattn_rag.remote.RemoteLazyAttention.aio>` gives a
+        server's: code written against the front door (``lazyattn_rag/types/front_door.py``)
+        runs on either."""
+        from lazyattn_rag.async_llm import AsyncLazyAttention
+
+        return AsyncLazyAttention(self)
 
     def plan_chat(self, messages: Iterable[Message | dict | tuple], namespace: str = ""):
         """The prompt plan chat ``messages`` would run (for inspection; registered documents only)."""
@@ -313,9 +302,7 @@ class LazyAttention:
 
     def check_fidelity(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                        sampling: SamplingParams | None = None, namespace: str = "", *,
-                       recompute_chunk_head_tokens: int | None = None,
-                       recompute_selective_ratio: float | None = None,
-                       chunk_attention_scaling: bool | None = None) -> FidelityReport:
+                       remedies: RequestRemedies | None = None) -> FidelityReport:
         """A diagnostic: ``question`` answered as served (chunk reuse, this request's remedy) and
         as the same prompt computed whole (full attention), with the first answer token's KL
         divergence and top-1 agreement and whether the answers are equal
@@ -324,8 +311,7 @@ class LazyAttention:
         arguments and errors as :meth:`generate`.
         """
         return check_fidelity(self, question, doc_ids, documents, sampling, namespace,
-                              **recompute_kwargs(recompute_chunk_head_tokens, recompute_selective_ratio,
-                                                 chunk_attention_scaling))
+                              remedies=remedies)
 
     def plan(self, question: str, doc_ids: Iterable[str], namespace: str = ""):
         """The prompt plan a question over registered documents would run (for inspection)."""
@@ -405,12 +391,3 @@ def _collect(deltas: Iterator[StreamDelta]) -> Completion:
             logprobs.append(delta.logprobs)
         last = delta
     return Completion("".join(text), token_ids, last.finish_reason, last.stats, logprobs or None)
-
-
-def recompute_kwargs(recompute_chunk_head_tokens: int | None, recompute_selective_ratio: float | None,
-                     chunk_attention_scaling: bool | None = None) -> dict:
-    """The keywords to pass on (none of those unset, so a ``stream`` wrapped with an older signature works)."""
-    pairs = {"recompute_chunk_head_tokens": recompute_chunk_head_tokens,
-             "recompute_selective_ratio": recompute_selective_ratio,
-             "chunk_attention_scaling": chunk_attention_scaling}
-    return {k: v for k, v in pairs.items() if v is not None}

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-from lazyattn_rag.types.config import PromptConfig
+from lazyattn_rag.types.config import PromptConfig, RequestRemedies
 from lazyattn_rag.types.documents import Document, RemovedDocument
 from lazyattn_rag.types.messages import Message, as_message
 from lazyattn_rag.types.outputs import Completion, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
 from lazyattn_rag.types.wire import (DOCUMENT_CHANGED, document_to_body, error_class, message_to_body,
-                                    sampling_to_body, stats_from_body, text_hash)
+                                    remedies_to_body, sampling_to_body, stats_from_body, text_hash)
 
 
 class ServerError(RuntimeError):
@@ -157,26 +157,31 @@ class RemoteLazyAttention:
 
     # --- generation ----------------------------------------------------------------------
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
-               sampling: SamplingParams | None = None, namespace: str = "") -> RemoteStream:
-        """As :meth:`LazyAttention.stream`: the answer to ``question`` over the documents, in order."""
+               sampling: SamplingParams | None = None, namespace: str = "", *,
+               remedies: RequestRemedies | None = None) -> RemoteStream:
+        """As :meth:`LazyAttention.stream`: the answer to ``question`` over the documents, in order
+        (``remedies`` go to the server, which checks them: a bad one is ``ValueError``)."""
         documents = list(documents)
-        return RemoteStream(self, self._question_body(question, doc_ids, documents, sampling, namespace),
+        return RemoteStream(self, self._question_body(question, doc_ids, documents, sampling, namespace, remedies),
                             lambda: self.add_documents(documents, namespace))
 
     def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
-                 sampling: SamplingParams | None = None, namespace: str = "") -> Completion:
-        return _collect(self.stream(question, doc_ids, documents, sampling, namespace))
+                 sampling: SamplingParams | None = None, namespace: str = "", *,
+                 remedies: RequestRemedies | None = None) -> Completion:
+        return _collect(self.stream(question, doc_ids, documents, sampling, namespace, remedies=remedies))
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
-                    sampling: SamplingParams | None = None, namespace: str = "") -> RemoteStream:
+                    sampling: SamplingParams | None = None, namespace: str = "", *,
+                    remedies: RequestRemedies | None = None) -> RemoteStream:
         """As :meth:`LazyAttention.stream_chat`: messages whose content places documents by id."""
         documents = list(documents)
-        return RemoteStream(self, self._chat_body(messages, documents, sampling, namespace),
+        return RemoteStream(self, self._chat_body(messages, documents, sampling, namespace, remedies),
                             lambda: self.add_documents(documents, namespace))
 
     def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
-             sampling: SamplingParams | None = None, namespace: str = "") -> Completion:
-        return _collect(self.stream_chat(messages, documents, sampling, namespace))
+             sampling: SamplingParams | None = None, namespace: str = "", *,
+             remedies: RequestRemedies | None = None) -> Completion:
+        return _collect(self.stream_chat(messages, documents, sampling, namespace, remedies=remedies))
 
     def aio(self) -> AsyncRemoteLazyAttention:
         """The asyncio twin of :meth:`stream` and :meth:`stream_chat` (the wrappers' async paths)."""
@@ -192,17 +197,18 @@ class RemoteLazyAttention:
         self.close()
 
     # --- bodies and HTTP -----------------------------------------------------------------
-    def _question_body(self, question, doc_ids, documents, sampling, namespace) -> dict[str, Any]:
+    def _question_body(self, question, doc_ids, documents, sampling, namespace, remedies=None) -> dict[str, Any]:
         inline = list(documents)
         self._send(inline, namespace)
         return {"messages": [{"role": "user", "content": question}], "documents": [*doc_ids, *(d.id for d in inline)],
-                **self._sampling(sampling), "namespace": namespace, "stream": True, **_hashes(inline)}
+                **self._sampling(sampling), "namespace": namespace, "stream": True, **_hashes(inline),
+                **remedies_to_body(remedies)}
 
-    def _chat_body(self, messages, documents, sampling, namespace) -> dict[str, Any]:
+    def _chat_body(self, messages, documents, sampling, namespace, remedies=None) -> dict[str, Any]:
         inline = list(documents)
         self._send(inline, namespace)
         return {"messages": [message_to_body(as_message(m)) for m in messages], **self._sampling(sampling),
-                "namespace": namespace, "stream": True, **_hashes(inline)}
+                "namespace": namespace, "stream": True, **_hashes(inline), **remedies_to_body(remedies)}
 
     def _sampling(self, sampling: SamplingParams | None) -> dict[str, Any]:
         sampling = sampling or self.default_sampling
@@ -298,22 +304,36 @@ def _open(client: RemoteLazyAttention, body: dict[str, Any]):
 
 
 class AsyncRemoteLazyAttention:
-    """``stream`` / ``stream_chat`` of a :class:`RemoteLazyAttention` as async iterators; leaving
-    one early closes its connection, which cancels the request on the server."""
+    """``stream`` / ``stream_chat`` of a :class:`RemoteLazyAttention` as async iterators (and
+    ``generate`` / ``chat`` collecting them); leaving a stream early closes its connection, which
+    cancels the request on the server."""
 
     def __init__(self, client: RemoteLazyAttention):
         self.client = client
 
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
-               sampling: SamplingParams | None = None, namespace: str = "") -> AsyncIterator[StreamDelta]:
+               sampling: SamplingParams | None = None, namespace: str = "", *,
+               remedies: RequestRemedies | None = None) -> AsyncIterator[StreamDelta]:
         docs = list(documents)
-        return self._stream(lambda: self.client._question_body(question, doc_ids, docs, sampling, namespace),
-                            docs, namespace)
+        return self._stream(lambda: self.client._question_body(question, doc_ids, docs, sampling, namespace,
+                                                               remedies), docs, namespace)
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
-                    sampling: SamplingParams | None = None, namespace: str = "") -> AsyncIterator[StreamDelta]:
+                    sampling: SamplingParams | None = None, namespace: str = "", *,
+                    remedies: RequestRemedies | None = None) -> AsyncIterator[StreamDelta]:
         docs = list(documents)
-        return self._stream(lambda: self.client._chat_body(list(messages), docs, sampling, namespace), docs, namespace)
+        return self._stream(lambda: self.client._chat_body(list(messages), docs, sampling, namespace, remedies),
+                            docs, namespace)
+
+    async def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
+                       sampling: SamplingParams | None = None, namespace: str = "", *,
+                       remedies: RequestRemedies | None = None) -> Completion:
+        return await _acollect(self.stream(question, doc_ids, documents, sampling, namespace, remedies=remedies))
+
+    async def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
+                   sampling: SamplingParams | None = None, namespace: str = "", *,
+                   remedies: RequestRemedies | None = None) -> Completion:
+        return await _acollect(self.stream_chat(messages, documents, sampling, namespace, remedies=remedies))
 
     async def _stream(self, make_body, documents: list[Document], namespace: str) -> AsyncIterator[StreamDelta]:
         import asyncio
@@ -404,3 +424,7 @@ def _collect(deltas: Iterable[StreamDelta]) -> Completion:
         raise ServerError("the answer ended before it finished")
     return Completion("".join(parts), [], last.finish_reason, last.stats)
 
+
+
+async def _acollect(deltas: AsyncIterator[StreamDelta]) -> Completion:
+    return _collect([delta async for delta in deltas])

@@ -55,23 +55,23 @@ class StreamSpy:
         self._stream, self._stream_chat = engine.stream, engine.stream_chat
         engine.stream, engine.stream_chat = self._spy, self._spy_chat
 
-    def _spy(self, question, doc_ids=(), documents=(), sampling=None, namespace=""):
+    def _spy(self, question, doc_ids=(), documents=(), sampling=None, namespace="", *, remedies=None):
         documents = list(documents)
         ids = list(doc_ids) + [d.id for d in documents]
         call = {"question": question, "doc_ids": ids, "offsets": {}, "stats": None, "namespace": namespace}
         self.calls.append(call)
-        inner = self._stream(question, doc_ids, documents, sampling, namespace)
+        inner = self._stream(question, doc_ids, documents, sampling, namespace, remedies=remedies)
         call["offsets"] = self._offsets(self.engine.plan(question, ids, namespace))
         return self._record(inner, call)
 
-    def _spy_chat(self, messages, documents=(), sampling=None, namespace=""):
+    def _spy_chat(self, messages, documents=(), sampling=None, namespace="", *, remedies=None):
         from lazyattn_rag.types.messages import as_message
 
         messages = [as_message(m) for m in messages]
         call = {"messages": messages, "doc_ids": [d for m in messages for d in m.document_ids()], "offsets": {},
                 "stats": None, "namespace": namespace}
         self.calls.append(call)
-        inner = self._stream_chat(messages, documents, sampling, namespace)
+        inner = self._stream_chat(messages, documents, sampling, namespace, remedies=remedies)
         call["offsets"] = self._offsets(self.engine.plan_chat(messages, namespace))
         return self._record(inner, call)
 

@@ -223,21 +223,21 @@ def test_request_without_scaling_is_plain_reuse_bit_for_bit(make_llm):
     _, off = ape_engine(make_llm, on=False)  # configured, not on by default
     for llm in (plain, ape, off):
         first_logprobs(llm)  # the documents encoded: the comparisons below are all hits
-    assert torch.equal(first_logprobs(plain), first_logprobs(ape, chunk_attention_scaling=False))
+    assert torch.equal(first_logprobs(plain), first_logprobs(ape, remedies=RequestRemedies(chunk_attention_scaling=False)))
     assert torch.equal(first_logprobs(plain), first_logprobs(off))
-    assert not torch.equal(first_logprobs(plain), first_logprobs(off, chunk_attention_scaling=True))
+    assert not torch.equal(first_logprobs(plain), first_logprobs(off, remedies=RequestRemedies(chunk_attention_scaling=True)))
 
 
 def test_one_remedy_per_request(make_llm):
     _, llm = ape_engine(make_llm)
     assert not llm.engine.planner.plan(QUESTION, ["a"], remedies=RequestRemedies(recompute_chunk_head_tokens=4)).chunk_scaling
     with pytest.raises(ValueError, match="choose one remedy"):
-        llm.generate(QUESTION, ["a"], sampling=FIRST, chunk_attention_scaling=True, recompute_chunk_head_tokens=4)
+        llm.generate(QUESTION, ["a"], sampling=FIRST, remedies=RequestRemedies(chunk_attention_scaling=True, recompute_chunk_head_tokens=4))
     with pytest.raises(ValueError, match="True, False or None"):
-        llm.generate(QUESTION, ["a"], sampling=FIRST, chunk_attention_scaling=1)
+        llm.generate(QUESTION, ["a"], sampling=FIRST, remedies=RequestRemedies(chunk_attention_scaling=1))
     _, plain = remedy_engine(make_llm)
     with pytest.raises(ValueError, match="changes nothing"):
-        plain.generate(QUESTION, ["a"], sampling=FIRST, chunk_attention_scaling=True)
+        plain.generate(QUESTION, ["a"], sampling=FIRST, remedies=RequestRemedies(chunk_attention_scaling=True))
     assert len(plain.generate(QUESTION, ["a"], sampling=FIRST).token_ids) == 1  # the engine still serves
 
 

@@ -9,6 +9,7 @@ blocks are freed (finished, aborted, preempted)."""
 
 import pytest
 import torch
+from lazyattn_rag.types.config import RequestRemedies
 
 from benchmarks.qa_recompute import RecomputeReference
 from lazyattn_rag.types.config import CacheConfig
@@ -92,19 +93,19 @@ def test_per_request_setting_overrides_the_engines(make_llm):
         return (a - b).abs().max().item() <= 1e-5
 
     first_logprobs(k16)
-    asked = plain.generate(QUESTION, ["a", "b", "c"], sampling=FIRST, recompute_chunk_head_tokens=16)
+    asked = plain.generate(QUESTION, ["a", "b", "c"], sampling=FIRST, remedies=RequestRemedies(recompute_chunk_head_tokens=16))
     assert close(torch.tensor(list(asked.logprobs[0].values())), first_logprobs(k16))
     assert not close(first_logprobs(plain), first_logprobs(k16))  # the next request is plain again
     off = asyncio.run(AsyncLazyAttention(k16).generate(QUESTION, ["a", "b", "c"], sampling=FIRST,
-                                                        recompute_chunk_head_tokens=0))
+                                                        remedies=RequestRemedies(recompute_chunk_head_tokens=0)))
     assert close(torch.tensor(list(off.logprobs[0].values())), first_logprobs(plain))
     with pytest.raises(ValueError, match="recompute_chunk_head_tokens"):
-        plain.generate(QUESTION, ["a"], recompute_chunk_head_tokens=-1)
+        plain.generate(QUESTION, ["a"], remedies=RequestRemedies(recompute_chunk_head_tokens=-1))
     _, copies = make_llm(mode="block_attention")
     copies.add_documents(list(DOCS.items()))
     with pytest.raises(ValueError, match="mode 'lazy'"):
-        copies.generate(QUESTION, ["a"], recompute_chunk_head_tokens=4)
+        copies.generate(QUESTION, ["a"], remedies=RequestRemedies(recompute_chunk_head_tokens=4))
     messages = [("user", ["Context:", {"type": "document", "id": "a"}, QUESTION])]
-    chat = plain.chat(messages, sampling=FIRST, recompute_chunk_head_tokens=64)
+    chat = plain.chat(messages, sampling=FIRST, remedies=RequestRemedies(recompute_chunk_head_tokens=64))
     assert chat.stats.num_computed_tokens == len(plain.plan_chat(messages).token_ids()) - \
         chat.stats.num_exact_prefix_tokens

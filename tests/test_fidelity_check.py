@@ -8,6 +8,7 @@ that recomputes whole documents gives full attention (KL 0, same answer).
 """
 
 import asyncio
+from lazyattn_rag.types.config import RequestRemedies
 
 import pytest
 import torch
@@ -57,13 +58,13 @@ def test_the_kl_is_of_the_reused_distribution_from_full_attentions(make_llm):
     forward, reverse = float((p.exp() * (p - q)).sum()), float((q.exp() * (q - p)).sum())
     tolerance = 3e-7
     assert abs(forward - reverse) > 4 * tolerance
-    assert llm.check_fidelity(QUESTION, ids, chunk_attention_scaling=True).first_token_kl == \
+    assert llm.check_fidelity(QUESTION, ids, remedies=RequestRemedies(chunk_attention_scaling=True)).first_token_kl == \
         pytest.approx(forward, rel=0, abs=tolerance)
 
 
 def test_recomputing_whole_documents_reports_full_attention(make_llm):
     _, llm = remedy_engine(make_llm)
-    report = llm.check_fidelity(QUESTION, ["a", "b"], sampling=GREEDY, recompute_chunk_head_tokens=64)
+    report = llm.check_fidelity(QUESTION, ["a", "b"], sampling=GREEDY, remedies=RequestRemedies(recompute_chunk_head_tokens=64))
     assert report.first_token_kl <= 1e-5 and report.first_token_top1_agrees and report.same_answer
 
 
@@ -87,5 +88,5 @@ def test_bad_input_is_refused_at_the_first_request(make_llm):
     with pytest.raises(UnknownDocumentError, match="nope"):
         llm.check_fidelity(QUESTION, ["a", "nope"])
     with pytest.raises(ValueError, match="choose one remedy"):
-        llm.check_fidelity(QUESTION, ["a"], recompute_chunk_head_tokens=4, recompute_selective_ratio=0.1)
+        llm.check_fidelity(QUESTION, ["a"], remedies=RequestRemedies(recompute_chunk_head_tokens=4, recompute_selective_ratio=0.1))
     assert llm.check_fidelity(QUESTION, ["a"], sampling=GREEDY).num_prompt_tokens > 0  # still serves

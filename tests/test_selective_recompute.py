@@ -10,6 +10,7 @@ r = 0 against plain reuse, bit for bit. The cached chunks' bytes never change an
 own blocks are freed (finished, aborted, preempted)."""
 
 import math
+from lazyattn_rag.types.config import RequestRemedies
 
 import pytest
 import torch
@@ -138,20 +139,20 @@ def test_per_request_setting_overrides_the_engines(make_llm):
     heads.add_documents(list(DOCS.items()))
     for llm in (plain, sel, heads):
         first_logprobs(llm)
-    asked = plain.generate(QUESTION, ["a", "b", "c"], sampling=FIRST, recompute_selective_ratio=0.15)
+    asked = plain.generate(QUESTION, ["a", "b", "c"], sampling=FIRST, remedies=RequestRemedies(recompute_selective_ratio=0.15))
     assert close(torch.tensor(list(asked.logprobs[0].values())), first_logprobs(sel))
     assert not close(first_logprobs(plain), first_logprobs(sel))  # the next request is plain again
     off = asyncio.run(AsyncLazyAttention(sel).generate(QUESTION, ["a", "b", "c"], sampling=FIRST,
-                                                        recompute_selective_ratio=0.0))
+                                                        remedies=RequestRemedies(recompute_selective_ratio=0.0)))
     assert close(torch.tensor(list(off.logprobs[0].values())), first_logprobs(plain))
-    swapped = heads.generate(QUESTION, ["a", "b", "c"], sampling=FIRST, recompute_selective_ratio=0.15)
+    swapped = heads.generate(QUESTION, ["a", "b", "c"], sampling=FIRST, remedies=RequestRemedies(recompute_selective_ratio=0.15))
     assert close(torch.tensor(list(swapped.logprobs[0].values())), first_logprobs(sel))
     with pytest.raises(ValueError, match="recompute_selective_ratio"):
-        plain.generate(QUESTION, ["a"], recompute_selective_ratio=2.0)
+        plain.generate(QUESTION, ["a"], remedies=RequestRemedies(recompute_selective_ratio=2.0))
     with pytest.raises(ValueError, match="cannot both be set"):
-        plain.generate(QUESTION, ["a"], recompute_selective_ratio=0.1, recompute_chunk_head_tokens=4)
+        plain.generate(QUESTION, ["a"], remedies=RequestRemedies(recompute_selective_ratio=0.1, recompute_chunk_head_tokens=4))
     messages = [("user", ["Context:", {"type": "document", "id": "a"}, QUESTION])]
-    chat = plain.chat(messages, sampling=FIRST, recompute_selective_ratio=1.0)
+    chat = plain.chat(messages, sampling=FIRST, remedies=RequestRemedies(recompute_selective_ratio=1.0))
     assert chat.stats.num_computed_tokens == len(plain.plan_chat(messages).token_ids()) - \
         chat.stats.num_exact_prefix_tokens
 
@@ -206,7 +207,7 @@ def test_a_split_prefill_with_text_between_documents_is_exact(make_llm):
         full = torch.log_softmax(hf(input_ids=torch.tensor([llm.plan_chat(messages).token_ids()])).logits[0, -1], -1)
     log = StepLog(llm)
     decode = llm.stream(QUESTION, ["c"], sampling=SamplingParams(max_tokens=400, ignore_eos=True),
-                        recompute_selective_ratio=0.0)
+                        remedies=RequestRemedies(recompute_selective_ratio=0.0))
     next(iter(decode))
     ours = torch.tensor(list(llm.chat(messages, sampling=FIRST).logprobs[0].values()))
     decode.close()

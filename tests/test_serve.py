@@ -337,3 +337,28 @@ def test_a_killed_replica_fails_its_stream_cleanly_retries_a_whole_answer_and_th
     assert after["lazyattn"]["stats"]["doc_tiers"] in ({"d6": "redis"}, {"d6": "kv"})  # kv: the retry loaded it
     assert whole["lazyattn"]["stats"]["doc_tiers"] == {"d6": "redis"}
     assert "lazyattn_request_retries_total 1.0" in http.get("/metrics").text  # the whole answer, once
+
+
+def test_a_requests_remedies_reach_the_engine_over_http(server, http):
+    """``remedies`` in the body (RemoteLazyAttention's ``remedies=``): the replica computes what an
+    in-process engine computes for them; a bad one is 400 and the server keeps serving."""
+    from lazyattn_rag.llm import LazyAttention
+    from lazyattn_rag.remote import RemoteLazyAttention
+    from lazyattn_rag.types.config import RequestRemedies
+
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    heads = RequestRemedies(recompute_chunk_head_tokens=4)
+    with LazyAttention(dataclasses.replace(server[1], cache=CacheConfig(num_blocks=256, block_size=16))) as local:
+        local.add_documents(list(DOCS.items()))
+        expected = local.generate(QUESTION, ["d9", "d10"], sampling=greedy, remedies=heads)
+    with RemoteLazyAttention(server[0]) as remote:
+        got = remote.generate(QUESTION, ["d9", "d10"], sampling=greedy, remedies=heads)
+        assert got.stats.num_recomputed_tokens == expected.stats.num_recomputed_tokens == 8
+        assert got.text == expected.text
+        with pytest.raises(ValueError, match="recompute"):
+            remote.generate(QUESTION, ["d9"], sampling=greedy, remedies=RequestRemedies(
+                recompute_chunk_head_tokens=4, recompute_selective_ratio=0.1))
+    bad = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": QUESTION}],
+                                                  "documents": ["d9"], "remedies": {"recompute_chunk_head_tokens": -1}})
+    assert bad.status_code == 400 and "recompute_chunk_head_tokens" in bad.text
+    assert ask(http, ["d9"])["choices"][0]["finish_reason"] == "length"

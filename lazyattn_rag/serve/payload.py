@@ -106,6 +106,8 @@ def chat_payload(body: ChatCompletionRequest, store: DocumentStore,
     payload = {"messages": messages, "documents": list(texts.items()), "placed": placed,
                "sampling": body.sampling_body(), "namespace": ns, "transient": transient,
                "issued_at": time.time()}  # a replica refuses documents deleted after this (EngineReplica)
+    if body.remedies is not None:
+        payload["remedies"] = body.remedies.model_dump(exclude_none=True)
     if body.num_logprobs is not None:
         payload["logprobs"] = {"num": body.num_logprobs, "token_ids": body.return_tokens_as_token_ids}
     keys = routing_keys(ns, texts)

@@ -91,6 +91,15 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class RemediesIn(BaseModel):
+    """A request's answer-fidelity remedies (``RequestRemedies``; unset: the server's)."""
+
+    model_config = ConfigDict(extra="forbid")
+    recompute_chunk_head_tokens: int | None = Field(default=None, ge=0)
+    recompute_selective_ratio: float | None = Field(default=None, ge=0, le=1)
+    chunk_attention_scaling: bool | None = None
+
+
 class ChatCompletionRequest(BaseModel):
     """``POST /v1/chat/completions``."""
 
@@ -118,6 +127,7 @@ class ChatCompletionRequest(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: bool | None = None
+    remedies: RemediesIn | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
 
     @field_validator("n")

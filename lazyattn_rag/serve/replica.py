@@ -40,7 +40,8 @@ from lazyattn_rag.types.config import EngineConfig
 from lazyattn_rag.types.documents import Document, RemovedDocument
 from lazyattn_rag.types.errors import LazyAttentionError, UnknownDocumentError
 from lazyattn_rag.types.messages import Message, as_message, rag_messages
-from lazyattn_rag.types.wire import ERROR_CODES, logprob_entry, sampling_from_body, stats_to_body
+from lazyattn_rag.types.wire import (ERROR_CODES, logprob_entry, remedies_from_body, sampling_from_body,
+                                     stats_to_body)
 
 MAX_DELETED = 100_000  # deletes a replica remembers (to refuse calls sent before them)
 
@@ -187,8 +188,9 @@ class EngineReplica:
                 before the last user message's text, in the engine's RAG prompt; ``[]``: the
                 messages place documents themselves), ``"sampling": body fields``,
                 ``"namespace"``, ``"transient": [ids]`` (inline documents the ingress does not
-                keep: removed here when the request ends), ``"logprobs": {"num", "token_ids"}``
-                (optional: each token's event carries OpenAI's logprobs entry)}``.
+                keep: removed here when the request ends), ``"remedies"`` (optional: the body's),
+                ``"logprobs": {"num", "token_ids"}`` (optional: each token's event carries
+                OpenAI's logprobs entry)}``.
             routing_keys: for the router only (``lazyattn_rag/serve/router.py``).
         """
         timings = {"replica_received": time.time()}  # wall-clock seconds: where a request's TTFT goes
@@ -267,10 +269,11 @@ class EngineReplica:
     def _start(self, payload: dict[str, Any]) -> AsyncIterator:
         messages, documents, question = self._request(payload)
         sampling = sampling_from_body(payload.get("sampling", {}), self.llm.default_sampling)
-        namespace = payload.get("namespace", "")
+        namespace, remedies = payload.get("namespace", ""), remedies_from_body(payload.get("remedies"))
         if question is not None:
-            return self.allm.stream(question, documents=documents, sampling=sampling, namespace=namespace)
-        return self.allm.stream_chat(messages, documents, sampling, namespace)
+            return self.allm.stream(question, documents=documents, sampling=sampling, namespace=namespace,
+                                    remedies=remedies)
+        return self.allm.stream_chat(messages, documents, sampling, namespace, remedies=remedies)
 
     def _count(self, payload: dict[str, Any]) -> int:
         """The prompt tokens of ``payload``'s request (its documents registered first)."""

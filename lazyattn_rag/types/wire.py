@@ -19,6 +19,10 @@ Request fields besides OpenAI's (``model``, ``messages``, ``max_tokens`` /
   client that sent a text once never gets an answer over someone else's.
 * ``top_k``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``: as in
   :class:`~lazyattn_rag.types.sampling_params.SamplingParams`.
+* ``remedies``: this request's answer-fidelity remedies, the fields of
+  :class:`~lazyattn_rag.types.config.RequestRemedies` (``recompute_chunk_head_tokens``,
+  ``recompute_selective_ratio``, ``chunk_attention_scaling``); the server's ``CacheConfig``
+  for those left out.
 
 Response extension: ``lazyattn`` on the last chunk (and the whole response) holds the request's
 stats (:class:`~lazyattn_rag.types.outputs.RequestStats` as a dict) and the replica that served it.
@@ -31,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, fields, replace
 from typing import Any
 
+from lazyattn_rag.types.config import RequestRemedies
 from lazyattn_rag.types.documents import Document
 from lazyattn_rag.types.messages import DocumentRef, Message
 from lazyattn_rag.types.outputs import RequestStats
@@ -77,6 +82,17 @@ def sampling_from_body(body: Mapping[str, Any], default: SamplingParams) -> Samp
     if body.get("logprobs") is not None:  # the server's count (ChatCompletionRequest.num_logprobs)
         values["logprobs"] = body["logprobs"]
     return replace(default, **values)  # validated again by SamplingParams.__post_init__
+
+
+def remedies_to_body(remedies: RequestRemedies | None) -> dict[str, Any]:
+    """``{"remedies": {field: value}}`` of the fields set (``{}``: none set)."""
+    chosen = {k: v for k, v in asdict(remedies).items() if v is not None} if remedies is not None else {}
+    return {"remedies": chosen} if chosen else {}
+
+
+def remedies_from_body(body: Mapping[str, Any] | None) -> RequestRemedies:
+    """The :class:`RequestRemedies` of a body's ``remedies`` object (``None``: none asked)."""
+    return RequestRemedies(**(body or {}))
 
 
 def message_to_body(message: Message) -> dict[str, Any]:
