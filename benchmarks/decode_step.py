@@ -21,7 +21,7 @@ Side by side in one run, on random weights of a real shape:
 
     python benchmarks/decode_step.py --arch llama-3.1-8b --out decode_step_h200
 
-Writes ``benchmarks/results/<out>.json``; write-up in docs/benchmarks.md ("Decode steps and
+Writes ``benchmarks/results/<out>.json``; write-up in docs/benchmarks.md ("GPU: decode steps and
 prefill against the hardware limit"). ``--device cpu --arch tiny`` checks the plumbing only.
 """
 

@@ -15,7 +15,7 @@ each extra computation is a copy that the KV budget holds twice).
     python benchmarks/replicas.py --arch tiny --device cpu --dtype float32 --budget-gb 0.01 --num-requests 60 \\
         --doc-tokens 64 --query-tokens 8 --output-tokens 8 --out replicas_cpu_tiny   # plumbing check, not a speed
 
-JSON: ``benchmarks/results/<out>.json``; write-up: docs/benchmarks.md ("Replicas").
+JSON: ``benchmarks/results/<out>.json``; write-up: docs/benchmarks.md ("Replicas on Ray Serve").
 """
 
 from __future__ import annotations

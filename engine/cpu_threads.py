@@ -4,8 +4,8 @@ A forward pass on the CPU is a few hundred short parallel regions with Python wo
 them. libgomp's pool threads spin while they wait for the next region and for each other: the
 fastest on a quiet machine, ruinous beside another busy process, where a pool thread that loses
 its core stalls every region (decode steps of the default SmolLM2 on 2 cores: 40 ms quiet,
-215-546 ms beside one busy process with 2 threads, 65-74 ms with 1; ``docs/benchmarks.md``,
-"Start-up (CPU)"). libgomp's wait policy is fixed when torch loads it, but the thread count is
+215-546 ms beside one busy process with 2 threads, 65-74 ms with 1). libgomp's wait policy is
+fixed when torch loads it, but the thread count is
 not: :class:`CpuThreads` counts, every ``interval_s`` between steps, the threads of *other*
 processes that are running (``procs_running`` of ``/proc/stat`` less this process's running
 threads; one read, ~0.1 ms, no sleep on the engine thread) and gives the engine thread's

@@ -135,7 +135,7 @@ def pack_run(block_ids: list[int], num_tokens: int, delta: int, block_size: int)
     ints and the words take one tensor and two in-place operations: every running request packs
     its private run each step, where a few dozen small tensor operations cost more than the
     words (a 5-block run: 32 us with elementwise tensor operations, 7.5 us so; 1,280 blocks:
-    105 and 98 us; the 2-core CPU of docs/benchmarks.md "Host time per step").
+    105 and 98 us; a 2-core CPU, ``benchmarks/host_step.py``).
 
     Returns:
         ``[min(len(block_ids), ceil(num_tokens / block_size))]`` int64 words.

@@ -217,7 +217,8 @@ def _num_sms(device: torch.device) -> int:
 
 # Decode programs resident per multiprocessor (4 warps, ~165 registers per thread and 40 KB of
 # shared memory: 3 by both limits on an H200, Nsight Compute). The split choice's cost model,
-# fitted to the H200 split sweep (docs/benchmarks.md, "Issue 19, fourth pass"): a launch's time
+# fitted to the H200 split sweep (13 counts on six shapes, benchmarks/results/decode_splits_h200.jsonl;
+# cold, it picks the fastest count or one within 1.4 % of it): a launch's time
 # goes as (1 / wave fill) ** FILL_EXPONENT (a partly filled wave runs each program faster, so
 # filling it gains less than the idle slots suggest) times (1 + SPLIT_COST * splits) (partial
 # outputs, shorter pipelines).
@@ -237,7 +238,7 @@ def split_cost(num_programs: int, num_splits: int, num_sms: int) -> float:
 
 # Launches of at least this many programs per multiprocessor at one split (batch >= 32 at 8 KV
 # heads on an H200's 132) run wide tiles: 128 keys at d128 with 2 stages and no split. On the H200
-# sweep (docs/benchmarks.md, "Issue 19, fifth pass") that is 6.1-7.9 % faster than the split rule's
+# sweep (benchmarks/results/decode_wide_tile_sweep_h200.jsonl) that is 6.1-7.9 % faster than the split rule's
 # 64-key tiles at batch 32 x 8k, 64 x 4k and 128 x 2k, and 2-10x slower at batch 1-8 (too few programs).
 WIDE_TILE_MIN_PROGRAMS_PER_SM, WIDE_TILE_BLOCK_N, WIDE_TILE_STAGES = 1.9, 128, 2
 

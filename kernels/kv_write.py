@@ -3,7 +3,7 @@
 The plain-PyTorch form is two indexed assignments (``cache.view(-1, heads, dim)[slot_mapping] =
 k``), two kernels per layer; in a decode step of a large model at batch 1 each launch costs a few
 microseconds of GPU time however little it writes, some 64 per step for a 32-layer model
-(docs/benchmarks.md, issue 19). This kernel copies both in one launch (K/V of another dtype than
+(Llama-3.1-8B's shape on an H200). This kernel copies both in one launch (K/V of another dtype than
 the cache's are converted by ``Tensor.to`` first), so the caches end up bit for bit as the two
 assignments leave them. Its reference is
 :func:`lazyattn_rag.engine.worker.attention.base.write_kv`.

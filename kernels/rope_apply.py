@@ -8,7 +8,7 @@ agree to one rounding.
 Why a kernel of our own (issue 19): in the 20k-token prefill of the Llama-3.1-8B shape the
 kernel inductor fuses from ``apply_rotation`` took 31 ms of device time (about 1 ms a layer) to
 read and write 420 MB a layer; alone on the H200 it moves 0.56 TB/s at 20,480 tokens, this
-kernel 3.59 (docs/benchmarks.md, "Issue 19, ninth pass"). One program rotates ``BLOCK_T``
+kernel 3.59 (``benchmarks/rope_apply.py``). One program rotates ``BLOCK_T``
 tokens of ``BLOCK_H`` heads: it loads each token's angles once for all of its heads and each
 pair's two halves as two tiles.
 """
@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-# One token and 8 heads per program, 4 warps: the only tiles of the H200 sweep (docs/benchmarks.md,
-# "Issue 19, ninth pass": 1-8 tokens, 1-8 heads, 1-4 warps; 1 to 20,480 tokens of Llama-3.1-8B's
+# One token and 8 heads per program, 4 warps: the only tiles of the H200 sweep (benchmarks/rope_apply.py:
+# 1-8 tokens, 1-8 heads, 1-4 warps; 1 to 20,480 tokens of Llama-3.1-8B's
 # q and k) within 5.2 % of the best at every size from 2 tokens up (3.59 TB/s at 20,480), and at
 # 1 token (1.33 us) still below inductor's fused rotation (1.37 us).
 BLOCK_T = 1  # tokens per program

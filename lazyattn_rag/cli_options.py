@@ -44,7 +44,8 @@ class Command(_FlagHelp, TyperCommand):
 
 # Storage tiers below the KV cache (docs/architecture.md, "Storage tiers"). The commands keep
 # computed document chunks on disk by default, so a second run (or `lazyattn cache warm`) loads
-# them instead of computing them again: docs/benchmarks.md, "Storage tiers", has the measurements.
+# them instead of computing them again (SmolLM2 on a 2-core CPU: a 512-token chunk loads from disk in
+# 47.7 ms, recomputing it takes 892 ms).
 DEFAULT_DISK_CACHE_BYTES = "2GiB"
 DISK_CACHE = typer.Option(None, "--disk-cache", metavar="DIR",
                           help="Where computed document chunks are kept for later runs (default: chunks/ under the "

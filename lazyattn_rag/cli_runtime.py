@@ -10,7 +10,7 @@ busy as it starts, which only an environment variable read before torch loads ca
   one: a pool thread that loses its core stalls every region, and the spinning ones take the
   cores the others need. Decode steps of the default SmolLM2 on 2 cores beside one busy
   process are several times slower with libgomp's defaults than with one thread
-  (``docs/benchmarks.md``, "Start-up (CPU)"). So when other processes are running now
+  (215-546 against 65-74 ms a step). So when other processes are running now
   (``procs_running`` of ``/proc/stat``, the least of a few samples over ~10 ms: what stays busy, not a blip), the
   pool gets the cores left (at least one) and waits passively (``OMP_NUM_THREADS``,
   ``OMP_WAIT_POLICY=PASSIVE``); a quiet machine keeps libgomp's defaults. Either variable set
@@ -19,7 +19,7 @@ busy as it starts, which only an environment variable read before torch loads ca
   previous runs.)
 * **No full garbage collection at exit.** The interpreter's final collections walk the ~300k
   objects that torch and transformers leave (a noticeable part of a short command's time on
-  2 cores: ``docs/benchmarks.md``, "Start-up (CPU)"); the command is over, so
+  2 cores: docs/history/benchmarks-log.md, "Start-up (CPU)"); the command is over, so
   the last exit handler freezes them (``gc.freeze``) instead. Not when triton is loaded (CUDA):
   its nanobind bindings print a "leaked" line for each of its objects left uncollected.
 """

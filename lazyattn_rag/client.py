@@ -55,7 +55,8 @@ class EngineClient:
         # server tokenizes in one worker thread too): concurrent planners would contend for the
         # GIL and the passage learner's lock. With a thread per caller, 16 concurrent
         # 17k-character prompts spent about 100 ms more before submission than by-id requests
-        # on the H200 (docs/benchmarks.md); this one thread is not measured there yet.
+        # on the H200 (251 against 149 ms, benchmarks/results/http_reuse_h200_diag.json); this
+        # one thread is not measured yet.
         self.planning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazyattn-plan")
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:

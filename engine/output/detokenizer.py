@@ -20,8 +20,8 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
     Each call decodes a short window, not the whole output (which made a token's cost grow with
-    the output: 82 us per token over 1,024 tokens of SmolLM2, now 5 us; docs/benchmarks.md,
-    "Host time per step"). The window runs from ``prefix_offset`` (a few
+    the output: 82 us per token over 1,024 tokens of SmolLM2, now 5 us, on a 2-core CPU). The
+    window runs from ``prefix_offset`` (a few
     tokens already released, decoded again as context so that a token's leading space or the
     second half of a character comes out as in a whole decode) to the newest token; the text
     the window adds past its context is released once it does not end in an incomplete

@@ -68,7 +68,7 @@ def kv_sums(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, ...]:
     numbers in any summation order). Any single flipped bit changes the plain sum; moved rows or
     columns change a weighted one. Taken on a GPU, it brought an H200's whole host-tier load of a
     64 MiB chunk (copy included) to 3.6 ms, from 13 ms with XXH3 on the host
-    (``docs/benchmarks.md``, "Storage tiers"); on the CPU, torch's integer reductions are slower
+    (``benchmarks/tiers.py``); on the CPU, torch's integer reductions are slower
     than XXH3. It guards against damage, not an adversary.
 
     Args:

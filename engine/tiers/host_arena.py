@@ -2,9 +2,9 @@
 
 The host tier keeps each chunk's K/V in pages of one arena allocated once, at start-up, for the
 tier's whole budget (in slabs of at most 1 GiB): pinned on a GPU machine, so a chunk moves between the pool and host memory
-with asynchronous copies and no allocation on the way (pinning memory per write-back is the
-suspected cause of the stalls measured with the earlier host tier, ``docs/benchmarks.md``,
-"Storage tiers"; vLLM's CPU swap space and LMCache's CPU backend preallocate pinned memory too). A page
+with asynchronous copies and no allocation on the way (with two fresh pinned buffers per evicted
+chunk, the earlier host tier stalled an H200's decode steps to 39-56 ms; with the arena TPOT is
+level with no tier; vLLM's CPU swap space and LMCache's CPU backend preallocate pinned memory too). A page
 holds ``page_bytes`` bytes (the keys of one KV block over all layers); a chunk's keys and values
 take ``ceil(bytes / page_bytes)`` pages each, anywhere in the arena.
 

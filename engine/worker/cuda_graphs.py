@@ -10,8 +10,8 @@ vLLM and SGLang do).
 A step's inputs travel in one host-to-device copy: the step fills a pinned host buffer laid
 out like the graphs' static inputs (token ids, positions, slots, sequence lengths, block
 counts, then the block-table rows in use) and copies its used part at once, instead of
-building five device tensors and copying each into the buffers (less host work; on an H200
-the engine's decode step did not change beyond its run-to-run spread, docs/benchmarks.md).
+building five device tensors and copying each into the buffers (less host work: ``torch.tensor``
+0.26 -> 0.10 ms a step; on an H200 the engine's decode step did not change beyond its 9 % spread).
 
 Padding rows of a bucket have no blocks (their attention output is zero) and write their
 K/V to ``padding_slot``, a slot the block pool never hands out. Block tables are

@@ -17,7 +17,7 @@ the step):
 ``results/prefill_layout_h200.json`` and ``results/prefill_neighbours_h200.json`` were written by
 this script's first form (two scratch scripts, the same launches and timing)::
 
-    python benchmarks/prefill_engine_gap.py --out benchmarks/results/prefill_engine_gap_h200.json
+    python benchmarks/investigations/prefill_engine_gap.py --out benchmarks/results/prefill_engine_gap_h200.json
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.gemv import graph_ms
 from benchmarks.kernels import DTYPE, bench_ms, build_paged, inv_freq_for, prefill_segments

@@ -6,18 +6,18 @@ kernel with its default launch (the ``default``), today's kernel with the rotati
 (``rotation="none"``: what the rotation costs), today's kernel reading the step's K/V through
 pointers (``step_tma=False``: what the tensor descriptors give), and each ``--variant`` file (a
 whole ``kernels/prefill.py``: an earlier commit's, or one made from a patch in
-``benchmarks/variants/``). Llama-3.1-8B heads (32/8, d128, bf16, block 16), the new tokens' K/V
+``benchmarks/investigations/variants/``). Llama-3.1-8B heads (32/8, d128, bf16, block 16), the new tokens' K/V
 handed to the kernel as the engine does. Shapes: ``kernels.py``'s 4k new tokens after 12k in 4
 chunks, ``prefill_ab.py``'s four serving-shaped batches, a 16k prompt, and a 20k prompt whose K/V
 are views of one fused q/k/v product (the engine's layout). Each variant's largest difference from
 the default's output is recorded (a variant marked "timing" in its patch computes something else).
 
     git show 954d456:kernels/prefill.py > /tmp/prefill_954d456.py
-    patch -o /tmp/rotation_registers.py /tmp/prefill_954d456.py benchmarks/variants/rotation_registers.patch
-    python benchmarks/prefill_variants.py --variant /tmp/prefill_954d456.py --variant /tmp/rotation_registers.py \\
+    patch -o /tmp/rotation_registers.py /tmp/prefill_954d456.py benchmarks/investigations/variants/rotation_registers.patch
+    python benchmarks/investigations/prefill_variants.py --variant /tmp/prefill_954d456.py --variant /tmp/rotation_registers.py \\
         --out benchmarks/results/prefill_variants_h200.json
 
-Write-up: docs/benchmarks.md, "Issue 19, eighth pass".
+Write-up: docs/history/benchmarks-log.md, "Issue 19, eighth pass" (and "ninth pass" for ``--repeats 7``).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.kernels import BLOCK_SIZE, build_paged, inv_freq_for, launch_options, prefill_segments
-from benchmarks.prefill_ab import load_kernel_module, shapes as serving_shapes
+from benchmarks.investigations.prefill_ab import load_kernel_module, shapes as serving_shapes
 from lazyattn_rag.kernels import prefill as current
 from lazyattn_rag.kernels.launch import block_key_starts, block_runs
 

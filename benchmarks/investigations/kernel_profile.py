@@ -18,7 +18,7 @@ heads: 32 q / 8 kv, d 128, bf16, block 16):
     ncu --clock-control none --profile-from-start off --nvtx -k regex:'decode|prefill' \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
         --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis \\
-        -o kprof python benchmarks/kernel_profile.py
+        -o kprof python benchmarks/investigations/kernel_profile.py
     ncu --import kprof.ncu-rep --csv --page details > kprof.csv
 
 Profiled launches come in the order printed (``profiled launch: <case>``). ``--static`` instead
@@ -40,7 +40,7 @@ import torch
 import triton
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks.*`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.kernels import (BLOCK_SIZE, DTYPE, MODELS, bench_ms, build_paged, decode_segments,
                                inv_freq_for, prefill_segments)

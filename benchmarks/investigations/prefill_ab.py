@@ -11,7 +11,7 @@ tokens over 5 chunks. Also each output's largest difference from the earlier ker
 (``results/prefill_ab_h200.json`` was written by this script's first form, same shapes and timing.)
 
     git show eb4fe53:kernels/prefill.py > /tmp/old_prefill.py
-    python benchmarks/prefill_ab.py --old /tmp/old_prefill.py --label eb4fe53 --out benchmarks/results/prefill_ab_h200.json
+    python benchmarks/investigations/prefill_ab.py --old /tmp/old_prefill.py --label eb4fe53 --out benchmarks/results/prefill_ab_h200.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.kernels import BLOCK_SIZE, build_paged, inv_freq_for, launch_options
 from lazyattn_rag.kernels import prefill as current
