@@ -13,30 +13,64 @@ gives back exactly what it took.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
+from collections.abc import Callable
 
+from lazyattn_rag.engine.counters import EngineCounters
+from lazyattn_rag.engine.kv.block_table import BlockEntry
+from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
 from lazyattn_rag.engine.planning.fingerprint import chunk_key
+from lazyattn_rag.engine.scheduling.capacity import BlockBudget
 from lazyattn_rag.engine.scheduling.request import Request
 from lazyattn_rag.engine.scheduling.scheduler_output import CopyJob, ChunkPrefillTask, LoadJob, SchedulerOutput
+from lazyattn_rag.engine.scheduling.selective_schedule import SelectiveRecompute
+from lazyattn_rag.engine.tiers.chunk_tiers import ChunkTiers
 from lazyattn_rag.types.errors import CacheCapacityError
 
 logger = logging.getLogger(__name__)
 
 
-class ChunkAdmission:
-    """The :class:`~lazyattn_rag.engine.scheduling.scheduler.Scheduler`'s acquisition methods (a mixin: they
-    read its cache, encode tasks, capacity and release)."""
+class Admission(enum.Enum):
+    """What :meth:`ChunkAdmission.acquire` did with a waiting request."""
 
-    def _acquire(self, request: Request, out: SchedulerOutput, budget: int) -> str:
-        """Pin hits and schedule encodes of misses: ``"ok"``, ``"wait"`` (no room now) or ``"failed"``."""
+    ADMITTED = "admitted"  # its chunks are pinned or being made, its private blocks taken
+    WAIT = "wait"  # no room now: it holds nothing and stays first in line
+    FAILED = "failed"  # it could never fit: reported in the step's ``failed``
+
+
+class ChunkAdmission:
+    """A waiting request acquires its chunks (see the module docstring).
+
+    Args:
+        cache: the chunk cache (pins, pending entries, blocks).
+        budget: the block arithmetic (:class:`~lazyattn_rag.engine.scheduling.capacity.BlockBudget`).
+        selective: selective recompute's part (its block copies are reserved at admission).
+        chunk_tasks: the scheduler's list of chunks being encoded (new encodes are appended).
+        release: gives back what a request holds (the scheduler's ``release``).
+        anchor_context: the anchor's block-table entries (a document chunk is encoded after them).
+        tiers: storage tiers a missing chunk is loaded from; ``None``: none.
+        counters: the engine's counters (key collisions).
+    """
+
+    def __init__(self, cache: ChunkCache, budget: BlockBudget, selective: SelectiveRecompute,
+                 chunk_tasks: list[ChunkPrefillTask], release: Callable[[Request], None],
+                 anchor_context: list[BlockEntry], tiers: ChunkTiers | None, counters: EngineCounters):
+        self.cache, self.budget, self.selective, self.chunk_tasks = cache, budget, selective, chunk_tasks
+        self.release, self.anchor_context, self.tiers, self.counters = release, anchor_context, tiers, counters
+        self.block_size = cache.block_size
+
+    def acquire(self, request: Request, out: SchedulerOutput) -> Admission:
+        """Pin hits and schedule encodes of misses (see :class:`Admission`); what an acquisition
+        that raises took is given back before the exception propagates."""
         chunks = {c.key: c for c in request.plan.chunks}  # unique, in prompt order
         num_private = 0 if request.warm_only else request.num_private_tokens + 1  # + the next token
-        total_blocks = self.num_blocks_needed(request, num_private)
-        if total_blocks > self.num_usable_blocks:  # the engine's admission check makes this rare
+        total_blocks = self.budget.num_blocks_needed(request, num_private)
+        if total_blocks > self.budget.num_usable_blocks:  # the engine's admission check makes this rare
             out.failed.append((request, CacheCapacityError(
                 f"request needs {total_blocks} KV blocks ({request.plan.num_prompt_tokens} prompt tokens) but "
-                f"the cache has {self.describe_capacity()}")))
-            return "failed"
+                f"the cache has {self.budget.describe()}")))
+            return Admission.FAILED
         hits, misses = [], []
         for key, chunk in list(chunks.items()):
             # a dead entry still held by others holds exactly this content: a hit
@@ -62,15 +96,15 @@ class ChunkAdmission:
         # requests admitted without them could each hold their chunks while waiting for the
         # others' copies, and none ever run.
         num_private = request.num_private_blocks(request.num_tokens_to_compute, self.block_size)
-        num_copies = 0 if request.warm_only else self.max_selected_blocks(request)
-        need = sum(self.blocks_for(len(c.token_ids)) for c in misses) + num_private + num_copies
+        num_copies = 0 if request.warm_only else self.selective.max_blocks(request)
+        need = sum(self.budget.blocks_for(len(c.token_ids)) for c in misses) + num_private + num_copies
         if sources and not self.cache.can_allocate(need):  # room only by evicting the sources: encode instead
             for src in sources.values():
                 self.cache.unpin(src.key)
             sources = {}
         if not self.cache.can_allocate(need):
             self.release(request)
-            return "wait"
+            return Admission.WAIT
         created: list[str] = []
         try:
             copied = self._start_misses(request, misses, out, sources, created)
@@ -85,7 +119,7 @@ class ChunkAdmission:
         for chunk in hits:  # a hit for the eviction policy once per admission, not per step spent waiting
             self.cache.lookup(chunk.key, include_dead=True)
         self._account(request, {c.key for c in misses}, copied)
-        return "ok"
+        return Admission.ADMITTED
 
     def _rekey_collision(self, request: Request, chunk):
         """A cached entry under ``chunk``'s key holds other tokens (a digest collision, or a key
@@ -108,7 +142,7 @@ class ChunkAdmission:
         mine = set(created)
         for job in [j for j in out.chunk_prefills if j.key in mine]:
             out.chunk_prefills.remove(job)
-        self.chunk_tasks = [t for t in self.chunk_tasks if t.key not in mine]
+        self.chunk_tasks[:] = [t for t in self.chunk_tasks if t.key not in mine]  # the scheduler's list
         for job in [j for j in out.copies if j.dst_key in mine]:
             out.copies.remove(job)
             self.cache.unpin(job.src_key)
@@ -139,7 +173,7 @@ class ChunkAdmission:
         """
         copied = set()
         for chunk in misses:
-            blocks = self.cache.allocate(self.blocks_for(len(chunk.token_ids)))
+            blocks = self.cache.allocate(self.budget.blocks_for(len(chunk.token_ids)))
             try:
                 self.cache.insert_pending(chunk.key, blocks, len(chunk.token_ids), chunk.local_start,
                                           chunk.source_key, document=chunk.doc_id is not None and not chunk.learned,

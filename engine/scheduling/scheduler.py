@@ -31,7 +31,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from lazyattn_rag.engine.scheduling.admission import ChunkAdmission
+from lazyattn_rag.engine.scheduling.admission import Admission, ChunkAdmission
+from lazyattn_rag.engine.scheduling.capacity import BlockBudget
 from lazyattn_rag.engine.kv.block_table import BlockEntry, block_table_entries
 from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
 from lazyattn_rag.engine.tiers.chunk_tiers import ChunkTiers
@@ -42,8 +43,10 @@ from lazyattn_rag.engine.scheduling.scheduler_output import ComputeJob, ChunkPre
 from lazyattn_rag.engine.scheduling.selective_schedule import SelectiveRecompute
 
 
-class Scheduler(ChunkAdmission, SelectiveRecompute):
-    """Continuous batching over the chunk cache.
+class Scheduler:
+    """Continuous batching over the chunk cache, composed of the parts it hands each concern:
+    :attr:`budget` (block arithmetic), :attr:`admission` (a waiting request acquires its
+    chunks) and :attr:`selective` (selective recompute's steps).
 
     Args:
         cache: the chunk cache (and through it the block pool).
@@ -78,6 +81,10 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
         self.chunk_tasks: list[ChunkPrefillTask] = []  # chunks being encoded, oldest first
         self.counters = counters if counters is not None else EngineCounters()
         self._released: list[str] = []  # request ids released since the last schedule()
+        self.selective = SelectiveRecompute(cache)
+        self.budget = BlockBudget(cache, anchor_context, anchor_key, self.selective)
+        self.admission = ChunkAdmission(cache, self.budget, self.selective, self.chunk_tasks, self.release,
+                                        anchor_context, tiers, self.counters)
 
     # --- queue management -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -112,7 +119,7 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
         if request.private_blocks:
             self.cache.pool.decref(request.private_blocks)
             request.private_blocks = []
-        self._release_selection(request)
+        self.selective.release(request)
         self.cache.release(request.request_id)
         request.context_entries = []
         request.context_len = 0
@@ -120,23 +127,19 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
         request.num_prefix_tokens = 0
         request.num_prefix_registered = 0
 
-    # --- capacity -------------------------------------------------------------------------------
+    # --- capacity (the engine's admission check reads these) ----------------------------------
     @property
     def num_usable_blocks(self) -> int:
-        """Blocks a request may ever hold: the pool less the anchor's (pinned for good)."""
-        return self.cache.pool.num_blocks - len(self.anchor_context)
+        return self.budget.num_usable_blocks
 
     def describe_capacity(self) -> str:
-        anchor = f", {len(self.anchor_context)} of them held by the anchor" if self.anchor_context else ""
-        return f"{self.cache.pool.num_blocks} blocks of {self.block_size} tokens{anchor}"
+        return self.budget.describe()
 
     def num_blocks_needed(self, request: Request, num_private_tokens: int) -> int:
-        """Blocks ``request`` holds at once with ``num_private_tokens`` private tokens (text
-        segments, tail, generated) written: its chunks' (each starts a block; the anchor's are
-        not counted) plus its private blocks."""
-        chunks = {c.key: c for c in request.plan.chunks if c.key != self.anchor_key}
-        return (sum(self.blocks_for(len(c.token_ids)) for c in chunks.values())
-                + request.num_private_blocks(num_private_tokens, self.block_size) + self.max_selected_blocks(request))
+        return self.budget.num_blocks_needed(request, num_private_tokens)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return self.budget.blocks_for(num_tokens)
 
     # --- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -171,7 +174,7 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
             if job.final:  # the chunk's last piece: readable from now on; the encoder lets go
                 self.cache.mark_ready(job.key)
                 self.cache.unpin(job.key)
-        self._finish_selections(out)
+        self.selective.finish(out)
         for job in out.computes:
             job.request.num_computed += job.num_tokens
             if job.request.plan.prefix_block_keys:
@@ -238,9 +241,6 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
             if job.final:
                 self.chunk_tasks.remove(task)
         return budget
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         for request in list(self.running):
@@ -316,8 +316,8 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
             this_step = out.written_keys() if joins else set()
             if budget <= 0 or not all(self.cache.held(k).ready or k in this_step for k in pinned):
                 return 0
-        if not request.warm_only and self._selection_pending(request):
-            out.selections.append(self._selection_job(request))
+        if not request.warm_only and self.selective.pending(request):
+            out.selections.append(self.selective.job(request))
             return 0
         self.acquired.remove(request)
         if request.warm_only:
@@ -326,7 +326,7 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
         chunk_starts: dict[int, int] = {}
         context = self._context_of(request, chunk_starts)
         if request.plan.selective_ratio:
-            self._apply_selection(request, out, context, chunk_starts)
+            self.selective.apply(request, out, context, chunk_starts)
         request.context_entries = context
         request.context_len = sum(e.num_valid for e in context)
         request.status = RequestStatus.RUNNING
@@ -385,15 +385,15 @@ class Scheduler(ChunkAdmission, SelectiveRecompute):
             request = self.waiting[0]
             num_tasks = len(self.chunk_tasks)
             try:
-                status = self._acquire(request, out, budget)
+                status = self.admission.acquire(request, out)
             except Exception as error:  # fails this request alone; what it took is given back
                 self.waiting.popleft()
                 out.failed.append((request, error))
                 continue
-            if status == "wait":
+            if status is Admission.WAIT:
                 return
             self.waiting.popleft()
-            if status == "failed":
+            if status is Admission.FAILED:
                 continue
             budget = self._schedule_chunk_prefills(out, self.chunk_tasks[num_tasks:], budget)
             self.acquired.append(request)

@@ -13,18 +13,28 @@ by layer. The cached chunk and its blocks are never written.
 from __future__ import annotations
 
 from lazyattn_rag.engine.kv.block_table import BlockEntry, SelectedQuery
+from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
 from lazyattn_rag.engine.scheduling.request import Request
 from lazyattn_rag.engine.scheduling.scheduler_output import SchedulerOutput, SelectionJob, SlotCopyJob
 from lazyattn_rag.engine.scheduling.selective_recompute import num_selected
 
 
 class SelectiveRecompute:
-    """Mixin of :class:`~lazyattn_rag.engine.scheduling.scheduler.Scheduler` (reads its cache and block size)."""
+    """The scheduler's selective-recompute steps (see the module docstring).
 
-    def _selection_pending(self, request: Request) -> bool:
+    Args:
+        cache: the chunk cache (the chunks' blocks, and the pool the copies come from).
+    """
+
+    def __init__(self, cache: ChunkCache):
+        self.cache, self.block_size = cache, cache.block_size
+
+    def pending(self, request: Request) -> bool:
+        """Whether ``request`` still waits for its selection to be measured."""
         return bool(request.plan.selective_ratio) and request.selected_tokens is None
 
-    def _selection_job(self, request: Request) -> SelectionJob:
+    def job(self, request: Request) -> SelectionJob:
+        """The measurement of ``request``'s selection, for the next pass."""
         chunks = []
         for index, chunk in enumerate(request.plan.chunks):
             if chunk.doc_id is not None:
@@ -32,7 +42,7 @@ class SelectiveRecompute:
                 chunks.append((index, list(entry.block_ids), entry.num_tokens, chunk.global_start - entry.local_start))
         return SelectionJob(request, chunks)
 
-    def _selected_block_keys(self, request: Request) -> list[tuple[int, int]]:
+    def _block_keys(self, request: Request) -> list[tuple[int, int]]:
         """``(chunk index, block index)`` of every block holding a selected token, in prompt order."""
         bs, keys = self.block_size, []
         for index in sorted(request.selected_tokens or {}, key=lambda i: request.plan.chunks[i].global_start):
@@ -40,21 +50,21 @@ class SelectiveRecompute:
                 keys.append((index, b))
         return keys
 
-    def max_selected_blocks(self, request: Request) -> int:
+    def max_blocks(self, request: Request) -> int:
         """The most blocks ``request`` copies for selective recompute (before it is measured)."""
         ratio = request.plan.selective_ratio
         if not ratio:
             return 0
-        return sum(min(self.blocks_for(len(c.token_ids)), num_selected(len(c.token_ids), ratio))
+        return sum(min(-(-len(c.token_ids) // self.block_size), num_selected(len(c.token_ids), ratio))
                    for c in request.plan.chunks if c.doc_id is not None)
 
-    def _apply_selection(self, request: Request, out: SchedulerOutput, context: list[BlockEntry],
-                         chunk_starts: dict[int, int]) -> None:
+    def apply(self, request: Request, out: SchedulerOutput, context: list[BlockEntry],
+              chunk_starts: dict[int, int]) -> None:
         """Copy the blocks holding selected tokens into blocks of ``request`` (reserved at
-        admission, :meth:`max_selected_blocks`; the ones left over are given back), point
+        admission, :meth:`max_blocks`; the ones left over are given back), point
         ``context`` (its entries; ``chunk_starts``: chunk index -> its first entry) at the
         copies, and set its queries."""
-        keys = self._selected_block_keys(request)
+        keys = self._block_keys(request)
         blocks, spare = request.selected_blocks[:len(keys)], request.selected_blocks[len(keys):]
         if spare:
             self.cache.pool.decref(spare)
@@ -75,7 +85,7 @@ class SelectiveRecompute:
                         for t in request.selected_tokens[index] if t // bs == b]
         request.selected_queries = queries
 
-    def _finish_selections(self, out: SchedulerOutput) -> None:
+    def finish(self, out: SchedulerOutput) -> None:
         """After the pass: the measured selections (applied when each request is promoted)."""
         for job in out.selections:
             job.request.selected_tokens = job.selected
@@ -83,7 +93,8 @@ class SelectiveRecompute:
             job.request.stats.num_computed_tokens += num_selected_tokens
             job.request.stats.num_recomputed_tokens += num_selected_tokens
 
-    def _release_selection(self, request: Request) -> None:
+    def release(self, request: Request) -> None:
+        """Give back ``request``'s copy blocks and queries."""
         if request.selected_blocks:
             self.cache.pool.decref(request.selected_blocks)
             request.selected_blocks = []
