@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable
 
 from lazyattn_rag.client import MakeRequest, PlannedRequest, chat_request, prompt_request, question_request
-from lazyattn_rag.llm import LazyAttention
+from lazyattn_rag.llm import LazyAttention, collect
 from lazyattn_rag.types.config import RequestRemedies
 from lazyattn_rag.types.documents import Document, RemovedDocument
 from lazyattn_rag.types.messages import Message
@@ -123,12 +123,4 @@ class AsyncLazyAttention:
 
 
 async def _collect(deltas: AsyncIterator[StreamDelta]) -> Completion:
-    text, token_ids, logprobs, last = [], [], [], None
-    async for delta in deltas:
-        text.append(delta.text)
-        if delta.token_id is not None:
-            token_ids.append(delta.token_id)
-        if delta.logprobs is not None:
-            logprobs.append(delta.logprobs)
-        last = delta
-    return Completion("".join(text), token_ids, last.finish_reason, last.stats, logprobs or None)
+    return collect([delta async for delta in deltas])

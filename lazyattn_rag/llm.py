@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from lazyattn_rag.client import (
     EngineClient,
@@ -34,6 +34,9 @@ from lazyattn_rag.types.documents import Document, RemovedDocument
 from lazyattn_rag.types.messages import Message, as_message
 from lazyattn_rag.types.outputs import Completion, FidelityReport, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from lazyattn_rag.async_llm import AsyncLazyAttention
 
 _SHARED: dict[EngineConfig, "LazyAttention"] = {}  # LazyAttention.shared(): one engine per configuration
 _SHARED_LOCK = threading.Lock()
@@ -232,7 +235,7 @@ class LazyAttention:
                  sampling: SamplingParams | None = None, namespace: str = "", *,
                  remedies: RequestRemedies | None = None) -> Completion:
         """Answer ``question``; same arguments and errors as :meth:`stream`."""
-        return _collect(self.stream(question, doc_ids, documents, sampling, namespace, remedies=remedies))
+        return collect(self.stream(question, doc_ids, documents, sampling, namespace, remedies=remedies))
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                     sampling: SamplingParams | None = None, namespace: str = "", *,
@@ -265,7 +268,7 @@ class LazyAttention:
              sampling: SamplingParams | None = None, namespace: str = "", *,
              remedies: RequestRemedies | None = None) -> Completion:
         """Answer chat ``messages``; same arguments and errors as :meth:`stream_chat`."""
-        return _collect(self.stream_chat(messages, documents, sampling, namespace, remedies=remedies))
+        return collect(self.stream_chat(messages, documents, sampling, namespace, remedies=remedies))
 
     def aio(self) -> "AsyncLazyAttention":
         """The asyncio twin of this engine (:class:`~lazyattn_rag.async_llm.AsyncLazyAttention`),
@@ -298,7 +301,7 @@ class LazyAttention:
 
     def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Completion:
         """Complete a plain prompt (no chunk reuse); see :meth:`stream_prompt`."""
-        return _collect(self.stream_prompt(prompt, sampling))
+        return collect(self.stream_prompt(prompt, sampling))
 
     def check_fidelity(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                        sampling: SamplingParams | None = None, namespace: str = "", *,
@@ -381,7 +384,8 @@ class LazyAttention:
         self.close()
 
 
-def _collect(deltas: Iterator[StreamDelta]) -> Completion:
+def collect(deltas: Iterable[StreamDelta]) -> Completion:
+    """The :class:`Completion` of a finished stream's deltas (text, token ids, logprobs, the last's stats)."""
     text, token_ids, logprobs, last = [], [], [], None
     for delta in deltas:
         text.append(delta.text)
