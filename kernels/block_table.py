@@ -16,7 +16,7 @@ Bit layout of the (signed) int64 word, low to high::
 
 Offsets up to +-2**24 tokens (and beyond, to 2**25 - 1) fit. Anything outside these
 ranges raises :class:`BlockTableOverflowError`; nothing wraps. The layout is read in one
-place on each side: :func:`unpack_word` here, ``triton_helpers.unpack_word`` in the kernels
+place on each side: :func:`unpack_word` here, ``triton_helpers``' ``word_*`` helpers in the kernels
 (an arithmetic shift keeps delta's sign).
 """
 

@@ -47,7 +47,8 @@ from lazyattn_rag.kernels.launch import (
     launch_prologue,
     rotation_code,
 )
-from lazyattn_rag.kernels.triton_helpers import mma, rotated_rows, rotation, run_score_scale, unpack_word
+from lazyattn_rag.kernels.triton_helpers import (mma, rotated_rows, rotation, run_score_scale, word_block_id,
+                                                 word_delta, word_valid)
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_rsr"])  # step-varying widths: see prefill_kernel
@@ -135,7 +136,7 @@ def decode_kernel(
                 score_scale, score_bias = run_score_scale(word0, sm_scale_log2, chunk_inv_temperature,
                                                           chunk_log2_weight)
             if ROTATION == 1:  # "query" (launch.ROTATION_CODES)
-                _, _, _, delta = unpack_word(word0)  # one delta per run
+                delta = word_delta(word0)  # one delta per run
                 if delta != cur_delta:  # a new chunk: rotate the ORIGINAL query (re-read) by -delta
                     cos, sin, partner = rotation(-delta, inv_freq_ptr, HEAD_DIM, HALF, PAIR_STRIDE, X2_OFF,
                                                  ACCURATE_TRIG)
@@ -145,8 +146,8 @@ def decode_kernel(
                 blk = first + blk_in_tile  # [BLOCK_N] block-table index per key
                 blk_ok = lane_ok & (blk < b1)
                 word = tl.load(bt_row + blk, mask=blk_ok, other=0)  # [BLOCK_N] int64
-                block_id, _, valid, _ = unpack_word(word)
-                key_ok = blk_ok & (slot < valid)
+                block_id = word_block_id(word)
+                key_ok = blk_ok & (slot < word_valid(word))
                 k_rows = block_id * stride_kb + slot * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
                 v_rows = block_id * stride_vb + slot * stride_vs + kv_head * stride_vh
                 k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]

@@ -65,7 +65,8 @@ from lazyattn_rag.kernels.launch import (
     launch_prologue,
     rotation_code,
 )
-from lazyattn_rag.kernels.triton_helpers import attend, rotated_rows, rotation, run_score_scale, unpack_word
+from lazyattn_rag.kernels.triton_helpers import (attend, rotated_rows, rotation, run_score_scale, word_block_id,
+                                                 word_delta, word_scaled, word_valid)
 
 try:  # host-side tensor descriptors (TMA on Hopper): Triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -100,9 +101,9 @@ def prefill_tile(
         key_idx = tl.load(ks_row + blk, mask=blk_ok, other=0) + slot  # [BLOCK_N] global key index
     else:
         word = tl.load(bt_row + blk)
-    block_id, _, valid, _ = unpack_word(word)
+    block_id = word_block_id(word)
     if MASKED:  # valid slots no row may see are not read either (their values need not be finite)
-        key_ok = blk_ok & (slot < valid) & (key_idx <= limit_max)
+        key_ok = blk_ok & (slot < word_valid(word)) & (key_idx <= limit_max)
     k_rows = block_id * stride_kb + slot * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
     v_rows = block_id * stride_vb + slot * stride_vs + kv_head * stride_vh
     if MASKED:
@@ -261,10 +262,9 @@ def prefill_kernel(
         last_start = tl.load(rs_row + tl.maximum(n_runs - 1, 0))
         last_word = tl.load(bt_row + last_start, mask=has_runs, other=0)
         last_key = tl.load(ks_row + last_start, mask=has_runs, other=0)
-        _, last_scaled, _, last_delta = unpack_word(last_word)
-        in_step = has_runs & (last_key <= ctx_len) & (last_delta == 0)
+        in_step = has_runs & (last_key <= ctx_len) & (word_delta(last_word) == 0)
         if CHUNK_SCALING:
-            in_step = in_step & (last_scaled == 0)
+            in_step = in_step & (word_scaled(last_word) == 0)
         row_limit = tl.where(in_step, ctx_len - 1, row_limit)
         limit_min = tl.where(in_step, ctx_len - 1, limit_min)
         limit_max = tl.where(in_step, ctx_len - 1, limit_max)
@@ -284,7 +284,7 @@ def prefill_kernel(
         b_end = tl.minimum(b1, n_visit)
         if b0 < b_end:
             word0 = tl.load(bt_row + b0)
-            _, _, _, delta = unpack_word(word0)  # one delta for the whole run
+            delta = word_delta(word0)  # one delta for the whole run
             score_scale = sm_scale_log2
             score_bias = 0.0
             if CHUNK_SCALING:  # one flag for the whole run too (block_runs splits at a change)

@@ -17,15 +17,36 @@ _DELTA_SHIFT = tl.constexpr(DELTA_SHIFT)
 
 
 @triton.jit
+def word_block_id(word):
+    """The physical block id of block-table words (any shape)."""
+    return word & _ID_MASK
+
+
+@triton.jit
+def word_scaled(word):
+    """Whether block-table words carry the chunk-attention-scaling flag (bool, any shape)."""
+    return ((word >> _SCALED_SHIFT) & 1) != 0
+
+
+@triton.jit
+def word_valid(word):
+    """The filled slots of the blocks of block-table words (1..block size, any shape)."""
+    return ((word >> _VALID_SHIFT) & _VALID_MASK) + 1
+
+
+@triton.jit
+def word_delta(word):
+    """The RoPE offset of block-table words (signed: an arithmetic shift, any shape)."""
+    return word >> _DELTA_SHIFT
+
+
+@triton.jit
 def unpack_word(word):
-    """``(block_id, scaled, valid, delta)`` of int64 block-table words (any shape): the kernels'
-    one reading of the layout (its Python twin: ``block_table.unpack_word``); the fields a
-    caller leaves unused cost nothing once compiled."""
-    block_id = word & _ID_MASK
-    scaled = ((word >> _SCALED_SHIFT) & 1) != 0
-    valid = ((word >> _VALID_SHIFT) & _VALID_MASK) + 1
-    delta = word >> _DELTA_SHIFT  # arithmetic shift: keeps the sign
-    return block_id, scaled, valid, delta
+    """``(block_id, scaled, valid, delta)`` of block-table words: the kernels' reading of the
+    layout, one field per helper above (a kernel calls the one it needs: a ``_`` placeholder for
+    the others would be a variable the compiler carries through loops); its Python twin is
+    ``block_table.unpack_word``."""
+    return word_block_id(word), word_scaled(word), word_valid(word), word_delta(word)
 
 
 @triton.jit
@@ -42,7 +63,7 @@ def run_score_scale(word, sm_scale_log2, chunk_inv_temperature, chunk_log2_weigh
     """``(scale, bias)`` of a run's log2-domain scores (``dot * scale + bias``), from the run's
     first block-table word: chunk attention scaling's (APE, ``launch.ChunkScaling``) when its
     ``scaled`` flag is set, else ``(sm_scale_log2, 0)``."""
-    _, scaled, _, _ = unpack_word(word)
+    scaled = word_scaled(word)
     return (tl.where(scaled, sm_scale_log2 * chunk_inv_temperature, sm_scale_log2),
             tl.where(scaled, chunk_log2_weight, 0.0))
 
