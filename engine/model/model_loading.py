@@ -9,7 +9,9 @@ transformers (``gguf``) dequantizes it once; the result is saved as safetensors 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import logging
 import os
@@ -186,9 +188,10 @@ def _read_gguf(gguf_path: Path):
 
     with stage("  reading its tokenizer from the GGUF"):
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    # one bar for the stage: transformers' GGUF dequantization bar (tensor by tensor, the slow
-    # part); its "Loading weights" bar that follows is off
-    with stage("  dequantizing its weights", has_own_bar=True), no_transformers_bars():
+    # no third-party bars: the stage ticks its own seconds; transformers' "Loading weights" bar is
+    # off, and its GGUF dequantization bar (tqdm, to stderr, no switch) goes to a buffer, dropped
+    # (the stage's line, captured first, still reaches the real stderr; errors raise)
+    with stage("  dequantizing its weights"), no_transformers_bars(), contextlib.redirect_stderr(io.StringIO()):
         model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                      dtype=torch.float32)
     return tokenizer, model
