@@ -145,8 +145,8 @@ class LLMEngine:
         Raises:
             CacheCapacityError: the explicit limit does not fit, or not even two tokens do.
         """
-        bs, capacity = self.block_size, self.scheduler.describe_capacity()
-        fits = (self.scheduler.num_usable_blocks - 1) * bs
+        bs, capacity = self.block_size, self.scheduler.budget.describe()
+        fits = (self.scheduler.budget.num_usable_blocks - 1) * bs
         if max_model_len <= fits:
             return max_model_len
         advice = ("give the cache more memory (CacheConfig.kv_cache_bytes or num_blocks) or lower "
@@ -217,13 +217,13 @@ class LLMEngine:
             EmptyInputError, DocumentTooLongError: naming the document (and the blocks needed).
         """
         doc = self.planner.prepare_document(doc_id, text, namespace)
-        blocks, planner = self.scheduler.blocks_for, self.planner
+        blocks, planner = self.scheduler.budget.blocks_for, self.planner
         head = 0 if planner.head_key == planner.anchor_key else blocks(len(planner.head_ids))
         need = head + blocks(len(doc.token_ids)) + blocks(planner.min_tail_tokens + 1)
-        if need > self.scheduler.num_usable_blocks:
+        if need > self.scheduler.budget.num_usable_blocks:
             raise DocumentTooLongError(
                 f"document {doc_id!r} has {len(doc.token_ids)} tokens; with the prompt head and a question one "
-                f"request needs {need} KV blocks, but the cache has {self.scheduler.describe_capacity()}")
+                f"request needs {need} KV blocks, but the cache has {self.scheduler.budget.describe()}")
         return doc
 
     # --- submission -----------------------------------------------------------------------
@@ -326,13 +326,13 @@ class LLMEngine:
         """
         plan, params = request.plan, request.params
         num_outputs = 0 if request.warm_only else min(params.max_tokens, self.max_model_len - plan.num_prompt_tokens)
-        need = self.scheduler.num_blocks_needed(request, request.num_private_tokens + num_outputs)
-        if need > self.scheduler.num_usable_blocks:
+        need = self.scheduler.budget.num_blocks_needed(request, request.num_private_tokens + num_outputs)
+        if need > self.scheduler.budget.num_usable_blocks:
             num_docs = sum(c.doc_id is not None for c in plan.chunks)
             raise CacheCapacityError(
                 f"request needs {need} KV blocks for {plan.num_prompt_tokens} prompt tokens ({num_docs} documents) "
                 f"and up to {num_outputs} output tokens (max_tokens={params.max_tokens}), but the cache has "
-                f"{self.scheduler.describe_capacity()}: lower max_tokens, place fewer documents, or give the cache "
+                f"{self.scheduler.budget.describe()}: lower max_tokens, place fewer documents, or give the cache "
                 "more memory")
 
     def abort(self, request_id: str) -> bool:

@@ -313,7 +313,7 @@ def test_a_chunk_over_the_budget_is_encoded_in_pieces_after_the_anchor():
     s = scheduler(16, budget=8, anchor_tokens=1)
     cache = s.cache
     anchor = [BlockEntry(0, 0, 1)]
-    assert s.anchor_context == anchor and s.num_usable_blocks == 15
+    assert s.anchor_context == anchor and s.budget.num_usable_blocks == 15
     cache.bind_document("a", "A")
     r = request("r", plan(("H", 3, None), ("A", 10, "a"), tail=2, local_start=1), 1.0)
     s.add(r)

@@ -361,4 +361,14 @@ def test_a_requests_remedies_reach_the_engine_over_http(server, http):
     bad = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": QUESTION}],
                                                   "documents": ["d9"], "remedies": {"recompute_chunk_head_tokens": -1}})
     assert bad.status_code == 400 and "recompute_chunk_head_tokens" in bad.text
-    assert ask(http, ["d9"])["choices"][0]["finish_reason"] == "length"
+    for loose in ({"recompute_chunk_head_tokens": "2"}, {"recompute_chunk_head_tokens": True},
+                  {"recompute_chunk_head_tokens": 1 << 40}, {"chunk_attention_scaling": 1}):
+        refused = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": QUESTION}],
+                                                          "documents": ["d9"], "remedies": loose})
+        assert refused.status_code == 400, (loose, refused.text)
+    answer = ask(http, ["d9"])  # not streamed: the timings of every stage, in order
+    assert answer["choices"][0]["finish_reason"] == "length"
+    t = answer["lazyattn"]["timings"]
+    assert (t["ingress_received"] <= t["ingress_sent"] <= t["replica_received"] <= t["replica_first_event"]
+            <= t["ingress_first_event"])
+    assert http.head("/health").status_code == 200

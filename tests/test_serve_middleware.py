@@ -50,7 +50,9 @@ def test_the_gate_refuses_a_missing_or_wrong_key_before_any_route_and_counts_it(
     assert missing.headers["WWW-Authenticate"] == "Bearer"
     assert missing.json()["error"]["message"] == "missing API key: send 'Authorization: Bearer <key>'"
     assert wrong.json()["error"]["message"] == "invalid API key"
-    assert RESPONSES == {("unmatched", 401): 2}  # refused before the router matched a route
+    both = client.get("/whoami", headers=[("Authorization", "Bearer bad"), ("Authorization", "Bearer k1")])
+    assert both.status_code == 401 and both.json()["error"]["message"] == "more than one Authorization header"
+    assert RESPONSES == {("unmatched", 401): 3}  # refused before the router matched a route
 
 
 def test_a_valid_key_reaches_the_route_with_its_grant_and_health_needs_none(client):

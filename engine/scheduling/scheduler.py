@@ -127,20 +127,6 @@ class Scheduler:
         request.num_prefix_tokens = 0
         request.num_prefix_registered = 0
 
-    # --- capacity (the engine's admission check reads these) ----------------------------------
-    @property
-    def num_usable_blocks(self) -> int:
-        return self.budget.num_usable_blocks
-
-    def describe_capacity(self) -> str:
-        return self.budget.describe()
-
-    def num_blocks_needed(self, request: Request, num_private_tokens: int) -> int:
-        return self.budget.num_blocks_needed(request, num_private_tokens)
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return self.budget.blocks_for(num_tokens)
-
     # --- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """The next step's work (see the module docstring for the order).
@@ -204,7 +190,7 @@ class Scheduler:
         segments' among its private blocks, and a prefix hit's blocks are not among them."""
         bs = self.block_size
         hit_blocks = r.num_prefix_tokens // bs
-        text_blocks = sum(self.blocks_for(len(t.token_ids)) for t in r.plan.texts)
+        text_blocks = sum(self.budget.blocks_for(len(t.token_ids)) for t in r.plan.texts)
         tail_done = min(max(0, r.num_computed - r.plan.num_text_tokens),
                         len(r.plan.query_token_ids) - r.num_prefix_tokens)
         full = (r.num_prefix_tokens + tail_done) // bs
@@ -359,7 +345,7 @@ class Scheduler:
             else:
                 run = next(text_runs)
                 copy = request.plan.head_recompute_copy(segment, bs)
-                blocks = request.private_blocks[run.first_block: run.first_block + self.blocks_for(run.length)]
+                blocks = request.private_blocks[run.first_block: run.first_block + self.budget.blocks_for(run.length)]
                 entries += block_table_entries(blocks, run.length + (copy[2] if copy else 0), 0, bs)
         for key in request.plan.prefix_block_keys[: request.num_prefix_tokens // bs]:
             entries.append(BlockEntry(self.cache.held(key).block_ids[0], 0, bs))
@@ -376,7 +362,7 @@ class Scheduler:
             chunk, first, num = copy
             entry = self.cache.held(chunk.key)
             jobs.append(SlotCopyJob(entry.block_ids[chunk.num_skipped // bs],
-                                    request.private_blocks[run.first_block + self.blocks_for(run.length) - 1],
+                                    request.private_blocks[run.first_block + self.budget.blocks_for(run.length) - 1],
                                     first, num, chunk.global_start - entry.local_start))
         return jobs
 

@@ -111,25 +111,29 @@ def run(engine_config: EngineConfig, config: ServeConfig = ServeConfig(), ready:
 
     if not ray.is_initialized():
         start_ray(config.ray_address)
-    # the driver's "Started Serve", "connecting to existing Serve app" (ours, just started): said
-    # by `lazyattn serve`'s own start line; Serve's controller and proxy log at the app's level
-    logging.getLogger("ray.serve").setLevel(max(logging.getLogger("ray.serve").getEffectiveLevel(), logging.WARNING))
-    serve.start(http_options={"host": config.host, "port": config.port},
-                logging_config=LoggingConfig(log_level=config.log_level))
-    logging.getLogger("ray.serve").setLevel(logging.ERROR)
-    handle = serve.run(build_app(engine_config, config), name=config.app_name, route_prefix="/", blocking=False)
-    if ready is None:
-        return handle
-    ready()
-    # SIGTERM (what systemd, Docker and Kubernetes send) stops as Ctrl-C does; it replaces the
-    # handler Ray's core worker installed, which printed a stack dump and left the cleanup below out
-    signal.signal(signal.SIGTERM, _interrupt)
+    if ready is not None:
+        # SIGTERM (what systemd, Docker and Kubernetes send) stops as Ctrl-C does, from here on:
+        # it replaces the handler Ray's core worker installed, which printed a stack dump and
+        # skipped the cleanup below
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
+        # the driver's "Started Serve", "connecting to existing Serve app" (ours, just started):
+        # said by `lazyattn serve`'s own start line; Serve's controller and proxy log at the app's level
+        serve_logger = logging.getLogger("ray.serve")
+        serve_logger.setLevel(max(serve_logger.getEffectiveLevel(), logging.WARNING))
+        serve.start(http_options={"host": config.host, "port": config.port},
+                    logging_config=LoggingConfig(log_level=config.log_level))
+        serve_logger.setLevel(logging.ERROR)
+        handle = serve.run(build_app(engine_config, config), name=config.app_name, route_prefix="/", blocking=False)
+        if ready is None:
+            return handle
+        ready()
         while True:
             time.sleep(3600)
     finally:  # here, not in an exit handler a second Ctrl-C would interrupt
-        if config.ray_address is not None:  # a shared cluster: take our app off it, leave the rest
-            serve.delete(config.app_name)
-        # a private cluster goes with its processes (serve.shutdown() first would kill Serve's
-        # controller under its own graceful_shutdown call, which Ray then logs as a failure)
-        ray.shutdown()
+        if ready is not None:  # (with ready=None the caller keeps the cluster and the handle's life)
+            if config.ray_address is not None:  # a shared cluster: take our app off it, leave the rest
+                serve.delete(config.app_name)
+            # a private cluster goes with its processes (serve.shutdown() first would kill Serve's
+            # controller under its own graceful_shutdown call, which Ray then logs as a failure)
+            ray.shutdown()

@@ -37,7 +37,6 @@ import json  # no `from __future__ import annotations`: the routes' annotations 
 # pickles the ingress class by value and FastAPI could not resolve a string such as "Request" there
 import logging
 import time
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
@@ -45,6 +44,7 @@ from typing import Any
 from fastapi import FastAPI, Request  # at module level: FastAPI resolves the routes' annotations here
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from lazyattn_rag.serve.answer import Answer
 from lazyattn_rag.serve.auth import ANY_NAMESPACE, Authenticator, KeyGrant, load_grants
 from lazyattn_rag.serve.config import ServeConfig
 from lazyattn_rag.serve.http_errors import ApiError, parse, read_json
@@ -114,7 +114,7 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
                 self._info = await self.engine.info.remote()
             return self._info
 
-        @app.get("/health")
+        @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what some health checkers send
         async def health(self) -> dict:
             return {"status": "ok"}
 
@@ -221,9 +221,9 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
                                kind="not_found_error", param="model", code="model_not_found")
             _check_logprobs(body, config.max_logprobs)
             payload, keys = chat_payload(body, self.documents, passage_min_chars)
-            answer = _Answer(info["model"], {"ingress_received": received, "ingress_sent": time.time()})
+            answer = Answer(info["model"], {"ingress_received": received, "ingress_sent": time.time()})
             if not body.stream:
-                return answer.completion(await self._collect(payload, keys))
+                return answer.completion(await self._collect(payload, keys, answer.timings))
             events = self._events(payload, keys, retry_after_output=False)
             first = await anext(events)
             answer.timings["ingress_first_event"] = time.time()
@@ -252,9 +252,10 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
                     if given:
                         yield {"restart": True}
 
-        async def _collect(self, payload, keys) -> list[dict]:
+        async def _collect(self, payload, keys, timings: dict[str, float]) -> list[dict]:
             events = []  # a retried request starts over: the caller sees one whole answer
             async for event in self._events(payload, keys, retry_after_output=True):
+                timings.setdefault("ingress_first_event", time.time())
                 _raise_for(event)
                 if event.get("restart"):
                     events = []
@@ -267,7 +268,7 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
                 self.replica_requests[event["replica"]] += 1
                 self.replica_stats[event["replica"]] = event.get("engine", {})
 
-        async def _sse(self, answer: "_Answer", first: dict, events, include_usage: bool) -> AsyncIterator[str]:
+        async def _sse(self, answer: "Answer", first: dict, events, include_usage: bool) -> AsyncIterator[str]:
             yield _sse(answer.chunk({"role": "assistant", "content": ""}))
             event = first
             try:
@@ -344,42 +345,6 @@ def _raise_for(event: dict) -> None:
 
 def _sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
-
-
-class _Answer:
-    """The OpenAI objects of one answer."""
-
-    def __init__(self, model: str, timings: dict[str, float]):
-        self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model
-        self.timings = timings  # wall-clock seconds of the request's stages (see extension())
-
-    def extension(self, last: dict) -> dict:
-        """The ``lazyattn`` field of the answer's last chunk (or of the completion): the engine's
-        ``stats``, the ``replica`` and ``timings``, the wall-clock seconds (``time.time()``) at
-        which the ingress received the request, sent it to a replica, and got its first event
-        back, and at which the replica received it and gave out its first event: with the
-        engine's ``ttft_ms`` they say where a request's time to first token went."""
-        return {"stats": last["stats"], "replica": last["replica"],
-                "timings": self.timings | last.get("timings", {})}
-
-    def chunk(self, delta: dict, finish_reason: str | None = None, extension: dict | None = None,
-              logprobs: dict | None = None) -> dict:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason,
-                  "logprobs": {"content": [logprobs]} if logprobs else None}
-        out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-               "choices": [choice]}
-        return out | ({"lazyattn": extension} if extension else {})
-
-    def completion(self, events: list[dict]) -> dict:
-        last = events[-1]
-        stats = stats_from_body(last["stats"])
-        text = "".join(e.get("text", "") for e in events)
-        entries = [e["logprobs"] for e in events if e.get("logprobs")]
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": last["finish_reason"],
-                             "logprobs": {"content": entries} if entries else None}],
-                "usage": usage(stats), "lazyattn": self.extension(last)}
 
 
 class _Snapshot:

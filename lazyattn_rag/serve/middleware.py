@@ -35,9 +35,12 @@ class KeyGate:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
-        client = scope.get("client")
+        client, given = scope.get("client"), Headers(scope=scope).getlist("authorization")
         try:
-            grant = self.gate.caller(Headers(scope=scope).get("authorization"), client[0] if client else None)
+            if len(given) > 1:  # which one counts would be the server's guess
+                raise ApiError(401, "more than one Authorization header", kind="authentication_error",
+                               code="invalid_api_key")
+            grant = self.gate.caller(given[0] if given else None, client[0] if client else None)
         except ApiError as error:
             response = JSONResponse(error.body(), status_code=error.status, headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)

@@ -91,11 +91,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_HEAD_TOKENS = 1 << 20  # chunk-head recompute's k: more than any document's tokens
+
+
 class RemediesIn(BaseModel):
     """A request's answer-fidelity remedies (``RequestRemedies``; unset: the server's)."""
 
-    model_config = ConfigDict(extra="forbid")
-    recompute_chunk_head_tokens: int | None = Field(default=None, ge=0)
+    model_config = ConfigDict(extra="forbid", strict=True)  # "2", 2.0 or true is not a token count
+    recompute_chunk_head_tokens: int | None = Field(default=None, ge=0, le=MAX_HEAD_TOKENS)
     recompute_selective_ratio: float | None = Field(default=None, ge=0, le=1)
     chunk_attention_scaling: bool | None = None
 
