@@ -255,7 +255,8 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
         async def _collect(self, payload, keys, timings: dict[str, float]) -> list[dict]:
             events = []  # a retried request starts over: the caller sees one whole answer
             async for event in self._events(payload, keys, retry_after_output=True):
-                timings.setdefault("ingress_first_event", time.time())
+                if "ingress_first_event" not in timings:  # once, not a clock read per token
+                    timings["ingress_first_event"] = time.time()
                 _raise_for(event)
                 if event.get("restart"):
                     events = []

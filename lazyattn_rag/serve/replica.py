@@ -196,7 +196,8 @@ class EngineReplica:
         timings = {"replica_received": time.time()}  # wall-clock seconds: where a request's TTFT goes
         try:
             async for event in self._events(payload):
-                timings.setdefault("replica_first_event", time.time())
+                if "replica_first_event" not in timings:  # once, not a clock read per token
+                    timings["replica_first_event"] = time.time()
                 if "finish_reason" in event:
                     event["timings"] = timings
                 yield event
