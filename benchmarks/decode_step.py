@@ -46,6 +46,7 @@ from benchmarks.serving_workload import random_text
 from lazyattn_rag import SamplingParams
 from lazyattn_rag.engine.worker.attention import SequenceInput
 from lazyattn_rag.engine.factory import _make_backend
+from lazyattn_rag.engine.kv.kv_layout import KVLayout
 from lazyattn_rag.engine.worker.runner import ModelRunner
 from lazyattn_rag.kernels.block_table import pack_entries
 
@@ -120,9 +121,9 @@ def weight_bytes(model) -> tuple[int, int]:
 
 
 def runner_for(model, device, num_tokens: int, compiled: bool) -> ModelRunner:
-    runner = ModelRunner(model, _make_backend("auto", device, model), -(-num_tokens // BLOCK) + 1, BLOCK, device,
-                         model.lm_head.weight.dtype)
-    for key_cache, value_cache in runner.kv_caches:  # random context K/V (values do not change the time)
+    layout = KVLayout.for_model(model.config, BLOCK, model.lm_head.weight.dtype)
+    runner = ModelRunner(model, _make_backend("auto", device, model), layout, -(-num_tokens // BLOCK) + 1, device)
+    for key_cache, value_cache in runner.kv_pool.layers:  # random context K/V (values do not change the time)
         key_cache.normal_()
         value_cache.normal_()
     if compiled:

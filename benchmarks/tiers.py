@@ -78,7 +78,7 @@ def measure_document(engine, tiers: ChunkTiers, token_ids: tuple[int, ...], cold
     context = engine.scheduler.anchor_context
     job = ChunkPrefillJob("bench", token_ids, len(engine.planner.anchor_ids), blocks, context)
     _, recompute_s = _timed(lambda: runner.execute_step(SchedulerOutput(chunk_prefills=[job])), device)
-    keys, values = runner.gather_blocks(blocks, len(token_ids))  # as write-back does, on the engine thread
+    keys, values = runner.kv_pool.gather(blocks, len(token_ids))  # as write-back does, on the engine thread
     key = f"bench{time.perf_counter_ns()}"
     chunk = ChunkKV(key, engine.model_digest, token_ids, job.local_start, keys, values)
     host_chunk, read_s = _timed(lambda: copy_to_host(chunk, gather_event(device)), device)
@@ -92,10 +92,10 @@ def measure_document(engine, tiers: ChunkTiers, token_ids: tuple[int, ...], cold
         if tier.name == "disk" and cold_disk:
             _drop_page_cache(tier.directory / f"{key}.lakv")
         only = ChunkTiers([tier], engine.model_digest, tiers.costs.bytes_per_token, device=device)
-        hit, load_s = _timed(lambda: (h := only.find(key, token_ids)) and runner.write_blocks(
+        hit, load_s = _timed(lambda: (h := only.find(key, token_ids)) and runner.kv_pool.write(
             blocks, h.chunk.keys, h.chunk.values) is None and h, device)
         only.close(close_tiers=False)
-        if not hit or not torch.equal(runner.read_blocks(blocks, len(token_ids))[0], host_chunk.keys):
+        if not hit or not torch.equal(runner.kv_pool.read(blocks, len(token_ids))[0], host_chunk.keys):
             raise RuntimeError(f"the {tier.name} tier did not give the chunk back bit-identical")
         tier.delete(key)
         row[f"{tier.name}_store_ms"], row[f"{tier.name}_load_ms"] = store_s * 1e3, load_s * 1e3

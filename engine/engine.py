@@ -37,7 +37,7 @@ from lazyattn_rag.engine.tiers.chunk_tiers import ChunkTiers
 from lazyattn_rag.engine.counters import EngineCounters
 from lazyattn_rag.engine.output.detokenizer import IncrementalDetokenizer
 from lazyattn_rag.engine.tiers.host_arena import gather_event
-from lazyattn_rag.engine.output.output_processor import OutputProcessor, Sink
+from lazyattn_rag.engine.output.output_processor import OutputProcessor, OutputState, Sink
 from lazyattn_rag.engine.planning.passage_learning import PassageLearner
 from lazyattn_rag.engine.planning.planner import PromptPlanner
 from lazyattn_rag.engine.planning.prompt_plan import PrefixKeys, PromptPlan
@@ -109,8 +109,8 @@ class LLMEngine:
         self.runner, self.cache, self.tokenizer, self.config = runner, cache, tokenizer, config
         self.tiers = tiers
         self.model_digest, self.block_size = model_digest, cache.block_size
-        self.documents = DocumentRegistry(cache, self._prepare_document)
-        self.documents.on_replaced = lambda old, doc_id, namespace: purge_replaced(self, old, doc_id, namespace)
+        self.documents = DocumentRegistry(cache, self._prepare_document,
+                                          lambda old, doc_id, namespace: purge_replaced(self, old, doc_id, namespace))
         self.planner = PromptPlanner(tokenizer, config, model_digest, cache.block_size,
                                      runner.model.config.vocab_size, max_model_len, self.documents)
         self.eos_token_ids = set(eos_token_ids or ())
@@ -175,7 +175,7 @@ class LLMEngine:
         """Queue ``entry``'s K/V for ``tiers``: gathered on the device now (before any later kernel
         can reuse its blocks), copied off it by the tiers' writer thread, so the step neither
         waits for the copy nor allocates host memory for it."""
-        keys, values = self.runner.gather_blocks(entry.block_ids, entry.num_tokens)
+        keys, values = self.runner.kv_pool.gather(entry.block_ids, entry.num_tokens)
         chunk = ChunkKV(entry.key, self.model_digest, entry.token_ids, entry.local_start, keys, values)
         self.tiers.save(chunk, tiers, gather_event(self.runner.device))
 
@@ -310,10 +310,9 @@ class LLMEngine:
         gen = torch.Generator(device=self.runner.device).manual_seed(params.seed) if params.seed is not None else self.generator
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.loop_guard_ngram)
-        request = Request(rid, plan, params, sink, stats, detokenizer, gen,
-                          stop_token_ids=stop_ids, warm_only=warm_only)
+        request = Request(rid, plan, params, stats, warm_only=warm_only)
         self._check_capacity(request)
-        self.outputs.add(request)
+        self.outputs.add(request, OutputState(sink, detokenizer, gen, stop_ids))
         self.scheduler.add(request)
         return request
 

@@ -33,7 +33,8 @@ from lazyattn_rag.engine.kv.eviction import make_policy
 from lazyattn_rag.engine.planning.fingerprint import ModelFingerprint, tensors_sha256
 from lazyattn_rag.engine.model.transformer import CausalLM, ModelArchConfig
 from lazyattn_rag.engine.model.packed_linear import onednn_available, pack_linears, unpack_linears
-from lazyattn_rag.engine.worker.runner import ModelRunner, kv_bytes_per_block
+from lazyattn_rag.engine.kv.kv_layout import KVLayout
+from lazyattn_rag.engine.worker.runner import ModelRunner
 from lazyattn_rag.engine.self_check.checks import run_self_check
 from lazyattn_rag.kernels.launch import ChunkScaling
 from lazyattn_rag.kernels.rope import RotaryEmbedding
@@ -144,9 +145,13 @@ def _assemble(model: CausalLM, tokenizer: Any, config: EngineConfig, weights_sha
     limit = arch.max_position_embeddings if not window else min(window, arch.max_position_embeddings)
     max_model_len, block_size = min(config.max_model_len or limit, limit), config.cache.block_size
     backend = _make_backend(config.attention_backend, device, model, config.cache)
-    block_bytes = kv_bytes_per_block(model, block_size, dtype)
+    if config.cache.kv_cache_dtype not in backend.supported_kv_cache_dtypes:
+        raise ValueError(f"the {backend.name!r} attention backend reads kv_cache_dtype "
+                         f"{backend.supported_kv_cache_dtypes}, not {config.cache.kv_cache_dtype!r}")
+    layout = KVLayout.for_model(arch, block_size, dtype, config.cache.kv_cache_dtype)
+    block_bytes = layout.bytes_per_block
     num_blocks = config.cache.num_blocks or max(1, _kv_budget(config, device) // block_bytes)
-    runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype)
+    runner = ModelRunner(model, backend, layout, num_blocks, device)
     clock.lap("kv_cache")
     if config.torch_compile:
         runner.enable_torch_compile()
@@ -155,31 +160,31 @@ def _assemble(model: CausalLM, tokenizer: Any, config: EngineConfig, weights_sha
                                   graph_block_table_width(max_model_len, block_size))
         clock.lap("cuda_graphs")
     fingerprint = ModelFingerprint(weights_sha256, dtype_name, json.dumps(model.rotary.fingerprint(), sort_keys=True),
-                                   _tokenizer_sha256(tokenizer), block_size)
+                                   _tokenizer_sha256(tokenizer), block_size, layout.format_name())
     cache = ChunkCache(BlockPool(num_blocks), block_size, make_policy(config.cache.eviction_policy))
-    tiers = build_tiers(config.cache, fingerprint.digest(), block_bytes // block_size, device,
-                        (arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype))
+    tiers = build_tiers(config.cache, fingerprint.digest(), layout, device)
     engine = LLMEngine(runner, cache, tokenizer, fingerprint.digest(), config, max_model_len, eos_ids, tiers)
     engine.fingerprint = fingerprint
     engine.info = {"model": name, "model_type": arch.model_type, "device": str(device),
-                   "dtype": dtype_name, "attention_backend": backend.name, "block_bytes": block_bytes}
+                   "dtype": dtype_name, "kv_cache_dtype": layout.kv_cache_dtype, "attention_backend": backend.name,
+                   "block_bytes": block_bytes}
     clock.lap("engine_init")
     return engine
 
 
-def build_tiers(cache: CacheConfig, model_digest: str, bytes_per_token: int,
-                device: torch.device | str = "cpu", layout: tuple | None = None) -> ChunkTiers | None:
+def build_tiers(cache: CacheConfig, model_digest: str, layout: KVLayout,
+                device: torch.device | str = "cpu") -> ChunkTiers | None:
     """The storage tiers ``cache`` configures, fastest first (``None`` when none is), for a KV
-    pool on ``device`` whose K/V are ``layout`` = ``(num_layers, num_kv_heads, head_dim, dtype)``
-    (a stored chunk of another layout is refused as corrupt). The host tier's arena is allocated here, whole (pinned on a GPU), in
-    pages of one block's keys (``cache.block_size * bytes_per_token / 2``).
+    pool of ``layout`` on ``device`` (a stored chunk of another layout is refused as corrupt).
+    The host tier's arena is allocated here, whole (pinned on a GPU), in pages of one block's
+    keys (``layout.bytes_per_block / 2``).
 
     Raises:
         ImportError: ``redis_url`` is set but redis-py is not installed (the ``redis`` extra).
         ValueError: ``host_memory_bytes`` is set below two pages.
     """
     tiers: list = []
-    page_bytes = cache.block_size * bytes_per_token // 2
+    page_bytes, bytes_per_token = layout.bytes_per_block // 2, layout.bytes_per_token
     if cache.host_memory_bytes:
         arena = HostArena(cache.host_memory_bytes, page_bytes, pin=torch.device(device).type == "cuda") \
             if cache.host_memory_bytes >= 2 * page_bytes else None

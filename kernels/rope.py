@@ -160,8 +160,13 @@ class RotaryEmbedding:
         Returns:
             Tensor like ``x``, as if it had been encoded at ``position + delta``.
         """
+        return self.shifts(deltas).apply(x)
+
+    def shifts(self, deltas: torch.Tensor) -> "PositionTables":
+        """The pure rotations ``R_delta`` (no magnitude factor) by ``deltas`` (``[n]`` integers), as
+        tables to apply to many tensors, e.g. every layer's keys (:meth:`rotate_by` applies them once)."""
         cos, sin = self.cos_sin(deltas)
-        return apply_rotation(x, cos, sin, self.rotary_dim, self.interleaved)
+        return PositionTables(cos, sin, self.rotary_dim, self.interleaved)
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,7 @@ class PlanSpy:
 
     def _fill_stats(self) -> None:
         for call, r in zip(self._calls, self._requests):
-            if call["stats"] is None and r.finish_reason is not None:  # finished (aborts too), not failed
+            if call["stats"] is None and r.stats.e2e_ms is not None:  # finished (aborts too), not failed
                 call["stats"] = r.stats
 
     @property

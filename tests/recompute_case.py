@@ -44,7 +44,7 @@ def cached_chunk_bytes(llm) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         key = llm.engine.planner.documents.get(doc_id, "").key
         entry = llm.engine.cache.lookup(key, touch=False)
         if entry is not None:
-            out[doc_id] = llm.loop.call(llm.engine.runner.read_blocks, entry.block_ids, entry.num_tokens)
+            out[doc_id] = llm.loop.call(llm.engine.runner.kv_pool.read, entry.block_ids, entry.num_tokens)
     return out
 
 

@@ -68,12 +68,13 @@ def test_lru_eviction_order_and_pinning():
 
 def test_document_rebind_drops_stale_entry_when_unpinned():
     c = _cache()
-    c.bind_document("doc", "k1")
+    c.retain_key("k1")  # what the registry does when "doc" is registered with the text of k1
     e1 = _put(c, "k1", 4)
-    assert e1.doc_ids == {"doc"}
+    assert c.num_document_refs("k1") == 1 and not e1.dead
     c.pin("k1")
-    c.bind_document("doc", "k2")  # text changed while a request reads k1
-    assert c.lookup("k1") is None  # never served stale
+    c.retain_key("k2")  # "doc"'s text changed while a request reads k1
+    c.release_key("k1")
+    assert c.lookup("k1") is None and e1.dead  # never served stale
     assert c.pool.ref_count(e1.block_ids[0]) == 1  # still held for the running reader
     c.unpin("k1")
     assert c.num_entries == 0 and c.pool.num_free == 6
@@ -82,15 +83,29 @@ def test_document_rebind_drops_stale_entry_when_unpinned():
 
 def test_shared_key_survives_other_document_removal():
     c = _cache()
-    c.bind_document("x", "k")
-    c.bind_document("y", "k")
+    c.retain_key("k")  # documents x and y have the same text
+    c.retain_key("k")
     e = _put(c, "k", 3)
-    c.unbind_document("x")
-    assert c.lookup("k") is e
-    c.unbind_document("y")
-    assert c.lookup("k") is None and c.pool.num_free == 6
-    with pytest.raises(KeyError):
-        c.unbind_document("y")
+    c.release_key("k")  # x removed
+    assert c.lookup("k") is e and c.num_document_refs("k") == 1
+    c.release_key("k")  # y removed
+    assert c.lookup("k") is None and c.pool.num_free == 6 and c.num_document_refs("k") == 0
+    with pytest.raises(KeyError, match="no registered document uses chunk k"):
+        c.release_key("k")
+    c.check_integrity()
+
+
+def test_a_dead_pinned_entry_revives_when_its_text_is_registered_again():
+    c = _cache()
+    c.retain_key("k")
+    e = _put(c, "k", 3)
+    c.pin("k")
+    c.release_key("k")
+    assert e.dead and c.lookup("k") is None
+    c.retain_key("k")
+    assert not e.dead and c.lookup("k") is e
+    c.unpin("k")
+    assert c.eviction_order() == ["k"]
     c.check_integrity()
 
 

@@ -106,16 +106,16 @@ def test_a_chunk_read_out_of_the_pool_and_loaded_into_other_blocks_gives_the_sam
 
     def store_evict_load(engine):
         entry = engine.cache.lookup(key, touch=False)
-        keys, values = engine.runner.read_blocks(entry.block_ids, entry.num_tokens)
+        keys, values = engine.runner.kv_pool.read(entry.block_ids, entry.num_tokens)
         data = encode_chunk(ChunkKV(key, engine.model_digest, entry.token_ids, entry.local_start, keys, values))
         old_blocks = list(entry.block_ids)
         engine.cache.evict(key)
         stored = decode_chunk(data, key, engine.model_digest)
         blocks = engine.cache.allocate(len(old_blocks))
-        engine.runner.write_blocks(blocks, stored.keys, stored.values)
+        engine.runner.kv_pool.write(blocks, stored.keys, stored.values)
         engine.cache.insert(key, blocks, len(stored.token_ids), stored.local_start, stored.token_ids)
         engine.cache.check_integrity()
-        return old_blocks, blocks, keys, engine.runner.read_blocks(blocks, len(stored.token_ids))[0]
+        return old_blocks, blocks, keys, engine.runner.kv_pool.read(blocks, len(stored.token_ids))[0]
 
     old_blocks, new_blocks, keys, reloaded = llm.loop.call(store_evict_load, llm.engine)
     assert set(old_blocks).isdisjoint(new_blocks)  # other blocks, same bits
@@ -131,4 +131,4 @@ def test_loading_into_a_pool_of_another_shape_is_refused(make_llm):
     hf, llm = make_llm()
     c = chunk(num_tokens=3)  # 3 layers, 2 heads of 8: not this model's pool
     with pytest.raises(ValueError, match="does not fit this pool"):
-        llm.loop.call(lambda engine: engine.runner.write_blocks([0], c.keys, c.values), llm.engine)
+        llm.loop.call(lambda engine: engine.runner.kv_pool.write([0], c.keys, c.values), llm.engine)

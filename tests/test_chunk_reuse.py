@@ -91,7 +91,7 @@ def test_same_document_many_offsets_leaves_stored_kv_bit_identical(make_llm):
     llm.generate("w1", ["hot"], sampling=SamplingParams(max_tokens=2))
     entry = llm.engine.cache.lookup(llm.engine.documents["hot"].key)
     blocks = torch.tensor(entry.block_ids)
-    snapshot = [(k[blocks].clone(), v[blocks].clone()) for k, v in llm.engine.runner.kv_caches]
+    snapshot = [(k[blocks].clone(), v[blocks].clone()) for k, v in llm.engine.runner.kv_pool.layers]
     offsets = set()
     for i in range(4):
         order = [f"pad{j}" for j in range(i + 1)] + ["hot"]
@@ -101,7 +101,7 @@ def test_same_document_many_offsets_leaves_stored_kv_bit_identical(make_llm):
         assert "hot" in out.stats.docs_hit
     assert len(offsets) == 4
     assert llm.engine.cache.lookup(llm.engine.documents["hot"].key).block_ids == entry.block_ids
-    for (k, v), (k0, v0) in zip(llm.engine.runner.kv_caches, snapshot):
+    for (k, v), (k0, v0) in zip(llm.engine.runner.kv_pool.layers, snapshot):
         assert torch.equal(k[blocks], k0) and torch.equal(v[blocks], v0)
 
 

@@ -58,7 +58,7 @@ def stored_kv(llm, doc_id: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The K/V the KV pool holds for ``doc_id`` now."""
     def read(engine):
         entry = engine.cache.lookup(engine.documents[doc_id].key, touch=False)
-        return engine.runner.read_blocks(entry.block_ids, entry.num_tokens)
+        return engine.runner.kv_pool.read(entry.block_ids, entry.num_tokens)
     return llm.client.call(read)
 
 
@@ -204,7 +204,7 @@ def test_a_damaged_entry_is_detected_deleted_and_recomputed(make_llm, tmp_path, 
     def plant(engine):
         key = engine.documents["d0"].key
         entry = engine.cache.lookup(key, touch=False)
-        keys, values = engine.runner.read_blocks(entry.block_ids, entry.num_tokens)
+        keys, values = engine.runner.kv_pool.read(entry.block_ids, entry.num_tokens)
         good = encode_chunk(ChunkKV(key, engine.model_digest, entry.token_ids, entry.local_start, keys, values))
         engine.cache.evict(key)  # with a host tier this queues a (good) write-back: let it land first
         engine.tiers.flush()

@@ -124,7 +124,7 @@ def test_graph_decode_steps_give_the_eager_outputs(make_llm, torch_compile):
     assert (runner.compiled is not None) == torch_compile
     assert runner.graphs is not None and runner.graphs.batch_sizes == [1, 2, 4]
     assert len(runner.graphs.graphs) == (3 if CUDA else 0)
-    assert runner.kv_caches[0][0].shape[0] == NUM_BLOCKS + 1 and llm.engine.cache.pool.num_blocks == NUM_BLOCKS
+    assert runner.kv_pool.layers[0][0].shape[0] == NUM_BLOCKS + 1 and llm.engine.cache.pool.num_blocks == NUM_BLOCKS
     assert run_concurrently(llm, requests) == expected
     assert runner.graphs.num_replays >= GREEDY.max_tokens - 1  # at least the last request's decode steps
     stats = llm.stats()

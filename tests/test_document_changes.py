@@ -177,6 +177,6 @@ def test_a_failed_call_leaves_inline_documents_as_they_were(make_llm):
     with pytest.raises(UnknownDocumentError, match="nope"):
         llm.generate("w1", ["nope"], documents=[("d", words(8)), ("b", words(9, start=70))], sampling=LONG)
     assert not llm.has_document("d")
-    assert llm.engine.documents["b"].key == old_key and llm.engine.cache.document_key("b") == old_key
+    assert llm.engine.documents["b"].key == old_key and llm.engine.cache.num_document_refs(old_key) == 1
     assert len(llm.generate("w1", ["b"], sampling=LONG).token_ids) == LONG.max_tokens
     assert_clean(llm)

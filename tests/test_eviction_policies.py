@@ -93,13 +93,17 @@ class CacheMachine(RuleBasedStateMachine):
         self.private: list[list[int]] = []
         self.evicted: set[str] = set()
         self.counter = 0
+        self.doc_keys: dict[str, str] = {}  # the registry's part: document -> the key it uses
 
     @rule(num_tokens=st.integers(1, 13), pending=st.booleans(), doc=st.sampled_from(["x", "y", "z", None]))
     def insert(self, num_tokens, pending, doc):
         key = f"k{self.counter}"
         self.counter += 1
-        if doc is not None:
-            self.cache.bind_document(doc, key)
+        if doc is not None:  # as DocumentRegistry does when doc's text changes to key's
+            self.cache.retain_key(key)
+            if doc in self.doc_keys:
+                self.cache.release_key(self.doc_keys[doc])
+            self.doc_keys[doc] = key
         try:
             blocks = self.cache.allocate(-(-num_tokens // 4))
         except NoFreeBlocksError:
@@ -158,8 +162,8 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(doc=st.sampled_from(["x", "y", "z"]))
     def unbind(self, doc):
-        if self.cache.document_key(doc) is not None:
-            self.cache.unbind_document(doc)
+        if doc in self.doc_keys:
+            self.cache.release_key(self.doc_keys.pop(doc))
 
     @invariant()
     def invariants(self):

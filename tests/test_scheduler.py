@@ -12,7 +12,6 @@ from lazyattn_rag.engine.kv.block_pool import BlockPool
 from lazyattn_rag.engine.kv.block_table import BlockEntry, block_table_entries
 from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
 from lazyattn_rag.engine.counters import EngineCounters
-from lazyattn_rag.engine.output.detokenizer import IncrementalDetokenizer
 from lazyattn_rag.engine.kv.eviction import LRUPolicy
 from lazyattn_rag.engine.planning.prompt_plan import ChunkSegment, PromptPlan
 from lazyattn_rag.engine.scheduling.request import Request, RequestStatus
@@ -21,10 +20,8 @@ from lazyattn_rag.engine.scheduling.scheduler_output import ChunkPrefillJob, Com
 from lazyattn_rag.types.errors import CacheCapacityError
 from lazyattn_rag.types.outputs import RequestStats
 from lazyattn_rag.types.sampling_params import SamplingParams
-from tests.tiny import word_tokenizer
 
 BS = 4  # tokens per block
-TOKENIZER = word_tokenizer()  # for the requests' detokenizers, which the scheduler never reads
 SAMPLED = 7  # the token every sampling compute job "samples"
 
 
@@ -63,8 +60,7 @@ def request(rid: str, p: PromptPlan, arrival: float, warm_only: bool = False) ->
     """A request as ``LLMEngine.submit`` makes it (its tail counted as computed from the start)."""
     stats = RequestStats(rid, num_prompt_tokens=p.num_prompt_tokens)
     stats.num_computed_tokens = len(p.query_token_ids) + p.num_text_tokens
-    return Request(rid, p, SamplingParams(max_tokens=16), [].append, stats, IncrementalDetokenizer(TOKENIZER), None,
-                   arrival_time=arrival, warm_only=warm_only)
+    return Request(rid, p, SamplingParams(max_tokens=16), stats, arrival_time=arrival, warm_only=warm_only)
 
 
 def ran(sched: Scheduler, out) -> None:
@@ -88,8 +84,8 @@ def job(key: str, n: int, blocks: list[int], context=(), start: int = 0, length:
 def test_a_cold_request_gets_fifo_blocks_and_its_prefill_joins_the_encodes():
     s = scheduler(16)
     cache = s.cache
-    cache.bind_document("a", "A")
-    cache.bind_document("b", "B")
+    cache.retain_key("A")
+    cache.retain_key("B")
     r = request("r", plan(("H", 5, None), ("A", 6, "a"), ("B", 4, "b"), tail=3), 1.0)
     s.add(r)
 
@@ -141,7 +137,7 @@ def test_a_cold_request_gets_fifo_blocks_and_its_prefill_joins_the_encodes():
 def test_a_chunk_two_requests_need_in_one_step_is_prefilled_once():
     s = scheduler(16)
     cache = s.cache
-    cache.bind_document("a", "A")
+    cache.retain_key("A")
     r1 = request("r1", plan(("A", 6, "a"), tail=3), 1.0)
     r2 = request("r2", plan(("A", 6, "a"), tail=2), 2.0)
     s.add(r1)
@@ -170,8 +166,8 @@ def test_a_chunk_two_requests_need_in_one_step_is_prefilled_once():
 def test_a_cached_chunk_is_pinned_and_only_the_miss_is_prefilled():
     s = scheduler(8)
     cache = s.cache
-    cache.bind_document("a", "A")
-    cache.bind_document("b", "B")
+    cache.retain_key("A")
+    cache.retain_key("B")
     r1 = request("r1", plan(("A", 6, "a"), tail=3), 1.0)
     s.add(r1)
     ran(s, s.schedule())  # A in blocks 0-1, r1's tail in block 2
@@ -195,8 +191,8 @@ def test_a_cached_chunk_is_pinned_and_only_the_miss_is_prefilled():
 def test_a_miss_evicts_an_unpinned_chunk_and_reuses_its_blocks():
     s = scheduler(5)
     cache = s.cache
-    cache.bind_document("a", "A")
-    cache.bind_document("b", "B")
+    cache.retain_key("A")
+    cache.retain_key("B")
     r1 = request("r1", plan(("A", 8, "a"), tail=3), 1.0)
     s.add(r1)
     ran(s, s.schedule())  # A 0-1, private 2
@@ -217,8 +213,8 @@ def test_a_miss_evicts_an_unpinned_chunk_and_reuses_its_blocks():
 def test_a_request_without_room_waits_then_is_admitted_once_blocks_free():
     s = scheduler(6)
     cache = s.cache
-    cache.bind_document("a", "A")
-    cache.bind_document("b", "B")
+    cache.retain_key("A")
+    cache.retain_key("B")
     r1 = request("r1", plan(("A", 8, "a"), tail=4), 1.0)
     r2 = request("r2", plan(("B", 8, "b"), tail=5), 2.0)  # B 2 blocks + its tail 2: 4, fits the cache alone
     s.add(r1)
@@ -273,7 +269,7 @@ def test_at_most_max_num_seqs_requests_hold_blocks():
 
 def test_a_request_that_could_never_fit_fails_alone_at_admission():
     s = scheduler(4)
-    s.cache.bind_document("a", "A")
+    s.cache.retain_key("A")
     big = request("big", plan(("A", 12, "a"), tail=4), 1.0)  # A 3 blocks + tail and next token 2: 5 > 4
     small = request("small", plan(tail=4), 2.0)
     s.add(big)
@@ -290,7 +286,7 @@ def test_a_request_that_could_never_fit_fails_alone_at_admission():
 
 def test_a_warm_up_finishes_once_its_chunks_are_written_without_a_compute():
     s = scheduler(8)
-    s.cache.bind_document("a", "A")
+    s.cache.retain_key("A")
     warm = request("warm", plan(("A", 6, "a"), tail=0), 1.0, warm_only=True)
     s.add(warm)
 
@@ -314,7 +310,7 @@ def test_a_chunk_over_the_budget_is_encoded_in_pieces_after_the_anchor():
     cache = s.cache
     anchor = [BlockEntry(0, 0, 1)]
     assert s.anchor_context == anchor and s.budget.num_usable_blocks == 15
-    cache.bind_document("a", "A")
+    cache.retain_key("A")
     r = request("r", plan(("H", 3, None), ("A", 10, "a"), tail=2, local_start=1), 1.0)
     s.add(r)
 
@@ -344,7 +340,7 @@ def test_a_chunk_over_the_budget_is_encoded_in_pieces_after_the_anchor():
 def test_the_newest_request_is_preempted_when_an_older_one_needs_a_block():
     s = scheduler(5)
     cache = s.cache
-    cache.bind_document("a", "A")
+    cache.retain_key("A")
     r1 = request("r1", plan(tail=4), 1.0)
     r2 = request("r2", plan(tail=4), 2.0)
     r3 = request("r3", plan(("A", 4, "a"), tail=4), 3.0)
@@ -396,8 +392,8 @@ def test_abandon_releases_the_steps_requests_and_the_holders_of_its_chunks():
     B was to take two steps: its task goes too."""
     s = scheduler(16, budget=16, prefill_with_encodes=False)
     cache = s.cache
-    cache.bind_document("a", "A")
-    cache.bind_document("b", "B")
+    cache.retain_key("A")
+    cache.retain_key("B")
     r0 = request("r0", plan(tail=4), 0.0)
     r1 = request("r1", plan(("A", 6, "a"), tail=3), 1.0)
     r2 = request("r2", plan(("B", 10, "b"), tail=3), 2.0)
@@ -431,7 +427,7 @@ def test_a_request_preempted_and_readmitted_in_one_step_is_reported_released_in_
     inputs are prepared, so r4 is in this output's released_ids, not the next one's."""
     s = scheduler(12, budget=6)
     cache = s.cache
-    cache.bind_document("x", "X")
+    cache.retain_key("X")
     r1 = request("r1", plan(tail=4), 1.0)
     s.add(r1)
     ran(s, s.schedule())  # r1: 4 tokens in block 0
@@ -450,7 +446,7 @@ def test_a_request_preempted_and_readmitted_in_one_step_is_reported_released_in_
     while r1.num_private_blocks(r1.num_computed + 1, BS) == len(r1.private_blocks):  # until r1 needs a block
         ran(s, s.schedule())
     assert cache.pool.num_free == 0 and cache.num_evictable_blocks == 0 and r4.num_preemptions == 0
-    cache.unbind_document("x")  # X's document goes: only its prefill task holds it
+    cache.release_key("X")  # X's document goes: only its prefill task holds it
     out = s.schedule()
     assert r4.num_preemptions == 1 and r4.status is RequestStatus.RUNNING  # preempted, then admitted again
     assert s.chunk_tasks == [] and cache.lookup("X", touch=False, include_dead=True) is None

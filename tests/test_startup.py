@@ -13,7 +13,7 @@ import torch
 
 from lazyattn_rag import CacheConfig, EngineConfig, SamplingParams
 from lazyattn_rag.engine.model.transformer import CausalLM, ModelArchConfig
-from lazyattn_rag.engine.worker.runner import zeros
+from lazyattn_rag.engine.kv.kv_pool import zeros
 from lazyattn_rag.kernels.rope import RotaryEmbedding
 from lazyattn_rag.llm import LazyAttention
 from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words

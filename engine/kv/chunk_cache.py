@@ -3,7 +3,8 @@
 A *chunk* is a token sequence encoded alone (a document, the prompt head, an anchor)
 whose K/V blocks are stored once, position-agnostic, and shared by every request that
 places it, at any offset. The cache maps a content key (see
-:mod:`lazyattn_rag.engine.planning.fingerprint`) to its blocks and maps document ids to their current key.
+:mod:`lazyattn_rag.engine.planning.fingerprint`) to its blocks and counts, per key, the registered
+documents that use it (the registry, ``engine/planning/registry.py``, knows which).
 
 Locking contract:
     * The cache holds one pool reference on each block of every entry.
@@ -13,8 +14,8 @@ Locking contract:
     * A request that will read an entry pins it under its id (:meth:`pin`); the cache is the
       one record of its pins, dropped together when it finishes or is preempted
       (:meth:`release`); pinned or pending entries are never evicted or dropped.
-    * Rebinding a document id to a new key (its text changed) or removing it marks the old
-      entry dead once no other document id uses that key; a dead entry is dropped as soon
+    * When the last registered document using a key lets it go (its text changed or it was
+      removed: :meth:`release_key`), the key's entry is dead; a dead entry is dropped as soon
       as it is unpinned. :meth:`lookup` hides it from new plans, but a request planned before
       the change may still find and pin it (``include_dead``): its content is the key's.
     * :meth:`allocate` evicts unpinned ready entries in the eviction policy's order until
@@ -22,14 +23,14 @@ Locking contract:
       return to the pool, so a reused block can never be found under its old key.
 
 The file is a little over the project's 350 lines on purpose: these rules hold across
-insertion, pinning, document binding and eviction, and :meth:`ChunkCache.check_integrity`
+insertion, pinning, document references and eviction, and :meth:`ChunkCache.check_integrity`
 checks them all, so they stay in one class.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lazyattn_rag.engine.kv.block_pool import BlockPool, NoFreeBlocksError
 from lazyattn_rag.engine.kv.eviction import EvictionPolicy, LRUPolicy
@@ -52,8 +53,7 @@ class ChunkEntry:
         ready: its K/V has been written.
         pin_count: pins held on it: requests' (the cache records each request's, see
             :meth:`ChunkCache.pins_of`) and anonymous ones (its writer, a copy's source, the anchor).
-        dead: no document id refers to it any more; dropped when unpinned.
-        doc_ids: document ids bound to this key.
+        dead: no registered document uses it any more (or it was purged); dropped when unpinned.
         token_ids: the tokens whose K/V the blocks hold (compared on every hit), or ``None``
             where the inserter did not give them.
     """
@@ -65,7 +65,6 @@ class ChunkEntry:
     ready: bool = False
     pin_count: int = 0
     dead: bool = False
-    doc_ids: set[str] = field(default_factory=set)
     source_key: str | None = None  # block_attention mode: the document this is a positioned copy of
     listed_evictable: bool = False  # what the policy and the evictable count were last told
     token_ids: tuple[int, ...] | None = None
@@ -102,7 +101,7 @@ class ChunkCache:
         self.block_size = block_size
         self.policy = policy or LRUPolicy()
         self._entries: dict[str, ChunkEntry] = {}
-        self._doc_keys: dict[str, str] = {}
+        self._document_refs: dict[str, int] = {}  # key -> registered documents using it
         self._copies: dict[str, set[str]] = {}  # source key -> keys of its positioned copies
         self._held: dict[str, list[str]] = {}  # holder (a request id) -> keys it pinned, in order
         self._num_evictable_blocks = 0
@@ -135,7 +134,7 @@ class ChunkCache:
         """Add a pending entry (its encode is scheduled), pinned once for the encoder.
 
         The cache takes over the caller's one pool reference on each block. A ``document``
-        chunk that no document id is bound to any more (its document was removed or changed
+        chunk that no registered document uses any more (its document was removed or changed
         while the request waited) is born dead: it serves the requests that pin it, then goes.
 
         Raises:
@@ -151,9 +150,7 @@ class ChunkCache:
             raise ValueError(f"{len(token_ids)} token ids for {num_tokens} tokens")
         entry = ChunkEntry(key, list(block_ids), num_tokens, local_start, pin_count=1, source_key=source_key,
                            token_ids=None if token_ids is None else tuple(token_ids))
-        bound = source_key or key
-        entry.doc_ids.update(d for d, k in self._doc_keys.items() if k == bound)
-        entry.dead = document and not entry.doc_ids
+        entry.dead = document and not self._document_refs.get(source_key or key)
         if source_key is not None:
             self._copies.setdefault(source_key, set()).add(key)
         self._entries[key] = entry
@@ -245,55 +242,48 @@ class ChunkCache:
             entry.listed_evictable = now
             self.policy.set_evictable(entry.key, now)
 
-    # --- document ids ---------------------------------------------------------------------
-    def document_key(self, doc_id: str) -> str | None:
-        return self._doc_keys.get(doc_id)
+    # --- document references (counted for the registry) -------------------------------------
+    def num_document_refs(self, key: str) -> int:
+        """Registered documents that use ``key``."""
+        return self._document_refs.get(key, 0)
 
-    def bind_document(self, doc_id: str, key: str) -> None:
-        """Point ``doc_id`` at ``key``; a previous key no other document uses becomes dead.
-
-        A dead entry still pinned by a running request (the text was changed or removed and is
-        now registered again) is revived: it holds exactly this content, so it serves again.
-        """
-        old = self._doc_keys.get(doc_id)
-        if old == key:
-            return
-        self._doc_keys[doc_id] = key
-        if old is not None:
-            self._release_doc(doc_id, old)
+    def retain_key(self, key: str) -> None:
+        """One more registered document uses ``key``. A dead entry under it (or a copy of it)
+        still pinned by a running request (the text was changed or removed and is now
+        registered again) is revived: it holds exactly this content, so it serves again."""
+        self._document_refs[key] = self._document_refs.get(key, 0) + 1
         for entry in self._bound_entries(key):
-            entry.doc_ids.add(doc_id)
             if entry.dead:
                 entry.dead = False
                 self._sync_evictable(entry)
 
-    def unbind_document(self, doc_id: str) -> None:
-        """Forget ``doc_id``; its entry becomes dead if no other document uses it.
+    def release_key(self, key: str) -> None:
+        """One registered document less uses ``key``; at none, its entry and copies are dead
+        (dropped now where unpinned).
 
         Raises:
-            KeyError: unknown document id.
+            KeyError: no registered document uses ``key``.
         """
-        key = self._doc_keys.pop(doc_id)
-        self._release_doc(doc_id, key)
+        if key not in self._document_refs:
+            raise KeyError(f"no registered document uses chunk {key[:12]}")
+        self._document_refs[key] -= 1
+        if self._document_refs[key]:
+            return
+        del self._document_refs[key]
+        for entry in self._bound_entries(key):
+            entry.dead = True
+            self._sync_evictable(entry)
+            if entry.pin_count == 0:
+                self._drop(entry, evicted=False)
 
     def _bound_entries(self, key: str) -> list[ChunkEntry]:
         """The entry under ``key`` and its positioned copies."""
         keys = [key, *self._copies.get(key, ())]
         return [self._entries[k] for k in keys if k in self._entries]
 
-    def _release_doc(self, doc_id: str, key: str) -> None:
-        for entry in self._bound_entries(key):
-            entry.doc_ids.discard(doc_id)
-            if entry.doc_ids:
-                continue
-            entry.dead = True
-            self._sync_evictable(entry)
-            if entry.pin_count == 0:
-                self._drop(entry, evicted=False)
-
     def purge(self, key: str) -> tuple[int, int]:
-        """Drop the entry under ``key`` and its positioned copies, whatever document ids still
-        bind them (a deleted document's K/V; the caller checked that no other document needs
+        """Drop the entry under ``key`` and its positioned copies, whatever registered documents
+        still use them (a deleted document's K/V; the caller checked that no other document needs
         it): each unpinned one now, each pinned one when its last reader releases it (dead
         meanwhile: found by no new plan and, by the engine, never written to a storage tier).
 
@@ -302,7 +292,6 @@ class ChunkCache:
         """
         freed, in_use = 0, 0
         for entry in self._bound_entries(key):
-            entry.doc_ids.clear()
             entry.dead = True
             self._sync_evictable(entry)
             if entry.pin_count == 0:
@@ -406,5 +395,6 @@ class ChunkCache:
                 assert not e.evictable or self.pool.ref_count(b) == 1, f"evictable entry {key[:12]} shares block {b}"
                 seen.add(b)
         assert evictable_blocks == self._num_evictable_blocks, "evictable block count drifted"
+        assert all(n > 0 for n in self._document_refs.values()), "a key kept with no document using it"
         order = self.policy.eviction_order()
         assert sorted(order) == sorted(k for k, e in self._entries.items() if e.evictable), "policy disagrees"

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-
 import torch
 
 from lazyattn_rag.engine.counters import EngineCounters
 from lazyattn_rag.engine.scheduling.request import Request, RequestStatus
+from lazyattn_rag.engine.output.output_state import OutputState, Sink
 from lazyattn_rag.engine.output.sampler import apply_penalties, sample
 from lazyattn_rag.engine.scheduling.scheduler import Scheduler
 from lazyattn_rag.engine.scheduling.scheduler_output import ComputeJob
 from lazyattn_rag.types.outputs import StreamDelta, VocabLogprobs
 
 logger = logging.getLogger(__name__)
-Sink = Callable[[StreamDelta | BaseException], None]
+__all__ = ["OutputProcessor", "OutputState", "Sink", "token_logprobs"]
 
 
 class OutputProcessor:
@@ -37,14 +36,18 @@ class OutputProcessor:
 
     Attributes:
         requests: unfinished requests by id (submitted, not yet finished, failed or aborted).
+        states: their :class:`OutputState` by id.
     """
 
     def __init__(self, scheduler: Scheduler, counters: EngineCounters, max_model_len: int):
         self.scheduler, self.counters, self.max_model_len = scheduler, counters, max_model_len
         self.requests: dict[str, Request] = {}
+        self.states: dict[str, OutputState] = {}
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, state: OutputState) -> None:
+        """Take ``request`` in, with what its output needs."""
         self.requests[request.request_id] = request
+        self.states[request.request_id] = state
 
     def process(self, computes: list[ComputeJob], logits: torch.Tensor) -> None:
         """Sample and emit for every job that samples.
@@ -64,20 +67,20 @@ class OutputProcessor:
                     self.fail(job.request, error)
 
     def _emit_token(self, r: Request, logits: torch.Tensor, greedy_token: int) -> None:
-        raw = logits
+        raw, state = logits, self.states[r.request_id]
         if r.params.has_penalties:
             logits = apply_penalties(logits, r.params, r.prompt_token_ids, r.output_ids)
             greedy_token = int(torch.argmax(logits))
-        token = greedy_token if r.params.greedy else sample(logits, r.params, r.generator)
-        self._record_first_token(r)
+        token = greedy_token if r.params.greedy else sample(logits, r.params, state.generator)
+        self._record_first_token(r, state)
         logprobs = token_logprobs(raw, token, r.params.logprobs) if r.params.logprobs is not None else None
-        if token in r.stop_token_ids:
+        if token in state.stop_token_ids:
             self.finish(r, "stop", logprobs=logprobs)
             return
         r.output_ids.append(token)
-        text = r.detokenizer.add(token)
+        text = state.detokenizer.add(token)
         reason = None
-        if r.detokenizer.stopped:
+        if state.detokenizer.stopped:
             reason = "stop"
         elif len(r.output_ids) >= r.params.max_tokens or (
                 r.plan.num_prompt_tokens + len(r.output_ids) >= self.max_model_len):
@@ -87,11 +90,11 @@ class OutputProcessor:
         elif reason is not None:
             self.finish(r, reason)
 
-    def _record_first_token(self, r: Request) -> None:
-        if r.first_token_time is not None:
+    def _record_first_token(self, r: Request, state: OutputState) -> None:
+        if state.first_token_time is not None:
             return
-        r.first_token_time = time.perf_counter()
-        r.stats.ttft_ms = (r.first_token_time - r.arrival_time) * 1e3
+        state.first_token_time = time.perf_counter()
+        r.stats.ttft_ms = (state.first_token_time - r.arrival_time) * 1e3
         if self.counters.first_request_ttft_ms is None:
             self.counters.first_request_ttft_ms = r.stats.ttft_ms
 
@@ -103,12 +106,14 @@ class OutputProcessor:
         if release:
             self.scheduler.remove(r)
         r.status = RequestStatus.FINISHED
-        r.finish_reason = reason
+        state = self.states[r.request_id]
+        state.finish_reason = reason
         self.requests.pop(r.request_id, None)
-        _fill_stats(r)
+        _fill_stats(r, state)
         if reason != "abort":
             self._count_finished(r)
-        self._emit(r, StreamDelta(r.detokenizer.flush(), None, True, reason, r.stats, logprobs))
+        self._emit(r, StreamDelta(state.detokenizer.flush(), None, True, reason, r.stats, logprobs))
+        self.states.pop(r.request_id, None)
 
     def abort(self, r: Request) -> None:
         """Cancel ``r``: release it and send its final delta (``finish_reason="abort"``)."""
@@ -124,6 +129,7 @@ class OutputProcessor:
         self.requests.pop(r.request_id, None)
         self.counters.num_requests_failed += 1
         self._emit(r, error)
+        self.states.pop(r.request_id, None)
 
     def _count_finished(self, r: Request) -> None:
         c, s = self.counters, r.stats
@@ -144,8 +150,11 @@ class OutputProcessor:
     def _emit(self, r: Request, item: StreamDelta | BaseException) -> bool:
         """Hand ``item`` to the request's sink; ``False`` if the sink raised (e.g. its asyncio
         loop is closed). A broken consumer costs only its own request, never the step."""
+        state = self.states.get(r.request_id)
+        if state is None:  # already ended: its consumer has had its last item
+            return False
         try:
-            r.sink(item)
+            state.sink(item)
             return True
         except Exception:  # noqa: BLE001 - logged; the other requests of the step go on
             logger.warning("request %s: its consumer raised; dropping it", r.request_id, exc_info=True)
@@ -164,7 +173,7 @@ def token_logprobs(logits: torch.Tensor, token: int, num: int) -> dict[int, floa
     return out
 
 
-def _fill_stats(r: Request) -> None:
+def _fill_stats(r: Request, state: OutputState) -> None:
     """The request's final timings and token counts (its cached/computed split and documents
     were counted by the scheduler when it acquired its chunks)."""
     now, s = time.perf_counter(), r.stats
@@ -172,9 +181,9 @@ def _fill_stats(r: Request) -> None:
     s.e2e_ms = (now - r.arrival_time) * 1e3
     s.queue_ms = ((r.first_scheduled_time or now) - r.arrival_time) * 1e3
     s.num_preemptions = r.num_preemptions
-    s.loop_stopped = r.detokenizer.looped
-    if r.first_token_time is not None and len(r.output_ids) > 1:
-        s.tpot_ms = (now - r.first_token_time) * 1e3 / (len(r.output_ids) - 1)
+    s.loop_stopped = state.detokenizer.looped
+    if state.first_token_time is not None and len(r.output_ids) > 1:
+        s.tpot_ms = (now - state.first_token_time) * 1e3 / (len(r.output_ids) - 1)
     s.num_cached_tokens = max(0, s.num_prompt_tokens - s.num_computed_tokens)
     s.num_exact_prefix_tokens = min(s.num_exact_prefix_tokens, s.num_cached_tokens)
     s.num_shifted_tokens = s.num_cached_tokens - s.num_exact_prefix_tokens

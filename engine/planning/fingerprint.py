@@ -1,6 +1,6 @@
 """Content keys of cached chunks.
 
-A chunk's stored K/V depends on the model (weights, dtype, RoPE, tokenizer), on the
+A chunk's stored K/V depends on the model (weights, dtype, RoPE, tokenizer), on the KV layout, on the
 anchor it was encoded after (see ``docs/architecture.md``) and on its token ids. Its key
 is a sha256 over exactly these, so a change of any of them can never hit a stale entry.
 """
@@ -25,6 +25,7 @@ class ModelFingerprint:
         rope: :meth:`RotaryEmbedding.fingerprint` as canonical JSON.
         tokenizer_sha256: hash of the serialized tokenizer.
         block_size: slots per KV block (the stored layout).
+        kv_format: what the stored bytes mean (``KVLayout.format_name()``: element type and scales).
     """
 
     weights_sha256: str
@@ -32,6 +33,7 @@ class ModelFingerprint:
     rope: str
     tokenizer_sha256: str
     block_size: int
+    kv_format: str
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()

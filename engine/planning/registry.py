@@ -1,4 +1,5 @@
-"""The document registry: document id -> text, tokens and content key, bound in the chunk cache.
+"""The document registry: document id -> text, tokens and content key; each key it uses is counted in
+the chunk cache (``retain_key`` / ``release_key``), so a changed or removed document's stale chunk goes.
 
 A document is validated and tokenized once, when it is registered (the planner's
 :meth:`~lazyattn_rag.engine.planning.planner.PromptPlanner.prepare_document`); a prompt then places it by
@@ -57,22 +58,23 @@ class RegisteredDocument:
 
 
 class DocumentRegistry:
-    """Registered documents, bound to their chunks in the cache.
+    """Registered documents; the chunk cache counts the documents using each key.
 
     Args:
-        cache: the chunk cache (a document's binding lets a changed or removed document's stale
-            chunk be dropped once no request reads it).
+        cache: the chunk cache (when no document uses a key any more, its stale chunk is
+            dropped once no request reads it).
         prepare: ``prepare(doc_id, text, namespace) -> RegisteredDocument``; validates and
             tokenizes, raising ``EmptyInputError`` / ``DocumentTooLongError`` naming the document.
+        on_replaced: called with a replaced text, its document's id and namespace once the new
+            text is registered (the engine deletes the old chunk from the storage tiers:
+            ``engine/document_removal.py``); ``None``: nothing to do.
     """
 
-    def __init__(self, cache: ChunkCache, prepare: Callable[[str, str, str], RegisteredDocument]):
-        self.cache, self.prepare = cache, prepare
+    def __init__(self, cache: ChunkCache, prepare: Callable[[str, str, str], RegisteredDocument],
+                 on_replaced: Callable[[RegisteredDocument, str, str], None] | None = None):
+        self.cache, self.prepare, self.on_replaced = cache, prepare, on_replaced
         self._documents: dict[str, RegisteredDocument] = {}
         self.version = 0  # grows whenever a document is added, changed or removed
-        # called with a replaced text, its document's id and namespace, once the new text is
-        # bound: the engine deletes its chunk from the storage tiers (engine/document_removal.py)
-        self.on_replaced: Callable[[RegisteredDocument, str, str], None] | None = None
 
     def __len__(self) -> int:
         return len(self._documents)
@@ -139,10 +141,9 @@ class DocumentRegistry:
             UnknownDocumentError: the id is not registered (in ``namespace``).
         """
         self.check_ids([doc_id], namespace)
-        key = scoped_id(doc_id, namespace)
-        del self._documents[key]
+        doc = self._documents.pop(scoped_id(doc_id, namespace))
         self.version += 1
-        self.cache.unbind_document(key)
+        self.cache.release_key(doc.key)
 
     def uses_key(self, key: str) -> bool:
         """Whether a registered document (of any namespace) has the chunk key ``key``."""
@@ -171,9 +172,13 @@ class DocumentRegistry:
         for doc_id, doc in prepared:
             old = self._documents.get(doc_id)
             self._documents[doc_id] = doc
-            self.cache.bind_document(doc_id, doc.key)
-            changed += old is None or old.key != doc.key
-            if old is not None and old.key != doc.key and self.on_replaced is not None:
+            if old is not None and old.key == doc.key:
+                continue
+            self.cache.retain_key(doc.key)
+            if old is not None:
+                self.cache.release_key(old.key)
+            changed += 1
+            if old is not None and self.on_replaced is not None:
                 namespace, plain_id = split_scoped_id(doc_id)
                 self.on_replaced(old, plain_id, namespace)
         self.version += bool(changed)

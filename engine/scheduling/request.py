@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
-import torch
-
 from lazyattn_rag.engine.kv.block_table import BlockEntry, SelectedQuery
-from lazyattn_rag.engine.output.detokenizer import IncrementalDetokenizer
-from lazyattn_rag.types.outputs import RequestStats, StreamDelta
+from lazyattn_rag.types.outputs import RequestStats
 from lazyattn_rag.engine.planning.prompt_plan import PromptPlan
 from lazyattn_rag.types.sampling_params import SamplingParams
 
@@ -26,14 +22,14 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One generation request.
+    """One generation request: its scheduling state. What turns its tokens into text and where
+    they go (sink, detokenizer, sampling RNG, stop ids) is the output processor's
+    (``engine/output/output_state.py``).
 
     Attributes:
         request_id: engine-wide id.
         plan: the prompt plan (chunks and query tail).
         params: sampling parameters.
-        sink: called with each :class:`StreamDelta` (from the engine thread), or with an
-            exception that ends the request.
         stats: per-request stats.
         arrival_time: ``time.perf_counter()`` at submission.
         prefilled_keys: chunk keys this request encoded (its misses).
@@ -45,20 +41,15 @@ class Request:
         private_blocks: blocks of the private tokens (delta 0): each text segment's blocks in
             order (each segment starts a block), then the query tail's and generated tokens'.
         num_computed: private tokens whose K/V is written (text segments first, then the tail).
-        output_ids: generated tokens (EOS and stop tokens excluded).
+        output_ids: generated tokens (EOS and stop tokens excluded): the next steps' input.
         num_preemptions: times its blocks were taken back for others.
-        stop_token_ids: ids that end generation (the request's own and, unless ``ignore_eos``, EOS).
         warm_only: a warm-up request (acquire chunks, then finish; no query).
     """
 
     request_id: str
     plan: PromptPlan
     params: SamplingParams
-    sink: Callable[[StreamDelta | BaseException], None]
     stats: RequestStats
-    detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
-    stop_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.perf_counter)
     status: RequestStatus = RequestStatus.WAITING
     prefilled_keys: set[str] = field(default_factory=set)
@@ -70,9 +61,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
     warm_only: bool = False
-    finish_reason: str | None = None
     num_prefix_tokens: int = 0  # prefix mode: prompt tokens served by cached prefix blocks
     num_prefix_registered: int = 0  # prefix mode: own full blocks handed to the cache
     # selective recompute: chunk index -> selected local token indices (None: not measured yet),

@@ -94,10 +94,10 @@ def check_logits(engine, model_dir: Path) -> dict:
     ours = torch.stack([r.to("cpu", torch.float32) for r in rows])  # [num_rows, vocab]
     err = per_row_max(ours - ref[row_pos])
     scale = ref[row_pos].abs().max().item()
-    tolerance = LOGITS_RTOL[engine.runner.kv_caches[0][0].dtype] * max(1.0, scale)
+    tolerance = LOGITS_RTOL[engine.runner.kv_pool.layout.dtype] * max(1.0, scale)
     report: dict[str, Any] = {
         "num_params": num_params,
-        "dtype": str(engine.runner.kv_caches[0][0].dtype).removeprefix("torch."),
+        "dtype": str(engine.runner.kv_pool.layout.dtype).removeprefix("torch."),
         "backend": engine.runner.backend.name,
         "tolerance": tolerance,
         "num_prompt_tokens": plan.num_prompt_tokens,
@@ -164,8 +164,7 @@ def _probe_engine(engine, instruction: str):
                                    chunk_attention_scaling=False),
                      prompt=PromptConfig(system_prompt=None, instruction=instruction + "\n\n",
                                          document_separator="\n\n", question_prefix=""))
-    probe_runner = ModelRunner(runner.model, runner.backend, num_blocks, bs, runner.device,
-                               runner.kv_caches[0][0].dtype)
+    probe_runner = ModelRunner(runner.model, runner.backend, runner.kv_pool.layout, num_blocks, runner.device)
     max_len = min(runner.model.config.max_position_embeddings, 512)  # the probe's, whatever the user's limit
     return LLMEngine(probe_runner, ChunkCache(BlockPool(num_blocks), bs), engine.tokenizer, engine.model_digest,
                      config, max_len)

@@ -38,6 +38,8 @@ from lazyattn_rag.engine.tiers.host_arena import HostChunk, copy_to_host
 if TYPE_CHECKING:
     import torch
 
+    from lazyattn_rag.engine.kv.kv_layout import KVLayout
+
 logger = logging.getLogger(__name__)
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -137,13 +139,13 @@ class ChunkTiers:
         device: the KV pool's device: a host-tier hit is copied there and checked there
             (:meth:`~lazyattn_rag.engine.tiers.host_arena.HostChunk.load`).
         always_load: load every chunk found (:class:`LoadCosts`' ``always``).
-        layout: the pool's ``(num_layers, num_kv_heads, head_dim, dtype)``: a stored chunk of
-            another shape or dtype is refused as corrupt (``None``: not checked).
+        layout: the KV pool's :class:`KVLayout`: a stored chunk of another shape or dtype is
+            refused as corrupt (``None``: not checked).
     """
 
     def __init__(self, tiers: list[Tier], model_digest: str, bytes_per_token: int,
                  max_queued_bytes: int = 1 << 30, device: torch.device | str = "cpu", always_load: bool = False,
-                 layout: tuple[int, int, int, torch.dtype] | None = None):
+                 layout: KVLayout | None = None):
         self.tiers, self.model_digest, self.device, self.layout = list(tiers), model_digest, device, layout
         self.costs = LoadCosts(bytes_per_token, always=always_load)
         self.times = {t.name: TierTimes() for t in self.tiers}
@@ -177,15 +179,15 @@ class ChunkTiers:
             try:
                 if isinstance(data, HostChunk):
                     try:
-                        self._check_layout(key, data.shape, data.dtype, data.shape, data.dtype, len(token_ids))
+                        self._check_layout(key, (data.shape, data.dtype), (data.shape, data.dtype), len(token_ids))
                     except CorruptChunkError:
                         data.arena.release(data.pages)  # the lease
                         raise
                     chunk = data.load(key, self.model_digest, self.device, leased=True)
                 else:
                     chunk = decode_chunk(data, key, self.model_digest)
-                    self._check_layout(key, tuple(chunk.keys.shape), chunk.keys.dtype, tuple(chunk.values.shape),
-                                       chunk.values.dtype, len(token_ids))
+                    self._check_layout(key, (chunk.keys.shape, chunk.keys.dtype),
+                                       (chunk.values.shape, chunk.values.dtype), len(token_ids))
                 if chunk.token_ids != tuple(token_ids):
                     raise CorruptChunkError(f"chunk {key[:12]} holds {len(chunk.token_ids)} other tokens")
             except CorruptChunkError as error:
@@ -201,14 +203,12 @@ class ChunkTiers:
             return TierHit(tier.name, chunk, seconds)
         return None
 
-    def _check_layout(self, key, key_shape, key_dtype, value_shape, value_dtype, num_tokens) -> None:
-        if self.layout is None:
-            return
-        layers, heads, dim, dtype = self.layout
-        expected = (layers, num_tokens, heads, dim)
-        if key_shape != expected or value_shape != expected or key_dtype != dtype or value_dtype != dtype:
-            raise CorruptChunkError(f"chunk {key[:12]}: K/V {key_shape} {key_dtype} / {value_shape} {value_dtype} "
-                                    f"do not fit this pool ({expected} {dtype})")
+    def _check_layout(self, key: str, keys: tuple, values: tuple, num_tokens: int) -> None:
+        """Raises :class:`CorruptChunkError` unless ``keys`` and ``values`` (each ``(shape, dtype)``)
+        of ``num_tokens`` tokens fit the pool's layout."""
+        problem = self.layout.mismatch(keys, values, num_tokens) if self.layout is not None else None
+        if problem:
+            raise CorruptChunkError(f"chunk {key[:12]}: {problem}")
 
     # --- writing (queued from the engine thread, run on the writer thread) ----------------------
     def save(self, chunk: ChunkKV, tiers: list[Tier], gathered=None) -> bool:

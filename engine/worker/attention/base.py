@@ -39,6 +39,9 @@ class AttentionBackend(ABC):
     # Decode steps may be captured in CUDA graphs: ``forward`` does no host sync or host-to-device
     # copy once :meth:`plan_graph_decode` has stored the metadata's plan.
     supports_cuda_graphs: bool = False
+    # The ``CacheConfig.kv_cache_dtype`` values whose stored K/V this backend reads ("auto": the
+    # model's dtype); the engine refuses any other at start-up.
+    supported_kv_cache_dtypes: tuple[str, ...] = ("auto",)
 
     def __init__(self, rotary: RotaryEmbedding, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  chunk_scaling: ChunkScaling | None = None):
