@@ -44,7 +44,8 @@ from benchmarks.serving_results import command_line, environment, write  # noqa:
 from benchmarks.serving_setup import ARCHS, Bench, make_engine, release  # noqa: E402
 from benchmarks.serving_workload import random_text  # noqa: E402
 from lazyattn_rag.engine.tiers.chunk_format import ChunkKV, encode_chunk  # noqa: E402
-from lazyattn_rag.engine.tiers.chunk_store import DiskStore, HostMemoryStore  # noqa: E402
+from lazyattn_rag.engine.tiers.chunk_store import HostMemoryStore  # noqa: E402
+from lazyattn_rag.engine.tiers.disk_store import DiskStore  # noqa: E402
 from lazyattn_rag.engine.tiers.chunk_tiers import ChunkTiers, LoadCosts  # noqa: E402
 from lazyattn_rag.engine.tiers.host_arena import HostArena, copy_to_host, gather_event  # noqa: E402
 from lazyattn_rag.engine.scheduling.scheduler_output import ChunkPrefillJob, SchedulerOutput  # noqa: E402

@@ -29,14 +29,14 @@ from dataclasses import dataclass
 import torch
 
 from lazyattn_rag.engine.kv.block_table import BlockEntry, block_table_entries
-from lazyattn_rag.engine.kv.chunk_cache import ChunkCache, ChunkEntry
+from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
 from lazyattn_rag.engine.cpu_threads import engine_cpu_threads
 from lazyattn_rag.engine.document_removal import purge_replaced
-from lazyattn_rag.engine.tiers.chunk_format import ChunkKV
+from lazyattn_rag.engine.engine_stats import engine_stats
+from lazyattn_rag.engine.tier_writes import TierWrites
 from lazyattn_rag.engine.tiers.chunk_tiers import ChunkTiers
 from lazyattn_rag.engine.counters import EngineCounters
 from lazyattn_rag.engine.output.detokenizer import IncrementalDetokenizer
-from lazyattn_rag.engine.tiers.host_arena import gather_event
 from lazyattn_rag.engine.output.output_processor import OutputProcessor, OutputState, Sink
 from lazyattn_rag.engine.planning.passage_learning import PassageLearner
 from lazyattn_rag.engine.planning.planner import PromptPlanner
@@ -121,8 +121,9 @@ class LLMEngine:
         sched = config.scheduler
         self.scheduler = Scheduler(cache, sched.max_num_batched_tokens, sched.max_num_seqs, self._encode_anchor(),
                                    self.planner.anchor_key, sched.prefill_with_encodes, self.counters, tiers)
+        self.tier_writes = TierWrites(tiers, cache, runner.kv_pool, model_digest) if tiers is not None else None
         if tiers is not None and tiers.host is not None:
-            cache.on_evict = self._write_back
+            cache.on_evict = self.tier_writes.write_back
         self.max_model_len = self.planner.max_model_len = self._fit_max_model_len(max_model_len)
         self.outputs = OutputProcessor(self.scheduler, self.counters, self.max_model_len)
         learn = config.cache.learn_passages and config.cache.mode == "lazy"
@@ -169,45 +170,6 @@ class LLMEngine:
         self.runner.execute_step(SchedulerOutput(chunk_prefills=[ChunkPrefillJob(key, ids, 0, blocks, [])]))
         self.cache.mark_ready(key)
         return block_table_entries(entry.block_ids, len(ids), 0, self.block_size)
-
-    # --- storage tiers ------------------------------------------------------------------------
-    def _save(self, entry: ChunkEntry, tiers: list) -> None:
-        """Queue ``entry``'s K/V for ``tiers``: gathered on the device now (before any later kernel
-        can reuse its blocks), copied off it by the tiers' writer thread, so the step neither
-        waits for the copy nor allocates host memory for it."""
-        keys, values = self.runner.kv_pool.gather(entry.block_ids, entry.num_tokens)
-        chunk = ChunkKV(entry.key, self.model_digest, entry.token_ids, entry.local_start, keys, values)
-        self.tiers.save(chunk, tiers, gather_event(self.runner.device))
-
-    def _storable(self, entry: ChunkEntry | None) -> bool:
-        """A chunk the storage tiers take: written, its tokens known, position-agnostic (not a
-        positioned copy, nor an exact-prefix block, which only the KV pool looks up), and live: a
-        dead chunk's document was deleted or changed, so no later request needs it, and a deleted
-        document's K/V must not land in a tier after the delete."""
-        return (entry is not None and entry.ready and entry.token_ids is not None and entry.source_key is None
-                and not entry.exact_prefix and not entry.dead)
-
-    def _write_back(self, entry: ChunkEntry) -> None:
-        """The pool evicts ``entry`` (its blocks still hold its K/V): queue it for the host tier."""
-        host = self.tiers.host
-        if not self._storable(entry) or entry.key in host:
-            return
-        try:
-            self._save(entry, [host])
-        except Exception:  # noqa: BLE001 - a lost write-back costs a recompute, never the step
-            logger.exception("write-back of chunk %s failed", entry.key[:12])
-
-    def _persist(self, out: SchedulerOutput) -> None:
-        """Queue the chunks this step computed for the persistent tiers (disk, Redis)."""
-        tiers = self.tiers.persistent
-        for job in out.chunk_prefills:
-            entry = self.cache.lookup(job.key, touch=False, include_dead=True) if job.final else None
-            targets = [t for t in tiers if job.key not in t] if self._storable(entry) else []
-            if targets:
-                try:
-                    self._save(entry, targets)
-                except Exception:  # noqa: BLE001 - as _write_back
-                    logger.exception("storing chunk %s failed", job.key[:12])
 
     def _prepare_document(self, doc_id: str, text: str, namespace: str = "") -> RegisteredDocument:
         """The planner's checks, then: one request with the document must fit the KV cache (a
@@ -413,7 +375,7 @@ class LLMEngine:
             self._synchronize()
             self.tiers.costs.record_prefill(out.num_batched_tokens, time.perf_counter() - start)
             if self.tiers.persistent:
-                self._persist(out)
+                self.tier_writes.persist(out)
         return out, logits
 
     def _synchronize(self) -> None:
@@ -429,40 +391,5 @@ class LLMEngine:
 
     # --- introspection --------------------------------------------------------------------
     def stats(self) -> dict:
-        """Engine-wide stats: hit ratios (tokens, documents), blocks, evictions, preemptions, queues,
-        ``first_request_ttft_ms`` (the first request to produce a token; ``None`` before) and
-        ``tiers``: per storage tier below the pool, :meth:`ChunkTiers.stats` (empty without tiers)."""
-        c, cache, pool, sched = self.counters, self.cache, self.cache.pool, self.scheduler
-        cached_blocks = cache.num_cached_blocks
-        return {
-            "num_requests_finished": c.num_requests_finished,
-            "num_requests_failed": c.num_requests_failed,
-            "num_requests_aborted": c.num_requests_aborted,
-            "num_requests_waiting": len(sched.waiting),
-            "num_requests_running": len(sched.running) + len(sched.acquired),
-            "token_hit_ratio": c.num_cached_prompt_tokens / c.num_prompt_tokens if c.num_prompt_tokens else 0.0,
-            "doc_hit_ratio": c.num_doc_hits / c.num_doc_lookups if c.num_doc_lookups else 0.0,
-            "num_prompt_tokens": c.num_prompt_tokens,
-            "num_cached_prompt_tokens": c.num_cached_prompt_tokens,
-            "num_exact_prefix_tokens": c.num_exact_prefix_tokens,
-            "num_shifted_tokens": c.num_shifted_tokens,
-            "num_computed_prompt_tokens": c.num_computed_prompt_tokens,
-            "num_recomputed_tokens": c.num_recomputed_tokens,
-            "doc_placements": dict(c.doc_placements),
-            "num_passages_remembered": len(self.passages.history) if self.passages is not None else 0,
-            "num_output_tokens": c.num_output_tokens,
-            "num_blocks_total": pool.num_blocks,
-            "num_blocks_free": pool.num_free,
-            "num_blocks_cached": cached_blocks,
-            "num_blocks_in_use": pool.num_blocks - pool.num_free - cached_blocks,
-            "num_blocks_evictable": cache.num_evictable_blocks,
-            "num_cached_chunks": cache.num_entries,
-            "num_documents": len(self.documents),
-            "num_evictions": cache.num_evictions,
-            "num_preemptions": c.num_preemptions,
-            "num_key_collisions": c.num_key_collisions,
-            "num_steps": c.num_steps,
-            "first_request_ttft_ms": c.first_request_ttft_ms,
-            "tiers": self.tiers.stats() if self.tiers is not None else {},
-            "num_tier_writes_dropped": self.tiers.num_dropped_writes if self.tiers is not None else 0,
-        }
+        """Engine-wide stats (:func:`~lazyattn_rag.engine.engine_stats.engine_stats`)."""
+        return engine_stats(self)

@@ -24,7 +24,8 @@ import torch
 from lazyattn_rag.engine.worker.attention import get_backend_class
 from lazyattn_rag.engine.kv.block_pool import BlockPool
 from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
-from lazyattn_rag.engine.tiers.chunk_store import DiskStore, HostMemoryStore
+from lazyattn_rag.engine.tiers.chunk_store import HostMemoryStore
+from lazyattn_rag.engine.tiers.disk_store import DiskStore
 from lazyattn_rag.engine.tiers.host_arena import HostArena
 from lazyattn_rag.engine.tiers.chunk_tiers import ChunkTiers
 from lazyattn_rag.engine.worker.cuda_graphs import graph_batch_sizes, graph_block_table_width

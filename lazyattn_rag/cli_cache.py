@@ -84,7 +84,7 @@ def clear(
     redis_url: Optional[str] = cli_opts.REDIS_URL,
 ) -> None:
     """Delete every chunk in the disk cache (and this project's keys on a Redis server, with --redis-url)."""
-    from lazyattn_rag.engine.tiers.chunk_store import DiskStore
+    from lazyattn_rag.engine.tiers.disk_store import DiskStore
 
     try:
         directory = _disk_dir(cache_dir, disk_cache)

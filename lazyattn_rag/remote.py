@@ -20,7 +20,6 @@ server that cannot be reached or answers 5xx raises :class:`ServerError`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,16 +30,13 @@ from lazyattn_rag.types.documents import Document, RemovedDocument
 from lazyattn_rag.types.messages import Message, as_message
 from lazyattn_rag.types.outputs import Completion, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
-from lazyattn_rag.types.wire import (DOCUMENT_CHANGED, document_to_body, error_class, message_to_body,
-                                    remedies_to_body, sampling_to_body, stats_from_body, text_hash)
+from lazyattn_rag.types.errors import DocumentChanged, ServerError
+from lazyattn_rag.types.wire import (collect_deltas as _collect, document_to_body, message_to_body,
+                                    raise_for_status, remedies_to_body, sampling_to_body, sse_deltas as _deltas,
+                                    sse_line_deltas as _parse, text_hash)
 
-
-class ServerError(RuntimeError):
-    """The server could not be reached, or failed (5xx); ``status`` is ``None`` when unreached."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
+__all__ = ["AsyncRemoteLazyAttention", "DocumentChanged", "PromptCount", "RemoteConfig", "RemoteLazyAttention",
+           "RemoteStream", "RemoteTokenizer", "ServerError", "raise_for_status"]
 
 
 @dataclass(frozen=True)
@@ -247,10 +243,6 @@ def _hashes(documents: list[Document]) -> dict[str, Any]:
     return {"document_hashes": {d.id: text_hash(d.text) for d in documents}} if documents else {}
 
 
-class DocumentChanged(ValueError):
-    """409: a document this client sent was registered since with another text."""
-
-
 class RemoteStream:
     """The deltas of one streamed answer (a sync iterator of :class:`StreamDelta`); the request
     is sent, and refused with an exception, at construction. ``close()`` cancels it.
@@ -363,67 +355,6 @@ class AsyncRemoteLazyAttention:
                         raise
                 except httpx.HTTPError as error:
                     raise ServerError(f"POST {self.client.base_url}/v1/chat/completions: {error}") from error
-
-
-def raise_for_status(status: int, content: bytes) -> None:
-    """Raise for a non-2xx response: ``PermissionError`` for 401/403 (no key, a wrong key, a
-    namespace or an action the key does not allow), this package's exception for the body's
-    ``code`` (other 4xx) or :class:`ServerError` (5xx)."""
-    if status < 300:
-        return
-    try:
-        error = json.loads(content)["error"]
-        message, code = error.get("message", ""), error.get("code")
-    except (ValueError, KeyError, TypeError):
-        message, code = content.decode(errors="replace")[:500], None
-    if status >= 500:
-        raise ServerError(f"server error {status}: {message}", status)
-    if status in (401, 403):
-        raise PermissionError(f"{status}: {message}")
-    if code == "document_not_found":
-        raise _unknown(message)
-    if code == DOCUMENT_CHANGED:
-        raise DocumentChanged(message)
-    raise error_class(code)(message)
-
-
-def _unknown(message: str) -> Exception:
-    from lazyattn_rag.types.errors import UnknownDocumentError
-
-    return UnknownDocumentError(message)
-
-
-def _deltas(lines: Iterable[str]) -> Iterator[StreamDelta]:
-    for line in lines:
-        yield from _parse(line)
-
-
-def _parse(line: str) -> list[StreamDelta]:
-    """The deltas of one server-sent-events line (``data: {chunk}``; ``[DONE]`` and other lines: none)."""
-    if not line.startswith("data: ") or line == "data: [DONE]":
-        return []
-    chunk = json.loads(line[len("data: "):])
-    if "error" in chunk:
-        raise ServerError(f"the answer failed on the server: {chunk['error'].get('message')}")
-    if not chunk.get("choices"):
-        return []  # the usage chunk
-    choice = chunk["choices"][0]
-    text, reason = choice.get("delta", {}).get("content") or "", choice.get("finish_reason")
-    if reason is None:
-        return [StreamDelta(text)] if text else []
-    stats = stats_from_body(chunk["lazyattn"]["stats"])
-    return [StreamDelta(text, finished=True, finish_reason=reason, stats=stats)]
-
-
-def _collect(deltas: Iterable[StreamDelta]) -> Completion:
-    parts, last = [], None
-    for delta in deltas:
-        parts.append(delta.text)
-        last = delta
-    if last is None or not last.finished:
-        raise ServerError("the answer ended before it finished")
-    return Completion("".join(parts), [], last.finish_reason, last.stats)
-
 
 
 async def _acollect(deltas: AsyncIterator[StreamDelta]) -> Completion:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lazyattn_rag.engine.tiers.chunk_format import ChunkKV, CorruptChunkError, decode_chunk, encode_chunk
-from lazyattn_rag.engine.tiers.chunk_store import SUFFIX, DiskStore, HostMemoryStore
+from lazyattn_rag.engine.tiers.chunk_store import SUFFIX, HostMemoryStore
+from lazyattn_rag.engine.tiers.disk_store import DiskStore
 from lazyattn_rag.engine.kv.eviction import LFUAgingPolicy
 
 MODEL = "m" * 64
@@ -124,7 +125,7 @@ def test_a_failed_write_leaves_no_untracked_payload(tmp_path, monkeypatch):
     def full_disk(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("lazyattn_rag.engine.tiers.chunk_store.os.replace", full_disk)
+    monkeypatch.setattr("lazyattn_rag.engine.tiers.disk_store.os.replace", full_disk)
     assert not store.put(key, payload(key, 8))
     assert key not in store and store.num_bytes == 0 and store.stats.num_errors == 1
     assert os.listdir(tmp_path / "tier") == []  # neither the old file nor the temporary

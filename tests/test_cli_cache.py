@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lazyattn_rag.cli import app
-from lazyattn_rag.engine.tiers.chunk_store import DiskStore
+from lazyattn_rag.engine.tiers.disk_store import DiskStore
 from tests.integrations_kit import tiny_engine
 from tests.tiny import words
 

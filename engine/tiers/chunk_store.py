@@ -13,7 +13,7 @@ Every tier, in-process or shared (``engine/tiers/redis_store.py``), offers the :
 
 * :class:`HostMemoryStore`: chunks in this process's memory; the engine keeps their K/V there
   as they are, in the pages of a preallocated arena (``engine/tiers/host_arena.py``), not as bytes.
-* :class:`DiskStore`: one file per chunk under a directory. Writes are atomic (a temporary
+* ``DiskStore`` (``engine/tiers/disk_store.py``): one file per chunk under a directory. Writes are atomic (a temporary
   name in the same directory, flushed and fsynced, then renamed over the final name), so a
   reader, in this process or another, sees a whole old file or a whole new one, and two
   writers of one key leave one whole file. A store opened on an existing directory indexes
@@ -24,12 +24,9 @@ Every tier, in-process or shared (``engine/tiers/redis_store.py``), offers the :
 
 from __future__ import annotations
 
-import os
-import tempfile
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 from lazyattn_rag.engine.tiers.chunk_format import ChunkKV
@@ -331,77 +328,3 @@ class HostMemoryStore(ChunkStore):
         value = self._data.pop(key, None)
         if isinstance(value, HostChunk):
             value.release()
-
-
-class DiskStore(ChunkStore):
-    """Chunks as files ``<directory>/<key>.lakv`` (see the module docstring).
-
-    Args:
-        directory: created if missing; files already there are indexed, oldest first.
-        capacity_bytes, policy: as :class:`ChunkStore`; entries beyond the capacity at opening
-            are evicted, oldest first.
-    """
-
-    name = "disk"
-
-    def __init__(self, directory: Path, capacity_bytes: int, policy: EvictionPolicy | None = None):
-        super().__init__(capacity_bytes, policy)
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        found = sorted((f for f in self.directory.glob(f"*{SUFFIX}") if f.is_file()), key=lambda f: f.stat().st_mtime)
-        for f in found:
-            self._record(f.name[: -len(SUFFIX)], f.stat().st_size)
-        self._make_room(0)
-
-    def _adopt(self, key: str) -> bool:
-        try:
-            size = self._path(key).stat().st_size
-        except (OSError, ValueError):
-            return False
-        self._record(key, size)
-        return True
-
-    def _refresh(self) -> None:
-        """Index the files other processes wrote since (as the most recent), forget the ones
-        they deleted (a listing of the directory: about a millisecond per thousand chunks)."""
-        present = {}
-        for entry in os.scandir(self.directory):
-            if entry.name.endswith(SUFFIX) and entry.is_file():
-                present[entry.name[: -len(SUFFIX)]] = entry
-        for key in [k for k in self._sizes if k not in present]:
-            self._forget(key, evicted=False)
-        new = sorted((e for k, e in present.items() if k not in self._sizes), key=lambda e: e.stat().st_mtime)
-        for entry in new:
-            self._record(entry.name[: -len(SUFFIX)], entry.stat().st_size)
-
-    def _path(self, key: str) -> Path:
-        if not key or not all(c.isalnum() or c in "-_" for c in key):
-            raise ValueError(f"not a chunk key: {key!r} (content keys are hex digests)")
-        return self.directory / f"{key}{SUFFIX}"
-
-    def _read(self, key: str) -> bytes:
-        return self._path(key).read_bytes()
-
-    def _stage(self, key: str, data: bytes) -> str:
-        """Write and fsync a temporary file in the directory; its name."""
-        self._path(key)  # a bad key fails before anything is written
-        fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=self.directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return tmp
-
-    def _commit(self, key: str, staged: str) -> None:
-        try:
-            os.replace(staged, self._path(key))  # atomic: readers see the old file or the new one
-        except BaseException:
-            Path(staged).unlink(missing_ok=True)
-            raise
-
-    def _remove(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)

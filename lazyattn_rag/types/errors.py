@@ -45,3 +45,15 @@ class SelfCheckError(LazyAttentionError):
     def __init__(self, message: str, report: dict | None = None):
         super().__init__(message)
         self.report = report
+
+
+class ServerError(RuntimeError):
+    """The server could not be reached, or failed (5xx); ``status`` is ``None`` when unreached."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class DocumentChanged(ValueError):
+    """409: a document this client sent was registered since with another text."""

@@ -31,14 +31,16 @@ stats (:class:`~lazyattn_rag.types.outputs.RequestStats` as a dict) and the repl
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+import json
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, fields, replace
 from typing import Any
 
 from lazyattn_rag.types.config import RequestRemedies
 from lazyattn_rag.types.documents import Document
+from lazyattn_rag.types.errors import DocumentChanged, ServerError, UnknownDocumentError
 from lazyattn_rag.types.messages import DocumentRef, Message
-from lazyattn_rag.types.outputs import RequestStats
+from lazyattn_rag.types.outputs import Completion, RequestStats, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
 
 # SamplingParams fields and the body keys that carry them (OpenAI's names where it has one)
@@ -174,3 +176,60 @@ def logprob_entry(token_id: int, logprobs: Mapping[int, float], num: int, token_
     chosen_text = token_text(token_id)
     return {"token": chosen_text, "logprob": float(chosen), "bytes": encode(chosen_text),
             "top_logprobs": [{"token": t, "logprob": v, "bytes": encode(t)} for t, v in zip(names, values)]}
+
+
+# --- the client side: a response's status and streamed answer back to value types -----------------
+def raise_for_status(status: int, content: bytes) -> None:
+    """Raise for a non-2xx response: ``PermissionError`` for 401/403 (no key, a wrong key, a
+    namespace or an action the key does not allow), this package's exception for the body's
+    ``code`` (other 4xx) or :class:`ServerError` (5xx)."""
+    if status < 300:
+        return
+    try:
+        error = json.loads(content)["error"]
+        message, code = error.get("message", ""), error.get("code")
+    except (ValueError, KeyError, TypeError):
+        message, code = content.decode(errors="replace")[:500], None
+    if status >= 500:
+        raise ServerError(f"server error {status}: {message}", status)
+    if status in (401, 403):
+        raise PermissionError(f"{status}: {message}")
+    if code == "document_not_found":
+        raise UnknownDocumentError(message)
+    if code == DOCUMENT_CHANGED:
+        raise DocumentChanged(message)
+    raise error_class(code)(message)
+
+
+def sse_deltas(lines: Iterable[str]) -> Iterator[StreamDelta]:
+    """The deltas of a streamed answer's server-sent-events lines."""
+    for line in lines:
+        yield from sse_line_deltas(line)
+
+
+def sse_line_deltas(line: str) -> list[StreamDelta]:
+    """The deltas of one server-sent-events line (``data: {chunk}``; ``[DONE]`` and other lines: none)."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return []
+    chunk = json.loads(line[len("data: "):])
+    if "error" in chunk:
+        raise ServerError(f"the answer failed on the server: {chunk['error'].get('message')}")
+    if not chunk.get("choices"):
+        return []  # the usage chunk
+    choice = chunk["choices"][0]
+    text, reason = choice.get("delta", {}).get("content") or "", choice.get("finish_reason")
+    if reason is None:
+        return [StreamDelta(text)] if text else []
+    stats = stats_from_body(chunk["lazyattn"]["stats"])
+    return [StreamDelta(text, finished=True, finish_reason=reason, stats=stats)]
+
+
+def collect_deltas(deltas: Iterable[StreamDelta]) -> Completion:
+    """One answer's deltas joined (raises :class:`ServerError` if they end before it finished)."""
+    parts, last = [], None
+    for delta in deltas:
+        parts.append(delta.text)
+        last = delta
+    if last is None or not last.finished:
+        raise ServerError("the answer ended before it finished")
+    return Completion("".join(parts), [], last.finish_reason, last.stats)
