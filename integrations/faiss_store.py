@@ -24,14 +24,13 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from lazyattn_rag.integrations.faiss_io import (EmbeddingDimensionError, read_index, read_meta, read_rows, swap_vectors,
+                                                unit_vectors, write_store)
 from lazyattn_rag.types.documents import Document
 from lazyattn_rag.types.errors import UnknownDocumentError
 
@@ -39,28 +38,8 @@ if TYPE_CHECKING:
     from lazyattn_rag.integrations.embeddings import SentenceEmbedder
     from lazyattn_rag.llm import LazyAttention
 
-_INDEX_FILE, _DOCS_FILE, _META_FILE = "index.faiss", "documents.jsonl", "meta.json"
-_FORMAT = 1
 logger = logging.getLogger("lazyattn_rag.integrations")
-
-
-def _swap_vectors(index: Any, vectors: np.ndarray | None, new_ids: list[int], old_ids: list[int]) -> None:
-    """Add ``vectors`` under ``new_ids``, then remove the vectors ``old_ids``; if either step
-    raises, the index is left as it was (the new vectors are taken out again)."""
-    if new_ids:
-        index.add_with_ids(vectors, np.asarray(new_ids, dtype=np.int64))
-    try:
-        if old_ids:
-            index.remove_ids(np.asarray(old_ids, dtype=np.int64))
-    except BaseException:
-        if new_ids:
-            index.remove_ids(np.asarray(new_ids, dtype=np.int64))
-        raise
-
-
-class EmbeddingDimensionError(ValueError):
-    """Vectors whose dimension differs from the index's (another embedding model than the one the
-    index was built with). The message names both dimensions and both models where known."""
+__all__ = ["EmbeddingDimensionError", "FaissDocumentStore"]
 
 
 def _locked(method):
@@ -70,14 +49,6 @@ def _locked(method):
             return method(self, *args, **kwargs)
 
     return wrapper
-
-
-def _named(name: str | None) -> str:
-    return repr(name) if name else "an unnamed embedding model"
-
-
-def _from(name: str | None) -> str:
-    return f" from {name!r}" if name else ""
 
 
 def _check_json(doc: Document) -> None:
@@ -169,30 +140,6 @@ class FaissDocumentStore:
         self.engine = engine
 
     # --- vectors ----------------------------------------------------------------------------
-    def _vectors(self, raw: Any, rows: int, source: str | None, what: str) -> np.ndarray:
-        """``raw`` as float32 ``[rows, dim]`` unit rows, checked against the index's dimension."""
-        try:
-            vectors = np.array(raw, dtype=np.float32)
-        except (TypeError, ValueError) as e:  # ragged rows: vectors of different lengths
-            raise EmbeddingDimensionError(f"{what}{_from(source)}: not one [n, dim] array of numbers "
-                                          f"(vectors of different lengths?): {e}") from None
-        if vectors.ndim == 1 and rows == 1:
-            vectors = vectors.reshape(1, -1)
-        if vectors.ndim != 2 or vectors.shape[0] != rows:
-            raise ValueError(f"{what}{_from(source)}: expected {rows} vectors, got an array of "
-                             f"shape {tuple(vectors.shape)}")
-        if vectors.shape[1] < 1:
-            raise EmbeddingDimensionError(f"{what}{_from(source)}: 0 dimensions")
-        if self.index is not None and vectors.shape[1] != self.dim:
-            raise EmbeddingDimensionError(
-                f"{what}{_from(source)}: {vectors.shape[1]} dimensions, but this index holds "
-                f"{self.dim}-dimensional vectors from {_named(self.embedder_name)}; embed with the model the "
-                "index was built with, or build a new index")
-        if not np.isfinite(vectors).all():
-            raise ValueError(f"{what}{_from(source)}: NaN or infinite values")
-        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-        return np.ascontiguousarray(vectors / np.where(norms > 0, norms, 1.0))
-
     def _encoder(self, embed: Callable[[list[str]], Any] | None) -> Callable[[list[str]], Any]:
         if embed is not None:
             return embed
@@ -255,12 +202,12 @@ class FaissDocumentStore:
                 todo[d.id] = d
         source = embedder_name or (self.embedder_name if vectors is None and embed is None else None)
         if vectors is not None:
-            arr = self._vectors(vectors, len(documents), source, "the vectors")
+            arr = unit_vectors(vectors, len(documents), self.dim, self.embedder_name, source, "the vectors")
             rows = {d.id: i for i, d in enumerate(documents)}
             arr = arr[[rows[i] for i in todo]]
         elif todo:
-            arr = self._vectors(self._embed_documents(list(todo.values()), embed), len(todo), source,
-                                "the embeddings")
+            arr = unit_vectors(self._embed_documents(list(todo.values()), embed), len(todo), self.dim,
+                               self.embedder_name, source, "the embeddings")
         if not todo:
             return []
         # Everything that can fail is done before anything changes: the index made (a store
@@ -274,7 +221,7 @@ class FaissDocumentStore:
         if self.engine is not None:
             self.engine.add_documents(list(todo.values()))
         try:
-            _swap_vectors(index, arr, list(fresh.values()), stale)
+            swap_vectors(index, arr, list(fresh.values()), stale)
         except BaseException:
             self._restore_engine(before)
             raise
@@ -314,7 +261,7 @@ class FaissDocumentStore:
                         self.engine.remove_document(d)
                     except UnknownDocumentError:  # removed meanwhile by someone else: gone either way
                         pass
-            _swap_vectors(self.index, None, [], [self._int_ids[d] for d in ids])
+            swap_vectors(self.index, None, [], [self._int_ids[d] for d in ids])
         except BaseException:
             self._restore_engine(before)
             raise
@@ -378,7 +325,7 @@ class FaissDocumentStore:
             raise ValueError(f"k must be an integer >= 1, got {k!r}")
         if self.index is None:  # nothing was ever added: no dimension to check against
             return []
-        query = self._vectors(vector, 1, embedder_name, "the query embedding")
+        query = unit_vectors(vector, 1, self.dim, self.embedder_name, embedder_name, "the query embedding")
         n = self.index.ntotal if accept is not None else min(k, self.index.ntotal)
         if n == 0:
             return []
@@ -391,33 +338,18 @@ class FaissDocumentStore:
     # --- persistence ------------------------------------------------------------------------
     @_locked
     def save(self, directory: str | Path) -> Path:
-        """Write the index, the documents and the embedder's name under ``directory``.
+        """Write the index, the documents and the embedder's name under ``directory``
+        (``integrations/faiss_io.py``).
 
         Raises:
             ValueError: the store never received a vector (its dimension is unknown).
         """
-        import faiss
-
         if self.index is None:
             raise ValueError("nothing to save: the store has no dimension yet (add documents first)")
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        parts = {name: out / f".{name}.{os.getpid()}.tmp" for name in (_INDEX_FILE, _DOCS_FILE, _META_FILE)}
-        try:  # every file written in full before any replaces what a previous save left
-            faiss.write_index(self.index, str(parts[_INDEX_FILE]))
-            with open(parts[_DOCS_FILE], "w", encoding="utf-8") as f:
-                for d in self._docs.values():
-                    f.write(json.dumps({"id": d.id, "int_id": self._int_ids[d.id], "text": d.text,
-                                        "metadata": d.metadata}, ensure_ascii=False) + "\n")
-            meta = {"format": _FORMAT, "embedder": self.embedder_name, "dim": self.dim, "next_id": self._next_id}
-            parts[_META_FILE].write_text(json.dumps(meta))
-        except BaseException:
-            for tmp in parts.values():
-                tmp.unlink(missing_ok=True)
-            raise
-        for name, tmp in parts.items():
-            os.replace(tmp, out / name)
-        return out
+        rows = ({"id": d.id, "int_id": self._int_ids[d.id], "text": d.text, "metadata": d.metadata}
+                for d in self._docs.values())
+        meta = {"embedder": self.embedder_name, "dim": self.dim, "next_id": self._next_id}
+        return write_store(Path(directory), self.index, rows, meta)
 
     @classmethod
     def load(cls, directory: str | Path, embedder: "SentenceEmbedder | None" = None,
@@ -436,27 +368,15 @@ class FaissDocumentStore:
             ValueError: written by another embedder or format, or index and documents disagree
                 (EmbeddingDimensionError when only the dimension differs).
         """
-        import faiss
-
         src = Path(directory)
-        meta = json.loads((src / _META_FILE).read_text())
-        saved = f"{meta.get('embedder')!r} (dim {meta.get('dim')}, format {meta.get('format')})"
-        if meta.get("format") != _FORMAT:
-            raise ValueError(f"index in {src} has format {meta.get('format')}; this version reads {_FORMAT}")
-        want = embedder.name if embedder is not None else embedder_name
-        if want is not None and meta.get("embedder") is not None and meta["embedder"] != want:
-            raise ValueError(f"index in {src} was built with {saved}; this embedder is {want!r}")
-        if embedder is not None and meta.get("dim") != embedder.dim:
-            raise EmbeddingDimensionError(f"index in {src} was built with {saved}; this embedder {want!r} "
-                                          f"gives {embedder.dim}-dimensional vectors")
+        meta = read_meta(src, embedder.name if embedder is not None else embedder_name,
+                         embedder.dim if embedder is not None else None)
         store = cls(embedder, None, dim=None if embedder is not None else int(meta["dim"]),
                     embedder_name=meta.get("embedder") if embedder is None else None)
-        store.index = faiss.read_index(str(src / _INDEX_FILE))
-        with open(src / _DOCS_FILE, encoding="utf-8") as f:
-            for line in f:
-                row = json.loads(line)
-                store._docs[row["id"]] = Document(row["id"], row["text"], row["metadata"])
-                store._int_ids[row["id"]], store._str_ids[row["int_id"]] = row["int_id"], row["id"]
+        store.index = read_index(src)
+        for row in read_rows(src):
+            store._docs[row["id"]] = Document(row["id"], row["text"], row["metadata"])
+            store._int_ids[row["id"]], store._str_ids[row["int_id"]] = row["int_id"], row["id"]
         store._next_id = meta["next_id"]
         if store.index.ntotal != len(store._docs) or store.dim != meta["dim"]:
             raise ValueError(f"{src}: the index holds {store.index.ntotal} vectors of dimension {store.dim} but "
