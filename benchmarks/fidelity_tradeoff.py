@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks.*`` importab
 
 import typer
 
-from benchmarks.quality import EngineSetting, engine_setting
+from benchmarks.quality_modes import EngineSetting, engine_setting
 
 app = typer.Typer(add_completion=False)
 

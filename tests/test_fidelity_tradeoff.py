@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from benchmarks.fidelity_tradeoff import app, baseline_mode, fidelity_points, serving_mode
-from benchmarks.quality import EngineSetting, engine_setting
+from benchmarks.quality_modes import EngineSetting, engine_setting
 
 
 def test_quality_modes_map_to_serving_modes():

@@ -17,7 +17,8 @@ from benchmarks.qa_metrics import (
     summarize,
     token_f1,
 )
-from benchmarks.quality import score_mode, shuffled
+from benchmarks.quality import shuffled
+from benchmarks.quality_results import score_mode
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -151,7 +152,7 @@ def test_score_mode_paired_difference_and_agreement(tmp_path):
 
 
 def test_resume_keeps_previous_answers_and_rejects_other_questions(tmp_path):
-    from benchmarks.quality import resume_from
+    from benchmarks.quality_results import resume_from
 
     (tmp_path / "qa").mkdir()
     rows = [{"id": f"q{i}", "question": "?", "answers": ["Paris"], "passages": [{"title": "", "text": "t"}]}
@@ -188,7 +189,7 @@ def test_load_qa_rejects_repeated_ids(tmp_path):
 
 
 def test_pool_scores_all_datasets_together():
-    from benchmarks.quality import markdown_table, pool
+    from benchmarks.quality_results import markdown_table, pool
 
     gens = {"a": {"q0": {"answers": ["Paris"], "modes": {"full": "Paris", "reuse": "Lyon"}}},
             "b": {"q0": {"answers": ["Rome"], "modes": {"full": "Rome", "reuse": "Rome", "reuse-head": "x"}},

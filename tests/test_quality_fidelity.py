@@ -79,7 +79,7 @@ def test_a_resumed_run_scores_its_new_modes_against_full(tmp_path, smollm2_dir):
 
 
 def test_engine_modes_run_full_first_then_as_given():
-    from benchmarks.quality import engine_run_order
+    from benchmarks.quality_modes import engine_run_order
 
     assert engine_run_order(["reuse-bos-sel5", "recompute", "reuse-bos-k4", "full", "reuse-bos"]) == \
         ["full", "reuse-bos-sel5", "reuse-bos-k4", "reuse-bos"]

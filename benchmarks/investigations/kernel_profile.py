@@ -42,8 +42,8 @@ import triton
 if __package__ in (None, ""):  # run as a script: make ``benchmarks.*`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.kernels import (BLOCK_SIZE, DTYPE, MODELS, bench_ms, build_paged, decode_segments,
-                               inv_freq_for, prefill_segments)
+from benchmarks.kernels_setup import (BLOCK_SIZE, DTYPE, MODELS, bench_ms, build_paged, decode_segments,
+                                     inv_freq_for, prefill_segments)
 from lazyattn_rag.kernels.decode import (WIDE_TILE_BLOCK_N, WIDE_TILE_STAGES, decode_kernel, decode_reduce_kernel,
                                          paged_decode)
 from lazyattn_rag.kernels.launch import block_key_starts, block_runs

@@ -33,7 +33,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.gemv import graph_ms
-from benchmarks.kernels import DTYPE, bench_ms, build_paged, inv_freq_for, prefill_segments
+from benchmarks.kernels_setup import DTYPE, bench_ms, build_paged, inv_freq_for, prefill_segments
 from lazyattn_rag.kernels.launch import block_key_starts, block_runs
 from lazyattn_rag.kernels.prefill import paged_prefill
 

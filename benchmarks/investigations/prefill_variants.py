@@ -32,7 +32,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.kernels import BLOCK_SIZE, build_paged, inv_freq_for, launch_options, prefill_segments
+from benchmarks.kernels_setup import BLOCK_SIZE, build_paged, inv_freq_for, launch_options, prefill_segments
 from benchmarks.investigations.prefill_ab import load_kernel_module, shapes as serving_shapes
 from lazyattn_rag.kernels import prefill as current
 from lazyattn_rag.kernels.launch import block_key_starts, block_runs

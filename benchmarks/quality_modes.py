@@ -1,0 +1,58 @@
+"""The quality benchmark's modes that run on the engine (``benchmarks/quality.py``): each mode's anchor
+and remedy, the order they run in and the order they are reported in."""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from benchmarks.serving_setup import chunk_scaling_percent
+
+ENGINE_MODES = {"full": "none", "full-shuffled": "none", "reuse": "none", "reuse-head": "head", "reuse-bos": "bos"}
+# Chunk-head recompute in the engine (CacheConfig.recompute_chunk_head_tokens): "reuse-k16",
+# "reuse-bos-k4", ...: the reuse mode of that anchor with the first k tokens of each passage recomputed.
+# Selective recompute (CacheConfig.recompute_selective_ratio, CacheBlend): "reuse-sel15",
+# "reuse-bos-sel5", ...: that reuse mode with r % of each passage's tokens recomputed.
+# Chunk attention scaling (CacheConfig.chunk_attention_scaling, APE): "reuse-bos-ape80" (temperature
+# 0.8), "reuse-bos-ape90w80" (temperature 0.9, weight 0.8): that reuse mode with its documents so read.
+_HEAD_RECOMPUTE = re.compile(r"^(reuse|reuse-head|reuse-bos)-k(\d+)$")
+_SELECTIVE_RECOMPUTE = re.compile(r"^(reuse|reuse-head|reuse-bos)-sel(\d+)$")
+_CHUNK_SCALING = re.compile(r"^(reuse|reuse-head|reuse-bos)-ape(\d+)(?:w(\d+))?$")
+
+
+class EngineSetting(NamedTuple):
+    """The engine an engine mode runs on: its anchor and remedy (``recompute_tokens``: chunk-head
+    ``k``; ``selective_ratio``: selective recompute's ``r``; ``temperature``, ``weight``: chunk
+    attention scaling, off at 1 and 1)."""
+
+    anchor: str
+    recompute_tokens: int = 0
+    selective_ratio: float = 0.0
+    temperature: float = 1.0
+    weight: float = 1.0
+
+
+def engine_setting(mode: str) -> EngineSetting | None:
+    """The :class:`EngineSetting` of an engine mode, or ``None``."""
+    if mode in ENGINE_MODES:
+        return EngineSetting(ENGINE_MODES[mode])
+    if m := _HEAD_RECOMPUTE.match(mode):
+        return EngineSetting(ENGINE_MODES[m.group(1)], recompute_tokens=int(m.group(2)))
+    if (m := _SELECTIVE_RECOMPUTE.match(mode)) and 0 < int(m.group(2)) <= 100:
+        return EngineSetting(ENGINE_MODES[m.group(1)], selective_ratio=int(m.group(2)) / 100)
+    if (m := _CHUNK_SCALING.match(mode)) and (setting := chunk_scaling_percent(m.group(2), m.group(3))):
+        return EngineSetting(ENGINE_MODES[m.group(1)], temperature=setting[0], weight=setting[1])
+    return None
+def engine_run_order(modes: list[str]) -> list[str]:
+    """The engine modes of ``modes`` in the order they run: ``full`` first (the others' fidelity
+    is measured against it), then as given (a time-limited run gets the modes asked for first)."""
+    return sorted((m for m in modes if engine_setting(m)), key=lambda m: m != "full")
+
+
+def mode_order(mode: str) -> tuple[int, int]:
+    base = mode if not mode.startswith("recompute-k") else "recompute"
+    k = int(mode.removeprefix("recompute-k")) if mode.startswith("recompute-k") else 0
+    if m := _HEAD_RECOMPUTE.match(mode):
+        base, k = m.group(1), int(m.group(2))
+    order = ("full", "full-shuffled", "reuse", "reuse-bos", "reuse-head", "recompute")
+    return (order.index(base) if base in order else len(order), k)
