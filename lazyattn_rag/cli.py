@@ -67,6 +67,7 @@ NO_DOCUMENTS = "no documents (answered from the model alone; add some with --doc
 
 
 @app.command(cls=cli_opts.Command)
+@cli_opts.with_engine_options(after=("as_json",))
 def ask(
     question: str = typer.Argument(..., metavar="QUESTION", help="The question to answer."),
     doc: list[Path] = typer.Option([], "--doc", "-d", exists=True, dir_okay=False, readable=True, metavar="FILE",
@@ -78,18 +79,9 @@ def ask(
     repetition_penalty: Optional[float] = cli_opts.REPETITION_PENALTY,
     loop_guard: int = cli_opts.LOOP_GUARD,
     seed: Optional[int] = typer.Option(None, help="Sampling seed."),
-    model: Optional[str] = cli_opts.MODEL,
-    device: str = cli_opts.DEVICE,
-    backend: str = cli_opts.BACKEND,
-    anchor: str = cli_opts.ANCHOR,
-    cache_dir: Optional[Path] = typer.Option(None, help="Where converted models are cached."),
-    disk_cache: Optional[Path] = cli_opts.DISK_CACHE,
-    no_disk_cache: bool = cli_opts.NO_DISK_CACHE,
-    disk_cache_bytes: str = cli_opts.DISK_CACHE_BYTES,
-    host_cache_bytes: str = cli_opts.HOST_CACHE_BYTES,
-    redis_url: Optional[str] = cli_opts.REDIS_URL,
     as_json: bool = typer.Option(False, "--json", metavar=cli_opts.FLAG,
                                  help="Print one JSON object instead of streaming text."),
+    engine: cli_opts.EngineOptions = cli_opts.EngineOptions(),
 ) -> None:
     """Answer QUESTION over the given documents, streaming the answer, then print the cache stats."""
     try:  # every input is checked before the model loads
@@ -98,14 +90,13 @@ def ask(
         overrides = cli_opts.sampling_overrides(temperature, top_p, repetition_penalty, max_tokens=max_tokens,
                                                 seed=seed, loop_guard_ngram=loop_guard or None)
         documents = _read_documents(doc)
-        tiers = cli_opts.tier_settings(cache_dir, disk_cache, no_disk_cache, disk_cache_bytes, host_cache_bytes,
-                                       redis_url)
+        config = engine.config()
     except (ValueError, OSError) as e:
         raise _fail(str(e)) from e
     from lazyattn_rag import DocumentTooLongError, LazyAttention, LazyAttentionError, PromptTooLongError
 
     try:
-        llm = LazyAttention(cli_opts.engine_config(model, device, backend, anchor, cache_dir, tiers))
+        llm = LazyAttention(config)
         params = cli_opts.with_overrides(llm.default_sampling, overrides)
         ids = []
         for doc_id, text in documents:
@@ -138,18 +129,8 @@ def ask(
 
 
 @app.command(cls=cli_opts.Command)
-def info(
-    model: Optional[str] = cli_opts.MODEL,
-    device: str = cli_opts.DEVICE,
-    backend: str = cli_opts.BACKEND,
-    anchor: str = cli_opts.ANCHOR,
-    cache_dir: Optional[Path] = typer.Option(None, help="Where converted models are cached."),
-    disk_cache: Optional[Path] = cli_opts.DISK_CACHE,
-    no_disk_cache: bool = cli_opts.NO_DISK_CACHE,
-    disk_cache_bytes: str = cli_opts.DISK_CACHE_BYTES,
-    host_cache_bytes: str = cli_opts.HOST_CACHE_BYTES,
-    redis_url: Optional[str] = cli_opts.REDIS_URL,
-) -> None:
+@cli_opts.with_engine_options()
+def info(engine: cli_opts.EngineOptions = cli_opts.EngineOptions()) -> None:
     """Print the model, attention backend and cache configuration as JSON.
 
     anchor_tokens: what every document is encoded after; prompt_head_tokens: the text before them.
@@ -159,9 +140,7 @@ def info(
     from lazyattn_rag import LazyAttention
 
     try:
-        tiers = cli_opts.tier_settings(cache_dir, disk_cache, no_disk_cache, disk_cache_bytes, host_cache_bytes,
-                                       redis_url)
-        llm = LazyAttention(cli_opts.engine_config(model, device, backend, anchor, cache_dir, tiers))
+        llm = LazyAttention(engine.config())
     except (ValueError, FileNotFoundError) as e:
         raise _fail(str(e)) from e
     except KeyboardInterrupt as e:

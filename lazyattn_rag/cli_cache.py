@@ -103,26 +103,17 @@ def clear(
 
 
 @app.command(cls=cli_opts.Command)
+@cli_opts.with_engine_options("Where converted models, indexes and chunks are cached.", host_tier=False)
 def warm(
     docs: Optional[Path] = typer.Option(None, "--docs", metavar="PATH", help="As lazyattn chat --docs (default: "
                                         "Python's language reference)."),
-    model: Optional[str] = cli_opts.MODEL,
-    device: str = cli_opts.DEVICE,
-    backend: str = cli_opts.BACKEND,
-    anchor: str = cli_opts.ANCHOR,
-    cache_dir: Optional[Path] = typer.Option(None, help="Where converted models, indexes and chunks are cached."),
-    disk_cache: Optional[Path] = cli_opts.DISK_CACHE,
-    no_disk_cache: bool = cli_opts.NO_DISK_CACHE,
-    disk_cache_bytes: str = cli_opts.DISK_CACHE_BYTES,
-    redis_url: Optional[str] = cli_opts.REDIS_URL,
+    engine: cli_opts.EngineOptions = cli_opts.EngineOptions(),
 ) -> None:
     """Compute the chatbot's corpus (or --docs) into the disk cache and Redis, for lazyattn chat to load."""
     try:
         from lazyattn_rag.integrations.chatbot import ChatOptions, warm_corpus
 
-        tiers = cli_opts.tier_settings(cache_dir, disk_cache, no_disk_cache, disk_cache_bytes, "0", redis_url)
-        engine = cli_opts.engine_config(model, device, backend, anchor, cache_dir, tiers)
-        result = warm_corpus(ChatOptions(docs=docs, engine=engine))
+        result = warm_corpus(ChatOptions(docs=docs, engine=engine.config()))
     except ModuleNotFoundError as e:
         raise _fail(f"{e}. Warming the chatbot's corpus needs the integration extras: pip install "
                     "'lazyattn-rag[all]'") from e

@@ -19,6 +19,7 @@ DOCS_HELP = (f"A folder of {', '.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files (re
              "pydoc_data.topics).")
 
 
+@cli_opts.with_engine_options("Where converted models and indexes are cached.")
 def chat(
     question: list[str] = typer.Option([], "--question", "-q",
                                        help="Ask this and exit (repeatable; later questions reuse cached chunks). "
@@ -41,16 +42,7 @@ def chat(
                                              "(default: under the cache dir)."),
     rebuild: bool = typer.Option(False, "--rebuild", metavar=cli_opts.FLAG,
                                  help="Re-embed the corpus even if a saved index exists."),
-    model: Optional[str] = cli_opts.MODEL,
-    device: str = cli_opts.DEVICE,
-    backend: str = cli_opts.BACKEND,
-    anchor: str = cli_opts.ANCHOR,
-    cache_dir: Optional[Path] = typer.Option(None, help="Where converted models and indexes are cached."),
-    disk_cache: Optional[Path] = cli_opts.DISK_CACHE,
-    no_disk_cache: bool = cli_opts.NO_DISK_CACHE,
-    disk_cache_bytes: str = cli_opts.DISK_CACHE_BYTES,
-    host_cache_bytes: str = cli_opts.HOST_CACHE_BYTES,
-    redis_url: Optional[str] = cli_opts.REDIS_URL,
+    engine: cli_opts.EngineOptions = cli_opts.EngineOptions(),
 ) -> None:
     """Chat with a FAISS-backed RAG bot over Python's language reference, or your --docs.
 
@@ -65,12 +57,8 @@ def chat(
 
         questions = [q for q0 in question for q in ((q0, follow_up_question(q0)) if follow_up else (q0,))]
         questions += DEMO_QUESTIONS if demo else ()
-        tiers = cli_opts.tier_settings(cache_dir, disk_cache, no_disk_cache, disk_cache_bytes, host_cache_bytes,
-                                       redis_url)
-        engine = cli_opts.engine_config(model, device, backend, anchor, cache_dir, tiers)
         options = ChatOptions(questions=tuple(questions), docs=docs, top_k=top_k, retrieval=retrieval,
-                              index_dir=index_dir,
-                              rebuild=rebuild, engine=engine,
+                              index_dir=index_dir, rebuild=rebuild, engine=engine.config(),
                               sampling_overrides=cli_opts.sampling_overrides(temperature, top_p, repetition_penalty,
                                                                              max_tokens=max_tokens,
                                                                              loop_guard_ngram=loop_guard or None))

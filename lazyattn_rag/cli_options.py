@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -105,6 +108,72 @@ def engine_config(model: Optional[str], device: str, backend: str, anchor: str,
                                     "config.json (no model hub is used)")
     return EngineConfig(model=model, device=device, attention_backend=backend, cache_dir=cache_dir,
                         cache=CacheConfig(anchor=anchor, **(tiers or {})))
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The model, device and cache options of every command that loads the model (see
+    :func:`with_engine_options`); the fields are the options' values."""
+
+    model: Optional[str] = None
+    device: str = "auto"
+    backend: str = "auto"
+    anchor: str = CacheConfig().anchor
+    cache_dir: Optional[Path] = None
+    disk_cache: Optional[Path] = None
+    no_disk_cache: bool = False
+    disk_cache_bytes: str = DEFAULT_DISK_CACHE_BYTES
+    host_cache_bytes: str = "0"
+    redis_url: Optional[str] = None
+
+    def config(self, **cache_fields) -> EngineConfig:
+        """The :class:`EngineConfig` they describe, with ``cache_fields`` set on its ``CacheConfig``.
+
+        Raises:
+            ValueError: a malformed size or URL; FileNotFoundError: no such model (both checked
+            before anything loads).
+        """
+        tiers = tier_settings(self.cache_dir, self.disk_cache, self.no_disk_cache, self.disk_cache_bytes,
+                              self.host_cache_bytes, self.redis_url)
+        return engine_config(self.model, self.device, self.backend, self.anchor, self.cache_dir, tiers | cache_fields)
+
+
+def _engine_option_params(cache_dir_help: str, host_tier: bool) -> list[inspect.Parameter]:
+    options = {"model": (Optional[str], MODEL), "device": (str, DEVICE), "backend": (str, BACKEND),
+               "anchor": (str, ANCHOR), "cache_dir": (Optional[Path], typer.Option(None, help=cache_dir_help)),
+               "disk_cache": (Optional[Path], DISK_CACHE), "no_disk_cache": (bool, NO_DISK_CACHE),
+               "disk_cache_bytes": (str, DISK_CACHE_BYTES), "host_cache_bytes": (str, HOST_CACHE_BYTES),
+               "redis_url": (Optional[str], REDIS_URL)}
+    if not host_tier:
+        del options["host_cache_bytes"]
+    return [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind)
+            for name, (kind, option) in options.items()]
+
+
+def with_engine_options(cache_dir_help: str = "Where converted models are cached.", host_tier: bool = True,
+                        after: tuple[str, ...] = ()):
+    """Give a command the :class:`EngineOptions` options (``--model``, ``--device``, ... ``--redis-url``):
+    typer sees them as the command's own, after its other parameters but before those named in
+    ``after``; the command receives them as one ``engine: EngineOptions`` argument.
+    ``host_tier=False`` leaves ``--host-cache-bytes`` out."""
+    def decorate(command):
+        signature = inspect.signature(command, eval_str=True)
+        own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)  # typer passes every value by name
+               for p in signature.parameters.values() if p.name != "engine"]
+        added = _engine_option_params(cache_dir_help, host_tier)
+        names = [p.name for p in added]
+
+        @functools.wraps(command)
+        def run(**kwargs):
+            return command(**{k: v for k, v in kwargs.items() if k not in names},
+                           engine=EngineOptions(**{k: kwargs[k] for k in names}))
+
+        params = [p for p in own if p.name not in after] + added + [p for p in own if p.name in after]
+        run.__signature__ = signature.replace(parameters=params)
+        run.__annotations__ = {p.name: p.annotation for p in params} | {"return": signature.return_annotation}
+        return run
+
+    return decorate
 
 
 TEMPERATURE = typer.Option(None, help="Sampling temperature, 0 for greedy (default: the model's recommended, from "

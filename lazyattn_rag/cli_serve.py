@@ -10,6 +10,9 @@ import typer
 from lazyattn_rag import cli_options as cli_opts
 
 
+@cli_opts.with_engine_options(after=("learn_passages", "enable_prefix_caching", "registry", "ingress_replicas",
+                                     "max_logprobs", "api_key", "api_key_file", "allow_unauthenticated",
+                                     "ray_address"))
 def serve(
     replicas: int = typer.Option(1, min=1, help="Engine replicas, each with its own engine and KV cache "
                                                 "(one GPU each with --gpus-per-replica 1)."),
@@ -22,16 +25,6 @@ def serve(
                                                             "its owner's queue is longer than the shortest by more."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 for every interface)."),
     port: int = typer.Option(8000, help="HTTP port."),
-    model: Optional[str] = cli_opts.MODEL,
-    device: str = cli_opts.DEVICE,
-    backend: str = cli_opts.BACKEND,
-    anchor: str = cli_opts.ANCHOR,
-    cache_dir: Optional[Path] = typer.Option(None, help="Where converted models are cached."),
-    disk_cache: Optional[Path] = cli_opts.DISK_CACHE,
-    no_disk_cache: bool = cli_opts.NO_DISK_CACHE,
-    disk_cache_bytes: str = cli_opts.DISK_CACHE_BYTES,
-    host_cache_bytes: str = cli_opts.HOST_CACHE_BYTES,
-    redis_url: Optional[str] = cli_opts.REDIS_URL,
     learn_passages: bool = typer.Option(True, "--learn-passages/--no-learn-passages",
                                         help="Serve passages that recur in plain prompts (retrieved texts an "
                                              "unchanged OpenAI client pastes into its messages) from cached chunks "
@@ -59,6 +52,7 @@ def serve(
                                               help="Run on this Ray cluster (auto, host:port; several nodes: protect "
                                                    "its ports, see the README). Default: a private local cluster "
                                                    "listening on 127.0.0.1 only, without a dashboard."),
+    engine: cli_opts.EngineOptions = cli_opts.EngineOptions(),
 ) -> None:
     """Serve the model over HTTP: OpenAI chat completions with document ids, on Ray Serve replicas.
 
@@ -69,11 +63,8 @@ def serve(
     from lazyattn_rag.serve.config import ServeConfig
 
     try:
-        tiers = cli_opts.tier_settings(cache_dir, disk_cache, no_disk_cache, disk_cache_bytes, host_cache_bytes,
-                                       redis_url)
-        reuse = {"learn_passages": learn_passages, "prefix_caching": enable_prefix_caching}
-        engine = cli_opts.engine_config(model, device, backend, anchor, cache_dir, tiers | reuse)
-        gpus = gpus_per_replica if gpus_per_replica is not None else float(_uses_cuda(device))
+        engine_config = engine.config(learn_passages=learn_passages, prefix_caching=enable_prefix_caching)
+        gpus = gpus_per_replica if gpus_per_replica is not None else float(_uses_cuda(engine.device))
         config = ServeConfig(num_replicas=replicas, num_gpus_per_replica=gpus, router=router,
                              imbalanced_threshold=imbalanced_threshold, host=host, port=port, registry=registry,
                              num_ingress_replicas=ingress_replicas, max_logprobs=max_logprobs,
@@ -100,7 +91,7 @@ def serve(
     typer.echo(f"starting {replicas} replica{'s' if replicas != 1 else ''} ({router} routing) {where}, and the HTTP "
                f"API on http://{host}:{port} ({keys}) ...", err=True)
     try:
-        run(engine, config, ready=lambda: typer.echo(f"ready: http://{host}:{port} (Ctrl-C stops)", err=True))
+        run(engine_config, config, ready=lambda: typer.echo(f"ready: http://{host}:{port} (Ctrl-C stops)", err=True))
     except KeyboardInterrupt:
         typer.echo("stopped", err=True)
 
