@@ -17,6 +17,11 @@ from lazyattn_rag.kernels.block_table import pack_entries
 from lazyattn_rag.kernels.rope import RotaryEmbedding
 
 
+# (num_heads, num_kv_heads, head_dim) the kernel tests cover: Llama-3.1-8B's and SmolLM2's heads, query
+# heads per KV head 7 and 8 (MQA), 1 (MHA), and head sizes 64 and 128
+GQA_SHAPES = [(32, 8, 128), (9, 3, 64), (28, 4, 64), (8, 1, 128), (32, 32, 64), (9, 3, 128)]
+
+
 @dataclass
 class SeqSpec:
     chunks: list[tuple[int, int]] = field(default_factory=list)  # (length, delta) per cached chunk

@@ -10,13 +10,8 @@ from langchain_core.messages import HumanMessage, SystemMessage
 
 from lazyattn_rag import Document, SamplingParams
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
-from lazyattn_rag.integrations.langchain import (
-    ChatLazyAttention,
-    FaissRetriever,
-    document_block,
-    documents_to_messages,
-    rag_chain,
-)
+from lazyattn_rag.integrations.langchain import (ChatLazyAttention, FaissRetriever, document_block,
+                                                 documents_to_messages, rag_chain)
 from tests.integrations_kit import GREEDY, StreamSpy, corpus_documents, embedder, tiny_engine
 from tests.tiny import words
 

@@ -13,22 +13,10 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 
 from lazyattn_rag import Document, SamplingParams
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
-from lazyattn_rag.integrations.llamaindex import (
-    FaissRetriever,
-    KVCacheWarmer,
-    LazyAttentionLLM,
-    LazyAttentionSynthesizer,
-    as_query_engine,
-)
+from lazyattn_rag.integrations.llamaindex import (FaissRetriever, KVCacheWarmer, LazyAttentionLLM,
+                                                  LazyAttentionSynthesizer, as_query_engine)
 from lazyattn_rag.integrations.llamaindex_store import FaissVectorStore as LIFaissVectorStore
-from tests.integrations_kit import (
-    GREEDY,
-    StreamSpy,
-    bow_llamaindex_embedding,
-    corpus_documents,
-    embedder,
-    tiny_engine,
-)
+from tests.integrations_kit import GREEDY, StreamSpy, bow_llamaindex_embedding, corpus_documents, embedder, tiny_engine
 from tests.tiny import words
 
 

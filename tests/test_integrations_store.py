@@ -8,14 +8,8 @@ import pytest
 
 
 from lazyattn_rag import Document, DocumentTooLongError, UnknownDocumentError
-from lazyattn_rag.integrations.corpus import (
-    SPECIAL_TOKENS,
-    Source,
-    chunk_sources,
-    embedder_token_counter,
-    folder_sources,
-    pydoc_sources,
-)
+from lazyattn_rag.integrations.corpus import (SPECIAL_TOKENS, Source, chunk_sources, embedder_token_counter,
+                                              folder_sources, pydoc_sources)
 from lazyattn_rag.integrations.embeddings import EmbeddingTruncationWarning
 from lazyattn_rag.integrations.faiss_store import EmbeddingDimensionError, FaissDocumentStore
 from tests.integrations_kit import CORPUS, bow_vector, corpus_documents, embedder, tiny_engine

@@ -7,7 +7,7 @@ same tests run compiled, plus ``gpu``-marked ones with block ids whose offsets o
 import pytest
 import torch
 from kernel_tolerances import assert_close
-from paged_case import SeqSpec, make_case
+from paged_case import GQA_SHAPES, SeqSpec, make_case
 
 from lazyattn_rag.kernels.decode import choose_num_splits, paged_decode, split_cost, uses_wide_tiles, wave_fill
 from lazyattn_rag.kernels.reference import decode_reference
@@ -34,9 +34,7 @@ def run(case, **kw):
     return out, ref
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
-    (32, 8, 128), (9, 3, 64), (28, 4, 64), (8, 1, 128), (32, 32, 64), (9, 3, 128),
-])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", GQA_SHAPES)
 def test_gqa_ratios_and_head_dims(num_heads, num_kv_heads, head_dim):
     case = make_case(MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, device=DEVICE,
                      seed=num_heads + head_dim)

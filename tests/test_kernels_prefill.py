@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from kernel_tolerances import assert_close
-from paged_case import SeqSpec, make_case
+from paged_case import GQA_SHAPES, SeqSpec, make_case
 
 from lazyattn_rag.kernels.launch import block_key_starts, block_runs
 from lazyattn_rag.kernels.prefill import paged_prefill
@@ -36,9 +36,7 @@ def run(case, **kw):
     return out, ref
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
-    (32, 8, 128), (9, 3, 64), (28, 4, 64), (8, 1, 128), (32, 32, 64), (9, 3, 128),
-])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", GQA_SHAPES)
 def test_gqa_ratios_and_head_dims(num_heads, num_kv_heads, head_dim):
     specs = [MIXED[0], MIXED[1]] if num_heads <= 9 else [SeqSpec([(17, 2**24 - 9), (15, 3)], own_len=9, query_len=9)]
     case = make_case(specs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, device=DEVICE,
