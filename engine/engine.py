@@ -250,9 +250,17 @@ class LLMEngine:
             learned.prefix_block_keys.hash_all()
         return [plan] if learned is plan else [learned, plan]
 
-    def submit_prompt(self, prompt: str | list[int], params: SamplingParams, sink: Sink) -> Request:
-        """Queue a raw prompt, computed whole (:meth:`PromptPlanner.plan_prompt`)."""
-        return self.submit(self.planner.plan_prompt(prompt), params, sink)
+    def submit_prompt(self, prompt: str | list[int] | list[str | DocumentRef], params: SamplingParams, sink: Sink,
+                      documents: list[tuple[str, str]] = (), namespace: str = "",
+                      remedies: RequestRemedies = RequestRemedies()) -> Request:
+        """Queue a raw prompt (the caller's own template): text or token ids, computed whole
+        (:meth:`PromptPlanner.plan_prompt`), or text and :class:`DocumentRef` parts placing
+        documents registered in ``namespace`` or given inline in ``documents`` (registered first,
+        all or none, only if the request is accepted: :meth:`PromptPlanner.plan_raw`)."""
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            with self.documents.inline(list(documents), namespace):
+                return self.submit(self.planner.plan_raw(prompt, namespace, remedies), params, sink)
+        return self.submit(self.planner.plan_prompt(prompt, namespace), params, sink)
 
     def submit_warm(self, doc_ids: list[str], sink: Sink, namespace: str = "") -> Request:
         """Queue a warm-up: encode the documents' chunks (no question). Raises ``UnknownDocumentError``."""

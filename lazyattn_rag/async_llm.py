@@ -9,7 +9,7 @@ from lazyattn_rag.client import MakeRequest, PlannedRequest, chat_request, promp
 from lazyattn_rag.llm import LazyAttention, collect
 from lazyattn_rag.types.config import RequestRemedies
 from lazyattn_rag.types.documents import Document, RemovedDocument
-from lazyattn_rag.types.messages import Message
+from lazyattn_rag.types.messages import DocumentRef, Message
 from lazyattn_rag.types.outputs import Completion, FidelityReport, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
 
@@ -100,18 +100,22 @@ class AsyncLazyAttention:
                    remedies: RequestRemedies | None = None) -> Completion:
         return await _collect(self.stream_chat(messages, documents, sampling, namespace, remedies=remedies))
 
-    def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None
-                      ) -> AsyncIterator[StreamDelta]:
-        """Async version of :meth:`LazyAttention.stream_prompt` (no chunk reuse)."""
-        return self._submit(prompt_request(prompt, sampling or self.llm.default_sampling))
+    def stream_prompt(self, prompt: str | list[int] | list[str | DocumentRef], sampling: SamplingParams | None = None,
+                      documents: Iterable[Document] = (), namespace: str = "", *,
+                      remedies: RequestRemedies | None = None) -> AsyncIterator[StreamDelta]:
+        """Async version of :meth:`LazyAttention.stream_prompt`."""
+        return self._submit(prompt_request(prompt, sampling or self.llm.default_sampling, documents, namespace,
+                                           remedies or RequestRemedies()))
 
     async def generate(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                        sampling: SamplingParams | None = None, namespace: str = "", *,
                        remedies: RequestRemedies | None = None) -> Completion:
         return await _collect(self.stream(question, doc_ids, documents, sampling, namespace, remedies=remedies))
 
-    async def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Completion:
-        return await _collect(self.stream_prompt(prompt, sampling))
+    async def complete(self, prompt: str | list[int] | list[str | DocumentRef], sampling: SamplingParams | None = None,
+                       documents: Iterable[Document] = (), namespace: str = "", *,
+                       remedies: RequestRemedies | None = None) -> Completion:
+        return await _collect(self.stream_prompt(prompt, sampling, documents, namespace, remedies=remedies))
 
     async def check_fidelity(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                              sampling: SamplingParams | None = None, namespace: str = "", *,

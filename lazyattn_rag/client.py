@@ -19,8 +19,8 @@ from lazyattn_rag.engine.loop import EngineLoop
 from lazyattn_rag.engine.scheduling.request import Request
 from lazyattn_rag.types.config import RequestRemedies
 from lazyattn_rag.types.documents import Document
-from lazyattn_rag.types.messages import Message, as_message
-from lazyattn_rag.types.outputs import StreamDelta
+from lazyattn_rag.types.messages import DocumentRef, Message, as_message
+from lazyattn_rag.types.outputs import Completion, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -160,9 +160,11 @@ def chat_request(messages: Iterable[Message | dict | tuple], documents: Iterable
                                                                          plans))
 
 
-def prompt_request(prompt: str | list[int], params: SamplingParams) -> MakeRequest:
-    prompt = list(prompt) if isinstance(prompt, tuple) else prompt
-    return lambda engine, sink: engine.submit_prompt(prompt, params, sink)
+def prompt_request(prompt: str | list[int] | list[str | DocumentRef], params: SamplingParams,
+                   documents: Iterable[Document | tuple[str, str]] = (), namespace: str = "",
+                   remedies: RequestRemedies = RequestRemedies()) -> MakeRequest:
+    prompt, docs = list(prompt) if isinstance(prompt, (tuple, list)) else prompt, document_pairs(documents)
+    return lambda engine, sink: engine.submit_prompt(prompt, params, sink, docs, namespace, remedies)
 
 
 def warm_request(doc_ids: Iterable[str], namespace: str = "") -> MakeRequest:
@@ -193,3 +195,16 @@ def document_pairs(documents: Iterable[Document | tuple[str, str]]) -> list[tupl
         else:
             raise ValueError(f"documents must be Document objects or (id, text) pairs, got {d!r}")
     return pairs
+
+
+def collect(deltas: Iterable[StreamDelta]) -> Completion:
+    """The :class:`Completion` of a finished stream's deltas (text, token ids, logprobs, the last's stats)."""
+    text, token_ids, logprobs, last = [], [], [], None
+    for delta in deltas:
+        text.append(delta.text)
+        if delta.token_id is not None:
+            token_ids.append(delta.token_id)
+        if delta.logprobs is not None:
+            logprobs.append(delta.logprobs)
+        last = delta
+    return Completion("".join(text), token_ids, last.finish_reason, last.stats, logprobs or None)

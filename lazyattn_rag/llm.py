@@ -17,6 +17,7 @@ from lazyattn_rag.client import (
     PlannedRequest,
     RequestStream,
     chat_request,
+    collect,
     document_ids,
     document_pairs,
     prompt_request,
@@ -31,8 +32,8 @@ from lazyattn_rag.engine.model.transformer import CausalLM
 from lazyattn_rag.fidelity import check_fidelity
 from lazyattn_rag.types.config import EngineConfig, RequestRemedies
 from lazyattn_rag.types.documents import Document, RemovedDocument
-from lazyattn_rag.types.messages import Message, as_message
-from lazyattn_rag.types.outputs import Completion, FidelityReport, StreamDelta
+from lazyattn_rag.types.messages import DocumentRef, Message, as_message
+from lazyattn_rag.types.outputs import Completion, FidelityReport
 from lazyattn_rag.types.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -284,24 +285,30 @@ class LazyAttention:
         msgs = [as_message(m) for m in messages]
         return self.client.call(lambda engine: engine.planner.plan_messages(msgs, namespace))
 
-    def stream_prompt(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> "RequestStream":
-        """Stream a completion of a plain prompt, with no chunk reuse (a standard full prefill).
+    def stream_prompt(self, prompt: str | list[int] | list[str | DocumentRef], sampling: SamplingParams | None = None,
+                      documents: Iterable[Document] = (), namespace: str = "", *,
+                      remedies: RequestRemedies | None = None) -> "RequestStream":
+        """Stream a completion of a raw prompt (vLLM's ``generate`` of a string; ``/v1/completions``).
 
         Args:
-            prompt: text or token ids. This is the raw-prompt path (as vLLM's ``generate`` of a
-                string): the text is the caller's own template, so the tokenizer adds its
-                special tokens (e.g. BOS) and parses special-token text in it (``<|im_end|>``
-                becomes the marker). User text belongs in :meth:`chat` or :meth:`generate`,
-                which tokenize it literally.
-            sampling: :class:`SamplingParams`.
+            prompt: text or token ids, computed whole (its exact prefix reused from an earlier
+                prompt of ``namespace``), or text and :class:`DocumentRef` parts: each document
+                (registered in ``namespace`` or inline in ``documents``) is read from its cached
+                chunk, the text around it computed. Text is the caller's own template: the
+                tokenizer adds its special tokens (BOS) and parses special-token text in it.
+            sampling, remedies: as :meth:`generate`.
         Raises:
-            ValueError: neither text nor token ids. EmptyInputError, PromptTooLongError: at the call.
+            ValueError: neither text nor token ids nor parts. EmptyInputError, PromptTooLongError,
+            UnknownDocumentError: at the call.
         """
-        return self._submit(prompt_request(prompt, sampling or self.default_sampling))
+        return self._submit(prompt_request(prompt, sampling or self.default_sampling, documents, namespace,
+                                           remedies or RequestRemedies()))
 
-    def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Completion:
-        """Complete a plain prompt (no chunk reuse); see :meth:`stream_prompt`."""
-        return collect(self.stream_prompt(prompt, sampling))
+    def complete(self, prompt: str | list[int] | list[str | DocumentRef], sampling: SamplingParams | None = None,
+                 documents: Iterable[Document] = (), namespace: str = "", *,
+                 remedies: RequestRemedies | None = None) -> Completion:
+        """Complete a raw prompt; see :meth:`stream_prompt`."""
+        return collect(self.stream_prompt(prompt, sampling, documents, namespace, remedies=remedies))
 
     def check_fidelity(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                        sampling: SamplingParams | None = None, namespace: str = "", *,
@@ -382,16 +389,3 @@ class LazyAttention:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def collect(deltas: Iterable[StreamDelta]) -> Completion:
-    """The :class:`Completion` of a finished stream's deltas (text, token ids, logprobs, the last's stats)."""
-    text, token_ids, logprobs, last = [], [], [], None
-    for delta in deltas:
-        text.append(delta.text)
-        if delta.token_id is not None:
-            token_ids.append(delta.token_id)
-        if delta.logprobs is not None:
-            logprobs.append(delta.logprobs)
-        last = delta
-    return Completion("".join(text), token_ids, last.finish_reason, last.stats, logprobs or None)

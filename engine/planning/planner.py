@@ -16,6 +16,7 @@ from typing import Any
 
 from lazyattn_rag.engine.planning.fingerprint import anchor_fingerprint, chunk_key
 from lazyattn_rag.engine.planning.prompt import PromptTemplate, PromptText
+from lazyattn_rag.engine.planning.plan_transforms import positioned_copy, with_head_recompute
 from lazyattn_rag.engine.planning.prompt_plan import ChunkSegment, PrefixKeys, PromptPlan, TextSegment
 from lazyattn_rag.engine.planning.registry import DocumentRegistry, RegisteredDocument
 from lazyattn_rag.types.config import (
@@ -173,16 +174,48 @@ class PromptPlanner:
         remedy = self._remedies(remedies)
         if not messages:
             raise EmptyInputError("no messages")
-        passages = passages or {}
         pieces = self.template.render_messages(messages)
+        return self._plan_pieces(pieces, namespace, remedy, passages or {}, f"{len(messages)} messages")
+
+    def plan_raw(self, parts: list[str | DocumentRef], namespace: str = "",
+                 remedies: RequestRemedies = RequestRemedies()) -> PromptPlan:
+        """A raw prompt (``/v1/completions``: the caller's own template, no chat template applied)
+        whose text places registered documents at :class:`DocumentRef` parts: laid out as
+        :meth:`plan_messages` lays out rendered messages (the text before the first document is
+        the head, the documents their cached chunks, the text after the last the query tail),
+        its text tokenized as the tokenizer parses a raw prompt (BOS added where the tokenizer
+        adds one, special-token text parsed). With no document it is :meth:`plan_prompt`'s plan
+        of the joined text, its exact prefix cached per namespace.
+
+        Raises:
+            as :meth:`plan_messages`.
+        """
+        remedy = self._remedies(remedies)
+        if not any(isinstance(p, DocumentRef) for p in parts):
+            text = "".join(parts)
+            return self.plan_plain(list(self.tokenizer(text)["input_ids"]) if text else [], namespace,
+                                   from_tokenizer=True)
+        pieces = self.template.render_raw(parts)
+        return self._plan_pieces(pieces, namespace, remedy, {}, "raw prompt", lead=self._raw_lead())
+
+    def _raw_lead(self) -> list[int]:
+        """What the tokenizer adds before a raw prompt's text (e.g. BOS), chat template or not."""
+        plain = list(self.tokenizer("a", add_special_tokens=False)["input_ids"])
+        full = list(self.tokenizer("a")["input_ids"])
+        return next((full[:i] for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), [])
+
+    def _plan_pieces(self, pieces: list, namespace: str, remedy: tuple, passages: dict, what: str,
+                     lead: list[int] | None = None) -> PromptPlan:
+        """The plan of rendered ``pieces`` (:class:`PromptText` and :class:`DocumentRef`); ``lead``:
+        ids before the first text (default: the template's leading special ids)."""
         doc_ids = [p.id for p in pieces if isinstance(p, DocumentRef)]
         self.documents.check_ids([d for d in doc_ids if d not in passages], namespace)
-        lead = self.template.leading_special_ids()
+        lead = self.template.leading_special_ids() if lead is None else lead
         if not doc_ids:
             return self.plan_plain(lead + self.template.encode_runs(pieces[0].runs if pieces else ()), namespace,
                                    from_tokenizer=True)
         if isinstance(pieces[-1], DocumentRef):
-            raise EmptyInputError("the messages end with a document: nothing follows it to answer from")
+            raise EmptyInputError("the prompt ends with a document: nothing follows it to answer from")
         if isinstance(pieces[0], DocumentRef):
             pieces = [PromptText(()), *pieces]
         chunks, texts, pos = [], [], 0
@@ -204,11 +237,12 @@ class PromptPlanner:
             pos += len(ids)
         tail = self.template.encode_runs(pieces[-1].runs)
         plan = PromptPlan(tuple(chunks), tuple(tail), texts=tuple(texts))
-        self._check_length(plan, f"{len(messages)} messages, {len(doc_ids)} documents")
+        self._check_length(plan, f"{what}, {len(doc_ids)} documents")
         return self._for_mode(plan, *remedy, namespace=namespace)
 
-    def plan_prompt(self, prompt: str | list[int] | tuple[int, ...]) -> PromptPlan:
-        """A raw prompt (text in the caller's own template, or token ids), computed whole.
+    def plan_prompt(self, prompt: str | list[int] | tuple[int, ...], namespace: str = "") -> PromptPlan:
+        """A raw prompt (text in the caller's own template, or token ids), computed whole (its
+        exact prefix cached per ``namespace``).
 
         Text is tokenized as the tokenizer does by default: its special tokens (e.g. BOS) are
         added and special-token text in it is parsed (this is vLLM's ``generate`` of a string).
@@ -218,9 +252,9 @@ class PromptPlanner:
             see :meth:`plan_plain`.
         """
         if isinstance(prompt, str):
-            return self.plan_plain(list(self.tokenizer(prompt)["input_ids"]), from_tokenizer=True)
+            return self.plan_plain(list(self.tokenizer(prompt)["input_ids"]), namespace, from_tokenizer=True)
         if isinstance(prompt, (list, tuple)):
-            return self.plan_plain(list(prompt))
+            return self.plan_plain(list(prompt), namespace)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def plan_plain(self, prompt_ids: list[int], namespace: str = "", from_tokenizer: bool = False) -> PromptPlan:
@@ -310,7 +344,7 @@ class PromptPlanner:
         if mode == "prefix":
             return self._with_prefix_keys(PromptPlan((), tuple(plan.token_ids())), namespace)
         if mode == "block_attention":
-            return PromptPlan(tuple(self._positioned(c) for c in plan.chunks), plan.query_token_ids,
+            return PromptPlan(tuple(positioned_copy(c) for c in plan.chunks), plan.query_token_ids,
                               texts=plan.texts)
         plan = with_head_recompute(plan, head_tokens)
         if chunk_scaling and any(c.doc_id is not None for c in plan.chunks):
@@ -318,14 +352,6 @@ class PromptPlanner:
         elif selective_ratio and plan.chunks:
             plan = dataclasses.replace(plan, selective_ratio=selective_ratio)
         return self._with_prefix_keys(plan, namespace) if self.caches_prefixes else plan
-
-    @staticmethod
-    def _positioned(chunk: ChunkSegment) -> ChunkSegment:
-        """block_attention mode: a document's copy at its offset (encoded alone at ``g``, delta 0)."""
-        if chunk.doc_id is None:
-            return chunk
-        key = chunk_key(chunk.key, f"at:{chunk.global_start}", [])
-        return ChunkSegment(key, chunk.token_ids, chunk.global_start, chunk.global_start, chunk.doc_id, chunk.key)
 
     # --- exact-prefix caching (CacheConfig.prefix_caching, mode="prefix") ----------------------
     @property
@@ -358,22 +384,3 @@ class PromptPlanner:
         """The chained key of each full block of ``token_ids`` from ``seed`` (the model's digest
         by default): block ``j``'s key names every token up to its end (hashed when read)."""
         return PrefixKeys(token_ids, seed or self.model_digest, self.block_size)
-
-
-def with_head_recompute(plan: PromptPlan, num_tokens: int) -> PromptPlan:
-    """``plan`` with the first ``num_tokens`` tokens of every document chunk computed by the
-    request (chunk-head recompute, EPIC: ``CacheConfig.recompute_chunk_head_tokens``): each
-    document's head becomes a private text segment at its position (it attends to everything
-    before it), and the chunk is read from the cache from that token on (``num_skipped``).
-    The prompt head (an exact prefix) is left as it is; ``num_tokens == 0`` returns ``plan``."""
-    if num_tokens <= 0:
-        return plan
-    chunks, texts = [], list(plan.texts)
-    for c in plan.chunks:
-        if c.doc_id is None:
-            chunks.append(c)
-            continue
-        n = min(num_tokens, len(c.token_ids))
-        texts.append(TextSegment(c.token_ids[:n], c.global_start))
-        chunks.append(dataclasses.replace(c, num_skipped=n))
-    return dataclasses.replace(plan, chunks=tuple(chunks), texts=tuple(sorted(texts, key=lambda t: t.global_start)))

@@ -224,6 +224,13 @@ class PromptTemplate:
         pieces.append((markup[-1], True))
         return _merge_text(pieces)
 
+    def render_raw(self, parts: Sequence[str | DocumentRef]) -> list[PromptText | DocumentRef]:
+        """A raw prompt (the caller's own template, as ``/v1/completions`` takes it) as text and
+        :class:`DocumentRef` s in order: its text is markup (special-token text in it becomes
+        the token, as the tokenizer parses a raw prompt), whitespace around a document handled
+        as in :meth:`render_messages`."""
+        return _merge_text([p if isinstance(p, DocumentRef) else (p, True) for p in parts if p != ""])
+
     def _markup(self, messages: list[Message]) -> list[str]:
         """The template text before each message's content, and after the last (``len + 1`` pieces)."""
         if not self.has_chat_template:
