@@ -336,3 +336,73 @@ def test_a_restarted_server_still_serves_the_registered_ids(server, http, openai
     assert set(DOCS) <= listed
     out = by_id(openai_client, "How tall is the Eiffel Tower?", ["eiffel"])
     assert stats_of(out)["docs_missed"] + stats_of(out)["docs_hit"] == ["eiffel"]
+
+
+# --- /v1/completions: the prompt in the caller's own template ---------------------------------------
+def test_completions_place_the_registered_documents_found_in_the_prompt(openai_client, http):
+    client, model = openai_client
+    prompt = paste(["fuji", "nile"], "Which is longer?") + "\nAnswer:"
+
+    def complete():  # ignore_eos (vLLM's extension): SmolLM2 ends a raw prompt of this shape at once
+        return client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                         extra_body={"ignore_eos": True})
+
+    first, second = complete(), complete()
+    assert first.object == "text_completion" and first.id.startswith("cmpl-") and first.choices[0].text
+    assert stats_of(second)["docs_hit"] == ["fuji", "nile"]
+    assert stats_of(second)["doc_sources"] == {"fuji": "matched", "nile": "matched"}
+    assert second.choices[0].text == first.choices[0].text and second.choices[0].finish_reason == "length"
+    details = second.usage.prompt_tokens_details
+    assert details.model_extra["shifted_tokens"] >= 2 * 25 and details.model_extra["exact_prefix_tokens"] > 0
+    assert second.usage.prompt_tokens == first.usage.prompt_tokens
+    assert second.usage.completion_tokens == MAX_TOKENS
+    # the documents field places its documents before the prompt's text
+    by_field = client.completions.create(model=model, prompt="Question: Which is longer?\nAnswer:",
+                                         max_tokens=MAX_TOKENS, temperature=0,
+                                         extra_body={"documents": ["nile", "fuji"], "ignore_eos": True})
+    assert stats_of(by_field)["docs_hit"] == ["nile", "fuji"] and by_field.choices[0].text
+
+
+def test_completions_stream_token_ids_and_refusals(openai_client, http):
+    openai = pytest.importorskip("openai")
+    client, model = openai_client
+    prompt = "The capital of France is"
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert all(c.object == "text_completion" for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    ids = http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
+    assert by_ids.choices[0].text == whole.choices[0].text and by_ids.usage.prompt_tokens == len(ids)
+    assert client.completions.create(model=model, prompt=prompt, temperature=0).usage.completion_tokens == 16
+    for field, value in (("echo", True), ("suffix", "x"), ("best_of", 2), ("logprobs", 0)):
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.completions.create(model=model, prompt=prompt, max_tokens=2, **{field: value})
+    with pytest.raises(openai.BadRequestError, match="only n=1"):
+        client.completions.create(model=model, prompt=prompt, max_tokens=2, n=2)
+
+
+def test_llamaindex_openailike_with_its_defaults_answers_through_completions(server, http, openai_client):
+    pytest.importorskip("llama_index.llms.openai_like")
+    from llama_index.core import Document as LIDocument
+    from llama_index.core import VectorStoreIndex
+    from llama_index.llms.openai_like import OpenAILike
+
+    from tests.integrations_kit import bow_llamaindex_embedding
+
+    ids = ["nile", "sahara", "amazon"]
+    index = VectorStoreIndex.from_documents([LIDocument(text=DOCS[i], id_=i) for i in ids],
+                                            embed_model=bow_llamaindex_embedding())
+    llm = OpenAILike(model=openai_client[1], api_base=server[0] + "/v1", api_key="unused", max_tokens=MAX_TOKENS,
+                     temperature=0)  # is_chat_model=False: LlamaIndex's default, the completions route
+    before = metric(http, "lazyattn_http_responses_total", route="/v1/completions")
+    engine = index.as_query_engine(llm=llm, similarity_top_k=3)
+    for question in ("Which river is the longest?", "Which desert is the largest?"):
+        engine.query(question)  # (SmolLM2 may end this raw prompt at once: an empty answer is the model's)
+    assert metric(http, "lazyattn_http_responses_total", route="/v1/completions") == before + 2
+    hits = metric(http, "lazyattn_document_placements_total", source="matched")
+    engine.query("Where is the Amazon rainforest?")
+    assert metric(http, "lazyattn_document_placements_total", source="matched") >= hits + 3

@@ -1,5 +1,6 @@
-"""The OpenAI objects of one chat answer (``chat.completion`` and its chunks), with the
-``lazyattn`` extension: the engine's stats, the replica and the request's stage timings."""
+"""The OpenAI objects of one answer (``chat.completion`` and its chunks, or ``text_completion`` for
+``/v1/completions``), with the ``lazyattn`` extension: the engine's stats, the replica and the
+request's stage timings."""
 
 import time
 import uuid
@@ -10,9 +11,11 @@ from lazyattn_rag.types.wire import stats_from_body, usage
 class Answer:
     """The OpenAI objects of one answer."""
 
-    def __init__(self, model: str, timings: dict[str, float]):
-        self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model
+    def __init__(self, model: str, timings: dict[str, float], text: bool = False):
+        prefix = "cmpl" if text else "chatcmpl"
+        self.id, self.created, self.model = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model
         self.timings = timings  # wall-clock seconds of the request's stages (see extension())
+        self.text = text  # a text completion (/v1/completions) rather than a chat one
 
     def extension(self, last: dict) -> dict:
         """The ``lazyattn`` field of the answer's last chunk (or of the completion): the engine's
@@ -25,10 +28,15 @@ class Answer:
 
     def chunk(self, delta: dict, finish_reason: str | None = None, extension: dict | None = None,
               logprobs: dict | None = None) -> dict:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason,
-                  "logprobs": {"content": [logprobs]} if logprobs else None}
-        out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-               "choices": [choice]}
+        """A streamed chunk: ``delta`` is the chat delta (``{"content"}``, ``{"role", "content"}``
+        first); a text completion's chunk carries its ``content`` as ``text``."""
+        if self.text:
+            choice = {"index": 0, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason,
+                      "logprobs": {"content": [logprobs]} if logprobs else None}
+        kind = "text_completion" if self.text else "chat.completion.chunk"
+        out = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
         return out | ({"lazyattn": extension} if extension else {})
 
     def completion(self, events: list[dict]) -> dict:
@@ -36,6 +44,10 @@ class Answer:
         stats = stats_from_body(last["stats"])
         text = "".join(e.get("text", "") for e in events)
         entries = [e["logprobs"] for e in events if e.get("logprobs")]
+        if self.text:
+            return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": last["finish_reason"]}],
+                    "usage": usage(stats), "lazyattn": self.extension(last)}
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "finish_reason": last["finish_reason"],

@@ -8,6 +8,10 @@ Routes (OpenAI's shapes where OpenAI has the route; errors are OpenAI's
   chunk carrying ``lazyattn`` (stats, replica, timings) and, with ``stream_options.include_usage``, a
   usage chunk; ``usage.prompt_tokens_details.cached_tokens`` counts prompt tokens served from
   cached K/V.
+* ``POST /v1/completions``: OpenAI's completions (``CompletionRequest``): the prompt is text in
+  the caller's own template (no chat template), or token ids; the same extension fields (the
+  ``documents`` field's documents placed before the prompt's text; a text prompt naming none has
+  the registered documents found in it) and streaming; its exact prefix is cached.
 * ``POST /v1/documents`` ``{"documents": [{"id", "text"}], "namespace"}``: checked and
   registered on a replica, then kept in the registry (``registry.py``: Redis or a SQLite file,
   so a restarted ingress, or a second one, knows them); ``GET /v1/documents`` lists them
@@ -49,8 +53,8 @@ from lazyattn_rag.serve.auth import ANY_NAMESPACE, Authenticator, KeyGrant, load
 from lazyattn_rag.serve.config import ServeConfig
 from lazyattn_rag.serve.http_errors import ApiError, parse, read_json
 from lazyattn_rag.serve.middleware import RESPONSES, KeyGate, ResponseCounter
-from lazyattn_rag.serve.payload import chat_payload, registered_text, routing_keys
-from lazyattn_rag.serve.protocol import ChatCompletionRequest, DocumentsRequest, TokenizeRequest
+from lazyattn_rag.serve.payload import chat_payload, completion_payload, registered_text, routing_keys
+from lazyattn_rag.serve.protocol import ChatCompletionRequest, CompletionRequest, DocumentsRequest, TokenizeRequest
 from lazyattn_rag.serve.registry import DocumentStore, open_registry
 from lazyattn_rag.types.config import EngineConfig
 from lazyattn_rag.types.wire import stats_from_body, usage
@@ -212,16 +216,33 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
         @app.post("/v1/chat/completions")
         async def chat_completions(self, request: Request):
             received = time.time()
+            body, model = await self._body(request, ChatCompletionRequest)
+            _check_logprobs(body, config.max_logprobs)
+            payload, keys = chat_payload(body, self.documents, passage_min_chars)
+            return await self._answer(body, payload, keys, Answer(model, {"ingress_received": received}))
+
+        @app.post("/v1/completions")
+        async def completions(self, request: Request):
+            received = time.time()
+            body, model = await self._body(request, CompletionRequest)
+            payload, keys = completion_payload(body, self.documents)
+            return await self._answer(body, payload, keys, Answer(model, {"ingress_received": received}, text=True))
+
+        async def _body(self, request: Request, kind):
+            """The request's body as ``kind``, its namespace the key's, and the served model's name
+            (404 for another model)."""
             namespace_of = _grant(request).namespace
-            body = parse(ChatCompletionRequest, await read_json(request, config.max_body_bytes))
+            body = parse(kind, await read_json(request, config.max_body_bytes))
             body.namespace = namespace_of(body.namespace)
             info = await self.info()
             if body.model not in (None, "", info["model"]):
                 raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {info['model']!r}",
                                kind="not_found_error", param="model", code="model_not_found")
-            _check_logprobs(body, config.max_logprobs)
-            payload, keys = chat_payload(body, self.documents, passage_min_chars)
-            answer = Answer(info["model"], {"ingress_received": received, "ingress_sent": time.time()})
+            return body, info["model"]
+
+        async def _answer(self, body, payload: dict, keys: list[str], answer: "Answer"):
+            """The answer to ``payload``: one object, or server-sent events with ``body.stream``."""
+            answer.timings["ingress_sent"] = time.time()
             if not body.stream:
                 return answer.completion(await self._collect(payload, keys, answer.timings))
             events = self._events(payload, keys, retry_after_output=False)
@@ -270,7 +291,8 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
                 self.replica_stats[event["replica"]] = event.get("engine", {})
 
         async def _sse(self, answer: "Answer", first: dict, events, include_usage: bool) -> AsyncIterator[str]:
-            yield _sse(answer.chunk({"role": "assistant", "content": ""}))
+            if not answer.text:  # a chat stream opens with the assistant's role
+                yield _sse(answer.chunk({"role": "assistant", "content": ""}))
             event = first
             try:
                 while True:

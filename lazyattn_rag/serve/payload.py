@@ -17,7 +17,7 @@ from typing import Any
 from lazyattn_rag.engine.planning.passage_learning import eligible_pieces
 from lazyattn_rag.engine.planning.prompt_match import resolve, split_message
 from lazyattn_rag.serve.http_errors import ApiError
-from lazyattn_rag.serve.protocol import ChatCompletionRequest
+from lazyattn_rag.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from lazyattn_rag.serve.registry import DocumentStore
 from lazyattn_rag.types.messages import DocumentRef, Message, as_message
 from lazyattn_rag.types.wire import DOCUMENT_CHANGED, message_to_body, text_hash
@@ -62,20 +62,9 @@ def match_messages(messages: list[dict[str, Any]], store: DocumentStore, namespa
     return out, found_ids
 
 
-def chat_payload(body: ChatCompletionRequest, store: DocumentStore,
-                 passage_min_chars: int | None = None) -> tuple[dict[str, Any], list[str]]:
-    """The replica's payload for ``body`` (``EngineReplica.generate``) and its routing keys.
-
-    Args:
-        body: the request.
-        store: the registered documents (caught up with the registry first).
-        passage_min_chars: with passage learning on, the shortest piece of plain text whose key
-            routes the request (``None``: passages do not route).
-    Raises:
-        ApiError: 404 for a document id neither registered nor given inline; 400 for an id given
-            with two texts; 409 for a ``document_hashes`` entry registered since with another text.
-    """
-    store.sync()
+def _documents_field(body: GenerationRequest, store: DocumentStore) -> tuple[list[str], dict[str, str], list[str]]:
+    """The ``documents`` field as ``(placed ids, {id: text}, transient ids)``: registered ids and
+    inline documents (kept for this request only when the registry does not know them)."""
     ns, placed, texts, transient = body.namespace, [], {}, []
     for d in body.documents:
         if isinstance(d, str):
@@ -91,6 +80,45 @@ def chat_payload(body: ChatCompletionRequest, store: DocumentStore,
             transient.append(d.id)
         texts[d.id] = d.text
         placed.append(d.id)
+    return placed, texts, transient
+
+
+def _payload(body: GenerationRequest, request: dict[str, Any], texts: dict[str, str], placed: list[str],
+             transient: list[str]) -> dict[str, Any]:
+    """The replica's payload: ``request`` (the messages or the prompt) with the documents, sampling,
+    namespace and remedies. Raises :class:`ApiError` 409 for a ``document_hashes`` entry
+    registered since with another text."""
+    changed = [i for i, h in body.document_hashes.items() if i in texts and text_hash(texts[i]) != h]
+    if changed:
+        raise ApiError(409, f"documents registered since with other texts: {', '.join(map(repr, changed))} (register "
+                            "yours again)", kind="invalid_request_error", param="document_hashes",
+                       code=DOCUMENT_CHANGED)
+    payload = request | {"documents": list(texts.items()), "placed": placed, "sampling": body.sampling_body(),
+                         "namespace": body.namespace, "transient": transient,
+                         "issued_at": time.time()}  # a replica refuses documents deleted after this (EngineReplica)
+    if body.remedies is not None:
+        payload["remedies"] = body.remedies.model_dump(exclude_none=True)
+    if body.num_logprobs is not None:
+        payload["logprobs"] = {"num": body.num_logprobs, "token_ids": body.return_tokens_as_token_ids}
+    return payload
+
+
+def chat_payload(body: ChatCompletionRequest, store: DocumentStore,
+                 passage_min_chars: int | None = None) -> tuple[dict[str, Any], list[str]]:
+    """The replica's payload for ``body`` (``EngineReplica.generate``) and its routing keys.
+
+    Args:
+        body: the request.
+        store: the registered documents (caught up with the registry first).
+        passage_min_chars: with passage learning on, the shortest piece of plain text whose key
+            routes the request (``None``: passages do not route).
+    Raises:
+        ApiError: 404 for a document id neither registered nor given inline; 400 for an id given
+            with two texts; 409 for a ``document_hashes`` entry registered since with another text.
+    """
+    store.sync()
+    placed, texts, transient = _documents_field(body, store)
+    ns = body.namespace
     messages = [m.as_wire() for m in body.messages]
     if not body.documents and not any(m.document_ids() for m in body.messages):
         messages, _ = match_messages(messages, store, ns)
@@ -98,20 +126,36 @@ def chat_payload(body: ChatCompletionRequest, store: DocumentStore,
         for part in message["content"] if isinstance(message["content"], list) else ():
             if part.get("type") == "document":
                 texts.setdefault(part["id"], texts.get(part["id"]) or registered_text(store, ns, part["id"]))
-    changed = [i for i, h in body.document_hashes.items() if i in texts and text_hash(texts[i]) != h]
-    if changed:
-        raise ApiError(409, f"documents registered since with other texts: {', '.join(map(repr, changed))} (register "
-                            "yours again)", kind="invalid_request_error", param="document_hashes",
-                       code=DOCUMENT_CHANGED)
-    payload = {"messages": messages, "documents": list(texts.items()), "placed": placed,
-               "sampling": body.sampling_body(), "namespace": ns, "transient": transient,
-               "issued_at": time.time()}  # a replica refuses documents deleted after this (EngineReplica)
-    if body.remedies is not None:
-        payload["remedies"] = body.remedies.model_dump(exclude_none=True)
-    if body.num_logprobs is not None:
-        payload["logprobs"] = {"num": body.num_logprobs, "token_ids": body.return_tokens_as_token_ids}
+    payload = _payload(body, {"messages": messages}, texts, placed, transient)
     keys = routing_keys(ns, texts)
     if passage_min_chars is not None and not placed:
         pieces = eligible_pieces([as_message(m) for m in messages], ns, passage_min_chars)
         keys += [f"passage\x00{key}" for key in dict.fromkeys(p[2] for p in pieces)]
     return payload, keys
+
+
+def completion_payload(body: CompletionRequest, store: DocumentStore) -> tuple[dict[str, Any], list[str]]:
+    """The replica's payload for a ``/v1/completions`` request and its routing keys: the prompt
+    as text and ``{"type": "document"}`` parts (the ``documents`` field's before its text; a text
+    prompt that names none has the registered documents found in it), or as token ids.
+
+    Raises:
+        ApiError: as :func:`chat_payload`.
+    """
+    store.sync()
+    placed, texts, transient = _documents_field(body, store)
+    prompt = body.prompt_value
+    if isinstance(prompt, str):
+        parts: list = [DocumentRef(i) for i in placed] + [prompt]
+        if not placed:
+            matcher = store.matcher(body.namespace)
+            found = resolve(matcher.occurrences(prompt)[0]) if matcher.num_candidates else []
+            parts = split_message(prompt, found) if found else [prompt]
+            for part in parts:
+                if isinstance(part, DocumentRef):
+                    texts.setdefault(part.id, registered_text(store, body.namespace, part.id))
+        prompt = message_to_body(Message("user", tuple(parts)))["content"]
+    elif placed:
+        raise ApiError(400, "'documents' needs a text prompt (token ids cannot place documents)", param="documents")
+    payload = _payload(body, {"prompt": prompt}, texts, placed, transient)
+    return payload, routing_keys(body.namespace, texts)

@@ -1,7 +1,7 @@
 """Request bodies of the HTTP API, validated with pydantic (issue 18).
 
-``ChatCompletionRequest`` is OpenAI's chat completions request with the extension fields of
-``lazyattn_rag/types/wire.py``. Fields OpenAI defines that change the answer and that this
+``ChatCompletionRequest`` and ``CompletionRequest`` are OpenAI's chat completions and completions
+requests with the extension fields of ``lazyattn_rag/types/wire.py``. Fields OpenAI defines that change the answer and that this
 server does not implement (``n`` > 1, ``tools``, ``response_format``, ...) are refused with 400
 rather than ignored; the rest (``user``, ``metadata``, ``store``...) are
 accepted and ignored, as OpenAI-compatible servers do.
@@ -9,7 +9,7 @@ accepted and ignored, as OpenAI-compatible servers do.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -103,14 +103,12 @@ class RemediesIn(BaseModel):
     chunk_attention_scaling: bool | None = None
 
 
-class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions``."""
+class GenerationRequest(BaseModel):
+    """The fields chat completions and completions share: sampling, streaming and the extensions."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    messages: list[ChatMessageIn] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None  # checked every token
@@ -120,9 +118,6 @@ class ChatCompletionRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=-1)  # -1: the whole vocabulary (ServeConfig.max_logprobs)
-    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
     # extensions (lazyattn_rag/types/wire.py)
     documents: list[str | DocumentIn] = Field(default_factory=list)
     namespace: str = Field(default="", pattern=NAMESPACE_PATTERN)
@@ -132,6 +127,7 @@ class ChatCompletionRequest(BaseModel):
     ignore_eos: bool | None = None
     remedies: RemediesIn | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    unsupported: ClassVar[tuple[str, ...]] = UNSUPPORTED  # body fields refused by name
 
     @field_validator("n")
     @classmethod
@@ -143,9 +139,44 @@ class ChatCompletionRequest(BaseModel):
     @model_validator(mode="after")
     def _nothing_unsupported(self):
         extra = self.model_extra or {}
-        asked = [k for k in UNSUPPORTED if extra.get(k) not in (None, [], {})]
+        asked = [k for k in self.unsupported if _asks(k, extra.get(k))]
         if asked:
             raise ValueError(f"not supported by this server: {', '.join(asked)}")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return None
+
+    def sampling_body(self) -> dict[str, Any]:
+        """The fields :func:`~lazyattn_rag.types.wire.sampling_from_body` reads."""
+        keys = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "frequency_penalty",
+                "presence_penalty", "top_k", "repetition_penalty", "ignore_eos", "stop_token_ids")
+        body = {k: getattr(self, k, None) for k in keys if getattr(self, k, None) is not None}
+        return body | ({"logprobs": self.num_logprobs} if self.num_logprobs is not None else {})
+
+
+def _asks(field: str, value: Any) -> bool:
+    """Whether a body value of an unsupported field asks for something (``null``, ``best_of: 1``,
+    ``echo: false``, empty lists and maps ask for nothing)."""
+    if field == "logprobs":  # logprobs: 0 asks for the chosen token's
+        return value is not None
+    if value in (None, [], {}, False, ""):
+        return False
+    return not (field == "best_of" and value == 1)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=-1)  # -1: the whole vocabulary (ServeConfig.max_logprobs)
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
+
+    @model_validator(mode="after")
+    def _logprobs_asked(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
@@ -155,9 +186,23 @@ class ChatCompletionRequest(BaseModel):
         """The engine's ``SamplingParams.logprobs`` for this request (``None``: none asked)."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def sampling_body(self) -> dict[str, Any]:
-        """The fields :func:`~lazyattn_rag.types.wire.sampling_from_body` reads."""
-        keys = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "frequency_penalty",
-                "presence_penalty", "top_k", "repetition_penalty", "ignore_eos", "stop_token_ids")
-        body = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
-        return body | ({"logprobs": self.num_logprobs} if self.num_logprobs is not None else {})
+
+COMPLETION_UNSUPPORTED = ("logprobs", "echo", "suffix", "best_of", "logit_bias")
+
+
+class CompletionRequest(GenerationRequest):
+    """``POST /v1/completions``: ``prompt`` is text in the caller's own template (no chat template
+    is applied), a list of one such text, or token ids; ``max_tokens`` defaults to 16, as OpenAI's
+    and vLLM's do. ``documents`` are placed before the prompt's text; a text prompt that names
+    none has the registered documents found in it."""
+
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
+    max_tokens: int | None = Field(default=16, ge=1)
+    unsupported: ClassVar[tuple[str, ...]] = COMPLETION_UNSUPPORTED
+
+    @property
+    def prompt_value(self) -> str | list[int]:
+        """The prompt: text, or token ids."""
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
+            return self.prompt[0]
+        return self.prompt

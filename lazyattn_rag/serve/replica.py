@@ -183,7 +183,8 @@ class EngineReplica:
         """Stream one request's events (see the module docstring).
 
         Args:
-            payload: ``{"messages": OpenAI-style messages, "documents": [[id, text], ...]`` (every
+            payload: ``{"messages": OpenAI-style messages`` (or ``"prompt"``: ``/v1/completions``' text,
+                token ids, or text and document parts), ``"documents": [[id, text], ...]`` (every
                 document the request places), ``"placed": [ids]`` (the ``documents`` field: placed
                 before the last user message's text, in the engine's RAG prompt; ``[]``: the
                 messages place documents themselves), ``"sampling": body fields``,
@@ -268,9 +269,16 @@ class EngineReplica:
         return turns, documents, None
 
     def _start(self, payload: dict[str, Any]) -> AsyncIterator:
-        messages, documents, question = self._request(payload)
         sampling = sampling_from_body(payload.get("sampling", {}), self.llm.default_sampling)
         namespace, remedies = payload.get("namespace", ""), remedies_from_body(payload.get("remedies"))
+        if "prompt" in payload:  # /v1/completions: text, token ids, or text and document parts
+            documents = [Document(i, t) for i, t in payload.get("documents", ())]
+            self._check_not_deleted([d.id for d in documents], namespace, payload.get("issued_at"))
+            prompt = payload["prompt"]
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+                prompt = list(as_message({"role": "user", "content": prompt}).parts())
+            return self.allm.stream_prompt(prompt, sampling, documents, namespace, remedies=remedies)
+        messages, documents, question = self._request(payload)
         if question is not None:
             return self.allm.stream(question, documents=documents, sampling=sampling, namespace=namespace,
                                     remedies=remedies)
