@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -10,10 +12,75 @@ import typer
 from lazyattn_rag import cli_options as cli_opts
 
 
+def _config_defaults(ctx: typer.Context, param, value: Optional[Path]) -> Optional[Path]:
+    """``--config FILE.yaml``: its keys (the flags' names, with or without ``--``, dashes or
+    underscores) become the defaults of the other flags, so flags given on the command line win.
+    Raises ``typer.BadParameter`` naming an unknown key or a file that is not a mapping."""
+    if value is None or ctx.resilient_parsing:
+        return value
+    import yaml
+
+    data = yaml.safe_load(value.read_text(encoding="utf-8")) or {}
+    if not isinstance(data, dict):
+        raise typer.BadParameter(f"{value} must hold a mapping of flag names to values")
+    names = {p.name for p in ctx.command.params} - {"config_file", "model_path"}
+    defaults = {}
+    for key, item in data.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name not in names:
+            raise typer.BadParameter(f"{value}: unknown key {key!r} (the keys are the flags' names)")
+        defaults[name] = item
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
+def _listed(values: list[str]) -> tuple[str, ...]:
+    """Repeated flag values, each a value or a JSON list of them (vLLM's form: '["*"]')."""
+    out: list[str] = []
+    for value in values:
+        if value.strip().startswith("["):
+            parsed = json.loads(value)
+            if not isinstance(parsed, list):
+                raise ValueError(f"{value!r} is not a JSON list")
+            out += [str(v) for v in parsed]
+        else:
+            out.append(value)
+    return tuple(out)
+
+
 @cli_opts.with_engine_options(after=("learn_passages", "enable_prefix_caching", "registry", "ingress_replicas",
                                      "max_logprobs", "api_key", "api_key_file", "allow_unauthenticated",
                                      "ray_address"))
 def serve(
+    model_path: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False,
+                                               help="As --model (vLLM's positional MODEL)."),
+    config_file: Optional[Path] = typer.Option(None, "--config", exists=True, dir_okay=False, is_eager=True,
+                                               callback=_config_defaults, metavar="FILE.yaml",
+                                               help="Flag values from a YAML mapping (keys: the flags' names, "
+                                                    "e.g. max-model-len: 4096); flags given too win."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                    help="The model's name in the API (default: the model's)."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", min=2,
+                                                help="Context length (default: the model's)."),
+    dtype: str = typer.Option("auto", help="auto (bfloat16 on CUDA, float32 on a CPU), float32, bfloat16 or "
+                                           "float16."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="The stored K/V's type: auto (the "
+                                                                       "model's dtype)."),
+    gpu_memory_utilization: Optional[float] = typer.Option(
+        None, "--gpu-memory-utilization", help="The share of free GPU memory the KV cache takes, in (0, 1) (after "
+                                               "the weights are loaded; vLLM's counts them in)."),
+    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", min=1, help="Most requests in one step."),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens", min=1,
+                                                         help="Most tokens computed in one step."),
+    log_level: str = typer.Option("warning", "--log-level", help="The replicas' log level: debug, info, warning "
+                                                                 "or error (info: an access-log line per request)."),
+    allowed_origins: list[str] = typer.Option([], "--allowed-origins", metavar="ORIGIN",
+                                              help="An origin browsers may call the API from (repeatable, or a JSON "
+                                                   "list; \"*\": any). Default: none (no CORS headers)."),
+    allowed_methods: list[str] = typer.Option([], "--allowed-methods", metavar="METHOD",
+                                              help="Methods such a call may use (default: any)."),
+    allowed_headers: list[str] = typer.Option([], "--allowed-headers", metavar="HEADER",
+                                              help="Headers such a call may send (default: any)."),
     replicas: int = typer.Option(1, min=1, help="Engine replicas, each with its own engine and KV cache "
                                                 "(one GPU each with --gpus-per-replica 1)."),
     gpus_per_replica: Optional[float] = typer.Option(None, "--gpus-per-replica", min=0,
@@ -54,7 +121,7 @@ def serve(
                                                    "listening on 127.0.0.1 only, without a dashboard."),
     engine: cli_opts.EngineOptions = cli_opts.EngineOptions(),
 ) -> None:
-    """Serve the model over HTTP: OpenAI chat completions with document ids, on Ray Serve replicas.
+    """Serve the model over HTTP: OpenAI chat completions and completions with document ids, on Ray Serve replicas.
 
     POST /v1/documents registers documents; POST /v1/chat/completions answers, placing the documents whose ids its "documents" field lists, or, for a plain prompt, those whose registered text it contains; passages that recur in plain prompts are learned and exact prefixes cached; GET /metrics is Prometheus.
 
@@ -63,14 +130,27 @@ def serve(
     from lazyattn_rag.serve.config import ServeConfig
 
     try:
-        engine_config = engine.config(learn_passages=learn_passages, prefix_caching=enable_prefix_caching)
+        if model_path is not None and engine.model not in (None, model_path):
+            raise ValueError(f"MODEL {model_path!r} and --model {engine.model!r} differ: give one")
+        engine = dataclasses.replace(engine, model=model_path or engine.model)
+        cache = {"learn_passages": learn_passages, "prefix_caching": enable_prefix_caching,
+                 "kv_cache_dtype": kv_cache_dtype}
+        engine_config = engine.config(**cache, **({"kv_cache_fraction": gpu_memory_utilization}
+                                                  if gpu_memory_utilization is not None else {}))
+        scheduler = {k: v for k, v in (("max_num_seqs", max_num_seqs),
+                                       ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
+        engine_config = dataclasses.replace(engine_config, max_model_len=max_model_len, dtype=dtype,
+                                            scheduler=dataclasses.replace(engine_config.scheduler, **scheduler))
         gpus = gpus_per_replica if gpus_per_replica is not None else float(_uses_cuda(engine.device))
         config = ServeConfig(num_replicas=replicas, num_gpus_per_replica=gpus, router=router,
                              imbalanced_threshold=imbalanced_threshold, host=host, port=port, registry=registry,
                              num_ingress_replicas=ingress_replicas, max_logprobs=max_logprobs,
                              api_keys=tuple(api_key), allow_unauthenticated=allow_unauthenticated,
                              api_key_file=None if api_key_file is None else str(api_key_file),
-                             ray_address=ray_address)
+                             ray_address=ray_address, served_model_name=served_model_name,
+                             log_level=log_level.upper(), allowed_origins=_listed(allowed_origins),
+                             allowed_methods=_listed(allowed_methods) or ("*",),
+                             allowed_headers=_listed(allowed_headers) or ("*",))
         from lazyattn_rag.serve.auth import load_grants
 
         load_grants(config.api_keys, config.api_key_file)  # a bad key file is named now, before Ray starts

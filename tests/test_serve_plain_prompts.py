@@ -34,6 +34,7 @@ DOCS = {
               "kilometres it is the largest hot desert in the world.",
 }
 MAX_TOKENS = 6
+SERVED_NAME, ORIGIN = "smollm2-rag", "https://app.example"  # --served-model-name, --allowed-origins
 
 
 def engine_config(model_dir, cache_dir, redis_url) -> EngineConfig:
@@ -47,8 +48,9 @@ def start_app(config, port):
 
     from lazyattn_rag.serve import ServeConfig, build_app
 
-    serve.run(build_app(config, ServeConfig(num_replicas=1, num_cpus_per_replica=0, port=port)), name=APP,
-              route_prefix="/")
+    serve.run(build_app(config, ServeConfig(num_replicas=1, num_cpus_per_replica=0, port=port,
+                                            served_model_name=SERVED_NAME, allowed_origins=(ORIGIN,))),
+              name=APP, route_prefix="/")
 
 
 @pytest.fixture(scope="module")
@@ -406,3 +408,33 @@ def test_llamaindex_openailike_with_its_defaults_answers_through_completions(ser
     hits = metric(http, "lazyattn_document_placements_total", source="matched")
     engine.query("Where is the Amazon rainforest?")
     assert metric(http, "lazyattn_document_placements_total", source="matched") >= hits + 3
+
+
+# --- the operator's routes and OpenAI's error shape ---------------------------------------------------
+def test_version_detokenize_models_errors_and_cors(server, http, openai_client):
+    import lazyattn_rag
+
+    assert http.get("/version").json() == {"version": lazyattn_rag.__version__}
+    models = http.get("/v1/models").json()["data"]
+    assert [m["id"] for m in models] == [SERVED_NAME] and isinstance(models[0]["created"], int)
+    ids = http.post("/tokenize", json={"prompt": "The Eiffel Tower", "add_special_tokens": False}).json()["tokens"]
+    assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": "The Eiffel Tower"}
+    bad = http.post("/detokenize", json={"tokens": [ids[0], 10**9]})
+    assert bad.status_code == 400 and "token id 1000000000" in bad.json()["error"]["message"]
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/chat/completions", 405),
+                                 ("GET", "/v1/documents?texts=maybe", 400),
+                                 ("GET", "/v1/documents/version?namespace=a%00b", 400)):
+        response = http.request(method, path)
+        error = response.json()["error"]
+        assert response.status_code == status and error["message"] and set(error) == {"message", "type", "param",
+                                                                                      "code"}, response.text
+    other = http.post("/v1/completions", json={"model": "another", "prompt": "x"})
+    assert other.status_code == 404 and SERVED_NAME in other.json()["error"]["message"]
+    preflight = http.options("/v1/chat/completions", headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                                                               "Access-Control-Request-Headers": "authorization"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == ORIGIN
+    refused = http.options("/v1/chat/completions", headers={"Origin": "https://elsewhere.example",
+                                                             "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in refused.headers
+    answer = http.post("/v1/completions", json={"prompt": "Paris is", "max_tokens": 2}, headers={"Origin": ORIGIN})
+    assert answer.headers["access-control-allow-origin"] == ORIGIN and answer.json()["model"] == SERVED_NAME

@@ -33,10 +33,12 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from lazyattn_rag.serve.http_errors import ApiError
+from lazyattn_rag.serve.protocol import NAMESPACE_PATTERN
 
 ANY_NAMESPACE = "*"
 
@@ -63,8 +65,13 @@ class KeyGrant:
         to namespaces).
 
         Raises:
-            ApiError: 403 naming the namespace the key may not use.
+            ApiError: 400 for a namespace that is not ``""`` or 1-128 letters, digits and ``_.:@/-``
+                (a query parameter's, unchecked by the body models); 403 naming the namespace the
+                key may not use.
         """
+        if requested and not re.fullmatch(NAMESPACE_PATTERN, requested):
+            raise ApiError(400, f"namespace must be 1-128 letters, digits and _.:@/- characters, got {requested!r}",
+                           param="namespace")
         if ANY_NAMESPACE in self.namespaces:
             return requested or ""
         if not requested:

@@ -44,6 +44,12 @@ class ServeConfig:
             documents (format in ``lazyattn_rag/serve/auth.py``).
         allow_unauthenticated: with no key configured, serve clients that are not on loopback
             too; without it such a server must listen on a loopback ``host``.
+        allowed_origins, allowed_methods, allowed_headers: CORS (Starlette's ``CORSMiddleware``,
+            vLLM's ``--allowed-origins`` etc.): the origins a browser page may call the API from
+            (``("*",)``: any; empty, the default: no CORS headers, so browsers refuse
+            cross-origin calls), and the methods and headers such a call may use.
+        served_model_name: the model's name in the API (``/v1/models``, every answer's
+            ``model``; requests naming another are 404); ``None``: the engine's model name.
         ray_address: the Ray cluster to run on (``ray.init(address=...)``: ``"auto"`` or
             ``"ray://..."``/``"host:port"``, for several nodes); ``None``: a private local
             cluster whose processes listen on 127.0.0.1 only, with no dashboard.
@@ -69,10 +75,21 @@ class ServeConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     api_key_file: str | None = None
     allow_unauthenticated: bool = False
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    served_model_name: str | None = None
     ray_address: str | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        for name in ("api_keys", "allowed_origins", "allowed_methods", "allowed_headers"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if any(not isinstance(v, str) or not v for name in ("allowed_origins", "allowed_methods", "allowed_headers")
+               for v in getattr(self, name)):
+            raise ValueError("allowed_origins, allowed_methods and allowed_headers must be non-empty strings")
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
+                                                   or not self.served_model_name.strip()):
+            raise ValueError(f"served_model_name must be a non-empty string, got {self.served_model_name!r}")
         if any(not isinstance(k, str) or not k.strip() for k in self.api_keys):
             raise ValueError("api_keys must be non-empty strings")
         if not self.authenticates and not self.allow_unauthenticated and not _is_loopback(self.host):

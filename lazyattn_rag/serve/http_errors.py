@@ -6,9 +6,15 @@ what is wrong) and validated with the pydantic models of ``protocol.py`` (400 na
 """
 
 import json
+import logging
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("lazyattn_rag.serve")
 
 
 class ApiError(Exception):
@@ -72,3 +78,34 @@ def _check_text(value: Any, where: str = "body") -> None:
             stack.extend((k, f"{path} key") for k in item)
         elif isinstance(item, list):
             stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+
+
+def install_error_handlers(app) -> None:
+    """Every error of the FastAPI ``app`` answered in OpenAI's shape: an :class:`ApiError` as it
+    is, no such route (404) or method (405), a query parameter of the wrong type (400), and any
+    other exception (500, its last line: a bug or a replica's failure)."""
+    @app.exception_handler(ApiError)
+    async def _api_error(request, error: ApiError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, error: StarletteHTTPException):  # no such route (404), method (405)
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        message = {404: f"no route {request.url.path!r} (see GET /v1/models, POST /v1/chat/completions)",
+                   405: f"{request.method} is not allowed on {request.url.path!r}"}.get(error.status_code,
+                                                                                       str(error.detail))
+        return JSONResponse(ApiError(error.status_code, message, kind=kind).body(), status_code=error.status_code,
+                            headers=getattr(error, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_parameter(request, error: RequestValidationError):  # a query parameter of the wrong type
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        return JSONResponse(ApiError(400, f"{where}: {first['msg']}", param=where).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, error: Exception):  # a bug or a replica's failure: still OpenAI's shape
+        logger.exception("request failed: %s %s", request.method, request.url.path)
+        last = (str(error).strip().splitlines() or [""])[-1][:500]  # a replica's error: its last line, not its traceback
+        body = ApiError(500, f"the server failed: {type(error).__name__}: {last}", kind="server_error").body()
+        return JSONResponse(body, status_code=500)

@@ -18,7 +18,8 @@ Routes (OpenAI's shapes where OpenAI has the route; errors are OpenAI's
   (``?texts=true`` with their texts); ``DELETE /v1/documents/{id}`` removes the document from
   the registry, then its K/V from every replica's KV pool and from the host, disk and Redis
   tiers (``EngineReplica.forget`` on each replica), and answers what was removed.
-* ``POST /tokenize`` (vLLM's shape: ``prompt`` or ``messages``), ``GET /v1/models``,
+* ``POST /tokenize`` (vLLM's shape: ``prompt`` or ``messages``), ``POST /detokenize``
+  (``{"tokens"}`` -> ``{"prompt"}``), ``GET /version``, ``GET /v1/models``,
   ``GET /health``, ``GET /metrics`` (Prometheus: requests by route and status, and each
   replica's engine stats as of its last finished request).
 
@@ -46,15 +47,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request  # at module level: FastAPI resolves the routes' annotations here
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from lazyattn_rag.serve.answer import Answer
 from lazyattn_rag.serve.auth import ANY_NAMESPACE, Authenticator, KeyGrant, load_grants
 from lazyattn_rag.serve.config import ServeConfig
-from lazyattn_rag.serve.http_errors import ApiError, parse, read_json
-from lazyattn_rag.serve.middleware import RESPONSES, KeyGate, ResponseCounter
+from lazyattn_rag.serve.http_errors import ApiError, install_error_handlers, parse, read_json
+from lazyattn_rag.serve.middleware import RESPONSES, install_middlewares
 from lazyattn_rag.serve.payload import chat_payload, completion_payload, registered_text, routing_keys
-from lazyattn_rag.serve.protocol import ChatCompletionRequest, CompletionRequest, DocumentsRequest, TokenizeRequest
+from lazyattn_rag.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DocumentsRequest,
+                                         TokenizeRequest)
 from lazyattn_rag.serve.registry import DocumentStore, open_registry
 from lazyattn_rag.types.config import EngineConfig
 from lazyattn_rag.types.wire import stats_from_body, usage
@@ -81,22 +83,8 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
     app = FastAPI(title="lazyattn-rag", version=lazyattn_rag.__version__)
     gate = Authenticator(load_grants(config.api_keys, config.api_key_file), config.allow_unauthenticated)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request, error: ApiError):
-        return JSONResponse(error.body(), status_code=error.status)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request, error: Exception):  # a bug or a replica's failure: still OpenAI's shape
-        logger.exception("request failed: %s %s", request.method, request.url.path)
-        last = (str(error).strip().splitlines() or [""])[-1][:500]  # a replica's error: its last line, not its traceback
-        body = ApiError(500, f"the server failed: {type(error).__name__}: {last}", kind="server_error").body()
-        return JSONResponse(body, status_code=500)
-
-    # plain ASGI middlewares (middleware.py): FastAPI's @app.middleware would pass every streamed
-    # chunk through a task and a memory stream; the counter is added last, the outer one, so it
-    # counts the gate's 401s too
-    app.add_middleware(KeyGate, gate=gate)
-    app.add_middleware(ResponseCounter)
+    install_error_handlers(app)
+    install_middlewares(app, gate, config)
 
     @serve.ingress(app)
     class Ingress:
@@ -112,10 +100,24 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             self.replica_requests: Counter[str] = Counter()
             self.num_retries = 0
             self._info: dict[str, Any] | None = None
+            self.created = int(time.time())  # the models' "created": when this server started
+
+        @app.get("/version")
+        async def version(self) -> dict:
+            return {"version": lazyattn_rag.__version__}
+
+        @app.post("/detokenize")
+        async def detokenize(self, request: Request):
+            body = parse(DetokenizeRequest, await read_json(request, config.max_body_bytes))
+            result = await self.engine.detokenize.remote(body.tokens)
+            _raise_for(result)
+            return result
 
         async def info(self) -> dict[str, Any]:
+            """The replicas' model facts, ``model`` the served name (``ServeConfig.served_model_name``)."""
             if self._info is None:
-                self._info = await self.engine.info.remote()
+                info = await self.engine.info.remote()
+                self._info = info | {"model": config.served_model_name or info["model"]}
             return self._info
 
         @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what some health checkers send
@@ -125,8 +127,8 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
         @app.get("/v1/models")
         async def models(self) -> dict:
             info = await self.info()
-            return {"object": "list", "data": [{"id": info["model"], "object": "model", "owned_by": "lazyattn-rag",
-                                                "max_model_len": info["max_model_len"]}],
+            return {"object": "list", "data": [{"id": info["model"], "object": "model", "created": self.created,
+                                                "owned_by": "lazyattn-rag", "max_model_len": info["max_model_len"]}],
                     "lazyattn": {"max_model_len": info["max_model_len"], "prompt": info["prompt"]}}
 
         @app.post("/v1/documents")

@@ -73,3 +73,18 @@ class ResponseCounter:
         finally:
             route = getattr(scope.get("route"), "path", None)  # set by the router; None: no route matched
             RESPONSES[(route or "unmatched", status)] += 1
+
+
+def install_middlewares(app, gate: Authenticator, config) -> None:
+    """The key gate and the response counter on ``app``, and CORS where ``config``
+    (``ServeConfig``) allows origins."""
+    from fastapi.middleware.cors import CORSMiddleware
+
+    # plain ASGI middlewares (middleware.py): FastAPI's @app.middleware would pass every streamed
+    # chunk through a task and a memory stream; the counter is added last, the outer one, so it
+    # counts the gate's 401s too
+    app.add_middleware(KeyGate, gate=gate)
+    app.add_middleware(ResponseCounter)
+    if config.allowed_origins:  # outermost: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers))

@@ -87,6 +87,13 @@ class TokenizeRequest(BaseModel):
         return self
 
 
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's shape): token ids to text."""
+
+    model_config = ConfigDict(extra="allow")  # model (ignored)
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 

@@ -179,6 +179,17 @@ class EngineReplica:
         except (LazyAttentionError, ValueError, TypeError) as error:
             return error_event(error)
 
+    async def detokenize(self, tokens: Any) -> dict[str, Any]:
+        """vLLM's ``/detokenize``: token ids -> ``{"prompt": text}``, or an error event naming
+        the first id outside the vocabulary."""
+        vocab_size = len(self.llm.tokenizer)
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            return error_event(ValueError("'tokens' must be a list of token ids (integers)"))
+        bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            return error_event(ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})"))
+        return {"prompt": self.llm.tokenizer.decode(tokens)}
+
     async def generate(self, payload: dict[str, Any], routing_keys: list[str] = ()) -> AsyncIterator[dict[str, Any]]:
         """Stream one request's events (see the module docstring).
 

@@ -1,0 +1,74 @@
+"""``lazyattn serve``'s vLLM flag names and ``--config FILE.yaml``: what each flag sets in the
+``EngineConfig`` and ``ServeConfig`` the app starts with (the app's start itself is replaced by a
+recorder here; the served app is tested in tests/test_serve*.py)."""
+
+import pytest
+from typer.testing import CliRunner
+
+pytest.importorskip("ray.serve")
+
+from lazyattn_rag.cli import app  # noqa: E402
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """The ``(engine_config, serve_config)`` of every ``run`` the command makes."""
+    import lazyattn_rag.serve.app as serve_app
+
+    calls = []
+    monkeypatch.setattr(serve_app, "run", lambda engine, config, ready=None: calls.append((engine, config)))
+    return calls
+
+
+def invoke(*args):
+    return CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1"}).invoke(app, ["serve", *args, "--no-disk-cache"])
+
+
+def test_vllm_flag_names_set_the_engine_and_the_server(started, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    result = invoke(str(model), "--served-model-name", "rag", "--max-model-len", "4096", "--dtype", "bfloat16",
+                    "--kv-cache-dtype", "auto", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "12",
+                    "--max-num-batched-tokens", "2048", "--log-level", "info", "--allowed-origins", '["https://a.b"]',
+                    "--allowed-origins", "http://c.d", "--allowed-methods", "POST")
+    assert result.exit_code == 0, result.output
+    (engine, config), = started
+    assert engine.model == str(model) and engine.max_model_len == 4096 and engine.dtype == "bfloat16"
+    assert engine.cache.kv_cache_fraction == 0.5 and engine.cache.kv_cache_dtype == "auto"
+    assert engine.scheduler.max_num_seqs == 12 and engine.scheduler.max_num_batched_tokens == 2048
+    assert config.served_model_name == "rag" and config.log_level == "INFO"
+    assert config.allowed_origins == ("https://a.b", "http://c.d") and config.allowed_methods == ("POST",)
+    assert config.allowed_headers == ("*",)
+
+
+def test_a_config_file_gives_defaults_that_flags_override(started, tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("max-model-len: 1024\nmax_num_seqs: 3\n--port: 8123\nserved-model-name: from-file\n")
+    result = invoke("--config", str(path), "--served-model-name", "from-flag")
+    assert result.exit_code == 0, result.output
+    (engine, config), = started
+    assert engine.max_model_len == 1024 and engine.scheduler.max_num_seqs == 3 and engine.model is None
+    assert config.port == 8123 and config.served_model_name == "from-flag"
+    assert config.allowed_origins == ()  # no CORS unless asked
+
+
+@pytest.mark.parametrize("content, message", [
+    ("max-modle-len: 10\n", "unknown key 'max-modle-len'"),
+    ("- 1\n- 2\n", "must hold a mapping"),
+])
+def test_a_bad_config_file_is_named(started, tmp_path, content, message):
+    path = tmp_path / "serve.yaml"
+    path.write_text(content)
+    result = invoke("--config", str(path))
+    assert result.exit_code == 2 and message in result.output and started == []
+
+
+def test_bad_values_are_named_before_anything_starts(started, tmp_path):
+    result = invoke("--kv-cache-dtype", "fp8")
+    assert result.exit_code == 2 and "kv_cache_dtype must be one of ('auto',)" in result.output
+    result = invoke("--gpu-memory-utilization", "1.5")
+    assert result.exit_code == 2 and "kv_cache_fraction must be in (0, 1)" in result.output
+    result = invoke("a-model", "--model", "another")
+    assert result.exit_code == 2 and "differ" in result.output
+    assert started == []
