@@ -127,7 +127,7 @@ def serve(
 
     The engine options are lazyattn chat's; with --redis-url the replicas share computed chunks and the registry.
     """
-    from lazyattn_rag.serve.config import ServeConfig
+    from lazyattn_rag.serve.config import ServeConfig, uses_cuda
 
     try:
         if model_path is not None and engine.model not in (None, model_path):
@@ -141,7 +141,7 @@ def serve(
                                        ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
         engine_config = dataclasses.replace(engine_config, max_model_len=max_model_len, dtype=dtype,
                                             scheduler=dataclasses.replace(engine_config.scheduler, **scheduler))
-        gpus = gpus_per_replica if gpus_per_replica is not None else float(_uses_cuda(engine.device))
+        gpus = gpus_per_replica if gpus_per_replica is not None else float(uses_cuda(engine.device))
         config = ServeConfig(num_replicas=replicas, num_gpus_per_replica=gpus, router=router,
                              imbalanced_threshold=imbalanced_threshold, host=host, port=port, registry=registry,
                              num_ingress_replicas=ingress_replicas, max_logprobs=max_logprobs,
@@ -174,11 +174,3 @@ def serve(
         run(engine_config, config, ready=lambda: typer.echo(f"ready: http://{host}:{port} (Ctrl-C stops)", err=True))
     except KeyboardInterrupt:
         typer.echo("stopped", err=True)
-
-
-def _uses_cuda(device: str) -> bool:
-    if device == "cpu":
-        return False
-    import torch
-
-    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())

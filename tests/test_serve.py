@@ -10,6 +10,7 @@ import dataclasses
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -86,6 +87,35 @@ def test_models_documents_and_tokenize(http):
     assert http.delete("/v1/documents/tmp").json()["deleted"] is True
     gone = http.delete("/v1/documents/tmp")
     assert gone.status_code == 404 and "'tmp'" in gone.json()["error"]["message"]
+
+
+def test_ray_serves_own_config_file_starts_the_app(server, model_dir):
+    """examples/serve_config.yaml through the path `serve run` / `serve deploy` take: its schema,
+    Ray's validation of the args against the builder's ServeArgs, the built app (here beside the
+    module's, under another route prefix, with the test model)."""
+    import yaml
+    from ray import serve
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.schema import ServeDeploySchema
+
+    from lazyattn_rag.serve.builder import app
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "serve_config.yaml"
+    config = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    entry = config.applications[0]
+    assert entry.import_path == "lazyattn_rag.serve.builder:app"
+    args = {**entry.args, "model": str(model_dir), "device": "cpu", "backend": "torch", "max_model_len": "256"}
+    with pytest.raises(Exception, match="max_modle_len"):
+        call_user_app_builder_with_args_if_necessary(app, {"max_modle_len": "5"})
+    serve.run(call_user_app_builder_with_args_if_necessary(app, args), name="from-config", route_prefix="/cfg")
+    try:
+        with httpx.Client(base_url=server[0] + "/cfg", timeout=120) as client:
+            models = client.get("/v1/models").json()
+            assert models["data"][0]["id"] == entry.args["served_model_name"] and models["data"][0]["max_model_len"] == 256
+            answer = client.post("/v1/completions", json={"prompt": "w1 w2", "max_tokens": 3, "ignore_eos": True})
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
+    finally:
+        serve.delete("from-config")
 
 
 def test_an_answer_its_usage_and_a_stream(http):

@@ -125,3 +125,12 @@ def _is_loopback(host: str) -> bool:
     from lazyattn_rag.serve.auth import is_loopback
 
     return is_loopback(host)
+
+
+def uses_cuda(device: str) -> bool:
+    """Whether an engine on ``device`` (``auto``: CUDA where there is one) runs on a GPU."""
+    if device == "cpu":
+        return False
+    import torch
+
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
