@@ -4,7 +4,6 @@ engine thread (not the caller's)."""
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch

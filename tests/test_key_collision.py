@@ -4,10 +4,8 @@ miss (issue 37): the request is computed right, under a key salted with its toke
 
 import dataclasses
 
-import pytest
 
 from lazyattn_rag import SamplingParams
-from lazyattn_rag.engine.kv.chunk_cache import ChunkKeyCollisionError
 from lazyattn_rag.engine.planning.prompt_plan import PromptPlan
 from tests.integrations_kit import tiny_engine
 from tests.tiny import words

@@ -186,7 +186,7 @@ def test_a_delete_removes_the_document_from_every_replica_and_tier(clients, serv
     assert body["deleted"] and body["namespace"] == "team-a"
     assert set(body["removed"]["tiers"]) == {"disk", "redis"} and body["removed"]["num_kv_blocks"] == 2 * 4
     assert body["removed"]["cached_on"] == [] and len(body["replicas"]) == 2
-    assert [h["where"] for h in everywhere("holds", text, "team-a")] == [[], []], json.dumps(deleted)
+    assert [h["where"] for h in everywhere("holds", text, "team-a")] == [[], []], json.dumps(body)
     assert len(disk_files - files(disk)) == 1 and files(disk) <= disk_files
     assert len(redis_keys - set(store.keys())) == 1 and set(store.keys()) <= redis_keys
     response = ask(a, ["gone"])
