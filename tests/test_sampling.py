@@ -16,6 +16,7 @@ from lazyattn_rag.types.sampling_params import SamplingParams
     (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(frequency_penalty=2.5), "frequency_penalty"), (dict(presence_penalty=-3), "presence_penalty"),
+    (dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p"), (dict(min_p="0.1"), "min_p"),
 ])
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -37,6 +38,17 @@ def test_top_k_one_is_greedy_and_top_p_keeps_the_nucleus():
     assert all(sample(logits, SamplingParams(temperature=1.0, top_k=1), g) == 1 for _ in range(20))
     picks = {sample(logits, SamplingParams(temperature=1.0, top_p=0.6), g) for _ in range(200)}
     assert picks <= {1, 2} and picks == {1, 2}  # the two top tokens hold ~0.99 of the mass, each < 0.6
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_most_likely():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()  # at temperature 1 these are the probabilities
+    g = torch.Generator().manual_seed(0)
+    picks = [sample(logits, SamplingParams(temperature=1.0, min_p=0.5), g) for _ in range(400)]
+    assert set(picks) == {0, 1}  # 0.15 < 0.5 * 0.5: dropped; 0.3 kept
+    assert 0.5 < picks.count(0) / len(picks) < 0.75  # 0.5 / 0.8 of the mass renormalized
+    assert {sample(logits, SamplingParams(temperature=1.0, min_p=1.0), g) for _ in range(50)} == {0}
+    everything = {sample(logits, SamplingParams(temperature=1.0, min_p=0.0), g) for _ in range(400)}
+    assert everything == {0, 1, 2, 3}
 
 
 def test_engine_applies_penalties_before_greedy_choice(make_llm):

@@ -380,6 +380,9 @@ def test_completions_stream_token_ids_and_refusals(openai_client, http):
     by_ids = client.completions.create(model=model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
     assert by_ids.choices[0].text == whole.choices[0].text and by_ids.usage.prompt_tokens == len(ids)
     assert client.completions.create(model=model, prompt=prompt, temperature=0).usage.completion_tokens == 16
+    only_top = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=1.0,
+                                         extra_body={"min_p": 1.0})  # keeps the most likely token: greedy
+    assert only_top.choices[0].text == whole.choices[0].text
     for field, value in (("echo", True), ("suffix", "x"), ("best_of", 2), ("logprobs", 0)):
         with pytest.raises(openai.BadRequestError, match=field):
             client.completions.create(model=model, prompt=prompt, max_tokens=2, **{field: value})

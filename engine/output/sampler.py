@@ -1,4 +1,4 @@
-"""The sampler: penalties, then greedy, temperature, top-k, top-p (seeded per request)."""
+"""The sampler: penalties, then greedy, temperature, top-k, top-p, min-p (seeded per request)."""
 
 from __future__ import annotations
 
@@ -41,4 +41,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop = cumulative - sorted_probs > params.top_p  # keep the smallest prefix reaching top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    if params.min_p > 0:  # relative to the most likely token left (multinomial renormalizes)
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return int(torch.multinomial(probs, 1, generator=generator))  # on the logits' device

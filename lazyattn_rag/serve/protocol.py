@@ -130,6 +130,7 @@ class GenerationRequest(BaseModel):
     namespace: str = Field(default="", pattern=NAMESPACE_PATTERN)
     document_hashes: dict[str, str] = Field(default_factory=dict)
     top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: bool | None = None
     remedies: RemediesIn | None = None
@@ -157,8 +158,8 @@ class GenerationRequest(BaseModel):
 
     def sampling_body(self) -> dict[str, Any]:
         """The fields :func:`~lazyattn_rag.types.wire.sampling_from_body` reads."""
-        keys = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "frequency_penalty",
-                "presence_penalty", "top_k", "repetition_penalty", "ignore_eos", "stop_token_ids")
+        keys = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "min_p", "stop", "seed",
+                "frequency_penalty", "presence_penalty", "top_k", "repetition_penalty", "ignore_eos", "stop_token_ids")
         body = {k: getattr(self, k, None) for k in keys if getattr(self, k, None) is not None}
         return body | ({"logprobs": self.num_logprobs} if self.num_logprobs is not None else {})
 

@@ -20,6 +20,9 @@ class SamplingParams:
         temperature: 0 (or below 1e-5) for greedy; otherwise divides the logits.
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 disables.
+        min_p: in [0, 1]; after temperature, top-k and top-p, drop the tokens whose probability is
+            below ``min_p`` times the most likely one's (Nguyen et al. 2024, "min-p sampling"); 0
+            disables, 1 keeps only the most likely.
         stop: strings that end generation; the output is cut before the first match.
         stop_token_ids: token ids that end generation (not included in the output).
         ignore_eos: keep going past the model's end-of-sequence token.
@@ -47,6 +50,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -69,6 +73,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if any(not s for s in self.stop):
@@ -104,7 +110,7 @@ def _is_number(x) -> bool:
 
 
 def _check_types(p: "SamplingParams") -> None:
-    for name in ("temperature", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
         if not _is_number(getattr(p, name)):
             raise ValueError(f"{name} must be a number, got {getattr(p, name)!r}")
     if not isinstance(p.ignore_eos, bool):

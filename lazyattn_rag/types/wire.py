@@ -17,7 +17,7 @@ Request fields besides OpenAI's (``model``, ``messages``, ``max_tokens`` /
 * ``document_hashes``: ``{id: text_hash(text)}`` of registered documents the client means: a
   document registered since with another text is answered 409 (``document_changed``), so a
   client that sent a text once never gets an answer over someone else's.
-* ``top_k``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``: as in
+* ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``: as in
   :class:`~lazyattn_rag.types.sampling_params.SamplingParams`.
 * ``remedies``: this request's answer-fidelity remedies, the fields of
   :class:`~lazyattn_rag.types.config.RequestRemedies` (``recompute_chunk_head_tokens``,
@@ -44,7 +44,7 @@ from lazyattn_rag.types.outputs import Completion, RequestStats, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
 
 # SamplingParams fields and the body keys that carry them (OpenAI's names where it has one)
-_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop": "stop",
+_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop",
                   "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "seed": "seed",
                   "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
                   "presence_penalty": "presence_penalty"}
