@@ -20,8 +20,8 @@ Routes (OpenAI's shapes where OpenAI has the route; errors are OpenAI's
   tiers (``EngineReplica.forget`` on each replica), and answers what was removed.
 * ``POST /tokenize`` (vLLM's shape: ``prompt`` or ``messages``), ``POST /detokenize``
   (``{"tokens"}`` -> ``{"prompt"}``), ``GET /version``, ``GET /v1/models``,
-  ``GET /health``, ``GET /metrics`` (Prometheus: requests by route and status, and each
-  replica's engine stats as of its last finished request).
+  ``GET /health`` (503 unless an engine replica answers), ``GET /metrics`` (Prometheus: requests
+  by route and status, and each replica's engine stats as of its last finished request).
 
 Every route but ``/health`` passes the gate of ``auth.py`` first: with keys configured, a
 request without a valid ``Authorization: Bearer <key>`` is 401, and its namespace is the key's
@@ -38,6 +38,7 @@ are 404 naming the id; bodies over ``ServeConfig.max_body_bytes`` 413; bad JSON,
 and values the engine refuses 400: the server keeps serving.
 """
 
+import asyncio
 import json  # no `from __future__ import annotations`: the routes' annotations must be objects, since Ray
 # pickles the ingress class by value and FastAPI could not resolve a string such as "Request" there
 import logging
@@ -53,7 +54,8 @@ from lazyattn_rag.serve.answer import Answer
 from lazyattn_rag.serve.auth import ANY_NAMESPACE, Authenticator, KeyGrant, load_grants
 from lazyattn_rag.serve.config import ServeConfig
 from lazyattn_rag.serve.http_errors import ApiError, install_error_handlers, parse, read_json
-from lazyattn_rag.serve.middleware import RESPONSES, install_middlewares
+from lazyattn_rag.serve.ingress_metrics import IngressMetrics
+from lazyattn_rag.serve.middleware import install_middlewares
 from lazyattn_rag.serve.payload import chat_payload, completion_payload, registered_text, routing_keys
 from lazyattn_rag.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DocumentsRequest,
                                          TokenizeRequest)
@@ -62,6 +64,7 @@ from lazyattn_rag.types.config import EngineConfig
 from lazyattn_rag.types.wire import stats_from_body, usage
 
 logger = logging.getLogger("lazyattn_rag.serve")
+HEALTH_TIMEOUT_S = 5.0  # GET /health: how long an engine replica has to answer
 
 
 def _replica_gone_errors() -> tuple[type[BaseException], ...]:
@@ -122,6 +125,12 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
 
         @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what some health checkers send
         async def health(self) -> dict:
+            """200 when an engine replica answers within ``HEALTH_TIMEOUT_S``, else 503."""
+            try:
+                await asyncio.wait_for(self.engine.info.remote(), HEALTH_TIMEOUT_S)
+            except Exception as error:  # noqa: BLE001 - none answers (dead, starting, or the call failed)
+                raise ApiError(503, f"no engine replica answered within {HEALTH_TIMEOUT_S:g} s "
+                                    f"({type(error).__name__})", kind="server_error", code="replica_unavailable") from None
             return {"status": "ok"}
 
         @app.get("/v1/models")
@@ -326,7 +335,7 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
             registry = CollectorRegistry()
-            registry.register(_Snapshot(self))
+            registry.register(IngressMetrics(self))
             return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return Ingress
@@ -370,28 +379,3 @@ def _raise_for(event: dict) -> None:
 
 def _sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
-
-
-class _Snapshot:
-    """Prometheus collector over the ingress's counts and the replicas' last reports."""
-
-    def __init__(self, ingress):
-        self.ingress = ingress
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily
-
-        from lazyattn_rag.metrics import engine_stat_families
-
-        http = CounterMetricFamily("lazyattn_http_responses", "HTTP responses by route and status.",
-                                   labels=["route", "status"])
-        for (route, status), n in sorted(RESPONSES.items()):
-            http.add_metric([route, str(status)], n)
-        yield http
-        served = CounterMetricFamily("lazyattn_replica_answers", "Answers each replica finished.", labels=["replica"])
-        for replica, n in sorted(self.ingress.replica_requests.items()):
-            served.add_metric([replica], n)
-        yield served
-        yield CounterMetricFamily("lazyattn_request_retries", "Requests retried on another replica after theirs died.",
-                                  value=self.ingress.num_retries)
-        yield from engine_stat_families("lazyattn", self.ingress.replica_stats)
