@@ -383,11 +383,37 @@ def test_completions_stream_token_ids_and_refusals(openai_client, http):
     only_top = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=1.0,
                                          extra_body={"min_p": 1.0})  # keeps the most likely token: greedy
     assert only_top.choices[0].text == whole.choices[0].text
-    for field, value in (("echo", True), ("suffix", "x"), ("best_of", 2), ("logprobs", 0)):
+    for field, value in (("echo", True), ("suffix", "x"), ("best_of", 2), ("logprobs", 21)):
         with pytest.raises(openai.BadRequestError, match=field):
             client.completions.create(model=model, prompt=prompt, max_tokens=2, **{field: value})
     with pytest.raises(openai.BadRequestError, match="only n=1"):
         client.completions.create(model=model, prompt=prompt, max_tokens=2, n=2)
+
+
+def test_completion_logprobs_are_the_engines_own_in_the_legacy_shape(server, openai_client):
+    from lazyattn_rag import LazyAttention, SamplingParams
+
+    client, model = openai_client
+    prompt = "The capital of France is"
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, logprobs=2,
+                                      extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, logprobs=2,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    legacy = whole.choices[0].logprobs
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for lp in streamed for t in lp.tokens] == legacy.tokens and len(legacy.tokens) == 4
+    assert [o for lp in streamed for o in lp.text_offset] == legacy.text_offset
+    assert "".join(legacy.tokens) == whole.choices[0].text
+    assert legacy.text_offset == [sum(len(t) for t in legacy.tokens[:i]) for i in range(4)]
+    with LazyAttention(server[1]) as local:  # the server's engine configuration, in this process
+        own = local.complete(prompt, SamplingParams(max_tokens=4, logprobs=2, ignore_eos=True))
+    tokenizer = local.tokenizer
+    assert [tokenizer.decode([t]) for t in own.token_ids] == legacy.tokens
+    for position, (chosen, top) in enumerate(zip(own.token_ids, own.logprobs)):
+        assert abs(legacy.token_logprobs[position] - top[chosen]) < 1e-4
+        best = {tokenizer.decode([i]): v for i, v in sorted(top.items(), key=lambda kv: -kv[1])[:2]}
+        served = legacy.top_logprobs[position]
+        assert served.keys() == best.keys() and all(abs(served[k] - best[k]) < 1e-4 for k in best)
 
 
 def test_llamaindex_openailike_with_its_defaults_answers_through_completions(server, http, openai_client):

@@ -16,6 +16,7 @@ class Answer:
         self.id, self.created, self.model = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model
         self.timings = timings  # wall-clock seconds of the request's stages (see extension())
         self.text = text  # a text completion (/v1/completions) rather than a chat one
+        self.text_offset = 0  # a text completion's characters so far (its logprobs' text_offset)
 
     def extension(self, last: dict) -> dict:
         """The ``lazyattn`` field of the answer's last chunk (or of the completion): the engine's
@@ -31,7 +32,8 @@ class Answer:
         """A streamed chunk: ``delta`` is the chat delta (``{"content"}``, ``{"role", "content"}``
         first); a text completion's chunk carries its ``content`` as ``text``."""
         if self.text:
-            choice = {"index": 0, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": delta.get("content", ""),
+                      "logprobs": self.legacy_logprobs([logprobs]) if logprobs else None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "delta": delta, "finish_reason": finish_reason,
                       "logprobs": {"content": [logprobs]} if logprobs else None}
@@ -45,11 +47,24 @@ class Answer:
         text = "".join(e.get("text", "") for e in events)
         entries = [e["logprobs"] for e in events if e.get("logprobs")]
         if self.text:
+            legacy = self.legacy_logprobs(entries) if entries else None
             return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": last["finish_reason"]}],
+                    "choices": [{"index": 0, "text": text, "logprobs": legacy, "finish_reason": last["finish_reason"]}],
                     "usage": usage(stats), "lazyattn": self.extension(last)}
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "finish_reason": last["finish_reason"],
                              "logprobs": {"content": entries} if entries else None}],
                 "usage": usage(stats), "lazyattn": self.extension(last)}
+
+    def legacy_logprobs(self, entries: list[dict]) -> dict:
+        """The completions API's ``logprobs`` of ``entries`` (chat's per-token entries, in order):
+        ``tokens``, ``token_logprobs``, ``top_logprobs`` (token text -> logprob) and ``text_offset``
+        (each token's first character in the whole completion, counted across chunks)."""
+        offsets = []
+        for entry in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(entry["token"])
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "text_offset": offsets}

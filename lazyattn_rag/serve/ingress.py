@@ -236,6 +236,7 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
         async def completions(self, request: Request):
             received = time.time()
             body, model = await self._body(request, CompletionRequest)
+            _check_logprobs(body, config.max_logprobs, "logprobs")
             payload, keys = completion_payload(body, self.documents)
             return await self._answer(body, payload, keys, Answer(model, {"ingress_received": received}, text=True))
 
@@ -359,14 +360,15 @@ def _removed(reports: list[dict], kept: bool) -> dict:
             "shared": kept or any(r.get("shared") for r in reports)}
 
 
-def _check_logprobs(body: ChatCompletionRequest, max_logprobs: int) -> None:
-    """400 for ``top_logprobs`` past ``ServeConfig.max_logprobs`` (``-1`` only where it is ``-1``)."""
+def _check_logprobs(body, max_logprobs: int, field: str = "top_logprobs") -> None:
+    """400 for ``field`` (chat's ``top_logprobs``, completions' ``logprobs``) past
+    ``ServeConfig.max_logprobs`` (``-1`` only where it is ``-1``)."""
     asked = body.num_logprobs
     if asked is None or max_logprobs == -1:
         return
     if asked == -1 or asked > max_logprobs:
-        raise ApiError(400, f"top_logprobs={asked} is more than this server returns (at most {max_logprobs}; "
-                            "lazyattn serve --max-logprobs)", param="top_logprobs")
+        raise ApiError(400, f"{field}={asked} is more than this server returns (at most {max_logprobs}; "
+                            "lazyattn serve --max-logprobs)", param=field)
 
 
 def _raise_for(event: dict) -> None:

@@ -135,6 +135,7 @@ class GenerationRequest(BaseModel):
     ignore_eos: bool | None = None
     remedies: RemediesIn | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
     unsupported: ClassVar[tuple[str, ...]] = UNSUPPORTED  # body fields refused by name
 
     @field_validator("n")
@@ -181,7 +182,6 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=-1)  # -1: the whole vocabulary (ServeConfig.max_logprobs)
-    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
 
     @model_validator(mode="after")
     def _logprobs_asked(self):
@@ -195,7 +195,7 @@ class ChatCompletionRequest(GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-COMPLETION_UNSUPPORTED = ("logprobs", "echo", "suffix", "best_of", "logit_bias")
+COMPLETION_UNSUPPORTED = ("echo", "suffix", "best_of", "logit_bias")
 
 
 class CompletionRequest(GenerationRequest):
@@ -206,7 +206,12 @@ class CompletionRequest(GenerationRequest):
 
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
     max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0)  # the legacy API's: the most likely tokens per position
     unsupported: ClassVar[tuple[str, ...]] = COMPLETION_UNSUPPORTED
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @property
     def prompt_value(self) -> str | list[int]:
