@@ -52,18 +52,18 @@ def test_the_gate_refuses_a_missing_or_wrong_key_before_any_route_and_counts_it(
     assert wrong.json()["error"]["message"] == "invalid API key"
     both = client.get("/whoami", headers=[("Authorization", "Bearer bad"), ("Authorization", "Bearer k1")])
     assert both.status_code == 401 and both.json()["error"]["message"] == "more than one Authorization header"
-    assert RESPONSES == {("unmatched", 401): 3}  # refused before the router matched a route
+    assert RESPONSES == {("unmatched", "GET", 401): 3}  # refused before the router matched a route
 
 
 def test_a_valid_key_reaches_the_route_with_its_grant_and_health_needs_none(client):
     assert client.get("/whoami", headers={"Authorization": "Bearer k1"}).json() == {"namespace": ""}
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/nowhere", headers={"Authorization": "Bearer k1"}).status_code == 404
-    assert RESPONSES == {("/whoami", 200): 1, ("/health", 200): 1, ("unmatched", 404): 1}
+    assert RESPONSES == {("/whoami", "GET", 200): 1, ("/health", "GET", 200): 1, ("unmatched", "GET", 404): 1}
 
 
 def test_a_streamed_answer_passes_whole_and_a_failing_route_counts_as_500(client):
     with client.stream("GET", "/stream", headers={"Authorization": "Bearer k1"}) as response:
         assert list(response.iter_lines()) == ["data: 0", "", "data: 1", "", "data: 2", ""]
     assert client.get("/boom", headers={"Authorization": "Bearer k1"}).status_code == 500
-    assert RESPONSES == {("/stream", 200): 1, ("/boom", 500): 1}
+    assert RESPONSES == {("/stream", "GET", 200): 1, ("/boom", "GET", 500): 1}

@@ -1,4 +1,4 @@
-"""What the ingress's ``GET /metrics`` exports: HTTP responses by route and status, the answers
+"""What the ingress's ``GET /metrics`` exports: HTTP responses by route, method and status, the answers
 each replica finished, retries, and each replica's engine stats as of its last finished request."""
 
 from lazyattn_rag.serve.middleware import RESPONSES
@@ -15,10 +15,10 @@ class IngressMetrics:
 
         from lazyattn_rag.metrics import engine_stat_families
 
-        http = CounterMetricFamily("lazyattn_http_responses", "HTTP responses by route and status.",
-                                   labels=["route", "status"])
-        for (route, status), n in sorted(RESPONSES.items()):
-            http.add_metric([route, str(status)], n)
+        http = CounterMetricFamily("lazyattn_http_responses", "HTTP responses by route, method and status.",
+                                   labels=["route", "method", "status"])
+        for (route, method, status), n in sorted(RESPONSES.items()):
+            http.add_metric([route, method, str(status)], n)
         yield http
         served = CounterMetricFamily("lazyattn_replica_answers", "Answers each replica finished.", labels=["replica"])
         for replica, n in sorted(self.ingress.replica_requests.items()):

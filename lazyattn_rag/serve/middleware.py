@@ -7,7 +7,7 @@ first tokens. These two see only the request's scope and the response's start me
 
 * :class:`KeyGate`: the caller's grant (``auth.py``) into ``scope["state"]["grant"]``
   (``request.state.grant`` in a route), or a 401 before any route runs;
-* :class:`ResponseCounter`: responses by route and status into :data:`RESPONSES` (``/metrics``).
+* :class:`ResponseCounter`: responses by route, method and status into :data:`RESPONSES` (``/metrics``).
   A module-level counter: Ray pickles the ingress's app by value, and both the middleware and
   ``/metrics`` must find this process's one by reference.
 """
@@ -22,7 +22,8 @@ from lazyattn_rag.serve.auth import Authenticator
 from lazyattn_rag.serve.http_errors import ApiError
 
 Scope = dict[str, Any]
-RESPONSES: Counter[tuple[str, int]] = Counter()  # (route, status) -> responses of this (single) ingress process
+# (route, method, status) -> responses of this (single) ingress process
+RESPONSES: Counter[tuple[str, str, int]] = Counter()
 
 
 class KeyGate:
@@ -50,7 +51,7 @@ class KeyGate:
 
 
 class ResponseCounter:
-    """ASGI middleware: ``RESPONSES[(route path or "unmatched", status)] += 1`` per HTTP
+    """ASGI middleware: ``RESPONSES[(route path or "unmatched", method, status)] += 1`` per HTTP
     response (an exception that escapes the app counts as 500)."""
 
     def __init__(self, app):
@@ -72,7 +73,7 @@ class ResponseCounter:
             await self.app(scope, receive, send_and_note)
         finally:
             route = getattr(scope.get("route"), "path", None)  # set by the router; None: no route matched
-            RESPONSES[(route or "unmatched", status)] += 1
+            RESPONSES[(route or "unmatched", scope.get("method", ""), status)] += 1
 
 
 def install_middlewares(app, gate: Authenticator, config) -> None:
