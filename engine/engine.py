@@ -257,7 +257,7 @@ class LLMEngine:
         (:meth:`PromptPlanner.plan_prompt`), or text and :class:`DocumentRef` parts placing
         documents registered in ``namespace`` or given inline in ``documents`` (registered first,
         all or none, only if the request is accepted: :meth:`PromptPlanner.plan_raw`)."""
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, DocumentRef)) for p in prompt):
             with self.documents.inline(list(documents), namespace):
                 return self.submit(self.planner.plan_raw(prompt, namespace, remedies), params, sink)
         return self.submit(self.planner.plan_prompt(prompt, namespace), params, sink)

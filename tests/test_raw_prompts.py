@@ -68,6 +68,8 @@ def test_inline_documents_register_with_the_request_and_bad_parts_are_named(make
     assert out.stats.docs_missed == ["x"] and llm.has_document("x", "ns") and not llm.has_document("x")
     with pytest.raises(UnknownDocumentError, match="'y'"):
         llm.complete(["w9 ", DocumentRef("y"), "w8"], GREEDY)
+    with pytest.raises(ValueError, match="token ids must be integers"):  # neither parts nor token ids
+        llm.complete(["w9 ", 3], GREEDY)
     with pytest.raises(EmptyInputError, match="ends with a document"):
         llm.complete(["w9 ", DocumentRef("x")], GREEDY, namespace="ns")
     llm.engine.cache.check_integrity()
