@@ -196,13 +196,7 @@ class PromptPlanner:
             return self.plan_plain(list(self.tokenizer(text)["input_ids"]) if text else [], namespace,
                                    from_tokenizer=True)
         pieces = self.template.render_raw(parts)
-        return self._plan_pieces(pieces, namespace, remedy, {}, "raw prompt", lead=self._raw_lead())
-
-    def _raw_lead(self) -> list[int]:
-        """What the tokenizer adds before a raw prompt's text (e.g. BOS), chat template or not."""
-        plain = list(self.tokenizer("a", add_special_tokens=False)["input_ids"])
-        full = list(self.tokenizer("a")["input_ids"])
-        return next((full[:i] for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), [])
+        return self._plan_pieces(pieces, namespace, remedy, {}, "raw prompt", lead=list(self.template.tokenizer_leading_ids))
 
     def _plan_pieces(self, pieces: list, namespace: str, remedy: tuple, passages: dict, what: str,
                      lead: list[int] | None = None) -> PromptPlan:

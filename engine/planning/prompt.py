@@ -9,6 +9,8 @@ re-tokenized, so a boundary tokenizes the same way on a cache hit as on a miss.
 
 from __future__ import annotations
 
+import functools
+
 import copy
 import re
 from collections.abc import Sequence
@@ -166,16 +168,18 @@ class PromptTemplate:
             self._leading_special_ids = self._probe_leading_special_ids()
         return list(self._leading_special_ids)
 
-    def _probe_leading_special_ids(self) -> list[int]:
-        if self.has_chat_template:
-            return []
+    @functools.cached_property
+    def tokenizer_leading_ids(self) -> tuple[int, ...]:
+        """Ids the tokenizer adds before any text (e.g. BOS), chat template or not: what a raw
+        prompt (``/v1/completions``) starts with. Worked out once."""
         probe = "a"
         plain = list(self.tokenizer(probe, add_special_tokens=False)["input_ids"])
         full = list(self.tokenizer(probe, add_special_tokens=True)["input_ids"])
-        for i in range(len(full) - len(plain) + 1):
-            if full[i:i + len(plain)] == plain:
-                return full[:i]
-        return []
+        return next((tuple(full[:i]) for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain),
+                    ())
+
+    def _probe_leading_special_ids(self) -> list[int]:
+        return [] if self.has_chat_template else list(self.tokenizer_leading_ids)
 
     # --- the RAG prompt's segments -----------------------------------------------------------
     def head_text(self) -> str:
