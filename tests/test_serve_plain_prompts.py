@@ -188,7 +188,9 @@ def test_langchain_chatopenai_under_the_tutorial_lcel_chain(server, http, openai
     assert metric(http, "lazyattn_document_placements_total", source="matched") >= 6
 
 
-def test_llamaindex_openailike_under_as_query_engine(server, http, openai_client):
+def openailike_query_engine(server, openai_client, ids, **llm_options):
+    """LlamaIndex's ``index.as_query_engine()`` over ``ids``' documents with ``OpenAILike`` pointed
+    at the server (``llm_options``: the app's own, e.g. ``is_chat_model``)."""
     pytest.importorskip("llama_index.llms.openai_like")
     from llama_index.core import Document as LIDocument
     from llama_index.core import VectorStoreIndex
@@ -196,12 +198,16 @@ def test_llamaindex_openailike_under_as_query_engine(server, http, openai_client
 
     from tests.integrations_kit import bow_llamaindex_embedding
 
-    ids = ["eiffel", "fuji", "amazon"]
     index = VectorStoreIndex.from_documents([LIDocument(text=DOCS[i], id_=i) for i in ids],
                                             embed_model=bow_llamaindex_embedding())
-    llm = OpenAILike(model=openai_client[1], api_base=server[0] + "/v1", api_key="unused", is_chat_model=True,
-                     context_window=2048, max_tokens=MAX_TOKENS, temperature=0)
-    engine = index.as_query_engine(llm=llm, similarity_top_k=3)
+    llm = OpenAILike(model=openai_client[1], api_base=server[0] + "/v1", api_key="unused", max_tokens=MAX_TOKENS,
+                     temperature=0, **llm_options)
+    return index.as_query_engine(llm=llm, similarity_top_k=3)
+
+
+def test_llamaindex_openailike_under_as_query_engine(server, http, openai_client):
+    ids = ["eiffel", "fuji", "amazon"]
+    engine = openailike_query_engine(server, openai_client, ids, is_chat_model=True, context_window=2048)
     questions = ["Which mountain is the highest in Japan, Mount Fuji?", "When was the Eiffel Tower in Paris completed?",
                  "Where does the Amazon rainforest lie?"]
     orders = []
@@ -417,20 +423,9 @@ def test_completion_logprobs_are_the_engines_own_in_the_legacy_shape(server, ope
 
 
 def test_llamaindex_openailike_with_its_defaults_answers_through_completions(server, http, openai_client):
-    pytest.importorskip("llama_index.llms.openai_like")
-    from llama_index.core import Document as LIDocument
-    from llama_index.core import VectorStoreIndex
-    from llama_index.llms.openai_like import OpenAILike
-
-    from tests.integrations_kit import bow_llamaindex_embedding
-
-    ids = ["nile", "sahara", "amazon"]
-    index = VectorStoreIndex.from_documents([LIDocument(text=DOCS[i], id_=i) for i in ids],
-                                            embed_model=bow_llamaindex_embedding())
-    llm = OpenAILike(model=openai_client[1], api_base=server[0] + "/v1", api_key="unused", max_tokens=MAX_TOKENS,
-                     temperature=0)  # is_chat_model=False: LlamaIndex's default, the completions route
     before = metric(http, "lazyattn_http_responses_total", route="/v1/completions")
-    engine = index.as_query_engine(llm=llm, similarity_top_k=3)
+    # is_chat_model=False: LlamaIndex's default, the completions route
+    engine = openailike_query_engine(server, openai_client, ["nile", "sahara", "amazon"])
     for question in ("Which river is the longest?", "Which desert is the largest?"):
         engine.query(question)  # (SmolLM2 may end this raw prompt at once: an empty answer is the model's)
     assert metric(http, "lazyattn_http_responses_total", route="/v1/completions") == before + 2

@@ -122,10 +122,7 @@ def chat_payload(body: ChatCompletionRequest, store: DocumentStore,
     messages = [m.as_wire() for m in body.messages]
     if not body.documents and not any(m.document_ids() for m in body.messages):
         messages, _ = match_messages(messages, store, ns)
-    for message in messages:
-        for part in message["content"] if isinstance(message["content"], list) else ():
-            if part.get("type") == "document":
-                texts.setdefault(part["id"], texts.get(part["id"]) or registered_text(store, ns, part["id"]))
+    _add_part_texts(messages, texts, store, ns)
     payload = _payload(body, {"messages": messages}, texts, placed, transient)
     keys = routing_keys(ns, texts)
     if passage_min_chars is not None and not placed:
@@ -145,17 +142,20 @@ def completion_payload(body: CompletionRequest, store: DocumentStore) -> tuple[d
     store.sync()
     placed, texts, transient = _documents_field(body, store)
     prompt = body.prompt_value
-    if isinstance(prompt, str):
-        parts: list = [DocumentRef(i) for i in placed] + [prompt]
-        if not placed:
-            matcher = store.matcher(body.namespace)
-            found = resolve(matcher.occurrences(prompt)[0]) if matcher.num_candidates else []
-            parts = split_message(prompt, found) if found else [prompt]
-            for part in parts:
-                if isinstance(part, DocumentRef):
-                    texts.setdefault(part.id, registered_text(store, body.namespace, part.id))
-        prompt = message_to_body(Message("user", tuple(parts)))["content"]
+    if isinstance(prompt, str):  # as one user message's content: the chat route's matching and parts
+        wire = [message_to_body(Message("user", (*[DocumentRef(i) for i in placed], prompt)))] if placed \
+            else match_messages([{"role": "user", "content": prompt}], store, body.namespace)[0]
+        _add_part_texts(wire, texts, store, body.namespace)
+        prompt = wire[0]["content"]
     elif placed:
         raise ApiError(400, "'documents' needs a text prompt (token ids cannot place documents)", param="documents")
     payload = _payload(body, {"prompt": prompt}, texts, placed, transient)
     return payload, routing_keys(body.namespace, texts)
+
+
+def _add_part_texts(messages: list[dict[str, Any]], texts: dict[str, str], store: DocumentStore, ns: str) -> None:
+    """Every document part's text into ``texts`` (a registered id's; 404 naming an unknown one)."""
+    for message in messages:
+        for part in message["content"] if isinstance(message["content"], list) else ():
+            if part.get("type") == "document":
+                texts.setdefault(part["id"], texts.get(part["id"]) or registered_text(store, ns, part["id"]))
