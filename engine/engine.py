@@ -37,6 +37,7 @@ from lazyattn_rag.engine.tier_writes import TierWrites
 from lazyattn_rag.engine.tiers.chunk_tiers import ChunkTiers
 from lazyattn_rag.engine.counters import EngineCounters
 from lazyattn_rag.engine.output.detokenizer import IncrementalDetokenizer
+from lazyattn_rag.engine.output.grammar import GrammarCompiler
 from lazyattn_rag.engine.output.output_processor import OutputProcessor, OutputState, Sink
 from lazyattn_rag.engine.planning.passage_learning import PassageLearner
 from lazyattn_rag.engine.planning.planner import PromptPlanner
@@ -98,6 +99,7 @@ class LLMEngine:
         step_listeners: called with a :class:`StepResult` after each step that ran jobs; while
             any is registered the step synchronizes the device so the time is the step's own
             (benchmarks, the self-check, tests). Add and remove them on the engine thread.
+        grammars: the :class:`GrammarCompiler` of structured output (safe to call from any thread).
         default_sampling: sampling when a call passes none (greedy, or the model's generation config).
         info, startup, fingerprint: the loaded model's facts, the start-up timings and the
             :class:`~lazyattn_rag.engine.planning.fingerprint.ModelFingerprint` (set by ``engine/factory.py``).
@@ -116,6 +118,7 @@ class LLMEngine:
         self.eos_token_ids = set(eos_token_ids or ())
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
+        self.grammars = GrammarCompiler(tokenizer, runner.model.config.vocab_size, self.eos_token_ids)
         self.generator = torch.Generator(device=runner.device).manual_seed(config.seed)  # sampling on device
         self.counters = EngineCounters()
         sched = config.scheduler
@@ -272,6 +275,7 @@ class LLMEngine:
 
         Raises:
             CacheCapacityError: the prompt plus ``max_tokens`` could never fit the KV cache.
+            ValueError: ``params.structured_output`` does not compile (or xgrammar is missing).
         """
         rid = uuid.uuid4().hex[:16]
         stats = RequestStats(rid, num_prompt_tokens=plan.num_prompt_tokens)
@@ -282,7 +286,8 @@ class LLMEngine:
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.loop_guard_ngram)
         request = Request(rid, plan, params, stats, warm_only=warm_only)
         self._check_capacity(request)
-        self.outputs.add(request, OutputState(sink, detokenizer, gen, stop_ids))
+        grammar = self.grammars.matcher(params.structured_output) if params.structured_output else None
+        self.outputs.add(request, OutputState(sink, detokenizer, gen, stop_ids, grammar=grammar))
         self.scheduler.add(request)
         return request
 

@@ -52,6 +52,7 @@ from lazyattn_rag.types.documents import Document, content_id
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.integrations import langchain_callbacks
 from lazyattn_rag.integrations.call_options import WrapperSettings, call_sampling, split_sampling
+from lazyattn_rag.integrations.langchain_structured import structured_runnable
 from lazyattn_rag.engine.planning.prompt_match import Candidate
 from lazyattn_rag.integrations.requests import EngineRequest, PromptMatcher, deserves_warning, rag_request
 from lazyattn_rag.llm import LazyAttention
@@ -152,9 +153,9 @@ class ChatLazyAttention(BaseChatModel, WrapperSettings):
     "prompt_match"?, "finish_reason"}``. Per call, ``stop`` and any :class:`SamplingParams`
     field (``max_tokens``, ``temperature``...) or a whole ``sampling=`` override the defaults,
     ``model=`` runs the call on that model's shared engine (loaded on first use); other
-    keywords raise ``TypeError`` naming the accepted ones. Tool calling and structured
-    output are not supported (``bind_tools`` / ``with_structured_output`` raise
-    ``NotImplementedError`` saying so).
+    keywords raise ``TypeError`` naming the accepted ones. ``with_structured_output`` enforces
+    its schema while sampling (``langchain_structured``); tool calling is not supported
+    (``bind_tools`` raises ``NotImplementedError`` saying so).
 
     Args:
         engine: a ready engine (else one is built from the settings).
@@ -213,9 +214,20 @@ class ChatLazyAttention(BaseChatModel, WrapperSettings):
         raise NotImplementedError("ChatLazyAttention does not support tool calling: it answers from documents "
                                   "placed by id or found in the prompt (see lazyattn_rag.integrations.langchain)")
 
-    def with_structured_output(self, schema: Any, **kwargs: Any) -> Runnable:
-        raise NotImplementedError("ChatLazyAttention does not support structured output (no constrained "
-                                  "decoding yet); parse its text with an output parser instead")
+    def with_structured_output(self, schema: Any = None, *, method: str = "json_schema", include_raw: bool = False,
+                               strict: bool | None = None, **kwargs: Any) -> Runnable:
+        """This model answering in ``schema`` (a Pydantic class, ``TypedDict`` or JSON schema
+        dict), enforced as a token mask while sampling (``langchain_structured``); ``method``
+        ``json_schema`` (default), ``function_calling`` (the same mask) or ``json_mode``;
+        ``include_raw`` as LangChain's own models.
+
+        Raises:
+            ValueError: an unknown ``method``.
+            TypeError: another keyword.
+        """
+        if kwargs:
+            raise TypeError(f"with_structured_output() got unexpected keyword(s) {sorted(kwargs)}")
+        return structured_runnable(self, schema, method, include_raw, strict)
 
     def _prepare(self, messages, stop, kwargs, run_manager) -> tuple[EngineRequest, SamplingParams, LazyAttention]:
         sampling = call_sampling(self.sampling, kwargs, "ChatLazyAttention", _CALL_KEYWORDS, stop)

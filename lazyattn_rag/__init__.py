@@ -19,6 +19,7 @@ from lazyattn_rag.types.errors import (
 from lazyattn_rag.types.messages import DocumentRef, Message
 from lazyattn_rag.types.outputs import Completion, FidelityReport, RequestStats, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
+from lazyattn_rag.types.structured_output import StructuredOutputParams
 
 __version__ = version("lazyattn-rag")  # pyproject.toml's, as installed
 
@@ -26,7 +27,7 @@ __all__ = [
     "AsyncLazyAttention", "CacheCapacityError", "CacheConfig", "Completion", "Document", "DocumentRef", "DocumentTooLongError", "EmptyInputError",
     "EngineConfig", "FidelityReport", "LazyAttention", "LazyAttentionError", "Message", "PromptConfig", "PromptTooLongError", "RequestRemedies",
     "RequestStats",
-    "SamplingParams", "SchedulerConfig", "StreamDelta", "UnknownDocumentError",
+    "SamplingParams", "SchedulerConfig", "StreamDelta", "StructuredOutputParams", "UnknownDocumentError",
 ]
 
 

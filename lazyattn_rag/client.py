@@ -144,7 +144,8 @@ def question_request(question: str, doc_ids: Iterable[str], documents: Iterable[
                      params: SamplingParams, namespace: str = "",
                      remedies: RequestRemedies = RequestRemedies()) -> MakeRequest:
     ids, docs = document_ids(doc_ids), document_pairs(documents)
-    return lambda engine, sink: engine.submit_question(question, ids, docs, params, sink, namespace, remedies)
+    return _compiling(params, lambda engine, sink: engine.submit_question(question, ids, docs, params, sink,
+                                                                           namespace, remedies))
 
 
 def chat_request(messages: Iterable[Message | dict | tuple], documents: Iterable[Document | tuple[str, str]],
@@ -154,17 +155,31 @@ def chat_request(messages: Iterable[Message | dict | tuple], documents: Iterable
     and laid out in the submitting thread (:meth:`LLMEngine.plan_plain_chat`)."""
     msgs, docs = [as_message(m) for m in messages], document_pairs(documents)
     if docs:
-        return lambda engine, sink: engine.submit_chat(msgs, docs, params, sink, namespace, remedies)
-    return PlannedRequest(lambda engine: engine.plan_plain_chat(msgs, namespace, remedies),
-                          lambda engine, sink, plans: engine.submit_chat(msgs, [], params, sink, namespace, remedies,
-                                                                         plans))
+        return _compiling(params, lambda engine, sink: engine.submit_chat(msgs, docs, params, sink, namespace,
+                                                                           remedies))
+    return _compiling(params, PlannedRequest(
+        lambda engine: engine.plan_plain_chat(msgs, namespace, remedies),
+        lambda engine, sink, plans: engine.submit_chat(msgs, [], params, sink, namespace, remedies, plans)))
 
 
 def prompt_request(prompt: str | list[int] | list[str | DocumentRef], params: SamplingParams,
                    documents: Iterable[Document | tuple[str, str]] = (), namespace: str = "",
                    remedies: RequestRemedies = RequestRemedies()) -> MakeRequest:
     prompt, docs = list(prompt) if isinstance(prompt, (tuple, list)) else prompt, document_pairs(documents)
-    return lambda engine, sink: engine.submit_prompt(prompt, params, sink, docs, namespace, remedies)
+    return _compiling(params, lambda engine, sink: engine.submit_prompt(prompt, params, sink, docs, namespace,
+                                                                         remedies))
+
+
+def _compiling(params: SamplingParams, make: MakeRequest | PlannedRequest) -> MakeRequest | PlannedRequest:
+    """``make``, with a structured output's grammar compiled first in the planning thread (the
+    engine thread then finds it in the compiler's cache): a new JSON schema never holds up a step."""
+    if params.structured_output is None:
+        return make
+    if isinstance(make, PlannedRequest):
+        return PlannedRequest(lambda engine: (engine.grammars.compile(params.structured_output), make.plan(engine))[1],
+                              make.submit)
+    return PlannedRequest(lambda engine: engine.grammars.compile(params.structured_output),
+                          lambda engine, sink, _: make(engine, sink))
 
 
 def warm_request(doc_ids: Iterable[str], namespace: str = "") -> MakeRequest:

@@ -9,6 +9,7 @@ and from the replica's ``/metrics`` counter otherwise (one replica: its counter 
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -462,3 +463,128 @@ def test_version_detokenize_models_errors_and_cors(server, http, openai_client):
     assert "access-control-allow-origin" not in refused.headers
     answer = http.post("/v1/completions", json={"prompt": "Paris is", "max_tokens": 2}, headers={"Origin": ORIGIN})
     assert answer.headers["access-control-allow-origin"] == ORIGIN and answer.json()["model"] == SERVED_NAME
+
+
+# --- structured output -----------------------------------------------------------------------------
+CITIES = ("Paris", "Berlin", "Madrid", "Rome", "Lisbon", "Vienna", "Prague", "Warsaw", "Dublin", "Oslo",
+          "Athens", "Cairo", "Tokyo", "Seoul", "Lima", "Quito", "Nairobi", "Ottawa", "Sydney", "Hanoi")
+
+
+def city_model():
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=40)
+        country: str = Field(max_length=40)
+        population: int = Field(ge=0, le=10**9)  # bounded: the small model may repeat a digit forever
+
+    return City
+
+
+def test_json_schema_answers_validate_for_twenty_prompts(openai_client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    client, model = openai_client
+    City = city_model()
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": City.model_json_schema(), "strict": True}}
+
+    def ask_city(city):
+        return client.chat.completions.create(
+            model=model, max_tokens=64, temperature=0, response_format=fmt,
+            messages=[{"role": "user", "content": f"Describe {city} as JSON: its name, country and population."}])
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask_city, CITIES))
+    for answer in answers:
+        assert answer.choices[0].finish_reason == "stop", answer.choices[0].message.content
+        City.model_validate_json(answer.choices[0].message.content)
+    assert len(answers) == 20
+    parsed = client.chat.completions.parse(model=model, max_tokens=64, temperature=0, response_format=City,
+                                           messages=[{"role": "user", "content": "Describe Paris as JSON."}])
+    assert isinstance(parsed.choices[0].message.parsed, City)
+
+
+def test_vllms_guided_fields_on_chat_and_completions_and_refusals(openai_client, http):
+    openai = pytest.importorskip("openai")
+    client, model = openai_client
+    question = [{"role": "user", "content": "Is the Nile in Africa?"}]
+    choice = client.chat.completions.create(model=model, messages=question, max_tokens=8, temperature=0.7, seed=1,
+                                            extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].message.content in ("yes", "no") and choice.choices[0].finish_reason == "stop"
+    year = client.completions.create(model=model, prompt="The Eiffel Tower was completed in the year",
+                                     max_tokens=8, temperature=0, extra_body={"guided_regex": r" ?1[0-9]{3}"})
+    assert re.fullmatch(r" ?1[0-9]{3}", year.choices[0].text)
+    streamed = client.chat.completions.create(model=model, messages=question, max_tokens=24, temperature=0,
+                                              stream=True, response_format={"type": "json_object"})
+    assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in streamed if c.choices)), dict)
+    vllm_new = client.chat.completions.create(model=model, messages=question, max_tokens=8, temperature=0,
+                                              extra_body={"structured_outputs": {"choice": ["Africa", "Asia"]}})
+    assert vllm_new.choices[0].message.content in ("Africa", "Asia")
+    for body, words in (({"guided_regex": "("}, "regex does not compile"),
+                        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex, guided_choice"),
+                        ({"guided_decoding_backend": "outlines", "guided_choice": ["a"]}, "guided_decoding_backend"),
+                        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
+        with pytest.raises(openai.BadRequestError, match=re.escape(words)):
+            client.chat.completions.create(model=model, messages=question, max_tokens=2, extra_body=body)
+    assert client.chat.completions.create(model=model, messages=question, max_tokens=2).choices[0].message
+
+
+def test_langchain_chatopenai_with_structured_output(server, openai_client):
+    ChatOpenAI = pytest.importorskip("langchain_openai").ChatOpenAI
+    _, model = openai_client
+    City = city_model()
+    llm = ChatOpenAI(base_url=server[0] + "/v1", api_key="unused", model=model, temperature=0, max_tokens=64)
+    city = llm.with_structured_output(City, method="json_schema").invoke("Describe Rome as JSON.")
+    assert isinstance(city, City) and city.name
+
+
+# --- LangChain's standard chat-model suite through ChatOpenAI, structured output declared supported -----
+try:
+    from langchain_tests.integration_tests import ChatModelIntegrationTests
+    from openai import BadRequestError
+except ImportError:  # test extras; without them there is no suite to run
+    ChatModelIntegrationTests, BadRequestError = object, Exception
+
+
+class TestChatOpenAIThroughServe(ChatModelIntegrationTests):
+    """The suite LangChain's partner packages run, against this module's server through an
+    unchanged ``ChatOpenAI``. Tool calling and JSON mode are declared unsupported (tools are
+    refused by name; JSON mode leaves the keys to the 135M model, see test_langchain_standard)."""
+
+    base_url: str = ""
+
+    @pytest.fixture(autouse=True)
+    def _served(self, server):
+        type(self).base_url = server[0] + "/v1"
+
+    @property
+    def chat_model_class(self):
+        return pytest.importorskip("langchain_openai").ChatOpenAI
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"model": SERVED_NAME, "base_url": self.base_url, "api_key": "unused", "max_tokens": 160,
+                "frequency_penalty": 0.5,  # as test_langchain_standard's: the jokes' strings need it
+                "stream_usage": True}  # usage on streams: ChatOpenAI asks only OpenAI's own URL for it by default
+
+    @pytest.mark.xfail(reason="ChatOpenAI sends a Pydantic v1 schema as a tool call, which the server refuses by "
+                              "name (400 'not supported by this server: tools')", strict=True,
+                       raises=BadRequestError)
+    def test_structured_output_pydantic_2_v1(self, model) -> None:
+        super().test_structured_output_pydantic_2_v1(model)
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return False
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def structured_output_kwargs(self) -> dict:
+        return {"method": "json_schema"}
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return False

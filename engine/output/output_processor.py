@@ -1,7 +1,7 @@
 """The output processor: sampled logits -> tokens -> detokenized deltas, finishing, per-request stats.
 
 After each forward pass the engine hands it the step's compute jobs and their logits rows;
-for each job that samples it applies the penalties, picks the token (greedy rows share one
+for each job that samples it applies the penalties and a structured output's mask, picks the token (greedy rows share one
 device sync), records the first token's time (TTFT), checks stop ids, stop strings and
 length, and hands a :class:`~lazyattn_rag.types.outputs.StreamDelta` to the request's sink.
 A finished, failed or aborted request is released through the scheduler and counted once in
@@ -70,11 +70,16 @@ class OutputProcessor:
         raw, state = logits, self.states[r.request_id]
         if r.params.has_penalties:
             logits = apply_penalties(logits, r.params, r.prompt_token_ids, r.output_ids)
+        if state.grammar is not None:
+            logits = state.grammar.mask(logits)
+        if logits is not raw:
             greedy_token = int(torch.argmax(logits))
         token = greedy_token if r.params.greedy else sample(logits, r.params, state.generator)
         self._record_first_token(r, state)
         logprobs = token_logprobs(raw, token, r.params.logprobs) if r.params.logprobs is not None else None
-        if token in state.stop_token_ids:
+        if state.grammar is not None:
+            state.grammar.accept(token)
+        if token in state.stop_token_ids or (state.grammar is not None and state.grammar.is_terminated):
             self.finish(r, "stop", logprobs=logprobs)
             return
         r.output_ids.append(token)

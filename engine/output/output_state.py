@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from lazyattn_rag.engine.output.detokenizer import IncrementalDetokenizer
+from lazyattn_rag.engine.output.grammar import GrammarState
 from lazyattn_rag.types.outputs import StreamDelta
 
 Sink = Callable[[StreamDelta | BaseException], None]
@@ -28,6 +29,7 @@ class OutputState:
         stop_token_ids: ids that end generation (the request's own and, unless ``ignore_eos``, EOS).
         first_token_time: ``time.perf_counter()`` when its first token was sampled (TTFT).
         finish_reason: ``stop``, ``length``, ``warm`` or ``abort`` once it finished.
+        grammar: its structured output's matcher (``SamplingParams.structured_output``), or ``None``.
     """
 
     sink: Sink
@@ -36,3 +38,4 @@ class OutputState:
     stop_token_ids: frozenset[int] = frozenset()
     first_token_time: float | None = None
     finish_reason: str | None = None
+    grammar: GrammarState | None = None

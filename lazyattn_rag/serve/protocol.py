@@ -2,7 +2,7 @@
 
 ``ChatCompletionRequest`` and ``CompletionRequest`` are OpenAI's chat completions and completions
 requests with the extension fields of ``lazyattn_rag/types/wire.py``. Fields OpenAI defines that change the answer and that this
-server does not implement (``n`` > 1, ``tools``, ``response_format``, ...) are refused with 400
+server does not implement (``n`` > 1, ``tools``, ``logit_bias``, ...) are refused with 400
 rather than ignored; the rest (``user``, ``metadata``, ``store``...) are
 accepted and ignored, as OpenAI-compatible servers do.
 """
@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from lazyattn_rag.types.structured_output import StructuredOutputParams
 
 NAMESPACE_PATTERN = r"^[A-Za-z0-9_.:@/-]{0,128}$"
 MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 64
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "audio",
-               "modalities", "prediction")
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "audio", "modalities", "prediction",
+               "guided_whitespace_pattern")
+GUIDED_BACKENDS = ("xgrammar", "auto")
 
 
 class DocumentIn(BaseModel):
@@ -110,6 +113,43 @@ class RemediesIn(BaseModel):
     chunk_attention_scaling: bool | None = None
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's (``name``, ``description`` and ``strict`` are
+    accepted; the schema is always enforced)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: type json_schema goes with a json_schema object (and only it)")
+        return self
+
+
+class StructuredOutputsIn(BaseModel):
+    """vLLM's ``structured_outputs`` object: one of ``json``, ``json_object``, ``regex``,
+    ``choice``, ``grammar``."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class GenerationRequest(BaseModel):
     """The fields chat completions and completions share: sampling, streaming and the extensions."""
 
@@ -136,7 +176,16 @@ class GenerationRequest(BaseModel):
     remedies: RemediesIn | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
+    # structured output: OpenAI's response_format, vLLM's guided_* fields and structured_outputs (one of them)
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsIn | None = None
+    guided_decoding_backend: str | None = None
     unsupported: ClassVar[tuple[str, ...]] = UNSUPPORTED  # body fields refused by name
+    _structured_output: StructuredOutputParams | None = PrivateAttr(default=None)
 
     @field_validator("n")
     @classmethod
@@ -153,6 +202,22 @@ class GenerationRequest(BaseModel):
             raise ValueError(f"not supported by this server: {', '.join(asked)}")
         return self
 
+    @model_validator(mode="after")
+    def _one_structure(self):
+        asked = {k: v for k, v in _structure_fields(self).items() if v is not None}
+        if len(asked) > 1:
+            raise ValueError(f"give one structured output field, got {', '.join(asked)}")
+        if self.guided_decoding_backend not in (None, *GUIDED_BACKENDS):
+            raise ValueError(f"guided_decoding_backend: only {' or '.join(GUIDED_BACKENDS)} is supported, "
+                             f"got {self.guided_decoding_backend!r}")
+        self._structured_output = StructuredOutputParams(**next(iter(asked.values()))) if asked else None
+        return self
+
+    @property
+    def structured_output(self) -> StructuredOutputParams | None:
+        """The constraint the body asks for (any of its spellings), or ``None``."""
+        return self._structured_output
+
     @property
     def num_logprobs(self) -> int | None:
         return None
@@ -162,7 +227,28 @@ class GenerationRequest(BaseModel):
         keys = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "min_p", "stop", "seed",
                 "frequency_penalty", "presence_penalty", "top_k", "repetition_penalty", "ignore_eos", "stop_token_ids")
         body = {k: getattr(self, k, None) for k in keys if getattr(self, k, None) is not None}
+        if self.structured_output is not None:
+            body["structured_output"] = self.structured_output.to_body()
         return body | ({"logprobs": self.num_logprobs} if self.num_logprobs is not None else {})
+
+
+def _structure_fields(body: GenerationRequest) -> dict[str, dict[str, Any] | None]:
+    """Each structured output field of ``body`` -> the :class:`StructuredOutputParams` keywords
+    it asks for (``None``: not asked; ``response_format: text`` asks for nothing)."""
+    fmt, so = body.response_format, body.structured_outputs
+    from_format = None
+    if fmt is not None and fmt.type == "json_object":
+        from_format = {"json_object": True}
+    elif fmt is not None and fmt.type == "json_schema":
+        from_format = {"json": fmt.json_schema.json_schema}
+    guided = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+              ("guided_grammar", "grammar"))
+    fields = {"response_format": from_format} | {
+        name: ({key: getattr(body, name)} if getattr(body, name) is not None else None) for name, key in guided}
+    if so is not None:
+        chosen = {k.rstrip("_"): v for k, v in so.model_dump().items() if v not in (None, False)}
+        fields["structured_outputs"] = chosen or {}  # {}: the constructor names what is missing
+    return fields
 
 
 def _asks(field: str, value: Any) -> bool:

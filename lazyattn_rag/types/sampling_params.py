@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lazyattn_rag.types.structured_output import StructuredOutputParams
+
 
 GREEDY_TEMPERATURE = 1e-5
 
@@ -42,6 +44,11 @@ class SamplingParams:
             (``finish_reason="stop"``, ``stats.loop_stopped``) and a stream never shows it
             (``engine/output/loop_guard.py``). Nothing is banned from sampling, so an answer that does
             not loop is unchanged; ``lazyattn chat``/``ask`` and the chatbot use 8.
+        structured_output: ``None``, or a :class:`StructuredOutputParams` the answer must match
+            (a JSON schema, any JSON object, a regex, one of a list of strings, an EBNF
+            grammar): tokens that cannot continue a match are masked before sampling
+            (xgrammar; ``engine/output/grammar.py``), and the answer ends once the match is
+            complete. ``logprobs`` stay the model's own, before the mask.
     Raises:
         ValueError: at construction, for any value outside its range (the field is named).
     """
@@ -60,6 +67,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logprobs: int | None = None
     loop_guard_ngram: int | None = None
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self):
         _check_types(self)
@@ -91,6 +99,8 @@ class SamplingParams:
                                                   or isinstance(self.loop_guard_ngram, bool)
                                                   or self.loop_guard_ngram < 2):
             raise ValueError(f"loop_guard_ngram must be None or an integer >= 2, got {self.loop_guard_ngram!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputParams):
+            raise ValueError(f"structured_output must be None or a StructuredOutputParams, got {self.structured_output!r}")
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")

@@ -19,6 +19,9 @@ Request fields besides OpenAI's (``model``, ``messages``, ``max_tokens`` /
   client that sent a text once never gets an answer over someone else's.
 * ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``: as in
   :class:`~lazyattn_rag.types.sampling_params.SamplingParams`.
+* ``response_format`` (OpenAI's ``json_object`` / ``json_schema``), ``guided_json``,
+  ``guided_regex``, ``guided_choice``, ``guided_grammar`` or ``structured_outputs`` (vLLM's):
+  structured output (:class:`~lazyattn_rag.types.structured_output.StructuredOutputParams`).
 * ``remedies``: this request's answer-fidelity remedies, the fields of
   :class:`~lazyattn_rag.types.config.RequestRemedies` (``recompute_chunk_head_tokens``,
   ``recompute_selective_ratio``, ``chunk_attention_scaling``); the server's ``CacheConfig``
@@ -42,6 +45,7 @@ from lazyattn_rag.types.errors import DocumentChanged, ServerError, UnknownDocum
 from lazyattn_rag.types.messages import DocumentRef, Message
 from lazyattn_rag.types.outputs import Completion, RequestStats, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
+from lazyattn_rag.types.structured_output import StructuredOutputParams
 
 # SamplingParams fields and the body keys that carry them (OpenAI's names where it has one)
 _SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop",
@@ -62,7 +66,19 @@ def sampling_to_body(params: SamplingParams) -> dict[str, Any]:
     body = {key: getattr(params, name) for name, key in _SAMPLING_KEYS.items()}
     body["stop"], body["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)
     body["max_tokens"] = params.max_tokens
+    if params.structured_output is not None:
+        body |= structured_output_to_body(params.structured_output)
     return body
+
+
+def structured_output_to_body(params: StructuredOutputParams) -> dict[str, Any]:
+    """The OpenAI (``response_format``) or vLLM (``guided_*``) field that asks for ``params``."""
+    if params.kind == "json":
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "answer",
+                                                                           "schema": json.loads(params.json)}}}
+    if params.kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    return {f"guided_{params.kind}": params.to_body()[params.kind]}
 
 
 def sampling_from_body(body: Mapping[str, Any], default: SamplingParams) -> SamplingParams:
@@ -83,6 +99,8 @@ def sampling_from_body(body: Mapping[str, Any], default: SamplingParams) -> Samp
         values["max_tokens"] = max_tokens
     if body.get("logprobs") is not None:  # the server's count (ChatCompletionRequest.num_logprobs)
         values["logprobs"] = body["logprobs"]
+    if body.get("structured_output") is not None:  # the server's (GenerationRequest.sampling_body)
+        values["structured_output"] = StructuredOutputParams.from_body(body["structured_output"])
     return replace(default, **values)  # validated again by SamplingParams.__post_init__
 
 

@@ -1,0 +1,119 @@
+"""Structured output as a token mask: xgrammar compiles a request's constraint once, a matcher
+per request tracks it, and the sampler sees only tokens that can continue a match.
+
+xgrammar (Dong et al. 2024) precomputes, for each grammar state, which vocabulary entries are
+allowed regardless of context, so filling the mask costs microseconds per step for most
+states. The compiled grammar is cached by the compiler (one JSON schema asked by many requests
+compiles once); compiling happens before a request reaches the engine thread
+(:meth:`GrammarCompiler.compile` from the client's planning thread), so a new schema never
+holds up a step.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Iterable
+
+import torch
+
+from lazyattn_rag.types.structured_output import StructuredOutputParams
+
+_XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as error:
+        raise ValueError("structured output needs xgrammar: pip install 'lazyattn-rag[structured]'") from error
+    return xgrammar
+
+
+class GrammarCompiler:
+    """Compiles :class:`StructuredOutputParams` for one tokenizer (built on first use).
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer.
+        vocab_size: the model's vocabulary (logits) size, ``>= len(tokenizer)``.
+        stop_token_ids: the ids that end an answer (EOS); the mask allows them once a match is
+            complete.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int]):
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    def _get(self):
+        with self._lock:
+            if self._compiler is None:
+                xgr = _xgrammar()
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+    def compile(self, params: StructuredOutputParams):
+        """The compiled grammar of ``params`` (cached by the compiler).
+
+        Raises:
+            ValueError: xgrammar is not installed, or the schema, regex or grammar does not
+                compile (xgrammar's message, naming the field).
+        """
+        compiler = self._get()
+        try:
+            if params.kind == "json":
+                return compiler.compile_json_schema(params.json, any_whitespace=False)
+            if params.kind == "json_object":  # an object, as OpenAI's json_object (the builtin grammar takes any value)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if params.kind == "regex":
+                return compiler.compile_regex(params.regex)
+            if params.kind == "choice":
+                return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in params.choice))
+            return compiler.compile_grammar(params.grammar)
+        except RuntimeError as error:
+            message = _XGRAMMAR_LOG_PREFIX.sub("", str(error).strip()).splitlines()[0]
+            raise ValueError(f"structured output {params.kind} does not compile: {message}") from None
+
+    def matcher(self, params: StructuredOutputParams) -> "GrammarState":
+        """A fresh :class:`GrammarState` for one request. Raises like :meth:`compile`."""
+        return GrammarState(_xgrammar(), self.compile(params), self.vocab_size)
+
+
+class GrammarState:
+    """One request's progress through its grammar.
+
+    Args:
+        xgr: the xgrammar module.
+        compiled: the compiled grammar.
+        vocab_size: the logits' size.
+    """
+
+    def __init__(self, xgr, compiled, vocab_size: int):
+        self._xgr = xgr
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(vocab_size / 32)] int32, CPU
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (``[vocab_size]`` float32, any device) with every token that cannot continue
+        the match set to ``-inf`` (a new tensor)."""
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        masked = logits.clone()
+        self._xgr.apply_token_bitmask_inplace(masked, self._bitmask.to(logits.device, non_blocking=True))
+        return masked
+
+    def accept(self, token_id: int) -> None:
+        """Advance past ``token_id`` (a token the mask allowed).
+
+        Raises:
+            RuntimeError: the grammar refuses it (a bug: the mask allowed it).
+        """
+        if not self._matcher.accept_token(token_id):
+            raise RuntimeError(f"structured output: token {token_id} was sampled but the grammar refuses it")
+
+    @property
+    def is_terminated(self) -> bool:
+        """Whether the match is complete and a stop token was accepted."""
+        return self._matcher.is_terminated()

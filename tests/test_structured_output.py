@@ -1,0 +1,120 @@
+"""Structured output (issue 40): the constraint type, the token mask against an independent walk
+over the vocabulary, and the default model's answers under each kind of constraint."""
+
+import json
+import re
+
+import pytest
+import torch
+from pydantic import BaseModel, Field
+
+from lazyattn_rag import SamplingParams, StructuredOutputParams
+from lazyattn_rag.engine.output.grammar import GrammarCompiler
+
+
+class City(BaseModel):
+    name: str = Field(max_length=40)
+    country: str = Field(max_length=40)
+    population: int = Field(ge=0, le=10**9)  # bounded: the small default model may repeat a digit forever
+
+
+QUESTIONS = [f"Describe {c} as JSON: its name, its country and its population." for c in (
+    "Paris", "Berlin", "Madrid", "Rome", "Lisbon", "Vienna", "Prague", "Warsaw", "Dublin", "Oslo",
+    "Athens", "Cairo", "Tokyo", "Seoul", "Lima", "Quito", "Nairobi", "Ottawa", "Sydney", "Hanoi")]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "got none"),
+    ({"regex": "a", "choice": ["a"]}, "got regex, choice"),
+    ({"json": "{not json"}, "json must be a JSON schema"),
+    ({"choice": []}, "1 to 1024 non-empty strings"),
+    ({"choice": "ab"}, "list of strings"),
+    ({"regex": " "}, "regex must be a non-empty string"),
+])
+def test_params_refuse_what_they_cannot_mean(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputParams(**kwargs)
+
+
+def test_params_round_trip_and_keep_property_order():
+    params = StructuredOutputParams(json={"type": "object", "properties": {"b": {}, "a": {}}})
+    assert list(json.loads(params.json)["properties"]) == ["b", "a"]  # the order the answer's keys come in
+    for p in (params, StructuredOutputParams(choice=["x", "y"]), StructuredOutputParams(json_object=True)):
+        assert StructuredOutputParams.from_body(p.to_body()) == p
+    with pytest.raises(ValueError, match="unknown structured output field"):
+        StructuredOutputParams.from_body({"jsonschema": "{}"})
+    with pytest.raises(ValueError, match="structured_output must be None or a StructuredOutputParams"):
+        SamplingParams(structured_output={"regex": "a"})
+
+
+@pytest.fixture(scope="module")
+def compiler(smollm2):
+    engine = smollm2.engine
+    return GrammarCompiler(engine.tokenizer, engine.runner.model.config.vocab_size, engine.eos_token_ids)
+
+
+@pytest.mark.parametrize("kwargs, field", [({"regex": "("}, "regex"), ({"grammar": "root ::= nothing"}, "grammar"),
+                                           ({"json": '{"type": "no-such-type"}'}, "json")])
+def test_what_does_not_compile_is_refused_by_name(compiler, kwargs, field):
+    with pytest.raises(ValueError, match=f"structured output {field} does not compile: "):
+        compiler.compile(StructuredOutputParams(**kwargs))
+
+
+def test_mask_allows_exactly_the_tokens_that_continue_a_match(smollm2, compiler):
+    """Reference: decode every vocabulary entry alone and test it against the regex (digits
+    only, then one letter): at the start a token is allowed iff its whole text is a non-empty
+    run of digits, or digits followed by one lowercase letter."""
+    tokenizer, vocab_size = smollm2.engine.tokenizer, smollm2.engine.runner.model.config.vocab_size
+    state = compiler.matcher(StructuredOutputParams(regex=r"[0-9]+[a-z]"))
+    masked = state.mask(torch.zeros(vocab_size))
+    allowed = {i for i in range(vocab_size) if masked[i] == 0}
+    texts = {i: tokenizer.decode([i]) for i in range(len(tokenizer))}
+    expected = {i for i, t in texts.items() if re.fullmatch(r"[0-9]+[a-z]?", t)}
+    assert allowed == expected and len(expected) >= 10
+    assert torch.isneginf(masked[sorted(set(range(vocab_size)) - allowed)]).all()
+    state.accept(tokenizer.convert_tokens_to_ids("7"))
+    with pytest.raises(RuntimeError, match="the grammar refuses it"):
+        state.accept(tokenizer.convert_tokens_to_ids("{"))
+
+
+def test_json_schema_answers_parse_and_validate_for_twenty_prompts(smollm2):
+    params = SamplingParams(max_tokens=64, structured_output=StructuredOutputParams(json=City.model_json_schema()))
+    streams = [smollm2.stream_chat([{"role": "user", "content": q}], sampling=params) for q in QUESTIONS]
+    for question, stream in zip(QUESTIONS, streams):
+        deltas = list(stream)
+        text = "".join(d.text for d in deltas)
+        assert deltas[-1].finish_reason == "stop", (question, text)
+        City.model_validate_json(text)
+    assert len(QUESTIONS) == 20
+
+
+@pytest.mark.parametrize("kwargs, check", [
+    ({"choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe")),
+    ({"regex": r"1[0-9]{3}"}, lambda t: re.fullmatch(r"1[0-9]{3}", t)),
+    ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
+    ({"grammar": 'root ::= "The answer is " ("yes" | "no") "."'}, lambda t: t in ("The answer is yes.",
+                                                                                 "The answer is no.")),
+])
+def test_each_kind_of_constraint_shapes_the_answer(smollm2, kwargs, check):
+    question = "Is the Eiffel Tower in Paris? When was it built?"
+    sampling = SamplingParams(max_tokens=40, temperature=0.8, seed=3,
+                              structured_output=StructuredOutputParams(**kwargs))
+    out = smollm2.chat([{"role": "user", "content": question}], sampling=sampling)
+    assert out.finish_reason == "stop" and check(out.text), out.text
+
+
+def test_logprobs_stay_the_models_own_and_bad_grammars_touch_nothing(smollm2):
+    question = [{"role": "user", "content": "Name a colour."}]
+    free = smollm2.chat(question, sampling=SamplingParams(max_tokens=1, logprobs=5))
+    bound = smollm2.chat(question, sampling=SamplingParams(
+        max_tokens=1, logprobs=5, structured_output=StructuredOutputParams(choice=["zebra"])))
+    first_free, first_bound = free.logprobs[0], bound.logprobs[0]
+    shared = set(first_free) & set(first_bound)
+    assert len(shared) >= 5 and all(abs(first_free[t] - first_bound[t]) < 1e-4 for t in shared)
+    assert bound.text and "zebra".startswith(bound.text) and not "zebra".startswith(free.text)
+    before = smollm2.engine.counters.num_requests_finished
+    with pytest.raises(ValueError, match="regex does not compile"):
+        smollm2.chat(question, sampling=SamplingParams(structured_output=StructuredOutputParams(regex="[")))
+    assert smollm2.chat(question, sampling=SamplingParams(max_tokens=2)).token_ids
+    assert smollm2.engine.counters.num_requests_finished == before + 1
+
