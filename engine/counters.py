@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lazyattn_rag.types.histogram import REQUEST_BUCKETS_S, Histogram
+
+LATENCIES = ("ttft", "tpot", "e2e", "queue")  # RequestStats' *_ms fields, observed in seconds
+
+
+def _latency_histograms() -> dict[str, Histogram]:
+    return {name: Histogram(REQUEST_BUCKETS_S) for name in LATENCIES}
+
 
 @dataclass
 class EngineCounters:
@@ -29,3 +37,5 @@ class EngineCounters:
     num_preemptions: int = 0
     num_key_collisions: int = 0  # cached entries whose tokens differed from a request's: served as misses
     first_request_ttft_ms: float | None = None  # of the first request that produced a token
+    # finished requests' TTFT, TPOT (requests of 2+ tokens), end-to-end and queue times, in seconds
+    latencies: dict[str, Histogram] = field(default_factory=_latency_histograms)

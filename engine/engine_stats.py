@@ -10,7 +10,9 @@ if TYPE_CHECKING:
 
 def engine_stats(engine: LLMEngine) -> dict:
     """Hit ratios (tokens, documents), blocks, evictions, preemptions, queues,
-    ``first_request_ttft_ms`` (the first request to produce a token; ``None`` before) and
+    ``first_request_ttft_ms`` (the first request to produce a token; ``None`` before),
+    ``latency``: histograms of finished requests' ``ttft``, ``tpot``, ``e2e`` and ``queue``
+    seconds (:meth:`Histogram.as_dict`), and
     ``tiers``: per storage tier below the pool, :meth:`ChunkTiers.stats` (empty without tiers)."""
     c, cache, sched, tiers = engine.counters, engine.cache, engine.scheduler, engine.tiers
     pool, cached_blocks = cache.pool, cache.num_cached_blocks
@@ -43,6 +45,7 @@ def engine_stats(engine: LLMEngine) -> dict:
         "num_key_collisions": c.num_key_collisions,
         "num_steps": c.num_steps,
         "first_request_ttft_ms": c.first_request_ttft_ms,
+        "latency": {name: h.as_dict() for name, h in c.latencies.items()},
         "tiers": tiers.stats() if tiers is not None else {},
         "num_tier_writes_dropped": tiers.num_dropped_writes if tiers is not None else 0,
     }

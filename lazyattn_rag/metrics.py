@@ -70,70 +70,96 @@ _TIER_HISTOGRAMS = {
 }
 
 
-def _tier_metrics(prefix: str, tiers: dict):
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
-    for key, (name, doc) in _TIER_COUNTERS.items():
-        family = CounterMetricFamily(f"{prefix}_{name}", doc, labels=["tier"])
-        for tier, stats in tiers.items():
-            family.add_metric([tier], stats[key])
-        yield family
-    up = GaugeMetricFamily(f"{prefix}_tier_available", "1 when the tier answers, 0 during an outage.", labels=["tier"])
-    held = GaugeMetricFamily(f"{prefix}_tier_bytes", "Encoded chunk bytes held (in-process tiers).", labels=["tier"])
-    for tier, stats in tiers.items():
-        up.add_metric([tier], float(stats["available"]))
-        if stats["num_bytes"] is not None:
-            held.add_metric([tier], stats["num_bytes"])
-    yield up
-    yield held
-    for key, (name, doc) in _TIER_HISTOGRAMS.items():
-        family = HistogramMetricFamily(f"{prefix}_{name}", doc, labels=["tier"])
-        for tier, stats in tiers.items():
-            h, total = stats[key], 0
-            buckets = []
-            for bound, count in zip([*map(str, h["buckets_s"]), "+Inf"], h["counts"]):
-                total += count
-                buckets.append((bound, total))
-            family.add_metric([tier], buckets, h["sum_s"])
-        yield family
-
-
+_LATENCIES = {  # vLLM's names (vllm:time_to_first_token_seconds, ...), from stats()["latency"]
+    "ttft": ("time_to_first_token_seconds", "Time to first token of finished requests, from submission."),
+    "tpot": ("time_per_output_token_seconds", "Mean time per output token after the first, of finished requests "
+                                              "with two or more."),
+    "e2e": ("e2e_request_latency_seconds", "Submission to finish of finished requests."),
+    "queue": ("request_queue_time_seconds", "Submission to first scheduling of finished requests."),
+}
 _PLACEMENTS = ("document_placements", "Documents placed in finished requests, by how they came to be placed: id "
                                       "(named), matched (their text found in a plain prompt), learned (a recurring "
                                       "passage).")
-ENGINE_STAT_KEYS = (*_COUNTERS, *_GAUGES, "doc_placements")  # the engine-wide keys of stats() exported as metrics
+ENGINE_STAT_KEYS = (*_COUNTERS, *_GAUGES, "doc_placements", "latency", "tiers")  # the keys of stats() exported
 
 
-def _placements(prefix: str, stats_by_replica: dict[str, dict], labels: tuple[str, ...]):
-    from prometheus_client.core import CounterMetricFamily
+def _histogram(family, labels: list[str], h: dict) -> None:
+    """Add one histogram (``Histogram.as_dict()``) to ``family``: cumulative buckets."""
+    buckets, total = [], 0
+    for bound, count in zip([*map(str, h["buckets_s"]), "+Inf"], h["counts"]):
+        total += count
+        buckets.append((bound, total))
+    family.add_metric(labels, buckets, h["sum_s"])
 
-    family = CounterMetricFamily(f"{prefix}_{_PLACEMENTS[0]}", _PLACEMENTS[1], labels=[*labels, "source"])
-    for replica, stats in sorted(stats_by_replica.items()):
-        for source in ("id", "matched", "learned"):
-            family.add_metric([*([replica] if labels else []), source], (stats.get("doc_placements") or {}).get(source, 0))
-    return family
 
+def engine_stat_families(namespace: str, stats_by_replica: dict[str | None, dict], model_name: str):
+    """Prometheus families of one or several engines' ``stats()`` dicts: counters, gauges, the
+    request latency histograms, document placements and the storage tiers, each labelled
+    ``model_name`` and, unless the only key is ``None`` (one engine in this process),
+    ``replica`` (``lazyattn serve``). Keys a dict lacks are left out."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-def engine_stat_families(namespace: str, stats_by_replica: dict[str, dict]):
-    """The engine counters and gauges of several engines' ``stats()`` dicts, labelled
-    ``replica`` (``lazyattn serve``: each replica's last report); keys a dict lacks are left out."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    labels = ["model_name"] + (["replica"] if list(stats_by_replica) != [None] else [])
+    rows = [([model_name] + ([replica] if len(labels) == 2 else []), stats)
+            for replica, stats in sorted(stats_by_replica.items(), key=lambda kv: kv[0] or "")]
+
+    def family(kind, name: str, doc: str, extra: tuple[str, ...] = ()):
+        return kind(f"{namespace}_{name}", doc, labels=[*labels, *extra])
 
     for table, kind in ((_COUNTERS, CounterMetricFamily), (_GAUGES, GaugeMetricFamily)):
         for key, (name, doc) in table.items():
-            family = kind(f"{namespace}_{name}", doc, labels=["replica"])
-            for replica, stats in sorted(stats_by_replica.items()):
+            f = family(kind, name, doc)
+            for values, stats in rows:
                 if stats.get(key) is not None:
-                    family.add_metric([replica], stats[key])
-            yield family
-    yield _placements(namespace, stats_by_replica, ("replica",))
+                    f.add_metric(values, stats[key])
+            yield f
+    for key, (name, doc) in _LATENCIES.items():
+        f = family(HistogramMetricFamily, name, doc)
+        for values, stats in rows:
+            if key in stats.get("latency", {}):
+                _histogram(f, values, stats["latency"][key])
+        yield f
+    placements = family(CounterMetricFamily, *_PLACEMENTS, extra=("source",))
+    for values, stats in rows:
+        for source in ("id", "matched", "learned"):
+            placements.add_metric([*values, source], (stats.get("doc_placements") or {}).get(source, 0))
+    yield placements
+    yield from _tier_families(family, rows)
+
+
+def _tier_families(family, rows: list[tuple[list[str], dict]]):
+    """Per storage tier (label ``tier``), from each engine's ``stats()["tiers"]``."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    tiers = [(values, tier, t) for values, stats in rows for tier, t in sorted((stats.get("tiers") or {}).items())]
+    if not tiers:
+        return
+    for key, (name, doc) in _TIER_COUNTERS.items():
+        f = family(CounterMetricFamily, name, doc, ("tier",))
+        for values, tier, t in tiers:
+            f.add_metric([*values, tier], t[key])
+        yield f
+    up = family(GaugeMetricFamily, "tier_available", "1 when the tier answers, 0 during an outage.", ("tier",))
+    held = family(GaugeMetricFamily, "tier_bytes", "Encoded chunk bytes held (in-process tiers).", ("tier",))
+    for values, tier, t in tiers:
+        up.add_metric([*values, tier], float(t["available"]))
+        if t["num_bytes"] is not None:
+            held.add_metric([*values, tier], t["num_bytes"])
+    yield up
+    yield held
+    for key, (name, doc) in _TIER_HISTOGRAMS.items():
+        f = family(HistogramMetricFamily, name, doc, ("tier",))
+        for values, tier, t in tiers:
+            _histogram(f, [*values, tier], t[key])
+        yield f
 
 
 class EngineCollector:
-    """A ``prometheus_client`` collector over one :class:`LazyAttention` (metrics prefixed ``lazyattn_``).
+    """A ``prometheus_client`` collector over one :class:`LazyAttention` (metrics prefixed
+    ``lazyattn_``, labelled ``model_name``), read from its ``stats()`` at each scrape.
 
     Args:
-        llm: the engine facade (anything with ``stats() -> dict``).
+        llm: the engine facade (anything with ``stats() -> dict`` and ``model_name``).
         namespace: metric name prefix.
     """
 
@@ -142,16 +168,8 @@ class EngineCollector:
         self.namespace = namespace
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        stats = self.llm.stats()
-        for key, (name, doc) in _COUNTERS.items():
-            yield CounterMetricFamily(f"{self.namespace}_{name}", doc, value=stats[key])
-        for key, (name, doc) in _GAUGES.items():
-            yield GaugeMetricFamily(f"{self.namespace}_{name}", doc, value=stats[key])
-        yield _placements(self.namespace, {"": stats}, ())
-        if stats.get("tiers"):
-            yield from _tier_metrics(self.namespace, stats["tiers"])
+        yield from engine_stat_families(self.namespace, {None: self.llm.stats()},
+                                        getattr(self.llm, "model_name", "") or "")
 
 
 def register_metrics(llm: Any, registry=None, namespace: str = "lazyattn") -> EngineCollector:

@@ -360,12 +360,13 @@ def test_prometheus_metrics_carry_each_tier(make_llm, tmp_path):
     text = generate_latest(registry).decode()
     stats = llm.stats()["tiers"]
     assert stats["host"]["num_hits"] > 0 and stats["disk"]["num_puts"] > 0
+    model = f'model_name="{llm.model_name}"'
     for tier in ("host", "disk"):
-        assert f'lazyattn_tier_hits_total{{tier="{tier}"}} {float(stats[tier]["num_hits"])}' in text
-        assert f'lazyattn_tier_puts_total{{tier="{tier}"}} {float(stats[tier]["num_puts"])}' in text
-        assert f'lazyattn_tier_available{{tier="{tier}"}} 1.0' in text
-        assert f'lazyattn_tier_bytes{{tier="{tier}"}} {float(stats[tier]["num_bytes"])}' in text
+        assert f'lazyattn_tier_hits_total{{{model},tier="{tier}"}} {float(stats[tier]["num_hits"])}' in text
+        assert f'lazyattn_tier_puts_total{{{model},tier="{tier}"}} {float(stats[tier]["num_puts"])}' in text
+        assert f'lazyattn_tier_available{{{model},tier="{tier}"}} 1.0' in text
+        assert f'lazyattn_tier_bytes{{{model},tier="{tier}"}} {float(stats[tier]["num_bytes"])}' in text
     loads = stats["host"]["load_seconds"]["count"]
-    assert f'lazyattn_tier_load_seconds_bucket{{le="+Inf",tier="host"}} {float(loads)}' in text
-    assert f'lazyattn_tier_load_seconds_count{{tier="host"}} {float(loads)}' in text
-    assert "lazyattn_tier_writes_dropped_total 0.0" in text
+    assert f'lazyattn_tier_load_seconds_bucket{{le="+Inf",{model},tier="host"}} {float(loads)}' in text
+    assert f'lazyattn_tier_load_seconds_count{{{model},tier="host"}} {float(loads)}' in text
+    assert f"lazyattn_tier_writes_dropped_total{{{model}}} 0.0" in text

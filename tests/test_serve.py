@@ -331,11 +331,50 @@ def _doc(doc_id):
     return Document(doc_id, DOCS[doc_id])
 
 
-def test_metrics_show_each_replica(http):
+def samples(metrics_text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Every sample of ``name`` as ``(labels, value)``."""
+    out = []
+    for line in metrics_text.splitlines():
+        m = re.fullmatch(rf"{name}(?:\{{(.*)\}})? (\S+)", line)
+        if m:
+            out.append((dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or "")), float(m.group(2))))
+    return out
+
+
+def test_metrics_show_each_replica(server, http):
     text = http.get("/metrics").text
     assert responses(text, route="/v1/chat/completions", method="POST", status="200") > 0
     assert text.count("lazyattn_replica_answers_total{replica=") == 2
-    assert 'lazyattn_doc_hit_ratio{replica="' in text
+    ratios = samples(text, "lazyattn_doc_hit_ratio")
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    assert len({labels["replica"] for labels, _ in ratios}) == 2 and {labels["model_name"] for labels, _ in ratios} == {model}
+    assert samples(text, "lazyattn_replicas_reporting") == [({}, 2.0)]
+    # the tier this app has (a Redis URL given, no disk directory), per replica
+    assert [labels["tier"] for labels, _ in samples(text, "lazyattn_tier_available")] == ["redis", "redis"]
+
+
+def test_metrics_move_during_a_running_request(server, http):
+    """The gauges are the replicas' state at the scrape, not the last finished request's; the
+    latency histograms count each finished request once."""
+    def total(text, name, **labels):
+        return sum(v for found, v in samples(text, name) if labels.items() <= found.items())
+
+    before = http.get("/metrics").text
+    body = {"messages": [{"role": "user", "content": QUESTION}], "documents": ["d3"], "max_tokens": 200,
+            "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))  # the answer is running
+        during = http.get("/metrics").text
+        assert total(during, "lazyattn_requests_running") >= 1
+        assert total(during, "lazyattn_kv_blocks_in_use") > 0
+        assert [line for line in lines if line.startswith("data:")][-1] == "data: [DONE]"
+    after = http.get("/metrics").text
+    assert total(after, "lazyattn_requests_running") == 0 and total(after, "lazyattn_kv_blocks_in_use") == 0
+    for name in ("time_to_first_token", "time_per_output_token", "e2e_request_latency", "request_queue_time"):
+        counted = total(after, f"lazyattn_{name}_seconds_count") - total(before, f"lazyattn_{name}_seconds_count")
+        assert counted == 1, name
+        assert total(after, f"lazyattn_{name}_seconds_bucket", le="+Inf") == total(after, f"lazyattn_{name}_seconds_count")
 
 
 def test_a_killed_replica_fails_its_stream_cleanly_retries_a_whole_answer_and_the_other_loads_from_redis(server, http):

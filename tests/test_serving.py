@@ -232,11 +232,18 @@ def test_prometheus_metrics_match_stats(make_llm):
     register_metrics(llm, registry)
     text = generate_latest(registry).decode()
     stats = llm.stats()
-    assert "lazyattn_requests_finished_total 2.0" in text
-    assert f"lazyattn_doc_hit_ratio {stats['doc_hit_ratio']}" in text and stats["doc_hit_ratio"] == 0.5
-    assert f"lazyattn_cached_prompt_tokens_total {float(stats['num_cached_prompt_tokens'])}" in text
+    model = f'{{model_name="{llm.model_name}"}}'
+    assert f"lazyattn_requests_finished_total{model} 2.0" in text
+    assert f"lazyattn_doc_hit_ratio{model} {stats['doc_hit_ratio']}" in text and stats["doc_hit_ratio"] == 0.5
+    assert f"lazyattn_cached_prompt_tokens_total{model} {float(stats['num_cached_prompt_tokens'])}" in text
     assert stats["num_cached_prompt_tokens"] == out.stats.num_cached_tokens  # the first request hit nothing
     assert out.stats.queue_ms is not None and out.stats.tpot_ms is not None
+    # each finished request once in each latency histogram, in the bucket of its own time
+    assert f"lazyattn_time_to_first_token_seconds_count{model} 2.0" in text
+    ttft = stats["latency"]["ttft"]
+    bound = next(b for b in ttft["buckets_s"] if out.stats.ttft_ms / 1e3 <= b)
+    assert ttft["counts"][ttft["buckets_s"].index(bound)] >= 1
+    assert stats["latency"]["e2e"]["count"] == 2 and stats["latency"]["e2e"]["sum_s"] >= out.stats.e2e_ms / 1e3
 
 
 def test_rebinding_old_text_while_a_request_reads_it_revives_the_entry(make_llm):

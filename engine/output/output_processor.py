@@ -151,6 +151,10 @@ class OutputProcessor:
         for doc_id in s.docs_hit + s.docs_missed:
             source = s.doc_sources.get(doc_id, "id")
             c.doc_placements[source] = c.doc_placements.get(source, 0) + 1
+        for name, histogram in c.latencies.items():
+            value_ms = getattr(s, f"{name}_ms")
+            if value_ms is not None:
+                histogram.observe(value_ms / 1e3)
 
     def _emit(self, r: Request, item: StreamDelta | BaseException) -> bool:
         """Hand ``item`` to the request's sink; ``False`` if the sink raised (e.g. its asyncio

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from lazyattn_rag.engine.tiers.chunk_format import ChunkKV, CorruptChunkError, decode_chunk, encode_chunk
 from lazyattn_rag.engine.tiers.chunk_store import Tier
 from lazyattn_rag.engine.tiers.host_arena import HostChunk, copy_to_host
+from lazyattn_rag.types.histogram import Histogram
 
 if TYPE_CHECKING:
     import torch
@@ -41,30 +42,6 @@ if TYPE_CHECKING:
     from lazyattn_rag.engine.kv.kv_layout import KVLayout
 
 logger = logging.getLogger(__name__)
-
-LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-
-
-@dataclass
-class Histogram:
-    """Counts of observed seconds per bucket upper bound (``LATENCY_BUCKETS_S``, then +Inf)."""
-
-    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
-    total_s: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        i = next((i for i, b in enumerate(LATENCY_BUCKETS_S) if seconds <= b), len(LATENCY_BUCKETS_S))
-        self.counts[i] += 1
-        self.total_s += seconds
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def as_dict(self) -> dict:
-        """``{"buckets_s": upper bounds, "counts": per bucket (+Inf last), "count", "sum_s"}``."""
-        return {"buckets_s": list(LATENCY_BUCKETS_S), "counts": list(self.counts), "count": self.count,
-                "sum_s": self.total_s}
 
 
 @dataclass

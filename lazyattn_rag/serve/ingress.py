@@ -65,6 +65,7 @@ from lazyattn_rag.types.wire import stats_from_body, usage
 
 logger = logging.getLogger("lazyattn_rag.serve")
 HEALTH_TIMEOUT_S = 5.0  # GET /health: how long an engine replica has to answer
+METRICS_TIMEOUT_S = 5.0  # GET /metrics: how long the replicas have to report (those that do not are left out)
 
 
 def _replica_gone_errors() -> tuple[type[BaseException], ...]:
@@ -300,7 +301,6 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
         def _note(self, event: dict) -> None:
             if "replica" in event:
                 self.replica_requests[event["replica"]] += 1
-                self.replica_stats[event["replica"]] = event.get("engine", {})
 
         async def _sse(self, answer: "Answer", first: dict, events, include_usage: bool) -> AsyncIterator[str]:
             if not answer.text:  # a chat stream opens with the assistant's role
@@ -335,8 +335,14 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
                                kind="permission_denied", code="metrics_forbidden")
             from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+            try:  # every replica's engine now: gauges of running requests and blocks are current
+                reports = await self.engine.broadcast("stats").results_async(timeout_s=METRICS_TIMEOUT_S,
+                                                                             return_exceptions=True)
+            except TimeoutError:
+                reports = []
+            self.replica_stats = {r["replica"]: r for r in reports if isinstance(r, dict)}
             registry = CollectorRegistry()
-            registry.register(IngressMetrics(self))
+            registry.register(IngressMetrics(self, (await self.info())["model"]))
             return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return Ingress

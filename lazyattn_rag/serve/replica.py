@@ -5,14 +5,15 @@ sets its replicas, resources and router). It holds a :class:`~lazyattn_rag.llm.L
 built from an :class:`~lazyattn_rag.types.config.EngineConfig` and answers the ingress:
 
 * :meth:`generate`: one chat request, streamed back as events (dicts): ``{"text"}`` per
-  delta, then ``{"text", "finish_reason", "stats", "replica", "engine", "timings"}``
+  delta, then ``{"text", "finish_reason", "stats", "replica", "timings"}``
   (``timings``: wall-clock seconds when the replica received the request and gave out its
   first event); a request the
   engine refuses (unknown document, prompt too long, bad sampling values) yields one
   ``{"error": {"message", "type", "status"}}`` event instead and touches nothing;
 * :meth:`register`: check and register documents (what ``POST /v1/documents`` does first on
   the replica that will own them);
-* :meth:`info`: the model's name, context limit and prompt settings;
+* :meth:`info`: the model's name, context limit and prompt settings; :meth:`stats`: this
+  replica's engine stats now (called on every replica at each ``/metrics`` scrape);
 * :meth:`forget` (called on every replica: ``DeploymentHandle.broadcast``): delete a document's
   K/V from this replica's KV pool and from the storage tiers; :meth:`holds`: where this
   replica holds a text's chunk.
@@ -227,8 +228,7 @@ class EngineReplica:
             while True:
                 if delta.finished:
                     yield {"text": delta.text, "finish_reason": delta.finish_reason,
-                           "stats": stats_to_body(delta.stats), "replica": self.replica_id,
-                           "engine": await self._engine_stats()}
+                           "stats": stats_to_body(delta.stats), "replica": self.replica_id}
                     return
                 logprobs = self._logprobs(delta, payload.get("logprobs"))
                 if delta.text or logprobs:
@@ -319,7 +319,7 @@ class EngineReplica:
     async def _engine_stats(self) -> dict[str, Any]:
         stats = await self.allm.stats()
         # what the ingress's /metrics shows of each replica (lazyattn_rag/metrics.py's engine stats)
-        return {k: stats[k] for k in ENGINE_STAT_KEYS if k in stats} | {"reported_at": time.time()}
+        return {k: stats[k] for k in ENGINE_STAT_KEYS if k in stats}
 
     def __del__(self):
         llm = getattr(self, "llm", None)
