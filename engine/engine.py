@@ -20,6 +20,7 @@ that tokenizing a long pasted prompt does not hold up the steps.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -39,10 +40,12 @@ from lazyattn_rag.engine.counters import EngineCounters
 from lazyattn_rag.engine.output.detokenizer import IncrementalDetokenizer
 from lazyattn_rag.engine.output.grammar import GrammarCompiler
 from lazyattn_rag.engine.output.output_processor import OutputProcessor, OutputState, Sink
+from lazyattn_rag.engine.output.output_state import indexed_sink
 from lazyattn_rag.engine.planning.passage_learning import PassageLearner
 from lazyattn_rag.engine.planning.planner import PromptPlanner
 from lazyattn_rag.engine.planning.prompt_plan import PrefixKeys, PromptPlan
 from lazyattn_rag.engine.planning.registry import DocumentRegistry, RegisteredDocument
+from lazyattn_rag.engine.scheduling.capacity import check_capacity, fit_max_model_len
 from lazyattn_rag.engine.scheduling.request import Request
 from lazyattn_rag.engine.worker.runner import ModelRunner
 from lazyattn_rag.engine.scheduling.scheduler import Scheduler
@@ -127,7 +130,7 @@ class LLMEngine:
         self.tier_writes = TierWrites(tiers, cache, runner.kv_pool, model_digest) if tiers is not None else None
         if tiers is not None and tiers.host is not None:
             cache.on_evict = self.tier_writes.write_back
-        self.max_model_len = self.planner.max_model_len = self._fit_max_model_len(max_model_len)
+        self.max_model_len = self.planner.max_model_len = fit_max_model_len(max_model_len, self.scheduler.budget, self.config.max_model_len is not None)
         self.outputs = OutputProcessor(self.scheduler, self.counters, self.max_model_len)
         learn = config.cache.learn_passages and config.cache.mode == "lazy"
         self.passages = PassageLearner(self.planner, cache, config.cache) if learn else None
@@ -137,31 +140,6 @@ class LLMEngine:
         self.info: dict = {}
         self.startup: dict = {}
         self.fingerprint = None
-
-    def _fit_max_model_len(self, max_model_len: int) -> int:
-        """The context limit the KV cache can hold for one request (start-up check).
-
-        One request of ``max_model_len`` tokens needs its blocks plus one for the boundary
-        between its cached head and its private tail. A limit the configuration set explicitly
-        (``EngineConfig.max_model_len``) that does not fit raises; one taken from the model is
-        lowered to what fits, with a log line.
-
-        Raises:
-            CacheCapacityError: the explicit limit does not fit, or not even two tokens do.
-        """
-        bs, capacity = self.block_size, self.scheduler.budget.describe()
-        fits = (self.scheduler.budget.num_usable_blocks - 1) * bs
-        if max_model_len <= fits:
-            return max_model_len
-        advice = ("give the cache more memory (CacheConfig.kv_cache_bytes or num_blocks) or lower "
-                  f"max_model_len to at most {fits}" if fits >= 2 else
-                  "it holds no request at all: give the cache more memory (CacheConfig.kv_cache_bytes or num_blocks)")
-        if fits < 2 or self.config.max_model_len is not None:
-            raise CacheCapacityError(f"max_model_len={max_model_len} needs {-(-max_model_len // bs) + 1} KV blocks "
-                                     f"for one request but the cache has {capacity}: {advice}")
-        logger.info("the model's context of %d tokens does not fit the KV cache (%s); serving up to %d tokens "
-                    "per request", max_model_len, capacity, fits)
-        return fits
 
     def _encode_anchor(self) -> list[BlockEntry]:
         """Encode the anchor once and pin it for the engine's lifetime; its block-table entries."""
@@ -272,50 +250,45 @@ class LLMEngine:
 
     def submit(self, plan: PromptPlan, params: SamplingParams, sink: Sink, warm_only: bool = False) -> Request:
         """Queue a planned request; deltas (or an exception) go to ``sink`` from :meth:`step`.
+        With ``params.n > 1`` the other answers (ids ``<id>-1`` ...) wait to fork from its
+        prompt (``engine/scheduling/forks.py``); their deltas carry their ``index``.
 
         Raises:
             CacheCapacityError: the prompt plus ``max_tokens`` could never fit the KV cache.
             ValueError: ``params.structured_output`` does not compile (or xgrammar is missing).
         """
         rid = uuid.uuid4().hex[:16]
-        stats = RequestStats(rid, num_prompt_tokens=plan.num_prompt_tokens)
-        stats.num_computed_tokens = len(plan.query_token_ids) + plan.num_text_tokens
-        stats.num_recomputed_tokens = sum(c.num_skipped for c in plan.chunks if c.doc_id is not None)
-        gen = torch.Generator(device=self.runner.device).manual_seed(params.seed) if params.seed is not None else self.generator
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.loop_guard_ngram)
-        request = Request(rid, plan, params, stats, warm_only=warm_only)
-        self._check_capacity(request)
-        grammar = self.grammars.matcher(params.structured_output) if params.structured_output else None
-        self.outputs.add(request, OutputState(sink, detokenizer, gen, stop_ids, grammar=grammar))
+        request = self._request(rid, plan, params, warm_only)
+        check_capacity(request, self.scheduler.budget, self.max_model_len)
+        state = self._output_state(params, sink)
+        for i in range(1, params.n):
+            child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else (params.seed + i) % 2**63)
+            state.forks.append((self._request(f"{rid}-{i}", plan, child_params),
+                                self._output_state(child_params, indexed_sink(sink, i))))
+        self.outputs.add(request, state)
         self.scheduler.add(request)
         return request
 
-    def _check_capacity(self, request: Request) -> None:
-        """Admission rule: refuse a request whose prompt and ``max_tokens`` could never fit the
-        KV cache, even alone, before it runs (never part-way through its stream).
+    def _request(self, rid: str, plan: PromptPlan, params: SamplingParams, warm_only: bool = False) -> Request:
+        stats = RequestStats(rid, num_prompt_tokens=plan.num_prompt_tokens)
+        stats.num_computed_tokens = len(plan.query_token_ids) + plan.num_text_tokens
+        stats.num_recomputed_tokens = sum(c.num_skipped for c in plan.chunks if c.doc_id is not None)
+        return Request(rid, plan, params, stats, warm_only=warm_only)
 
-        Raises:
-            CacheCapacityError: naming the blocks needed, prompt tokens, max_tokens and the cache.
-        """
-        plan, params = request.plan, request.params
-        num_outputs = 0 if request.warm_only else min(params.max_tokens, self.max_model_len - plan.num_prompt_tokens)
-        need = self.scheduler.budget.num_blocks_needed(request, request.num_private_tokens + num_outputs)
-        if need > self.scheduler.budget.num_usable_blocks:
-            num_docs = sum(c.doc_id is not None for c in plan.chunks)
-            raise CacheCapacityError(
-                f"request needs {need} KV blocks for {plan.num_prompt_tokens} prompt tokens ({num_docs} documents) "
-                f"and up to {num_outputs} output tokens (max_tokens={params.max_tokens}), but the cache has "
-                f"{self.scheduler.budget.describe()}: lower max_tokens, place fewer documents, or give the cache "
-                "more memory")
+    def _output_state(self, params: SamplingParams, sink: Sink) -> OutputState:
+        gen = torch.Generator(device=self.runner.device).manual_seed(params.seed) if params.seed is not None else self.generator
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.loop_guard_ngram)
+        grammar = self.grammars.matcher(params.structured_output) if params.structured_output else None
+        return OutputState(sink, detokenizer, gen, stop_ids, grammar=grammar)
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a request; frees everything it holds. Returns ``False`` if it already finished."""
-        request = self.outputs.requests.get(request_id)
-        if request is None:
-            return False
-        self.outputs.abort(request)
-        return True
+        """Cancel a request and its other answers (``SamplingParams.n``); frees everything they
+        hold. Returns ``False`` if all had finished."""
+        family = [r for rid, r in self.outputs.requests.items() if rid == request_id or rid.startswith(request_id + "-")]
+        for request in family:
+            self.outputs.abort(request)
+        return bool(family)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

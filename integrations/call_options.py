@@ -22,8 +22,9 @@ from lazyattn_rag.types.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from lazyattn_rag.llm import LazyAttention
 
-# logprobs: the wrappers do not hand log-probabilities to the frameworks (use LazyAttention directly).
-SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "logprobs")
+# logprobs and n: the wrappers hand the frameworks neither log-probabilities nor several answers
+# (use LazyAttention directly).
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name not in ("logprobs", "n"))
 FIRST_CLASS = ("temperature", "max_tokens", "top_p", "stop")  # wrapper fields; the rest go in sampling_kwargs
 
 

@@ -60,14 +60,15 @@ class AsyncLazyAttention:
         except asyncio.CancelledError:  # the submission may still land: abort what it makes
             submission.add_done_callback(self._abort_when_submitted)
             raise
-        finished = False
+        finished, num_open = False, getattr(make, "num_outputs", 1)  # answers not finished yet (SamplingParams.n)
         try:
             while True:
                 item = await deltas.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finished
+                num_open -= item.finished
+                finished = num_open == 0
                 yield item
                 if finished:
                     return

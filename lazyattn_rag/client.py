@@ -36,10 +36,13 @@ class PlannedRequest:
         plan: ``plan(engine)``, run in the client's planning thread while the engine keeps stepping
             (only what the engine documents as safe there, e.g. :meth:`LLMEngine.plan_plain_chat`).
         submit: ``submit(engine, sink, planned)`` on the engine thread, given ``plan``'s result.
+        num_outputs: the answers its stream carries (``SamplingParams.n``), each ending with its
+            own finished delta.
     """
 
     plan: Callable[[LLMEngine], Any]
     submit: Callable[[LLMEngine, Sink, Any], Request]
+    num_outputs: int = 1
 
 
 class EngineClient:
@@ -94,7 +97,8 @@ class EngineClient:
 class RequestStream(Iterator[StreamDelta]):
     """The deltas of one submitted request (the request runs from submission on).
 
-    Iterate it for :class:`StreamDelta` pieces; the last has ``finished=True``. ``close()`` (or
+    Iterate it for :class:`StreamDelta` pieces; the last has ``finished=True`` (with
+    ``SamplingParams.n > 1``, each answer's last, told apart by ``index``). ``close()`` (or
     leaving a ``with`` block, or dropping the last reference) cancels a request that has not
     finished and frees its KV blocks, also when it was never iterated.
 
@@ -102,9 +106,10 @@ class RequestStream(Iterator[StreamDelta]):
         request_id: the engine's id of the request.
     """
 
-    def __init__(self, client: EngineClient, request_id: str, deltas: queue.SimpleQueue):
+    def __init__(self, client: EngineClient, request_id: str, deltas: queue.SimpleQueue, num_outputs: int = 1):
         self._client, self.request_id, self._deltas = client, request_id, deltas
         self._done = False
+        self._num_open = num_outputs  # answers not finished yet (SamplingParams.n)
 
     def __iter__(self) -> "RequestStream":
         return self
@@ -116,7 +121,8 @@ class RequestStream(Iterator[StreamDelta]):
         if isinstance(item, BaseException):
             self._done = True
             raise item
-        self._done = item.finished
+        self._num_open -= item.finished
+        self._done = self._num_open == 0
         return item
 
     def close(self) -> None:
@@ -172,14 +178,18 @@ def prompt_request(prompt: str | list[int] | list[str | DocumentRef], params: Sa
 
 def _compiling(params: SamplingParams, make: MakeRequest | PlannedRequest) -> MakeRequest | PlannedRequest:
     """``make``, with a structured output's grammar compiled first in the planning thread (the
-    engine thread then finds it in the compiler's cache): a new JSON schema never holds up a step."""
-    if params.structured_output is None:
+    engine thread then finds it in the compiler's cache: a new JSON schema never holds up a
+    step) and its number of answers (``params.n``) noted for its stream."""
+    if params.structured_output is None and params.n == 1:
         return make
+
+    def compile_grammar(engine: LLMEngine) -> None:
+        if params.structured_output is not None:
+            engine.grammars.compile(params.structured_output)
+
     if isinstance(make, PlannedRequest):
-        return PlannedRequest(lambda engine: (engine.grammars.compile(params.structured_output), make.plan(engine))[1],
-                              make.submit)
-    return PlannedRequest(lambda engine: engine.grammars.compile(params.structured_output),
-                          lambda engine, sink, _: make(engine, sink))
+        return PlannedRequest(lambda engine: (compile_grammar(engine), make.plan(engine))[1], make.submit, params.n)
+    return PlannedRequest(compile_grammar, lambda engine, sink, _: make(engine, sink), params.n)
 
 
 def warm_request(doc_ids: Iterable[str], namespace: str = "") -> MakeRequest:
@@ -213,13 +223,18 @@ def document_pairs(documents: Iterable[Document | tuple[str, str]]) -> list[tupl
 
 
 def collect(deltas: Iterable[StreamDelta]) -> Completion:
-    """The :class:`Completion` of a finished stream's deltas (text, token ids, logprobs, the last's stats)."""
-    text, token_ids, logprobs, last = [], [], [], None
+    """The :class:`Completion` of a finished stream's deltas (text, token ids, logprobs, the last's
+    stats), per answer index: index 0's, with the others as ``alternatives``."""
+    parts: dict[int, tuple[list, list, list, list]] = {}
     for delta in deltas:
+        text, token_ids, logprobs, last = parts.setdefault(delta.index, ([], [], [], [None]))
         text.append(delta.text)
         if delta.token_id is not None:
             token_ids.append(delta.token_id)
         if delta.logprobs is not None:
             logprobs.append(delta.logprobs)
-        last = delta
-    return Completion("".join(text), token_ids, last.finish_reason, last.stats, logprobs or None)
+        last[0] = delta
+    answers = [Completion("".join(text), token_ids, last.finish_reason, last.stats, logprobs or None)
+               for _, (text, token_ids, logprobs, (last,)) in sorted(parts.items())]
+    answers[0].alternatives = answers[1:]
+    return answers[0]

@@ -199,7 +199,8 @@ class LazyAttention:
     def _submit(self, make: MakeRequest | PlannedRequest) -> "RequestStream":
         """Submit on the engine thread (errors raise here) and return the delta stream."""
         deltas: queue.SimpleQueue = queue.SimpleQueue()
-        return RequestStream(self.client, self.client.submit(make, deltas.put), deltas)
+        return RequestStream(self.client, self.client.submit(make, deltas.put), deltas,
+                             getattr(make, "num_outputs", 1))
 
     def stream(self, question: str, doc_ids: Iterable[str] = (), documents: Iterable[Document] = (),
                sampling: SamplingParams | None = None, namespace: str = "", *,

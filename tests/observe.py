@@ -18,6 +18,19 @@ from lazyattn_rag.engine.scheduling.scheduler_output import SchedulerOutput
 from lazyattn_rag.llm import LazyAttention
 
 
+def assert_no_leak(llm: LazyAttention) -> None:
+    """Once the engine is idle: the cache's invariants hold, no request is left, no entry is
+    pinned (but the anchor, pinned for good), and every block is free or held by a cached chunk
+    (no private block left)."""
+    engine = llm.engine
+    llm.loop.call(lambda: None)  # let the engine thread settle
+    engine.cache.check_integrity()
+    assert not engine.has_unfinished() and not engine.outputs.requests
+    assert all(e.pin_count == 0 for e in engine.cache.entries() if e.key != engine.planner.anchor_key)
+    pool = engine.cache.pool
+    assert pool.num_free + engine.cache.num_cached_blocks == pool.num_blocks  # no private block left
+
+
 def settle(llm: LazyAttention) -> None:
     """Return once the engine thread has finished the step it is in, listeners included.
 

@@ -393,8 +393,32 @@ def test_completions_stream_token_ids_and_refusals(openai_client, http):
     for field, value in (("echo", True), ("suffix", "x"), ("best_of", 2), ("logprobs", 21)):
         with pytest.raises(openai.BadRequestError, match=field):
             client.completions.create(model=model, prompt=prompt, max_tokens=2, **{field: value})
-    with pytest.raises(openai.BadRequestError, match="only n=1"):
-        client.completions.create(model=model, prompt=prompt, max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be in"):
+        client.completions.create(model=model, prompt=prompt, max_tokens=2, n=0)
+
+
+def test_n_answers_share_one_computed_prompt(openai_client, http):
+    client, model = openai_client
+    question = [{"role": "user", "content": "Name three rivers of Europe and say which is the longest."}]
+    before = computed(http)
+    out = client.chat.completions.create(model=model, messages=question, n=3, max_tokens=MAX_TOKENS, temperature=1.0,
+                                         seed=4, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2] and all(c.message.content for c in out.choices)
+    assert len({c.message.content for c in out.choices}) > 1  # three samples
+    assert out.usage.completion_tokens == 3 * MAX_TOKENS
+    assert computed(http) - before == computed_of(out)  # the prompt once, not three times
+    chunks = list(client.chat.completions.create(model=model, messages=question, n=3, max_tokens=MAX_TOKENS,
+                                                 temperature=1.0, seed=4, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]
+    assert streamed == [c.message.content for c in out.choices]  # the same seeds: the same answers
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == 3 * MAX_TOKENS
+    texts = client.completions.create(model=model, prompt="The Nile flows into", n=2, max_tokens=MAX_TOKENS,
+                                      temperature=0)
+    assert [c.index for c in texts.choices] == [0, 1] and texts.choices[0].text == texts.choices[1].text
 
 
 def test_completion_logprobs_are_the_engines_own_in_the_legacy_shape(server, openai_client):

@@ -16,7 +16,7 @@ from lazyattn_rag import (
     SchedulerConfig,
     UnknownDocumentError,
 )
-from tests.observe import StepLog, fail_first_call
+from tests.observe import StepLog, assert_no_leak, fail_first_call
 from tests.oracle import oracle_generate
 from tests.tiny import words
 
@@ -33,16 +33,6 @@ def sequences_per_step(steps: StepLog) -> list[int]:
     """Sequences of each step's forward pass: one per chunk piece and one per compute job (no
     request here has text segments, which would add sequences)."""
     return [len(out.chunk_prefills) + len(out.computes) for out in steps.outputs]
-
-
-def assert_no_leak(llm):
-    engine = llm.engine
-    llm.loop.call(lambda: None)  # let the engine thread settle
-    engine.cache.check_integrity()
-    assert not engine.has_unfinished() and not engine.outputs.requests
-    assert all(e.pin_count == 0 for e in engine.cache.entries())
-    pool = engine.cache.pool
-    assert pool.num_free + engine.cache.num_cached_blocks == pool.num_blocks  # no private block left
 
 
 @pytest.mark.parametrize("anchor", ["none", "bos"])

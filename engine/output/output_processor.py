@@ -68,6 +68,8 @@ class OutputProcessor:
 
     def _emit_token(self, r: Request, logits: torch.Tensor, greedy_token: int) -> None:
         raw, state = logits, self.states[r.request_id]
+        if state.forks:  # the prompt is computed: the other answers start from it and these logits
+            self._fork(r, state, logits, greedy_token)
         if r.params.has_penalties:
             logits = apply_penalties(logits, r.params, r.prompt_token_ids, r.output_ids)
         if state.grammar is not None:
@@ -95,6 +97,31 @@ class OutputProcessor:
         elif reason is not None:
             self.finish(r, reason)
 
+    def _fork(self, parent: Request, state: OutputState, logits: torch.Tensor, greedy_token: int) -> None:
+        """Start each other answer of ``parent`` (``SamplingParams.n``) on its computed prompt and
+        sample its first token from the same ``logits``; one that cannot share the prompt is
+        queued to compute it (``Scheduler.fork``)."""
+        forks, state.forks = state.forks, []
+        for child, child_state in forks:
+            self.add(child, child_state)
+            if not self.scheduler.fork(parent, child):
+                continue
+            s, p = child.stats, parent.stats
+            s.docs_hit, s.doc_sources, s.doc_tiers = p.docs_hit + p.docs_missed, dict(p.doc_sources), dict(p.doc_tiers)
+            s.num_exact_prefix_tokens = p.num_exact_prefix_tokens + p.num_computed_tokens  # read where computed
+            s.num_computed_tokens = s.num_recomputed_tokens = 0
+            try:
+                self._emit_token(child, logits, greedy_token)
+            except Exception as error:  # its sampling failed: it alone fails
+                self.fail(child, error)
+
+    def _end_forks(self, state: OutputState, error: Exception | None = None) -> None:
+        """End the answers still waiting to fork from a request that ended before its first
+        token: aborted with it, or failed with its ``error``."""
+        forks, state.forks = state.forks, []
+        for child, child_state in forks:
+            child_state.sink(error if error is not None else StreamDelta("", None, True, "abort", child.stats))
+
     def _record_first_token(self, r: Request, state: OutputState) -> None:
         if state.first_token_time is not None:
             return
@@ -113,6 +140,7 @@ class OutputProcessor:
         r.status = RequestStatus.FINISHED
         state = self.states[r.request_id]
         state.finish_reason = reason
+        self._end_forks(state)
         self.requests.pop(r.request_id, None)
         _fill_stats(r, state)
         if reason != "abort":
@@ -133,6 +161,8 @@ class OutputProcessor:
         r.status = RequestStatus.FINISHED
         self.requests.pop(r.request_id, None)
         self.counters.num_requests_failed += 1
+        if r.request_id in self.states:
+            self._end_forks(self.states[r.request_id], error)
         self._emit(r, error)
         self.states.pop(r.request_id, None)
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from lazyattn_rag.engine.output.detokenizer import IncrementalDetokenizer
 from lazyattn_rag.engine.output.grammar import GrammarState
 from lazyattn_rag.types.outputs import StreamDelta
+
+if TYPE_CHECKING:
+    from lazyattn_rag.engine.scheduling.request import Request
 
 Sink = Callable[[StreamDelta | BaseException], None]
 
@@ -30,6 +35,8 @@ class OutputState:
         first_token_time: ``time.perf_counter()`` when its first token was sampled (TTFT).
         finish_reason: ``stop``, ``length``, ``warm`` or ``abort`` once it finished.
         grammar: its structured output's matcher (``SamplingParams.structured_output``), or ``None``.
+        forks: with ``SamplingParams.n > 1``, the other answers' requests and states, waiting for
+            this one's first token (then forked from its prompt); empty after.
     """
 
     sink: Sink
@@ -39,3 +46,9 @@ class OutputState:
     first_token_time: float | None = None
     finish_reason: str | None = None
     grammar: GrammarState | None = None
+    forks: list[tuple["Request", "OutputState"]] = field(default_factory=list)
+
+
+def indexed_sink(sink: Sink, index: int) -> Sink:
+    """``sink``, with every :class:`StreamDelta` it receives tagged as answer ``index``."""
+    return lambda item: sink(dataclasses.replace(item, index=index) if isinstance(item, StreamDelta) else item)

@@ -32,6 +32,8 @@ import time
 from collections import deque
 
 from lazyattn_rag.engine.scheduling.admission import Admission, ChunkAdmission
+from lazyattn_rag.engine.scheduling.forks import RequestForks
+from lazyattn_rag.engine.scheduling.head_copies import copies_slots, head_slot_copies
 from lazyattn_rag.engine.scheduling.capacity import BlockBudget
 from lazyattn_rag.engine.kv.block_table import BlockEntry, block_table_entries
 from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
@@ -39,7 +41,7 @@ from lazyattn_rag.engine.tiers.chunk_tiers import ChunkTiers
 from lazyattn_rag.engine.counters import EngineCounters
 from lazyattn_rag.engine.planning.prompt_plan import ChunkSegment
 from lazyattn_rag.engine.scheduling.request import Request, RequestStatus
-from lazyattn_rag.engine.scheduling.scheduler_output import ComputeJob, ChunkPrefillTask, SchedulerOutput, SlotCopyJob
+from lazyattn_rag.engine.scheduling.scheduler_output import ComputeJob, ChunkPrefillTask, SchedulerOutput
 from lazyattn_rag.engine.scheduling.selective_schedule import SelectiveRecompute
 
 
@@ -85,10 +87,22 @@ class Scheduler:
         self.budget = BlockBudget(cache, anchor_context, anchor_key, self.selective)
         self.admission = ChunkAdmission(cache, self.budget, self.selective, self.chunk_tasks, self.release,
                                         anchor_context, tiers, self.counters)
+        self.forks = RequestForks(cache)
 
     # --- queue management -----------------------------------------------------------------
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    def fork(self, parent: Request, child: Request) -> bool:
+        """Run ``child`` (another answer of ``parent``'s prompt) on the prompt ``parent`` has just
+        computed (``engine/scheduling/forks.py``): ``True``; or queue it to compute the prompt
+        itself when it cannot share it: ``False``."""
+        if not self.forks.share(parent, child):
+            self.add(child)
+            return False
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        return True
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.acquired or self.running or self.chunk_tasks)
@@ -119,6 +133,7 @@ class Scheduler:
         if request.private_blocks:
             self.cache.pool.decref(request.private_blocks)
             request.private_blocks = []
+            self.forks.drop(request.request_id)
         self.selective.release(request)
         self.cache.release(request.request_id)
         request.context_entries = []
@@ -143,6 +158,7 @@ class Scheduler:
         if not self._waiting_for_room:  # else no new request: the running ones drain for it
             self._schedule_waiting(out, budget)
         out.released_ids, self._released = self._released, []
+        out.slot_copies = self.forks.take_copies() + out.slot_copies  # forked answers' prompt ends, first
         return out
 
     def update_from_output(self, out: SchedulerOutput) -> None:
@@ -260,7 +276,7 @@ class Scheduler:
         if need > 0:
             request.private_blocks += self.cache.allocate(need)
         if request.plan.num_text_tokens and request.num_computed < request.plan.num_text_tokens:
-            out.slot_copies += self._slot_copies(request, request.num_computed, request.num_computed + n)
+            out.slot_copies += head_slot_copies(self.cache, request, request.num_computed, request.num_computed + n)
         total = request.num_private_tokens
         out.computes.append(ComputeJob(request, request.num_computed, n, request.num_computed + n == total, selected))
         return n + selected
@@ -297,7 +313,7 @@ class Scheduler:
             # step whose forward pass then failed would hold chunks that were never written.
             # A recomputed head's copied slots are read before the pass: its chunks must be written already.
             # So are the chunks whose tokens selective recompute measures (before the pass).
-            joins = self.prefill_with_encodes and not request.warm_only and not _copies_slots(request, self.block_size) \
+            joins = self.prefill_with_encodes and not request.warm_only and not copies_slots(request, self.block_size) \
                 and not request.plan.selective_ratio
             this_step = out.written_keys() if joins else set()
             if budget <= 0 or not all(self.cache.held(k).ready or k in this_step for k in pinned):
@@ -351,21 +367,6 @@ class Scheduler:
             entries.append(BlockEntry(self.cache.held(key).block_ids[0], 0, bs))
         return entries
 
-    def _slot_copies(self, request: Request, start: int, end: int) -> list[SlotCopyJob]:
-        """The copies behind recomputed chunk heads whose last token is among the private tokens
-        ``start .. end - 1`` scheduled now (that token's block is allocated by then)."""
-        jobs, bs = [], self.block_size
-        for run, text in zip(request.private_runs(bs), request.plan.texts):
-            copy = request.plan.head_recompute_copy(text, bs)
-            if copy is None or not start < run.start + run.length <= end:
-                continue
-            chunk, first, num = copy
-            entry = self.cache.held(chunk.key)
-            jobs.append(SlotCopyJob(entry.block_ids[chunk.num_skipped // bs],
-                                    request.private_blocks[run.first_block + self.budget.blocks_for(run.length) - 1],
-                                    first, num, chunk.global_start - entry.local_start))
-        return jobs
-
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and len(self.acquired) + len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
@@ -387,8 +388,3 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.perf_counter()
             budget -= self._promote(out, request, budget)  # all hits: prefill in this step
-
-
-def _copies_slots(request: Request, block_size: int) -> bool:
-    """Whether ``request`` copies cached slots behind a recomputed chunk head (before a pass)."""
-    return any(request.plan.head_recompute_copy(t, block_size) for t in request.plan.texts)

@@ -50,7 +50,7 @@ from typing import Any
 from fastapi import FastAPI, Request  # at module level: FastAPI resolves the routes' annotations here
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from lazyattn_rag.serve.answer import Answer
+from lazyattn_rag.serve.answer import Answer, answers_usage
 from lazyattn_rag.serve.auth import ANY_NAMESPACE, Authenticator, KeyGrant, load_grants
 from lazyattn_rag.serve.config import ServeConfig
 from lazyattn_rag.serve.http_errors import ApiError, install_error_handlers, parse, read_json
@@ -61,7 +61,6 @@ from lazyattn_rag.serve.protocol import (ChatCompletionRequest, CompletionReques
                                          TokenizeRequest)
 from lazyattn_rag.serve.registry import DocumentStore, open_registry
 from lazyattn_rag.types.config import EngineConfig
-from lazyattn_rag.types.wire import stats_from_body, usage
 
 logger = logging.getLogger("lazyattn_rag.serve")
 HEALTH_TIMEOUT_S = 5.0  # GET /health: how long an engine replica has to answer
@@ -263,7 +262,8 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             answer.timings["ingress_first_event"] = time.time()
             _raise_for(first)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._sse(answer, first, events, include_usage), media_type="text/event-stream")
+            return StreamingResponse(self._sse(answer, first, events, include_usage, body.n),
+                                     media_type="text/event-stream")
 
         async def _events(self, payload, keys, retry_after_output: bool) -> AsyncIterator[dict]:
             """The replica's events; a replica that dies is retried once on another when no event
@@ -302,20 +302,25 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             if "replica" in event:
                 self.replica_requests[event["replica"]] += 1
 
-        async def _sse(self, answer: "Answer", first: dict, events, include_usage: bool) -> AsyncIterator[str]:
-            if not answer.text:  # a chat stream opens with the assistant's role
-                yield _sse(answer.chunk({"role": "assistant", "content": ""}))
-            event = first
+        async def _sse(self, answer: "Answer", first: dict, events, include_usage: bool,
+                       num_answers: int) -> AsyncIterator[str]:
+            if not answer.text:  # a chat stream opens each answer with the assistant's role
+                for index in range(num_answers):
+                    yield _sse(answer.chunk({"role": "assistant", "content": ""}, index=index))
+            event, finals = first, []
             try:
                 while True:
                     _raise_for(event)
+                    index = event.get("index", 0)
                     if event.get("text") or event.get("logprobs"):
-                        yield _sse(answer.chunk({"content": event.get("text", "")}, logprobs=event.get("logprobs")))
+                        yield _sse(answer.chunk({"content": event.get("text", "")}, logprobs=event.get("logprobs"),
+                                                index=index))
                     if "finish_reason" in event:
-                        stats = stats_from_body(event["stats"])
-                        yield _sse(answer.chunk({}, event["finish_reason"], answer.extension(event)))
+                        finals.append(event)
+                        yield _sse(answer.chunk({}, event["finish_reason"], answer.extension(event), index=index))
+                    if len(finals) == num_answers:
                         if include_usage:
-                            yield _sse({**answer.chunk({}), "choices": [], "usage": usage(stats)})
+                            yield _sse({**answer.chunk({}), "choices": [], "usage": answers_usage(finals)})
                         break
                     event = await anext(events)
             except ApiError as error:

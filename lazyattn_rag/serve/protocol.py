@@ -2,7 +2,7 @@
 
 ``ChatCompletionRequest`` and ``CompletionRequest`` are OpenAI's chat completions and completions
 requests with the extension fields of ``lazyattn_rag/types/wire.py``. Fields OpenAI defines that change the answer and that this
-server does not implement (``n`` > 1, ``tools``, ``logit_bias``, ...) are refused with 400
+server does not implement (``tools``, ``logit_bias``, ...) are refused with 400
 rather than ignored; the rest (``user``, ``metadata``, ``store``...) are
 accepted and ignored, as OpenAI-compatible servers do.
 """
@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from lazyattn_rag.types.sampling_params import MAX_N
 from lazyattn_rag.types.structured_output import StructuredOutputParams
 
 NAMESPACE_PATTERN = r"^[A-Za-z0-9_.:@/-]{0,128}$"
@@ -189,9 +190,9 @@ class GenerationRequest(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
+    def _choices(cls, n: int) -> int:
+        if not 1 <= n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {n}")
         return n
 
     @model_validator(mode="after")
@@ -224,7 +225,7 @@ class GenerationRequest(BaseModel):
 
     def sampling_body(self) -> dict[str, Any]:
         """The fields :func:`~lazyattn_rag.types.wire.sampling_from_body` reads."""
-        keys = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "min_p", "stop", "seed",
+        keys = ("n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "min_p", "stop", "seed",
                 "frequency_penalty", "presence_penalty", "top_k", "repetition_penalty", "ignore_eos", "stop_token_ids")
         body = {k: getattr(self, k, None) for k in keys if getattr(self, k, None) is not None}
         if self.structured_output is not None:

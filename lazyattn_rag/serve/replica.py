@@ -4,8 +4,9 @@
 sets its replicas, resources and router). It holds a :class:`~lazyattn_rag.llm.LazyAttention`
 built from an :class:`~lazyattn_rag.types.config.EngineConfig` and answers the ingress:
 
-* :meth:`generate`: one chat request, streamed back as events (dicts): ``{"text"}`` per
-  delta, then ``{"text", "finish_reason", "stats", "replica", "timings"}``
+* :meth:`generate`: one chat request, streamed back as events (dicts): ``{"text", "index"}``
+  per delta, then per answer (``n`` of them) ``{"text", "index", "finish_reason", "stats",
+  "replica", "timings"}``
   (``timings``: wall-clock seconds when the replica received the request and gave out its
   first event); a request the
   engine refuses (unknown document, prompt too long, bad sampling values) yields one
@@ -224,15 +225,18 @@ class EngineReplica:
         except (LazyAttentionError, ValueError, TypeError) as error:  # TypeError: what a tokenizer refuses
             yield error_event(error)
             return
+        num_open = payload.get("sampling", {}).get("n", 1)  # answers not finished yet
         try:
             while True:
                 if delta.finished:
-                    yield {"text": delta.text, "finish_reason": delta.finish_reason,
+                    yield {"text": delta.text, "index": delta.index, "finish_reason": delta.finish_reason,
                            "stats": stats_to_body(delta.stats), "replica": self.replica_id}
-                    return
+                    num_open -= 1
+                    if num_open == 0:
+                        return
                 logprobs = self._logprobs(delta, payload.get("logprobs"))
-                if delta.text or logprobs:
-                    yield {"text": delta.text} | ({"logprobs": logprobs} if logprobs else {})
+                if not delta.finished and (delta.text or logprobs):
+                    yield {"text": delta.text, "index": delta.index} | ({"logprobs": logprobs} if logprobs else {})
                 delta = await anext(deltas)
         except Exception as error:  # noqa: BLE001 - a failed step: the caller gets an error event, not a cut
             yield {"error": {"message": f"the answer failed: {type(error).__name__}: {error}",

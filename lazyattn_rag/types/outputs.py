@@ -157,6 +157,8 @@ class StreamDelta:
             likely tokens and of ``token_id`` at this step (a :class:`VocabLogprobs` for ``-1``);
             on the final delta of a request that ended on a stop token or EOS, that token's step
             (the token itself is not output); ``None`` otherwise.
+        index: which of the request's ``SamplingParams.n`` answers this delta belongs to (0 for
+            the only one); each answer ends with its own ``finished`` delta.
     """
 
     text: str
@@ -165,6 +167,7 @@ class StreamDelta:
     finish_reason: str | None = None
     stats: RequestStats | None = None
     logprobs: dict[int, float] | None = None
+    index: int = 0
 
 
 @dataclass
@@ -179,6 +182,8 @@ class Completion:
         logprobs: with ``SamplingParams.logprobs``, one ``{token_id: log-probability}`` per
             generated token, and one more for the stop token or EOS the request ended on (see
             :class:`StreamDelta`); ``None`` otherwise.
+        alternatives: with ``SamplingParams.n > 1``, the other answers (indices 1 to n - 1, in
+            order) sampled from the same prompt, which was computed once; empty otherwise.
     """
 
     text: str
@@ -186,6 +191,7 @@ class Completion:
     finish_reason: str
     stats: RequestStats
     logprobs: list[dict[int, float]] | None = None
+    alternatives: list["Completion"] = field(default_factory=list)
 
 
 @dataclass

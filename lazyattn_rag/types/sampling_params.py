@@ -10,6 +10,8 @@ from lazyattn_rag.types.structured_output import StructuredOutputParams
 GREEDY_TEMPERATURE = 1e-5
 
 
+MAX_N = 128  # most answers per request (SamplingParams.n)
+
 CHAT_LOOP_GUARD_NGRAM = 8  # the loop guard of lazyattn chat/ask and the chatbot (benchmarks/chat_quality.py: 8, 12 and 16 all end every looping answer; 8 also the shorter phrase loops)
 
 
@@ -18,6 +20,10 @@ class SamplingParams:
     """How to pick output tokens (the vLLM meaning of each field).
 
     Attributes:
+        n: answers to sample from the prompt, 1 to ``MAX_N`` (vLLM's ``n``): the prompt is
+            computed once and forked after its first token's logits (each answer then holds its
+            own copy of the prompt's last, partly filled KV block); answer ``i`` samples with
+            ``seed + i`` when ``seed`` is set. Deltas carry their answer's ``index``.
         max_tokens: most tokens to generate (>= 1).
         temperature: 0 (or below 1e-5) for greedy; otherwise divides the logits.
         top_p: nucleus mass in (0, 1].
@@ -55,6 +61,7 @@ class SamplingParams:
 
     max_tokens: int = 256
     temperature: float = 0.0
+    n: int = 1
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
@@ -77,6 +84,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not self.temperature >= 0:  # also rejects NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:

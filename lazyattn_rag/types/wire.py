@@ -48,7 +48,7 @@ from lazyattn_rag.types.sampling_params import SamplingParams
 from lazyattn_rag.types.structured_output import StructuredOutputParams
 
 # SamplingParams fields and the body keys that carry them (OpenAI's names where it has one)
-_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop",
+_SAMPLING_KEYS = {"n": "n", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop",
                   "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "seed": "seed",
                   "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
                   "presence_penalty": "presence_penalty"}
@@ -59,10 +59,14 @@ def sampling_to_body(params: SamplingParams) -> dict[str, Any]:
     server's defaults play no part).
 
     Raises:
-        ValueError: ``params.logprobs`` is set (the HTTP API does not return log-probabilities).
+        ValueError: ``params.logprobs`` is set (this client does not read log-probabilities), or
+            ``params.n > 1``.
     """
     if params.logprobs is not None:
         raise ValueError("logprobs are not returned over HTTP (lazyattn serve); use an in-process LazyAttention")
+    if params.n != 1:
+        raise ValueError(f"n={params.n}: this client asks for one answer per request; the server's OpenAI "
+                         "routes take n (the openai package), or use an in-process LazyAttention")
     body = {key: getattr(params, name) for name, key in _SAMPLING_KEYS.items()}
     body["stop"], body["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)
     body["max_tokens"] = params.max_tokens
