@@ -39,6 +39,12 @@ def split_sampling(sampling: SamplingParams) -> dict[str, Any]:
     return out
 
 
+def with_sampling(sampling: SamplingParams | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A wrapper's constructor keywords with a whole ``sampling=`` spread into its fields (the
+    keywords given win)."""
+    return kwargs if sampling is None else {**split_sampling(sampling), **kwargs}
+
+
 def default_sampling(temperature: float, max_tokens: int, top_p: float, stop: list[str] | tuple[str, ...],
                      sampling_kwargs: dict[str, Any]) -> SamplingParams:
     """The wrapper's default sampling.

@@ -51,7 +51,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 from lazyattn_rag.types.documents import Document, content_id
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.integrations import langchain_callbacks
-from lazyattn_rag.integrations.call_options import WrapperSettings, call_sampling, split_sampling
+from lazyattn_rag.integrations.call_options import WrapperSettings, call_sampling, with_sampling
 from lazyattn_rag.integrations.langchain_structured import structured_runnable
 from lazyattn_rag.engine.planning.prompt_match import Candidate
 from lazyattn_rag.integrations.requests import EngineRequest, PromptMatcher, deserves_warning, rag_request
@@ -170,9 +170,7 @@ class ChatLazyAttention(BaseChatModel, WrapperSettings):
     _warned: bool = PrivateAttr(default=False)
 
     def __init__(self, engine: LazyAttention | None = None, sampling: SamplingParams | None = None, **kwargs: Any):
-        if sampling is not None:
-            kwargs = {**split_sampling(sampling), **kwargs}
-        super().__init__(**kwargs)
+        super().__init__(**with_sampling(sampling, kwargs))
         self._use_settings(engine)
         langchain_callbacks.install()
 

@@ -52,7 +52,7 @@ from pydantic import ConfigDict, PrivateAttr
 from lazyattn_rag.types.documents import Document
 from lazyattn_rag.types.errors import PromptTooLongError
 from lazyattn_rag.integrations import llamaindex_events
-from lazyattn_rag.integrations.call_options import WrapperSettings, call_sampling, split_sampling
+from lazyattn_rag.integrations.call_options import WrapperSettings, call_sampling, with_sampling
 from lazyattn_rag.integrations.requests import EngineRequest, PromptMatcher, deserves_warning, rag_request
 from lazyattn_rag.llm import LazyAttention
 from lazyattn_rag.types.outputs import StreamDelta
@@ -100,11 +100,10 @@ class LazyAttentionLLM(CustomLLM, WrapperSettings):
     raise ``TypeError`` naming the accepted ones.
 
     Args:
-        engine: a ready engine (else one is built from the settings).
-        sampling: default sampling as one :class:`SamplingParams` (else the settings' fields).
-        **settings: the fields of :class:`~lazyattn_rag.integrations.call_options.WrapperSettings`
-            (``model``, ``context_window``, ``temperature``, ``max_tokens``, ``top_p``, ``stop``,
-            ``sampling_kwargs``, ``engine_kwargs``) and the framework's own.
+        engine: the engine to run on; ``None``: the shared one of the settings, built on first use.
+        sampling: the calls' default :class:`SamplingParams` (else the settings' fields).
+        **settings: :class:`~lazyattn_rag.integrations.call_options.WrapperSettings`' fields
+            (``model``, ``temperature``, ``max_tokens``...) and LlamaIndex's own.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -113,9 +112,7 @@ class LazyAttentionLLM(CustomLLM, WrapperSettings):
     _warned: bool = PrivateAttr(default=False)
 
     def __init__(self, engine: LazyAttention | None = None, sampling: SamplingParams | None = None, **kwargs: Any):
-        if sampling is not None:
-            kwargs = {**split_sampling(sampling), **kwargs}
-        super().__init__(**kwargs)
+        super().__init__(**with_sampling(sampling, kwargs))
         self._use_settings(engine)
         llamaindex_events.install()
 

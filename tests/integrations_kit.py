@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
+
+import pytest
 
 from lazyattn_rag import Document, SamplingParams
 from lazyattn_rag.engine.engine import StepResult
@@ -135,6 +138,57 @@ class PlanSpy:
         return self.calls[-1]
 
 
+def loop_ticks_during(consume) -> tuple[int, int]:
+    """``(ticks, items)``: how often a 1 ms ticker task ran on the event loop while
+    ``consume()`` (an async function returning how many items it read) ran, and that count. A
+    stream that blocks the loop leaves the ticker still."""
+    ticks = []
+
+    async def ticker(done: asyncio.Event):
+        while not done.is_set():
+            ticks.append(1)
+            await asyncio.sleep(0.001)
+
+    async def run():
+        done = asyncio.Event()
+        task = asyncio.create_task(ticker(done))
+        await asyncio.sleep(0)
+        before = len(ticks)
+        count = await consume()
+        done.set()
+        await task
+        return len(ticks) - before, count
+
+    return asyncio.run(run())
+
+
+# --- the fixtures both wrappers' test modules use (imported there: module scope is per module) ---
+@pytest.fixture(scope="module")
+def engine():
+    """A tiny engine for one test module."""
+    return tiny_engine()
+
+
+@pytest.fixture(scope="module")
+def spy(engine):
+    """A :class:`StreamSpy` on the module's engine."""
+    return StreamSpy(engine)
+
+
+@pytest.fixture
+def store(engine):
+    """A FAISS store of :func:`corpus_documents` on the module's engine; its documents are
+    removed from the engine after the test."""
+    from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
+
+    s = FaissDocumentStore(embedder(), engine=engine)
+    s.upsert(corpus_documents())
+    yield s
+    for d in list(s.documents()):
+        if engine.has_document(d.id):
+            engine.remove_document(d.id)
+
+
 def bow_vector(text: str, dim: int = 64) -> list[float]:
     """A unit bag-of-words vector (md5 of each word into ``dim`` buckets): retrieval by shared words,
     no model to load."""
@@ -178,3 +232,16 @@ def bow_langchain_embeddings():
             return bow_vector(text)
 
     return Bow()
+
+
+class ChatSuiteSettings:
+    """What LangChain's standard chat-model suite is told about this project's chat models (in
+    process and through ``ChatOpenAI`` against ``lazyattn serve``): no tool calling (refused by
+    name), structured output by JSON schema (a token mask), and no JSON mode: it works, but leaves
+    the keys to the model, and SmolLM2-135M drops the test prompt's second key ('punchline')."""
+
+    has_tool_calling = False
+    has_structured_output = True
+    structured_output_kwargs = {"method": "json_schema"}
+    supports_json_mode = False
+

@@ -114,6 +114,18 @@ def make_case(
     )
 
 
+def check_bf16_on_gpu(run, specs: list[SeqSpec], seed: int, num_heads: int = 32, num_kv_heads: int = 8,
+                      head_dim: int = 128, **launch) -> None:
+    """A kernel on a bf16 CUDA case of ``specs`` against its reference: ``run(case, **launch)``
+    returns ``(out, ref)`` (each kernel test module's own ``run``)."""
+    from kernel_tolerances import assert_close
+
+    case = make_case(specs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.bfloat16,
+                     device="cuda", seed=seed)
+    out, ref = run(case, **launch)
+    assert_close(out, ref, torch.bfloat16, str(launch))
+
+
 def sequence_input(token_ids: list[int], positions: list[int], entries: list[tuple[int, int, int]],
                    slot_mapping: list[int]):
     """A runner :class:`SequenceInput` from plain ``(block_id, delta, valid)`` entries (packed

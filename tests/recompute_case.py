@@ -29,8 +29,34 @@ def remedy_engine(make_llm, backend: str = "torch", **config):
 
 def first_logprobs(llm, ids=("a", "b", "c"), **request) -> torch.Tensor:
     """``[vocab_size]`` log-probabilities of the first answer token over documents ``ids``."""
-    out = llm.generate(QUESTION, list(ids), sampling=FIRST, **request)
-    return torch.tensor(list(out.logprobs[0].values()))
+    return logprobs_of(llm.generate(QUESTION, list(ids), sampling=FIRST, **request))
+
+
+def logprobs_of(completion) -> torch.Tensor:
+    """``[vocab_size]``: a completion's first-token log-probabilities (``FIRST`` sampling)."""
+    return torch.tensor(list(completion.logprobs[0].values()))
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two engines' first-token distributions (other batches, hits and misses): equal to float32 rounding."""
+    return (a - b).abs().max().item() <= 1e-5
+
+
+def assert_full_attention(hf, llm) -> None:
+    """A remedy that recomputes everything: the first token's distribution is transformers' on
+    the same prompt tokens computed whole (after one request has cached the documents)."""
+    first_logprobs(llm)
+    ours = first_logprobs(llm)
+    with torch.no_grad():
+        full = hf(input_ids=torch.tensor([llm.plan(QUESTION, ["a", "b", "c"]).token_ids()])).logits[0, -1]
+    assert (ours - torch.log_softmax(full.float(), dim=-1)).abs().max().item() <= 1e-3
+
+
+def assert_plain_reuse(make_llm, remedy_off) -> None:
+    """A remedy at its zero setting gives plain reuse's first-token distribution, bit for bit."""
+    _, plain = make_llm(seed=2, anchor="none")
+    plain.add_documents(list(DOCS.items()))
+    assert torch.equal(first_logprobs(plain), first_logprobs(remedy_off))
 
 
 def assert_nothing_held(llm) -> None:

@@ -12,33 +12,13 @@ from lazyattn_rag import Document, SamplingParams
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.integrations.langchain import (ChatLazyAttention, FaissRetriever, document_block,
                                                  documents_to_messages, rag_chain)
-from tests.integrations_kit import GREEDY, StreamSpy, corpus_documents, embedder, tiny_engine
+from tests.integrations_kit import GREEDY, embedder, engine, loop_ticks_during, spy, store  # noqa: F401
 from tests.tiny import words
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return tiny_engine()
 
 
 @pytest.fixture(scope="module")
 def model(engine):
     return ChatLazyAttention(engine=engine, sampling=GREEDY)
-
-
-@pytest.fixture(scope="module")
-def spy(engine):
-    return StreamSpy(engine)
-
-
-@pytest.fixture
-def store(engine):
-    s = FaissDocumentStore(embedder(), engine=engine)
-    s.upsert(corpus_documents())
-    yield s
-    for d in list(s.documents()):
-        if engine.has_document(d.id):
-            engine.remove_document(d.id)
 
 
 def test_chain_passes_document_ids_and_second_query_hits_at_new_offset(model, engine, spy, store):
@@ -100,26 +80,13 @@ def test_streaming_sync_and_async_equal_the_non_streamed_answer(model, store):
 
 
 def test_async_stream_does_not_block_the_event_loop(model):
-    ticks = []
     long = model.bind(sampling=SamplingParams(max_tokens=48, ignore_eos=True))
 
-    async def ticker(done):
-        while not done.is_set():
-            ticks.append(1)
-            await asyncio.sleep(0.001)
+    async def consume():
+        return len([c async for c in long.astream([HumanMessage("Question : " + words(5))])])
 
-    async def run():
-        done = asyncio.Event()
-        task = asyncio.create_task(ticker(done))
-        await asyncio.sleep(0)
-        before = len(ticks)
-        n = len([c async for c in long.astream([HumanMessage("Question : " + words(5))])])
-        done.set()
-        await task
-        return before, n
-
-    before, n = asyncio.run(run())
-    assert n >= 48 and len(ticks) - before >= 5
+    ticks, n = loop_ticks_during(consume)
+    assert n >= 48 and ticks >= 5  # the loop kept running while the engine generated
 
 
 def test_leaving_an_async_stream_early_frees_the_request(model, engine):

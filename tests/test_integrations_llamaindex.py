@@ -16,33 +16,14 @@ from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.integrations.llamaindex import (FaissRetriever, KVCacheWarmer, LazyAttentionLLM,
                                                   LazyAttentionSynthesizer, as_query_engine)
 from lazyattn_rag.integrations.llamaindex_store import FaissVectorStore as LIFaissVectorStore
-from tests.integrations_kit import GREEDY, StreamSpy, bow_llamaindex_embedding, corpus_documents, embedder, tiny_engine
+from tests.integrations_kit import (GREEDY, bow_llamaindex_embedding, embedder, engine, loop_ticks_during,  # noqa: F401
+                                   spy, store)
 from tests.tiny import words
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return tiny_engine()
 
 
 @pytest.fixture(scope="module")
 def llm(engine):
     return LazyAttentionLLM(engine, GREEDY)
-
-
-@pytest.fixture(scope="module")
-def spy(engine):
-    return StreamSpy(engine)
-
-
-@pytest.fixture
-def store(engine):
-    s = FaissDocumentStore(embedder(), engine=engine)
-    s.upsert(corpus_documents())
-    yield s
-    for d in list(s.documents()):  # leave the shared engine without this test's documents
-        if engine.has_document(d.id):
-            engine.remove_document(d.id)
 
 
 def test_query_engine_passes_node_ids_and_second_query_hits_at_new_offset(llm, engine, spy, store):
@@ -106,30 +87,12 @@ def test_llm_complete_and_chat_stream_sync_and_async(llm):
 
 
 def test_async_stream_does_not_block_the_event_loop(llm):
-    ticks = []
+    async def consume():
+        gen = await llm.astream_complete("Question : " + words(5), sampling=SamplingParams(max_tokens=48, ignore_eos=True))
+        return len([c async for c in gen])
 
-    async def ticker(done: asyncio.Event):
-        while not done.is_set():
-            ticks.append(1)
-            await asyncio.sleep(0.001)
-
-    async def run():
-        done = asyncio.Event()
-        task = asyncio.create_task(ticker(done))
-        await asyncio.sleep(0)
-        n_before = len(ticks)
-        long = SamplingParams(max_tokens=48, ignore_eos=True)
-        gen = await llm.astream_complete("Question : " + words(5), sampling=long)
-        count = 0
-        async for _ in gen:
-            count += 1
-        done.set()
-        await task
-        return n_before, count
-
-    n_before, count = asyncio.run(run())
-    assert count >= 48
-    assert len(ticks) - n_before >= 5  # the loop kept running while the engine generated
+    ticks, count = loop_ticks_during(consume)
+    assert count >= 48 and ticks >= 5  # the loop kept running while the engine generated
 
 
 def test_empty_retrieval_answers_without_documents_on_the_id_path(llm, engine, spy):

@@ -7,7 +7,7 @@ same tests run compiled, plus ``gpu``-marked ones with block ids whose offsets o
 import pytest
 import torch
 from kernel_tolerances import assert_close
-from paged_case import GQA_SHAPES, SeqSpec, make_case
+from paged_case import GQA_SHAPES, SeqSpec, check_bf16_on_gpu, make_case
 
 from lazyattn_rag.kernels.decode import choose_num_splits, paged_decode, split_cost, uses_wide_tiles, wave_fill
 from lazyattn_rag.kernels.reference import decode_reference
@@ -180,16 +180,15 @@ def test_block_ids_past_int32_offsets():
         assert_close(out, ref, torch.bfloat16)
 
 
+LONG = [SeqSpec([(1000, 12), (777, 5000), (1, 2**24 - 1), (2000, 3)], own_len=600), SeqSpec([(300, -7)], own_len=1),
+        SeqSpec([], own_len=4000)]  # long sequences, offsets up to 2**24, one of a single token
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 8, 128), (9, 3, 64)])
 def test_long_decode_default_splits_gpu(num_heads, num_kv_heads, head_dim):
-    specs = [SeqSpec([(1000, 12), (777, 5000), (1, 2**24 - 1), (2000, 3)], own_len=600), SeqSpec([(300, -7)], own_len=1),
-             SeqSpec([], own_len=4000)]
-    case = make_case(specs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     dtype=torch.bfloat16, device="cuda", seed=11)
-    out, ref = run(case)
-    assert_close(out, ref, torch.bfloat16)
+    check_bf16_on_gpu(run, LONG, 11, num_heads, num_kv_heads, head_dim)
 
 
 
@@ -198,11 +197,7 @@ def test_long_decode_default_splits_gpu(num_heads, num_kv_heads, head_dim):
 @pytest.mark.parametrize("options", [dict(block_n=128), dict(block_n=128, num_stages=3, num_splits=32)])
 def test_long_decode_launch_options_gpu(options):
     """The launch shapes the H200 sweep measures (benchmarks/kernels.py) give the same result."""
-    specs = [SeqSpec([(1000, 12), (777, 5000), (1, 2**24 - 1), (2000, 3)], own_len=600), SeqSpec([(300, -7)], own_len=1),
-             SeqSpec([], own_len=4000)]
-    case = make_case(specs, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda", seed=12)
-    out, ref = run(case, **options)
-    assert_close(out, ref, torch.bfloat16, str(options))
+    check_bf16_on_gpu(run, LONG, 12, **options)
 
 
 def test_a_batch_of_padding_with_a_zero_width_block_table():

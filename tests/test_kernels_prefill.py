@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from kernel_tolerances import assert_close
-from paged_case import GQA_SHAPES, SeqSpec, make_case
+from paged_case import GQA_SHAPES, SeqSpec, check_bf16_on_gpu, make_case
 
 from lazyattn_rag.kernels.launch import block_key_starts, block_runs
 from lazyattn_rag.kernels.prefill import paged_prefill
@@ -160,10 +160,7 @@ def test_block_ids_past_int32_offsets():
 def test_long_prefill_with_chunks_gpu(num_heads, num_kv_heads, head_dim):
     specs = [SeqSpec([(1000, 12), (777, 5000), (1, 2**24 - 1)], own_len=600, query_len=600),
              SeqSpec([(300, -7)], own_len=1, query_len=1), SeqSpec([], own_len=257, query_len=257)]
-    case = make_case(specs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     dtype=torch.bfloat16, device="cuda", seed=11)
-    out, ref = run(case)
-    assert_close(out, ref, torch.bfloat16)
+    check_bf16_on_gpu(run, specs, 11, num_heads, num_kv_heads, head_dim)
 
 
 @pytest.mark.gpu
@@ -172,9 +169,7 @@ def test_long_prefill_with_chunks_gpu(num_heads, num_kv_heads, head_dim):
 def test_long_prefill_launch_options_gpu(options):
     """The launch options the H200 sweep measures (benchmarks/kernels.py) give the same result."""
     specs = [SeqSpec([(1000, 12), (777, 5000)], own_len=600, query_len=600), SeqSpec([], own_len=1000, query_len=1000)]
-    case = make_case(specs, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda", seed=13)
-    out, ref = run(case, **options)
-    assert_close(out, ref, torch.bfloat16, str(options))
+    check_bf16_on_gpu(run, specs, 13, **options)
 
 
 def test_out_beside_the_query_in_one_buffer_and_empty_batches_are_accepted():

@@ -11,10 +11,10 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from lazyattn_rag.integrations.langchain import ChatLazyAttention
-from tests.integrations_kit import SMOLLM2_ENGINE_KWARGS
+from tests.integrations_kit import SMOLLM2_ENGINE_KWARGS, ChatSuiteSettings
 
 
-class _Settings:
+class _Settings(ChatSuiteSettings):
     @property
     def chat_model_class(self) -> type[ChatLazyAttention]:
         return ChatLazyAttention
@@ -27,20 +27,6 @@ class _Settings:
         # for the structured output tests' two-sentence JSON jokes, whose strings the small model
         # repeats a phrase in until max_tokens cuts the JSON off without a frequency penalty
         return {"sampling": SamplingParams(max_tokens=64, frequency_penalty=0.5), "engine_kwargs": SMOLLM2_ENGINE_KWARGS}
-
-    @property
-    def has_tool_calling(self) -> bool:  # bind_tools is overridden only to raise a clear error
-        return False
-
-    @property
-    def has_structured_output(self) -> bool:
-        return True
-
-    @property
-    def supports_json_mode(self) -> bool:
-        # json_mode masks to any JSON object and leaves the keys to the model: SmolLM2-135M drops
-        # the prompt's second key ('punchline'); json_schema (the default method) enforces both
-        return False
 
     @property
     def supports_model_override(self) -> bool:

@@ -19,8 +19,8 @@ from benchmarks.qa_recompute import RecomputeReference, cache_argument
 from lazyattn_rag import SamplingParams
 from lazyattn_rag.types.config import CacheConfig
 from tests.observe import StepLog, fail_first_call
-from tests.recompute_case import (DOCS, FIRST, QUESTION, assert_chunks_unchanged_and_nothing_held, assert_nothing_held,
-                                  assert_preempted_requests_answer_as_alone, first_logprobs, remedy_engine)
+from tests.recompute_case import (DOCS, FIRST, QUESTION, assert_nothing_held, close, first_logprobs, logprobs_of,
+                                  remedy_engine)
 from tests.tiny import words
 
 
@@ -85,34 +85,6 @@ def test_selected_tokens_equal_the_composed_reference(make_llm, ratio, backend):
     assert (ours - composed_logprobs(hf, llm, firsts)).abs().max().item() > 1e-4
 
 
-def test_ratio_one_is_full_attention(make_llm):
-    hf, llm = engine(make_llm, 1.0)
-    first_logprobs(llm)
-    ours = first_logprobs(llm)
-    with torch.no_grad():
-        full = hf(input_ids=torch.tensor([llm.plan(QUESTION, ["a", "b", "c"]).token_ids()])).logits[0, -1]
-    assert (ours - torch.log_softmax(full.float(), dim=-1)).abs().max().item() <= 1e-3
-
-
-def test_ratio_zero_is_plain_reuse_bit_for_bit(make_llm):
-    _, plain = make_llm(seed=2, anchor="none")
-    plain.add_documents(list(DOCS.items()))
-    _, zero = engine(make_llm, 0.0)
-    assert torch.equal(first_logprobs(plain), first_logprobs(zero))
-
-
-def test_cached_chunks_unchanged_and_block_copies_freed(make_llm):
-    _, llm = engine(make_llm, 0.3, num_blocks=40, max_num_seqs=4)
-    assert_chunks_unchanged_and_nothing_held(llm)
-
-
-def test_preempted_requests_give_the_same_tokens(make_llm):
-    """Requests whose blocks (their copies too) are taken back mid-answer answer as alone."""
-    _, roomy = engine(make_llm, 0.3)
-    _, tight = engine(make_llm, 0.3, num_blocks=28, max_num_seqs=4)
-    assert_preempted_requests_answer_as_alone(roomy, tight)
-
-
 def test_config_is_checked():
     for bad in (-0.1, 1.5, True, "0.1"):
         with pytest.raises(ValueError, match="recompute_selective_ratio"):
@@ -130,9 +102,6 @@ def test_per_request_setting_overrides_the_engines(make_llm):
 
     from lazyattn_rag import AsyncLazyAttention
 
-    def close(a, b):  # two engines (other batches, hits and misses): equal to float32 rounding
-        return (a - b).abs().max().item() <= 1e-5
-
     _, plain = engine(make_llm, 0.0)
     _, sel = engine(make_llm, 0.15)
     hf, heads = make_llm(seed=2, anchor="none", recompute_chunk_head_tokens=4)
@@ -140,13 +109,13 @@ def test_per_request_setting_overrides_the_engines(make_llm):
     for llm in (plain, sel, heads):
         first_logprobs(llm)
     asked = plain.generate(QUESTION, ["a", "b", "c"], sampling=FIRST, remedies=RequestRemedies(recompute_selective_ratio=0.15))
-    assert close(torch.tensor(list(asked.logprobs[0].values())), first_logprobs(sel))
+    assert close(logprobs_of(asked), first_logprobs(sel))
     assert not close(first_logprobs(plain), first_logprobs(sel))  # the next request is plain again
     off = asyncio.run(AsyncLazyAttention(sel).generate(QUESTION, ["a", "b", "c"], sampling=FIRST,
                                                         remedies=RequestRemedies(recompute_selective_ratio=0.0)))
-    assert close(torch.tensor(list(off.logprobs[0].values())), first_logprobs(plain))
+    assert close(logprobs_of(off), first_logprobs(plain))
     swapped = heads.generate(QUESTION, ["a", "b", "c"], sampling=FIRST, remedies=RequestRemedies(recompute_selective_ratio=0.15))
-    assert close(torch.tensor(list(swapped.logprobs[0].values())), first_logprobs(sel))
+    assert close(logprobs_of(swapped), first_logprobs(sel))
     with pytest.raises(ValueError, match="recompute_selective_ratio"):
         plain.generate(QUESTION, ["a"], remedies=RequestRemedies(recompute_selective_ratio=2.0))
     with pytest.raises(ValueError, match="cannot both be set"):

@@ -18,6 +18,7 @@ pytest.importorskip("ray.serve")
 
 from lazyattn_rag import EngineConfig  # noqa: E402
 from lazyattn_rag.types.config import CacheConfig  # noqa: E402
+from tests.integrations_kit import ChatSuiteSettings  # noqa: E402
 
 APP = "lazyattn-plain"
 DOCS = {
@@ -390,7 +391,14 @@ def test_completions_stream_token_ids_and_refusals(openai_client, http):
     only_top = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=1.0,
                                          extra_body={"min_p": 1.0})  # keeps the most likely token: greedy
     assert only_top.choices[0].text == whole.choices[0].text
-    for field, value in (("echo", True), ("suffix", "x"), ("best_of", 2), ("logprobs", 21)):
+    echoed = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + whole.choices[0].text
+    echoed_ids = list(client.completions.create(model=model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
+                                                echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in echoed_ids if c.choices) == prompt + whole.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
+        client.completions.create(model=model, prompt=prompt, max_tokens=2, echo=True, logprobs=1)
+    for field, value in (("suffix", "x"), ("best_of", 2), ("logprobs", 21)):
         with pytest.raises(openai.BadRequestError, match=field):
             client.completions.create(model=model, prompt=prompt, max_tokens=2, **{field: value})
     with pytest.raises(openai.BadRequestError, match="n must be in"):
@@ -570,10 +578,9 @@ except ImportError:  # test extras; without them there is no suite to run
     ChatModelIntegrationTests, BadRequestError = object, Exception
 
 
-class TestChatOpenAIThroughServe(ChatModelIntegrationTests):
+class TestChatOpenAIThroughServe(ChatSuiteSettings, ChatModelIntegrationTests):
     """The suite LangChain's partner packages run, against this module's server through an
-    unchanged ``ChatOpenAI``. Tool calling and JSON mode are declared unsupported (tools are
-    refused by name; JSON mode leaves the keys to the 135M model, see test_langchain_standard)."""
+    unchanged ``ChatOpenAI`` (what it is told: ``ChatSuiteSettings``)."""
 
     base_url: str = ""
 
@@ -596,19 +603,3 @@ class TestChatOpenAIThroughServe(ChatModelIntegrationTests):
                        raises=BadRequestError)
     def test_structured_output_pydantic_2_v1(self, model) -> None:
         super().test_structured_output_pydantic_2_v1(model)
-
-    @property
-    def has_tool_calling(self) -> bool:
-        return False
-
-    @property
-    def has_structured_output(self) -> bool:
-        return True
-
-    @property
-    def structured_output_kwargs(self) -> dict:
-        return {"method": "json_schema"}
-
-    @property
-    def supports_json_mode(self) -> bool:
-        return False

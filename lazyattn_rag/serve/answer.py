@@ -1,21 +1,28 @@
 """The OpenAI objects of one answer (``chat.completion`` and its chunks, or ``text_completion`` for
 ``/v1/completions``), with the ``lazyattn`` extension: the engine's stats, the replica and the
-request's stage timings."""
+request's stage timings. Each is checked against the ``openai`` package's own type of it where
+it is made (:func:`checked`), so the server cannot drift from the schema its clients parse."""
 
 import time
 import uuid
 
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
 from lazyattn_rag.types.wire import stats_from_body, usage
+
+_TYPES = {"chat.completion": ChatCompletion, "chat.completion.chunk": ChatCompletionChunk, "text_completion": Completion}
 
 
 class Answer:
     """The OpenAI objects of one answer."""
 
-    def __init__(self, model: str, timings: dict[str, float], text: bool = False):
+    def __init__(self, model: str, timings: dict[str, float], text: bool = False, echo: str = ""):
         prefix = "cmpl" if text else "chatcmpl"
         self.id, self.created, self.model = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model
         self.timings = timings  # wall-clock seconds of the request's stages (see extension())
         self.text = text  # a text completion (/v1/completions) rather than a chat one
+        self.echo = echo  # a text completion's prompt, before each answer (echo: true)
         self.text_offsets: dict[int, int] = {}  # per answer index: a text completion's characters so far
 
     def extension(self, last: dict) -> dict:
@@ -39,7 +46,7 @@ class Answer:
                       "logprobs": {"content": [logprobs]} if logprobs else None}
         kind = "text_completion" if self.text else "chat.completion.chunk"
         out = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
-        return out | ({"lazyattn": extension} if extension else {})
+        return checked(out | ({"lazyattn": extension} if extension else {}))
 
     def completion(self, events: list[dict]) -> dict:
         """The whole answer: one choice per answer index (``n``), usage over all of them."""
@@ -47,15 +54,15 @@ class Answer:
         choices = [self._choice(index, [e for e in events if e.get("index", 0) == index], final["finish_reason"])
                    for index, final in ((f.get("index", 0), f) for f in finals)]
         kind = "text_completion" if self.text else "chat.completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
-                "usage": answers_usage(finals), "lazyattn": self.extension(finals[0])}
+        return checked({"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                        "choices": choices, "usage": answers_usage(finals), "lazyattn": self.extension(finals[0])})
 
     def _choice(self, index: int, events: list[dict], finish_reason: str) -> dict:
         text = "".join(e.get("text", "") for e in events)
         entries = [e["logprobs"] for e in events if e.get("logprobs")]
         if self.text:
             legacy = self.legacy_logprobs(entries, index) if entries else None
-            return {"index": index, "text": text, "logprobs": legacy, "finish_reason": finish_reason}
+            return {"index": index, "text": self.echo + text, "logprobs": legacy, "finish_reason": finish_reason}
         return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
                 "logprobs": {"content": entries} if entries else None}
 
@@ -80,3 +87,19 @@ def answers_usage(finals: list[dict]) -> dict:
     out["completion_tokens"] = sum(stats_from_body(f["stats"]).num_output_tokens for f in finals)
     out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
     return out
+
+
+def checked(body: dict) -> dict:
+    """``body``, validated as the ``openai`` package's type of its ``object`` (extension fields are
+    allowed, as the package allows them). A streamed text completion's chunk before its last is
+    left out: the package's ``Completion`` types ``finish_reason`` without the ``null`` the API
+    streams.
+
+    Raises:
+        pydantic.ValidationError: the body does not match (a bug of this server).
+    """
+    kind = _TYPES[body["object"]]
+    if kind is Completion and any(c["finish_reason"] is None for c in body["choices"]):
+        return body
+    kind.model_validate(body)
+    return body

@@ -56,7 +56,8 @@ from lazyattn_rag.serve.config import ServeConfig
 from lazyattn_rag.serve.http_errors import ApiError, install_error_handlers, parse, read_json
 from lazyattn_rag.serve.ingress_metrics import IngressMetrics
 from lazyattn_rag.serve.middleware import install_middlewares
-from lazyattn_rag.serve.payload import chat_payload, completion_payload, registered_text, routing_keys
+from lazyattn_rag.serve.payload import (chat_payload, check_logprobs, completion_payload, registered_text,
+                                        removed_report, routing_keys)
 from lazyattn_rag.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DocumentsRequest,
                                          TokenizeRequest)
 from lazyattn_rag.serve.registry import DocumentStore, open_registry
@@ -206,7 +207,7 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
                 return_exceptions=True)
             reports = [r if isinstance(r, dict) else {"error": f"{type(r).__name__}: {r}"} for r in results]
             return {"id": doc_id, "object": "document", "deleted": True, "namespace": namespace,
-                    "version": self.documents.versions[namespace], "removed": _removed(reports, keep),
+                    "version": self.documents.versions[namespace], "removed": removed_report(reports, keep),
                     "replicas": reports}
 
         @app.post("/tokenize")
@@ -228,7 +229,7 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
         async def chat_completions(self, request: Request):
             received = time.time()
             body, model = await self._body(request, ChatCompletionRequest)
-            _check_logprobs(body, config.max_logprobs)
+            check_logprobs(body, config.max_logprobs)
             payload, keys = chat_payload(body, self.documents, passage_min_chars)
             return await self._answer(body, payload, keys, Answer(model, {"ingress_received": received}))
 
@@ -236,9 +237,18 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
         async def completions(self, request: Request):
             received = time.time()
             body, model = await self._body(request, CompletionRequest)
-            _check_logprobs(body, config.max_logprobs, "logprobs")
+            check_logprobs(body, config.max_logprobs, "logprobs")
             payload, keys = completion_payload(body, self.documents)
-            return await self._answer(body, payload, keys, Answer(model, {"ingress_received": received}, text=True))
+            answer = Answer(model, {"ingress_received": received}, text=True, echo=await self._echo(body))
+            return await self._answer(body, payload, keys, answer)
+
+        async def _echo(self, body: CompletionRequest) -> str:
+            """What ``echo`` puts before a completion's text: the prompt as sent (token ids decoded)."""
+            if not body.echo or isinstance(body.prompt_value, str):
+                return body.prompt_value if body.echo else ""
+            result = await self.engine.detokenize.remote(body.prompt_value)
+            _raise_for(result)
+            return result["prompt"]
 
         async def _body(self, request: Request, kind):
             """The request's body as ``kind``, its namespace the key's, and the served model's name
@@ -304,9 +314,11 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
 
         async def _sse(self, answer: "Answer", first: dict, events, include_usage: bool,
                        num_answers: int) -> AsyncIterator[str]:
-            if not answer.text:  # a chat stream opens each answer with the assistant's role
-                for index in range(num_answers):
+            for index in range(num_answers):  # a chat stream opens each answer with the assistant's role
+                if not answer.text:
                     yield _sse(answer.chunk({"role": "assistant", "content": ""}, index=index))
+                elif answer.echo:
+                    yield _sse(answer.chunk({"content": answer.echo}, index=index))
             event, finals = first, []
             try:
                 while True:
@@ -356,30 +368,6 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
 def _grant(request: Request) -> KeyGrant:
     """The caller's grant, set by the ingress's gate."""
     return request.state.grant
-
-
-def _removed(reports: list[dict], kept: bool) -> dict:
-    """What a delete removed, over every replica's ``EngineReplica.forget`` report: blocks freed
-    (now and once running requests finished), the tiers cleaned, whether any replica still
-    caches it (requests still running past the wait), and whether the K/V was kept for another
-    document with the same text."""
-    return {"num_kv_blocks": sum(r.get("num_kv_blocks", 0) for r in reports),
-            "num_in_use": sum(r.get("num_in_use", 0) for r in reports),
-            "tiers": sorted({t for r in reports for t in r.get("tiers", ())}),
-            "cached_on": [r["replica"] for r in reports if r.get("cached")],
-            "num_failed_replicas": sum("error" in r for r in reports),
-            "shared": kept or any(r.get("shared") for r in reports)}
-
-
-def _check_logprobs(body, max_logprobs: int, field: str = "top_logprobs") -> None:
-    """400 for ``field`` (chat's ``top_logprobs``, completions' ``logprobs``) past
-    ``ServeConfig.max_logprobs`` (``-1`` only where it is ``-1``)."""
-    asked = body.num_logprobs
-    if asked is None or max_logprobs == -1:
-        return
-    if asked == -1 or asked > max_logprobs:
-        raise ApiError(400, f"{field}={asked} is more than this server returns (at most {max_logprobs}; "
-                            "lazyattn serve --max-logprobs)", param=field)
 
 
 def _raise_for(event: dict) -> None:

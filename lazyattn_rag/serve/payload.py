@@ -8,7 +8,8 @@ the framework wrappers use in process): every registered text found whole become
 part (``matched``), so the replica places it from its cached K/V and computes the text around
 it. The router (``router.py``) hashes each document's namespace and id, and each passage of the
 plain text the engine may learn (``engine/planning/passage_learning.py``), so a request goes where its
-documents and passages were computed before.
+documents and passages were computed before. Also here: the request checks that need the
+server's configuration (``check_logprobs``) and the summary of a delete's replica reports.
 """
 
 import time
@@ -159,3 +160,27 @@ def _add_part_texts(messages: list[dict[str, Any]], texts: dict[str, str], store
         for part in message["content"] if isinstance(message["content"], list) else ():
             if part.get("type") == "document":
                 texts.setdefault(part["id"], texts.get(part["id"]) or registered_text(store, ns, part["id"]))
+
+
+def removed_report(reports: list[dict], kept: bool) -> dict:
+    """What a delete removed, over every replica's ``EngineReplica.forget`` report: blocks freed
+    (now and once running requests finished), the tiers cleaned, whether any replica still
+    caches it (requests still running past the wait), and whether the K/V was kept for another
+    document with the same text."""
+    return {"num_kv_blocks": sum(r.get("num_kv_blocks", 0) for r in reports),
+            "num_in_use": sum(r.get("num_in_use", 0) for r in reports),
+            "tiers": sorted({t for r in reports for t in r.get("tiers", ())}),
+            "cached_on": [r["replica"] for r in reports if r.get("cached")],
+            "num_failed_replicas": sum("error" in r for r in reports),
+            "shared": kept or any(r.get("shared") for r in reports)}
+
+
+def check_logprobs(body, max_logprobs: int, field: str = "top_logprobs") -> None:
+    """400 for ``field`` (chat's ``top_logprobs``, completions' ``logprobs``) past
+    ``ServeConfig.max_logprobs`` (``-1`` only where it is ``-1``)."""
+    asked = body.num_logprobs
+    if asked is None or max_logprobs == -1:
+        return
+    if asked == -1 or asked > max_logprobs:
+        raise ApiError(400, f"{field}={asked} is more than this server returns (at most {max_logprobs}; "
+                            "lazyattn serve --max-logprobs)", param=field)

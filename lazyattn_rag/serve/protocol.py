@@ -282,7 +282,7 @@ class ChatCompletionRequest(GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-COMPLETION_UNSUPPORTED = ("echo", "suffix", "best_of", "logit_bias")
+COMPLETION_UNSUPPORTED = ("suffix", "best_of", "logit_bias")
 
 
 class CompletionRequest(GenerationRequest):
@@ -294,7 +294,15 @@ class CompletionRequest(GenerationRequest):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0)  # the legacy API's: the most likely tokens per position
+    echo: bool = False  # the prompt (as sent: text, or token ids decoded) before each answer's text
     unsupported: ClassVar[tuple[str, ...]] = COMPLETION_UNSUPPORTED
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs needs the prompt's log-probabilities, which this server does not "
+                             "compute; ask for one or the other")
+        return self
 
     @property
     def num_logprobs(self) -> int | None:
