@@ -12,8 +12,10 @@ Example::
     llm.add_document("eiffel", "The Eiffel Tower ... completed in 1889.")
     print(llm.generate("When was it completed?", doc_ids=["eiffel"]).text)
 
-Token ids are not sent over HTTP (``Completion.token_ids`` is empty). Errors the server
-reports come back as this package's exceptions (``UnknownDocumentError``,
+Answers come through the ``openai`` package (``lazyattn_rag/remote_openai.py``: transport
+retries with backoff, one pooled async client per event loop); the document and tokenizer
+routes through httpx. Token ids are not sent over HTTP (``Completion.token_ids`` is empty).
+Errors the server reports come back as this package's exceptions (``UnknownDocumentError``,
 ``PromptTooLongError``, ... from the error body's ``code``; other 4xx as ``ValueError``); a
 server that cannot be reached or answers 5xx raises :class:`ServerError`.
 """
@@ -31,9 +33,9 @@ from lazyattn_rag.types.messages import Message, as_message
 from lazyattn_rag.types.outputs import Completion, StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
 from lazyattn_rag.types.errors import DocumentChanged, ServerError
-from lazyattn_rag.types.wire import (collect_deltas as _collect, document_to_body, message_to_body,
-                                    raise_for_status, remedies_to_body, sampling_to_body, sse_deltas as _deltas,
-                                    sse_line_deltas as _parse, text_hash)
+from lazyattn_rag.remote_openai import ChatRoutes, openai_errors
+from lazyattn_rag.types.wire import (chunk_deltas, collect_deltas as _collect, document_to_body, message_to_body,
+                                    raise_for_status, remedies_to_body, sampling_to_body, text_hash)
 
 __all__ = ["AsyncRemoteLazyAttention", "DocumentChanged", "PromptCount", "RemoteConfig", "RemoteLazyAttention",
            "RemoteStream", "RemoteTokenizer", "ServerError", "raise_for_status"]
@@ -81,6 +83,8 @@ class RemoteLazyAttention:
         api_key: the server's API key (``lazyattn serve --api-key``), sent as
             ``Authorization: Bearer <key>``; it also decides the namespace (see
             ``lazyattn_rag/serve/auth.py``).
+        max_retries: transport retries of an answer's request (connection errors, 408, 429,
+            5xx), with exponential backoff (the ``openai`` package's).
     Raises:
         ServerError: the server does not answer ``GET /v1/models``.
     """
@@ -88,15 +92,15 @@ class RemoteLazyAttention:
     is_remote = True
 
     def __init__(self, base_url: str, timeout_s: float = 600.0, headers: dict[str, str] | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, max_retries: int = 2):
         import httpx
 
         headers = {**(headers or {}), **({"Authorization": f"Bearer {api_key}"} if api_key else {})} or None
         self.base_url = base_url.rstrip("/")
         self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
-        self._async_options = {"base_url": self.base_url, "timeout": timeout_s, "headers": headers}
         info = self._get("/v1/models")
         self.model_name, self.max_model_len = info["data"][0]["id"], info["lazyattn"]["max_model_len"]
+        self.chat_routes = ChatRoutes(self.base_url, self.model_name, api_key, timeout_s, headers, max_retries)
         self.config = RemoteConfig(PromptConfig(**info["lazyattn"]["prompt"]))
         self.tokenizer = RemoteTokenizer(self)
         self.default_sampling: SamplingParams | None = None  # None: the server model's own
@@ -185,6 +189,7 @@ class RemoteLazyAttention:
 
     def close(self) -> None:
         self.http.close()
+        self.chat_routes.close()
 
     def __enter__(self):
         return self
@@ -251,25 +256,25 @@ class RemoteStream:
     registered since with another text sends the documents again (``resend``) and retries once."""
 
     def __init__(self, client: RemoteLazyAttention, body: dict[str, Any], resend=None):
-        import httpx
-
         from lazyattn_rag.types.errors import UnknownDocumentError
 
         self._client = client
         try:
-            try:
-                self._response = _open(client, body)
-            except UnknownDocumentError:  # a restarted server lost what this client registered
-                if not (client._resend(body.get("namespace", "")) or (resend is not None and resend())):
-                    raise
-                self._response = _open(client, body)
-            except DocumentChanged:  # registered since with another text: this call's texts again
-                if resend is None or not resend():
-                    raise
-                self._response = _open(client, body)
-        except httpx.HTTPError as error:
-            raise ServerError(f"POST {client.base_url}/v1/chat/completions: {error}") from error
-        self._deltas = _deltas(self._response.iter_lines())
+            self._stream = client.chat_routes.stream(body)
+        except UnknownDocumentError:  # a restarted server lost what this client registered
+            if not (client._resend(body.get("namespace", "")) or (resend is not None and resend())):
+                raise
+            self._stream = client.chat_routes.stream(body)
+        except DocumentChanged:  # registered since with another text: this call's texts again
+            if resend is None or not resend():
+                raise
+            self._stream = client.chat_routes.stream(body)
+        self._deltas = self._iterate()
+
+    def _iterate(self) -> Iterator[StreamDelta]:
+        with openai_errors(self._client.chat_routes.what):
+            for chunk in self._stream:
+                yield from chunk_deltas(chunk.model_dump())
 
     def __iter__(self) -> Iterator[StreamDelta]:
         return self
@@ -282,17 +287,7 @@ class RemoteStream:
             raise
 
     def close(self) -> None:
-        self._response.close()
-
-
-def _open(client: RemoteLazyAttention, body: dict[str, Any]):
-    request = client.http.build_request("POST", "/v1/chat/completions", json=body)
-    response = client.http.send(request, stream=True)
-    if response.status_code != 200:
-        content = response.read()
-        response.close()
-        raise_for_status(response.status_code, content)
-    return response
+        self._stream.close()
 
 
 class AsyncRemoteLazyAttention:
@@ -330,31 +325,28 @@ class AsyncRemoteLazyAttention:
     async def _stream(self, make_body, documents: list[Document], namespace: str) -> AsyncIterator[StreamDelta]:
         import asyncio
 
-        import httpx
-
         from lazyattn_rag.types.errors import UnknownDocumentError
 
         body = await asyncio.to_thread(make_body)  # registering documents is a (sync) request
-        async with httpx.AsyncClient(**self.client._async_options) as http:
-            for attempt in (1, 2):  # a 404 or 409 for documents this client sent: send them again, once
-                try:
-                    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                        if response.status_code != 200:
-                            raise_for_status(response.status_code, await response.aread())
-                        async for line in response.aiter_lines():
-                            for delta in _parse(line):
-                                yield delta
-                    return
-                except (UnknownDocumentError, DocumentChanged) as error:
-                    if attempt == 2:
-                        raise
-                    lost = isinstance(error, UnknownDocumentError)
-                    sent = await asyncio.to_thread(lambda: (lost and self.client._resend(namespace)) or
-                                                   self.client.add_documents(documents, namespace))
-                    if not sent:
-                        raise
-                except httpx.HTTPError as error:
-                    raise ServerError(f"POST {self.client.base_url}/v1/chat/completions: {error}") from error
+        routes = self.client.chat_routes
+        for attempt in (1, 2):  # a 404 or 409 for documents this client sent: send them again, once
+            try:
+                stream = await routes.astream(body)
+            except (UnknownDocumentError, DocumentChanged) as error:
+                lost = isinstance(error, UnknownDocumentError)
+                sent = attempt == 1 and await asyncio.to_thread(
+                    lambda: (lost and self.client._resend(namespace)) or self.client.add_documents(documents, namespace))
+                if not sent:
+                    raise
+                continue
+            try:
+                with openai_errors(routes.what):
+                    async for chunk in stream:
+                        for delta in chunk_deltas(chunk.model_dump()):
+                            yield delta
+                return
+            finally:  # also when the caller leaves early: the server cancels the request
+                await stream.close()
 
 
 async def _acollect(deltas: AsyncIterator[StreamDelta]) -> Completion:

@@ -127,8 +127,12 @@ def test_unsupported_features_say_so(engine):
     model = ChatLazyAttention(engine=engine)
     with pytest.raises(NotImplementedError, match="does not support tool calling"):
         model.bind_tools([])
-    with pytest.raises(NotImplementedError, match="does not support structured output"):
-        model.with_structured_output(dict)
+    with pytest.raises(ValueError, match="unknown method 'tools'; accepted: json_schema, function_calling, json_mode"):
+        model.with_structured_output({"type": "object"}, method="tools")
+    with pytest.raises(ValueError, match="needs a schema"):
+        model.with_structured_output(None)
+    with pytest.raises(TypeError, match=r"unexpected keyword\(s\) \['tools'\]"):
+        model.with_structured_output({"type": "object"}, tools=[])
 
 
 def test_the_no_reuse_warning_comes_once_per_llm_and_not_when_a_document_is_placed(engine, caplog):

@@ -85,8 +85,10 @@ def install_error_handlers(app) -> None:
     is, no such route (404) or method (405), a query parameter of the wrong type (400), and any
     other exception (500, its last line: a bug or a replica's failure)."""
     @app.exception_handler(ApiError)
-    async def _api_error(request, error: ApiError):
-        return JSONResponse(error.body(), status_code=error.status)
+    async def _api_error(request, error: ApiError):  # a 409 (a document's text changed) is the client's to
+        # resolve, not to repeat: the openai package retries a 409 unless told not to
+        return JSONResponse(error.body(), status_code=error.status,
+                            headers={"x-should-retry": "false"} if error.status == 409 else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, error: StarletteHTTPException):  # no such route (404), method (405)

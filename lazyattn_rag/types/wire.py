@@ -233,8 +233,16 @@ def sse_line_deltas(line: str) -> list[StreamDelta]:
     """The deltas of one server-sent-events line (``data: {chunk}``; ``[DONE]`` and other lines: none)."""
     if not line.startswith("data: ") or line == "data: [DONE]":
         return []
-    chunk = json.loads(line[len("data: "):])
-    if "error" in chunk:
+    return chunk_deltas(json.loads(line[len("data: "):]))
+
+
+def chunk_deltas(chunk: Mapping[str, Any]) -> list[StreamDelta]:
+    """The deltas of one streamed ``chat.completion.chunk`` (as JSON; the usage chunk has none).
+
+    Raises:
+        ServerError: the chunk is an error event.
+    """
+    if chunk.get("error"):
         raise ServerError(f"the answer failed on the server: {chunk['error'].get('message')}")
     if not chunk.get("choices"):
         return []  # the usage chunk
