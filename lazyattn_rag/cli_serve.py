@@ -127,33 +127,34 @@ def serve(
 
     The engine options are lazyattn chat's; with --redis-url the replicas share computed chunks and the registry.
     """
-    from lazyattn_rag.serve.config import ServeConfig, uses_cuda
+    import pydantic
+
+    from lazyattn_rag.serve.builder import ServeArgs
 
     try:
         if model_path is not None and engine.model not in (None, model_path):
             raise ValueError(f"MODEL {model_path!r} and --model {engine.model!r} differ: give one")
         engine = dataclasses.replace(engine, model=model_path or engine.model)
-        cache = {"learn_passages": learn_passages, "prefix_caching": enable_prefix_caching,
-                 "kv_cache_dtype": kv_cache_dtype}
-        engine_config = engine.config(**cache, **({"kv_cache_fraction": gpu_memory_utilization}
-                                                  if gpu_memory_utilization is not None else {}))
-        scheduler = {k: v for k, v in (("max_num_seqs", max_num_seqs),
-                                       ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
-        engine_config = dataclasses.replace(engine_config, max_model_len=max_model_len, dtype=dtype,
-                                            scheduler=dataclasses.replace(engine_config.scheduler, **scheduler))
-        gpus = gpus_per_replica if gpus_per_replica is not None else float(uses_cuda(engine.device))
-        config = ServeConfig(num_replicas=replicas, num_gpus_per_replica=gpus, router=router,
-                             imbalanced_threshold=imbalanced_threshold, host=host, port=port, registry=registry,
-                             num_ingress_replicas=ingress_replicas, max_logprobs=max_logprobs,
-                             api_keys=tuple(api_key), allow_unauthenticated=allow_unauthenticated,
-                             api_key_file=None if api_key_file is None else str(api_key_file),
-                             ray_address=ray_address, served_model_name=served_model_name,
-                             log_level=log_level.upper(), allowed_origins=_listed(allowed_origins),
-                             allowed_methods=_listed(allowed_methods) or ("*",),
-                             allowed_headers=_listed(allowed_headers) or ("*",))
+        args = ServeArgs(
+            model=engine.model, device=engine.device, served_model_name=served_model_name, dtype=dtype,
+            max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, learn_passages=learn_passages,
+            enable_prefix_caching=enable_prefix_caching, replicas=replicas, gpus_per_replica=gpus_per_replica,
+            router=router, imbalanced_threshold=imbalanced_threshold, registry=registry,
+            ingress_replicas=ingress_replicas, max_logprobs=max_logprobs, api_key=list(api_key),
+            api_key_file=None if api_key_file is None else str(api_key_file),
+            allow_unauthenticated=allow_unauthenticated, log_level=log_level,
+            allowed_origins=list(_listed(allowed_origins)), allowed_methods=list(_listed(allowed_methods) or ("*",)),
+            allowed_headers=list(_listed(allowed_headers) or ("*",)))
+        engine_config = args.engine_config(engine.config())
+        config = args.serve_config(host=host, port=port, ray_address=ray_address)
         from lazyattn_rag.serve.auth import load_grants
 
         load_grants(config.api_keys, config.api_key_file)  # a bad key file is named now, before Ray starts
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        typer.echo(f"error: --{str(first['loc'][0]).replace('_', '-')}: {first['msg']}", err=True)
+        raise typer.Exit(2) from e
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e

@@ -13,15 +13,17 @@ key gate still answers only loopback clients unless keys or ``allow_unauthentica
 """
 # no `from __future__ import annotations`: Ray Serve reads the builder's argument annotation as a class
 
+import dataclasses
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lazyattn_rag.types.config import CacheConfig, EngineConfig, SchedulerConfig
+from lazyattn_rag.types.config import CacheConfig, EngineConfig
 
 
 class ServeArgs(BaseModel):
-    """The app's arguments: ``lazyattn serve``'s flags (``--max-model-len`` is ``max_model_len``)."""
+    """The app's arguments: ``lazyattn serve``'s flags (``--max-model-len`` is ``max_model_len``);
+    ``lazyattn serve`` builds its configurations through this class too, so the two cannot drift."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
     model: str | None = None
@@ -55,19 +57,25 @@ class ServeArgs(BaseModel):
     allowed_headers: list[str] = Field(default_factory=lambda: ["*"])
     log_level: Literal["debug", "info", "warning", "error", "DEBUG", "INFO", "WARNING", "ERROR"] = "warning"
 
-    def engine_config(self) -> EngineConfig:
-        """The replicas' :class:`EngineConfig` (a disk tier only with ``disk_cache``)."""
-        cache = CacheConfig(anchor=self.anchor, kv_cache_dtype=self.kv_cache_dtype, redis_url=self.redis_url,
-                            disk_dir=self.disk_cache, learn_passages=self.learn_passages,
-                            prefix_caching=self.enable_prefix_caching, kv_cache_fraction=self.gpu_memory_utilization)
+    def engine_config(self, base: EngineConfig | None = None) -> EngineConfig:
+        """The replicas' :class:`EngineConfig`: ``base`` (``lazyattn serve``'s engine options) or
+        this object's own engine fields (a disk tier only with ``disk_cache``), with the serving
+        flags applied."""
+        if base is None:
+            base = EngineConfig(model=self.model, device=self.device, attention_backend=self.backend,
+                                cache_dir=self.cache_dir, cache=CacheConfig(anchor=self.anchor, redis_url=self.redis_url,
+                                                                            disk_dir=self.disk_cache))
+        fraction = {"kv_cache_fraction": self.gpu_memory_utilization} if self.gpu_memory_utilization is not None else {}
+        cache = dataclasses.replace(base.cache, kv_cache_dtype=self.kv_cache_dtype, learn_passages=self.learn_passages,
+                                    prefix_caching=self.enable_prefix_caching, **fraction)
         scheduler = {k: v for k, v in (("max_num_seqs", self.max_num_seqs),
                                        ("max_num_batched_tokens", self.max_num_batched_tokens)) if v is not None}
-        return EngineConfig(model=self.model, device=self.device, dtype=self.dtype, attention_backend=self.backend,
-                            max_model_len=self.max_model_len, cache_dir=self.cache_dir, cache=cache,
-                            scheduler=SchedulerConfig(**scheduler))
+        return dataclasses.replace(base, max_model_len=self.max_model_len, dtype=self.dtype, cache=cache,
+                                   scheduler=dataclasses.replace(base.scheduler, **scheduler))
 
-    def serve_config(self):
-        """The app's :class:`~lazyattn_rag.serve.config.ServeConfig`."""
+    def serve_config(self, **place):
+        """The app's :class:`~lazyattn_rag.serve.config.ServeConfig`; ``place``: ``host``, ``port``
+        and ``ray_address`` (``lazyattn serve``'s; Ray Serve's own tools place the app themselves)."""
         from lazyattn_rag.serve.config import ServeConfig, uses_cuda
 
         gpus = self.gpus_per_replica if self.gpus_per_replica is not None else float(uses_cuda(self.device))
@@ -77,7 +85,7 @@ class ServeArgs(BaseModel):
                            api_keys=tuple(self.api_key), api_key_file=self.api_key_file,
                            allow_unauthenticated=self.allow_unauthenticated, served_model_name=self.served_model_name,
                            allowed_origins=tuple(self.allowed_origins), allowed_methods=tuple(self.allowed_methods),
-                           allowed_headers=tuple(self.allowed_headers), log_level=self.log_level.upper())
+                           allowed_headers=tuple(self.allowed_headers), log_level=self.log_level.upper(), **place)
 
 
 def app(args: ServeArgs):
