@@ -99,7 +99,20 @@ class DetokenizeRequest(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` (a last chunk with the usage); vLLM's
+    ``continuous_usage_stats`` (usage on every chunk) is refused by name, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _last_chunk_only(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("continuous_usage_stats is not supported: the usage comes once, in the last chunk "
+                             "(include_usage)")
+        return value
 
 
 MAX_HEAD_TOKENS = 1 << 20  # chunk-head recompute's k: more than any document's tokens
