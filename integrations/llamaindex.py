@@ -57,6 +57,7 @@ from lazyattn_rag.integrations.requests import EngineRequest, PromptMatcher, des
 from lazyattn_rag.llm import LazyAttention
 from lazyattn_rag.types.outputs import StreamDelta
 from lazyattn_rag.types.sampling_params import SamplingParams
+from lazyattn_rag.types.structured_output import StructuredOutputParams
 
 METADATA_KEY = "lazyattn"
 DOCUMENTS_KEY = "lazyattn_documents"  # a ChatMessage's additional_kwargs key: documents placed by id
@@ -252,6 +253,19 @@ class LazyAttentionLLM(CustomLLM, WrapperSettings):
         return gen()
 
     # --- the LlamaIndex LLM interface (one event pair per public call) -------------------------
+    def structured_predict(self, output_cls: type, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
+                           **prompt_args: Any) -> Any:
+        """LlamaIndex's structured prediction (``as_structured_llm`` and the text completion
+        program use it), with ``output_cls``' JSON schema enforced while sampling (a token mask,
+        ``SamplingParams.structured_output``) rather than only asked for in the prompt."""
+        return super().structured_predict(output_cls, prompt, _schema_kwargs(output_cls, llm_kwargs), **prompt_args)
+
+    async def astructured_predict(self, output_cls: type, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
+                                  **prompt_args: Any) -> Any:
+        """Async :meth:`structured_predict`."""
+        return await super().astructured_predict(output_cls, prompt, _schema_kwargs(output_cls, llm_kwargs),
+                                                 **prompt_args)
+
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         *_, last = self._stream_completion(prompt, kwargs)
@@ -343,3 +357,8 @@ async def _acompletions(request: EngineRequest, deltas: AsyncIterator[StreamDelt
 def _chat_response(c: CompletionResponse) -> ChatResponse:
     return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=c.text), delta=c.delta,
                         additional_kwargs=c.additional_kwargs, raw=c.raw)
+
+
+def _schema_kwargs(output_cls: type, llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``llm_kwargs`` with ``output_cls``' JSON schema as the answer's constraint (one given wins)."""
+    return {"structured_output": StructuredOutputParams(json=output_cls.model_json_schema()), **(llm_kwargs or {})}

@@ -118,3 +118,17 @@ def test_logprobs_stay_the_models_own_and_bad_grammars_touch_nothing(smollm2):
     assert smollm2.chat(question, sampling=SamplingParams(max_tokens=2)).token_ids
     assert smollm2.engine.counters.num_requests_finished == before + 1
 
+
+
+def test_llamaindex_structured_predict_enforces_the_schema(smollm2):
+    import asyncio
+
+    from llama_index.core.prompts import PromptTemplate
+
+    from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM
+
+    llm = LazyAttentionLLM(smollm2, SamplingParams(max_tokens=64))
+    prompt = PromptTemplate("Describe {city} as JSON: its name, its country and its population.")
+    assert isinstance(llm.structured_predict(City, prompt, city="Vienna"), City)
+    assert isinstance(asyncio.run(llm.astructured_predict(City, prompt, city="Oslo")), City)
+    assert isinstance(llm.as_structured_llm(City).complete("Describe Rome as JSON.").raw, City)
