@@ -117,3 +117,19 @@ def test_logprobs_are_refused_where_they_are_not_carried():
     assert ChatCompletionRequest.model_validate(body | {"logprobs": True}).num_logprobs == 0
     assert ChatCompletionRequest.model_validate(body | {"logprobs": True, "top_logprobs": 5}).sampling_body()[
         "logprobs"] == 5
+
+
+def test_strict_max_tokens_refuses_what_the_context_cannot_hold(make_llm):
+    from lazyattn_rag import PromptTooLongError
+    from tests.tiny import words
+
+    _, llm = make_llm(max_model_len=64)
+    llm.add_document("a", words(20))
+    loose = llm.generate("w1", ["a"], sampling=SamplingParams(max_tokens=500, ignore_eos=True))
+    assert loose.finish_reason == "length" and loose.stats.num_prompt_tokens + len(loose.token_ids) == 64
+    prompt = loose.stats.num_prompt_tokens
+    with pytest.raises(PromptTooLongError, match=rf"asks for {prompt + 500} \({prompt} in the prompt, max_tokens=500\)"):
+        llm.generate("w1", ["a"], sampling=SamplingParams(max_tokens=500, strict_max_tokens=True))
+    fits = llm.generate("w1", ["a"], sampling=SamplingParams(max_tokens=64 - prompt, strict_max_tokens=True,
+                                                             ignore_eos=True))
+    assert len(fits.token_ids) == 64 - prompt

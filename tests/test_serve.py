@@ -188,6 +188,7 @@ def test_past_the_imbalance_threshold_requests_go_to_the_least_loaded_replica(ht
     ({"messages": [{"role": "user", "content": "w1"}], "max_tokens": -3}, 400, "max_tokens"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "w1"}], "n": 129}, 400, "n must be in [1, 128]"),
+    ({"messages": [{"role": "user", "content": "w1"}], "max_tokens": 100000}, 400, "max_tokens=100000): shorten"),
     ({"messages": [{"role": "user", "content": "w1"}], "stream": True,
       "stream_options": {"continuous_usage_stats": True}}, 400, "continuous_usage_stats is not supported"),
     ({"messages": [{"role": "user", "content": "w1"}], "tools": [{"type": "function"}]}, 400, "tools"),

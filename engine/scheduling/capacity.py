@@ -9,7 +9,7 @@ from lazyattn_rag.engine.kv.block_table import BlockEntry
 from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
 from lazyattn_rag.engine.scheduling.request import Request
 from lazyattn_rag.engine.scheduling.selective_schedule import SelectiveRecompute
-from lazyattn_rag.types.errors import CacheCapacityError
+from lazyattn_rag.types.errors import CacheCapacityError, PromptTooLongError
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,15 @@ def check_capacity(request: Request, budget: BlockBudget, max_model_len: int) ->
 
     Raises:
         CacheCapacityError: naming the blocks needed, prompt tokens, max_tokens and the cache.
+        PromptTooLongError: with ``SamplingParams.strict_max_tokens``, the prompt plus
+            ``max_tokens`` exceed ``max_model_len``.
     """
     plan, params = request.plan, request.params
+    if params.strict_max_tokens and plan.num_prompt_tokens + params.max_tokens > max_model_len:
+        raise PromptTooLongError(
+            f"this model's context is {max_model_len} tokens, but the request asks for "
+            f"{plan.num_prompt_tokens + params.max_tokens} ({plan.num_prompt_tokens} in the prompt, "
+            f"max_tokens={params.max_tokens}): shorten the prompt or lower max_tokens")
     num_outputs = 0 if request.warm_only else min(params.max_tokens, max_model_len - plan.num_prompt_tokens)
     need = budget.num_blocks_needed(request, request.num_private_tokens + num_outputs)
     if need > budget.num_usable_blocks:

@@ -189,6 +189,7 @@ class GenerationRequest(BaseModel):
     ignore_eos: bool | None = None
     remedies: RemediesIn | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    strict_max_tokens: bool | None = None  # unset: refuse prompt + max_tokens past the context when max_tokens is given
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
     # structured output: OpenAI's response_format, vLLM's guided_* fields and structured_outputs (one of them)
     response_format: ResponseFormat | None = None
@@ -241,6 +242,8 @@ class GenerationRequest(BaseModel):
         keys = ("n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "min_p", "stop", "seed",
                 "frequency_penalty", "presence_penalty", "top_k", "repetition_penalty", "ignore_eos", "stop_token_ids")
         body = {k: getattr(self, k, None) for k in keys if getattr(self, k, None) is not None}
+        given = self.model_fields_set & {"max_tokens", "max_completion_tokens"}
+        body["strict_max_tokens"] = self.strict_max_tokens if self.strict_max_tokens is not None else bool(given)
         if self.structured_output is not None:
             body["structured_output"] = self.structured_output.to_body()
         return body | ({"logprobs": self.num_logprobs} if self.num_logprobs is not None else {})

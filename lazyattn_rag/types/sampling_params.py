@@ -25,6 +25,10 @@ class SamplingParams:
             own copy of the prompt's last, partly filled KV block); answer ``i`` samples with
             ``seed + i`` when ``seed`` is set. Deltas carry their answer's ``index``.
         max_tokens: most tokens to generate (>= 1).
+        strict_max_tokens: refuse a request whose prompt plus ``max_tokens`` exceeds the context
+            limit (``PromptTooLongError`` naming both counts, before it runs), as OpenAI's and
+            vLLM's servers refuse an explicit ``max_tokens``; ``False`` (the default): the answer
+            stops at the limit (``finish_reason="length"``).
         temperature: 0 (or below 1e-5) for greedy; otherwise divides the logits.
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 disables.
@@ -62,6 +66,7 @@ class SamplingParams:
     max_tokens: int = 256
     temperature: float = 0.0
     n: int = 1
+    strict_max_tokens: bool = False
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
@@ -132,8 +137,9 @@ def _check_types(p: "SamplingParams") -> None:
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
         if not _is_number(getattr(p, name)):
             raise ValueError(f"{name} must be a number, got {getattr(p, name)!r}")
-    if not isinstance(p.ignore_eos, bool):
-        raise ValueError(f"ignore_eos must be a bool, got {p.ignore_eos!r}")
+    for name in ("ignore_eos", "strict_max_tokens"):
+        if not isinstance(getattr(p, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(p, name)!r}")
     if p.seed is not None and (not isinstance(p.seed, int) or isinstance(p.seed, bool) or not 0 <= p.seed < 2**63):
         raise ValueError(f"seed must be None or an integer in [0, 2**63), got {p.seed!r}")
     stop = p.stop
