@@ -471,3 +471,45 @@ def test_private_token_slice_and_count_match_the_private_token_list():
     for start in range(len(full) + 1):
         for end in range(start, len(full) + 2):
             assert r.private_token_slice(start, end) == full[start:end]
+
+
+def test_a_fork_shares_the_prompts_blocks_and_copies_its_last_partial_block():
+    """``n`` answers: after the parent's prompt ran, a child holds the parent's chunks (pinned
+    under its own id), its full private blocks (one more reference each) and a new block that
+    the next step fills with a slot copy of the prompt's last, partly filled block."""
+    from lazyattn_rag.engine.scheduling.scheduler_output import SlotCopyJob
+
+    s = scheduler(10)
+    cache = s.cache
+    cache.retain_key("A")
+    parent = request("p", plan(("A", 6, "a"), tail=6), 1.0)  # A in 0-1; the tail's 6 tokens in 2 (full) and 3 (2 slots)
+    s.add(parent)
+    ran(s, s.schedule())
+    child = request("p-1", parent.plan, 1.0)
+    assert s.fork(parent, child) and child.status is RequestStatus.RUNNING
+    assert parent.private_blocks == [2, 3] and child.private_blocks == [2, 4]
+    assert [cache.pool.ref_count(b) for b in (2, 3, 4)] == [2, 1, 1]
+    assert cache.pins_of("p-1") == ["A"] and cache.lookup("A", touch=False).pin_count == 2
+    assert child.context_entries == parent.context_entries and child.num_computed == parent.num_computed == 6
+    child.output_ids.append(SAMPLED)
+    out = s.schedule()
+    assert out.slot_copies == [SlotCopyJob(3, 4, 0, 2, 0)]
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in out.computes] == [("p", 6, 1), ("p-1", 6, 1)]
+    ran(s, out)
+    s.remove(parent)
+    assert [cache.pool.ref_count(b) for b in (2, 3, 4)] == [1, 0, 1] and cache.pins_of("p-1") == ["A"]
+    s.remove(child)
+    assert cache.lookup("A", touch=False).pin_count == 0 and cache.pool.num_free == 8
+    cache.check_integrity()
+
+
+def test_a_fork_that_cannot_share_computes_its_prompt_itself():
+    s = scheduler(4)  # A 0-1, the tail 2-3: no block left for the copy
+    s.cache.retain_key("A")
+    parent = request("p", plan(("A", 6, "a"), tail=6), 1.0)
+    s.add(parent)
+    ran(s, s.schedule())
+    child = request("p-1", parent.plan, 1.0)
+    assert not s.fork(parent, child)
+    assert child.status is RequestStatus.WAITING and list(s.waiting) == [child] and child.private_blocks == []
+    assert s.cache.pins_of("p-1") == []
