@@ -329,7 +329,7 @@ def test_logprobs_come_in_openais_shape(openai_client):
 def test_metrics_split_the_reused_tokens(http):
     text = http.get("/metrics").text
     for name in ("exact_prefix_tokens", "shifted_tokens", "computed_prompt_tokens", "recomputed_tokens"):
-        assert f"lazyattn_{name}_total{{replica=" in text
+        assert f'lazyattn_{name}_total{{model_name="{SERVED_NAME}",replica="' in text
     assert metric(http, "lazyattn_shifted_tokens_total") > 0 and metric(http, "lazyattn_exact_prefix_tokens_total") > 0
     for source in ("id", "matched", "learned"):
         assert metric(http, "lazyattn_document_placements_total", source=source) > 0
