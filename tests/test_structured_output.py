@@ -28,6 +28,7 @@ QUESTIONS = [f"Describe {c} as JSON: its name, its country and its population." 
     ({"regex": "a", "choice": ["a"]}, "got regex, choice"),
     ({"json": "{not json"}, "json must be a JSON schema"),
     ({"choice": []}, "1 to 1024 non-empty strings"),
+    ({"choice": ["a", ""]}, "choice 1 is empty"),
     ({"choice": "ab"}, "list of strings"),
     ({"regex": " "}, "regex must be a non-empty string"),
 ])
@@ -90,6 +91,7 @@ def test_json_schema_answers_parse_and_validate_for_twenty_prompts(smollm2):
 
 @pytest.mark.parametrize("kwargs, check", [
     ({"choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe")),
+    ({"choice": ["🗼 😀"]}, lambda t: t == "🗼 😀"),  # characters outside the BMP
     ({"regex": r"1[0-9]{3}"}, lambda t: re.fullmatch(r"1[0-9]{3}", t)),
     ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
     ({"grammar": 'root ::= "The answer is " ("yes" | "no") "."'}, lambda t: t in ("The answer is yes.",

@@ -117,6 +117,26 @@ def test_torch_backend_refuses_a_rotation_it_has_no_form_for():
         backend.forward(query, key, key, k_cache, v_cache, build_attention_metadata(seqs, 16, DEVICE))
 
 
+@pytest.mark.parametrize("rotation", ["query", "key"])
+@pytest.mark.parametrize("kind", ["prefill", "prefill_no_delta"])
+def test_torch_backend_scores_long_prompts_in_tiles_of_rows_with_the_same_result(kind, rotation, monkeypatch):
+    """The reference backend scores a long query ``QUERY_TILE_ROWS`` rows at a time (its memory
+    bounded: an 8k prompt on the CPU needed 2.4 GB of scores at once); the rows' results are
+    those of the whole query at once, the causal mask placed at each tile's own positions."""
+    from lazyattn_rag.engine.worker.attention import torch_backend
+
+    seqs, k_cache, v_cache, g = make_batch(KINDS[kind], 16, 2, 64, torch.float32, seed=5)
+    n = sum(s.query_len for s in seqs)
+    query, key = torch.randn(n, 4, 64, generator=g).to(DEVICE), torch.randn(n, 2, 64, generator=g).to(DEVICE)
+    backend = TorchAttentionBackend(make_rotary(64), 4, 2, 64, 0.125)
+    backend.rotation = rotation
+    whole = backend.forward(query, key, key, k_cache.clone(), v_cache.clone(), build_attention_metadata(seqs, 16, DEVICE))
+    monkeypatch.setattr(torch_backend, "QUERY_TILE_ROWS", 3)
+    assert max(s.query_len for s in seqs) > 3
+    tiled = backend.forward(query, key, key, k_cache.clone(), v_cache.clone(), build_attention_metadata(seqs, 16, DEVICE))
+    torch.testing.assert_close(tiled, whole, rtol=1e-6, atol=1e-6)
+
+
 def test_unsupported_head_layout_fails_at_construction():
     with pytest.raises(NotImplementedError):
         TritonAttentionBackend(make_rotary(96), 4, 2, 96, 0.1)

@@ -71,7 +71,9 @@ class GrammarCompiler:
             if params.kind == "regex":
                 return compiler.compile_regex(params.regex)
             if params.kind == "choice":
-                return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in params.choice))
+                # ensure_ascii=False: an escaped astral character (\ud83d\ude00) would read as two lone surrogates
+                return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                         for c in params.choice))
             return compiler.compile_grammar(params.grammar)
         except RuntimeError as error:
             message = _XGRAMMAR_LOG_PREFIX.sub("", str(error).strip()).splitlines()[0]

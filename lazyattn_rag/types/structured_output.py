@@ -49,8 +49,10 @@ class StructuredOutputParams:
             if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
                 raise ValueError(f"choice must be a list of strings, got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))
-            if not self.choice or len(self.choice) > MAX_CHOICES or not all(self.choice):
+            if not self.choice or len(self.choice) > MAX_CHOICES:
                 raise ValueError(f"choice must hold 1 to {MAX_CHOICES} non-empty strings, got {len(self.choice)}")
+            if not all(self.choice):
+                raise ValueError(f"choice {self.choice.index('')} is empty: choices must be non-empty strings")
         for name in ("json", "regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):

@@ -33,6 +33,9 @@ from lazyattn_rag.kernels.block_table import block_scaled, unpack_block_table
 from lazyattn_rag.kernels.launch import Rotation
 from lazyattn_rag.kernels.rope import apply_rotation
 
+QUERY_TILE_ROWS = 1024  # query rows scored at once: a tile's scores are heads x 1024 x seq_len float32
+# (SmolLM2, 9 heads, an 8k prompt: 300 MB instead of 2.4 GB for the whole prompt at once)
+
 
 @dataclass
 class _SeqGather:
@@ -91,13 +94,15 @@ class TorchAttentionBackend(AttentionBackend):
             q = query[starts[i] : starts[i + 1]].to(torch.float32)  # [q_len, num_heads, head_dim]
             k = flat_k[plan.slots]  # [seq_len, num_kv_heads, head_dim]
             v = flat_v[plan.slots].to(torch.float32)
-            if self._rotate_query(q.shape[0], plan):
-                o = self._attend_rotating_query(q, k, v, plan, metadata.seq_lens_list[i])
-            else:
-                if plan.any_delta:
-                    k = self._rotate(k.to(torch.float32), plan, "keys", plan.deltas)
-                o = self._attend(q, k.to(torch.float32), v, plan, metadata.seq_lens_list[i])
-            out[starts[i] : starts[i + 1]] = o.to(out.dtype)
+            first_pos = metadata.seq_lens_list[i] - q.shape[0]  # the first query row's key index
+            rotate_query = self._rotate_query(q.shape[0], plan)
+            if not rotate_query:
+                k = self._rotate(k.to(torch.float32), plan, "keys", plan.deltas) if plan.any_delta else k.float()
+            for row in range(0, q.shape[0], QUERY_TILE_ROWS):  # scores of one tile of rows at a time
+                tile = q[row : row + QUERY_TILE_ROWS]
+                o = (self._attend_rotating_query(tile, k, v, plan, first_pos + row) if rotate_query
+                     else self._attend(tile, k, v, plan, first_pos + row))
+                out[starts[i] + row : starts[i] + row + tile.shape[0]] = o.to(out.dtype)
         return out
 
     def _rotate(self, x: torch.Tensor, plan: _SeqGather, name, deltas: torch.Tensor) -> torch.Tensor:
@@ -111,12 +116,12 @@ class TorchAttentionBackend(AttentionBackend):
         """[q_len, num_heads, d] -> [q_len, num_kv_heads, group, d] (GQA: query heads of one KV head)."""
         return q.view(q.shape[0], self.num_kv_heads, self.num_heads // self.num_kv_heads, q.shape[-1])
 
-    def _softmax_v(self, scores: torch.Tensor, v: torch.Tensor, plan: _SeqGather, seq_len: int) -> torch.Tensor:
-        """Causal mask, softmax (flagged keys scored by ``chunk_scaling``) and V:
-        scores [kv_heads, group, q_len, seq_len] -> [q_len, num_heads, d]."""
-        q_len = scores.shape[2]
-        if q_len > 1:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=scores.device)[:, None]
+    def _softmax_v(self, scores: torch.Tensor, v: torch.Tensor, plan: _SeqGather, first_pos: int) -> torch.Tensor:
+        """Causal mask (query row ``j`` sees keys ``0 .. first_pos + j``), softmax (flagged keys
+        scored by ``chunk_scaling``) and V: scores [kv_heads, group, q_len, seq_len] -> [q_len, num_heads, d]."""
+        q_len, seq_len = scores.shape[2], scores.shape[3]
+        if first_pos + q_len < seq_len or q_len > 1:
+            q_pos = torch.arange(first_pos, first_pos + q_len, device=scores.device)[:, None]
             k_pos = torch.arange(seq_len, device=scores.device)[None, :]
             scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         if self.chunk_scaling is None:
@@ -127,9 +132,9 @@ class TorchAttentionBackend(AttentionBackend):
         return out.reshape(q_len, self.num_heads, v.shape[-1])
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _SeqGather,
-                seq_len: int) -> torch.Tensor:
+                first_pos: int) -> torch.Tensor:
         scores = torch.einsum("qcgd,ncd->cgqn", self._grouped(q), k)  # [kv_heads, group, q_len, seq_len]
-        return self._softmax_v(scores, v, plan, seq_len)
+        return self._softmax_v(scores, v, plan, first_pos)
 
     def _rotate_query(self, q_len: int, plan: _SeqGather) -> bool:
         if self.rotation is not None:
@@ -138,7 +143,7 @@ class TorchAttentionBackend(AttentionBackend):
             return self.rotation == "query"
         return q_len == 1 or q_len * len(plan.runs) <= plan.slots.numel()
 
-    def _attend_rotating_query(self, q, k, v, plan: _SeqGather, seq_len: int) -> torch.Tensor:
+    def _attend_rotating_query(self, q, k, v, plan: _SeqGather, first_pos: int) -> torch.Tensor:
         q_len = q.shape[0]
         k = k.to(torch.float32)
         group = self.num_heads // self.num_kv_heads
@@ -148,4 +153,4 @@ class TorchAttentionBackend(AttentionBackend):
             if delta != 0:  # once per chunk: R_(-delta) applied to every query row
                 q_run = self._rotate(q, plan, -delta, torch.tensor([-delta], device=q.device))
             scores[..., start:end] = torch.einsum("qcgd,ncd->cgqn", self._grouped(q_run), k[start:end])
-        return self._softmax_v(scores, v, plan, seq_len)
+        return self._softmax_v(scores, v, plan, first_pos)
