@@ -38,11 +38,14 @@ class PlannedRequest:
         submit: ``submit(engine, sink, planned)`` on the engine thread, given ``plan``'s result.
         num_outputs: the answers its stream carries (``SamplingParams.n``), each ending with its
             own finished delta.
+        structured_output: its constraint, compiled before it is planned in the client's
+            grammar threads (``SamplingParams.structured_output``), or ``None``.
     """
 
     plan: Callable[[LLMEngine], Any]
     submit: Callable[[LLMEngine, Sink, Any], Request]
     num_outputs: int = 1
+    structured_output: Any = None
 
 
 class EngineClient:
@@ -61,6 +64,14 @@ class EngineClient:
         # on the H200 (251 against 149 ms, benchmarks/results/http_reuse_h200_diag.json); this
         # one thread is not measured yet.
         self.planning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazyattn-plan")
+        # Structured output's grammars compile in threads of their own (xgrammar releases the GIL):
+        # a schema that takes seconds delays only its own request, not every request's planning.
+        self.compiling = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lazyattn-grammar")
+
+    def close(self) -> None:
+        """Stop the planning and grammar threads (the engine's loop is stopped by its owner)."""
+        self.planning.shutdown(wait=False)
+        self.compiling.shutdown(wait=False)
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(engine, *args)`` on the engine thread; its result, or its exception raised here."""
@@ -70,6 +81,8 @@ class EngineClient:
         """Plan and queue a request (a :class:`PlannedRequest` is planned in :attr:`planning`'s
         thread, the rest on the engine thread; errors raise here); its id."""
         if isinstance(make, PlannedRequest):
+            if make.structured_output is not None:  # compiled once, found in the compiler's cache from here on
+                self.compiling.submit(self.loop.engine.grammars.compile, make.structured_output).result()
             planned = self.planning.submit(make.plan, self.loop.engine).result()
             return self.call(make.submit, sink, planned).request_id
         return self.call(make, sink).request_id
@@ -177,19 +190,15 @@ def prompt_request(prompt: str | list[int] | list[str | DocumentRef], params: Sa
 
 
 def _compiling(params: SamplingParams, make: MakeRequest | PlannedRequest) -> MakeRequest | PlannedRequest:
-    """``make``, with a structured output's grammar compiled first in the planning thread (the
-    engine thread then finds it in the compiler's cache: a new JSON schema never holds up a
-    step) and its number of answers (``params.n``) noted for its stream."""
+    """``make`` as a :class:`PlannedRequest` that carries its structured output's constraint (its
+    grammar compiled off the engine thread first: a new JSON schema never holds up a step) and
+    its number of answers (``params.n``, for its stream)."""
     if params.structured_output is None and params.n == 1:
         return make
-
-    def compile_grammar(engine: LLMEngine) -> None:
-        if params.structured_output is not None:
-            engine.grammars.compile(params.structured_output)
-
     if isinstance(make, PlannedRequest):
-        return PlannedRequest(lambda engine: (compile_grammar(engine), make.plan(engine))[1], make.submit, params.n)
-    return PlannedRequest(compile_grammar, lambda engine, sink, _: make(engine, sink), params.n)
+        return PlannedRequest(make.plan, make.submit, params.n, params.structured_output)
+    return PlannedRequest(lambda engine: None, lambda engine, sink, _: make(engine, sink), params.n,
+                          params.structured_output)
 
 
 def warm_request(doc_ids: Iterable[str], namespace: str = "") -> MakeRequest:

@@ -381,7 +381,7 @@ class LazyAttention:
             for key in [k for k, v in _SHARED.items() if v is self]:
                 del _SHARED[key]
         self.loop.shutdown()
-        self.client.planning.shutdown(wait=False)
+        self.client.close()
 
     shutdown = close  # the name vLLM uses
 

@@ -388,6 +388,8 @@ def test_completions_stream_token_ids_and_refusals(openai_client, http):
     by_ids = client.completions.create(model=model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
     assert by_ids.choices[0].text == whole.choices[0].text and by_ids.usage.prompt_tokens == len(ids)
     assert client.completions.create(model=model, prompt=prompt, temperature=0).usage.completion_tokens == 16
+    assert client.completions.create(model=model, prompt=prompt, temperature=0,  # null: as left out
+                                     max_tokens=None).usage.completion_tokens == 16
     only_top = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=1.0,
                                          extra_body={"min_p": 1.0})  # keeps the most likely token: greedy
     assert only_top.choices[0].text == whole.choices[0].text
@@ -398,9 +400,10 @@ def test_completions_stream_token_ids_and_refusals(openai_client, http):
     assert "".join(c.choices[0].text for c in echoed_ids if c.choices) == prompt + whole.choices[0].text
     with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
         client.completions.create(model=model, prompt=prompt, max_tokens=2, echo=True, logprobs=1)
-    for field, value in (("suffix", "x"), ("best_of", 2), ("logprobs", 21)):
+    for field, value in (("suffix", "x"), ("best_of", 2), ("logprobs", 21),
+                         ("tools", [{"type": "function", "function": {"name": "f"}}])):
         with pytest.raises(openai.BadRequestError, match=field):
-            client.completions.create(model=model, prompt=prompt, max_tokens=2, **{field: value})
+            client.completions.create(model=model, prompt=prompt, max_tokens=2, extra_body={field: value})
     with pytest.raises(openai.BadRequestError, match="n must be in"):
         client.completions.create(model=model, prompt=prompt, max_tokens=2, n=0)
 

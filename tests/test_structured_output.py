@@ -134,3 +134,32 @@ def test_llamaindex_structured_predict_enforces_the_schema(smollm2):
     assert isinstance(llm.structured_predict(City, prompt, city="Vienna"), City)
     assert isinstance(asyncio.run(llm.astructured_predict(City, prompt, city="Oslo")), City)
     assert isinstance(llm.as_structured_llm(City).complete("Describe Rome as JSON.").raw, City)
+
+
+def test_a_slow_grammar_compile_holds_up_only_its_own_request(smollm2, monkeypatch):
+    """Grammars compile in the client's grammar threads, not the planning thread every request
+    goes through: while one schema's compile is held, a plain request and a plain-text chat (planned in
+    the planning thread) still answer; the held one answers once its compile is let go."""
+    import threading
+
+    grammars, release, started = smollm2.engine.grammars, threading.Event(), threading.Event()
+    compile_fn = grammars.compile
+
+    def held_compile(params):
+        if params.regex == "[0-9]+":  # this test's constraint only
+            started.set()
+            assert release.wait(60), "the test never let the compile go"
+        return compile_fn(params)
+
+    monkeypatch.setattr(grammars, "compile", held_compile)
+    held = {}
+    thread = threading.Thread(target=lambda: held.setdefault("out", smollm2.chat(
+        [{"role": "user", "content": "A number?"}],
+        sampling=SamplingParams(max_tokens=4, structured_output=StructuredOutputParams(regex="[0-9]+")))))
+    thread.start()
+    assert started.wait(60)
+    plain = smollm2.chat([{"role": "user", "content": "Say hi."}], sampling=SamplingParams(max_tokens=3))
+    assert plain.token_ids and "out" not in held  # answered while the compile is still held
+    release.set()
+    thread.join(60)
+    assert held["out"].text.isdigit()

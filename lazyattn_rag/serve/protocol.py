@@ -20,7 +20,7 @@ NAMESPACE_PATTERN = r"^[A-Za-z0-9_.:@/-]{0,128}$"
 MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 64
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "audio", "modalities", "prediction",
-               "guided_whitespace_pattern")
+               "guided_whitespace_pattern", "echo")
 GUIDED_BACKENDS = ("xgrammar", "auto")
 
 
@@ -218,6 +218,12 @@ class GenerationRequest(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _stream_options_with_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream: true")
+        return self
+
+    @model_validator(mode="after")
     def _one_structure(self):
         asked = {k: v for k, v in _structure_fields(self).items() if v is not None}
         if len(asked) > 1:
@@ -242,8 +248,8 @@ class GenerationRequest(BaseModel):
         keys = ("n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "min_p", "stop", "seed",
                 "frequency_penalty", "presence_penalty", "top_k", "repetition_penalty", "ignore_eos", "stop_token_ids")
         body = {k: getattr(self, k, None) for k in keys if getattr(self, k, None) is not None}
-        given = self.model_fields_set & {"max_tokens", "max_completion_tokens"}
-        body["strict_max_tokens"] = self.strict_max_tokens if self.strict_max_tokens is not None else bool(given)
+        given = self.max_tokens is not None or getattr(self, "max_completion_tokens", None) is not None  # null: left out
+        body["strict_max_tokens"] = self.strict_max_tokens if self.strict_max_tokens is not None else given
         if self.structured_output is not None:
             body["structured_output"] = self.structured_output.to_body()
         return body | ({"logprobs": self.num_logprobs} if self.num_logprobs is not None else {})
@@ -298,7 +304,8 @@ class ChatCompletionRequest(GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-COMPLETION_UNSUPPORTED = ("suffix", "best_of", "logit_bias")
+COMPLETION_UNSUPPORTED = (*(f for f in UNSUPPORTED if f != "echo"), "suffix", "best_of")
+COMPLETION_MAX_TOKENS = 16  # /v1/completions' max_tokens when the body gives none (OpenAI's and vLLM's)
 
 
 class CompletionRequest(GenerationRequest):
@@ -308,7 +315,7 @@ class CompletionRequest(GenerationRequest):
     none has the registered documents found in it."""
 
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)  # None (left out or null): 16, OpenAI's and vLLM's default
     logprobs: int | None = Field(default=None, ge=0)  # the legacy API's: the most likely tokens per position
     echo: bool = False  # the prompt (as sent: text, or token ids decoded) before each answer's text
     unsupported: ClassVar[tuple[str, ...]] = COMPLETION_UNSUPPORTED
@@ -323,6 +330,9 @@ class CompletionRequest(GenerationRequest):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def sampling_body(self) -> dict[str, Any]:
+        return {"max_tokens": COMPLETION_MAX_TOKENS} | super().sampling_body()
 
     @property
     def prompt_value(self) -> str | list[int]:
