@@ -31,6 +31,12 @@ QUESTIONS = [f"Describe {c} as JSON: its name, its country and its population." 
     ({"choice": ["a", ""]}, "choice 1 is empty"),
     ({"choice": "ab"}, "list of strings"),
     ({"regex": " "}, "regex must be a non-empty string"),
+    # what the mask cannot enforce is refused, wherever it sits in the schema
+    ({"json": {"allOf": [{"type": "integer"}, {"maximum": 6}]}}, r"'allOf' of several schemas \(at \$\)"),
+    ({"json": {"type": "array", "items": {"type": "array", "uniqueItems": True}}}, r"'uniqueItems' \(at \$\.items\)"),
+    ({"json": {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}}, "required 'b'"),
+    ({"json": {"$defs": {"X": {"properties": {"p": {"not": {"const": 1}}}}}, "$ref": "#/$defs/X"}},
+     r"'not' \(at \$\.\$defs\.X\.properties\.p\)"),
 ])
 def test_params_refuse_what_they_cannot_mean(kwargs, message):
     with pytest.raises(ValueError, match=message):

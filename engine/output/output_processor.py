@@ -43,6 +43,7 @@ class OutputProcessor:
         self.scheduler, self.counters, self.max_model_len = scheduler, counters, max_model_len
         self.requests: dict[str, Request] = {}
         self.states: dict[str, OutputState] = {}
+        self._forked: set[str] = set()  # answers that share another's prompt: counted for their tokens only
 
     def add(self, request: Request, state: OutputState) -> None:
         """Take ``request`` in, with what its output needs."""
@@ -106,6 +107,7 @@ class OutputProcessor:
             self.add(child, child_state)
             if not self.scheduler.fork(parent, child):
                 continue
+            self._forked.add(child.request_id)
             s, p = child.stats, parent.stats
             s.docs_hit, s.doc_sources, s.doc_tiers = p.docs_hit + p.docs_missed, dict(p.doc_sources), dict(p.doc_tiers)
             s.num_exact_prefix_tokens = p.num_exact_prefix_tokens + p.num_computed_tokens  # read where computed
@@ -150,12 +152,14 @@ class OutputProcessor:
 
     def abort(self, r: Request) -> None:
         """Cancel ``r``: release it and send its final delta (``finish_reason="abort"``)."""
+        self._forked.discard(r.request_id)
         self.scheduler.remove(r)
         self.counters.num_requests_aborted += 1
         self.finish(r, "abort", release=False)
 
     def fail(self, r: Request, error: Exception, release: bool = True) -> None:
         """End ``r`` with ``error``, which its sink receives (its stream raises it)."""
+        self._forked.discard(r.request_id)
         if release:
             self.scheduler.remove(r)
         r.status = RequestStatus.FINISHED
@@ -168,6 +172,10 @@ class OutputProcessor:
 
     def _count_finished(self, r: Request) -> None:
         c, s = self.counters, r.stats
+        if r.request_id in self._forked:  # another answer of a request counted once: its tokens only
+            self._forked.discard(r.request_id)
+            c.num_output_tokens += s.num_output_tokens
+            return
         c.num_requests_finished += 1
         c.num_prompt_tokens += s.num_prompt_tokens
         c.num_cached_prompt_tokens += s.num_cached_tokens

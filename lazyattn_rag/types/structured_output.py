@@ -14,6 +14,13 @@ from typing import Any
 
 MAX_CHOICES = 1024
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# JSON schema keywords the mask cannot enforce (xgrammar compiles them but lets answers through
+# that break them): refused, so an answer that "matched" always validates
+UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "uniqueItems", "contains",
+                       "minContains", "maxContains", "patternProperties")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
 
 
 @dataclass(frozen=True)
@@ -61,9 +68,13 @@ class StructuredOutputParams:
             raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
         if self.json is not None:
             try:
-                json.loads(self.json)
+                schema = json.loads(self.json)
             except ValueError as error:
                 raise ValueError(f"json must be a JSON schema: {error}") from None
+            found = unenforced(schema)
+            if found is not None:
+                raise ValueError(f"json: the schema's {found[0]} (at {found[1]}) cannot be enforced while sampling; "
+                                 "drop it and check that part of the answer yourself")
         asked = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(asked) != 1:
             raise ValueError(f"give exactly one of {', '.join(KINDS)}; got {', '.join(asked) or 'none'}")
@@ -89,3 +100,26 @@ class StructuredOutputParams:
         if unknown:
             raise ValueError(f"unknown structured output field(s): {', '.join(sorted(unknown))}")
         return cls(**body)
+
+
+def unenforced(schema: Any, path: str = "$") -> tuple[str, str] | None:
+    """The first part of a JSON schema the token mask cannot enforce, as ``(what, where)``:
+    a keyword of ``UNENFORCED_KEYWORDS``, an ``allOf`` of several schemas, or a ``required``
+    name the object's ``properties`` do not define; ``None`` when there is none."""
+    if not isinstance(schema, Mapping):
+        return None
+    keyword = next((k for k in UNENFORCED_KEYWORDS if k in schema), None)
+    if keyword is not None:
+        return f"'{keyword}'", path
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return "'allOf' of several schemas", path
+    properties = schema.get("properties") if isinstance(schema.get("properties"), Mapping) else {}
+    missing = [name for name in schema.get("required") or () if name not in properties]
+    if missing:
+        return f"required {missing[0]!r} (not in its 'properties')", path
+    subschemas = [(f"{path}.{key}.{name}", sub) for key in _SUBSCHEMA_MAPS
+                  if isinstance(schema.get(key), Mapping) for name, sub in schema[key].items()]
+    subschemas += [(f"{path}.{key}[{i}]", sub) for key in _SUBSCHEMA_LISTS
+                   if isinstance(schema.get(key), list) for i, sub in enumerate(schema[key])]
+    subschemas += [(f"{path}.{key}", schema[key]) for key in _SUBSCHEMAS if key in schema]
+    return next((found for where, sub in subschemas if (found := unenforced(sub, where)) is not None), None)
