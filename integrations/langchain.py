@@ -217,15 +217,14 @@ class ChatLazyAttention(BaseChatModel, WrapperSettings):
         """This model answering in ``schema`` (a Pydantic class, ``TypedDict`` or JSON schema
         dict), enforced as a token mask while sampling (``langchain_structured``); ``method``
         ``json_schema`` (default), ``function_calling`` (the same mask) or ``json_mode``;
-        ``include_raw`` as LangChain's own models.
+        ``include_raw`` as LangChain's own models; ``kwargs`` go to the model's calls, as
+        ``ChatOpenAI`` passes them (sampling fields: ``max_tokens=200``...; any other is a
+        ``TypeError`` when the model is called).
 
         Raises:
             ValueError: an unknown ``method``.
-            TypeError: another keyword.
         """
-        if kwargs:
-            raise TypeError(f"with_structured_output() got unexpected keyword(s) {sorted(kwargs)}")
-        return structured_runnable(self, schema, method, include_raw, strict)
+        return structured_runnable(self, schema, method, include_raw, strict, kwargs)
 
     def _prepare(self, messages, stop, kwargs, run_manager) -> tuple[EngineRequest, SamplingParams, LazyAttention]:
         sampling = call_sampling(self.sampling, kwargs, "ChatLazyAttention", _CALL_KEYWORDS, stop)

@@ -27,9 +27,9 @@ METHODS = ("json_schema", "function_calling", "json_mode")
 
 
 def structured_runnable(model: BaseChatModel, schema: Any, method: str = "json_schema", include_raw: bool = False,
-                        strict: bool | None = None) -> Runnable:
-    """``model`` bound to answer in ``schema``, then parsed (a ``schema`` instance for a Pydantic
-    class, a dict otherwise).
+                        strict: bool | None = None, call_kwargs: dict[str, Any] | None = None) -> Runnable:
+    """``model`` bound to answer in ``schema`` (and to ``call_kwargs``), then parsed (a ``schema``
+    instance for a Pydantic class, a dict otherwise).
 
     Raises:
         ValueError: an unknown ``method``, or no ``schema`` but for ``json_mode``.
@@ -42,7 +42,7 @@ def structured_runnable(model: BaseChatModel, schema: Any, method: str = "json_s
     constraint = (StructuredOutputParams(json_object=True) if method == "json_mode"
                   else StructuredOutputParams(json=json_schema))
     bound = model.bind(structured_output=constraint, ls_structured_output_format={
-        "kwargs": {"method": method, "strict": strict}, "schema": json_schema})
+        "kwargs": {"method": method, "strict": strict}, "schema": json_schema}, **(call_kwargs or {}))
     is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
     parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
     if not include_raw:

@@ -23,10 +23,8 @@ class _Settings(ChatSuiteSettings):
     def chat_model_params(self) -> dict:
         from lazyattn_rag import SamplingParams
 
-        # sampling= (not max_tokens=) so the suite's own max_tokens=10 can override it; 64: room
-        # for the structured output tests' two-sentence JSON jokes, whose strings the small model
-        # repeats a phrase in until max_tokens cuts the JSON off without a frequency penalty
-        return {"sampling": SamplingParams(max_tokens=64, frequency_penalty=0.5), "engine_kwargs": SMOLLM2_ENGINE_KWARGS}
+        # sampling= (not max_tokens=) so the suite's own max_tokens=10 can override it
+        return {"sampling": SamplingParams(max_tokens=24), "engine_kwargs": SMOLLM2_ENGINE_KWARGS}
 
     @property
     def supports_model_override(self) -> bool:
