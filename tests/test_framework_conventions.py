@@ -128,11 +128,11 @@ def test_unsupported_features_say_so(engine):
     with pytest.raises(NotImplementedError, match="does not support tool calling"):
         model.bind_tools([])
     with pytest.raises(ValueError, match="unknown method 'tools'; accepted: json_schema, function_calling, json_mode"):
-        model.with_structured_output({"type": "object"}, method="tools")
+        model.with_structured_output({"title": "T", "type": "object"}, method="tools")
     with pytest.raises(ValueError, match="needs a schema"):
         model.with_structured_output(None)
     with pytest.raises(TypeError, match="tools"):  # passed to the model's calls, as ChatOpenAI does: refused there
-        model.with_structured_output({"type": "object"}, tools=[]).invoke("w1")
+        model.with_structured_output({"title": "T", "type": "object"}, tools=[]).invoke("w1")
 
 
 def test_the_no_reuse_warning_comes_once_per_llm_and_not_when_a_document_is_placed(engine, caplog):
