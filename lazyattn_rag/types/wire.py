@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, fields, replace
 from typing import Any
 
@@ -221,19 +221,6 @@ def raise_for_status(status: int, content: bytes) -> None:
     if code == DOCUMENT_CHANGED:
         raise DocumentChanged(message)
     raise error_class(code)(message)
-
-
-def sse_deltas(lines: Iterable[str]) -> Iterator[StreamDelta]:
-    """The deltas of a streamed answer's server-sent-events lines."""
-    for line in lines:
-        yield from sse_line_deltas(line)
-
-
-def sse_line_deltas(line: str) -> list[StreamDelta]:
-    """The deltas of one server-sent-events line (``data: {chunk}``; ``[DONE]`` and other lines: none)."""
-    if not line.startswith("data: ") or line == "data: [DONE]":
-        return []
-    return chunk_deltas(json.loads(line[len("data: "):]))
 
 
 def chunk_deltas(chunk: Mapping[str, Any]) -> list[StreamDelta]:

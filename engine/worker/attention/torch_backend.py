@@ -96,8 +96,9 @@ class TorchAttentionBackend(AttentionBackend):
             v = flat_v[plan.slots].to(torch.float32)
             first_pos = metadata.seq_lens_list[i] - q.shape[0]  # the first query row's key index
             rotate_query = self._rotate_query(q.shape[0], plan)
-            if not rotate_query:
-                k = self._rotate(k.to(torch.float32), plan, "keys", plan.deltas) if plan.any_delta else k.float()
+            k = k.to(torch.float32)  # once for every tile
+            if not rotate_query and plan.any_delta:
+                k = self._rotate(k, plan, "keys", plan.deltas)
             for row in range(0, q.shape[0], QUERY_TILE_ROWS):  # scores of one tile of rows at a time
                 tile = q[row : row + QUERY_TILE_ROWS]
                 o = (self._attend_rotating_query(tile, k, v, plan, first_pos + row) if rotate_query
