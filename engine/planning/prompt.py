@@ -10,13 +10,12 @@ re-tokenized, so a boundary tokenizes the same way on a cache hit as on a miss.
 from __future__ import annotations
 
 import functools
-
-import copy
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lazyattn_rag.engine.planning.token_ids import TokenEncoder
 from lazyattn_rag.types.config import PromptConfig
 from lazyattn_rag.types.messages import DocumentRef, Message
 
@@ -60,10 +59,12 @@ class PromptTemplate:
 
     def __init__(self, tokenizer: Any, config: PromptConfig):
         self.tokenizer = tokenizer
-        # Literal tokenization flips the Rust tokenizer's ``encode_special_tokens`` flag, a write
-        # that races with any other thread using the same tokenizer ("Already borrowed"): it gets
-        # a private copy whose flag stays on, and the shared tokenizer's stays off.
-        self._literal_tokenizer = copy.deepcopy(tokenizer)
+        # Private copies of the Rust backend (engine/planning/token_ids.py): the literal one's
+        # ``encode_special_tokens`` stays on, the parsing one's off; neither is written again, so
+        # planning threads read them while other threads use the shared tokenizer, and neither
+        # gives up the GIL mid-plan.
+        self.literal = TokenEncoder(tokenizer, split_special_tokens=True)
+        self.parsing = TokenEncoder(tokenizer)
         self.config = config
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self._special = _special_tokens(tokenizer)
@@ -97,7 +98,7 @@ class PromptTemplate:
         """Token ids of literal ``text``: no special tokens added, none parsed from the text."""
         if not text:
             return []
-        return list(self._literal_tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        return self.literal.ids(text)
 
     def encode_runs(self, runs: Sequence[tuple[str, bool]]) -> list[int]:
         """Token ids of ``(text, is_markup)`` runs, as the tokenizer would give for their joined
@@ -137,12 +138,12 @@ class PromptTemplate:
         if not text:
             return []
         try:
-            encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids, offsets = self.parsing.ids_and_offsets(text)
         except (NotImplementedError, ValueError, TypeError):  # slow tokenizers have no offsets
             return None
-        if self._special_ids.isdisjoint(encoded["input_ids"]):
-            return list(encoded["input_ids"])
-        for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
+        if self._special_ids.isdisjoint(ids):
+            return ids
+        for token, (start, end) in zip(ids, offsets):
             if token not in self._special_ids:
                 continue
             piece = text[start:end]  # without the whitespace an lstrip/rstrip token absorbs
@@ -151,7 +152,7 @@ class PromptTemplate:
             start, end = start + len(piece) - len(piece.lstrip()), end - len(piece) + len(piece.rstrip())
             if not any(a <= start and end <= b for a, b in markup):
                 return None
-        return list(encoded["input_ids"])
+        return ids
 
     def _special_matches(self, text: str, markup: list[tuple[int, int]]) -> list[re.Match]:
         if not self._special or not markup:
