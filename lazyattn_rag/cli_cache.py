@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -61,6 +62,19 @@ def redis_summary(url: str) -> dict:
         store.close()
 
 
+def _each_tier(cache_dir: Optional[Path], disk_cache: Optional[Path], redis_url: Optional[str],
+               on_disk: Callable[[Path], Any], on_redis: Callable[[str], Any]) -> dict[str, Any]:
+    """``{"disk": on_disk(directory), "redis": on_redis(url)}`` (Redis only with ``redis_url``);
+    a tier's ``ValueError``, ``ImportError`` or ``OSError`` ends the command with its message."""
+    try:
+        out = {"disk": on_disk(_disk_dir(cache_dir, disk_cache))}
+        if redis_url:
+            out["redis"] = on_redis(redis_url)
+    except (ValueError, ImportError, OSError) as e:
+        raise _fail(str(e)) from e
+    return out
+
+
 @app.command(cls=cli_opts.Command)
 def info(
     cache_dir: Optional[Path] = CACHE_DIR,
@@ -68,13 +82,7 @@ def info(
     redis_url: Optional[str] = cli_opts.REDIS_URL,
 ) -> None:
     """Print what the disk cache (and a Redis server, with --redis-url) holds, as JSON."""
-    try:
-        out = {"disk": disk_summary(_disk_dir(cache_dir, disk_cache))}
-        if redis_url:
-            out["redis"] = redis_summary(redis_url)
-    except (ValueError, ImportError) as e:
-        raise _fail(str(e)) from e
-    typer.echo(json.dumps(out, indent=2))
+    typer.echo(json.dumps(_each_tier(cache_dir, disk_cache, redis_url, disk_summary, redis_summary), indent=2))
 
 
 @app.command(cls=cli_opts.Command)
@@ -84,22 +92,27 @@ def clear(
     redis_url: Optional[str] = cli_opts.REDIS_URL,
 ) -> None:
     """Delete every chunk in the disk cache (and this project's keys on a Redis server, with --redis-url)."""
+    counts = _each_tier(cache_dir, disk_cache, redis_url, _clear_disk, _clear_redis)
+    typer.echo(", ".join(f"{tier}: {n} chunks deleted" for tier, n in counts.items()))
+
+
+def _clear_disk(directory: Path) -> int:
     from lazyattn_rag.engine.tiers.disk_store import DiskStore
 
-    try:
-        directory = _disk_dir(cache_dir, disk_cache)
-        counts = {"disk": DiskStore(directory, _NO_LIMIT).clear() if directory.is_dir() else 0}
-        if redis_url:
-            from lazyattn_rag.engine.tiers.redis_store import RedisStore
+    return DiskStore(directory, _NO_LIMIT).clear() if directory.is_dir() else 0
 
-            store = RedisStore(redis_url)
-            counts["redis"] = store.clear()
-            if not store.available:
-                raise ValueError(f"the Redis server at {store.location} did not answer; nothing deleted there")
-            store.close()
-    except (ValueError, ImportError, OSError) as e:
-        raise _fail(str(e)) from e
-    typer.echo(", ".join(f"{tier}: {n} chunks deleted" for tier, n in counts.items()))
+
+def _clear_redis(url: str) -> int:
+    from lazyattn_rag.engine.tiers.redis_store import RedisStore
+
+    store = RedisStore(url)
+    try:
+        count = store.clear()
+        if not store.available:
+            raise ValueError(f"the Redis server at {store.location} did not answer; nothing deleted there")
+        return count
+    finally:
+        store.close()
 
 
 @app.command(cls=cli_opts.Command)
