@@ -26,16 +26,15 @@ can take), in increasing position order.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
 from lazyattn_rag.engine.kv.block_pool import BlockPool
 from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
-from lazyattn_rag.engine.kv.eviction import EVICTION_POLICIES, EvictionPolicy, make_policy
+from lazyattn_rag.engine.kv.eviction import EVICTION_POLICIES, EvictionPolicy, PriorityPolicy, make_policy
 
 CACHE_KINDS = ("prefix", "position_aware", "agnostic")
 # policies the simulator knows: the engine's, plus an oracle for the closed-form check
@@ -61,7 +60,7 @@ def kv_bytes_per_token_from_config(config: dict, dtype_bytes: int = 2) -> int:
                               dtype_bytes)
 
 
-class StaticLFUPolicy(EvictionPolicy):
+class StaticLFUPolicy(PriorityPolicy):
     """Perfect LFU: evicts the entry with the fewest accesses *ever* (counts survive eviction).
 
     On a stationary popularity this converges to keeping the most popular keys, the ideal
@@ -71,45 +70,19 @@ class StaticLFUPolicy(EvictionPolicy):
     name = "static_lfu"
 
     def __init__(self):
-        self._count: dict[str, int] = {}  # every key ever seen -> accesses
-        self._evictable: set[str] = set()
-        self._heap: list[tuple[int, int, str]] = []  # (count, tick, key), lazily deleted
-        self._stamp: dict[str, tuple[int, int]] = {}
-        self._tick = itertools.count()
-
-    def _touch(self, key: str) -> None:
-        self._count[key] = self._count.get(key, 0) + 1
-        self._stamp[key] = (self._count[key], next(self._tick))
-        if key in self._evictable:
-            heapq.heappush(self._heap, (*self._stamp[key], key))
+        super().__init__()
+        self._ever: Counter[str] = Counter()  # every key ever seen -> accesses
 
     def on_insert(self, key, num_tokens, num_blocks):
-        self._touch(key)
+        self._ever[key] += 1
+        super().on_insert(key, num_tokens, num_blocks)
 
     def on_hit(self, key):
-        self._touch(key)
+        self._ever[key] += 1
+        super().on_hit(key)
 
-    def on_remove(self, key, evicted):
-        self._evictable.discard(key)
-        self._stamp.pop(key, None)
-
-    def set_evictable(self, key, evictable):
-        if evictable and key not in self._evictable:
-            self._evictable.add(key)
-            heapq.heappush(self._heap, (*self._stamp[key], key))
-        elif not evictable:
-            self._evictable.discard(key)
-
-    def victim(self):
-        while self._heap:
-            count, tick, key = self._heap[0]
-            if key in self._evictable and self._stamp.get(key) == (count, tick):
-                return key
-            heapq.heappop(self._heap)
-        return None
-
-    def eviction_order(self):
-        return [k for *_, k in sorted((*self._stamp[k], k) for k in self._evictable)]
+    def _priority(self, key):
+        return self._ever[key]
 
 
 def sim_policy(name: str) -> EvictionPolicy:

@@ -44,8 +44,8 @@ import triton
 import triton.testing
 
 from benchmarks.kernels_setup import (BLOCK_SIZE, CHUNK_SCALING, DTYPE, MODELS, add_chunk_scaling, bench_ms,
-                                      build_paged, copy_bandwidth, decode_segments, flag_chunk_blocks, inv_freq_for,
-                                      launch_options, prefill_segments, rel_err, sdpa_runner)
+                                      build_paged, config_sweep, copy_bandwidth, decode_segments, flag_chunk_blocks,
+                                      inv_freq_for, launch_options, prefill_segments, rel_err, sdpa_runner)
 from lazyattn_rag.kernels.decode import paged_decode
 from lazyattn_rag.kernels.launch import block_key_starts, block_runs
 from lazyattn_rag.kernels.prefill import (
@@ -94,27 +94,16 @@ def bench_decode(name: str, cfg: dict, copy_gbps: float, device, batch=32, conte
     if QUICK:  # defaults only (the sweeps of earlier runs are in results/kernels_h200_v*.json)
         return finish_decode(res, lambda rotation, scaled=False: ours(rotation=rotation, scaled=scaled), "default",
                              kv_bytes, copy_gbps, qd, P)
-    sweep = {}
     # Tile shape, warps and stages around the default (64 keys at d128, 4 warps, 3 stages), at
     # split counts around choose_num_splits' (3 at batch 32 x 8k, 49 at batch 1 x 20k on an H200).
-    one = batch == 1
-    for block_n in (32, 64, 128):
-        for splits in ((16, 32, 49, 64) if one else (1, 3, 6)):
-            for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 3)):
-                key = f"block_n={block_n},splits={splits},warps={warps},stages={stages}"
-                try:
-                    ms = bench_ms(ours(splits, block_n, "query", warps, stages), rep=100)
-                    sweep[key] = {"ms": ms, "GBps": kv_bytes / ms / 1e6}
-                except Exception as e:  # noqa: BLE001
-                    sweep[key] = {"error": repr(e)[:200]}
-    res["sweep"] = sweep
-    ok = {k: v for k, v in sweep.items() if "ms" in v}
-    best_key = min(ok, key=lambda k: ok[k]["ms"])
-    best = dict(kv.split("=") for kv in best_key.split(","))
-    bn, sp, wp, st = (int(best[x]) for x in ("block_n", "splits", "warps", "stages"))
+    configs = {f"block_n={bn},splits={sp},warps={wp},stages={st}": dict(splits=sp, block_n=bn, warps=wp, stages=st)
+               for bn in (32, 64, 128) for sp in ((16, 32, 49, 64) if batch == 1 else (1, 3, 6))
+               for wp, st in ((4, 2), (4, 3), (4, 4), (8, 3))}
+    res["sweep"], best_key = config_sweep(ours, configs, kv_bytes, "GBps")
     res["default_config_ms"] = bench_ms(ours())
     res["default_config_GBps"] = kv_bytes / res["default_config_ms"] / 1e6
-    return finish_decode(res, lambda rotation, scaled=False: ours(sp, bn, rotation, wp, st, scaled), best_key,
+    best = configs[best_key]
+    return finish_decode(res, lambda rotation, scaled=False: ours(rotation=rotation, scaled=scaled, **best), best_key,
                          kv_bytes, copy_gbps, qd, P)
 
 
@@ -199,26 +188,18 @@ def bench_prefill(name: str, cfg: dict, device, new_tokens=16384, cached_chunks=
     if QUICK:
         return finish_prefill(res, lambda rotation, scaled=False: ours(rotation, scaled=scaled), "default", flops, qd,
                               P, mask_kw)
-    sweep = {}
     # 64-row tiles of one warpgroup with 2-3 stages of 64 keys fit two programs per multiprocessor
     # (registers <= 255 at 4 warps, shared memory <= 114 KB each): the other program's softmax can
     # overlap this one's products
     configs = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3), (128, 128, 8, 3),
                (64, 128, 4, 3), (64, 128, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 4),
                (128, 64, 8, 2), (256, 64, 8, 2), (256, 128, 8, 2)]
-    for bm, bn, warps, stages in configs:
-        key = f"block_m={bm},block_n={bn},warps={warps},stages={stages}"
-        try:
-            ms = bench_ms(ours("query", bm, bn, warps, stages), rep=100)
-            sweep[key] = {"ms": ms, "TFLOPs": flops / ms / 1e9}
-        except Exception as e:  # noqa: BLE001
-            sweep[key] = {"error": repr(e)[:200]}
-    res["sweep"] = sweep
-    ok = {k: v for k, v in sweep.items() if "ms" in v}
-    best_key = min(ok, key=lambda k: ok[k]["ms"])
-    bm, bn, warps, stages = (int(kv.split("=")[1]) for kv in best_key.split(","))
+    named = {f"block_m={bm},block_n={bn},warps={w},stages={st}": dict(bm=bm, bn=bn, warps=w, stages=st)
+             for bm, bn, w, st in configs}
+    res["sweep"], best_key = config_sweep(ours, named, flops, "TFLOPs", per=1e9)
     res["default_config_ms"] = bench_ms(ours())
-    return finish_prefill(res, lambda rotation, scaled=False: ours(rotation, bm, bn, warps, stages, scaled), best_key,
+    best = named[best_key]
+    return finish_prefill(res, lambda rotation, scaled=False: ours(rotation, scaled=scaled, **best), best_key,
                           flops, qd, P, mask_kw)
 
 

@@ -149,6 +149,21 @@ def sdpa_runner(backend_name: str, q, k, v, **kw):
         return expanded, "K/V expanded to query heads (reads group x more bytes)"
 
 
+def config_sweep(make, configs: dict, work: float, unit: str, per: float = 1e6) -> tuple[dict, str]:
+    """Time ``make(**config)`` for each named config (``bench_ms``, 100 repetitions):
+    ``(sweep, best)``, ``sweep`` by name ``{"ms", unit: work / ms / per}`` (or ``{"error"}`` for
+    a config that does not build here) and ``best`` the fastest one's name."""
+    sweep = {}
+    for name, config in configs.items():
+        try:
+            ms = bench_ms(make(**config), rep=100)
+            sweep[name] = {"ms": ms, unit: work / ms / per}
+        except Exception as e:  # noqa: BLE001
+            sweep[name] = {"error": repr(e)[:200]}
+    ok = {k: v for k, v in sweep.items() if "ms" in v}
+    return sweep, min(ok, key=lambda k: ok[k]["ms"])
+
+
 def launch_options(ours, variants: dict, work: float, unit: str, per: float = 1e6, repeats: int = 3) -> dict:
     """The default launch against each variant (``ours(**variant)``), interleaved ``repeats``
     times so that drift hits all alike: median ms, ``work / ms / per`` in ``unit``, speedup over

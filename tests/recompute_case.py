@@ -11,7 +11,7 @@ import math
 import torch
 
 from benchmarks.qa_recompute import cache_argument
-from lazyattn_rag import AsyncLazyAttention, SamplingParams
+from lazyattn_rag import AsyncLazyAttention, RequestRemedies, SamplingParams
 from tests.oracle import _cache_of, _encode_alone, _shift_keys
 from tests.tiny import words
 
@@ -40,6 +40,19 @@ def logprobs_of(completion) -> torch.Tensor:
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Two engines' first-token distributions (other batches, hits and misses): equal to float32 rounding."""
     return (a - b).abs().max().item() <= 1e-5
+
+
+def assert_remedy_per_request(plain, remedied, on: RequestRemedies, off: RequestRemedies) -> None:
+    """``on`` asked of ``plain`` for one request answers as ``remedied`` (configured with the
+    remedy) does, and ``plain``'s next request is plain again; ``off`` asked of ``remedied``
+    (through the async front door) answers as ``plain`` does."""
+    first_logprobs(plain)
+    first_logprobs(remedied)
+    asked = plain.generate(QUESTION, ["a", "b", "c"], sampling=FIRST, remedies=on)
+    assert close(logprobs_of(asked), first_logprobs(remedied))
+    assert not close(first_logprobs(plain), first_logprobs(remedied))
+    turned_off = AsyncLazyAttention(remedied).generate(QUESTION, ["a", "b", "c"], sampling=FIRST, remedies=off)
+    assert close(logprobs_of(asyncio.run(turned_off)), first_logprobs(plain))
 
 
 def assert_full_attention(hf, llm) -> None:

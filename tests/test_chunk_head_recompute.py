@@ -13,7 +13,7 @@ from lazyattn_rag.types.config import RequestRemedies
 
 from benchmarks.qa_recompute import RecomputeReference
 from lazyattn_rag.types.config import CacheConfig
-from tests.recompute_case import DOCS, FIRST, QUESTION, close, first_logprobs, logprobs_of, remedy_engine
+from tests.recompute_case import DOCS, FIRST, QUESTION, assert_remedy_per_request, first_logprobs, remedy_engine
 
 
 def engine(make_llm, k: int, backend: str = "torch", **config):
@@ -53,20 +53,10 @@ def test_config_is_checked():
 
 def test_per_request_setting_overrides_the_engines(make_llm):
     """``recompute_chunk_head_tokens=`` on a call: that request only, the engine's setting otherwise."""
-    import asyncio
-
-    from lazyattn_rag import AsyncLazyAttention
-
-    hf, plain = engine(make_llm, 0)
+    _, plain = engine(make_llm, 0)
     _, k16 = engine(make_llm, 16)
-    first_logprobs(plain)
-    first_logprobs(k16)
-    asked = plain.generate(QUESTION, ["a", "b", "c"], sampling=FIRST, remedies=RequestRemedies(recompute_chunk_head_tokens=16))
-    assert close(logprobs_of(asked), first_logprobs(k16))
-    assert not close(first_logprobs(plain), first_logprobs(k16))  # the next request is plain again
-    off = asyncio.run(AsyncLazyAttention(k16).generate(QUESTION, ["a", "b", "c"], sampling=FIRST,
-                                                        remedies=RequestRemedies(recompute_chunk_head_tokens=0)))
-    assert close(logprobs_of(off), first_logprobs(plain))
+    assert_remedy_per_request(plain, k16, RequestRemedies(recompute_chunk_head_tokens=16),
+                              RequestRemedies(recompute_chunk_head_tokens=0))
     with pytest.raises(ValueError, match="recompute_chunk_head_tokens"):
         plain.generate(QUESTION, ["a"], remedies=RequestRemedies(recompute_chunk_head_tokens=-1))
     _, copies = make_llm(mode="block_attention")

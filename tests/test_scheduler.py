@@ -26,10 +26,13 @@ SAMPLED = 7  # the token every sampling compute job "samples"
 
 
 def scheduler(num_blocks: int, budget: int = 64, max_num_seqs: int = 8, prefill_with_encodes: bool = True,
-              anchor_tokens: int = 0) -> Scheduler:
+              anchor_tokens: int = 0, retained: tuple[str, ...] = ()) -> Scheduler:
     """A scheduler over a fresh pool of ``num_blocks``; with ``anchor_tokens``, an anchor chunk
-    ("anchor") encoded into the first blocks and pinned for good, as the engine does at start."""
+    ("anchor") encoded into the first blocks and pinned for good, as the engine does at start;
+    its cache retains the chunk keys ``retained`` (as registered documents' keys are)."""
     cache = ChunkCache(BlockPool(num_blocks), BS, LRUPolicy())
+    for key in retained:
+        cache.retain_key(key)
     context = []
     if anchor_tokens:
         blocks = cache.allocate(-(-anchor_tokens // BS))
@@ -63,6 +66,15 @@ def request(rid: str, p: PromptPlan, arrival: float, warm_only: bool = False) ->
     return Request(rid, p, SamplingParams(max_tokens=16), stats, arrival_time=arrival, warm_only=warm_only)
 
 
+def served_and_left(sched: Scheduler, p: PromptPlan) -> None:
+    """A request ``r1`` of plan ``p`` admitted, run for one step and removed (its chunks stay
+    cached, unpinned; its own blocks go to the back of the free list)."""
+    r1 = request("r1", p, 1.0)
+    sched.add(r1)
+    ran(sched, sched.schedule())
+    sched.remove(r1)
+
+
 def ran(sched: Scheduler, out) -> None:
     """What the engine does once a step's forward pass ran: the scheduler's update, then one
     sampled token for each compute job that samples."""
@@ -82,10 +94,8 @@ def job(key: str, n: int, blocks: list[int], context=(), start: int = 0, length:
 
 # --- admission: misses started, hits pinned ---------------------------------------------------------
 def test_a_cold_request_gets_fifo_blocks_and_its_prefill_joins_the_encodes():
-    s = scheduler(16)
+    s = scheduler(16, retained=("A", "B"))
     cache = s.cache
-    cache.retain_key("A")
-    cache.retain_key("B")
     r = request("r", plan(("H", 5, None), ("A", 6, "a"), ("B", 4, "b"), tail=3), 1.0)
     s.add(r)
 
@@ -135,9 +145,8 @@ def test_a_cold_request_gets_fifo_blocks_and_its_prefill_joins_the_encodes():
 
 
 def test_a_chunk_two_requests_need_in_one_step_is_prefilled_once():
-    s = scheduler(16)
+    s = scheduler(16, retained=("A",))
     cache = s.cache
-    cache.retain_key("A")
     r1 = request("r1", plan(("A", 6, "a"), tail=3), 1.0)
     r2 = request("r2", plan(("A", 6, "a"), tail=2), 2.0)
     s.add(r1)
@@ -164,14 +173,9 @@ def test_a_chunk_two_requests_need_in_one_step_is_prefilled_once():
 
 
 def test_a_cached_chunk_is_pinned_and_only_the_miss_is_prefilled():
-    s = scheduler(8)
+    s = scheduler(8, retained=("A", "B"))
     cache = s.cache
-    cache.retain_key("A")
-    cache.retain_key("B")
-    r1 = request("r1", plan(("A", 6, "a"), tail=3), 1.0)
-    s.add(r1)
-    ran(s, s.schedule())  # A in blocks 0-1, r1's tail in block 2
-    s.remove(r1)  # block 2 goes to the back of the free list: 3 4 5 6 7 2
+    served_and_left(s, plan(("A", 6, "a"), tail=3))  # A in blocks 0-1, r1's tail in block 2: free 3 4 5 6 7 2
 
     r2 = request("r2", plan(("A", 6, "a"), ("B", 4, "b"), tail=3), 2.0)
     s.add(r2)
@@ -189,14 +193,9 @@ def test_a_cached_chunk_is_pinned_and_only_the_miss_is_prefilled():
 
 
 def test_a_miss_evicts_an_unpinned_chunk_and_reuses_its_blocks():
-    s = scheduler(5)
+    s = scheduler(5, retained=("A", "B"))
     cache = s.cache
-    cache.retain_key("A")
-    cache.retain_key("B")
-    r1 = request("r1", plan(("A", 8, "a"), tail=3), 1.0)
-    s.add(r1)
-    ran(s, s.schedule())  # A 0-1, private 2
-    s.remove(r1)  # free: 3 4 2; A (0-1) evictable
+    served_and_left(s, plan(("A", 8, "a"), tail=3))  # A 0-1, private 2: free 3 4 2; A (0-1) evictable
 
     r2 = request("r2", plan(("B", 12, "b"), tail=3), 2.0)  # B needs 3 blocks and its tail 1: 4 > 3 free
     s.add(r2)
@@ -211,10 +210,8 @@ def test_a_miss_evicts_an_unpinned_chunk_and_reuses_its_blocks():
 
 
 def test_a_request_without_room_waits_then_is_admitted_once_blocks_free():
-    s = scheduler(6)
+    s = scheduler(6, retained=("A", "B"))
     cache = s.cache
-    cache.retain_key("A")
-    cache.retain_key("B")
     r1 = request("r1", plan(("A", 8, "a"), tail=4), 1.0)
     r2 = request("r2", plan(("B", 8, "b"), tail=5), 2.0)  # B 2 blocks + its tail 2: 4, fits the cache alone
     s.add(r1)
@@ -268,8 +265,7 @@ def test_at_most_max_num_seqs_requests_hold_blocks():
 
 
 def test_a_request_that_could_never_fit_fails_alone_at_admission():
-    s = scheduler(4)
-    s.cache.retain_key("A")
+    s = scheduler(4, retained=("A",))
     big = request("big", plan(("A", 12, "a"), tail=4), 1.0)  # A 3 blocks + tail and next token 2: 5 > 4
     small = request("small", plan(tail=4), 2.0)
     s.add(big)
@@ -285,8 +281,7 @@ def test_a_request_that_could_never_fit_fails_alone_at_admission():
 
 
 def test_a_warm_up_finishes_once_its_chunks_are_written_without_a_compute():
-    s = scheduler(8)
-    s.cache.retain_key("A")
+    s = scheduler(8, retained=("A",))
     warm = request("warm", plan(("A", 6, "a"), tail=0), 1.0, warm_only=True)
     s.add(warm)
 
@@ -306,11 +301,10 @@ def test_a_warm_up_finishes_once_its_chunks_are_written_without_a_compute():
 def test_a_chunk_over_the_budget_is_encoded_in_pieces_after_the_anchor():
     """A 1-token anchor in block 0; a 10-token document at local position 1 and global 3 (delta 2),
     after a 3-token head; a budget of 8 tokens a step."""
-    s = scheduler(16, budget=8, anchor_tokens=1)
+    s = scheduler(16, budget=8, anchor_tokens=1, retained=("A",))
     cache = s.cache
     anchor = [BlockEntry(0, 0, 1)]
     assert s.anchor_context == anchor and s.budget.num_usable_blocks == 15
-    cache.retain_key("A")
     r = request("r", plan(("H", 3, None), ("A", 10, "a"), tail=2, local_start=1), 1.0)
     s.add(r)
 
@@ -338,9 +332,8 @@ def test_a_chunk_over_the_budget_is_encoded_in_pieces_after_the_anchor():
 
 # --- preemption ---------------------------------------------------------------------------------
 def test_the_newest_request_is_preempted_when_an_older_one_needs_a_block():
-    s = scheduler(5)
+    s = scheduler(5, retained=("A",))
     cache = s.cache
-    cache.retain_key("A")
     r1 = request("r1", plan(tail=4), 1.0)
     r2 = request("r2", plan(tail=4), 2.0)
     r3 = request("r3", plan(("A", 4, "a"), tail=4), 3.0)
@@ -390,10 +383,8 @@ def test_abandon_releases_the_steps_requests_and_the_holders_of_its_chunks():
     """prefill_with_encodes=False keeps r1 and r2 out of the step that encodes their chunks:
     they are released because they hold those chunks; r0 because its decode was in the step.
     B was to take two steps: its task goes too."""
-    s = scheduler(16, budget=16, prefill_with_encodes=False)
+    s = scheduler(16, budget=16, prefill_with_encodes=False, retained=("A", "B"))
     cache = s.cache
-    cache.retain_key("A")
-    cache.retain_key("B")
     r0 = request("r0", plan(tail=4), 0.0)
     r1 = request("r1", plan(("A", 6, "a"), tail=3), 1.0)
     r2 = request("r2", plan(("B", 10, "b"), tail=3), 2.0)
@@ -425,9 +416,8 @@ def test_a_request_preempted_and_readmitted_in_one_step_is_reported_released_in_
     prefill task is dropped in the same schedule() (freeing its blocks) and r4 is admitted again
     at once. Its old packed context (kept by the runner) must be dropped before this very step's
     inputs are prepared, so r4 is in this output's released_ids, not the next one's."""
-    s = scheduler(12, budget=6)
+    s = scheduler(12, budget=6, retained=("X",))
     cache = s.cache
-    cache.retain_key("X")
     r1 = request("r1", plan(tail=4), 1.0)
     s.add(r1)
     ran(s, s.schedule())  # r1: 4 tokens in block 0
@@ -479,9 +469,8 @@ def test_a_fork_shares_the_prompts_blocks_and_copies_its_last_partial_block():
     the next step fills with a slot copy of the prompt's last, partly filled block."""
     from lazyattn_rag.engine.scheduling.scheduler_output import SlotCopyJob
 
-    s = scheduler(10)
+    s = scheduler(10, retained=("A",))
     cache = s.cache
-    cache.retain_key("A")
     parent = request("p", plan(("A", 6, "a"), tail=6), 1.0)  # A in 0-1; the tail's 6 tokens in 2 (full) and 3 (2 slots)
     s.add(parent)
     ran(s, s.schedule())
@@ -504,8 +493,7 @@ def test_a_fork_shares_the_prompts_blocks_and_copies_its_last_partial_block():
 
 
 def test_a_fork_that_cannot_share_computes_its_prompt_itself():
-    s = scheduler(4)  # A 0-1, the tail 2-3: no block left for the copy
-    s.cache.retain_key("A")
+    s = scheduler(4, retained=("A",))  # A 0-1, the tail 2-3: no block left for the copy
     parent = request("p", plan(("A", 6, "a"), tail=6), 1.0)
     s.add(parent)
     ran(s, s.schedule())

@@ -19,7 +19,8 @@ from benchmarks.qa_recompute import RecomputeReference, cache_argument
 from lazyattn_rag import SamplingParams
 from lazyattn_rag.types.config import CacheConfig
 from tests.observe import StepLog, fail_first_call
-from tests.recompute_case import (DOCS, FIRST, QUESTION, assert_nothing_held, close, first_logprobs, logprobs_of,
+from tests.recompute_case import (DOCS, FIRST, QUESTION, assert_nothing_held, assert_remedy_per_request, close,
+                                  first_logprobs, logprobs_of,
                                   remedy_engine)
 from tests.tiny import words
 
@@ -98,22 +99,12 @@ def test_config_is_checked():
 def test_per_request_setting_overrides_the_engines(make_llm):
     """``recompute_selective_ratio=`` on a call: that request only (asking for it turns the
     engine's chunk-head recompute off for it); the engine's setting otherwise."""
-    import asyncio
-
-    from lazyattn_rag import AsyncLazyAttention
-
     _, plain = engine(make_llm, 0.0)
     _, sel = engine(make_llm, 0.15)
+    assert_remedy_per_request(plain, sel, RequestRemedies(recompute_selective_ratio=0.15),
+                              RequestRemedies(recompute_selective_ratio=0.0))
     hf, heads = make_llm(seed=2, anchor="none", recompute_chunk_head_tokens=4)
     heads.add_documents(list(DOCS.items()))
-    for llm in (plain, sel, heads):
-        first_logprobs(llm)
-    asked = plain.generate(QUESTION, ["a", "b", "c"], sampling=FIRST, remedies=RequestRemedies(recompute_selective_ratio=0.15))
-    assert close(logprobs_of(asked), first_logprobs(sel))
-    assert not close(first_logprobs(plain), first_logprobs(sel))  # the next request is plain again
-    off = asyncio.run(AsyncLazyAttention(sel).generate(QUESTION, ["a", "b", "c"], sampling=FIRST,
-                                                        remedies=RequestRemedies(recompute_selective_ratio=0.0)))
-    assert close(logprobs_of(off), first_logprobs(plain))
     swapped = heads.generate(QUESTION, ["a", "b", "c"], sampling=FIRST, remedies=RequestRemedies(recompute_selective_ratio=0.15))
     assert close(logprobs_of(swapped), first_logprobs(sel))
     with pytest.raises(ValueError, match="recompute_selective_ratio"):

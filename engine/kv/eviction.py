@@ -78,8 +78,9 @@ class LRUPolicy(EvictionPolicy):
         return [k for k, ok in self._order.items() if ok]
 
 
-class _PriorityPolicy(EvictionPolicy):
-    """Lowest priority first; ties broken by least recent access.
+class PriorityPolicy(EvictionPolicy):
+    """Lowest priority first; ties broken by least recent access. Subclasses define
+    :meth:`_priority` (of a key, from ``_freq``, ``_size`` and ``_inflation``).
 
     A lazy-deletion heap: a re-prioritized, pinned or removed key leaves its old heap entry
     behind, skipped when it surfaces. Once stale entries outnumber live (evictable) ones by
@@ -156,14 +157,14 @@ class _PriorityPolicy(EvictionPolicy):
         return [k for _, _, k in sorted((self._prio[k][0], self._prio[k][1], k) for k in self._evictable)]
 
 
-class LFUAgingPolicy(_PriorityPolicy):
+class LFUAgingPolicy(PriorityPolicy):
     name = "lfu"
 
     def _priority(self, key):
         return self._inflation + self._freq[key]
 
 
-class GDSFPolicy(_PriorityPolicy):
+class GDSFPolicy(PriorityPolicy):
     name = "gdsf"
 
     def _priority(self, key):
