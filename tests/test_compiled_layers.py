@@ -6,7 +6,7 @@ import torch
 
 from lazyattn_rag.engine.model.compiled_layers import CompiledLayers
 from tests.paged_case import our_logits
-from tests.test_model_vs_hf import hf_logits
+from tests.tiny import hf_logits
 from tests.tiny import MODEL_CASES, hf_and_ours, hf_config
 
 

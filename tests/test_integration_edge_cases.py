@@ -11,7 +11,7 @@ import pytest
 
 from lazyattn_rag import SamplingParams
 from tests.integrations_kit import PlanSpy, bow_langchain_embeddings, bow_llamaindex_embedding, tiny_engine
-from tests.tiny import words
+from tests.tiny import save_model_dir, words
 
 
 @pytest.fixture(scope="module")
@@ -127,15 +127,6 @@ def test_metadata_that_cannot_be_saved_is_refused_at_add_and_a_failed_save_keeps
 
 
 # --- 6. wrappers built from settings keep a shut-down shared engine ----------------------------------
-def _tiny_model_dir(path):
-    from tests.tiny import hf_and_ours, hf_config, word_tokenizer
-
-    hf, _ = hf_and_ours(hf_config())
-    hf.save_pretrained(path, safe_serialization=True)
-    word_tokenizer().save_pretrained(path)
-    return str(path)
-
-
 def test_settings_built_wrappers_follow_the_shared_engine_after_shutdown(tmp_path):
     """``LazyAttention.shared``: "shutdown of a shared engine removes it, and the next call builds a
     new one". New wrappers get the new engine; wrappers built before keep the stopped one forever
@@ -145,7 +136,7 @@ def test_settings_built_wrappers_follow_the_shared_engine_after_shutdown(tmp_pat
     from lazyattn_rag.integrations.langchain import ChatLazyAttention
     from lazyattn_rag.integrations.llamaindex import LazyAttentionLLM
 
-    model = _tiny_model_dir(tmp_path / "tiny")
+    model = str(save_model_dir(tmp_path / "tiny"))
     kw = {"device": "cpu", "attention_backend": "torch", "cache": {"num_blocks": 64}}
     chat = ChatLazyAttention(model=model, max_tokens=2, engine_kwargs=kw)
     llm = LazyAttentionLLM(model=model, max_tokens=2, engine_kwargs=kw)

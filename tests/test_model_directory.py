@@ -8,20 +8,7 @@ import pytest
 from lazyattn_rag import EngineConfig, LazyAttention, SamplingParams
 from lazyattn_rag.types.config import CacheConfig
 from lazyattn_rag.engine.model.model_loading import declared_eos_token_ids
-from tests.tiny import hf_and_ours, hf_config, word_tokenizer, words
-
-
-def _model_dir(path, eos):
-    """A tiny random Llama saved as a Hugging Face directory with ``eos_token_id=eos`` in
-    config.json and no generation_config.json."""
-    hf, _ = hf_and_ours(hf_config())
-    hf.save_pretrained(path)
-    word_tokenizer().save_pretrained(path)
-    (path / "generation_config.json").unlink(missing_ok=True)
-    config = json.loads((path / "config.json").read_text())
-    config["eos_token_id"] = eos
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+from tests.tiny import save_model_dir, words
 
 
 def _engine(path, tmp_path):
@@ -42,7 +29,7 @@ def test_generation_stops_on_every_eos_id_config_json_declares(tmp_path):
     """config.json with ``eos_token_id: [3, t]`` and no generation_config.json: generation stops
     on ``t`` (it ran to the length limit when only generation_config.json was read)."""
     question = words(4, 30)
-    path = _model_dir(tmp_path / "model", [3])
+    path = save_model_dir(tmp_path / "model", [3])
     llm = _engine(path, tmp_path)
     try:
         first = llm.generate(question, sampling=SamplingParams(max_tokens=6, ignore_eos=True)).token_ids
@@ -83,7 +70,7 @@ def test_generation_defaults_follow_transformers_do_sample_rule(tmp_path):
 def test_calls_without_sampling_use_the_models_generation_config(tmp_path):
     from lazyattn_rag.types.sampling_params import SamplingParams as Params
 
-    path = _model_dir(tmp_path / "model", 3)
+    path = save_model_dir(tmp_path / "model", 3)
     (path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.5, "top_k": 7}))
     llm = _engine(path, tmp_path)
     try:

@@ -6,14 +6,7 @@ import torch
 from lazyattn_rag.engine.model.transformer import ModelArchConfig, UnsupportedModelError
 from lazyattn_rag.kernels.rope import RotaryEmbedding, UnsupportedRopeError
 from tests.paged_case import our_logits
-from tests.tiny import MODEL_CASES, hf_and_ours, hf_config
-
-
-def hf_logits(hf, token_ids: list[int], start_pos: int) -> torch.Tensor:
-    ids = torch.tensor([token_ids])
-    pos = torch.arange(start_pos, start_pos + len(token_ids))[None]
-    with torch.no_grad():
-        return hf(input_ids=ids, position_ids=pos).logits[0]
+from tests.tiny import MODEL_CASES, hf_and_ours, hf_config, hf_logits
 
 
 @pytest.mark.parametrize("name", list(MODEL_CASES))

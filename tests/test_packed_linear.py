@@ -8,7 +8,7 @@ from torch import nn
 
 from lazyattn_rag.engine.model.packed_linear import PackedLinear, onednn_available, pack_linears, unpack_linears
 from tests.paged_case import our_logits
-from tests.test_model_vs_hf import hf_logits
+from tests.tiny import hf_logits
 from tests.tiny import hf_and_ours, hf_config
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")

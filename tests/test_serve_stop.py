@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("ray.serve")
 psutil = pytest.importorskip("psutil")
 
-from tests.test_model_directory import _model_dir  # noqa: E402
+from tests.tiny import save_model_dir  # noqa: E402
 
 
 def _free_port() -> int:
@@ -23,7 +23,7 @@ def _free_port() -> int:
 
 
 def test_sigterm_stops_the_server_and_everything_it_started(tmp_path):
-    model = _model_dir(tmp_path / "model", eos=2)
+    model = save_model_dir(tmp_path / "model", eos=2)
     command = [sys.executable, "-m", "lazyattn_rag.cli", "serve", "--model", str(model), "--device", "cpu",
                "--port", str(_free_port()), "--cache-dir", str(tmp_path / "cache"), "--no-disk-cache"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")

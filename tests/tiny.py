@@ -124,3 +124,29 @@ def tiny_llm(model: CausalLM | None = None, tokenizer: Any = None, **config: Any
     if model is None:
         model = hf_and_ours(hf_config())[1]
     return LazyAttention.from_model(model, tokenizer or word_tokenizer(), tiny_config(**config))
+
+
+def hf_logits(hf, token_ids: list[int], start_pos: int) -> torch.Tensor:
+    """``[len(token_ids), vocab_size]``: transformers' logits for ``token_ids`` at positions
+    ``start_pos, start_pos + 1, ...`` (the reference our model is checked against)."""
+    ids = torch.tensor([token_ids])
+    pos = torch.arange(start_pos, start_pos + len(token_ids))[None]
+    with torch.no_grad():
+        return hf(input_ids=ids, position_ids=pos).logits[0]
+
+
+def save_model_dir(path, eos: int | list[int] | None = None):
+    """The default tiny random Llama saved as a Hugging Face directory at ``path`` (safetensors,
+    the word tokenizer); with ``eos``, that ``eos_token_id`` in config.json and no
+    generation_config.json. Returns ``path``."""
+    import json
+
+    hf, _ = hf_and_ours(hf_config())
+    hf.save_pretrained(path, safe_serialization=True)
+    word_tokenizer().save_pretrained(path)
+    if eos is not None:
+        (path / "generation_config.json").unlink(missing_ok=True)
+        config = json.loads((path / "config.json").read_text())
+        config["eos_token_id"] = eos
+        (path / "config.json").write_text(json.dumps(config))
+    return path
