@@ -45,3 +45,26 @@ def test_a_forbidden_import_breaks_its_contract(tmp_path, module, bad_import, co
     assert result.returncode == 1, report[-3000:]
     assert contract in report.split("Broken contracts")[1], report[-3000:]  # (with indirect imports forbidden,
     # one import can break more than one contract)
+
+
+def imports_of_test_modules(paths=None) -> list[str]:
+    """``"file: module"`` for each import of a ``test_*`` module by a test module (``paths``:
+    default every tests/test_*.py). Shared test code lives in helper modules (tests/tiny.py,
+    tests/oracle.py...), never in a ``test_*`` module another one imports (a helper moved with
+    its tests would break the importer)."""
+    import ast
+
+    offenders = []
+    for path in paths or sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[-1].startswith("test_")]
+    return offenders
+
+
+def test_no_test_module_imports_another(tmp_path):
+    assert imports_of_test_modules() == []
+    bad = tmp_path / "test_bad.py"
+    bad.write_text("from tests.test_model_vs_hf import MODEL_CASES\nimport tests.test_layers\n")
+    assert imports_of_test_modules([bad]) == ["test_bad.py: tests.test_model_vs_hf", "test_bad.py: tests.test_layers"]
