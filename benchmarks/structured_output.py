@@ -15,6 +15,7 @@ without a JSON schema, side by side in one run.
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -43,7 +44,11 @@ def _messages(city: str) -> list[dict]:
     return [{"role": "user", "content": f"Describe {city} as JSON: its name, its country and its population."}]
 
 
-def _tpot(llm: LazyAttention, params: SamplingParams, batch: int) -> tuple[list[float], list[list[int]]]:
+def _tpot(llm: LazyAttention, params: SamplingParams, batch: int, valid: list[bool] | None = None
+          ) -> tuple[list[float], list[list[int]]]:
+    """TPOTs and token ids of the answers to every city, ``batch`` streams at a time; with
+    ``valid``, whether each answer that ended by itself (not at ``max_tokens``) is an object of
+    the schema's three fields."""
     tpots, answers = [], []
     for start in range(0, len(CITIES), batch):
         streams = [llm.stream_chat(_messages(c), sampling=params) for c in CITIES[start:start + batch]]
@@ -52,7 +57,19 @@ def _tpot(llm: LazyAttention, params: SamplingParams, batch: int) -> tuple[list[
             answers.append([d.token_id for d in deltas if d.token_id is not None])
             if deltas[-1].stats.tpot_ms is not None:
                 tpots.append(deltas[-1].stats.tpot_ms)
+            if valid is not None and deltas[-1].finish_reason == "stop":
+                valid.append(_fits_schema("".join(d.text for d in deltas)))
     return tpots, answers
+
+
+def _fits_schema(text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return (isinstance(value, dict) and list(value) == ["name", "country", "population"]
+            and isinstance(value["name"], str) and isinstance(value["country"], str)
+            and type(value["population"]) is int and 0 <= value["population"] <= 10**9)
 
 
 def _mask_us(llm: LazyAttention, constraint: StructuredOutputParams, answers: list[list[int]]) -> list[float]:
@@ -84,10 +101,11 @@ def main(device: str = "cpu", dtype: str = "float32", backend: str = "torch", ro
     _tpot(llm, sides["json_schema"], batch)  # warm-up: compiles the grammar, caches the prompt head
     tpot = {(side, b): [] for side in sides for b in (1, batch)}
     answers: list[list[int]] = []
+    valid: list[bool] = []
     for _ in range(rounds):
         for b in (1, batch):
             for side, params in sides.items():
-                values, side_answers = _tpot(llm, params, b)
+                values, side_answers = _tpot(llm, params, b, valid if side == "json_schema" else None)
                 tpot[side, b] += values
                 answers += side_answers if side == "json_schema" else []
     mask = _mask_us(llm, constraint, answers)
@@ -95,7 +113,9 @@ def main(device: str = "cpu", dtype: str = "float32", backend: str = "torch", ro
               "num_questions": len(CITIES), "rounds": rounds, "max_tokens": max_tokens,
               "mask_us_per_step": {"median": statistics.median(mask), "p99": sorted(mask)[int(0.99 * len(mask))],
                                    "num_steps": len(mask)},
-              "tpot_ms": {f"{side}_batch{b}": statistics.median(v) for (side, b), v in tpot.items()}}
+              "tpot_ms": {f"{side}_batch{b}": statistics.median(v) for (side, b), v in tpot.items()},
+              # the schema's answers that closed their JSON, and how many of them are objects of it
+              "json_schema_answers": {"num_finished": len(valid), "num_valid": sum(valid)}}
     for b in (1, batch):
         result["tpot_ms"][f"ratio_batch{b}"] = result["tpot_ms"][f"json_schema_batch{b}"] / result["tpot_ms"][
             f"free_batch{b}"]

@@ -95,6 +95,29 @@ def test_json_schema_answers_parse_and_validate_for_twenty_prompts(smollm2):
     assert len(QUESTIONS) == 20
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_mask_applies_on_the_gpu_with_the_triton_backend(smollm2_dir):
+    """The mask on CUDA logits, in batched decode steps of the fused kernels (bfloat16): eight
+    answers at once parse and validate; a choice constraint yields only its options."""
+    from lazyattn_rag import CacheConfig, EngineConfig, LazyAttention
+
+    llm = LazyAttention(EngineConfig(model=str(smollm2_dir), device="cuda", dtype="bfloat16",
+                                     attention_backend="triton", cache=CacheConfig(num_blocks=512)))
+    try:
+        params = SamplingParams(max_tokens=64, structured_output=StructuredOutputParams(json=City.model_json_schema()))
+        streams = [llm.stream_chat([{"role": "user", "content": q}], sampling=params) for q in QUESTIONS[:8]]
+        for question, stream in zip(QUESTIONS, streams):
+            deltas = list(stream)
+            text = "".join(d.text for d in deltas)
+            assert deltas[-1].finish_reason == "stop", (question, text)
+            City.model_validate_json(text)
+        choice = SamplingParams(max_tokens=8, structured_output=StructuredOutputParams(choice=["yes", "no"]))
+        assert llm.chat("Is Paris in France?", sampling=choice).text in ("yes", "no")
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("kwargs, check", [
     ({"choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe")),
     ({"choice": ["🗼 😀"]}, lambda t: t == "🗼 😀"),  # characters outside the BMP
