@@ -65,13 +65,16 @@ def redis_summary(url: str) -> dict:
 def _each_tier(cache_dir: Optional[Path], disk_cache: Optional[Path], redis_url: Optional[str],
                on_disk: Callable[[Path], Any], on_redis: Callable[[str], Any]) -> dict[str, Any]:
     """``{"disk": on_disk(directory), "redis": on_redis(url)}`` (Redis only with ``redis_url``);
-    a tier's ``ValueError``, ``ImportError`` or ``OSError`` ends the command with its message."""
+    a tier's ``ValueError``, ``ImportError`` or ``OSError`` ends the command with its message and
+    what the tiers before it gave (e.g. the disk chunks deleted before Redis failed)."""
+    out: dict[str, Any] = {}
     try:
-        out = {"disk": on_disk(_disk_dir(cache_dir, disk_cache))}
+        out["disk"] = on_disk(_disk_dir(cache_dir, disk_cache))
         if redis_url:
             out["redis"] = on_redis(redis_url)
     except (ValueError, ImportError, OSError) as e:
-        raise _fail(str(e)) from e
+        done = f" (before it, disk: {json.dumps(out['disk'])})" if out else ""
+        raise _fail(f"{e}{done}") from e
     return out
 
 

@@ -96,6 +96,7 @@ def test_cache_info_and_clear_on_redis_touch_only_our_keys(tmp_path, redis_serve
     redis_server.stop()
     out = runner().invoke(app, ["cache", "clear", "--cache-dir", str(tmp_path), "--redis-url", redis_server.url])
     assert out.exit_code == 2 and "did not answer" in out.output
+    assert "(before it, disk: 0)" in out.output  # what was deleted before Redis failed is said
     store.close()
 
 

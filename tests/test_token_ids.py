@@ -76,3 +76,23 @@ def test_a_slow_tokenizer_goes_through_its_call():
     assert TokenEncoder(Slow(), split_special_tokens=True).ids("ab cde") == [2, 3, 99]
     with pytest.raises(NotImplementedError):
         TokenEncoder(Slow()).ids_and_offsets("ab")
+
+
+def test_raw_prompts_follow_the_tokenizers_own_split_special_tokens_setting(smollm2_dir, tmp_path):
+    """``plan_prompt`` (``/v1/completions``' text) tokenizes as the tokenizer's own call does by
+    default: special-token text parsed, unless the tokenizer is configured to split it."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from lazyattn_rag import PromptConfig
+    from lazyattn_rag.engine.planning.prompt import PromptTemplate
+
+    AutoTokenizer.from_pretrained(str(smollm2_dir)).save_pretrained(tmp_path)
+    config_path = tmp_path / "tokenizer_config.json"
+    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"split_special_tokens": True}))
+    prompt = "<|im_start|>user\nhi<|im_end|>"
+    for tokenizer in (AutoTokenizer.from_pretrained(str(smollm2_dir)), AutoTokenizer.from_pretrained(str(tmp_path))):
+        template = PromptTemplate(tokenizer, PromptConfig())
+        assert template.raw.ids(prompt, add_special_tokens=True) == list(tokenizer(prompt)["input_ids"])
+    assert tokenizer.split_special_tokens and template.raw is template.literal

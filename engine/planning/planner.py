@@ -193,7 +193,7 @@ class PromptPlanner:
         remedy = self._remedies(remedies)
         if not any(isinstance(p, DocumentRef) for p in parts):
             text = "".join(parts)
-            return self.plan_plain(self.template.parsing.ids(text, add_special_tokens=True) if text else [], namespace,
+            return self.plan_plain(self.template.raw.ids(text, add_special_tokens=True) if text else [], namespace,
                                    from_tokenizer=True)
         pieces = self.template.render_raw(parts)
         return self._plan_pieces(pieces, namespace, remedy, {}, "raw prompt", lead=list(self.template.tokenizer_leading_ids))
@@ -246,7 +246,7 @@ class PromptPlanner:
             see :meth:`plan_plain`.
         """
         if isinstance(prompt, str):
-            return self.plan_plain(self.template.parsing.ids(prompt, add_special_tokens=True), namespace,
+            return self.plan_plain(self.template.raw.ids(prompt, add_special_tokens=True), namespace,
                                    from_tokenizer=True)
         if isinstance(prompt, (list, tuple)):
             return self.plan_plain(list(prompt), namespace)

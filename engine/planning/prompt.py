@@ -63,8 +63,10 @@ class PromptTemplate:
         # ``encode_special_tokens`` stays on, the parsing one's off; neither is written again, so
         # planning threads read them while other threads use the shared tokenizer, and neither
         # gives up the GIL mid-plan.
-        self.literal = TokenEncoder(tokenizer, split_special_tokens=True)
-        self.parsing = TokenEncoder(tokenizer)
+        self.parsing, self.literal = TokenEncoder.pair(tokenizer)
+        # a raw prompt is tokenized as the tokenizer's own call does by default, which reads
+        # special-token text as text where the tokenizer is configured so
+        self.raw = self.literal if getattr(tokenizer, "split_special_tokens", False) else self.parsing
         self.config = config
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self._special = _special_tokens(tokenizer)

@@ -28,9 +28,17 @@ class TokenEncoder:
             encoder), as ``__call__``'s ``split_special_tokens=True``.
     """
 
-    def __init__(self, tokenizer: Any, split_special_tokens: bool = False):
+    def __init__(self, tokenizer: Any, split_special_tokens: bool = False, _serialized: str | None = None):
         self.tokenizer, self.split_special_tokens = tokenizer, split_special_tokens
-        self.backend = _private_backend(tokenizer, split_special_tokens)
+        self.backend = _private_backend(tokenizer, split_special_tokens, _serialized)
+
+    @classmethod
+    def pair(cls, tokenizer: Any) -> tuple["TokenEncoder", "TokenEncoder"]:
+        """``(parsing, literal)``: encoders with ``split_special_tokens`` off and on, the backend
+        serialized once for both (a large vocabulary takes tens of ms)."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        serialized = backend.to_str() if backend is not None and getattr(tokenizer, "is_fast", False) else None
+        return cls(tokenizer, False, serialized), cls(tokenizer, True, serialized)
 
     def ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text`` (``add_special_tokens``: the ones the tokenizer adds, e.g. BOS)."""
@@ -57,15 +65,15 @@ class TokenEncoder:
         return self.tokenizer(text, add_special_tokens=add_special_tokens, **kwargs)
 
 
-def _private_backend(tokenizer: Any, split_special_tokens: bool) -> Any | None:
-    """A copy of ``tokenizer``'s Rust backend set up as its ``__call__`` would run it, or
-    ``None`` for a tokenizer without one."""
+def _private_backend(tokenizer: Any, split_special_tokens: bool, serialized: str | None = None) -> Any | None:
+    """A copy of ``tokenizer``'s Rust backend (from ``serialized``, its ``to_str()``, if given)
+    set up as its ``__call__`` would run it, or ``None`` for a tokenizer without one."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not getattr(tokenizer, "is_fast", False):
         return None
     from tokenizers import Tokenizer
 
-    private = Tokenizer.from_str(backend.to_str())
+    private = Tokenizer.from_str(serialized if serialized is not None else backend.to_str())
     private.no_truncation()
     private.no_padding()
     private.encode_special_tokens = split_special_tokens
