@@ -14,7 +14,7 @@ from lazyattn_rag import cli_options as cli_opts
 from lazyattn_rag import cli_runtime  # noqa: F401  (process settings, set before torch loads)
 from lazyattn_rag.types.documents import NotUTF8Error, read_text_file
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, cls=cli_opts.Group,
+app = typer.Typer(add_completion=False, no_args_is_help=True, cls=cli_opts.Group, rich_markup_mode=cli_opts.HELP_MARKUP,
                   help="Retrieval-augmented generation with position-agnostic KV reuse (LazyAttention).")
 LONG_FILE_HINT = "lazyattn chat --docs {path} splits long files into chunks and retrieves the relevant ones"
 

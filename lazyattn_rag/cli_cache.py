@@ -18,7 +18,7 @@ import typer
 
 from lazyattn_rag import cli_options as cli_opts
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, cls=cli_opts.Group,
+app = typer.Typer(add_completion=False, no_args_is_help=True, cls=cli_opts.Group, rich_markup_mode=cli_opts.HELP_MARKUP,
                   help="Inspect, clear or fill the chunk caches below the KV cache (disk, Redis).")
 CACHE_DIR = typer.Option(None, help="The cache dir whose chunks/ folder is the default disk cache.")
 _NO_LIMIT = 1 << 62  # opening a directory to read or clear it must evict nothing

@@ -19,8 +19,10 @@ MODEL = typer.Option(None, help="A local Hugging Face model directory (Llama, Mi
 DEVICE = typer.Option("auto", help="auto, cpu or cuda.")
 BACKEND = typer.Option("auto", help="Attention backend: auto, torch or triton.")
 ANCHOR = typer.Option(CacheConfig().anchor, help=f"Chunk encoding anchor: one of {', '.join(ANCHOR_MODES)}.")
-# typer's rich help prints every option's type, on/off flags too ("--json <bool>"); an empty
-# metavar leaves a flag's type column empty ("--json"). Give it to every boolean flag.
+# Help as click prints it (argparse's layout, as ``vllm serve --help``): typer's rich panels cut
+# long option names short in an 80-column terminal ("--served-model-n…").
+HELP_MARKUP = None
+# An empty metavar shows a boolean flag as the flag it is ("--json", not "--json BOOLEAN").
 FLAG = ""
 
 
