@@ -18,10 +18,12 @@ the documents and passages placed, and how each placement came about (id, matche
 
 Separately, on this process's CPU (``--overhead-docs`` registered documents, default 10,000):
 what the ingress adds per request for a plain prompt (finding registered texts in it and hashing
-its passages for the router) and what the engine's passage learner adds (splitting, sightings,
-weighing the layouts), each a median and p99 over the trace's prompts.
+its passages for the router), what the engine's passage learner adds (splitting, sightings,
+weighing the layouts), and planning a prompt whole (tokenizing and the learner) alone and beside
+a thread that keeps the GIL busy, each a median and p99 over the trace's prompts.
 
     python benchmarks/http_reuse.py --arch llama-3.1-8b --device cuda --budget-gb 10 --out http_reuse_h200
+    python benchmarks/http_reuse.py --overhead-only --out http_reuse_overhead_cpu   # the CPU costs alone, no server
     python benchmarks/http_reuse.py --arch tiny --device cpu --dtype float32 --budget-gb 0.05 --num-requests 80 \\
         --doc-tokens 128 --query-tokens 16 --output-tokens 8 --concurrency 8 --out http_reuse_cpu_tiny
 
@@ -264,6 +266,7 @@ def overhead(workload: Workload, num_docs: int, doc_tokens: int) -> dict:
 
     for messages in prompts:
         learner_ms.append(llm.client.call(time_choice, [as_message(m) for m in messages]))
+    planning = planning_ms(llm.engine, [[as_message(m) for m in messages] for messages in prompts])
     llm.close()
 
     def stats(xs):
@@ -274,7 +277,52 @@ def overhead(workload: Workload, num_docs: int, doc_tokens: int) -> dict:
     return {"num_registered_documents": len(store.texts), "num_prompts": len(prompts),
             "prompt_chars_median": statistics.median(len(m[0]["content"]) for m in prompts),
             "ingress_matching_and_passage_keys": stats(ingress_ms),
-            "engine_passage_learner": stats(learner_ms)}
+            "engine_passage_learner": stats(learner_ms),
+            **{f"planning_{k}": stats(v) for k, v in planning.items()}}
+
+
+def planning_ms(engine, prompts: list) -> dict[str, list[float]]:
+    """Planning each prompt (``LLMEngine.plan_plain_chat``: tokenizing, the passage learner's
+    choice) in this thread, ms, ``alone`` and ``beside_busy_thread`` (another Python thread
+    keeps the GIL busy, as a replica's engine thread does between GPU waits); each as the
+    planner tokenizes (its encoders' private Rust backends, which keep the GIL) and, for
+    comparison in the same run, through the tokenizer's own call (``tokenizer_call_*``)."""
+    import threading
+
+    template = engine.planner.template
+    encoders = {template.parsing, template.literal, template.raw}
+    backends = {e: e.backend for e in encoders}
+
+    def run() -> list[float]:
+        times = []
+        for messages in prompts:
+            start = time.perf_counter()
+            engine.plan_plain_chat(messages)
+            times.append((time.perf_counter() - start) * 1e3)
+        return times
+
+    out = {}
+    stop = threading.Event()
+
+    def busy():
+        while not stop.is_set():
+            sum(range(1000))
+
+    for prefix, use_backend in (("", True), ("tokenizer_call_", False)):
+        for e in encoders:
+            e.backend = backends[e] if use_backend else None  # None: the encoder calls the tokenizer
+        out[prefix + "alone"] = run()
+        stop.clear()
+        thread = threading.Thread(target=busy, daemon=True)
+        thread.start()
+        try:
+            out[prefix + "beside_busy_thread"] = run()
+        finally:
+            stop.set()
+            thread.join()
+    for e in encoders:
+        e.backend = backends[e]
+    return out
 
 
 @app.command()
@@ -282,13 +330,8 @@ def main(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat1
          arms: list[str] = typer.Option(list(ARMS)), num_docs: int = 200, doc_tokens: int = 512,
          docs_per_request: int = 5, alpha: float = 2.1, query_tokens: int = 64, output_tokens: int = 32,
          num_requests: int = 400, concurrency: int = 16, max_batched_tokens: int = 16384, seed: int = 0,
-         overhead_docs: int = 10_000, out: str = "") -> None:
+         overhead_docs: int = 10_000, overhead_only: bool = False, out: str = "") -> None:
     """Run the arms on one trace, measure the per-request overhead, write the JSON."""
-    import ray
-    from ray import serve
-
-    from tests.redis_server import free_port
-
     for arm in arms:
         if arm not in ARMS:
             raise typer.BadParameter(f"unknown arm {arm!r}: one of {', '.join(ARMS)}")
@@ -297,6 +340,14 @@ def main(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat1
     workload = Workload(num_docs, doc_tokens, docs_per_request, alpha, query_tokens, output_tokens, num_requests, seed)
     cost = overhead(workload, overhead_docs, doc_tokens) if overhead_docs else {}
     print({"overhead": cost}, flush=True)
+    if overhead_only:
+        report(out or f"http_reuse_overhead_{device}", args, workload, cost, [])
+        return
+    import ray
+    from ray import serve
+
+    from tests.redis_server import free_port
+
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])  # replicas import benchmarks
     ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     port = free_port()
