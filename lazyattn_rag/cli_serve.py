@@ -49,8 +49,8 @@ def _listed(values: list[str]) -> tuple[str, ...]:
 
 
 @cli_opts.with_engine_options(after=("learn_passages", "enable_prefix_caching", "registry", "ingress_replicas",
-                                     "max_logprobs", "api_key", "api_key_file", "allow_unauthenticated",
-                                     "ray_address"))
+                                     "max_logprobs", "health_timeout_s", "api_key", "api_key_file",
+                                     "allow_unauthenticated", "ray_address"))
 def serve(
     model_path: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False,
                                                help="As --model (vLLM's positional MODEL)."),
@@ -105,6 +105,9 @@ def serve(
     ingress_replicas: int = typer.Option(1, min=1, help="HTTP ingress replicas (they share the registry)."),
     max_logprobs: int = typer.Option(20, min=-1, help="The most top_logprobs a request may ask for (-1: the whole "
                                                       "vocabulary)."),
+    health_timeout_s: float = typer.Option(5.0, "--health-timeout-s", min=0.01, max=3600,
+                                           help="How long GET /health waits for an engine replica before it "
+                                                "answers 503 (keep it under the probe's own timeout)."),
     api_key: list[str] = typer.Option([], "--api-key", envvar="LAZYATTN_API_KEY", show_envvar=True,
                                       help="A key requests must carry (Authorization: Bearer KEY), allowed every "
                                            "namespace; repeat for several (the variable: separated by spaces)."),
@@ -141,7 +144,8 @@ def serve(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, learn_passages=learn_passages,
             enable_prefix_caching=enable_prefix_caching, replicas=replicas, gpus_per_replica=gpus_per_replica,
             router=router, imbalanced_threshold=imbalanced_threshold, registry=registry,
-            ingress_replicas=ingress_replicas, max_logprobs=max_logprobs, api_key=list(api_key),
+            ingress_replicas=ingress_replicas, max_logprobs=max_logprobs, health_timeout_s=health_timeout_s,
+            api_key=list(api_key),
             api_key_file=None if api_key_file is None else str(api_key_file),
             allow_unauthenticated=allow_unauthenticated, log_level=log_level,
             allowed_origins=list(_listed(allowed_origins)), allowed_methods=list(_listed(allowed_methods) or ("*",)),

@@ -23,7 +23,7 @@ print(len(llm.generate("w1", ["a"], sampling=SamplingParams(max_tokens=4, ignore
 def test_a_script_that_never_calls_shutdown_exits_cleanly(tmp_path):
     script = tmp_path / "uses_engine.py"
     script.write_text(SCRIPT.format(root=str(Path(__file__).resolve().parents[1])))
-    for _ in range(4):  # the abort was intermittent
+    for _ in range(3):  # the abort was intermittent
         done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.strip().splitlines()[-1] == "4"

@@ -385,13 +385,14 @@ def test_metrics_move_during_a_running_request(server, http):
 
 def test_health_is_503_when_no_engine_replica_answers(server):
     """An ingress whose engine replica never answers (a stand-in deployment that stalls, on the
-    same Serve instance): /health answers 503 after its 5 s wait, in OpenAI's error shape."""
+    same Serve instance): /health answers 503 after its wait (``health_timeout_s``), in OpenAI's
+    error shape."""
     import asyncio
 
     from ray import serve
 
     from lazyattn_rag.serve import ServeConfig
-    from lazyattn_rag.serve.ingress import HEALTH_TIMEOUT_S, make_ingress
+    from lazyattn_rag.serve.ingress import make_ingress
 
     @serve.deployment(name="stalled-engine", ray_actor_options={"num_cpus": 0})
     class StalledEngine:
@@ -399,14 +400,14 @@ def test_health_is_503_when_no_engine_replica_answers(server):
             await asyncio.sleep(3600)
 
     ingress = serve.deployment(name="stalled-ingress", ray_actor_options={"num_cpus": 0})(
-        make_ingress(ServeConfig(registry="memory")))
+        make_ingress(ServeConfig(registry="memory", health_timeout_s=1.5)))
     serve.run(ingress.bind(StalledEngine.bind()), name="stalled", route_prefix="/stalled")
     try:
         start = time.monotonic()
         response = httpx.get(server[0] + "/stalled/health", timeout=60)
-        assert response.status_code == 503 and time.monotonic() - start >= HEALTH_TIMEOUT_S
+        assert response.status_code == 503 and time.monotonic() - start >= 1.5
         error = response.json()["error"]
-        assert error["code"] == "replica_unavailable" and "no engine replica answered within 5 s" in error["message"]
+        assert error["code"] == "replica_unavailable" and "no engine replica answered within 1.5 s" in error["message"]
         assert httpx.get(server[0] + "/health", timeout=60).status_code == 200  # the real app's replicas answer
     finally:
         serve.delete("stalled")

@@ -49,6 +49,7 @@ class ServeArgs(BaseModel):
     registry: str = "auto"
     ingress_replicas: int = Field(default=1, ge=1)
     max_logprobs: int = Field(default=20, ge=-1)
+    health_timeout_s: float = Field(default=5.0, gt=0, le=3600)
     api_key: list[str] = Field(default_factory=list)
     api_key_file: str | None = None
     allow_unauthenticated: bool = False
@@ -82,6 +83,7 @@ class ServeArgs(BaseModel):
         return ServeConfig(num_replicas=self.replicas, num_gpus_per_replica=gpus, router=self.router,
                            imbalanced_threshold=self.imbalanced_threshold, registry=self.registry,
                            num_ingress_replicas=self.ingress_replicas, max_logprobs=self.max_logprobs,
+                           health_timeout_s=self.health_timeout_s,
                            api_keys=tuple(self.api_key), api_key_file=self.api_key_file,
                            allow_unauthenticated=self.allow_unauthenticated, served_model_name=self.served_model_name,
                            allowed_origins=tuple(self.allowed_origins), allowed_methods=tuple(self.allowed_methods),

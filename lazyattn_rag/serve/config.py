@@ -50,6 +50,8 @@ class ServeConfig:
             cross-origin calls), and the methods and headers such a call may use.
         served_model_name: the model's name in the API (``/v1/models``, every answer's
             ``model``; requests naming another are 404); ``None``: the engine's model name.
+        health_timeout_s: how long ``GET /health`` waits for an engine replica to answer before
+            it answers 503 (keep it under a probe's own timeout, e.g. Kubernetes' default 1 s).
         ray_address: the Ray cluster to run on (``ray.init(address=...)``: ``"auto"`` or
             ``"ray://..."``/``"host:port"``, for several nodes); ``None``: a private local
             cluster whose processes listen on 127.0.0.1 only, with no dashboard.
@@ -79,6 +81,7 @@ class ServeConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     served_model_name: str | None = None
+    health_timeout_s: float = 5.0
     ray_address: str | None = None
 
     def __post_init__(self):
@@ -112,6 +115,8 @@ class ServeConfig:
             raise ValueError("num_gpus_per_replica and num_cpus_per_replica must be >= 0")
         if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if not isinstance(self.health_timeout_s, (int, float)) or not 0 < self.health_timeout_s <= 3600:
+            raise ValueError(f"health_timeout_s must be in (0, 3600] seconds, got {self.health_timeout_s!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port!r}")
 

@@ -64,7 +64,6 @@ from lazyattn_rag.serve.registry import DocumentStore, open_registry
 from lazyattn_rag.types.config import EngineConfig
 
 logger = logging.getLogger("lazyattn_rag.serve")
-HEALTH_TIMEOUT_S = 5.0  # GET /health: how long an engine replica has to answer
 METRICS_TIMEOUT_S = 5.0  # GET /metrics: how long the replicas have to report (those that do not are left out)
 
 
@@ -126,11 +125,11 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
 
         @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what some health checkers send
         async def health(self) -> dict:
-            """200 when an engine replica answers within ``HEALTH_TIMEOUT_S``, else 503."""
+            """200 when an engine replica answers within ``ServeConfig.health_timeout_s``, else 503."""
             try:
-                await asyncio.wait_for(self.engine.info.remote(), HEALTH_TIMEOUT_S)
+                await asyncio.wait_for(self.engine.info.remote(), config.health_timeout_s)
             except Exception as error:  # noqa: BLE001 - none answers (dead, starting, or the call failed)
-                raise ApiError(503, f"no engine replica answered within {HEALTH_TIMEOUT_S:g} s "
+                raise ApiError(503, f"no engine replica answered within {config.health_timeout_s:g} s "
                                     f"({type(error).__name__})", kind="server_error", code="replica_unavailable") from None
             return {"status": "ok"}
 
