@@ -84,15 +84,15 @@ def test_mask_allows_exactly_the_tokens_that_continue_a_match(smollm2, compiler)
         state.accept(tokenizer.convert_tokens_to_ids("{"))
 
 
-def test_json_schema_answers_parse_and_validate_for_twenty_prompts(smollm2):
+def test_json_schema_answers_parse_and_validate_for_eight_prompts_at_once(smollm2):
+    """In process, eight streams at once (the server's test asks all twenty)."""
     params = SamplingParams(max_tokens=64, structured_output=StructuredOutputParams(json=City.model_json_schema()))
-    streams = [smollm2.stream_chat([{"role": "user", "content": q}], sampling=params) for q in QUESTIONS]
+    streams = [smollm2.stream_chat([{"role": "user", "content": q}], sampling=params) for q in QUESTIONS[:8]]
     for question, stream in zip(QUESTIONS, streams):
         deltas = list(stream)
         text = "".join(d.text for d in deltas)
         assert deltas[-1].finish_reason == "stop", (question, text)
         City.model_validate_json(text)
-    assert len(QUESTIONS) == 20
 
 
 @pytest.mark.gpu
