@@ -84,15 +84,21 @@ def test_mask_allows_exactly_the_tokens_that_continue_a_match(smollm2, compiler)
         state.accept(tokenizer.convert_tokens_to_ids("{"))
 
 
-def test_json_schema_answers_parse_and_validate_for_eight_prompts_at_once(smollm2):
-    """In process, eight streams at once (the server's test asks all twenty)."""
+def assert_eight_schema_answers_at_once(llm) -> None:
+    """Eight questions streamed at once under the City schema: each answer ends by itself and
+    validates."""
     params = SamplingParams(max_tokens=64, structured_output=StructuredOutputParams(json=City.model_json_schema()))
-    streams = [smollm2.stream_chat([{"role": "user", "content": q}], sampling=params) for q in QUESTIONS[:8]]
+    streams = [llm.stream_chat([{"role": "user", "content": q}], sampling=params) for q in QUESTIONS[:8]]
     for question, stream in zip(QUESTIONS, streams):
         deltas = list(stream)
         text = "".join(d.text for d in deltas)
         assert deltas[-1].finish_reason == "stop", (question, text)
         City.model_validate_json(text)
+
+
+def test_json_schema_answers_parse_and_validate_for_eight_prompts_at_once(smollm2):
+    """In process (the server's test asks all twenty)."""
+    assert_eight_schema_answers_at_once(smollm2)
 
 
 @pytest.mark.gpu
@@ -105,13 +111,7 @@ def test_the_mask_applies_on_the_gpu_with_the_triton_backend(smollm2_dir):
     llm = LazyAttention(EngineConfig(model=str(smollm2_dir), device="cuda", dtype="bfloat16",
                                      attention_backend="triton", cache=CacheConfig(num_blocks=512)))
     try:
-        params = SamplingParams(max_tokens=64, structured_output=StructuredOutputParams(json=City.model_json_schema()))
-        streams = [llm.stream_chat([{"role": "user", "content": q}], sampling=params) for q in QUESTIONS[:8]]
-        for question, stream in zip(QUESTIONS, streams):
-            deltas = list(stream)
-            text = "".join(d.text for d in deltas)
-            assert deltas[-1].finish_reason == "stop", (question, text)
-            City.model_validate_json(text)
+        assert_eight_schema_answers_at_once(llm)
         choice = SamplingParams(max_tokens=8, structured_output=StructuredOutputParams(choice=["yes", "no"]))
         assert llm.chat("Is Paris in France?", sampling=choice).text in ("yes", "no")
     finally:
