@@ -11,8 +11,9 @@ QUESTION ?= What does the break statement do?
 # The model, tokenizer and integration tests again with transformers, tokenizers, the framework
 # packages, redis-py and the rest .ci/floors.py lists at the floors pyproject.toml declares, in a virtual
 # environment of their own: a declared floor is a tested one. (LangChain's structured output tests,
-# about 80 s of generation, run in `make test`; xgrammar's floor is tested by test_structured_output.) The default model is converted again
-# there (a cache of its own), so the GGUF conversion runs at the floors too.
+# about 80 s of generation, run in `make test`; xgrammar's floor is tested by test_structured_output.)
+# The default model is converted again there (a cache of its own), so the GGUF conversion runs at
+# the floors too.
 LOWEST_VENV ?= .venv-lowest
 LOWEST_CACHE = build/lowest-cache
 # against transformers (logits, RoPE, the oracle, the start-up self-check), the default model (GGUF

@@ -57,8 +57,10 @@ def imports_of_test_modules(paths=None) -> list[str]:
     offenders = []
     for path in paths or sorted((ROOT / "tests").glob("test_*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
-                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):  # from tests.test_x import y / from tests import test_x
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             offenders += [f"{path.name}: {n}" for n in names if n.split(".")[-1].startswith("test_")]
     return offenders
 
@@ -66,5 +68,6 @@ def imports_of_test_modules(paths=None) -> list[str]:
 def test_no_test_module_imports_another(tmp_path):
     assert imports_of_test_modules() == []
     bad = tmp_path / "test_bad.py"
-    bad.write_text("from tests.test_model_vs_hf import MODEL_CASES\nimport tests.test_layers\n")
-    assert imports_of_test_modules([bad]) == ["test_bad.py: tests.test_model_vs_hf", "test_bad.py: tests.test_layers"]
+    bad.write_text("from tests.test_model_vs_hf import MODEL_CASES\nimport tests.test_layers\nfrom tests import test_cli\n")
+    assert imports_of_test_modules([bad]) == ["test_bad.py: tests.test_model_vs_hf", "test_bad.py: tests.test_layers",
+                                              "test_bad.py: tests.test_cli"]
