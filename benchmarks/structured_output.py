@@ -31,6 +31,7 @@ import typer
 from benchmarks.serving_results import command_line, environment, write
 from lazyattn_rag import CacheConfig, EngineConfig, SamplingParams, StructuredOutputParams
 from lazyattn_rag.llm import LazyAttention
+from lazyattn_rag.engine.output.grammar import mask_rows
 
 CITIES = ("Paris", "Berlin", "Madrid", "Rome", "Lisbon", "Vienna", "Prague", "Warsaw", "Dublin", "Oslo",
           "Athens", "Cairo", "Tokyo", "Seoul", "Lima", "Quito")
@@ -82,7 +83,7 @@ def _mask_us(llm: LazyAttention, constraint: StructuredOutputParams, answers: li
             if engine.runner.device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            masked = state.mask(logits)
+            masked = mask_rows(logits[None], {0: state})[0]
             if engine.runner.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append((time.perf_counter() - start) * 1e6)

@@ -9,7 +9,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from lazyattn_rag import SamplingParams, StructuredOutputParams
-from lazyattn_rag.engine.output.grammar import GrammarCompiler
+from lazyattn_rag.engine.output.grammar import GrammarCompiler, mask_rows
 
 
 class City(BaseModel):
@@ -73,7 +73,7 @@ def test_mask_allows_exactly_the_tokens_that_continue_a_match(smollm2, compiler)
     run of digits, or digits followed by one lowercase letter."""
     tokenizer, vocab_size = smollm2.engine.tokenizer, smollm2.engine.runner.model.config.vocab_size
     state = compiler.matcher(StructuredOutputParams(regex=r"[0-9]+[a-z]"))
-    masked = state.mask(torch.zeros(vocab_size))
+    masked = mask_rows(torch.zeros(1, vocab_size), {0: state})[0]
     allowed = {i for i in range(vocab_size) if masked[i] == 0}
     texts = {i: tokenizer.decode([i]) for i in range(len(tokenizer))}
     expected = {i for i, t in texts.items() if re.fullmatch(r"[0-9]+[a-z]?", t)}
@@ -82,6 +82,24 @@ def test_mask_allows_exactly_the_tokens_that_continue_a_match(smollm2, compiler)
     state.accept(tokenizer.convert_tokens_to_ids("7"))
     with pytest.raises(RuntimeError, match="the grammar refuses it"):
         state.accept(tokenizer.convert_tokens_to_ids("{"))
+
+
+def test_one_step_masks_only_its_constrained_rows(smollm2, compiler):
+    """A step's rows: two grammars in different states and an unconstrained row. Each masked
+    row allows exactly what its grammar alone allows (the regex reference above, by decoding);
+    the unconstrained row and the input are left as they were."""
+    tokenizer, vocab_size = smollm2.engine.tokenizer, smollm2.engine.runner.model.config.vocab_size
+    digits, letters = (compiler.matcher(StructuredOutputParams(regex=r"[0-9]+[a-z]")) for _ in range(2))
+    letters.accept(tokenizer.convert_tokens_to_ids("7"))  # now a digit or one letter, then the end
+    logits = torch.randn(3, vocab_size)
+    masked = mask_rows(logits, {0: digits, 2: letters})
+    texts = {i: tokenizer.decode([i]) for i in range(len(tokenizer))}
+    for row, pattern in ((0, r"[0-9]+[a-z]?"), (2, r"[0-9]*[a-z]?")):
+        allowed = {i for i in range(vocab_size) if torch.isfinite(masked[row, i])}
+        assert allowed - set(tokenizer.all_special_ids) == {i for i, t in texts.items() if t and re.fullmatch(pattern, t)}
+        assert torch.equal(masked[row, sorted(allowed)], logits[row, sorted(allowed)])
+    assert torch.equal(masked[1], logits[1]) and torch.isfinite(logits).all()
+    assert mask_rows(logits, {}) is logits
 
 
 def assert_eight_schema_answers_at_once(llm) -> None:
@@ -113,7 +131,7 @@ def test_the_mask_applies_on_the_gpu_with_the_triton_backend(smollm2_dir):
     try:
         assert_eight_schema_answers_at_once(llm)
         choice = SamplingParams(max_tokens=8, structured_output=StructuredOutputParams(choice=["yes", "no"]))
-        assert llm.chat("Is Paris in France?", sampling=choice).text in ("yes", "no")
+        assert llm.chat([("user", "Is Paris in France?")], sampling=choice).text in ("yes", "no")
     finally:
         llm.shutdown()
 

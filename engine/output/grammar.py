@@ -94,17 +94,14 @@ class GrammarState:
     """
 
     def __init__(self, xgr, compiled, vocab_size: int):
-        self._xgr = xgr
+        self.xgr = xgr
         self._matcher = xgr.GrammarMatcher(compiled)
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(vocab_size / 32)] int32, CPU
+        self.vocab_size = vocab_size
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` (``[vocab_size]`` float32, any device) with every token that cannot continue
-        the match set to ``-inf`` (a new tensor)."""
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        masked = logits.clone()
-        self._xgr.apply_token_bitmask_inplace(masked, self._bitmask.to(logits.device, non_blocking=True))
-        return masked
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens that can continue the match into ``bitmask[row]`` (``[num_rows,
+        ceil(vocab_size / 32)]`` int32 on the CPU, xgrammar's layout: bit set = allowed)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> None:
         """Advance past ``token_id`` (a token the mask allowed).
@@ -119,3 +116,25 @@ class GrammarState:
     def is_terminated(self) -> bool:
         """Whether the match is complete and a stop token was accepted."""
         return self._matcher.is_terminated()
+
+
+def mask_rows(logits: torch.Tensor, grammars: dict[int, GrammarState]) -> torch.Tensor:
+    """``logits`` with each row ``i`` of ``grammars`` masked by its grammar: every token that
+    cannot continue that request's match set to ``-inf``. One bitmask for the step, one copy to
+    the device and one masking launch, however many rows are constrained.
+
+    Args:
+        logits: ``[num_rows, vocab_size]`` float32, any device (left unchanged).
+        grammars: row index -> that row's :class:`GrammarState`.
+    Returns:
+        A new ``[num_rows, vocab_size]`` tensor, or ``logits`` itself when ``grammars`` is empty.
+    """
+    if not grammars:
+        return logits
+    first = next(iter(grammars.values()))
+    bitmask = first.xgr.allocate_token_bitmask(logits.shape[0], first.vocab_size)  # all allowed: -1 words
+    for row, grammar in grammars.items():
+        grammar.fill(bitmask, row)
+    masked = logits.clone()
+    first.xgr.apply_token_bitmask_inplace(masked, bitmask.to(logits.device, non_blocking=True))
+    return masked

@@ -16,6 +16,7 @@ import torch
 
 from lazyattn_rag.engine.counters import EngineCounters
 from lazyattn_rag.engine.scheduling.request import Request, RequestStatus
+from lazyattn_rag.engine.output.grammar import mask_rows
 from lazyattn_rag.engine.output.output_state import OutputState, Sink
 from lazyattn_rag.engine.output.sampler import apply_penalties, sample
 from lazyattn_rag.engine.scheduling.scheduler import Scheduler
@@ -57,25 +58,28 @@ class OutputProcessor:
             computes: the step's compute jobs.
             logits: ``[len(computes), vocab_size]`` float32, each job's last row.
         """
-        greedy = logits.argmax(dim=-1).tolist()  # one device sync for every greedy request of the step
-        for job, row, token in zip(computes, logits, greedy):
+        grammars = {i: state.grammar for i, job in enumerate(computes) if job.sample
+                    and (state := self.states.get(job.request.request_id)) is not None and state.grammar is not None}
+        masked = mask_rows(logits, grammars)  # structured output's masks: one launch for the step
+        greedy = masked.argmax(dim=-1).tolist()  # one device sync for every greedy request of the step
+        for job, raw, row, token in zip(computes, logits, masked, greedy):
             if not job.sample:
                 continue
             try:
-                self._emit_token(job.request, row, token)
+                self._emit_token(job.request, raw, row, token)
             except Exception as error:  # e.g. sampling failed: this request fails, the others go on
                 if job.request.status is not RequestStatus.FINISHED:
                     self.fail(job.request, error)
 
-    def _emit_token(self, r: Request, logits: torch.Tensor, greedy_token: int) -> None:
-        raw, state = logits, self.states[r.request_id]
+    def _emit_token(self, r: Request, raw: torch.Tensor, logits: torch.Tensor, greedy_token: int) -> None:
+        """Sample ``r``'s next token and emit it. ``raw``: its ``[vocab_size]`` logits row as the
+        model gave it (for logprobs); ``logits``: the same row with its structured output's mask
+        applied (``raw`` itself without one); ``greedy_token``: the argmax of ``logits``."""
+        state = self.states[r.request_id]
         if state.forks:  # the prompt is computed: the other answers start from it and these logits
-            self._fork(r, state, logits, greedy_token)
+            self._fork(r, state, raw, logits, greedy_token)
         if r.params.has_penalties:
             logits = apply_penalties(logits, r.params, r.prompt_token_ids, r.output_ids)
-        if state.grammar is not None:
-            logits = state.grammar.mask(logits)
-        if logits is not raw:
             greedy_token = int(torch.argmax(logits))
         token = greedy_token if r.params.greedy else sample(logits, r.params, state.generator)
         self._record_first_token(r, state)
@@ -98,10 +102,12 @@ class OutputProcessor:
         elif reason is not None:
             self.finish(r, reason)
 
-    def _fork(self, parent: Request, state: OutputState, logits: torch.Tensor, greedy_token: int) -> None:
+    def _fork(self, parent: Request, state: OutputState, raw: torch.Tensor, logits: torch.Tensor,
+              greedy_token: int) -> None:
         """Start each other answer of ``parent`` (``SamplingParams.n``) on its computed prompt and
-        sample its first token from the same ``logits``; one that cannot share the prompt is
-        queued to compute it (``Scheduler.fork``)."""
+        sample its first token from the same ``raw`` and masked ``logits`` (the answers share
+        their sampling parameters, so their grammars start in the parent's state); one that
+        cannot share the prompt is queued to compute it (``Scheduler.fork``)."""
         forks, state.forks = state.forks, []
         for child, child_state in forks:
             self.add(child, child_state)
@@ -113,7 +119,7 @@ class OutputProcessor:
             s.num_exact_prefix_tokens = p.num_exact_prefix_tokens + p.num_computed_tokens  # read where computed
             s.num_computed_tokens = s.num_recomputed_tokens = 0
             try:
-                self._emit_token(child, logits, greedy_token)
+                self._emit_token(child, raw, logits, greedy_token)
             except Exception as error:  # its sampling failed: it alone fails
                 self.fail(child, error)
 
