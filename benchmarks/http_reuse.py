@@ -98,6 +98,8 @@ def ttft_stages(start: float, first: float, timings: dict[str, float], engine_tt
     marks = [("to_ingress", start, t["ingress_received"]), ("ingress", t["ingress_received"], t["ingress_sent"]),
              ("to_replica", t["ingress_sent"], t["replica_received"]),
              ("replica_to_submission", t["replica_received"], submitted),
+             ("replica_parsing", t["replica_received"], t.get("replica_submitting", t["replica_received"])),
+             ("submitting_to_engine", t.get("replica_submitting", t["replica_received"]), submitted),
              ("engine", submitted, t["replica_first_event"]),
              ("back_to_ingress", t["replica_first_event"], t["ingress_first_event"]),
              ("back_to_client", t["ingress_first_event"], first)]

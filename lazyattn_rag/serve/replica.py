@@ -7,8 +7,8 @@ built from an :class:`~lazyattn_rag.types.config.EngineConfig` and answers the i
 * :meth:`generate`: one chat request, streamed back as events (dicts): ``{"text", "index"}``
   per delta, then per answer (``n`` of them) ``{"text", "index", "finish_reason", "stats",
   "replica", "timings"}``
-  (``timings``: wall-clock seconds when the replica received the request and gave out its
-  first event); a request the
+  (``timings``: wall-clock seconds when the replica received the request, handed it to the
+  engine's client to be planned and queued, and gave out its first event); a request the
   engine refuses (unknown document, prompt too long, bad sampling values) yields one
   ``{"error": {"message", "type", "status"}}`` event instead and touches nothing;
 * :meth:`register`: check and register documents (what ``POST /v1/documents`` does first on
@@ -209,7 +209,7 @@ class EngineReplica:
         """
         timings = {"replica_received": time.time()}  # wall-clock seconds: where a request's TTFT goes
         try:
-            async for event in self._events(payload):
+            async for event in self._events(payload, timings):
                 if "replica_first_event" not in timings:  # once, not a clock read per token
                     timings["replica_first_event"] = time.time()
                 if "finish_reason" in event:
@@ -218,9 +218,10 @@ class EngineReplica:
         finally:
             await self._forget_transient(payload)
 
-    async def _events(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def _events(self, payload: dict[str, Any], timings: dict[str, float]) -> AsyncIterator[dict[str, Any]]:
         try:
             deltas = self._start(payload)
+            timings["replica_submitting"] = time.time()  # parsed; planning and the engine's acceptance follow
             delta = await anext(deltas)  # the engine's checks raise here, before any output
         except (LazyAttentionError, ValueError, TypeError) as error:  # TypeError: what a tokenizer refuses
             yield error_event(error)
