@@ -39,6 +39,8 @@ def serving_mode(quality_mode: str) -> str | None:
         return f"lazy+head{setting.recompute_tokens}"
     if setting.selective_ratio:
         return f"lazy+sel{round(setting.selective_ratio * 100)}"
+    if setting.scope == "head":
+        return f"lazy+sink{round(setting.weight * 100)}"
     if (setting.temperature, setting.weight) != (1.0, 1.0):
         weight = f"w{round(setting.weight * 100)}" if setting.weight != 1.0 else ""
         return f"lazy+ape{round(setting.temperature * 100)}{weight}"

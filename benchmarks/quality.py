@@ -90,14 +90,14 @@ def shuffled(items: list, seed: int, question_id: str) -> list:
 
 # --- engine modes -----------------------------------------------------------------------------
 def make_engine(args, anchor: str, recompute_tokens: int = 0, selective_ratio: float = 0.0,
-                temperature: float = 1.0, weight: float = 1.0):
+                temperature: float = 1.0, weight: float = 1.0, scope: str = "chunk"):
     from lazyattn_rag.llm import LazyAttention
 
-    return LazyAttention(engine_config(args, anchor, recompute_tokens, selective_ratio, temperature, weight))
+    return LazyAttention(engine_config(args, anchor, recompute_tokens, selective_ratio, temperature, weight, scope))
 
 
 def engine_config(args, anchor: str, recompute_tokens: int = 0, selective_ratio: float = 0.0,
-                  temperature: float = 1.0, weight: float = 1.0):
+                  temperature: float = 1.0, weight: float = 1.0, scope: str = "chunk"):
     """The :class:`EngineConfig` of an engine mode (and of the HTTP modes' server, anchor ``bos``)."""
     from lazyattn_rag import CacheConfig, EngineConfig, SchedulerConfig
 
@@ -107,7 +107,8 @@ def engine_config(args, anchor: str, recompute_tokens: int = 0, selective_ratio:
         cache=CacheConfig(anchor=anchor, kv_cache_fraction=args.kv_cache_fraction if args.device != "cpu" else None,
                           recompute_chunk_head_tokens=recompute_tokens, recompute_selective_ratio=selective_ratio,
                           chunk_attention_scaling=(temperature, weight) != (1.0, 1.0),
-                          chunk_attention_temperature=temperature, chunk_attention_weight=weight),
+                          chunk_attention_temperature=temperature, chunk_attention_weight=weight,
+                          chunk_attention_scope=scope),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.concurrency),
         prompt=prompt_config())
 

@@ -18,18 +18,22 @@ ENGINE_MODES = {"full": "none", "full-shuffled": "none", "reuse": "none", "reuse
 _HEAD_RECOMPUTE = re.compile(r"^(reuse|reuse-head|reuse-bos)-k(\d+)$")
 _SELECTIVE_RECOMPUTE = re.compile(r"^(reuse|reuse-head|reuse-bos)-sel(\d+)$")
 _CHUNK_SCALING = re.compile(r"^(reuse|reuse-head|reuse-bos)-ape(\d+)(?:w(\d+))?$")
+# Sink weighting (chunk attention scaling over each document's first block only,
+# CacheConfig.chunk_attention_scope="head"): "reuse-bos-sink50": weight 0.5, temperature 1.
+_SINK_SCALING = re.compile(r"^(reuse|reuse-head|reuse-bos)-sink(\d+)$")
 
 
 class EngineSetting(NamedTuple):
     """The engine an engine mode runs on: its anchor and remedy (``recompute_tokens``: chunk-head
     ``k``; ``selective_ratio``: selective recompute's ``r``; ``temperature``, ``weight``: chunk
-    attention scaling, off at 1 and 1)."""
+    attention scaling, off at 1 and 1, over ``scope``: ``CacheConfig.chunk_attention_scope``)."""
 
     anchor: str
     recompute_tokens: int = 0
     selective_ratio: float = 0.0
     temperature: float = 1.0
     weight: float = 1.0
+    scope: str = "chunk"
 
 
 def engine_setting(mode: str) -> EngineSetting | None:
@@ -42,6 +46,8 @@ def engine_setting(mode: str) -> EngineSetting | None:
         return EngineSetting(ENGINE_MODES[m.group(1)], selective_ratio=int(m.group(2)) / 100)
     if (m := _CHUNK_SCALING.match(mode)) and (setting := chunk_scaling_percent(m.group(2), m.group(3))):
         return EngineSetting(ENGINE_MODES[m.group(1)], temperature=setting[0], weight=setting[1])
+    if (m := _SINK_SCALING.match(mode)) and (setting := chunk_scaling_percent("100", m.group(2))):
+        return EngineSetting(ENGINE_MODES[m.group(1)], weight=setting[1], scope="head")
     return None
 def engine_run_order(modes: list[str]) -> list[str]:
     """The engine modes of ``modes`` in the order they run: ``full`` first (the others' fidelity

@@ -26,6 +26,7 @@ TIERED_MODES = ("lazy+host",)  # lazy with a host-memory tier below the KV budge
 # "lazy+ape<T>[w<W>]": lazy with every document read with chunk attention scaling at temperature
 # T % and weight W % (APE, CacheConfig.chunk_attention_scaling, issue 20), e.g. lazy+ape80.
 CHUNK_SCALING_MODE = re.compile(r"^lazy\+ape(\d+)(?:w(\d+))?$")
+SINK_SCALING_MODE = re.compile(r"^lazy\+sink(\d+)$")  # chunk attention scaling of each document's first block
 PROMPT = PromptConfig(system_prompt=None, instruction="t1 t2 t3 t4 t5 t6 t7 t8 ", document_separator=" ",
                       question_prefix="t9 ")
 
@@ -142,8 +143,11 @@ def mode_cache_settings(mode: str) -> tuple[str, dict]:
     if (m := CHUNK_SCALING_MODE.match(mode)) and (setting := chunk_scaling_percent(m.group(1), m.group(2))):
         return "lazy", {"chunk_attention_scaling": True, "chunk_attention_temperature": setting[0],
                         "chunk_attention_weight": setting[1]}
+    if (m := SINK_SCALING_MODE.match(mode)) and (setting := chunk_scaling_percent("100", m.group(1))):
+        return "lazy", {"chunk_attention_scaling": True, "chunk_attention_weight": setting[1],
+                        "chunk_attention_scope": "head"}
     raise ValueError(f"unknown serving mode {mode!r}: one of {', '.join(MODES + TIERED_MODES)}, lazy+head<k>, "
-                     "lazy+sel<r %>, lazy+ape<T %>[w<W %>]")
+                     "lazy+sel<r %>, lazy+ape<T %>[w<W %>], lazy+sink<W %>")
 
 
 def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_batched: int, max_seqs: int,
@@ -154,7 +158,8 @@ def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_bat
     (``"lazy+host"``: ``lazy`` with a host-memory tier of ``host_memory_bytes``; ``"lazy+head<k>"``:
     ``lazy`` recomputing the first ``k`` tokens of each document per request; ``"lazy+sel<r>"``:
     ``lazy`` recomputing ``r`` % of each document's tokens (selective recompute); ``"lazy+ape<T>"``:
-    ``lazy`` reading documents with chunk attention scaling at temperature ``T`` %; ``torch_compile``:
+    ``lazy`` reading documents with chunk attention scaling at temperature ``T`` %; ``"lazy+sink<W>"``:
+    ``lazy`` weighting each document's first block by ``W`` %; ``torch_compile``:
     ``EngineConfig.torch_compile``; ``cache_fields``: more ``CacheConfig`` fields, e.g.
     ``{"learn_passages": False}``)."""
     mode, remedy = mode_cache_settings(mode)

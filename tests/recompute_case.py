@@ -118,28 +118,33 @@ def assert_preempted_requests_answer_as_alone(roomy, tight) -> None:
     assert_nothing_held(tight)
 
 
-def ape_engine(make_llm, backend="torch", temperature=0.7, weight=1.5, on=True, device="cpu"):
+def ape_engine(make_llm, backend="torch", temperature=0.7, weight=1.5, on=True, device="cpu", scope="chunk"):
     """The shared remedy engine with chunk attention scaling (APE) on ``device`` (``"cuda"``: a
-    ``head_dim`` 32 model, the compiled kernels' smallest rotary half being 16)."""
+    ``head_dim`` 32 model, the compiled kernels' smallest rotary half being 16) over ``scope``
+    (``CacheConfig.chunk_attention_scope``)."""
     wide = dict(model_config=dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)) \
         if device == "cuda" else {}  # the compiled kernels' smallest rotary half is 16
     return remedy_engine(make_llm, backend, chunk_attention_scaling=on, chunk_attention_temperature=temperature,
-                         chunk_attention_weight=weight, device=device, **wide)
+                         chunk_attention_weight=weight, chunk_attention_scope=scope, device=device, **wide)
 
 
-def scaled_reference_logprobs(hf, llm, temperature: float, weight: float, ids=("a", "b", "c")) -> torch.Tensor:
+def scaled_reference_logprobs(hf, llm, temperature: float, weight: float, ids=("a", "b", "c"),
+                              num_scaled_tokens: int | None = None) -> torch.Tensor:
     """transformers: the head and each document encoded alone, composed at their offsets, the
-    documents' keys divided by ``temperature``; the tail attends with ``ln(weight)`` added to
-    the documents' columns of its 4D mask."""
+    keys of each document's first ``num_scaled_tokens`` tokens (``None``: all) divided by
+    ``temperature``; the tail attends with ``ln(weight)`` added to those keys' columns of its 4D
+    mask."""
     plan = llm.plan(QUESTION, list(ids))
     per_layer, columns = [], []
     for c in plan.chunks:
         kv = _encode_alone(hf, [], list(c.token_ids))
-        doc = c.doc_id is not None
-        kv = [(_shift_keys(hf, k, c.global_start) / (temperature if doc else 1.0), v) for k, v in kv]
+        n = (len(c.token_ids) if num_scaled_tokens is None else min(num_scaled_tokens, len(c.token_ids))) \
+            if c.doc_id is not None else 0
+        divisor = torch.tensor([temperature] * n + [1.0] * (len(c.token_ids) - n))[:, None]  # [tokens, 1]
+        kv = [(_shift_keys(hf, k, c.global_start) / divisor, v) for k, v in kv]
         per_layer = kv if not per_layer else [(torch.cat((a, k), 2), torch.cat((b, v), 2))
                                               for (a, b), (k, v) in zip(per_layer, kv)]
-        columns += [math.log(weight) if doc else 0.0] * len(c.token_ids)
+        columns += [math.log(weight)] * n + [0.0] * (len(c.token_ids) - n)
     tail, past = list(plan.query_token_ids), len(columns)
     mask = torch.full((len(tail), past + len(tail)), -math.inf)
     mask[:, :past] = torch.tensor(columns)

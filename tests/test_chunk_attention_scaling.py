@@ -185,13 +185,17 @@ def test_scaling_values_are_checked():
 
 # --- the engine -------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_engine_equals_the_composed_reference(make_llm, backend):
-    hf, llm = ape_engine(make_llm, backend, device=DEVICE if backend == "triton" else "cpu")
+@pytest.mark.parametrize("scope, num_scaled_tokens", [("chunk", None), ("head", 16)])
+def test_engine_equals_the_composed_reference(make_llm, backend, scope, num_scaled_tokens):
+    """Scope "head": only each document's first block (16 tokens; documents "a" and "b" are longer)."""
+    hf, llm = ape_engine(make_llm, backend, device=DEVICE if backend == "triton" else "cpu", scope=scope)
     first_logprobs(llm)  # the documents encoded (misses), then served as hits
     ours = first_logprobs(llm)
     assert llm.generate(QUESTION, ["a", "b", "c"], sampling=FIRST).stats.docs_hit == ["a", "b", "c"]
-    assert (ours - reference_logprobs(hf, llm, 0.7, 1.5)).abs().max().item() <= 1e-4
+    assert (ours - reference_logprobs(hf, llm, 0.7, 1.5, num_scaled_tokens=num_scaled_tokens)).abs().max().item() <= 1e-4
     assert (ours - reference_logprobs(hf, llm, 1.0, 1.0)).abs().max().item() > 1e-3  # scaling made a difference
+    if scope == "head":  # and it was not the whole chunks' scaling
+        assert (ours - reference_logprobs(hf, llm, 0.7, 1.5)).abs().max().item() > 1e-3
 
 
 def test_the_reference_without_scaling_is_plain_reuse(make_llm):
@@ -201,8 +205,10 @@ def test_the_reference_without_scaling_is_plain_reuse(make_llm):
     assert (first_logprobs(plain) - reference_logprobs(hf, plain, 1.0, 1.0)).abs().max().item() <= 1e-4
 
 
-def test_flags_mark_document_entries_only(make_llm):
-    _, llm = ape_engine(make_llm)
+@pytest.mark.parametrize("scope", ["chunk", "head"])
+def test_flags_mark_document_entries_only(make_llm, scope):
+    """Every block of each document ("chunk"), or each document's first block ("head")."""
+    _, llm = ape_engine(make_llm, scope=scope)
     llm.generate(QUESTION, ["a", "b"], sampling=FIRST)  # encodes the chunks
     seen = []  # each compute job's context flags, read in the step (they are released with the request)
     remove = llm.add_step_listener(lambda step: seen.extend(
@@ -212,8 +218,9 @@ def test_flags_mark_document_entries_only(make_llm):
     remove()
     plan, flags = seen[0]
     assert plan.chunk_scaling
-    expected = [c.doc_id is not None for c in plan.chunks for _ in range(-(-len(c.token_ids) // 16))]
-    assert flags == expected
+    expected = [c.doc_id is not None and (scope == "chunk" or i == 0)
+                for c in plan.chunks for i in range(-(-len(c.token_ids) // 16))]
+    assert flags == expected and plan.chunk_scaling_blocks == (scope == "head")
     assert any(expected) and not all(expected)  # the prompt head is not flagged
 
 
@@ -239,6 +246,8 @@ def test_one_remedy_per_request(make_llm):
     with pytest.raises(ValueError, match="changes nothing"):
         plain.generate(QUESTION, ["a"], sampling=FIRST, remedies=RequestRemedies(chunk_attention_scaling=True))
     assert len(plain.generate(QUESTION, ["a"], sampling=FIRST).token_ids) == 1  # the engine still serves
+    with pytest.raises(ValueError, match="chunk_attention_scope must be 'chunk' or 'head', got 'sink'"):
+        CacheConfig(chunk_attention_scope="sink")
 
 
 def test_chunks_unchanged_and_nothing_held(make_llm):

@@ -18,6 +18,7 @@ def test_quality_modes_map_to_serving_modes():
     assert serving_mode("full") is None and serving_mode("recompute") is None
     assert serving_mode("reuse-bos-ape80") == "lazy+ape80"
     assert serving_mode("reuse-ape90w80") == "lazy+ape90w80"
+    assert serving_mode("reuse-bos-sink50") == "lazy+sink50" and baseline_mode("reuse-bos-sink50") == "reuse-bos"
     assert baseline_mode("reuse-bos-ape80") == baseline_mode("reuse-bos-k4") == "reuse-bos"
     assert baseline_mode("reuse-bos") == "reuse-bos"
 
@@ -27,6 +28,8 @@ def test_chunk_scaling_modes_parse_to_their_engine_settings():
     assert engine_setting("reuse-ape90w80") == EngineSetting("none", temperature=0.9, weight=0.8)
     assert engine_setting("reuse-bos-ape100") is None  # T = W = 1 is no remedy (the config refuses it)
     assert engine_setting("reuse-bos-ape0") is None and engine_setting("reuse-bos-ape80w0") is None
+    assert engine_setting("reuse-bos-sink25") == EngineSetting("bos", weight=0.25, scope="head")
+    assert engine_setting("reuse-bos-sink100") is None and engine_setting("reuse-bos-sink0") is None
 
 
 def pooled(**kl):

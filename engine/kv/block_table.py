@@ -36,8 +36,10 @@ class SelectedQuery(NamedTuple):
 
 
 def block_table_entries(block_ids: list[int], num_tokens: int, delta: int, block_size: int,
-                        scaled: bool = False) -> list[BlockEntry]:
+                        scaled: bool = False, num_scaled_blocks: int = 0) -> list[BlockEntry]:
     """The entries of ``num_tokens`` tokens laid out from the first block's slot 0, all with
-    ``delta`` and ``scaled``; blocks past the last token are left out."""
-    return [BlockEntry(b, delta, min(block_size, num_tokens - i * block_size), scaled)
+    ``delta``; ``scaled`` on the first ``num_scaled_blocks`` (0: on all of them); blocks past the
+    last token are left out."""
+    return [BlockEntry(b, delta, min(block_size, num_tokens - i * block_size),
+                       scaled and (not num_scaled_blocks or i < num_scaled_blocks))
             for i, b in enumerate(block_ids) if num_tokens > i * block_size]

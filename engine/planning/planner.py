@@ -343,7 +343,8 @@ class PromptPlanner:
                               texts=plan.texts)
         plan = with_head_recompute(plan, head_tokens)
         if chunk_scaling and any(c.doc_id is not None for c in plan.chunks):
-            plan = dataclasses.replace(plan, chunk_scaling=True)
+            plan = dataclasses.replace(plan, chunk_scaling=True,
+                                       chunk_scaling_blocks=int(self.config.cache.chunk_attention_scope == "head"))
         elif selective_ratio and plan.chunks:
             plan = dataclasses.replace(plan, selective_ratio=selective_ratio)
         return self._with_prefix_keys(plan, namespace) if self.caches_prefixes else plan
@@ -372,7 +373,8 @@ class PromptPlanner:
             return chunk_key(self.model_digest, f"namespace:{namespace}", []) if namespace else self.model_digest
         context = {"namespace": namespace, "chunks": [[c.key, c.global_start, c.num_skipped] for c in plan.chunks],
                    "texts": [[t.global_start, list(t.token_ids)] for t in plan.texts],
-                   "selective_ratio": plan.selective_ratio, "chunk_scaling": plan.chunk_scaling}
+                   "selective_ratio": plan.selective_ratio, "chunk_scaling": plan.chunk_scaling,
+                   "chunk_scaling_blocks": plan.chunk_scaling_blocks}
         return chunk_key(self.model_digest, "context:" + json.dumps(context, separators=(",", ":")), [])
 
     def prefix_keys(self, token_ids: tuple[int, ...] | list[int], seed: str | None = None) -> PrefixKeys:

@@ -162,6 +162,9 @@ class PromptPlan:
             (``CacheConfig.recompute_selective_ratio``); 0: none.
         chunk_scaling: the request reads its documents' blocks with chunk attention scaling
             (APE, ``CacheConfig.chunk_attention_scaling``): their block-table entries are flagged.
+        chunk_scaling_blocks: with ``chunk_scaling``, how many leading blocks of each document
+            are flagged; 0: all of them (``CacheConfig.chunk_attention_scope``: 0 for
+            ``"chunk"``, 1 for ``"head"``).
 
     Its token counts are computed once (the plan is frozen; the scheduler and the runner read
     them for every running request every step).
@@ -173,6 +176,7 @@ class PromptPlan:
     texts: tuple[TextSegment, ...] = ()
     selective_ratio: float = 0.0
     chunk_scaling: bool = False
+    chunk_scaling_blocks: int = 0
 
     @cached_property
     def num_cached_prompt_tokens(self) -> int:

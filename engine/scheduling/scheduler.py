@@ -343,8 +343,8 @@ class Scheduler:
         A chunk whose head the request recomputes contributes its blocks after the head's
         (:meth:`PromptPlan.head_recompute_copy`: a block the head ends inside is the text's last
         block, its other slots copied from the chunk). A document's entries are flagged when the
-        request reads it with chunk attention scaling (``PromptPlan.chunk_scaling``).
-        ``chunk_starts`` (if given) receives each chunk's index in the plan -> the index of its
+        request reads it with chunk attention scaling (``PromptPlan.chunk_scaling``; only its first
+        ``PromptPlan.chunk_scaling_blocks`` when that is set). ``chunk_starts`` (if given) receives each chunk's index in the plan -> the index of its
         first entry."""
         entries, bs = [], self.block_size
         text_runs = iter(request.private_runs(bs))
@@ -357,7 +357,8 @@ class Scheduler:
                 skip = -(-segment.num_skipped // bs)  # blocks covered by the recomputed head
                 entries += block_table_entries(entry.block_ids[skip:], entry.num_tokens - skip * bs,
                                                segment.global_start - entry.local_start, bs,
-                                               request.plan.chunk_scaling and segment.doc_id is not None)
+                                               request.plan.chunk_scaling and segment.doc_id is not None,
+                                               request.plan.chunk_scaling_blocks)
             else:
                 run = next(text_runs)
                 copy = request.plan.head_recompute_copy(segment, bs)

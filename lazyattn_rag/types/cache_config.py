@@ -97,6 +97,11 @@ class CacheConfig:
             the recompute remedies.
         chunk_attention_temperature: APE's temperature ``T`` (> 0, default 1).
         chunk_attention_weight: APE's scaling factor ``S`` (> 0, default 1).
+        chunk_attention_scope: which keys of a document chunk chunk attention scaling reads
+            scaled: ``"chunk"`` (default: all of them, as APE) or ``"head"`` (only its first
+            block, ``block_size`` tokens: where a chunk encoded alone grows an attention sink
+            of its own, which a prompt under full attention has once; with a weight below 1
+            those tokens' share of attention is turned down, nothing recomputed).
         prefix_caching: exact-prefix caching of what is not a document or passage (default
             True, as vLLM's automatic prefix caching): the full KV blocks of a request's own
             prompt tokens are kept in the cache under a chained hash of their tokens and of
@@ -149,6 +154,7 @@ class CacheConfig:
     chunk_attention_scaling: bool = False
     chunk_attention_temperature: float = 1.0
     chunk_attention_weight: float = 1.0
+    chunk_attention_scope: str = "chunk"
     prefix_caching: bool = True
     learn_passages: bool = True
     passage_min_tokens: int = 16
@@ -214,6 +220,8 @@ class CacheConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.chunk_attention_scope not in ("chunk", "head"):
+            raise ValueError(f"chunk_attention_scope must be 'chunk' or 'head', got {self.chunk_attention_scope!r}")
         if not isinstance(self.chunk_attention_scaling, bool):
             raise ValueError(f"chunk_attention_scaling must be True or False, got {self.chunk_attention_scaling!r}")
         if self.chunk_attention_scaling:
