@@ -80,7 +80,8 @@ async def one_request(client, model: str, body: dict, output_tokens: int) -> dic
             final, timings = extension["stats"], extension.get("timings", {})
     end = time.time()
     return {"ttft_ms": ((first or end) - start) * 1e3, "e2e_ms": (end - start) * 1e3,
-            "stages_ms": ttft_stages(start, first or end, timings, final["ttft_ms"]),
+            "stages_ms": ttft_stages(start, first or end, timings | {"engine_arrival": final.get("arrival_time")},
+                                     final["ttft_ms"]),
             "num_prompt_tokens": final["num_prompt_tokens"], "num_computed_tokens": final["num_computed_tokens"],
             "num_output_tokens": final["num_output_tokens"], "docs_hit": final["docs_hit"],
             "docs_missed": final["docs_missed"], "doc_sources": final["doc_sources"],
@@ -95,11 +96,13 @@ def ttft_stages(start: float, first: float, timings: dict[str, float], engine_tt
             "replica_first_event"} <= t.keys():
         return {}
     submitted = t["replica_first_event"] - engine_ttft_ms / 1e3  # the engine's TTFT counts from its submission
+    accepted = t.get("engine_arrival") or submitted  # the engine's own wall-clock stamp (stats.arrival_time)
     marks = [("to_ingress", start, t["ingress_received"]), ("ingress", t["ingress_received"], t["ingress_sent"]),
              ("to_replica", t["ingress_sent"], t["replica_received"]),
              ("replica_to_submission", t["replica_received"], submitted),
              ("replica_parsing", t["replica_received"], t.get("replica_submitting", t["replica_received"])),
-             ("submitting_to_engine", t.get("replica_submitting", t["replica_received"]), submitted),
+             ("submitting_to_engine", t.get("replica_submitting", t["replica_received"]), accepted),
+             ("first_token_to_replica_event", accepted + engine_ttft_ms / 1e3, t["replica_first_event"]),
              ("engine", submitted, t["replica_first_event"]),
              ("back_to_ingress", t["replica_first_event"], t["ingress_first_event"]),
              ("back_to_client", t["ingress_first_event"], first)]

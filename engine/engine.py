@@ -270,7 +270,7 @@ class LLMEngine:
         return request
 
     def _request(self, rid: str, plan: PromptPlan, params: SamplingParams, warm_only: bool = False) -> Request:
-        stats = RequestStats(rid, num_prompt_tokens=plan.num_prompt_tokens)
+        stats = RequestStats(rid, num_prompt_tokens=plan.num_prompt_tokens, arrival_time=time.time())
         stats.num_computed_tokens = len(plan.query_token_ids) + plan.num_text_tokens
         stats.num_recomputed_tokens = sum(c.num_skipped for c in plan.chunks if c.doc_id is not None)
         return Request(rid, plan, params, stats, warm_only=warm_only)

@@ -229,8 +229,7 @@ def test_logits_probe_refuses_an_offset_off_by_one(model_dir, tmp_path, monkeypa
 
     entries = scheduler.block_table_entries
     monkeypatch.setattr(scheduler, "block_table_entries",
-                        lambda blocks, n, delta, bs, scaled=False: entries(blocks, n, delta + 1 if delta else 0, bs,
-                                                                           scaled))
+                        lambda blocks, n, delta, bs, *flags: entries(blocks, n, delta + 1 if delta else 0, bs, *flags))
     with pytest.raises(SelfCheckError) as info:
         LazyAttention(_config(model_dir, tmp_path))
     report = info.value.report["logits"]

@@ -3,6 +3,7 @@
 import asyncio
 import functools
 import random
+import time
 
 import pytest
 
@@ -217,7 +218,9 @@ def test_prometheus_metrics_match_stats(make_llm):
     hf, llm = make_llm()
     llm.add_document("a", words(20))
     llm.generate("w1", ["a"], sampling=GREEDY)
+    before = time.time()
     out = llm.generate("w2", ["a"], sampling=GREEDY)
+    assert before <= out.stats.arrival_time <= time.time()  # wall clock, as vLLM's RequestMetrics
     registry = CollectorRegistry()
     register_metrics(llm, registry)
     text = generate_latest(registry).decode()

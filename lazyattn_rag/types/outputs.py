@@ -44,6 +44,9 @@ class RequestStats:
         tpot_ms: mean time per output token after the first, in milliseconds.
         e2e_ms: submission to finish, in milliseconds.
         queue_ms: submission to first scheduling, in milliseconds.
+        arrival_time: when the engine accepted the request (its submission), Unix time in
+            seconds (``time.time()``), as vLLM's ``RequestMetrics.arrival_time``: lines the
+            engine's own figures up with a caller's clock.
         num_preemptions: times the request's blocks were taken back and it was recomputed.
         loop_stopped: the loop guard ended the answer (``SamplingParams.loop_guard_ngram``): it
             began repeating a run of tokens it had produced; the text ends before the repeat.
@@ -65,6 +68,7 @@ class RequestStats:
     tpot_ms: float | None = None
     e2e_ms: float | None = None
     queue_ms: float | None = None
+    arrival_time: float | None = None
     num_preemptions: int = 0
     loop_stopped: bool = False
 
