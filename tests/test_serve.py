@@ -394,12 +394,13 @@ def test_health_is_503_when_no_engine_replica_answers(server):
     from lazyattn_rag.serve import ServeConfig
     from lazyattn_rag.serve.ingress import make_ingress
 
-    @serve.deployment(name="stalled-engine", ray_actor_options={"num_cpus": 0})
+    # no graceful wait when deleted: the stalled call would hold each replica for Serve's 20 s default
+    @serve.deployment(name="stalled-engine", ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=0)
     class StalledEngine:
         async def info(self):
             await asyncio.sleep(3600)
 
-    ingress = serve.deployment(name="stalled-ingress", ray_actor_options={"num_cpus": 0})(
+    ingress = serve.deployment(name="stalled-ingress", ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=0)(
         make_ingress(ServeConfig(registry="memory", health_timeout_s=1.5)))
     serve.run(ingress.bind(StalledEngine.bind()), name="stalled", route_prefix="/stalled")
     try:
