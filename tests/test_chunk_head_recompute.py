@@ -44,6 +44,21 @@ def test_recomputed_heads_equal_the_composed_reference(make_llm, k, backend):
     assert (ours - reference_logprobs(hf, llm, 0)).abs().max().item() > 1e-3  # the heads made a difference
 
 
+@pytest.mark.parametrize("k, backend", [(4, "torch"), (20, "triton")])
+def test_a_head_copied_from_a_chunk_the_same_pass_encodes(make_llm, k, backend):
+    """Misses: the documents' chunks are encoded in the pass that also computes the request's
+    heads, whose cached slots behind the head are copied in each layer after the chunk's write
+    (``AttentionBackend.copy_step_slots``); the answer equals the composed reference."""
+    hf, llm = engine(make_llm, k, backend)
+    steps = []  # (chunk pieces encoded, compute jobs) per step
+    remove = llm.add_step_listener(lambda step: steps.append((len(step.output.chunk_prefills),
+                                                              len(step.output.computes))))
+    ours = first_logprobs(llm)
+    remove()
+    assert steps[0][0] > 0 and steps[0][1] == 1  # one pass: every chunk encoded and the request computed
+    assert (ours - reference_logprobs(hf, llm, k)).abs().max().item() <= 1e-4
+
+
 def test_config_is_checked():
     with pytest.raises(ValueError, match="recompute_chunk_head_tokens"):
         CacheConfig(recompute_chunk_head_tokens=-1)

@@ -2,7 +2,9 @@
 
 A recomputed head that ends inside a block makes that block the text segment's last one; the
 block's other slots (the chunk's cached tokens after the head) are copied from the chunk's own
-block, K rotated to the request's positions, before the pass that first reads them.
+block, K rotated to the request's positions, in the pass that first reads them: in every layer
+after that layer's K/V write (``AttentionBackend.copy_step_slots``), so the chunk may be encoded
+by the same pass.
 """
 
 from __future__ import annotations
@@ -27,7 +29,3 @@ def head_slot_copies(cache: ChunkCache, request: Request, start: int, end: int) 
                                 first, num, chunk.global_start - entry.local_start))
     return jobs
 
-
-def copies_slots(request: Request, block_size: int) -> bool:
-    """Whether ``request`` copies cached slots behind a recomputed chunk head (before a pass)."""
-    return any(request.plan.head_recompute_copy(t, block_size) for t in request.plan.texts)

@@ -33,7 +33,7 @@ from collections import deque
 
 from lazyattn_rag.engine.scheduling.admission import Admission, ChunkAdmission
 from lazyattn_rag.engine.scheduling.forks import RequestForks
-from lazyattn_rag.engine.scheduling.head_copies import copies_slots, head_slot_copies
+from lazyattn_rag.engine.scheduling.head_copies import head_slot_copies
 from lazyattn_rag.engine.scheduling.capacity import BlockBudget
 from lazyattn_rag.engine.kv.block_table import BlockEntry, block_table_entries
 from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
@@ -276,7 +276,7 @@ class Scheduler:
         if need > 0:
             request.private_blocks += self.cache.allocate(need)
         if request.plan.num_text_tokens and request.num_computed < request.plan.num_text_tokens:
-            out.slot_copies += head_slot_copies(self.cache, request, request.num_computed, request.num_computed + n)
+            out.head_copies += head_slot_copies(self.cache, request, request.num_computed, request.num_computed + n)
         total = request.num_private_tokens
         out.computes.append(ComputeJob(request, request.num_computed, n, request.num_computed + n == total, selected))
         return n + selected
@@ -311,10 +311,9 @@ class Scheduler:
         if not written:
             # Join this step only with a prefill to run in it: a request that waited here on a
             # step whose forward pass then failed would hold chunks that were never written.
-            # A recomputed head's copied slots are read before the pass: its chunks must be written already.
-            # So are the chunks whose tokens selective recompute measures (before the pass).
-            joins = self.prefill_with_encodes and not request.warm_only and not copies_slots(request, self.block_size) \
-                and not request.plan.selective_ratio
+            # (A recomputed head's copied slots are copied inside the pass, after each layer's write.)
+            # The chunks whose tokens selective recompute measures before the pass must be written already.
+            joins = self.prefill_with_encodes and not request.warm_only and not request.plan.selective_ratio
             this_step = out.written_keys() if joins else set()
             if budget <= 0 or not all(self.cache.held(k).ready or k in this_step for k in pinned):
                 return 0

@@ -72,7 +72,8 @@ class CopyJob:
 class SlotCopyJob:
     """Copy slots ``first_slot .. first_slot + num_slots`` of a chunk's block into the same slots
     of a request's private block, K rotated by ``delta`` to its global positions (the cached
-    tokens behind a recomputed chunk head that ends inside a block), before the pass."""
+    tokens behind a recomputed chunk head that ends inside a block; a fork's prompt end; a block
+    selective recompute overwrites in part)."""
 
     src_block: int
     dst_block: int
@@ -125,8 +126,11 @@ class SchedulerOutput:
         copies: positioned chunks to copy to a new offset (``block_attention`` mode), before the pass.
         loads: chunks found in a storage tier below the pool, written into their blocks before
             the pass (``engine/tiers/chunk_tiers.py``).
-        slot_copies: cached tokens copied behind recomputed chunk heads, after the loads and
-            copies, before the pass.
+        slot_copies: cached slots copied after the loads and copies, before the pass (a forked
+            answer's prompt end, selective recompute's block copies).
+        head_copies: cached tokens copied behind recomputed chunk heads, in every layer of the
+            pass between its K/V write and its attention, so that a chunk the same pass encodes
+            is copied from (``AttentionMetadata.slot_copies``).
         selections: requests whose document tokens to recompute are measured before the pass
             (selective recompute).
         computes: requests' private tokens (query prefill, text segments, one decode token).
@@ -140,6 +144,7 @@ class SchedulerOutput:
     copies: list[CopyJob] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
     slot_copies: list[SlotCopyJob] = field(default_factory=list)
+    head_copies: list[SlotCopyJob] = field(default_factory=list)
     selections: list[SelectionJob] = field(default_factory=list)
     computes: list[ComputeJob] = field(default_factory=list)
     failed: list[tuple[Request, Exception]] = field(default_factory=list)

@@ -6,7 +6,8 @@ import torch
 
 from lazyattn_rag.engine.kv.kv_layout import KVLayout
 from lazyattn_rag.engine.kv.kv_pool import KVPool
-from lazyattn_rag.engine.worker.attention import AttentionBackend, AttentionMetadata, SequenceInput, build_attention_metadata
+from lazyattn_rag.engine.worker.attention import (AttentionBackend, AttentionMetadata, SequenceInput, SlotCopies,
+                                                  build_attention_metadata)
 from lazyattn_rag.engine.model.compiled_layers import CompiledLayers
 from lazyattn_rag.engine.worker.cuda_graphs import DecodeGraphs
 from lazyattn_rag.engine.worker.input_prep import InputPreparer
@@ -72,7 +73,7 @@ class ModelRunner:
         if not (out.chunk_prefills or out.computes):
             return torch.zeros(0, self.model.config.vocab_size, device=self.device)
         seqs, last_rows = self.inputs.prepare(out)
-        return self.execute(seqs)[last_rows]
+        return self.execute(seqs, self._slot_copies(out.head_copies))[last_rows]
 
     @torch.inference_mode()
     def copy_rotated(self, src_blocks: list[int], dst_blocks: list[int], num_tokens: int, delta: int) -> None:
@@ -105,17 +106,30 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_slots(self, jobs: list[SlotCopyJob]) -> None:
         """Copy each job's slots ``first_slot ..`` (``num_slots``) of ``src_block`` into the same
-        slots of ``dst_block`` in every layer, K rotated by the job's ``delta`` (behind a recomputed
-        chunk head; whole blocks for selective recompute). One gather, rotation and scatter per
-        layer for all of a step's jobs (a request of selective recompute copies up to one block per
-        selected token)."""
+        slots of ``dst_block`` in every layer, K rotated by the job's ``delta`` (a fork's prompt end;
+        whole blocks for selective recompute), now. One gather, rotation and scatter per layer for
+        all of a step's jobs (a request of selective recompute copies up to one block per selected
+        token)."""
+        src, dst, deltas = self._flat_slots(jobs)
+        self.kv_pool.copy_slots(src, dst, deltas, self.model.rotary)
+
+    def _slot_copies(self, jobs: list[SlotCopyJob]) -> SlotCopies | None:
+        """``jobs`` as the :class:`SlotCopies` every layer of the next pass makes after its write
+        (the cached tokens behind recomputed chunk heads), or ``None``."""
+        if not jobs:
+            return None
+        src, dst, deltas = self._flat_slots(jobs)
+        return SlotCopies(src, dst, self.model.rotary.shifts(deltas))
+
+    def _flat_slots(self, jobs: list[SlotCopyJob]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(src, dst, deltas)``: ``[n]`` int64 flat slots and deltas of every slot ``jobs`` copy."""
         bs, src, dst, deltas = self.block_size, [], [], []
         for job in jobs:
             src += range(job.src_block * bs + job.first_slot, job.src_block * bs + job.first_slot + job.num_slots)
             dst += range(job.dst_block * bs + job.first_slot, job.dst_block * bs + job.first_slot + job.num_slots)
             deltas += [job.delta] * job.num_slots
         src_t, dst_t, deltas_t = (torch.tensor(v, dtype=torch.int64, device=self.device) for v in (src, dst, deltas))
-        self.kv_pool.copy_slots(src_t, dst_t, deltas_t, self.model.rotary)
+        return src_t, dst_t, deltas_t
 
     def enable_torch_compile(self) -> None:
         """Run the non-attention part of every layer through ``torch.compile``d functions
@@ -144,20 +158,23 @@ class ModelRunner:
         return self.model(input_ids, positions, self.backend, self.kv_pool.layers, metadata, compiled=self.compiled)
 
     @torch.inference_mode()
-    def execute(self, seqs: list[SequenceInput]) -> torch.Tensor:
+    def execute(self, seqs: list[SequenceInput], slot_copies: SlotCopies | None = None) -> torch.Tensor:
         """Write the batch's new K/V and return the logits of each sequence's last new token
         (sequences prepared by :class:`InputPreparer`, or by hand in tests and checks).
+        ``slot_copies``: made in every layer after its write (:class:`SlotCopies`).
 
-        A decode batch replays a captured CUDA graph when graphs are enabled and it fits one.
+        A decode batch replays a captured CUDA graph when graphs are enabled and it fits one (and
+        has no slot copies).
 
         Returns:
             ``[len(seqs), vocab_size]`` float32 (a graph's output buffer: valid until the next call).
         """
-        if self.graphs is not None:
+        if self.graphs is not None and slot_copies is None:
             logits = self.graphs.run(seqs)
             if logits is not None:
                 return logits
         metadata = build_attention_metadata(seqs, self.block_size, self.device)
+        metadata.slot_copies = slot_copies
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64, device=self.device)
         positions = torch.tensor([p for s in seqs for p in s.positions], dtype=torch.int64, device=self.device)
         last_rows = (metadata.cu_seqlens_q[1:] - 1).to(torch.int64)

@@ -1,11 +1,11 @@
 """Attention backends: ``torch`` (reference, CPU default) and ``triton`` (fused kernels, CUDA)."""
 
 from lazyattn_rag.engine.worker.attention.base import AttentionBackend
-from lazyattn_rag.engine.worker.attention.metadata import (AttentionMetadata, SequenceInput, build_attention_metadata,
-                                                   check_sequence_input)
+from lazyattn_rag.engine.worker.attention.metadata import (AttentionMetadata, SequenceInput, SlotCopies,
+                                                   build_attention_metadata, check_sequence_input)
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "SequenceInput", "build_attention_metadata", "check_sequence_input",
-           "get_backend_class"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "SequenceInput", "SlotCopies", "build_attention_metadata",
+           "check_sequence_input", "get_backend_class"]
 
 
 def get_backend_class(name: str) -> type[AttentionBackend]:

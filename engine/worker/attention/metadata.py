@@ -17,7 +17,7 @@ packed rows out as one batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -48,6 +48,16 @@ class SequenceInput:
         return len(self.token_ids)
 
 
+class SlotCopies(NamedTuple):
+    """Cache slots a step copies in every layer after writing its new tokens' K/V and before
+    attending (the cached tokens behind recomputed chunk heads, whose chunk may be written by the
+    same pass)."""
+
+    src: torch.Tensor  # [num_slots_copied] int64 flat source slots
+    dst: torch.Tensor  # [num_slots_copied] int64 flat destination slots
+    shift: Any  # PositionTables of each copied slot's delta (RotaryEmbedding.shifts)
+
+
 @dataclass
 class AttentionMetadata:
     """Batch layout shared by all layers of one forward pass.
@@ -67,6 +77,8 @@ class AttentionMetadata:
         any_delta: whether any block of the batch has a nonzero RoPE offset ``delta`` (a chunk
             placed away from its encoding position), known on the host; ``False`` lets a
             backend leave out its rotation code (the same result). ``True`` when not known.
+        slot_copies: :class:`SlotCopies` each layer makes between its write and its attention
+            (:meth:`AttentionBackend.copy_step_slots`), or ``None``.
         backend_state: per-backend derived data (e.g. gather indices), built lazily once.
     """
 
@@ -81,6 +93,7 @@ class AttentionMetadata:
     query_lens: list[int]
     seq_lens_list: list[int]
     any_delta: bool = True
+    slot_copies: SlotCopies | None = None
     backend_state: dict[str, Any] = field(default_factory=dict)
 
     @property

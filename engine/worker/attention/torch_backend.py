@@ -84,6 +84,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, key_cache, value_cache, metadata):
         write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+        self.copy_step_slots(key_cache, value_cache, metadata)
         num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
         flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
         flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)

@@ -128,6 +128,7 @@ class TritonAttentionBackend(AttentionBackend):
 
         key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)  # as stored (no copy when equal)
         write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)  # as write_kv, one launch
+        self.copy_step_slots(key_cache, value_cache, metadata)
         plan = _plan(metadata, query.device)
         q = query if query.dtype == key_cache.dtype else query.to(key_cache.dtype)
         out = torch.empty_like(q)
