@@ -152,6 +152,39 @@ def test_each_kind_of_constraint_shapes_the_answer(smollm2, kwargs, check):
     assert out.finish_reason == "stop" and check(out.text), out.text
 
 
+def test_a_grammar_that_raises_fails_its_own_request_only(smollm2, monkeypatch):
+    """Three requests decode together; one's grammar raises on its third mask (as xgrammar does
+    for a terminated matcher): that request's stream raises it, the other two answer whole."""
+    from lazyattn_rag.engine.output.grammar import GrammarState
+
+    fill, calls = GrammarState.fill, {}
+
+    def failing_fill(self, bitmask, row):
+        if getattr(self, "breaks", False):
+            calls[id(self)] = calls.get(id(self), 0) + 1
+            if calls[id(self)] == 3:
+                raise RuntimeError("the grammar broke")
+        fill(self, bitmask, row)
+
+    matcher = type(smollm2.engine.grammars).matcher
+
+    def marking_matcher(self, params):
+        state = matcher(self, params)
+        state.breaks = params.regex == "[0-9]{9}"
+        return state
+
+    monkeypatch.setattr(GrammarState, "fill", failing_fill)
+    monkeypatch.setattr(type(smollm2.engine.grammars), "matcher", marking_matcher)
+    question = [{"role": "user", "content": "Count from one to twenty."}]
+    streams = [smollm2.stream_chat(question, sampling=SamplingParams(
+        max_tokens=12, ignore_eos=True, structured_output=StructuredOutputParams(**kwargs) if kwargs else None))
+        for kwargs in ({"regex": "[0-9]{9}"}, {"regex": "[a-z ]+"}, {})]
+    with pytest.raises(RuntimeError, match="the grammar broke"):
+        list(streams[0])
+    letters, free = ("".join(d.text for d in s) for s in streams[1:])
+    assert re.fullmatch("[a-z ]+", letters) and free
+
+
 def test_logprobs_stay_the_models_own_and_bad_grammars_touch_nothing(smollm2):
     question = [{"role": "user", "content": "Name a colour."}]
     free = smollm2.chat(question, sampling=SamplingParams(max_tokens=1, logprobs=5))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -118,7 +118,8 @@ class GrammarState:
         return self._matcher.is_terminated()
 
 
-def mask_rows(logits: torch.Tensor, grammars: dict[int, GrammarState]) -> torch.Tensor:
+def mask_rows(logits: torch.Tensor, grammars: dict[int, GrammarState],
+              on_error: Callable[[int, Exception], None] | None = None) -> torch.Tensor:
     """``logits`` with each row ``i`` of ``grammars`` masked by its grammar: every token that
     cannot continue that request's match set to ``-inf``. One bitmask for the step, one copy to
     the device and one masking launch, however many rows are constrained.
@@ -126,6 +127,8 @@ def mask_rows(logits: torch.Tensor, grammars: dict[int, GrammarState]) -> torch.
     Args:
         logits: ``[num_rows, vocab_size]`` float32, any device (left unchanged).
         grammars: row index -> that row's :class:`GrammarState`.
+        on_error: called with a row and the exception its grammar raised filling its mask (that
+            row is then left unmasked: its request is the caller's to fail); ``None``: raise.
     Returns:
         A new ``[num_rows, vocab_size]`` tensor, or ``logits`` itself when ``grammars`` is empty.
     """
@@ -134,7 +137,12 @@ def mask_rows(logits: torch.Tensor, grammars: dict[int, GrammarState]) -> torch.
     first = next(iter(grammars.values()))
     bitmask = first.xgr.allocate_token_bitmask(logits.shape[0], first.vocab_size)  # all allowed: -1 words
     for row, grammar in grammars.items():
-        grammar.fill(bitmask, row)
+        try:
+            grammar.fill(bitmask, row)
+        except Exception as error:  # noqa: BLE001 - handed to on_error: one request's grammar, not the step
+            if on_error is None:
+                raise
+            on_error(row, error)
     masked = logits.clone()
     first.xgr.apply_token_bitmask_inplace(masked, bitmask.to(logits.device, non_blocking=True))
     return masked

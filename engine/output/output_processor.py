@@ -60,10 +60,14 @@ class OutputProcessor:
         """
         grammars = {i: state.grammar for i, job in enumerate(computes) if job.sample
                     and (state := self.states.get(job.request.request_id)) is not None and state.grammar is not None}
-        masked = mask_rows(logits, grammars)  # structured output's masks: one launch for the step
+        failed: dict[int, Exception] = {}  # a grammar that raised fails its own request only
+        masked = mask_rows(logits, grammars, failed.__setitem__)  # structured output's masks: one launch
         greedy = masked.argmax(dim=-1).tolist()  # one device sync for every greedy request of the step
-        for job, raw, row, token in zip(computes, logits, masked, greedy):
+        for i, (job, raw, row, token) in enumerate(zip(computes, logits, masked, greedy)):
             if not job.sample:
+                continue
+            if i in failed:
+                self.fail(job.request, failed[i])
                 continue
             try:
                 self._emit_token(job.request, raw, row, token)
