@@ -64,6 +64,10 @@ HOST_CACHE_BYTES = typer.Option("0", "--host-cache-bytes", metavar="SIZE",
 REDIS_URL = typer.Option(None, "--redis-url", metavar="URL",
                          help="A Redis server shared by processes and machines, e.g. redis://localhost:6379/0 "
                               "(needs the redis extra).")
+RECOMPUTE_HEAD = typer.Option(0, "--recompute-chunk-head-tokens", min=0, metavar="K",
+                              help="Compute the first K tokens of each placed document in the request (chunk-head "
+                                   "recompute): answers closer to full attention for K more tokens of prefill "
+                                   "per document (default 0: plain reuse; docs/quality.md).")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
           "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
 
@@ -127,6 +131,7 @@ class EngineOptions:
     disk_cache_bytes: str = DEFAULT_DISK_CACHE_BYTES
     host_cache_bytes: str = "0"
     redis_url: Optional[str] = None
+    recompute_chunk_head_tokens: int = 0
 
     def config(self, **cache_fields) -> EngineConfig:
         """The :class:`EngineConfig` they describe, with ``cache_fields`` set on its ``CacheConfig``.
@@ -137,7 +142,9 @@ class EngineOptions:
         """
         tiers = tier_settings(self.cache_dir, self.disk_cache, self.no_disk_cache, self.disk_cache_bytes,
                               self.host_cache_bytes, self.redis_url)
-        return engine_config(self.model, self.device, self.backend, self.anchor, self.cache_dir, tiers | cache_fields)
+        remedy = {"recompute_chunk_head_tokens": self.recompute_chunk_head_tokens}
+        return engine_config(self.model, self.device, self.backend, self.anchor, self.cache_dir,
+                             tiers | remedy | cache_fields)
 
 
 def _engine_option_params(cache_dir_help: str, host_tier: bool) -> list[inspect.Parameter]:
@@ -145,7 +152,7 @@ def _engine_option_params(cache_dir_help: str, host_tier: bool) -> list[inspect.
                "anchor": (str, ANCHOR), "cache_dir": (Optional[Path], typer.Option(None, help=cache_dir_help)),
                "disk_cache": (Optional[Path], DISK_CACHE), "no_disk_cache": (bool, NO_DISK_CACHE),
                "disk_cache_bytes": (str, DISK_CACHE_BYTES), "host_cache_bytes": (str, HOST_CACHE_BYTES),
-               "redis_url": (Optional[str], REDIS_URL)}
+               "redis_url": (Optional[str], REDIS_URL), "recompute_chunk_head_tokens": (int, RECOMPUTE_HEAD)}
     if not host_tier:
         del options["host_cache_bytes"]
     return [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind)

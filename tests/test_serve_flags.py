@@ -31,11 +31,12 @@ def test_vllm_flag_names_set_the_engine_and_the_server(started, tmp_path):
     result = invoke(str(model), "--served-model-name", "rag", "--max-model-len", "4096", "--dtype", "bfloat16",
                     "--kv-cache-dtype", "auto", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "12",
                     "--max-num-batched-tokens", "2048", "--log-level", "info", "--allowed-origins", '["https://a.b"]',
-                    "--allowed-origins", "http://c.d", "--allowed-methods", "POST")
+                    "--allowed-origins", "http://c.d", "--allowed-methods", "POST", "--recompute-chunk-head-tokens", "4")
     assert result.exit_code == 0, result.output
     (engine, config), = started
     assert engine.model == str(model) and engine.max_model_len == 4096 and engine.dtype == "bfloat16"
     assert engine.cache.kv_cache_fraction == 0.5 and engine.cache.kv_cache_dtype == "auto"
+    assert engine.cache.recompute_chunk_head_tokens == 4
     assert engine.scheduler.max_num_seqs == 12 and engine.scheduler.max_num_batched_tokens == 2048
     assert config.served_model_name == "rag" and config.log_level == "INFO"
     assert config.allowed_origins == ("https://a.b", "http://c.d") and config.allowed_methods == ("POST",)
@@ -72,3 +73,15 @@ def test_bad_values_are_named_before_anything_starts(started, tmp_path):
     result = invoke("a-model", "--model", "another")
     assert result.exit_code == 2 and "differ" in result.output
     assert started == []
+
+
+def test_the_builder_args_carry_the_head_recompute_remedy():
+    """Ray Serve's own tools (``serve run``/``serve deploy``) set it by the flag's name."""
+    from pydantic import ValidationError
+
+    from lazyattn_rag.serve.builder import ServeArgs
+
+    assert ServeArgs(recompute_chunk_head_tokens=4).engine_config().cache.recompute_chunk_head_tokens == 4
+    assert ServeArgs().engine_config().cache.recompute_chunk_head_tokens == 0
+    with pytest.raises(ValidationError, match="recompute_chunk_head_tokens"):
+        ServeArgs(recompute_chunk_head_tokens=-1)

@@ -42,6 +42,7 @@ class ServeArgs(BaseModel):
     redis_url: str | None = None
     learn_passages: bool = True
     enable_prefix_caching: bool = True
+    recompute_chunk_head_tokens: int = Field(default=0, ge=0)
     replicas: int = Field(default=1, ge=1)
     gpus_per_replica: float | None = Field(default=None, ge=0)
     router: Literal["affinity", "default"] = "affinity"
@@ -64,8 +65,9 @@ class ServeArgs(BaseModel):
         flags applied."""
         if base is None:
             base = EngineConfig(model=self.model, device=self.device, attention_backend=self.backend,
-                                cache_dir=self.cache_dir, cache=CacheConfig(anchor=self.anchor, redis_url=self.redis_url,
-                                                                            disk_dir=self.disk_cache))
+                                cache_dir=self.cache_dir, cache=CacheConfig(
+                                    anchor=self.anchor, redis_url=self.redis_url, disk_dir=self.disk_cache,
+                                    recompute_chunk_head_tokens=self.recompute_chunk_head_tokens))
         fraction = {"kv_cache_fraction": self.gpu_memory_utilization} if self.gpu_memory_utilization is not None else {}
         cache = dataclasses.replace(base.cache, kv_cache_dtype=self.kv_cache_dtype, learn_passages=self.learn_passages,
                                     prefix_caching=self.enable_prefix_caching, **fraction)
