@@ -143,6 +143,7 @@ def serve(
             max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, learn_passages=learn_passages,
             enable_prefix_caching=enable_prefix_caching, replicas=replicas, gpus_per_replica=gpus_per_replica,
+            recompute_chunk_head_tokens=engine.recompute_chunk_head_tokens,
             router=router, imbalanced_threshold=imbalanced_threshold, registry=registry,
             ingress_replicas=ingress_replicas, max_logprobs=max_logprobs, health_timeout_s=health_timeout_s,
             api_key=list(api_key),

@@ -65,12 +65,12 @@ class ServeArgs(BaseModel):
         flags applied."""
         if base is None:
             base = EngineConfig(model=self.model, device=self.device, attention_backend=self.backend,
-                                cache_dir=self.cache_dir, cache=CacheConfig(
-                                    anchor=self.anchor, redis_url=self.redis_url, disk_dir=self.disk_cache,
-                                    recompute_chunk_head_tokens=self.recompute_chunk_head_tokens))
+                                cache_dir=self.cache_dir, cache=CacheConfig(anchor=self.anchor, redis_url=self.redis_url,
+                                                                            disk_dir=self.disk_cache))
         fraction = {"kv_cache_fraction": self.gpu_memory_utilization} if self.gpu_memory_utilization is not None else {}
         cache = dataclasses.replace(base.cache, kv_cache_dtype=self.kv_cache_dtype, learn_passages=self.learn_passages,
-                                    prefix_caching=self.enable_prefix_caching, **fraction)
+                                    prefix_caching=self.enable_prefix_caching,
+                                    recompute_chunk_head_tokens=self.recompute_chunk_head_tokens, **fraction)
         scheduler = {k: v for k, v in (("max_num_seqs", self.max_num_seqs),
                                        ("max_num_batched_tokens", self.max_num_batched_tokens)) if v is not None}
         return dataclasses.replace(base, max_model_len=self.max_model_len, dtype=self.dtype, cache=cache,
