@@ -36,7 +36,7 @@ def serving_mode(quality_mode: str) -> str | None:
     if setting is None or quality_mode.startswith("full"):
         return None
     if setting.recompute_tokens:
-        return f"lazy+head{setting.recompute_tokens}"
+        return f"lazy+head{setting.recompute_tokens}" + ("" if setting.first_head else "rest")
     if setting.selective_ratio:
         return f"lazy+sel{round(setting.selective_ratio * 100)}"
     if setting.scope == "head":

@@ -90,14 +90,15 @@ def shuffled(items: list, seed: int, question_id: str) -> list:
 
 # --- engine modes -----------------------------------------------------------------------------
 def make_engine(args, anchor: str, recompute_tokens: int = 0, selective_ratio: float = 0.0,
-                temperature: float = 1.0, weight: float = 1.0, scope: str = "chunk"):
+                temperature: float = 1.0, weight: float = 1.0, scope: str = "chunk", first_head: bool = True):
     from lazyattn_rag.llm import LazyAttention
 
-    return LazyAttention(engine_config(args, anchor, recompute_tokens, selective_ratio, temperature, weight, scope))
+    return LazyAttention(engine_config(args, anchor, recompute_tokens, selective_ratio, temperature, weight, scope,
+                                       first_head))
 
 
 def engine_config(args, anchor: str, recompute_tokens: int = 0, selective_ratio: float = 0.0,
-                  temperature: float = 1.0, weight: float = 1.0, scope: str = "chunk"):
+                  temperature: float = 1.0, weight: float = 1.0, scope: str = "chunk", first_head: bool = True):
     """The :class:`EngineConfig` of an engine mode (and of the HTTP modes' server, anchor ``bos``)."""
     from lazyattn_rag import CacheConfig, EngineConfig, SchedulerConfig
 
@@ -108,7 +109,7 @@ def engine_config(args, anchor: str, recompute_tokens: int = 0, selective_ratio:
                           recompute_chunk_head_tokens=recompute_tokens, recompute_selective_ratio=selective_ratio,
                           chunk_attention_scaling=(temperature, weight) != (1.0, 1.0),
                           chunk_attention_temperature=temperature, chunk_attention_weight=weight,
-                          chunk_attention_scope=scope),
+                          chunk_attention_scope=scope, recompute_first_chunk_head=first_head),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.concurrency),
         prompt=prompt_config())
 

@@ -10,12 +10,13 @@ from benchmarks.serving_setup import chunk_scaling_percent
 
 ENGINE_MODES = {"full": "none", "full-shuffled": "none", "reuse": "none", "reuse-head": "head", "reuse-bos": "bos"}
 # Chunk-head recompute in the engine (CacheConfig.recompute_chunk_head_tokens): "reuse-k16",
-# "reuse-bos-k4", ...: the reuse mode of that anchor with the first k tokens of each passage recomputed.
+# "reuse-bos-k4", ...: the reuse mode of that anchor with the first k tokens of each passage recomputed;
+# "reuse-bos-k4rest": of each passage but the first (CacheConfig.recompute_first_chunk_head=False).
 # Selective recompute (CacheConfig.recompute_selective_ratio, CacheBlend): "reuse-sel15",
 # "reuse-bos-sel5", ...: that reuse mode with r % of each passage's tokens recomputed.
 # Chunk attention scaling (CacheConfig.chunk_attention_scaling, APE): "reuse-bos-ape80" (temperature
 # 0.8), "reuse-bos-ape90w80" (temperature 0.9, weight 0.8): that reuse mode with its documents so read.
-_HEAD_RECOMPUTE = re.compile(r"^(reuse|reuse-head|reuse-bos)-k(\d+)$")
+_HEAD_RECOMPUTE = re.compile(r"^(reuse|reuse-head|reuse-bos)-k(\d+)(rest)?$")  # rest: not the first document's
 _SELECTIVE_RECOMPUTE = re.compile(r"^(reuse|reuse-head|reuse-bos)-sel(\d+)$")
 _CHUNK_SCALING = re.compile(r"^(reuse|reuse-head|reuse-bos)-ape(\d+)(?:w(\d+))?$")
 # Sink weighting (chunk attention scaling over each document's first block only,
@@ -26,7 +27,8 @@ _SINK_SCALING = re.compile(r"^(reuse|reuse-head|reuse-bos)-sink(\d+)$")
 class EngineSetting(NamedTuple):
     """The engine an engine mode runs on: its anchor and remedy (``recompute_tokens``: chunk-head
     ``k``; ``selective_ratio``: selective recompute's ``r``; ``temperature``, ``weight``: chunk
-    attention scaling, off at 1 and 1, over ``scope``: ``CacheConfig.chunk_attention_scope``)."""
+    attention scaling, off at 1 and 1, over ``scope``: ``CacheConfig.chunk_attention_scope``;
+    ``first_head``: ``CacheConfig.recompute_first_chunk_head``)."""
 
     anchor: str
     recompute_tokens: int = 0
@@ -34,6 +36,7 @@ class EngineSetting(NamedTuple):
     temperature: float = 1.0
     weight: float = 1.0
     scope: str = "chunk"
+    first_head: bool = True
 
 
 def engine_setting(mode: str) -> EngineSetting | None:
@@ -41,7 +44,7 @@ def engine_setting(mode: str) -> EngineSetting | None:
     if mode in ENGINE_MODES:
         return EngineSetting(ENGINE_MODES[mode])
     if m := _HEAD_RECOMPUTE.match(mode):
-        return EngineSetting(ENGINE_MODES[m.group(1)], recompute_tokens=int(m.group(2)))
+        return EngineSetting(ENGINE_MODES[m.group(1)], recompute_tokens=int(m.group(2)), first_head=not m.group(3))
     if (m := _SELECTIVE_RECOMPUTE.match(mode)) and 0 < int(m.group(2)) <= 100:
         return EngineSetting(ENGINE_MODES[m.group(1)], selective_ratio=int(m.group(2)) / 100)
     if (m := _CHUNK_SCALING.match(mode)) and (setting := chunk_scaling_percent(m.group(2), m.group(3))):

@@ -136,8 +136,8 @@ def mode_cache_settings(mode: str) -> tuple[str, dict]:
         return mode, {}
     if mode in TIERED_MODES:
         return "lazy", {"host": True}
-    if (m := re.fullmatch(r"lazy\+head(\d+)", mode)) and int(m.group(1)) >= 1:
-        return "lazy", {"recompute_chunk_head_tokens": int(m.group(1))}
+    if (m := re.fullmatch(r"lazy\+head(\d+)(rest)?", mode)) and int(m.group(1)) >= 1:
+        return "lazy", {"recompute_chunk_head_tokens": int(m.group(1)), "recompute_first_chunk_head": not m.group(2)}
     if (m := re.fullmatch(r"lazy\+sel(\d+)", mode)) and 1 <= int(m.group(1)) <= 100:
         return "lazy", {"recompute_selective_ratio": int(m.group(1)) / 100}
     if (m := CHUNK_SCALING_MODE.match(mode)) and (setting := chunk_scaling_percent(m.group(1), m.group(2))):
@@ -147,7 +147,7 @@ def mode_cache_settings(mode: str) -> tuple[str, dict]:
         return "lazy", {"chunk_attention_scaling": True, "chunk_attention_weight": setting[1],
                         "chunk_attention_scope": "head"}
     raise ValueError(f"unknown serving mode {mode!r}: one of {', '.join(MODES + TIERED_MODES)}, lazy+head<k>, "
-                     "lazy+sel<r %>, lazy+ape<T %>[w<W %>], lazy+sink<W %>")
+                     "lazy+sel<r %>, lazy+ape<T %>[w<W %>], lazy+sink<W %>, lazy+head<k>rest")
 
 
 def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_batched: int, max_seqs: int,
@@ -156,7 +156,8 @@ def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_bat
                 cache_fields: dict | None = None) -> LazyAttention:
     """An engine over ``bench``'s model in cache ``mode`` with a KV budget of ``budget_bytes``
     (``"lazy+host"``: ``lazy`` with a host-memory tier of ``host_memory_bytes``; ``"lazy+head<k>"``:
-    ``lazy`` recomputing the first ``k`` tokens of each document per request; ``"lazy+sel<r>"``:
+    ``lazy`` recomputing the first ``k`` tokens of each document per request (``...rest``: of each
+    but the first); ``"lazy+sel<r>"``:
     ``lazy`` recomputing ``r`` % of each document's tokens (selective recompute); ``"lazy+ape<T>"``:
     ``lazy`` reading documents with chunk attention scaling at temperature ``T`` %; ``"lazy+sink<W>"``:
     ``lazy`` weighting each document's first block by ``W`` %; ``torch_compile``:

@@ -13,7 +13,8 @@ from lazyattn_rag.types.config import RequestRemedies
 
 from benchmarks.qa_recompute import RecomputeReference
 from lazyattn_rag.types.config import CacheConfig
-from tests.recompute_case import DOCS, FIRST, QUESTION, assert_remedy_per_request, first_logprobs, remedy_engine
+from tests.recompute_case import (DOCS, FIRST, QUESTION, assert_remedy_per_request, first_logprobs, logprobs_of,
+                                  remedy_engine)
 
 
 def engine(make_llm, k: int, backend: str = "torch", **config):
@@ -59,11 +60,34 @@ def test_a_head_copied_from_a_chunk_the_same_pass_encodes(make_llm, k, backend):
     assert (ours - reference_logprobs(hf, llm, k)).abs().max().item() <= 1e-4
 
 
+def test_the_first_documents_head_can_stay_cached(make_llm):
+    """``recompute_first_chunk_head=False``: the heads of the documents after the first are
+    recomputed, the first is read as cached. Reference: the composed prompt with exactly those
+    tokens recomputed (``RecomputeReference.selected_first_token_logits``, itself checked to give
+    the plain head-recompute reference when every document's head is selected)."""
+    hf, llm = engine(make_llm, 4, recompute_first_chunk_head=False)
+    first_logprobs(llm)  # the chunks encoded
+    out = llm.generate(QUESTION, ["a", "b", "c"], sampling=FIRST)
+    plan = llm.plan(QUESTION, ["a", "b", "c"])
+    head = [list(c.token_ids) for c in plan.chunks if c.doc_id is None]
+    docs = [list(c.token_ids) for c in plan.chunks if c.doc_id is not None]
+    ref = RecomputeReference.from_model(hf, eos_ids=set())
+    heads = [set(range(min(4, len(d)))) for d in docs]
+    args = (head[0] if head else [], docs, list(plan.query_token_ids))
+    assert torch.allclose(ref.selected_first_token_logits(*args, heads), ref.first_token_logits(*args, 4), atol=1e-5)
+    expected = torch.log_softmax(ref.selected_first_token_logits(*args, [set()] + heads[1:]).float(), dim=-1)
+    assert (logprobs_of(out) - expected).abs().max().item() <= 1e-4
+    assert out.stats.num_recomputed_tokens == sum(len(h) for h in heads[1:]) > 0
+    assert (logprobs_of(out) - reference_logprobs(hf, llm, 4)).abs().max().item() > 1e-3  # not every head
+
+
 def test_config_is_checked():
     with pytest.raises(ValueError, match="recompute_chunk_head_tokens"):
         CacheConfig(recompute_chunk_head_tokens=-1)
     with pytest.raises(ValueError, match="mode must be 'lazy'"):
         CacheConfig(recompute_chunk_head_tokens=4, mode="block_attention")
+    with pytest.raises(ValueError, match="recompute_first_chunk_head must be True or False"):
+        CacheConfig(recompute_first_chunk_head=0)
 
 
 def test_per_request_setting_overrides_the_engines(make_llm):

@@ -13,7 +13,7 @@ from benchmarks.quality_modes import EngineSetting, engine_setting
 
 def test_quality_modes_map_to_serving_modes():
     assert serving_mode("reuse-bos") == serving_mode("reuse") == "lazy"
-    assert serving_mode("reuse-bos-k16") == "lazy+head16"
+    assert serving_mode("reuse-bos-k16") == "lazy+head16" and serving_mode("reuse-bos-k4rest") == "lazy+head4rest"
     assert serving_mode("reuse-sel5") == serving_mode("reuse-bos-sel5") == "lazy+sel5"
     assert serving_mode("full") is None and serving_mode("recompute") is None
     assert serving_mode("reuse-bos-ape80") == "lazy+ape80"
@@ -29,6 +29,7 @@ def test_chunk_scaling_modes_parse_to_their_engine_settings():
     assert engine_setting("reuse-bos-ape100") is None  # T = W = 1 is no remedy (the config refuses it)
     assert engine_setting("reuse-bos-ape0") is None and engine_setting("reuse-bos-ape80w0") is None
     assert engine_setting("reuse-bos-sink25") == EngineSetting("bos", weight=0.25, scope="head")
+    assert engine_setting("reuse-bos-k4rest") == EngineSetting("bos", recompute_tokens=4, first_head=False)
     assert engine_setting("reuse-bos-sink100") is None and engine_setting("reuse-bos-sink0") is None
 
 

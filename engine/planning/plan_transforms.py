@@ -17,17 +17,22 @@ def positioned_copy(chunk: ChunkSegment) -> ChunkSegment:
     return ChunkSegment(key, chunk.token_ids, chunk.global_start, chunk.global_start, chunk.doc_id, chunk.key)
 
 
-def with_head_recompute(plan: PromptPlan, num_tokens: int) -> PromptPlan:
+def with_head_recompute(plan: PromptPlan, num_tokens: int, first_document: bool = True) -> PromptPlan:
     """``plan`` with the first ``num_tokens`` tokens of every document chunk computed by the
     request (chunk-head recompute, EPIC: ``CacheConfig.recompute_chunk_head_tokens``): each
     document's head becomes a private text segment at its position (it attends to everything
     before it), and the chunk is read from the cache from that token on (``num_skipped``).
-    The prompt head (an exact prefix) is left as it is; ``num_tokens == 0`` returns ``plan``."""
+    The prompt head (an exact prefix) is left as it is, and the first document too unless
+    ``first_document`` (``CacheConfig.recompute_first_chunk_head``); ``num_tokens == 0``
+    returns ``plan``."""
     if num_tokens <= 0:
         return plan
     chunks, texts = [], list(plan.texts)
+    seen_document = False
     for c in plan.chunks:
-        if c.doc_id is None:
+        skip_this = c.doc_id is not None and not seen_document and not first_document
+        seen_document = seen_document or c.doc_id is not None
+        if c.doc_id is None or skip_this:
             chunks.append(c)
             continue
         n = min(num_tokens, len(c.token_ids))

@@ -341,7 +341,7 @@ class PromptPlanner:
         if mode == "block_attention":
             return PromptPlan(tuple(positioned_copy(c) for c in plan.chunks), plan.query_token_ids,
                               texts=plan.texts)
-        plan = with_head_recompute(plan, head_tokens)
+        plan = with_head_recompute(plan, head_tokens, self.config.cache.recompute_first_chunk_head)
         if chunk_scaling and any(c.doc_id is not None for c in plan.chunks):
             plan = dataclasses.replace(plan, chunk_scaling=True,
                                        chunk_scaling_blocks=int(self.config.cache.chunk_attention_scope == "head"))

@@ -73,6 +73,11 @@ class CacheConfig:
             extra prefill tokens per document. The cached chunk is unchanged and shared (its
             key, bytes and hit ratio do not depend on ``k``); the fresh tokens live in the
             request's own blocks, freed with it. 0 (default): plain reuse; ``mode="lazy"`` only.
+        recompute_first_chunk_head: whether chunk-head recompute also recomputes the first
+            document's head (default True). The first document follows only the prompt head,
+            so its cached K/V miss less of their context than later documents' do (those miss
+            the documents before them too); ``False`` leaves it read as cached and saves ``k``
+            tokens a request.
         recompute_selective_ratio: ``r`` in ``[0, 1]``: selective recompute (CacheBlend, Yao et
             al., EuroSys 2025, section 4). Before a request's first step, one dense pass over
             its whole prompt through the first two layers gives each document token's fresh
@@ -150,6 +155,7 @@ class CacheConfig:
     tier_eviction_policy: str = "lru"
     tier_loads: str = "auto"
     recompute_chunk_head_tokens: int = 0
+    recompute_first_chunk_head: bool = True
     recompute_selective_ratio: float = 0.0
     chunk_attention_scaling: bool = False
     chunk_attention_temperature: float = 1.0
@@ -204,7 +210,7 @@ class CacheConfig:
                              f"must be 'lazy', got {self.mode!r}")
         check_selective_ratio(self.recompute_selective_ratio, self.mode, self.recompute_chunk_head_tokens)
         self._check_chunk_attention()
-        for name in ("prefix_caching", "learn_passages"):
+        for name in ("prefix_caching", "learn_passages", "recompute_first_chunk_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_int("passage_min_tokens", self.passage_min_tokens, 1)
