@@ -198,7 +198,11 @@ def test_stats_line_labels_the_cached_prompt_head_and_plurals():
                    num_recomputed_tokens=16, docs_hit=["a", "passage:1"], docs_missed=["passage:2"],
                    doc_sources={"a": "matched", "passage:1": "learned", "passage:2": "learned"})
     assert "[docs hit 1, missed 0; passages hit 1, missed 1 | " in learned
-    assert "67 computed (16 recomputed) |" in learned
+    assert "67 computed (16 recomputed) |" in learned  # no remedy named: none given
+    heads = line(num_prompt_tokens=90, num_computed_tokens=30, num_recomputed_tokens=16, remedy="chunk_head_recompute")
+    assert "30 computed (16 recomputed: chunk heads) |" in heads
+    scaled = line(num_prompt_tokens=90, num_computed_tokens=30, remedy="chunk_attention_scaling")
+    assert "30 computed (documents' attention scaled) |" in scaled
     assert "prompt 9 tokens: 0 cached, 9 computed" in line(num_prompt_tokens=9, num_computed_tokens=9, docs_missed=["a"])
     assert line(num_prompt_tokens=9, num_computed_tokens=9).startswith(f"[{NO_DOCUMENTS} | prompt 9 tokens")
 

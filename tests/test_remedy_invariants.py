@@ -35,3 +35,16 @@ def test_preempted_requests_answer_as_alone(make_llm, field, everything, zero, s
     _, roomy = remedy_engine(make_llm, **{field: some})
     _, tight = remedy_engine(make_llm, **{field: some}, num_blocks=tight_blocks, max_num_seqs=4)
     assert_preempted_requests_answer_as_alone(roomy, tight)
+
+
+@pytest.mark.parametrize("config, remedy", [
+    ({"recompute_chunk_head_tokens": 4}, "chunk_head_recompute"), ({"recompute_selective_ratio": 0.3}, "selective_recompute"),
+    ({"chunk_attention_scaling": True, "chunk_attention_weight": 0.5}, "chunk_attention_scaling"), ({}, None)])
+def test_the_stats_name_the_remedy(make_llm, config, remedy):
+    """``RequestStats.remedy`` (and the stats line) say which remedy a request ran with."""
+    from tests.recompute_case import FIRST, QUESTION
+
+    _, llm = remedy_engine(make_llm, **config)
+    stats = llm.generate(QUESTION, ["a", "b"], sampling=FIRST).stats
+    recomputes = remedy in ("chunk_head_recompute", "selective_recompute")
+    assert stats.remedy == remedy and (stats.num_recomputed_tokens > 0) == recomputes

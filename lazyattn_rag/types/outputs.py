@@ -44,6 +44,9 @@ class RequestStats:
         tpot_ms: mean time per output token after the first, in milliseconds.
         e2e_ms: submission to finish, in milliseconds.
         queue_ms: submission to first scheduling, in milliseconds.
+        remedy: the answer-fidelity remedy the request ran with (docs/quality.md):
+            ``"chunk_head_recompute"``, ``"selective_recompute"``, ``"chunk_attention_scaling"``,
+            or ``None`` (plain reuse).
         arrival_time: when the engine accepted the request (its submission), Unix time in
             seconds (``time.time()``), as vLLM's ``RequestMetrics.arrival_time``: lines the
             engine's own figures up with a caller's clock.
@@ -68,6 +71,7 @@ class RequestStats:
     tpot_ms: float | None = None
     e2e_ms: float | None = None
     queue_ms: float | None = None
+    remedy: str | None = None
     arrival_time: float | None = None
     num_preemptions: int = 0
     loop_stopped: bool = False
@@ -80,12 +84,15 @@ class RequestStats:
         ``[docs hit 1, missed 1 | prompt 600 tokens: 533 cached (500 shifted, 33 exact prefix),
         67 computed | TTFT 5 ms | 2 output tokens]``; ``no_documents`` replaces the document
         counts when the request named none. Learned passages are counted apart from documents
-        (``passages hit 2``), recomputed tokens are named (``67 computed, 16 recomputed``), an
+        (``passages hit 2``), recomputed tokens are named with their remedy (``67 computed (16
+        recomputed: chunk heads)``), attention scaling too (``(documents' attention scaled)``), an
         answer the loop guard ended says so (``12 output tokens, repeat cut``)."""
         from lazyattn_rag.utils.progress import plural
 
         ttft = f"{self.ttft_ms:.0f} ms" if self.ttft_ms is not None else "n/a"
-        recomputed = f" ({self.num_recomputed_tokens} recomputed)" if self.num_recomputed_tokens else ""
+        how = _REMEDY_LABELS.get(self.remedy)
+        recomputed = f" ({self.num_recomputed_tokens} recomputed{f': {how}' if how else ''})" \
+            if self.num_recomputed_tokens else (" (documents' attention scaled)" if self.remedy == "chunk_attention_scaling" else "")
         return (f"[{self._documents_label(no_documents)} | prompt {self.num_prompt_tokens} tokens: "
                 f"{self._cached_label()}, {self.num_computed_tokens} computed{recomputed} | TTFT {ttft} | "
                 f"{plural(self.num_output_tokens, 'output token')}{', repeat cut' if self.loop_stopped else ''}]")
@@ -119,6 +126,9 @@ class RequestStats:
         if exact == cached:
             return f"{cached} cached (exact prefix)"
         return f"{cached} cached ({cached - exact} shifted, {exact} exact prefix)"
+
+
+_REMEDY_LABELS = {"chunk_head_recompute": "chunk heads", "selective_recompute": "selective"}
 
 
 class VocabLogprobs(Mapping):
