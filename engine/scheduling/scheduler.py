@@ -343,8 +343,8 @@ class Scheduler:
         (:meth:`PromptPlan.head_recompute_copy`: a block the head ends inside is the text's last
         block, its other slots copied from the chunk). A document's entries are flagged when the
         request reads it with chunk attention scaling (``PromptPlan.chunk_scaling``; only its first
-        ``PromptPlan.chunk_scaling_blocks`` when that is set). ``chunk_starts`` (if given) receives each chunk's index in the plan -> the index of its
-        first entry."""
+        ``PromptPlan.chunk_scaling_blocks`` when that is set). ``chunk_starts`` (if given)
+        receives each chunk's index in the plan -> the index of its first entry."""
         entries, bs = [], self.block_size
         text_runs = iter(request.private_runs(bs))
         index_of = {id(c): i for i, c in enumerate(request.plan.chunks)}

@@ -106,7 +106,9 @@ class CacheConfig:
             scaled: ``"chunk"`` (default: all of them, as APE) or ``"head"`` (only its first
             block, ``block_size`` tokens: where a chunk encoded alone grows an attention sink
             of its own, which a prompt under full attention has once; with a weight below 1
-            those tokens' share of attention is turned down, nothing recomputed).
+            those tokens' share of attention is turned down, nothing recomputed. Measured on
+            SmolLM2 with the BOS anchor it moves answers away from full attention, not toward
+            it: docs/quality.md, "First measurements").
         prefix_caching: exact-prefix caching of what is not a document or passage (default
             True, as vLLM's automatic prefix caching): the full KV blocks of a request's own
             prompt tokens are kept in the cache under a chained hash of their tokens and of
