@@ -272,9 +272,7 @@ class LLMEngine:
     def _request(self, rid: str, plan: PromptPlan, params: SamplingParams, warm_only: bool = False) -> Request:
         stats = RequestStats(rid, num_prompt_tokens=plan.num_prompt_tokens, arrival_time=time.time())
         stats.num_computed_tokens = len(plan.query_token_ids) + plan.num_text_tokens
-        stats.num_recomputed_tokens = sum(c.num_skipped for c in plan.chunks if c.doc_id is not None)
-        stats.remedy = ("chunk_head_recompute" if stats.num_recomputed_tokens else "selective_recompute"
-                        if plan.selective_ratio else "chunk_attention_scaling" if plan.chunk_scaling else None)
+        stats.num_recomputed_tokens, stats.remedy = plan.num_head_recompute_tokens, plan.remedy
         return Request(rid, plan, params, stats, warm_only=warm_only)
 
     def _output_state(self, params: SamplingParams, sink: Sink) -> OutputState:

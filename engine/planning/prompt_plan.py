@@ -188,6 +188,22 @@ class PromptPlan:
         return sum(len(t.token_ids) for t in self.texts)
 
     @cached_property
+    def num_head_recompute_tokens(self) -> int:
+        """Document tokens the request recomputes as chunk heads (``ChunkSegment.num_skipped``)."""
+        return sum(c.num_skipped for c in self.chunks if c.doc_id is not None)
+
+    @property
+    def remedy(self) -> str | None:
+        """The answer-fidelity remedy the plan runs (``RequestStats.remedy``):
+        ``"chunk_head_recompute"``, ``"selective_recompute"``, ``"chunk_attention_scaling"`` or
+        ``None``."""
+        if self.num_head_recompute_tokens:
+            return "chunk_head_recompute"
+        if self.selective_ratio:
+            return "selective_recompute"
+        return "chunk_attention_scaling" if self.chunk_scaling else None
+
+    @cached_property
     def tail_start(self) -> int:
         """Global position of the first query-tail token."""
         return self.num_cached_prompt_tokens + self.num_text_tokens

@@ -90,11 +90,8 @@ class RequestStats:
         from lazyattn_rag.utils.progress import plural
 
         ttft = f"{self.ttft_ms:.0f} ms" if self.ttft_ms is not None else "n/a"
-        how = _REMEDY_LABELS.get(self.remedy)
-        recomputed = f" ({self.num_recomputed_tokens} recomputed{f': {how}' if how else ''})" \
-            if self.num_recomputed_tokens else (" (documents' attention scaled)" if self.remedy == "chunk_attention_scaling" else "")
         return (f"[{self._documents_label(no_documents)} | prompt {self.num_prompt_tokens} tokens: "
-                f"{self._cached_label()}, {self.num_computed_tokens} computed{recomputed} | TTFT {ttft} | "
+                f"{self._cached_label()}, {self.num_computed_tokens} computed{self._remedy_label()} | TTFT {ttft} | "
                 f"{plural(self.num_output_tokens, 'output token')}{', repeat cut' if self.loop_stopped else ''}]")
 
     def _documents_label(self, no_documents: str) -> str:
@@ -115,6 +112,13 @@ class RequestStats:
             if tier not in ("kv", "computed"):
                 counts[tier] = counts.get(tier, 0) + 1
         return f" ({', '.join(f'{n} from {t}' for t, n in counts.items())})" if counts else ""
+
+    def _remedy_label(self) -> str:
+        """``" (16 recomputed: chunk heads)"``, ``" (documents' attention scaled)"`` or ``""``."""
+        if self.num_recomputed_tokens:
+            how = _REMEDY_LABELS.get(self.remedy)
+            return f" ({self.num_recomputed_tokens} recomputed{f': {how}' if how else ''})"
+        return " (documents' attention scaled)" if self.remedy == "chunk_attention_scaling" else ""
 
     def _cached_label(self) -> str:
         """``"33 cached (exact prefix)"``, ``"533 cached (500 shifted, 33 exact prefix)"``: tokens
