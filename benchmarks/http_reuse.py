@@ -59,9 +59,15 @@ def pasted(texts: list[str], question: str) -> str:
 
 
 def replica_engine(arch: str, device: str, dtype: str, budget_bytes: int, max_batched: int, max_seqs: int,
-                   learn_passages: bool):
-    """Runs in a replica: its engine over a random-weight model of ``arch`` (the serving benchmark's)."""
+                   learn_passages: bool, trace_path: str = ""):
+    """Runs in a replica: its engine over a random-weight model of ``arch`` (the serving benchmark's);
+    ``trace_path``: where ``benchmarks/replica_trace.py`` records the replica's timings (``""``: not)."""
     from benchmarks.serving_setup import Bench, make_engine
+
+    if trace_path:
+        from benchmarks.replica_trace import install
+
+        install(trace_path)
 
     bench = Bench.build(arch, device, dtype, hash_weights=False)
     return make_engine(bench, "lazy", budget_bytes, device, max_batched, max_seqs,
@@ -189,12 +195,16 @@ def run_arm(arm: str, args: dict, workload: Workload, port: int) -> dict:
     from lazyattn_rag.serve import ServeConfig, build_app
 
     gpus = 1.0 if args["device"].startswith("cuda") else 0.0
+    trace_path = str(Path(args["trace_replica"]).resolve() / f"{arm}.jsonl") if args["trace_replica"] else ""
+    if trace_path:
+        Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(trace_path).unlink(missing_ok=True)
     build = functools.partial(replica_engine, args["arch"], args["device"], args["dtype"],
                               int(args["budget_gb"] * 2**30), args["max_batched_tokens"], args["concurrency"],
-                              arm != "plain_learning_off")
+                              arm != "plain_learning_off", trace_path)
     config = ServeConfig(num_replicas=1, num_gpus_per_replica=gpus, num_cpus_per_replica=0,
                          max_ongoing_requests=args["concurrency"], port=port, max_body_bytes=64 << 20,
-                         registry="memory")
+                         registry="memory", switch_interval_ms=args["switch_interval_ms"])
     start = time.perf_counter()
     serve.run(build_app(None, config, build), name="bench", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
@@ -211,6 +221,11 @@ def run_arm(arm: str, args: dict, workload: Workload, port: int) -> dict:
     trace = bodies_of(arm, workload.documents(), workload.requests())
     results, wall = asyncio.run(drive(base, trace, workload.output_tokens, args["concurrency"]))
     engine = engine_counters(base)
+    if trace_path:
+        time.sleep(1.5)  # the replica writes its records once a second
+        from benchmarks.replica_trace import summarize as summarize_trace
+
+        engine["replica_trace"] = summarize_trace(trace_path)
     serve.delete("bench")
     row = {"arm": arm, "setup_s": setup_s, **summarize(results, wall), "engine": engine}
     print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items() if k != "per_request"}, flush=True)
@@ -335,13 +350,18 @@ def main(arch: str = "llama-3.1-8b", device: str = "cuda", dtype: str = "bfloat1
          arms: list[str] = typer.Option(list(ARMS)), num_docs: int = 200, doc_tokens: int = 512,
          docs_per_request: int = 5, alpha: float = 2.1, query_tokens: int = 64, output_tokens: int = 32,
          num_requests: int = 400, concurrency: int = 16, max_batched_tokens: int = 16384, seed: int = 0,
-         overhead_docs: int = 10_000, overhead_only: bool = False, out: str = "") -> None:
+         overhead_docs: int = 10_000, overhead_only: bool = False, out: str = "",
+         switch_interval_ms: float = typer.Option(0.5, help="ServeConfig.switch_interval_ms of the replica"),
+         trace_replica: str = typer.Option("", help="a folder: the replica records its steps, engine commands "
+                                           "and loop lags there (benchmarks/replica_trace.py), summed up per arm")
+         ) -> None:
     """Run the arms on one trace, measure the per-request overhead, write the JSON."""
     for arm in arms:
         if arm not in ARMS:
             raise typer.BadParameter(f"unknown arm {arm!r}: one of {', '.join(ARMS)}")
     args = dict(arch=arch, device=device, dtype=dtype, budget_gb=budget_gb, max_batched_tokens=max_batched_tokens,
-                concurrency=concurrency)
+                concurrency=concurrency, trace_replica=trace_replica,
+                switch_interval_ms=switch_interval_ms)
     workload = Workload(num_docs, doc_tokens, docs_per_request, alpha, query_tokens, output_tokens, num_requests, seed)
     cost = overhead(workload, overhead_docs, doc_tokens) if overhead_docs else {}
     print({"overhead": cost}, flush=True)

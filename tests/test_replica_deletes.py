@@ -6,6 +6,7 @@ Ray, over the tiny engine."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import pytest
@@ -55,3 +56,18 @@ def test_a_call_sent_before_the_delete_is_refused_and_computes_nothing(replica):
         assert (await events(replica, payload(before, "other")))[-1]["finish_reason"] == "length"  # another id
 
     asyncio.run(run())
+
+
+def test_the_replica_sets_its_process_switch_interval():
+    """``ServeConfig.switch_interval_ms`` reaches the replica's process; ``None`` leaves it."""
+    before = sys.getswitchinterval()
+    try:
+        made = EngineReplica(build=tiny_llm, switch_interval_ms=0.25)
+        made.llm.close()
+        assert sys.getswitchinterval() == pytest.approx(0.25e-3)
+        sys.setswitchinterval(0.004)
+        made = EngineReplica(build=tiny_llm)
+        made.llm.close()
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+    finally:
+        sys.setswitchinterval(before)

@@ -31,7 +31,8 @@ def test_vllm_flag_names_set_the_engine_and_the_server(started, tmp_path):
     result = invoke(str(model), "--served-model-name", "rag", "--max-model-len", "4096", "--dtype", "bfloat16",
                     "--kv-cache-dtype", "auto", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "12",
                     "--max-num-batched-tokens", "2048", "--log-level", "info", "--allowed-origins", '["https://a.b"]',
-                    "--allowed-origins", "http://c.d", "--allowed-methods", "POST", "--recompute-chunk-head-tokens", "4")
+                    "--allowed-origins", "http://c.d", "--allowed-methods", "POST", "--recompute-chunk-head-tokens", "4",
+                    "--switch-interval-ms", "0.25")
     assert result.exit_code == 0, result.output
     (engine, config), = started
     assert engine.model == str(model) and engine.max_model_len == 4096 and engine.dtype == "bfloat16"
@@ -40,7 +41,7 @@ def test_vllm_flag_names_set_the_engine_and_the_server(started, tmp_path):
     assert engine.scheduler.max_num_seqs == 12 and engine.scheduler.max_num_batched_tokens == 2048
     assert config.served_model_name == "rag" and config.log_level == "INFO"
     assert config.allowed_origins == ("https://a.b", "http://c.d") and config.allowed_methods == ("POST",)
-    assert config.allowed_headers == ("*",)
+    assert config.allowed_headers == ("*",) and config.switch_interval_ms == 0.25
 
 
 def test_a_config_file_gives_defaults_that_flags_override(started, tmp_path):
@@ -52,6 +53,7 @@ def test_a_config_file_gives_defaults_that_flags_override(started, tmp_path):
     assert engine.max_model_len == 1024 and engine.scheduler.max_num_seqs == 3 and engine.model is None
     assert config.port == 8123 and config.served_model_name == "from-flag"
     assert config.allowed_origins == ()  # no CORS unless asked
+    assert config.switch_interval_ms == 0.5  # the replicas' default (issue 36), not Python's 5 ms
 
 
 @pytest.mark.parametrize("content, message", [
@@ -70,6 +72,8 @@ def test_bad_values_are_named_before_anything_starts(started, tmp_path):
     assert result.exit_code == 2 and "kv_cache_dtype must be one of ('auto',)" in result.output
     result = invoke("--gpu-memory-utilization", "1.5")
     assert result.exit_code == 2 and "--gpu-memory-utilization: Input should be less than 1" in result.output
+    result = invoke("--switch-interval-ms", "0")
+    assert result.exit_code == 2 and "--switch-interval-ms" in result.output
     result = invoke("a-model", "--model", "another")
     assert result.exit_code == 2 and "differ" in result.output
     assert started == []
@@ -85,3 +89,18 @@ def test_the_builder_args_carry_the_head_recompute_remedy():
     assert ServeArgs().engine_config().cache.recompute_chunk_head_tokens == 0
     with pytest.raises(ValidationError, match="recompute_chunk_head_tokens"):
         ServeArgs(recompute_chunk_head_tokens=-1)
+
+
+def test_the_switch_interval_is_checked_and_carried_by_the_builder():
+    from pydantic import ValidationError
+
+    from lazyattn_rag.serve.builder import ServeArgs
+    from lazyattn_rag.serve.config import ServeConfig
+
+    assert ServeArgs(switch_interval_ms=2).serve_config().switch_interval_ms == 2
+    with pytest.raises(ValidationError, match="switch_interval_ms"):
+        ServeArgs(switch_interval_ms=0)
+    for bad in (0, -1, 101, True, "1"):
+        with pytest.raises(ValueError, match=r"switch_interval_ms must be in \(0, 100\] ms or None"):
+            ServeConfig(switch_interval_ms=bad)
+    assert ServeConfig(switch_interval_ms=None).switch_interval_ms is None

@@ -52,7 +52,7 @@ def build_app(engine_config: EngineConfig | None, config: ServeConfig = ServeCon
                                max_ongoing_requests=4 * config.max_ongoing_requests,
                                ray_actor_options={"num_cpus": 0}, logging_config=logging_config)(
         make_ingress(config, engine_config))
-    return ingress.bind(engine.bind(engine_config, build))
+    return ingress.bind(engine.bind(engine_config, build, config.switch_interval_ms))
 
 
 def start_ray(address: str | None = None, **init_options) -> None:

@@ -51,6 +51,7 @@ class ServeArgs(BaseModel):
     ingress_replicas: int = Field(default=1, ge=1)
     max_logprobs: int = Field(default=20, ge=-1)
     health_timeout_s: float = Field(default=5.0, gt=0, le=3600)
+    switch_interval_ms: float = Field(default=0.5, gt=0, le=100)
     api_key: list[str] = Field(default_factory=list)
     api_key_file: str | None = None
     allow_unauthenticated: bool = False
@@ -85,7 +86,7 @@ class ServeArgs(BaseModel):
         return ServeConfig(num_replicas=self.replicas, num_gpus_per_replica=gpus, router=self.router,
                            imbalanced_threshold=self.imbalanced_threshold, registry=self.registry,
                            num_ingress_replicas=self.ingress_replicas, max_logprobs=self.max_logprobs,
-                           health_timeout_s=self.health_timeout_s,
+                           health_timeout_s=self.health_timeout_s, switch_interval_ms=self.switch_interval_ms,
                            api_keys=tuple(self.api_key), api_key_file=self.api_key_file,
                            allow_unauthenticated=self.allow_unauthenticated, served_model_name=self.served_model_name,
                            allowed_origins=tuple(self.allowed_origins), allowed_methods=tuple(self.allowed_methods),

@@ -52,6 +52,12 @@ class ServeConfig:
             ``model``; requests naming another are 404); ``None``: the engine's model name.
         health_timeout_s: how long ``GET /health`` waits for an engine replica to answer before
             it answers 503 (keep it under a probe's own timeout, e.g. Kubernetes' default 1 s).
+        switch_interval_ms: Python's thread switch interval in each engine replica's process
+            (``sys.setswitchinterval``), ms. A replica runs its engine thread beside the threads
+            that plan plain prompts, hand requests over and stream tokens back; a thread that
+            wakes for the GIL waits up to this long while another holds it (Python's default:
+            5 ms, paid at every hand-over of a request and its first token; issue 36's trace,
+            docs/benchmarks.md). ``None``: leave Python's setting alone.
         ray_address: the Ray cluster to run on (``ray.init(address=...)``: ``"auto"`` or
             ``"ray://..."``/``"host:port"``, for several nodes); ``None``: a private local
             cluster whose processes listen on 127.0.0.1 only, with no dashboard.
@@ -82,6 +88,7 @@ class ServeConfig:
     allowed_headers: tuple[str, ...] = ("*",)
     served_model_name: str | None = None
     health_timeout_s: float = 5.0
+    switch_interval_ms: float | None = 0.5
     ray_address: str | None = None
 
     def __post_init__(self):
@@ -117,6 +124,10 @@ class ServeConfig:
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if not isinstance(self.health_timeout_s, (int, float)) or not 0 < self.health_timeout_s <= 3600:
             raise ValueError(f"health_timeout_s must be in (0, 3600] seconds, got {self.health_timeout_s!r}")
+        if self.switch_interval_ms is not None and (
+                isinstance(self.switch_interval_ms, bool) or not isinstance(self.switch_interval_ms, (int, float))
+                or not 0 < self.switch_interval_ms <= 100):
+            raise ValueError(f"switch_interval_ms must be in (0, 100] ms or None, got {self.switch_interval_ms!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port!r}")
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -63,14 +64,19 @@ class EngineReplica:
         config: the engine's configuration (model, device, cache and its tiers...).
         build: instead, a function that builds the replica's engine (run in the replica, e.g. a
             benchmark's random-weight model); picklable by Ray.
+        switch_interval_ms: this process's thread switch interval
+            (:attr:`~lazyattn_rag.serve.config.ServeConfig.switch_interval_ms`); ``None``: unchanged.
     """
 
-    def __init__(self, config: EngineConfig | None = None, build: Callable[[], Any] | None = None):
+    def __init__(self, config: EngineConfig | None = None, build: Callable[[], Any] | None = None,
+                 switch_interval_ms: float | None = None):
         from lazyattn_rag.async_llm import AsyncLazyAttention
         from lazyattn_rag.llm import LazyAttention
         from lazyattn_rag.serve.loopback import bind_replica_server_to_loopback
 
         bind_replica_server_to_loopback()
+        if switch_interval_ms is not None:  # the replica's process is ours: its threads share one GIL
+            sys.setswitchinterval(switch_interval_ms / 1e3)
         self.llm = build() if build is not None else LazyAttention(config)
         self.allm = AsyncLazyAttention(self.llm)
         self.replica_id = _replica_id()
