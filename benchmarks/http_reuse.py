@@ -287,6 +287,7 @@ def overhead(workload: Workload, num_docs: int, doc_tokens: int) -> dict:
     for messages in prompts:
         learner_ms.append(llm.client.call(time_choice, [as_message(m) for m in messages]))
     planning = planning_ms(llm.engine, [[as_message(m) for m in messages] for messages in prompts])
+    planning |= burst_planning_ms(llm.engine, [[as_message(m) for m in messages] for messages in prompts])
     llm.close()
 
     def stats(xs):
@@ -299,6 +300,55 @@ def overhead(workload: Workload, num_docs: int, doc_tokens: int) -> dict:
             "ingress_matching_and_passage_keys": stats(ingress_ms),
             "engine_passage_learner": stats(learner_ms),
             **{f"planning_{k}": stats(v) for k, v in planning.items()}}
+
+
+def burst_planning_ms(engine, prompts: list, burst: int = 16) -> dict[str, list[float]]:
+    """Bursts of ``burst`` prompts planned at once beside a thread that keeps the GIL busy (a
+    closed loop's requests end together, and their successors arrive together): each prompt's
+    latency from its burst's start, ms, by switch interval (``switch_5ms``: Python's default,
+    ``switch_0.5ms``: ``lazyattn serve``'s replicas), planning threads (1, or the client's
+    ``PLANNING_THREADS``) and, at 0.5 ms with several threads, with long texts tokenized
+    holding the GIL (``_gil_kept``) for comparison."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lazyattn_rag.client import PLANNING_THREADS
+    from lazyattn_rag.engine.planning import token_ids
+
+    settings = [(0.005, 1, True), (0.005, PLANNING_THREADS, True), (0.0005, 1, True),
+                (0.0005, PLANNING_THREADS, True), (0.0005, PLANNING_THREADS, False)]
+    before, min_chars, out = sys.getswitchinterval(), token_ids.RELEASE_GIL_MIN_CHARS, {}
+    stop = threading.Event()
+
+    def busy():
+        while not stop.is_set():
+            sum(range(1000))
+
+    try:
+        for interval, threads, release in settings:
+            sys.setswitchinterval(interval)
+            token_ids.RELEASE_GIL_MIN_CHARS = min_chars if release else 1 << 62
+            stop.clear()
+            thread = threading.Thread(target=busy, daemon=True)
+            thread.start()
+            latencies: list[float] = []
+            with ThreadPoolExecutor(threads) as pool:
+                for i in range(0, len(prompts) - burst + 1, burst):
+                    start = time.perf_counter()
+
+                    def plan(messages, start=start):
+                        engine.plan_plain_chat(messages)
+                        return (time.perf_counter() - start) * 1e3
+
+                    latencies += list(pool.map(plan, prompts[i:i + burst]))
+            stop.set()
+            thread.join()
+            name = f"burst_switch_{interval * 1e3:g}ms_{threads}_threads" + ("" if release else "_gil_kept")
+            out[name] = latencies
+    finally:
+        sys.setswitchinterval(before)
+        token_ids.RELEASE_GIL_MIN_CHARS = min_chars
+    return out
 
 
 def planning_ms(engine, prompts: list) -> dict[str, list[float]]:

@@ -25,6 +25,7 @@ from lazyattn_rag.types.sampling_params import SamplingParams
 
 T = TypeVar("T")
 Sink = Callable[[StreamDelta | BaseException], None]
+PLANNING_THREADS = 4  # threads planning plain chat prompts (EngineClient.planning)
 MakeRequest = Callable[[LLMEngine, Sink], Request]
 
 
@@ -57,13 +58,15 @@ class EngineClient:
 
     def __init__(self, loop: EngineLoop):
         self.loop = loop
-        # Plain chat prompts are planned here, one at a time, off the engine thread (vLLM's API
-        # server tokenizes in one worker thread too): concurrent planners would contend for the
-        # GIL and the passage learner's lock. With a thread per caller, 16 concurrent
-        # 17k-character prompts spent about 100 ms more before submission than by-id requests
-        # on the H200 (251 against 149 ms, benchmarks/results/http_reuse_h200_diag.json); this
-        # one thread is not measured yet.
-        self.planning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazyattn-plan")
+        # Plain chat prompts are planned here, off the engine thread (vLLM's API server
+        # tokenizes off its engine too), by a few threads: where the switch interval is short
+        # (lazyattn serve's replicas) their long texts are tokenized without the GIL, so a
+        # burst of pasted prompts (a closed loop's requests end together) is tokenized at
+        # once; the passage learner's lock keeps its choices one at a time
+        # (engine/planning/token_ids.py has the measurements). A thread per caller, with the
+        # GIL given up at every tokenizer call at Python's 5 ms, cost about 100 ms before
+        # submission on the H200 (benchmarks/results/http_reuse_h200_diag.json).
+        self.planning = ThreadPoolExecutor(max_workers=PLANNING_THREADS, thread_name_prefix="lazyattn-plan")
         # Structured output's grammars compile in threads of their own (xgrammar releases the GIL):
         # a schema that takes seconds delays only its own request, not every request's planning.
         self.compiling = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lazyattn-grammar")

@@ -96,3 +96,45 @@ def test_raw_prompts_follow_the_tokenizers_own_split_special_tokens_setting(smol
         template = PromptTemplate(tokenizer, PromptConfig())
         assert template.raw.ids(prompt, add_special_tokens=True) == list(tokenizer(prompt)["input_ids"])
     assert tokenizer.split_special_tokens and template.raw is template.literal
+
+
+def test_long_texts_tokenized_without_the_gil_equal_the_tokenizers_call(smollm2_tokenizer):
+    """Where the switch interval is short, texts of ``RELEASE_GIL_MIN_CHARS`` or more go through
+    ``encode_batch`` (without the GIL): the same ids and offsets as the tokenizer's call."""
+    import sys
+
+    from lazyattn_rag.engine.planning import token_ids
+
+    long_texts = [("The tower is 330 metres tall.<|im_end|>\nnaïve café — 東京 🙂 " * 120),
+                  "word " * (token_ids.RELEASE_GIL_MIN_CHARS // 5 + 1)]
+    assert all(len(t) >= token_ids.RELEASE_GIL_MIN_CHARS for t in long_texts)
+    before, calls = sys.getswitchinterval(), []
+    try:
+        sys.setswitchinterval(0.0005)
+        encoder = TokenEncoder(smollm2_tokenizer)
+        encoder.backend = _Recording(encoder.backend, calls)
+        assert encoder.ids(long_texts[0]) == list(smollm2_tokenizer(long_texts[0], add_special_tokens=False)["input_ids"])
+        assert calls == ["encode_batch"], "a long text at a short switch interval gives the GIL up"
+        assert encoder.ids("short") and calls == ["encode_batch", "encode"]
+        sys.setswitchinterval(0.005)
+        encoder.ids(long_texts[0])
+        assert calls[-1] == "encode", "at Python's 5 ms the GIL is kept"
+        sys.setswitchinterval(0.0005)
+        _check(smollm2_tokenizer, long_texts)  # ids with and without BOS, literal and parsing, offsets
+    finally:
+        sys.setswitchinterval(before)
+
+
+class _Recording:
+    """A backend that records which of its encode methods ran."""
+
+    def __init__(self, backend, calls):
+        self._backend, self._calls = backend, calls
+
+    def encode(self, *args, **kwargs):
+        self._calls.append("encode")
+        return self._backend.encode(*args, **kwargs)
+
+    def encode_batch(self, *args, **kwargs):
+        self._calls.append("encode_batch")
+        return self._backend.encode_batch(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""Token ids from a fast tokenizer's Rust backend, without giving up the GIL.
+"""Token ids from a fast tokenizer's Rust backend, giving up the GIL only where that pays.
 
 A transformers fast tokenizer's ``__call__`` runs its Rust backend's ``encode_batch``, which
 releases the GIL while it works. Beside a thread that keeps the GIL busy (a replica plans pasted
@@ -6,6 +6,16 @@ prompts beside its engine thread) that is a cost, not a gain: each release can c
 interpreter's switch interval (5 ms) to win the GIL back. Beside a busy thread, one
 17k-character prompt took 6.7 ms through ``__call__`` against 1.5 ms through the backend's
 ``encode``, which holds the GIL (CPU, tokenizers 0.23; 1.5 ms either way with no other thread).
+
+Where the switch interval is short (``lazyattn serve``'s replicas set 0.5 ms,
+``ServeConfig.switch_interval_ms``) the wait to win the GIL back is short too, and giving it up
+lets several planning threads tokenize a burst of long prompts at once: a long text
+(:data:`RELEASE_GIL_MIN_CHARS` characters or more) is then tokenized through ``encode_batch``,
+which works without the GIL. Sixteen pasted 17k-character prompts planned at once beside a
+thread that keeps the GIL busy, 2-core CPU (issue 36, docs/benchmarks.md): median latency 72.8 ms
+with one thread holding the GIL at 5 ms, 53.0 ms at 0.5 ms, 32.2 ms with four threads giving it
+up at 0.5 ms; one prompt alone 7.0 ms either way at 0.5 ms. At Python's 5 ms the GIL is kept
+(one prompt alone: 19.3 ms giving it up against 14.3 ms keeping it).
 
 :class:`TokenEncoder` holds a private copy of the backend (the shared one's flags are written
 by ``__call__`` itself, e.g. ``encode_special_tokens``; a copy nothing else touches is safe to
@@ -16,7 +26,11 @@ tokenizer has no backend: its ``__call__`` is used.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
+
+RELEASE_GIL_MIN_CHARS = 4096  # texts this long are tokenized without the GIL where switches are quick
+RELEASE_GIL_MAX_SWITCH_INTERVAL_S = 0.001  # ...that is, where sys.getswitchinterval() is at most this
 
 
 class TokenEncoder:
@@ -43,7 +57,7 @@ class TokenEncoder:
     def ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text`` (``add_special_tokens``: the ones the tokenizer adds, e.g. BOS)."""
         if self.backend is not None:
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+            return self._encode(text, add_special_tokens).ids
         return list(self._call(text, add_special_tokens)["input_ids"])
 
     def ids_and_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -56,8 +70,15 @@ class TokenEncoder:
         if self.backend is None:
             encoded = self._call(text, False, return_offsets_mapping=True)
             return list(encoded["input_ids"]), list(encoded["offset_mapping"])
-        encoding = self.backend.encode(text, add_special_tokens=False)
+        encoding = self._encode(text, False)
         return encoding.ids, encoding.offsets
+
+    def _encode(self, text: str, add_special_tokens: bool) -> Any:
+        """The backend's encoding of ``text``: without the GIL for a long text where the switch
+        interval is short (see the module docstring), else holding it."""
+        if len(text) >= RELEASE_GIL_MIN_CHARS and sys.getswitchinterval() <= RELEASE_GIL_MAX_SWITCH_INTERVAL_S:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        return self.backend.encode(text, add_special_tokens=add_special_tokens)
 
     def _call(self, text: str, add_special_tokens: bool, **kwargs) -> Any:
         if self.split_special_tokens:
