@@ -12,10 +12,10 @@ Where the switch interval is short (``lazyattn serve``'s replicas set 0.5 ms,
 lets several planning threads tokenize a burst of long prompts at once: a long text
 (:data:`RELEASE_GIL_MIN_CHARS` characters or more) is then tokenized through ``encode_batch``,
 which works without the GIL. Sixteen pasted 17k-character prompts planned at once beside a
-thread that keeps the GIL busy, 2-core CPU (issue 36, docs/benchmarks.md): median latency 72.8 ms
-with one thread holding the GIL at 5 ms, 53.0 ms at 0.5 ms, 32.2 ms with four threads giving it
-up at 0.5 ms; one prompt alone 7.0 ms either way at 0.5 ms. At Python's 5 ms the GIL is kept
-(one prompt alone: 19.3 ms giving it up against 14.3 ms keeping it).
+thread that keeps the GIL busy, 2-core CPU (``benchmarks/results/http_reuse_overhead_cpu.json``,
+docs/benchmarks.md): median latency from the burst's start 109 ms with one thread at 5 ms (as
+before), 60 ms with one thread at 0.5 ms, 52 ms with four threads giving the GIL up at 0.5 ms
+(79 ms with four threads keeping it). At Python's 5 ms the GIL is kept, as before.
 
 :class:`TokenEncoder` holds a private copy of the backend (the shared one's flags are written
 by ``__call__`` itself, e.g. ``encode_special_tokens``; a copy nothing else touches is safe to
