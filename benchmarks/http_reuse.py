@@ -308,7 +308,8 @@ def burst_planning_ms(engine, prompts: list, burst: int = 16) -> dict[str, list[
     latency from its burst's start, ms, by switch interval (``switch_5ms``: Python's default,
     ``switch_0.5ms``: ``lazyattn serve``'s replicas), planning threads (1, or the client's
     ``PLANNING_THREADS``) and, at 0.5 ms with several threads, with long texts tokenized
-    holding the GIL (``_gil_kept``) for comparison."""
+    holding the GIL (``_gil_kept``) for comparison. Every prompt is planned once per setting (a
+    trace shorter than ``burst`` is one burst)."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -333,7 +334,7 @@ def burst_planning_ms(engine, prompts: list, burst: int = 16) -> dict[str, list[
             thread.start()
             latencies: list[float] = []
             with ThreadPoolExecutor(threads) as pool:
-                for i in range(0, len(prompts) - burst + 1, burst):
+                for i in range(0, len(prompts), burst):  # the last burst may be smaller: every prompt counts
                     start = time.perf_counter()
 
                     def plan(messages, start=start):

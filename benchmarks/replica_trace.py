@@ -117,8 +117,18 @@ def install(path: str) -> None:
 
 
 def summarize(path: str) -> dict:
-    """Medians and p90s of what :func:`install` recorded at ``path`` (ms)."""
-    records = [json.loads(line) for line in open(path)]
+    """Medians and p90s of what :func:`install` recorded at ``path`` (ms); ``{}`` when the
+    replica wrote nothing there. A line the replica is still writing is left out."""
+    try:
+        lines = open(path).read().splitlines()
+    except FileNotFoundError:
+        return {}
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # the replica's flush in progress: its last line
+            continue
 
     def stats(xs):
         xs = sorted(xs)

@@ -14,7 +14,7 @@ Request lifecycle (``docs/architecture.md`` has the one-page map):
 
 The engine is single-threaded: :mod:`lazyattn_rag.engine.loop` drives it from one thread
 and serializes every call into it. One exception: :meth:`LLMEngine.plan_plain_chat` (chat
-messages that place no document) runs in another thread (the client's planning thread), so
+messages that place no document) runs in another thread (one of the client's planning threads), so
 that tokenizing a long pasted prompt does not hold up the steps.
 """
 

@@ -2,7 +2,7 @@
 
 Every call reaches the engine on its own thread (``engine/loop.py``): submissions, aborts,
 document changes and reads of its state. Chat messages that place no document are planned
-(tokenized, their learned passages chosen) in one planning thread of the client first. The public classes differ only in how a request's
+(tokenized, their learned passages chosen) in the client's planning threads first. The public classes differ only in how a request's
 deltas come back (a ``queue.SimpleQueue`` or an ``asyncio.Queue``) and in blocking or awaiting.
 """
 
@@ -34,7 +34,7 @@ class PlannedRequest:
     """A request planned off the engine thread, then queued on it.
 
     Attributes:
-        plan: ``plan(engine)``, run in the client's planning thread while the engine keeps stepping
+        plan: ``plan(engine)``, run in one of the client's planning threads while the engine keeps stepping
             (only what the engine documents as safe there, e.g. :meth:`LLMEngine.plan_plain_chat`).
         submit: ``submit(engine, sink, planned)`` on the engine thread, given ``plan``'s result.
         num_outputs: the answers its stream carries (``SamplingParams.n``), each ending with its

@@ -98,9 +98,11 @@ def test_the_switch_interval_is_checked_and_carried_by_the_builder():
     from lazyattn_rag.serve.config import ServeConfig
 
     assert ServeArgs(switch_interval_ms=2).serve_config().switch_interval_ms == 2
-    with pytest.raises(ValidationError, match="switch_interval_ms"):
-        ServeArgs(switch_interval_ms=0)
-    for bad in (0, -1, 101, True, "1"):
-        with pytest.raises(ValueError, match=r"switch_interval_ms must be in \(0, 100\] ms or None"):
+    for bad in (0, 0.001):
+        with pytest.raises(ValidationError, match="switch_interval_ms"):
+            ServeArgs(switch_interval_ms=bad)
+    for bad in (0, 1e-321, 0.005, -1, 101, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ValueError, match=r"switch_interval_ms must be in \[0.01, 100\] ms or None"):
             ServeConfig(switch_interval_ms=bad)
     assert ServeConfig(switch_interval_ms=None).switch_interval_ms is None
+    assert ServeArgs(switch_interval_ms=None).serve_config().switch_interval_ms is None  # Python's own

@@ -51,7 +51,7 @@ class ServeArgs(BaseModel):
     ingress_replicas: int = Field(default=1, ge=1)
     max_logprobs: int = Field(default=20, ge=-1)
     health_timeout_s: float = Field(default=5.0, gt=0, le=3600)
-    switch_interval_ms: float = Field(default=0.5, gt=0, le=100)
+    switch_interval_ms: float | None = Field(default=0.5, ge=0.01, le=100)  # None: Python's own
     api_key: list[str] = Field(default_factory=list)
     api_key_file: str | None = None
     allow_unauthenticated: bool = False

@@ -126,8 +126,8 @@ class ServeConfig:
             raise ValueError(f"health_timeout_s must be in (0, 3600] seconds, got {self.health_timeout_s!r}")
         if self.switch_interval_ms is not None and (
                 isinstance(self.switch_interval_ms, bool) or not isinstance(self.switch_interval_ms, (int, float))
-                or not 0 < self.switch_interval_ms <= 100):
-            raise ValueError(f"switch_interval_ms must be in (0, 100] ms or None, got {self.switch_interval_ms!r}")
+                or not 0.01 <= self.switch_interval_ms <= 100):
+            raise ValueError(f"switch_interval_ms must be in [0.01, 100] ms or None, got {self.switch_interval_ms!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port!r}")
 
