@@ -35,6 +35,8 @@ setup: $(VENV)/.installed
 # Each step says what it installs; pip itself is quiet (-q: no progress bars, errors still shown;
 # a first install takes a few minutes). setuptools' advice box about editable installs next to a
 # same-named folder does not apply here: the package-dir mapping in pyproject.toml is deliberate.
+# pip's warning that huggingface-hub "does not provide the extra 'inference'" is harmless: a framework
+# package asks for an extra that newer huggingface-hub releases dropped.
 $(VENV)/.installed: pyproject.toml Makefile
 	@echo "==> creating the virtual environment $(VENV)"
 	python3 -m venv $(VENV)
