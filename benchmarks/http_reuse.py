@@ -37,6 +37,7 @@ JSON: ``benchmarks/results/<out>.json``; write-up: docs/benchmarks.md ("Plain pr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import statistics
@@ -306,6 +307,27 @@ def overhead(workload: Workload, num_docs: int, doc_tokens: int) -> dict:
             **{f"planning_{k}": stats(v) for k, v in planning.items()}}
 
 
+@contextlib.contextmanager
+def busy_thread():
+    """Another Python thread that keeps the GIL busy while the block runs (as a replica's engine
+    thread does between GPU waits)."""
+    import threading
+
+    stop = threading.Event()
+
+    def busy():
+        while not stop.is_set():
+            sum(range(1000))
+
+    thread = threading.Thread(target=busy, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def burst_planning_ms(engine, prompts: list, burst: int = 16) -> dict[str, list[float]]:
     """Bursts of ``burst`` prompts planned at once beside a thread that keeps the GIL busy (a
     closed loop's requests end together, and their successors arrive together): each prompt's
@@ -314,7 +336,6 @@ def burst_planning_ms(engine, prompts: list, burst: int = 16) -> dict[str, list[
     ``PLANNING_THREADS``) and, at 0.5 ms with several threads, with long texts tokenized
     holding the GIL (``_gil_kept``) for comparison. Every prompt is planned once per setting (a
     trace shorter than ``burst`` is one burst)."""
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from lazyattn_rag.client import PLANNING_THREADS
@@ -323,21 +344,12 @@ def burst_planning_ms(engine, prompts: list, burst: int = 16) -> dict[str, list[
     settings = [(0.005, 1, True), (0.005, PLANNING_THREADS, True), (0.0005, 1, True),
                 (0.0005, PLANNING_THREADS, True), (0.0005, PLANNING_THREADS, False)]
     before, min_chars, out = sys.getswitchinterval(), token_ids.RELEASE_GIL_MIN_CHARS, {}
-    stop = threading.Event()
-
-    def busy():
-        while not stop.is_set():
-            sum(range(1000))
-
     try:
         for interval, threads, release in settings:
             sys.setswitchinterval(interval)
             token_ids.RELEASE_GIL_MIN_CHARS = min_chars if release else 1 << 62
-            stop.clear()
-            thread = threading.Thread(target=busy, daemon=True)
-            thread.start()
             latencies: list[float] = []
-            with ThreadPoolExecutor(threads) as pool:
+            with busy_thread(), ThreadPoolExecutor(threads) as pool:
                 for i in range(0, len(prompts), burst):  # the last burst may be smaller: every prompt counts
                     start = time.perf_counter()
 
@@ -346,8 +358,6 @@ def burst_planning_ms(engine, prompts: list, burst: int = 16) -> dict[str, list[
                         return (time.perf_counter() - start) * 1e3
 
                     latencies += list(pool.map(plan, prompts[i:i + burst]))
-            stop.set()
-            thread.join()
             name = f"burst_switch_{interval * 1e3:g}ms_{threads}_threads" + ("" if release else "_gil_kept")
             out[name] = latencies
     finally:
@@ -362,8 +372,6 @@ def planning_ms(engine, prompts: list) -> dict[str, list[float]]:
     keeps the GIL busy, as a replica's engine thread does between GPU waits); each as the
     planner tokenizes (its encoders' private Rust backends, which keep the GIL) and, for
     comparison in the same run, through the tokenizer's own call (``tokenizer_call_*``)."""
-    import threading
-
     template = engine.planner.template
     encoders = {template.parsing, template.literal, template.raw}
     backends = {e: e.backend for e in encoders}
@@ -377,24 +385,12 @@ def planning_ms(engine, prompts: list) -> dict[str, list[float]]:
         return times
 
     out = {}
-    stop = threading.Event()
-
-    def busy():
-        while not stop.is_set():
-            sum(range(1000))
-
     for prefix, use_backend in (("", True), ("tokenizer_call_", False)):
         for e in encoders:
             e.backend = backends[e] if use_backend else None  # None: the encoder calls the tokenizer
         out[prefix + "alone"] = run()
-        stop.clear()
-        thread = threading.Thread(target=busy, daemon=True)
-        thread.start()
-        try:
+        with busy_thread():
             out[prefix + "beside_busy_thread"] = run()
-        finally:
-            stop.set()
-            thread.join()
     for e in encoders:
         e.backend = backends[e]
     return out

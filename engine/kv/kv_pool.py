@@ -23,6 +23,22 @@ class Rotation(Protocol):
         """Tables whose ``apply(x)`` rotates ``x`` ``[n, num_kv_heads, head_dim]`` by ``deltas`` ``[n]``."""
 
 
+def copy_layer_slots(
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    src: torch.Tensor,  # [n] int64 flat source slots
+    dst: torch.Tensor,  # [n] int64 flat destination slots
+    shift,  # Rotation.shifts(deltas) of the n slots
+) -> None:
+    """Copy one layer's slots ``src`` to ``dst``: one gather, K rotated by ``shift``, one scatter;
+    V as is (:meth:`KVPool.copy_slots` for every layer; a pass's in-layer copies,
+    ``AttentionBackend.copy_step_slots``)."""
+    flat_k = key_cache.view(-1, *key_cache.shape[2:])  # [num_slots, num_kv_heads, head_dim]
+    flat_v = value_cache.view(-1, *value_cache.shape[2:])
+    flat_k[dst] = shift.apply(flat_k[src])
+    flat_v[dst] = flat_v[src]
+
+
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor whose host memory is committed only where it is written.
 
@@ -134,6 +150,4 @@ class KVPool:
         made once for all layers."""
         shift = rotary.shifts(deltas)
         for key_cache, value_cache in self.layers:
-            flat_k, flat_v = self._flat(key_cache), self._flat(value_cache)
-            flat_k[dst] = shift.apply(flat_k[src])
-            flat_v[dst] = flat_v[src]
+            copy_layer_slots(key_cache, value_cache, src, dst, shift)

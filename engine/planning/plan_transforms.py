@@ -28,11 +28,9 @@ def with_head_recompute(plan: PromptPlan, num_tokens: int, first_document: bool 
     if num_tokens <= 0:
         return plan
     chunks, texts = [], list(plan.texts)
-    seen_document = False
+    first = next((c for c in plan.chunks if c.doc_id is not None), None)
     for c in plan.chunks:
-        skip_this = c.doc_id is not None and not seen_document and not first_document
-        seen_document = seen_document or c.doc_id is not None
-        if c.doc_id is None or skip_this:
+        if c.doc_id is None or (c is first and not first_document):
             chunks.append(c)
             continue
         n = min(num_tokens, len(c.token_ids))

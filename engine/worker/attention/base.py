@@ -6,7 +6,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from lazyattn_rag.engine.worker.attention.metadata import AttentionMetadata, SlotCopies
+from lazyattn_rag.engine.kv.kv_pool import copy_layer_slots
+from lazyattn_rag.engine.worker.attention.metadata import AttentionMetadata
 from lazyattn_rag.kernels.launch import ChunkScaling
 from lazyattn_rag.kernels.rope import RotaryEmbedding
 
@@ -22,19 +23,6 @@ def write_kv(
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = key.to(key_cache.dtype)
     value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = value.to(value_cache.dtype)
-
-
-def copy_slots_in_layer(
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    copies: SlotCopies,
-) -> None:
-    """Copy one layer's slots ``copies.src`` to ``copies.dst``, K rotated by ``copies.shift``
-    (the pure rotation of each slot's ``delta``), V as is."""
-    flat_k = key_cache.view(-1, *key_cache.shape[2:])  # [num_slots, num_kv_heads, head_dim]
-    flat_v = value_cache.view(-1, *value_cache.shape[2:])
-    flat_k[copies.dst] = copies.shift.apply(flat_k[copies.src])
-    flat_v[copies.dst] = flat_v[copies.src]
 
 
 class AttentionBackend(ABC):
@@ -75,7 +63,8 @@ class AttentionBackend(ABC):
         """The step's in-layer slot copies (``metadata.slot_copies``), after the new tokens' K/V are
         written and before any attention reads them: a backend calls it right after its write."""
         if metadata.slot_copies is not None:
-            copy_slots_in_layer(key_cache, value_cache, metadata.slot_copies)
+            copies = metadata.slot_copies
+            copy_layer_slots(key_cache, value_cache, copies.src, copies.dst, copies.shift)
 
     @abstractmethod
     def forward(
