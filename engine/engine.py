@@ -227,8 +227,9 @@ class LLMEngine:
         """The layout the passage learner prefers (if it is not the plain one), then the plain one."""
         plan = self.planner.plan_messages(messages, namespace, remedies)
         learned = self.passages.choose(messages, plan, namespace, remedies) if self.passages is not None else plan
-        if isinstance(learned.prefix_block_keys, PrefixKeys):  # the layout queued first: hashed here, off the steps
-            learned.prefix_block_keys.hash_all()
+        for keys in (learned.prefix_block_keys, learned.head_prefix_keys):  # the layout queued first: hashed
+            if isinstance(keys, PrefixKeys):  # here, off the steps
+                keys.hash_all()
         return [plan] if learned is plan else [learned, plan]
 
     def submit_prompt(self, prompt: str | list[int] | list[str | DocumentRef], params: SamplingParams, sink: Sink,

@@ -5,6 +5,7 @@ import functools
 import threading
 
 import pytest
+import torch
 
 from lazyattn_rag import DocumentRef, Message, SamplingParams
 from lazyattn_rag.engine.planning.passage_learning import PASSAGE_ID_PREFIX
@@ -117,6 +118,40 @@ def test_a_passage_seen_before_is_served_from_its_chunk_at_a_new_offset_as_the_o
     assert all(c.delta != before[c.doc_id] for c in plan.chunks[1:])  # every one moved
     tokens, _ = plan_oracle(hf, plan, [], GREEDY.max_tokens)  # each passage encoded alone, rotated to its offset
     assert third.token_ids == tokens
+    llm.client.call(lambda engine: engine.cache.check_integrity())
+
+
+def test_a_plain_clients_second_ask_keeps_its_system_prompt_from_the_first_asks_blocks(make_llm):
+    """The second ask, documents shuffled, is laid out with learned passages: its prompt head
+    (system prompt and the text before the first passage) is not cached as a chunk yet, but the
+    first ask left its full blocks as exact-prefix blocks: the head is seeded from them (copied
+    as they are) and only its last block is encoded. Its K/V equal the head encoded whole, and
+    every ask answers as the oracle."""
+    hf, llm = make_llm()
+    system = words(45, start=150)
+    spy = PlanSpy(llm)
+    ask(llm, [0, 1, 2], system=system)
+    second = ask(llm, [2, 0, 1], "w7", system=system)
+    plan = spy.calls[-1]["plan"]
+    head = plan.chunks[0]
+    assert head.doc_id is None and [c.doc_id for c in plan.chunks[1:]] == [passage_id(llm, i) for i in (2, 0, 1)]
+    seeded = len(head.token_ids) // 16 * 16
+    assert seeded >= 32 and second.stats.num_exact_prefix_tokens == seeded
+    assert second.stats.num_computed_tokens == second.stats.num_prompt_tokens - seeded
+    assert second.token_ids == plan_oracle(hf, plan, [], GREEDY.max_tokens)[0]
+    entry = llm.client.call(lambda engine: engine.cache.lookup(head.key, touch=False))
+    keys, values = llm.loop.call(llm.engine.runner.kv_pool.read, entry.block_ids, entry.num_tokens)
+    _, fresh = make_llm()
+    fresh.add_document("d", P[2])  # the same head before a document placed by id: encoded whole
+    fresh.chat([Message("system", system), Message("user", ("documents :\n\n", DocumentRef("d"), "Question : w7"))],
+               sampling=GREEDY)
+    fresh_entry = fresh.client.call(lambda engine: engine.cache.lookup(head.key, touch=False))
+    fresh_keys, fresh_values = fresh.loop.call(fresh.engine.runner.kv_pool.read, fresh_entry.block_ids, len(head.token_ids))
+    assert torch.allclose(keys, fresh_keys, atol=1e-5) and torch.allclose(values, fresh_values, atol=1e-5)
+    third = ask(llm, [1, 2, 0], "w8", system=system)
+    assert third.stats.num_exact_prefix_tokens == len(head.token_ids) and third.stats.docs_missed == []
+    assert third.token_ids == plan_oracle(hf, spy.calls[-1]["plan"], [], GREEDY.max_tokens)[0]
+    assert llm.client.call(lambda engine: sum(e.pin_count for e in engine.cache.entries())) == 0
     llm.client.call(lambda engine: engine.cache.check_integrity())
 
 

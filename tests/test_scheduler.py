@@ -13,10 +13,10 @@ from lazyattn_rag.engine.kv.block_table import BlockEntry, block_table_entries
 from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
 from lazyattn_rag.engine.counters import EngineCounters
 from lazyattn_rag.engine.kv.eviction import LRUPolicy
-from lazyattn_rag.engine.planning.prompt_plan import ChunkSegment, PromptPlan
+from lazyattn_rag.engine.planning.prompt_plan import ChunkSegment, PrefixKeys, PromptPlan
 from lazyattn_rag.engine.scheduling.request import Request, RequestStatus
 from lazyattn_rag.engine.scheduling.scheduler import Scheduler
-from lazyattn_rag.engine.scheduling.scheduler_output import ChunkPrefillJob, ComputeJob
+from lazyattn_rag.engine.scheduling.scheduler_output import ChunkPrefillJob, ComputeJob, HeadSeedJob
 from lazyattn_rag.types.errors import CacheCapacityError
 from lazyattn_rag.types.outputs import RequestStats
 from lazyattn_rag.types.sampling_params import SamplingParams
@@ -376,6 +376,66 @@ def test_the_newest_request_is_preempted_when_an_older_one_needs_a_block():
     assert cache.lookup("A", touch=False).pin_count == 1
     assert list(s.waiting) == [r4]  # no block free and nothing evictable
     cache.check_integrity()
+
+
+# --- a prompt head seeded from a plain prompt's exact-prefix blocks (issue 36) ----------------------
+def seeded_head_setup():
+    """A plain prompt ``r1`` (the 10 head tokens, then 4 more) ran and left; its 3 full blocks
+    (0, 1, 2) stay cached as exact-prefix entries. ``r2`` places the same 10 tokens as a prompt
+    head not cached (as a learned layout of the next plain ask does), then a 3-token tail."""
+    s = scheduler(16)
+    head = tokens_of("H", 10)
+    query = head + (7, 7, 7, 7)
+    keys = PrefixKeys(query, "seed", BS)
+    served_and_left(s, PromptPlan((), query, prefix_block_keys=keys))
+    p2 = PromptPlan((ChunkSegment("H", head, 0, 0, None),), (1, 2, 3), head_prefix_keys=PrefixKeys(head, "seed", BS))
+    r2 = request("r2", p2, 2.0)
+    s.add(r2)
+    return s, r2, list(keys)
+
+
+def test_a_head_not_cached_copies_a_plain_prompts_cached_blocks_and_encodes_only_the_rest():
+    s, r2, keys = seeded_head_setup()
+    cache = s.cache
+    out = s.schedule()
+    # the head gets blocks 4-6; blocks 0 and 1 are copied into 4 and 5 before the pass, tokens 8-9 encoded
+    assert out.head_seeds == [HeadSeedJob("H", keys[:2], [0, 1], [4, 5])]
+    assert out.chunk_prefills == [job("H", 10, [4, 5, 6], start=8)]
+    assert r2.num_seeded_tokens == 8 and r2.stats.num_exact_prefix_tokens == 8 and r2.stats.num_computed_tokens == 5
+    assert [cache.lookup(k, touch=False).pin_count for k in keys] == [1, 1, 0]  # for this step's copy only
+    ran(s, out)
+    assert [cache.lookup(k, touch=False).pin_count for k in keys] == [0, 0, 0]
+    assert cache.lookup("H", touch=False).ready and cache.pins_of("r2") == ["H"]
+    cache.check_integrity()
+
+
+def test_a_seeded_head_whose_step_fails_is_dropped_and_its_sources_let_go():
+    s, r2, keys = seeded_head_setup()
+    cache = s.cache
+    out = s.schedule()
+    assert s.abandon(out) == [r2]
+    assert cache.lookup("H", touch=False, include_dead=True) is None and s.chunk_tasks == []
+    assert [cache.lookup(k, touch=False).pin_count for k in keys] == [0, 0, 0]
+    cache.check_integrity()
+
+
+def test_a_head_of_whole_cached_blocks_is_copied_and_not_encoded():
+    """A head of exactly two cached blocks: both copied, no encode; readable from this step's
+    pass (its request computes its tail in the same pass) and ready after it."""
+    s = scheduler(16)
+    head = tokens_of("H", 8)
+    keys = PrefixKeys(head + (7,), "seed", BS)
+    served_and_left(s, PromptPlan((), head + (7,), prefix_block_keys=keys))
+    r2 = request("r2", PromptPlan((ChunkSegment("H", head, 0, 0, None),), (1,),
+                                  head_prefix_keys=PrefixKeys(head, "seed", BS)), 2.0)
+    s.add(r2)
+    out = s.schedule()
+    assert out.head_seeds == [HeadSeedJob("H", list(keys), [0, 1], [3, 4], complete=True)]
+    assert out.chunk_prefills == [] and s.chunk_tasks == [] and out.computes == [ComputeJob(r2, 0, 1, True)]
+    assert r2.stats.num_exact_prefix_tokens == 8 and r2.stats.num_computed_tokens == 1
+    ran(s, out)
+    assert s.cache.lookup("H", touch=False).ready and s.cache.lookup("H", touch=False).pin_count == 1  # r2's
+    s.cache.check_integrity()
 
 
 # --- a failed step -----------------------------------------------------------------------------

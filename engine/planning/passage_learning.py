@@ -18,7 +18,9 @@ whatever offset it comes back. The rule, in order:
 3. worth it: a learned layout is taken only when it computes fewer tokens now than the plain
    prompt with its cached head and exact-prefix blocks, counting a passage encoded for the first
    time as free (it costs what computing it in place would, and serves every later request) unless
-   the plain prompt reads it from the cache where it is, and never when the plain prompt computes
+   the plain prompt reads it from the cache where it is, and a prompt head not cached as what it
+   encodes past the blocks it is seeded from (an earlier plain prompt's exact-prefix blocks,
+   ``PromptPlan.head_prefix_keys``), and never when the plain prompt computes
    at most one block (an exact repeat keeps its prefix); the same layout without the passages that
    lie where the plain prompt reads cached K/V in place (a template's fixed instruction in a
    cached prompt head) is weighed too, and of equal costs the one with fewer passages is taken.
@@ -125,25 +127,30 @@ class PassageLearner:
             return len(head.token_ids) if cached else 0
         if plan.texts:
             return 0
-        return self._prefix_hits(plan) * self.cache.block_size
+        return self._prefix_hits(plan.prefix_block_keys) * self.cache.block_size
 
     def num_to_compute(self, plan: PromptPlan, free: set[str] = frozenset()) -> int:
         """Prompt tokens ``plan`` would compute if it were admitted now: chunks not cached (but
-        those in ``free``), its text segments, and its tail past the cached prefix blocks."""
-        total, seen = plan.num_text_tokens, set()
-        for c in plan.chunks:
+        those in ``free``; a head not cached less the blocks it is seeded from,
+        ``PromptPlan.head_prefix_keys``), its text segments, and its tail past the cached prefix
+        blocks."""
+        total, seen, bs = plan.num_text_tokens, set(), self.cache.block_size
+        for i, c in enumerate(plan.chunks):
             if c.key in seen or c.key in free:
                 continue
             seen.add(c.key)
             if self.cache.lookup(c.key, touch=False, include_dead=True) is None:
-                total += len(c.token_ids)
+                seeded = 0
+                if i == 0 and c.doc_id is None:  # as admission seeds it
+                    seeded = min(self._prefix_hits(plan.head_prefix_keys), len(c.token_ids) // bs) * bs
+                total += len(c.token_ids) - seeded
         tail = len(plan.query_token_ids)
-        return total + max(tail - self._prefix_hits(plan) * self.cache.block_size, min(tail, 1))
+        return total + max(tail - self._prefix_hits(plan.prefix_block_keys) * bs, min(tail, 1))
 
-    def _prefix_hits(self, plan: PromptPlan) -> int:
-        """The leading prefix blocks of ``plan``'s tail that are cached now."""
+    def _prefix_hits(self, keys: Sequence[str]) -> int:
+        """The leading blocks of the chain ``keys`` that are cached now."""
         hits = 0
-        for key in plan.prefix_block_keys:
+        for key in keys:
             entry = self.cache.lookup(key, touch=False)
             if entry is None or not entry.ready:
                 break

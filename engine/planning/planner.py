@@ -230,7 +230,9 @@ class PromptPlanner:
                 texts.append(TextSegment(tuple(ids), pos))
             pos += len(ids)
         tail = self.template.encode_runs(pieces[-1].runs)
-        plan = PromptPlan(tuple(chunks), tuple(tail), texts=tuple(texts))
+        head = chunks[0].token_ids if chunks and chunks[0].doc_id is None else ()
+        head_keys = self.prefix_keys(head, self._plain_seed(namespace)) if head and self.caches_prefixes else ()
+        plan = PromptPlan(tuple(chunks), tuple(tail), texts=tuple(texts), head_prefix_keys=head_keys)
         self._check_length(plan, f"{what}, {len(doc_ids)} documents")
         return self._for_mode(plan, *remedy, namespace=namespace)
 
@@ -368,9 +370,14 @@ class PromptPlanner:
         return dataclasses.replace(plan, prefix_block_keys=self.prefix_keys(plan.query_token_ids,
                                                                              self._context_seed(plan, namespace)))
 
+    def _plain_seed(self, namespace: str) -> str:
+        """Where the prefix-key chain of a prompt with nothing placed starts: the model's digest,
+        and ``namespace`` (one tenant's prefixes are never another's)."""
+        return chunk_key(self.model_digest, f"namespace:{namespace}", []) if namespace else self.model_digest
+
     def _context_seed(self, plan: PromptPlan, namespace: str) -> str:
         if not plan.chunks and not plan.texts:
-            return chunk_key(self.model_digest, f"namespace:{namespace}", []) if namespace else self.model_digest
+            return self._plain_seed(namespace)
         context = {"namespace": namespace, "chunks": [[c.key, c.global_start, c.num_skipped] for c in plan.chunks],
                    "texts": [[t.global_start, list(t.token_ids)] for t in plan.texts],
                    "selective_ratio": plan.selective_ratio, "chunk_scaling": plan.chunk_scaling,

@@ -165,6 +165,12 @@ class PromptPlan:
         chunk_scaling_blocks: with ``chunk_scaling``, how many leading blocks of each document
             are flagged; 0: all of them (``CacheConfig.chunk_attention_scope``: 0 for
             ``"chunk"``, 1 for ``"head"``).
+        head_prefix_keys: the chained key of every full block of the prompt head's tokens from
+            the seed of a prompt with nothing placed (``prefix_block_keys`` of a plain prompt that
+            starts with the same tokens): a head not cached yet is seeded from those of its blocks
+            an earlier plain prompt left in the cache, and only the rest is computed (a plain
+            client's second ask, laid out with learned passages, keeps its system prompt). Empty:
+            no head, or exact-prefix caching off.
 
     Its token counts are computed once (the plan is frozen; the scheduler and the runner read
     them for every running request every step).
@@ -177,6 +183,7 @@ class PromptPlan:
     selective_ratio: float = 0.0
     chunk_scaling: bool = False
     chunk_scaling_blocks: int = 0
+    head_prefix_keys: Sequence[str] = ()
 
     @cached_property
     def num_cached_prompt_tokens(self) -> int:

@@ -23,7 +23,13 @@ from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
 from lazyattn_rag.engine.planning.fingerprint import chunk_key
 from lazyattn_rag.engine.scheduling.capacity import BlockBudget
 from lazyattn_rag.engine.scheduling.request import Request
-from lazyattn_rag.engine.scheduling.scheduler_output import CopyJob, ChunkPrefillTask, LoadJob, SchedulerOutput
+from lazyattn_rag.engine.scheduling.scheduler_output import (
+    ChunkPrefillTask,
+    CopyJob,
+    HeadSeedJob,
+    LoadJob,
+    SchedulerOutput,
+)
 from lazyattn_rag.engine.scheduling.selective_schedule import SelectiveRecompute
 from lazyattn_rag.engine.tiers.chunk_tiers import ChunkTiers
 from lazyattn_rag.types.errors import CacheCapacityError
@@ -146,6 +152,11 @@ class ChunkAdmission:
         for job in [j for j in out.copies if j.dst_key in mine]:
             out.copies.remove(job)
             self.cache.unpin(job.src_key)
+        for seed in [s for s in out.head_seeds if s.dst_key in mine]:
+            out.head_seeds.remove(seed)
+            for key in seed.src_keys:
+                self.cache.unpin(key)
+        request.num_seeded_tokens = 0
         out.loads[:] = [j for j in out.loads if j.key not in mine]
         for key in created:
             self.cache.discard_pending(key)
@@ -197,8 +208,36 @@ class ChunkAdmission:
                 continue
             request.prefilled_keys.add(chunk.key)
             context = self.anchor_context if chunk.doc_id is not None and chunk.source_key is None else []
-            self.chunk_tasks.append(ChunkPrefillTask(chunk.key, chunk.token_ids, chunk.local_start, blocks, context))
+            seeded = self._seed_head(request, chunk, blocks, out) if chunk.doc_id is None else 0
+            if seeded < len(chunk.token_ids):
+                self.chunk_tasks.append(ChunkPrefillTask(chunk.key, chunk.token_ids, chunk.local_start, blocks,
+                                                         context, num_done=seeded))
         return copied
+
+    def _seed_head(self, request: Request, chunk, blocks: list[int], out: SchedulerOutput) -> int:
+        """A prompt head that is not cached, whose leading full blocks an earlier plain prompt left
+        in the cache as exact-prefix blocks (``PromptPlan.head_prefix_keys``): those blocks are
+        copied into its first blocks before the pass (a :class:`HeadSeedJob`, its sources pinned
+        for the step) and its encode starts after them (a head of whole cached blocks is not
+        encoded at all). Returns the tokens seeded (``request.num_seeded_tokens``)."""
+        plan, bs = request.plan, self.block_size
+        if not plan.head_prefix_keys or chunk.key != plan.chunks[0].key or chunk.local_start != 0:
+            return 0
+        seed = HeadSeedJob(chunk.key, [], [], [])
+        for j in range(min(len(plan.head_prefix_keys), len(chunk.token_ids) // bs)):
+            key = plan.head_prefix_keys[j]
+            entry = self.cache.lookup(key)
+            if entry is None or not entry.ready or not entry.holds(chunk.token_ids[j * bs:(j + 1) * bs]):
+                break
+            self.cache.pin(key)
+            seed.src_keys.append(key)
+            seed.src_blocks.append(entry.block_ids[0])
+            seed.dst_blocks.append(blocks[j])
+        if seed.src_keys:
+            seed.complete = len(seed.src_keys) * bs == len(chunk.token_ids)
+            out.head_seeds.append(seed)
+        request.num_seeded_tokens = len(seed.src_keys) * bs
+        return request.num_seeded_tokens
 
     def _acquire_prefix(self, request: Request) -> None:
         """Prefix mode: pin the longest run of cached full blocks of the prompt (exact prefix)."""
@@ -228,8 +267,8 @@ class ChunkAdmission:
             # admission redoes work, but its prompt's accounting is that of its first)
             stats.num_computed_tokens += sum(len(c.token_ids) for c in {c.key: c for c in request.plan.chunks}.values()
                                              if c.key in missed_keys and c.key not in copied_keys)
-            stats.num_computed_tokens -= request.num_prefix_tokens
-            stats.num_exact_prefix_tokens = request.num_prefix_tokens + sum(
+            stats.num_computed_tokens -= request.num_prefix_tokens + request.num_seeded_tokens
+            stats.num_exact_prefix_tokens = request.num_prefix_tokens + request.num_seeded_tokens + sum(
                 len(c.token_ids) for c in request.plan.chunks
                 if c.doc_id is None and (c.key not in missed_keys or c.key in copied_keys))
             for c in request.plan.chunks:

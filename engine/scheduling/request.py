@@ -64,6 +64,7 @@ class Request:
     warm_only: bool = False
     num_prefix_tokens: int = 0  # prefix mode: prompt tokens served by cached prefix blocks
     num_prefix_registered: int = 0  # prefix mode: own full blocks handed to the cache
+    num_seeded_tokens: int = 0  # its prompt head's tokens copied from cached exact-prefix blocks, not encoded
     # selective recompute: chunk index -> selected local token indices (None: not measured yet),
     # the request's copies of the blocks holding them, and one query per selected token
     selected_tokens: dict[int, tuple[int, ...]] | None = None

@@ -141,6 +141,7 @@ class Scheduler:
         request.num_computed = 0
         request.num_prefix_tokens = 0
         request.num_prefix_registered = 0
+        request.num_seeded_tokens = 0
 
     # --- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -172,6 +173,12 @@ class Scheduler:
         for load in out.loads:
             self.cache.mark_ready(load.key)
             self.cache.unpin(load.key)  # the writer's pin
+        for seed in out.head_seeds:  # copied: the head's encode goes on from its own blocks
+            for key in seed.src_keys:
+                self.cache.unpin(key)
+            if seed.complete:  # nothing left to encode: readable now, the writer lets go
+                self.cache.mark_ready(seed.dst_key)
+                self.cache.unpin(seed.dst_key)
         for job in out.chunk_prefills:
             if job.final:  # the chunk's last piece: readable from now on; the encoder lets go
                 self.cache.mark_ready(job.key)
@@ -187,8 +194,11 @@ class Scheduler:
         request holding a chunk the step was writing (admitted or running), drop those chunks'
         pending entries and the copies' source pins. Returns the released requests (they must fail)."""
         pending = {job.key for job in out.chunk_prefills} | {c.dst_key for c in out.copies} | {j.key for j in out.loads}
+        pending |= {seed.dst_key for seed in out.head_seeds}  # a head whose seed may not have been copied
         for copy in out.copies:
             self.cache.unpin(copy.src_key)
+        for key in (k for seed in out.head_seeds for k in seed.src_keys):
+            self.cache.unpin(key)
         victims = {id(j.request): j.request for j in out.computes + out.selections}
         victims.update({id(r): r for r in self.acquired + self.running
                         if pending.intersection(self.cache.pins_of(r.request_id))})

@@ -83,6 +83,22 @@ class SlotCopyJob:
 
 
 @dataclass
+class HeadSeedJob:
+    """Copy an earlier plain prompt's cached exact-prefix blocks (``PromptPlan.head_prefix_keys``)
+    into the first blocks of a prompt head being encoded (the pending entry ``dst_key``), as they
+    are (rotation 0, same positions), before the pass; the head's encode starts after them. The
+    sources (``src_keys``) are pinned for this step only: unpinned once it ran or was abandoned
+    (and then the head's pending entry goes too). ``complete``: the blocks are the whole head
+    (nothing to encode): it is readable from this step's pass on."""
+
+    dst_key: str
+    src_keys: list[str]
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    complete: bool = False
+
+
+@dataclass
 class SelectionJob:
     """Measure which document tokens ``request`` recomputes (selective recompute,
     ``engine/scheduling/selective_recompute.py``), before the pass; the runner fills ``selected`` (chunk
@@ -126,6 +142,8 @@ class SchedulerOutput:
         copies: positioned chunks to copy to a new offset (``block_attention`` mode), before the pass.
         loads: chunks found in a storage tier below the pool, written into their blocks before
             the pass (``engine/tiers/chunk_tiers.py``).
+        head_seeds: cached exact-prefix blocks copied into prompt heads being encoded, after the
+            loads and copies, before the pass.
         slot_copies: cached slots copied after the loads and copies, before the pass (a forked
             answer's prompt end, selective recompute's block copies).
         head_copies: cached tokens copied behind recomputed chunk heads, in every layer of the
@@ -143,6 +161,7 @@ class SchedulerOutput:
     chunk_prefills: list[ChunkPrefillJob] = field(default_factory=list)
     copies: list[CopyJob] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
+    head_seeds: list[HeadSeedJob] = field(default_factory=list)
     slot_copies: list[SlotCopyJob] = field(default_factory=list)
     head_copies: list[SlotCopyJob] = field(default_factory=list)
     selections: list[SelectionJob] = field(default_factory=list)
@@ -158,11 +177,12 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.chunk_prefills or self.copies or self.loads or self.selections or self.computes)
+        return not (self.chunk_prefills or self.copies or self.loads or self.head_seeds or self.selections
+                    or self.computes)
 
     def written_keys(self) -> set[str]:
         """Chunks this step completes: their last piece encoded in its forward pass (each layer
-        writes the batch's K/V before its attention reads any of it), or copied or loaded
-        before that pass."""
+        writes the batch's K/V before its attention reads any of it), or copied, loaded or
+        seeded whole before that pass."""
         return ({e.key for e in self.chunk_prefills if e.final} | {c.dst_key for c in self.copies}
-                | {j.key for j in self.loads})
+                | {j.key for j in self.loads} | {s.dst_key for s in self.head_seeds if s.complete})

@@ -52,8 +52,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_step(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run a step: its loads and copies, then one forward pass of its chunk prefills and computes (the
-        caller has released the tables of ``out.released_ids`` first: :meth:`InputPreparer.release`).
+        """Run a step: its loads, copies and head seeds, then one forward pass of its chunk prefills
+        and computes (the caller has released the tables of ``out.released_ids`` first:
+        :meth:`InputPreparer.release`).
 
         Returns:
             ``[len(out.computes), vocab_size]`` float32 logits of each compute job's last token
@@ -66,6 +67,8 @@ class ModelRunner:
             self.kv_pool.write(load.block_ids, load.chunk.keys, load.chunk.values)
         for copy in out.copies:
             self.copy_rotated(copy.src_blocks, copy.dst_blocks, copy.num_tokens, copy.delta)
+        for seed in out.head_seeds:  # whole blocks at their own positions: rotation 0, bit for bit
+            self.copy_rotated(seed.src_blocks, seed.dst_blocks, len(seed.src_blocks) * self.block_size, 0)
         if out.slot_copies:
             self.copy_slots(out.slot_copies)
         for job in out.selections:
