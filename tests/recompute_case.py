@@ -20,6 +20,19 @@ QUESTION = words(5, start=150)
 FIRST = SamplingParams(max_tokens=1, logprobs=-1)
 
 
+GPU = torch.cuda.is_available()
+
+
+def on_device(backend: str) -> dict:
+    """Where a test engine of ``backend`` runs: the triton backend on the GPU where there is one
+    (the compiled kernels, over a ``head_dim`` 32 model: their smallest rotary half is 16), else
+    on the CPU (the kernels under the interpreter, as CI runs them)."""
+    if backend != "triton" or not GPU:
+        return {}
+    return dict(device="cuda", model_config=dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                                 head_dim=32))
+
+
 def remedy_engine(make_llm, backend: str = "torch", **config):
     """``(hf, llm)``: a tiny engine (no anchor) configured by ``config``, the documents registered."""
     hf, llm = make_llm(seed=2, anchor="none", attention_backend=backend, **config)
@@ -118,14 +131,11 @@ def assert_preempted_requests_answer_as_alone(roomy, tight) -> None:
     assert_nothing_held(tight)
 
 
-def ape_engine(make_llm, backend="torch", temperature=0.7, weight=1.5, on=True, device="cpu", scope="chunk"):
-    """The shared remedy engine with chunk attention scaling (APE) on ``device`` (``"cuda"``: a
-    ``head_dim`` 32 model, the compiled kernels' smallest rotary half being 16) over ``scope``
-    (``CacheConfig.chunk_attention_scope``)."""
-    wide = dict(model_config=dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)) \
-        if device == "cuda" else {}  # the compiled kernels' smallest rotary half is 16
+def ape_engine(make_llm, backend="torch", temperature=0.7, weight=1.5, on=True, scope="chunk"):
+    """The shared remedy engine with chunk attention scaling (APE) over ``scope``
+    (``CacheConfig.chunk_attention_scope``), where :func:`on_device` puts ``backend``."""
     return remedy_engine(make_llm, backend, chunk_attention_scaling=on, chunk_attention_temperature=temperature,
-                         chunk_attention_weight=weight, chunk_attention_scope=scope, device=device, **wide)
+                         chunk_attention_weight=weight, chunk_attention_scope=scope, **on_device(backend))
 
 
 def scaled_reference_logprobs(hf, llm, temperature: float, weight: float, ids=("a", "b", "c"),

@@ -188,7 +188,7 @@ def test_scaling_values_are_checked():
 @pytest.mark.parametrize("scope, num_scaled_tokens", [("chunk", None), ("head", 16)])
 def test_engine_equals_the_composed_reference(make_llm, backend, scope, num_scaled_tokens):
     """Scope "head": only each document's first block (16 tokens; documents "a" and "b" are longer)."""
-    hf, llm = ape_engine(make_llm, backend, device=DEVICE if backend == "triton" else "cpu", scope=scope)
+    hf, llm = ape_engine(make_llm, backend, scope=scope)
     first_logprobs(llm)  # the documents encoded (misses), then served as hits
     ours = first_logprobs(llm)
     assert llm.generate(QUESTION, ["a", "b", "c"], sampling=FIRST).stats.docs_hit == ["a", "b", "c"]

@@ -14,11 +14,13 @@ from lazyattn_rag.types.config import RequestRemedies
 from benchmarks.qa_recompute import RecomputeReference
 from lazyattn_rag.types.config import CacheConfig
 from tests.recompute_case import (DOCS, FIRST, QUESTION, assert_remedy_per_request, first_logprobs, logprobs_of,
-                                  remedy_engine)
+                                  on_device, remedy_engine)
 
 
 def engine(make_llm, k: int, backend: str = "torch", **config):
-    return remedy_engine(make_llm, backend, recompute_chunk_head_tokens=k, **config)
+    """The remedy engine with chunk-head recompute ``k``; the triton backend compiled on a GPU
+    where there is one (:func:`~tests.recompute_case.on_device`)."""
+    return remedy_engine(make_llm, backend, recompute_chunk_head_tokens=k, **on_device(backend), **config)
 
 
 def reference_logprobs(hf, llm, k: int, ids=("a", "b", "c")) -> torch.Tensor:
