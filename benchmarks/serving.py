@@ -43,7 +43,7 @@ from benchmarks.serving_setup import MODES, Bench, make_engine, mode_cache_setti
 from benchmarks.serving_timing import (micro_request, micro_times, ready_engine, three_hot, timed_run,
                                        top_device_kernels, warm_up)
 from benchmarks.serving_workload import Workload, random_text
-from lazyattn_rag import EngineConfig, SamplingParams
+from lazyattn_rag import CacheConfig, EngineConfig, SamplingParams
 from lazyattn_rag.llm import LazyAttention
 
 app = typer.Typer(add_completion=False, help=__doc__)
@@ -234,7 +234,9 @@ def cpu(doc_words: int = 220, repeats: int = 5, out: str = "serving_cpu_smollm2"
 
     if unknown := set(layers) - set(LAYER_SETTINGS):
         raise typer.BadParameter(f"unknown --layers {sorted(unknown)}; choose from {', '.join(LAYER_SETTINGS)}")
-    llm = LazyAttention(EngineConfig(device="cpu", dtype=dtype))
+    # exact-prefix caching off: each layer setting asks the repeat's question in turn, and the second
+    # would read the first's tail blocks (a repeat, 1 token computed instead of the question's 17)
+    llm = LazyAttention(EngineConfig(device="cpu", dtype=dtype, cache=CacheConfig(prefix_caching=False)))
     rng = np.random.default_rng(0)
     words = "the of and to in is was for on as with by at from that which this are be or an".split()
     docs = {f"hot{i}": " ".join(rng.choice(words, doc_words)) + "." for i in range(3)}
