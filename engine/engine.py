@@ -361,8 +361,8 @@ class LLMEngine:
         if measure:  # prefill speed, against which loading from a tier is weighed
             self._synchronize()
             self.tiers.costs.record_prefill(out.num_batched_tokens, time.perf_counter() - start)
-            if self.tiers.persistent:
-                self.tier_writes.persist(out)
+        if self.tiers is not None and self.tiers.persistent and (out.chunk_prefills or out.head_seeds):
+            self.tier_writes.persist(out)
         return out, logits
 
     def _synchronize(self) -> None:

@@ -57,13 +57,16 @@ class TierWrites:
             logger.exception("write-back of chunk %s failed", entry.key[:12])
 
     def persist(self, out: SchedulerOutput) -> None:
-        """Queue the chunks step ``out`` computed for the persistent tiers (disk, Redis)."""
+        """Queue the chunks step ``out`` computed for the persistent tiers (disk, Redis): those
+        whose last piece it encoded, and prompt heads it seeded whole from exact-prefix blocks."""
         tiers = self.tiers.persistent
-        for job in out.chunk_prefills:
-            entry = self.cache.lookup(job.key, touch=False, include_dead=True) if job.final else None
-            targets = [t for t in tiers if job.key not in t] if storable(entry) else []
+        keys = [job.key for job in out.chunk_prefills if job.final]
+        keys += [seed.dst_key for seed in out.head_seeds if seed.complete]
+        for key in keys:
+            entry = self.cache.lookup(key, touch=False, include_dead=True)
+            targets = [t for t in tiers if key not in t] if storable(entry) else []
             if targets:
                 try:
                     self.save(entry, targets)
                 except Exception:  # noqa: BLE001 - as write_back
-                    logger.exception("storing chunk %s failed", job.key[:12])
+                    logger.exception("storing chunk %s failed", key[:12])

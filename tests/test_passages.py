@@ -155,6 +155,37 @@ def test_a_plain_clients_second_ask_keeps_its_system_prompt_from_the_first_asks_
     llm.client.call(lambda engine: engine.cache.check_integrity())
 
 
+@pytest.mark.parametrize("num_blocks", [14, 16])
+def test_a_tight_cache_still_serves_the_second_ask(make_llm, num_blocks):
+    """Found by an adversarial review: room that exists only by evicting the first ask's blocks
+    must not be spent on seeding from them (the ask failed with NoFreeBlocksError)."""
+    hf, llm = make_llm(num_blocks=num_blocks, max_model_len=200)
+    system = words(45, start=150)
+    ask(llm, [0, 1, 2], system=system)
+    spy = PlanSpy(llm)
+    second = ask(llm, [2, 0, 1], "w7", system=system)
+    assert second.token_ids == plan_oracle(hf, spy.calls[-1]["plan"], [], GREEDY.max_tokens)[0]
+    llm.client.call(lambda engine: engine.cache.check_integrity())
+
+
+def test_a_head_seeded_whole_reaches_the_disk_tier(make_llm, tmp_path):
+    """A 48-token head (three whole cached blocks) is copied, not encoded, and stored below
+    like every computed chunk (found by an adversarial review)."""
+    _, llm = make_llm(disk_dir=str(tmp_path / "tier"))
+    system = words(44, start=150)
+    spy = PlanSpy(llm)
+    ask(llm, [0, 1, 2], system=system)
+    second = ask(llm, [2, 0, 1], "w7", system=system)
+    plan = spy.calls[-1]["plan"]
+    assert len(plan.chunks[0].token_ids) == 48 and second.stats.num_exact_prefix_tokens == 48
+
+    def stored(engine):
+        engine.tiers.flush()
+        return [c.key in tier for c in plan.chunks for tier in engine.tiers.persistent]
+
+    assert llm.client.call(stored) == [True] * 4
+
+
 def test_a_learned_passage_answers_as_the_same_document_placed_by_id(make_llm):
     _, llm = make_llm()
     for order, q in (([0, 1], "w5"), ([1, 0], "w6")):

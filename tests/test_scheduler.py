@@ -438,6 +438,57 @@ def test_a_head_of_whole_cached_blocks_is_copied_and_not_encoded():
     s.cache.check_integrity()
 
 
+def test_seed_sources_are_pinned_before_the_room_check_and_dropped_when_room_needs_them():
+    """Found by an adversarial review. 13 blocks free and r1's 3 exact-prefix blocks evictable:
+    r2 needs 15 (head 3, document A 10, own 2), room only by evicting the seed's sources, so the
+    seed is dropped and the head encoded whole, instead of failing after the sources were pinned."""
+    s = scheduler(16, retained=("A",))
+    head = tokens_of("H", 10)
+    query = head + (7, 7, 7, 7)
+    served_and_left(s, PromptPlan((), query, prefix_block_keys=PrefixKeys(query, "seed", BS)))
+    p2 = PromptPlan((ChunkSegment("H", head, 0, 0, None), ChunkSegment("A", tokens_of("A", 40), 0, 10, "a")),
+                    tuple(range(500, 507)), head_prefix_keys=PrefixKeys(head, "seed", BS))
+    r2 = request("r2", p2, 2.0)
+    s.add(r2)
+    out = s.schedule()
+    assert out.failed == [] and out.head_seeds == [] and r2.num_seeded_tokens == 0
+    assert out.chunk_prefills[0] == job("H", 10, out.chunk_prefills[0].block_ids)  # encoded from token 0
+    s.cache.check_integrity()
+
+
+def test_the_heads_own_blocks_never_evict_its_seed_sources():
+    """Found by an adversarial review: with 4 blocks free and a newer chunk X evictable, the head's
+    blocks come from X, not from the older exact-prefix blocks it is seeded from."""
+    s = scheduler(7, retained=("X",))
+    head = tokens_of("H", 10)
+    query = head + (7, 7, 7, 7)
+    keys = PrefixKeys(query, "seed", BS)
+    served_and_left(s, PromptPlan((), query, prefix_block_keys=keys))  # blocks 0-2 cached, 3-6 free
+    r0 = request("r0", plan(("X", 8, "x"), tail=3), 1.5)
+    s.add(r0)
+    ran(s, s.schedule())
+    s.remove(r0)
+    r2 = request("r2", PromptPlan((ChunkSegment("H", head, 0, 0, None),), (1, 2, 3),
+                                  head_prefix_keys=PrefixKeys(head, "seed", BS)), 2.0)
+    s.add(r2)
+    out = s.schedule()
+    assert [seed.src_keys for seed in out.head_seeds] == [list(keys)[:2]] and r2.num_seeded_tokens == 8
+    assert s.cache.lookup("X", touch=False) is None  # evicted for the room instead
+    s.cache.check_integrity()
+
+
+def test_a_cached_block_of_other_tokens_is_never_a_seed_and_is_counted():
+    s = scheduler(16)
+    head = tokens_of("H", 10)
+    keys = PrefixKeys(head, "seed", BS)
+    s.cache.insert(keys[0], s.cache.allocate(1), BS, 0, (1, 2, 3, 4), exact_prefix=True)  # the key, other tokens
+    r2 = request("r2", PromptPlan((ChunkSegment("H", head, 0, 0, None),), (1, 2, 3), head_prefix_keys=keys), 2.0)
+    s.add(r2)
+    out = s.schedule()
+    assert out.head_seeds == [] and r2.num_seeded_tokens == 0 and s.counters.num_key_collisions == 1
+    s.cache.check_integrity()
+
+
 # --- a failed step -----------------------------------------------------------------------------
 def test_abandon_releases_the_steps_requests_and_the_holders_of_its_chunks():
     """prefill_with_encodes=False keeps r1 and r2 out of the step that encodes their chunks:

@@ -95,6 +95,7 @@ class ChunkAdmission:
         sources = self._copy_sources(misses)
         for src in sources.values():
             self.cache.pin(src.key)
+        seed = self._find_seed(request, misses)  # its sources pinned now, for the same reason
         # Room for the misses and for the private prompt too (query tail, or the whole prompt in
         # full mode), whose blocks are taken now: a request admitted without them would only be
         # preempted again at once, or take them from running requests and throw their work away.
@@ -104,24 +105,29 @@ class ChunkAdmission:
         num_private = request.num_private_blocks(request.num_tokens_to_compute, self.block_size)
         num_copies = 0 if request.warm_only else self.selective.max_blocks(request)
         need = sum(self.budget.blocks_for(len(c.token_ids)) for c in misses) + num_private + num_copies
-        if sources and not self.cache.can_allocate(need):  # room only by evicting the sources: encode instead
-            for src in sources.values():
+        if (sources or seed) and not self.cache.can_allocate(need):  # room only by evicting the sources:
+            for src in sources.values():  # encode instead
                 self.cache.unpin(src.key)
             sources = {}
+            seed = self._unpin_seed(seed)
         if not self.cache.can_allocate(need):
             self.release(request)
             return Admission.WAIT
         created: list[str] = []
         try:
-            copied = self._start_misses(request, misses, out, sources, created)
+            copied = self._start_misses(request, misses, out, sources, created, seed)
             request.private_blocks += self.cache.allocate(num_private)
             request.selected_blocks = self.cache.allocate(num_copies)
         except Exception:  # never keep what a failed acquisition took
             for key, src in sources.items():
                 if key not in created:  # its copy job was never made, so nothing else unpins it
                     self.cache.unpin(src.key)
+            if seed is not None and all(s is not seed for s in out.head_seeds):  # else the undo below unpins it
+                self._unpin_seed(seed)
             self._abandon_acquire(request, out, created)
             raise
+        if seed is not None and all(s is not seed for s in out.head_seeds):  # the head came from a storage tier
+            self._unpin_seed(seed)
         for chunk in hits:  # a hit for the eviction policy once per admission, not per step spent waiting
             self.cache.lookup(chunk.key, include_dead=True)
         self._account(request, {c.key for c in misses}, copied)
@@ -174,12 +180,13 @@ class ChunkAdmission:
         return sources
 
     def _start_misses(self, request: Request, misses, out: SchedulerOutput, sources: dict,
-                      created: list[str]) -> set[str]:
+                      created: list[str], seed: HeadSeedJob | None = None) -> set[str]:
         """Blocks, pending entries and encode (or copy, or load) jobs for missing chunks; returns
         the keys copied or loaded (not computed).
 
         ``sources`` maps a chunk key to its (already pinned) copy source; the copy job takes over
-        that pin (the engine drops it once the copy ran). Each inserted key is appended to
+        that pin (the engine drops it once the copy ran). ``seed``: the prompt head's seed
+        (:meth:`_find_seed`), handed to the step if the head is encoded (not loaded). Each inserted key is appended to
         ``created`` at once, so a failure part-way can undo exactly what was made.
         """
         copied = set()
@@ -208,35 +215,51 @@ class ChunkAdmission:
                 continue
             request.prefilled_keys.add(chunk.key)
             context = self.anchor_context if chunk.doc_id is not None and chunk.source_key is None else []
-            seeded = self._seed_head(request, chunk, blocks, out) if chunk.doc_id is None else 0
+            seeded = self._seed_head(request, chunk, blocks, out, seed) if seed and seed.dst_key == chunk.key else 0
             if seeded < len(chunk.token_ids):
                 self.chunk_tasks.append(ChunkPrefillTask(chunk.key, chunk.token_ids, chunk.local_start, blocks,
                                                          context, num_done=seeded))
         return copied
 
-    def _seed_head(self, request: Request, chunk, blocks: list[int], out: SchedulerOutput) -> int:
-        """A prompt head that is not cached, whose leading full blocks an earlier plain prompt left
-        in the cache as exact-prefix blocks (``PromptPlan.head_prefix_keys``): those blocks are
-        copied into its first blocks before the pass (a :class:`HeadSeedJob`, its sources pinned
-        for the step) and its encode starts after them (a head of whole cached blocks is not
-        encoded at all). Returns the tokens seeded (``request.num_seeded_tokens``)."""
+    def _find_seed(self, request: Request, misses) -> HeadSeedJob | None:
+        """The seed of a prompt head among ``misses`` (its destination blocks not known yet): the
+        leading full blocks of the head that an earlier plain prompt left in the cache as
+        exact-prefix blocks (``PromptPlan.head_prefix_keys``), pinned until the step that copies
+        them has run (or :meth:`_unpin_seed`); ``None`` when there is none. A cached block that
+        holds other tokens ends the run (counted in ``num_key_collisions``)."""
         plan, bs = request.plan, self.block_size
-        if not plan.head_prefix_keys or chunk.key != plan.chunks[0].key or chunk.local_start != 0:
-            return 0
-        seed = HeadSeedJob(chunk.key, [], [], [])
-        for j in range(min(len(plan.head_prefix_keys), len(chunk.token_ids) // bs)):
+        head = next((c for c in misses if c.doc_id is None and c.global_start == 0 and c.local_start == 0), None)
+        if head is None or not plan.head_prefix_keys or head.token_ids != plan.chunks[0].token_ids:
+            return None
+        seed = HeadSeedJob(head.key, [], [], [])
+        for j in range(min(len(plan.head_prefix_keys), len(head.token_ids) // bs)):
             key = plan.head_prefix_keys[j]
             entry = self.cache.lookup(key)
-            if entry is None or not entry.ready or not entry.holds(chunk.token_ids[j * bs:(j + 1) * bs]):
+            if entry is None or not entry.ready:
+                break
+            if not entry.holds(head.token_ids[j * bs:(j + 1) * bs]):
+                self.counters.num_key_collisions += 1
                 break
             self.cache.pin(key)
             seed.src_keys.append(key)
             seed.src_blocks.append(entry.block_ids[0])
-            seed.dst_blocks.append(blocks[j])
-        if seed.src_keys:
-            seed.complete = len(seed.src_keys) * bs == len(chunk.token_ids)
-            out.head_seeds.append(seed)
-        request.num_seeded_tokens = len(seed.src_keys) * bs
+        return seed if seed.src_keys else None
+
+    def _unpin_seed(self, seed: HeadSeedJob | None) -> None:
+        """Let go of a seed that no step will copy. Returns ``None``."""
+        for key in seed.src_keys if seed is not None else ():
+            self.cache.unpin(key)
+        return None
+
+    def _seed_head(self, request: Request, chunk, blocks: list[int], out: SchedulerOutput, seed: HeadSeedJob) -> int:
+        """Hand ``seed`` (:meth:`_find_seed`) to the step: its blocks are copied into the head's
+        first ``blocks`` before the pass, and the head's encode starts after them (a head of whole
+        cached blocks is not encoded at all). Returns the tokens seeded
+        (``request.num_seeded_tokens``)."""
+        seed.dst_blocks = blocks[:len(seed.src_keys)]
+        seed.complete = len(seed.src_keys) * self.block_size == len(chunk.token_ids)
+        out.head_seeds.append(seed)
+        request.num_seeded_tokens = len(seed.src_keys) * self.block_size
         return request.num_seeded_tokens
 
     def _acquire_prefix(self, request: Request) -> None:
