@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field, PrivateAttr, SecretStr
 
-from lazyattn_rag.types.config import EngineConfig
+from lazyattn_rag.types.config import EngineConfig, RequestRemedies
 from lazyattn_rag.types.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -124,6 +124,11 @@ class WrapperSettings(BaseModel):
             (``model`` and ``engine_kwargs`` are then the server's business).
         api_key: the server's key (``lazyattn serve --api-key``/``--api-key-file``), sent as
             ``Authorization: Bearer``; a key bound to namespaces decides the namespace.
+        recompute_chunk_head_tokens, recompute_selective_ratio, chunk_attention_scaling: this
+            wrapper's answer-fidelity remedy, asked per request of the engine (``None``: the
+            engine's ``CacheConfig``), so wrappers with different remedies share one engine
+            (:class:`~lazyattn_rag.types.config.RequestRemedies`; docs/quality.md). Checked at the
+            first call (e.g. two remedies at once, or a remedy on an engine not in ``lazy`` mode).
     """
 
     model: str | None = Field(default=None, description="Local HF model directory; None: the offline SmolLM2.")
@@ -139,6 +144,13 @@ class WrapperSettings(BaseModel):
     server_url: str | None = Field(default=None, pattern=r"^https?://",
                                    description="A `lazyattn serve` server to use instead of an in-process engine.")
     api_key: SecretStr | None = Field(default=None, description="The `lazyattn serve` server's API key.")
+    recompute_chunk_head_tokens: int | None = Field(
+        default=None, ge=0, description="Chunk-head recompute: the first K tokens of each document computed; "
+                                        "None: the engine's.")
+    recompute_selective_ratio: float | None = Field(
+        default=None, ge=0.0, le=1.0, description="Selective recompute's share of document tokens; None: the engine's.")
+    chunk_attention_scaling: bool | None = Field(
+        default=None, description="Chunk attention scaling on or off; None: the engine's.")
 
     _engine: Any = PrivateAttr(default=None)  # the LazyAttention in use
     _from_settings: bool = PrivateAttr(default=False)
@@ -160,6 +172,12 @@ class WrapperSettings(BaseModel):
         if self._engine is None or (self._from_settings and self._engine.loop.stopped):
             self._engine, self._from_settings = LazyAttention.shared(self.engine_settings()), True
         return self._engine
+
+    @property
+    def remedies(self) -> RequestRemedies:
+        """The :class:`RequestRemedies` every call of this wrapper asks for."""
+        return RequestRemedies(self.recompute_chunk_head_tokens, self.recompute_selective_ratio,
+                               self.chunk_attention_scaling)
 
     @property
     def sampling(self) -> SamplingParams:

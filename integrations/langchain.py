@@ -262,7 +262,7 @@ class ChatLazyAttention(BaseChatModel, WrapperSettings):
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         request, sampling, engine = self._prepare(messages, stop, kwargs, run_manager)
-        for delta in request.stream(engine, sampling, self.namespace):
+        for delta in request.stream(engine, sampling, self.namespace, self.remedies):
             chunk = self._chunk(request, delta, kwargs.get("model"))
             if chunk is not None:
                 if run_manager and delta.text:
@@ -273,7 +273,7 @@ class ChatLazyAttention(BaseChatModel, WrapperSettings):
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         request, sampling, engine = await asyncio.to_thread(self._prepare, messages, stop, kwargs, run_manager)
-        async for delta in request.astream(engine, sampling, self.namespace):
+        async for delta in request.astream(engine, sampling, self.namespace, self.remedies):
             chunk = self._chunk(request, delta, kwargs.get("model"))
             if chunk is not None:
                 if run_manager and delta.text:

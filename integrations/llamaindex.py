@@ -149,13 +149,14 @@ class LazyAttentionLLM(CustomLLM, WrapperSettings):
                    sampling: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Stream the answer to ``question`` over ``documents`` placed by id (registered first),
         in the engine's RAG prompt; no LlamaIndex events (the synthesizer's path emits them)."""
-        return rag_request(question, documents).stream(self.engine, sampling or self.sampling, self.namespace)
+        return rag_request(question, documents).stream(self.engine, sampling or self.sampling, self.namespace,
+                                                        self.remedies)
 
     async def astream_rag(self, question: str, documents: Sequence[Document],
                           sampling: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
         """Async :meth:`stream_rag` (through ``AsyncLazyAttention``; the event loop is never blocked)."""
         async for delta in rag_request(question, documents).astream(self.engine, sampling or self.sampling,
-                                                                    self.namespace):
+                                                                    self.namespace, self.remedies):
             yield delta
 
     # --- requests --------------------------------------------------------------------------
@@ -215,7 +216,7 @@ class LazyAttentionLLM(CustomLLM, WrapperSettings):
 
     def _stream(self, request: EngineRequest, sampling: SamplingParams) -> Iterator[StreamDelta]:
         try:
-            return request.stream(self.engine, sampling, self.namespace)
+            return request.stream(self.engine, sampling, self.namespace, self.remedies)
         except PromptTooLongError as error:
             raise _sized_elsewhere(error, self) from error
 
@@ -231,7 +232,7 @@ class LazyAttentionLLM(CustomLLM, WrapperSettings):
 
     async def _astream(self, request: EngineRequest, sampling: SamplingParams) -> AsyncIterator[StreamDelta]:
         try:
-            async for delta in request.astream(self.engine, sampling, self.namespace):
+            async for delta in request.astream(self.engine, sampling, self.namespace, self.remedies):
                 yield delta
         except PromptTooLongError as error:
             raise _sized_elsewhere(error, self) from error

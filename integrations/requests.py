@@ -36,7 +36,7 @@ from lazyattn_rag.types.messages import Message, rag_messages
 from lazyattn_rag.types.outputs import StreamDelta
 
 if TYPE_CHECKING:
-    from lazyattn_rag.types.config import PromptConfig
+    from lazyattn_rag.types.config import PromptConfig, RequestRemedies
     from lazyattn_rag.llm import LazyAttention
     from lazyattn_rag.types.sampling_params import SamplingParams
 
@@ -73,25 +73,29 @@ class EngineRequest:
             return [d for m in self.messages for d in m.document_ids()]
         return [d.id for d in self.documents]
 
-    def stream(self, llm: "LazyAttention", sampling: "SamplingParams", namespace: str = "") -> Iterator[StreamDelta]:
-        """Run on ``llm``, the documents in ``namespace``. Errors of :meth:`LazyAttention.stream`
-        are raised before the first delta."""
+    def stream(self, llm: "LazyAttention", sampling: "SamplingParams", namespace: str = "",
+               remedies: "RequestRemedies | None" = None) -> Iterator[StreamDelta]:
+        """Run on ``llm``, the documents in ``namespace``, with the answer-fidelity ``remedies``
+        (``None``: the engine's). Errors of :meth:`LazyAttention.stream` are raised before the
+        first delta."""
         if self.messages is not None:
-            deltas = llm.stream_chat(self.messages, self.documents, sampling, namespace)
+            deltas = llm.stream_chat(self.messages, self.documents, sampling, namespace, remedies=remedies)
         else:
-            deltas = llm.stream(self.question, documents=self.documents, sampling=sampling, namespace=namespace)
+            deltas = llm.stream(self.question, documents=self.documents, sampling=sampling, namespace=namespace,
+                                remedies=remedies)
         return self._reported(deltas)
 
-    def astream(self, llm: "LazyAttention", sampling: "SamplingParams",
-                namespace: str = "") -> AsyncIterator[StreamDelta]:
+    def astream(self, llm: "LazyAttention", sampling: "SamplingParams", namespace: str = "",
+                remedies: "RequestRemedies | None" = None) -> AsyncIterator[StreamDelta]:
         """Async :meth:`stream` through :class:`~lazyattn_rag.async_llm.AsyncLazyAttention`: the
         event loop is never blocked, and leaving the stream early aborts the request. Errors
         raise on the first ``__anext__``."""
         allm = llm.aio()
         if self.messages is not None:
-            return self._areported(allm.stream_chat(self.messages, self.documents, sampling, namespace))
+            return self._areported(allm.stream_chat(self.messages, self.documents, sampling, namespace,
+                                                    remedies=remedies))
         return self._areported(allm.stream(self.question, documents=self.documents, sampling=sampling,
-                                           namespace=namespace))
+                                           namespace=namespace, remedies=remedies))
 
     def _reported(self, deltas: Iterator[StreamDelta]) -> Iterator[StreamDelta]:
         try:

@@ -1,6 +1,7 @@
 """LangChain integration on a tiny random model over a small FAISS index."""
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -8,7 +9,7 @@ import pytest
 from langchain_core.documents import Document as LCDocument
 from langchain_core.messages import HumanMessage, SystemMessage
 
-from lazyattn_rag import Document, SamplingParams
+from lazyattn_rag import Document, RequestRemedies, SamplingParams
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.integrations.langchain import (ChatLazyAttention, FaissRetriever, document_block,
                                                  documents_to_messages, rag_chain)
@@ -148,3 +149,24 @@ def test_bad_input_raises_clear_errors(model):
         model.invoke([])
     with pytest.raises(TypeError, match="question string"):
         rag_chain(FaissRetriever(store=FaissDocumentStore(embedder()), k=1), model).invoke(42)
+
+
+def test_a_wrapper_asks_its_remedy_per_request_on_the_shared_engine(model, engine, store):
+    """``recompute_chunk_head_tokens=4`` on the wrapper: every call asks the engine for chunk-head
+    recompute (issue 41), on the same engine a plain wrapper uses, and answers as the engine does
+    when asked directly; the wrapper's remedy fields are exactly :class:`RequestRemedies`'."""
+    docs = [LCDocument(page_content=store.get(i).text, id=i) for i in ("rivers", "stars")]
+    question = [HumanMessage("Where do rivers flow?")]
+    plain = model.invoke(question, documents=docs).response_metadata["lazyattn"]["stats"]
+    head4 = ChatLazyAttention(engine=engine, sampling=GREEDY, recompute_chunk_head_tokens=4)
+    out = head4.invoke(question, documents=docs)
+    stats = out.response_metadata["lazyattn"]["stats"]
+    assert plain["remedy"] is None and plain["num_recomputed_tokens"] == 0
+    assert stats["remedy"] == "chunk_head_recompute" and stats["num_recomputed_tokens"] == 8
+    direct = engine.generate("Where do rivers flow?", ["rivers", "stars"], sampling=GREEDY,
+                             remedies=RequestRemedies(recompute_chunk_head_tokens=4))
+    assert out.content == direct.text
+    assert {f.name for f in dataclasses.fields(RequestRemedies)} <= set(ChatLazyAttention.model_fields)
+    with pytest.raises(ValueError, match="choose one remedy|one remedy"):
+        ChatLazyAttention(engine=engine, sampling=GREEDY, recompute_chunk_head_tokens=4,
+                          recompute_selective_ratio=0.1).invoke(question, documents=docs)

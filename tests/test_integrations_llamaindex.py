@@ -11,7 +11,7 @@ from llama_index.core.chat_engine import ContextChatEngine
 from llama_index.core.memory import ChatMemoryBuffer
 from llama_index.core.query_engine import RetrieverQueryEngine
 
-from lazyattn_rag import Document, SamplingParams
+from lazyattn_rag import Document, RequestRemedies, SamplingParams
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.integrations.llamaindex import (FaissRetriever, KVCacheWarmer, LazyAttentionLLM,
                                                   LazyAttentionSynthesizer, as_query_engine)
@@ -337,3 +337,16 @@ def test_as_query_engine_over_the_llamaindex_vector_store_places_node_ids(llm, e
     assert spy.last["doc_ids"] == ["vs-cats"]
     for node in nodes:
         engine.remove_document(node.node_id)
+
+
+def test_the_llm_asks_its_remedy_per_request(engine, store):
+    """``LazyAttentionLLM(..., recompute_chunk_head_tokens=4)``: the id path recomputes each
+    document's first 4 tokens, as the engine does when asked directly (issue 41)."""
+    head4 = LazyAttentionLLM(engine, GREEDY, recompute_chunk_head_tokens=4)
+    docs = [store.get(i) for i in ("cats", "dogs")]
+    deltas = list(head4.stream_rag("Why do cats purr?", docs))
+    stats = deltas[-1].stats
+    assert stats.remedy == "chunk_head_recompute" and stats.num_recomputed_tokens == 8
+    direct = engine.generate("Why do cats purr?", ["cats", "dogs"], sampling=GREEDY,
+                             remedies=RequestRemedies(recompute_chunk_head_tokens=4))
+    assert "".join(d.text for d in deltas) == direct.text
