@@ -109,7 +109,8 @@ class ChunkAdmission:
             for src in sources.values():  # encode instead
                 self.cache.unpin(src.key)
             sources = {}
-            seed = self._unpin_seed(seed)
+            self._release_unused_seed(seed, out)
+            seed = None
         if not self.cache.can_allocate(need):
             self.release(request)
             return Admission.WAIT
@@ -122,12 +123,10 @@ class ChunkAdmission:
             for key, src in sources.items():
                 if key not in created:  # its copy job was never made, so nothing else unpins it
                     self.cache.unpin(src.key)
-            if seed is not None and all(s is not seed for s in out.head_seeds):  # else the undo below unpins it
-                self._unpin_seed(seed)
+            self._release_unused_seed(seed, out)  # one handed to the step is let go with it, below
             self._abandon_acquire(request, out, created)
             raise
-        if seed is not None and all(s is not seed for s in out.head_seeds):  # the head came from a storage tier
-            self._unpin_seed(seed)
+        self._release_unused_seed(seed, out)
         for chunk in hits:  # a hit for the eviction policy once per admission, not per step spent waiting
             self.cache.lookup(chunk.key, include_dead=True)
         self._account(request, {c.key for c in misses}, copied)
@@ -162,7 +161,6 @@ class ChunkAdmission:
             out.head_seeds.remove(seed)
             for key in seed.src_keys:
                 self.cache.unpin(key)
-        request.num_seeded_tokens = 0
         out.loads[:] = [j for j in out.loads if j.key not in mine]
         for key in created:
             self.cache.discard_pending(key)
@@ -186,8 +184,9 @@ class ChunkAdmission:
 
         ``sources`` maps a chunk key to its (already pinned) copy source; the copy job takes over
         that pin (the engine drops it once the copy ran). ``seed``: the prompt head's seed
-        (:meth:`_find_seed`), handed to the step if the head is encoded (not loaded). Each inserted key is appended to
-        ``created`` at once, so a failure part-way can undo exactly what was made.
+        (:meth:`_find_seed`), handed to the step if the head is encoded (not loaded). Each
+        inserted key is appended to ``created`` at once, so a failure part-way can undo exactly
+        what was made.
         """
         copied = set()
         for chunk in misses:
@@ -225,31 +224,20 @@ class ChunkAdmission:
         """The seed of a prompt head among ``misses`` (its destination blocks not known yet): the
         leading full blocks of the head that an earlier plain prompt left in the cache as
         exact-prefix blocks (``PromptPlan.head_prefix_keys``), pinned until the step that copies
-        them has run (or :meth:`_unpin_seed`); ``None`` when there is none. A cached block that
-        holds other tokens ends the run (counted in ``num_key_collisions``)."""
-        plan, bs = request.plan, self.block_size
+        them has run (or :meth:`_release_unused_seed`); ``None`` when there is none
+        (:meth:`_cached_run`)."""
         head = next((c for c in misses if c.doc_id is None and c.global_start == 0 and c.local_start == 0), None)
-        if head is None or not plan.head_prefix_keys or head.token_ids != plan.chunks[0].token_ids:
-            return None
-        seed = HeadSeedJob(head.key, [], [], [])
-        for j in range(min(len(plan.head_prefix_keys), len(head.token_ids) // bs)):
-            key = plan.head_prefix_keys[j]
-            entry = self.cache.lookup(key)
-            if entry is None or not entry.ready:
-                break
-            if not entry.holds(head.token_ids[j * bs:(j + 1) * bs]):
-                self.counters.num_key_collisions += 1
-                break
+        run = self._cached_run(request.plan.head_prefix_keys, head.token_ids) if head is not None else []
+        for key, _ in run:
             self.cache.pin(key)
-            seed.src_keys.append(key)
-            seed.src_blocks.append(entry.block_ids[0])
-        return seed if seed.src_keys else None
+        return HeadSeedJob(head.key, [k for k, _ in run], [e.block_ids[0] for _, e in run], []) if run else None
 
-    def _unpin_seed(self, seed: HeadSeedJob | None) -> None:
-        """Let go of a seed that no step will copy. Returns ``None``."""
-        for key in seed.src_keys if seed is not None else ():
-            self.cache.unpin(key)
-        return None
+    def _release_unused_seed(self, seed: HeadSeedJob | None, out: SchedulerOutput) -> None:
+        """Let go of ``seed``'s sources if no step will copy them (it was never handed to ``out``:
+        dropped for room, or the head came from a storage tier, or the acquisition failed first)."""
+        if seed is not None and all(s is not seed for s in out.head_seeds):
+            for key in seed.src_keys:
+                self.cache.unpin(key)
 
     def _seed_head(self, request: Request, chunk, blocks: list[int], out: SchedulerOutput, seed: HeadSeedJob) -> int:
         """Hand ``seed`` (:meth:`_find_seed`) to the step: its blocks are copied into the head's
@@ -266,20 +254,29 @@ class ChunkAdmission:
         """Prefix mode: pin the longest run of cached full blocks of the prompt (exact prefix)."""
         if not request.plan.prefix_block_keys:
             return
-        bs, prompt = self.block_size, request.plan.query_token_ids
-        for j, key in enumerate(request.plan.prefix_block_keys):
-            entry = self.cache.lookup(key)
-            if entry is None or not entry.ready:
-                break
-            if not entry.holds(prompt[j * bs:(j + 1) * bs]):  # a colliding block: computed from here on
-                self.counters.num_key_collisions += 1
-                break
+        for key, _ in self._cached_run(request.plan.prefix_block_keys, request.plan.query_token_ids):
             self.cache.pin(key, holder=request.request_id)
             request.num_prefix_tokens += self.block_size
         total = len(request.plan.query_token_ids)
         if request.num_prefix_tokens >= total:  # keep at least one prompt token to compute
             self.cache.unpin(self.cache.pins_of(request.request_id)[-1], holder=request.request_id)
             request.num_prefix_tokens -= self.block_size
+
+    def _cached_run(self, keys, token_ids: tuple[int, ...]) -> list[tuple[str, object]]:
+        """``(key, entry)`` of the leading blocks of the exact-prefix chain ``keys`` (over
+        ``token_ids``, a block per key; at most as many keys as ``token_ids`` has full blocks)
+        that are cached and ready now. A cached block that holds other tokens ends the run (a
+        collision: counted in ``num_key_collisions``; computed from there on)."""
+        bs, run = self.block_size, []
+        for j in range(min(len(keys), len(token_ids) // bs)):
+            entry = self.cache.lookup(keys[j])
+            if entry is None or not entry.ready:
+                break
+            if not entry.holds(token_ids[j * bs:(j + 1) * bs]):
+                self.counters.num_key_collisions += 1
+                break
+            run.append((keys[j], entry))
+        return run
 
     @staticmethod
     def _account(request: Request, missed_keys: set[str], copied_keys: set[str]) -> None:
