@@ -452,7 +452,8 @@ def test_seed_sources_are_pinned_before_the_room_check_and_dropped_when_room_nee
     s.add(r2)
     out = s.schedule()
     assert out.failed == [] and out.head_seeds == [] and r2.num_seeded_tokens == 0
-    assert out.chunk_prefills[0] == job("H", 10, out.chunk_prefills[0].block_ids)  # encoded from token 0
+    assert out.chunk_prefills[0] == job("H", 10, [4, 5, 6])  # encoded from token 0
+    assert r2.private_blocks == [2, 0]  # the room: two of r1's exact-prefix blocks, evicted
     s.cache.check_integrity()
 
 
