@@ -41,8 +41,10 @@ from lazyattn_rag.engine.output.detokenizer import IncrementalDetokenizer
 from lazyattn_rag.engine.output.grammar import GrammarCompiler
 from lazyattn_rag.engine.output.output_processor import OutputProcessor, OutputState, Sink
 from lazyattn_rag.engine.output.output_state import indexed_sink
+from lazyattn_rag.engine.planning import pretokenized
 from lazyattn_rag.engine.planning.passage_learning import PassageLearner
 from lazyattn_rag.engine.planning.planner import PromptPlanner
+from lazyattn_rag.engine.planning.pretokenized import Pretokenized
 from lazyattn_rag.engine.planning.prompt_plan import PrefixKeys, PromptPlan
 from lazyattn_rag.engine.planning.registry import DocumentRegistry, RegisteredDocument
 from lazyattn_rag.engine.scheduling.capacity import check_capacity, fit_max_model_len
@@ -205,7 +207,8 @@ class LLMEngine:
             return self.submit(plans[-1], params, sink)
 
     def plan_plain_chat(self, messages: list[Message], namespace: str = "",
-                        remedies: RequestRemedies = RequestRemedies()) -> list[PromptPlan] | None:
+                        remedies: RequestRemedies = RequestRemedies(),
+                        known_ids: Pretokenized | None = None) -> list[PromptPlan] | None:
         """The plans :meth:`submit_chat` tries, in order, for ``messages`` that place no
         document (no :class:`~lazyattn_rag.types.messages.DocumentRef`; no inline documents
         are passed with them), or ``None`` for messages that do.
@@ -216,12 +219,17 @@ class LLMEngine:
         (only to choose the cheaper layout; every layout is correct whatever the cache holds
         when it runs) and the passage learner's history, under the learner's lock.
 
+        ``known_ids``: the text's token ids worked out elsewhere (``lazyattn serve``'s ingress,
+        ``engine/planning/pretokenized.py``), taken where they match this tokenizer and the
+        rendered text exactly, so the plan is the same with or without them.
+
         Raises:
             what :meth:`PromptPlanner.plan_messages` raises.
         """
         if any(isinstance(part, DocumentRef) for m in messages for part in m.parts()):
             return None
-        return self._chat_plans(messages, namespace, remedies)
+        with pretokenized.active(known_ids, self.planner.template.tokenizer_digest if known_ids else None):
+            return self._chat_plans(messages, namespace, remedies)
 
     def _chat_plans(self, messages: list[Message], namespace: str, remedies: RequestRemedies) -> list[PromptPlan]:
         """The layout the passage learner prefers (if it is not the plain one), then the plain one."""

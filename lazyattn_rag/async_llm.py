@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable
 
 from lazyattn_rag.client import MakeRequest, PlannedRequest, chat_request, prompt_request, question_request
+from lazyattn_rag.engine.planning.pretokenized import Pretokenized
 from lazyattn_rag.llm import LazyAttention, collect
 from lazyattn_rag.types.config import RequestRemedies
 from lazyattn_rag.types.documents import Document, RemovedDocument
@@ -91,10 +92,13 @@ class AsyncLazyAttention:
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                     sampling: SamplingParams | None = None, namespace: str = "", *,
-                    remedies: RequestRemedies | None = None) -> AsyncIterator[StreamDelta]:
-        """Async version of :meth:`LazyAttention.stream_chat` (errors as :meth:`stream`)."""
+                    remedies: RequestRemedies | None = None,
+                    known_ids: Pretokenized | None = None) -> AsyncIterator[StreamDelta]:
+        """Async version of :meth:`LazyAttention.stream_chat` (errors as :meth:`stream`);
+        ``known_ids``: the messages' token ids as ``lazyattn serve``'s ingress worked them out
+        (``engine/planning/pretokenized.py``)."""
         return self._submit(chat_request(messages, documents, sampling or self.llm.default_sampling, namespace,
-                                         remedies or RequestRemedies()))
+                                         remedies or RequestRemedies(), known_ids))
 
     async def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                    sampling: SamplingParams | None = None, namespace: str = "", *,
