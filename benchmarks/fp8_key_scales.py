@@ -4,7 +4,7 @@ issue 42 (item 4), on the CPU, before any FP8 kernel exists.
 Each passage of the shared QA sets is encoded alone (as a document chunk is: BOS, then the
 passage at local positions) by the default model through transformers. In every layer its keys
 and values are quantized to ``float8_e4m3fn`` and back (a scale maps each group's largest
-magnitude to 448, FP8 E4M3's largest finite value), four ways for the keys:
+magnitude to 448, FP8 E4M3's largest finite value), six ways for the keys:
 
 * ``pre_rope_per_channel``: keys before RoPE, one scale per KV head and channel over the
   passage's tokens (the pre-RoPE per-channel key quantization of KVQuant, Hooper et al., 2024,
@@ -13,6 +13,10 @@ magnitude to 448, FP8 E4M3's largest finite value), four ways for the keys:
 * ``pre_rope_per_tensor``: keys before RoPE, one scale for the layer's chunk;
 * ``post_rope_per_channel``: keys after RoPE at their local positions, one scale per KV head and
   channel (what a cache that stores rotated keys would do);
+* ``pre_rope_per_token`` and ``post_rope_per_token``: one scale per token and KV head, before or
+  after RoPE: the scheme a cache can apply as it writes each token (the request's own tokens and
+  generated ones arrive one step at a time, and a chunk may be encoded over several steps), with
+  no pass over the whole chunk first;
 
 and the values one way, one scale per token and KV head (``v_per_token``), applied in every
 scheme. Against the passage's exact float32 attention in that layer (every query row over the
@@ -43,7 +47,8 @@ from benchmarks.qa_data import DATASET_FILES, default_data_dir, load_qa, passage
 from benchmarks.serving_results import command_line, environment, write  # noqa: E402
 
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-KEY_SCHEMES = ("pre_rope_per_channel", "pre_rope_per_head", "pre_rope_per_tensor", "post_rope_per_channel")
+KEY_SCHEMES = ("pre_rope_per_channel", "pre_rope_per_head", "pre_rope_per_tensor", "post_rope_per_channel",
+               "pre_rope_per_token", "post_rope_per_token")
 
 
 def fp8_round_trip(x: torch.Tensor, reduce_dims: tuple[int, ...]) -> torch.Tensor:
@@ -89,7 +94,9 @@ def layer_errors(q_pre, k_pre, v, cos, sin) -> dict[str, dict]:
     keys = {"pre_rope_per_channel": rotate(fp8_round_trip(k_pre, (1,)), cos, sin),
             "pre_rope_per_head": rotate(fp8_round_trip(k_pre, (1, 2)), cos, sin),
             "pre_rope_per_tensor": rotate(fp8_round_trip(k_pre, (0, 1, 2)), cos, sin),
-            "post_rope_per_channel": fp8_round_trip(k, (1,))}
+            "post_rope_per_channel": fp8_round_trip(k, (1,)),
+            "pre_rope_per_token": rotate(fp8_round_trip(k_pre, (2,)), cos, sin),
+            "post_rope_per_token": fp8_round_trip(k, (2,))}
     out = {name: compare(exact, attention(q, key, v_q)) for name, key in keys.items()}
     out["v_per_token_only"] = compare(exact, attention(q, k, v_q))
     return out
