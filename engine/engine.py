@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -126,6 +127,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer, runner.model.config.vocab_size, self.eos_token_ids)
         self.generator = torch.Generator(device=runner.device).manual_seed(config.seed)  # sampling on device
         self.counters = EngineCounters()
+        self._planning_lock = threading.Lock()  # counters that planning threads update (plan_plain_chat)
         sched = config.scheduler
         self.scheduler = Scheduler(cache, sched.max_num_batched_tokens, sched.max_num_seqs, self._encode_anchor(),
                                    self.planner.anchor_key, sched.prefill_with_encodes, self.counters, tiers)
@@ -228,8 +230,16 @@ class LLMEngine:
         """
         if any(isinstance(part, DocumentRef) for m in messages for part in m.parts()):
             return None
-        with pretokenized.active(known_ids, self.planner.template.tokenizer_digest if known_ids else None):
+        if known_ids is None:
             return self._chat_plans(messages, namespace, remedies)
+        with pretokenized.active(known_ids, self.planner.template.tokenizer_digest) as taken:
+            plans = self._chat_plans(messages, namespace, remedies)
+        with self._planning_lock:  # planning threads count here, beside each other
+            if taken:
+                self.counters.num_ingress_ids_taken += 1
+            else:
+                self.counters.num_ingress_ids_refused += 1
+        return plans
 
     def _chat_plans(self, messages: list[Message], namespace: str, remedies: RequestRemedies) -> list[PromptPlan]:
         """The layout the passage learner prefers (if it is not the plain one), then the plain one."""

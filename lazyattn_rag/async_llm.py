@@ -94,9 +94,9 @@ class AsyncLazyAttention:
                     sampling: SamplingParams | None = None, namespace: str = "", *,
                     remedies: RequestRemedies | None = None,
                     known_ids: Pretokenized | None = None) -> AsyncIterator[StreamDelta]:
-        """Async version of :meth:`LazyAttention.stream_chat` (errors as :meth:`stream`);
-        ``known_ids``: the messages' token ids as ``lazyattn serve``'s ingress worked them out
-        (``engine/planning/pretokenized.py``)."""
+        """Async version of :meth:`LazyAttention.stream_chat` (errors as :meth:`stream`), with
+        one addition of this API's own: ``known_ids``, the messages' token ids as ``lazyattn
+        serve``'s ingress worked them out for its replica (``engine/planning/pretokenized.py``)."""
         return self._submit(chat_request(messages, documents, sampling or self.llm.default_sampling, namespace,
                                          remedies or RequestRemedies(), known_ids))
 

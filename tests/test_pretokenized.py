@@ -13,8 +13,9 @@ import pytest
 
 from lazyattn_rag.engine.planning import pretokenized
 from lazyattn_rag.engine.planning.pretokenized import Pretokenized, pretokenize, runs_digest
+from lazyattn_rag.engine.planning.prompt import PromptTemplate
 from lazyattn_rag.types.messages import DocumentRef, Message
-from tests.tiny import tiny_llm, word_tokenizer, words
+from tests.tiny import PROMPT, tiny_llm, word_tokenizer, words
 
 LONG = words(400, start=3)  # 400 word tokens, ~1,900 characters: over PRETOKENIZE_MIN_CHARS
 MESSAGES = [Message("system", words(6, start=150)), Message("user", "Documents: " + LONG + " Question : w7 w8")]
@@ -90,20 +91,33 @@ def test_what_the_ingress_leaves_to_the_replica(llm):
     assert pretokenize(template, [Message("assistant", LONG), Message("assistant", LONG)]) is not None
     slow = type("Slow", (), {"tokenizer_digest": None})()
     assert pretokenize(slow, MESSAGES) is None  # a slow tokenizer's ids are never taken from elsewhere
-    assert pretokenized.tokenizer_digest(word_tokenizer()) == template.tokenizer_digest
-    assert pretokenized.tokenizer_digest(word_tokenizer(prepend_bos=True)) != template.tokenizer_digest
+    assert pretokenized.tokenizer_digest(None) is None
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"runs": []}, "'tokenizer'"),
-    ({"tokenizer": "d", "runs": [["k"]]}, "not enough values"),
-    ({"tokenizer": "d", "runs": [["k", [1, -2]]]}, "non-negative integers"),
-    ({"tokenizer": "d", "runs": [["k", [1, 2.0]]]}, "non-negative integers"),
-    ({"tokenizer": 3, "runs": []}, "tokenizer digest"),
+def test_the_digest_names_the_tokenizer_not_its_padding_or_truncation():
+    """The shared tokenizer's JSON holds padding and truncation settings that its own calls
+    change; the digest reads a private copy without them, so the ingress's copy and the
+    replica's agree whatever either was last called with."""
+    tokenizer = word_tokenizer()
+    digest = PromptTemplate(tokenizer, PROMPT).tokenizer_digest
+    tokenizer.backend_tokenizer.enable_truncation(64)
+    tokenizer.backend_tokenizer.enable_padding(length=80)
+    assert PromptTemplate(tokenizer, PROMPT).tokenizer_digest == digest
+    assert PromptTemplate(word_tokenizer(prepend_bos=True), PROMPT).tokenizer_digest != digest
+
+
+@pytest.mark.parametrize("body", [
+    {"runs": []}, {"tokenizer": "d", "runs": [["k"]]}, {"tokenizer": "d", "runs": [["k", [1, -2]]]},
+    {"tokenizer": "d", "runs": [["k", [1, 2.0]]]}, {"tokenizer": 3, "runs": []}, {"tokenizer": "d", "runs": {"k": 5}},
+    {"tokenizer": "d", "runs": [["k", {4: 5}]]}, {"tokenizer": "d", "runs": [["k", b"\x04" * 8]]},
+    {"tokenizer": "d", "runs": [[7, [1]]]}, {"tokenizer": "d", "runs": [["k", [2 ** 70]]]}, "ids",
 ])
-def test_a_malformed_body_is_refused_by_name(body, message):
-    with pytest.raises(ValueError, match=message):
-        Pretokenized.from_body(body)
+def test_a_malformed_body_is_ignored_and_logged(body, caplog):
+    """The ids only spare work: ids that do not parse are dropped (the replica tokenizes), never
+    a failed request."""
+    assert Pretokenized.from_body(body) is None
+    assert "token ids sent with a request are ignored" in caplog.text
+    assert Pretokenized.from_body({"tokenizer": "d", "runs": [["k", [0, 5]]]}) == Pretokenized("d", {"k": (0, 5)})
 
 
 def test_the_ingress_sends_ids_once_it_has_the_template_and_the_replica_answers_the_same(monkeypatch):
@@ -144,6 +158,12 @@ def test_the_ingress_sends_ids_once_it_has_the_template_and_the_replica_answers_
         calls = LongTextCalls(replica.llm.engine.planner.template, monkeypatch)
         assert await answer(sent) == expected
         assert calls.count == 0
+        stats = replica.llm.stats()
+        assert (stats["num_ingress_ids_taken"], stats["num_ingress_ids_refused"]) == (1, 0)
+        foreign = payload() | {"pretokenized": sent["pretokenized"] | {"tokenizer": "another tokenizer"}}
+        assert await answer(foreign) == expected
+        stats = replica.llm.stats()
+        assert (stats["num_ingress_ids_taken"], stats["num_ingress_ids_refused"]) == (1, 1)
         off = IngressTokenizer(Handle(), enabled=False)
         unsent = payload()
         await off.add_to(unsent)
@@ -155,22 +175,77 @@ def test_the_ingress_sends_ids_once_it_has_the_template_and_the_replica_answers_
         replica.llm.close()
 
 
-def test_an_ingress_that_cannot_build_the_template_leaves_tokenizing_to_the_replicas(caplog):
+def test_an_ingress_whose_template_fetch_fails_leaves_tokenizing_to_the_replicas_and_tries_again(caplog):
+    """A failed fetch (a replica not ready yet) is logged and retried after a wait that
+    doubles, not given up for the ingress's life; meanwhile requests go without ids."""
+    pytest.importorskip("ray.serve")
+    from lazyattn_rag.serve import ingress_tokens
     from lazyattn_rag.serve.ingress_tokens import IngressTokenizer
 
-    class Broken:
+    calls = []
+    llm = tiny_llm()
+
+    class FailsTwice:
         class prompt_tokenizer:
             @staticmethod
             async def remote():
-                raise RuntimeError("an older replica")
+                calls.append(1)
+                if len(calls) <= 2:
+                    raise RuntimeError("replica not ready")
+                return {"tokenizer": llm.tokenizer, "prompt": llm.config.prompt}
 
     async def run():
-        tokens = IngressTokenizer(Broken())
+        tokens = IngressTokenizer(FailsTwice())
         body = {"messages": [{"role": "user", "content": LONG}]}
         await tokens.add_to(body)
         await tokens._loading
+        await tokens.add_to(body)  # within the wait: not fetched again
+        assert "pretokenized" not in body and len(calls) == 1 and tokens._retry_wait_s == 10
+        tokens._retry_at = 0  # the wait is over
         await tokens.add_to(body)
-        assert "pretokenized" not in body and not tokens.enabled
+        await tokens._loading
+        assert len(calls) == 2 and tokens._retry_wait_s == 20 and tokens.template is None
+        tokens._retry_at = 0
+        await tokens.add_to(body)
+        await tokens._loading
+        await tokens.add_to(body)
+        assert len(calls) == 3 and set(body["pretokenized"]) == {"tokenizer", "runs"}
+        placed = {"messages": body["messages"], "placed": ["doc"]}  # the replica builds its own RAG prompt
+        await tokens.add_to(placed)
+        assert "pretokenized" not in placed
 
-    asyncio.run(run())
-    assert "could not build their prompt template (RuntimeError: an older replica)" in caplog.text
+    try:
+        asyncio.run(run())
+    finally:
+        llm.close()
+    assert ingress_tokens.RETRY_FIRST_S == 5
+    assert caplog.text.count("could not build their prompt template (RuntimeError: replica not ready)") == 2
+
+
+ALTERNATING = ("{% for m in messages %}{% if loop.index0 % 2 == 0 and m['role'] != 'user' %}"
+               "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+               "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400_from_the_replica_not_an_ingress_failure():
+    pytest.importorskip("ray.serve")
+    from lazyattn_rag.serve.replica import EngineReplica
+
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = ALTERNATING
+    replica = EngineReplica(build=lambda: tiny_llm(tokenizer=tokenizer))
+    refused = [Message("assistant", LONG), Message("user", "w1")]
+    try:
+        assert pretokenize(replica.llm.engine.planner.template, refused) is None
+        assert pretokenize(replica.llm.engine.planner.template, [Message("user", LONG)]) is not None
+        body = {"messages": [{"role": m.role, "content": m.content} for m in refused], "documents": [], "placed": [],
+                "sampling": {"max_tokens": 2}, "namespace": "", "transient": []}
+
+        async def run():
+            return [e async for e in replica.generate(body)]
+
+        (event,) = asyncio.run(run())
+        assert event["error"]["status"] == 400 and event["error"]["type"] == "TemplateError"
+        assert "roles must alternate user/assistant" in event["error"]["message"]
+    finally:
+        replica.llm.close()

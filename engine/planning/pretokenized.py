@@ -19,13 +19,17 @@ every check stay in the replica.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import contextvars
 import hashlib
+import importlib.metadata
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+logger = logging.getLogger(__name__)
 PRETOKENIZE_MIN_CHARS = 1024  # shorter texts are tokenized by the replica (sending ids would not pay)
 
 
@@ -47,21 +51,27 @@ class Pretokenized:
 
     @classmethod
     def from_body(cls, body: Any) -> Pretokenized | None:
-        """The inverse of :meth:`as_body`; ``None`` for ``None``.
-
-        Raises:
-            ValueError: a body that is not :meth:`as_body`'s shape (a string digest and lists
-                of non-negative integers).
-        """
+        """The inverse of :meth:`as_body`; ``None`` for ``None`` and for a body of another
+        shape (a string digest and lists of non-negative integers): the ids only spare work,
+        so a request whose ids do not parse is planned by tokenizing, as without them (logged)."""
         if body is None:
             return None
         try:
             digest, entries = body["tokenizer"], body["runs"]
-            out = {str(k): tuple(v) for k, v in entries}
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"pretokenized ids must be {{'tokenizer': str, 'runs': [[digest, ids]]}}: {error}") from None
-        if not isinstance(digest, str) or any(type(t) is not int or t < 0 for ids in out.values() for t in ids):
-            raise ValueError("pretokenized ids must come with a tokenizer digest and be non-negative integers")
+            if not isinstance(digest, str) or not isinstance(entries, list):
+                raise TypeError("not a digest and a list of entries")
+            out = {}
+            for key, ids in entries:
+                if not isinstance(key, str) or not isinstance(ids, list):
+                    raise TypeError("an entry that is not [digest, [ids]]")
+                checked = array.array("q", ids)  # integers only, at C speed
+                if checked and min(checked) < 0:
+                    raise ValueError("a negative id")
+                out[key] = tuple(checked)
+        except (KeyError, TypeError, ValueError, OverflowError) as error:
+            logger.warning("token ids sent with a request are ignored (%s: %s); the replica tokenizes",
+                           type(error).__name__, error)
+            return None
         return cls(digest, out)
 
 
@@ -76,14 +86,28 @@ def runs_digest(runs: Sequence[tuple[str, bool]]) -> str:
     return h.hexdigest()
 
 
-def tokenizer_digest(tokenizer: Any) -> str | None:
-    """A digest of a fast tokenizer's whole definition (its backend's JSON: vocabulary, merges,
-    normalizer, pre-tokenizer, added tokens and their flags); ``None`` for a slow tokenizer,
-    whose ids are never taken from elsewhere."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not getattr(tokenizer, "is_fast", False):
+def tokenizer_digest(backend: Any) -> str | None:
+    """A digest of what a fast tokenizer's ids depend on: ``backend``, a private copy of its
+    Rust backend with padding and truncation off (``TokenEncoder.backend``: the shared
+    tokenizer's JSON also holds those settings, which its own calls change), serialized whole
+    (vocabulary, merges, normalizer, pre-tokenizer, added tokens and their flags), and the
+    versions of ``tokenizers`` and of this package's planning code; ``None`` without a backend
+    (a slow tokenizer, whose ids are never taken from elsewhere). Tens of ms for a large
+    vocabulary: :attr:`PromptTemplate.tokenizer_digest` works it out once."""
+    if backend is None:
         return None
-    return hashlib.sha256(backend.to_str().encode("utf-8", "surrogatepass")).hexdigest()
+    import tokenizers
+
+    h = hashlib.sha256(backend.to_str().encode("utf-8", "surrogatepass"))
+    h.update(f"|tokenizers {tokenizers.__version__}|lazyattn-rag {_package_version()}".encode())
+    return h.hexdigest()
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("lazyattn-rag")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that is not installed
+        return "source"
 
 
 _ACTIVE: contextvars.ContextVar[Pretokenized | None] = contextvars.ContextVar("lazyattn_pretokenized", default=None)
@@ -93,7 +117,7 @@ _ACTIVE: contextvars.ContextVar[Pretokenized | None] = contextvars.ContextVar("l
 def active(pretokenized: Pretokenized | None, digest: str | None) -> Iterator[bool]:
     """Make ``pretokenized``'s ids visible to :func:`lookup` in this thread while the block
     runs, if they were made by the tokenizer with ``digest`` (the planner's); yields whether
-    they were taken."""
+    they were taken (the engine counts both outcomes)."""
     usable = pretokenized is not None and digest is not None and pretokenized.tokenizer_digest == digest
     token = _ACTIVE.set(pretokenized if usable else None)
     try:
@@ -123,7 +147,7 @@ def pretokenize(template: Any, messages: Sequence[Any]) -> Pretokenized | None:
         return None
     try:
         pieces = template.render_messages(list(messages))
-    except ValueError:
+    except Exception:  # noqa: BLE001 - e.g. jinja2's TemplateError ("roles must alternate"): the replica's to raise
         return None
     texts = [p for p in pieces if hasattr(p, "runs")]
     if len(texts) != len(pieces):  # a document part: planned by the replica around its chunk

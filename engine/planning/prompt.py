@@ -180,9 +180,9 @@ class PromptTemplate:
 
     @functools.cached_property
     def tokenizer_digest(self) -> str | None:
-        """:func:`~lazyattn_rag.engine.planning.pretokenized.tokenizer_digest` of the tokenizer
-        (worked out once: a large vocabulary's definition is megabytes)."""
-        return pretokenized.tokenizer_digest(self.tokenizer)
+        """:func:`~lazyattn_rag.engine.planning.pretokenized.tokenizer_digest` of the parsing
+        encoder's private backend (worked out once: a large vocabulary's definition is megabytes)."""
+        return pretokenized.tokenizer_digest(self.parsing.backend)
 
     @functools.cached_property
     def tokenizer_leading_ids(self) -> tuple[int, ...]:

@@ -52,6 +52,20 @@ from lazyattn_rag.types.wire import (ERROR_CODES, logprob_entry, remedies_from_b
 MAX_DELETED = 100_000  # deletes a replica remembers (to refuse calls sent before them)
 
 
+def _refused() -> tuple[type[BaseException], ...]:
+    """What a bad request raises (answered 400, or 404 for an unknown document): the engine's
+    errors, bad values, and a chat template's own refusal (jinja2's ``TemplateError``, e.g. "roles
+    must alternate")."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # transformers renders templates with jinja2; without it there are none
+        return LazyAttentionError, ValueError, TypeError
+    return LazyAttentionError, ValueError, TypeError, TemplateError
+
+
+REFUSED = _refused()
+
+
 def error_event(error: BaseException) -> dict[str, Any]:
     """The event for a request the engine refused: 404 for an unknown document, 400 otherwise."""
     status = 404 if isinstance(error, UnknownDocumentError) else 400
@@ -113,7 +127,7 @@ class EngineReplica:
         try:
             self._check_not_deleted([i for i, _ in documents], namespace, issued_at)
             count = await _to_thread(self.llm.add_documents, [Document(i, t) for i, t in documents], namespace)
-        except (LazyAttentionError, ValueError, TypeError) as error:
+        except REFUSED as error:
             return error_event(error)
         return {"registered": count, "replica": self.replica_id}
 
@@ -125,7 +139,7 @@ class EngineReplica:
             self._check_not_deleted([i for i, _ in documents], namespace, issued_at)
             await _to_thread(self.llm.add_documents, [Document(i, t) for i, t in documents], namespace)
             computed = await _to_thread(self.llm.warm, [i for i, _ in documents], namespace)
-        except (LazyAttentionError, ValueError, TypeError) as error:
+        except REFUSED as error:
             return error_event(error)
         return {"computed": computed, "replica": self.replica_id}
 
@@ -193,7 +207,7 @@ class EngineReplica:
             ids = self.llm.tokenizer(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
             tokens = list(ids["input_ids"])
             return {"count": len(tokens), "tokens": tokens, "max_model_len": self.llm.max_model_len}
-        except (LazyAttentionError, ValueError, TypeError) as error:
+        except REFUSED as error:
             return error_event(error)
 
     async def detokenize(self, tokens: Any) -> dict[str, Any]:
@@ -239,7 +253,7 @@ class EngineReplica:
             deltas = self._start(payload)
             timings["replica_submitting"] = time.time()  # parsed; planning and the engine's acceptance follow
             delta = await anext(deltas)  # the engine's checks raise here, before any output
-        except (LazyAttentionError, ValueError, TypeError) as error:  # TypeError: what a tokenizer refuses
+        except REFUSED as error:  # TypeError: what a tokenizer refuses; TemplateError: what a chat template does
             yield error_event(error)
             return
         num_open = payload.get("sampling", {}).get("n", 1)  # answers not finished yet
