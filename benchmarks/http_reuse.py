@@ -242,11 +242,11 @@ def run_arm(arm: str, args: dict, workload: Workload, port: int) -> dict:
 
 def engine_counters(base: str) -> dict:
     """The replica's counters from ``/metrics`` (as of its last finished request): preemptions,
-    evictions, prompt tokens by how they were served."""
+    evictions, prompt tokens by how they were served, prompts planned with the ingress's token ids."""
     import httpx
 
     names = ("preemptions", "chunk_evictions", "exact_prefix_tokens", "shifted_tokens", "computed_prompt_tokens",
-             "recomputed_tokens", "prompt_tokens")
+             "recomputed_tokens", "prompt_tokens", "ingress_token_ids_taken", "ingress_token_ids_refused")
     out = {}
     for line in httpx.get(base + "/metrics", timeout=60).text.splitlines():
         for name in names:
