@@ -6,7 +6,6 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable
 
 from lazyattn_rag.client import MakeRequest, PlannedRequest, chat_request, prompt_request, question_request
-from lazyattn_rag.engine.planning.pretokenized import Pretokenized
 from lazyattn_rag.llm import LazyAttention, collect
 from lazyattn_rag.types.config import RequestRemedies
 from lazyattn_rag.types.documents import Document, RemovedDocument
@@ -92,13 +91,16 @@ class AsyncLazyAttention:
 
     def stream_chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                     sampling: SamplingParams | None = None, namespace: str = "", *,
-                    remedies: RequestRemedies | None = None,
-                    known_ids: Pretokenized | None = None) -> AsyncIterator[StreamDelta]:
-        """Async version of :meth:`LazyAttention.stream_chat` (errors as :meth:`stream`), with
-        one addition of this API's own: ``known_ids``, the messages' token ids as ``lazyattn
-        serve``'s ingress worked them out for its replica (``engine/planning/pretokenized.py``)."""
+                    remedies: RequestRemedies | None = None) -> AsyncIterator[StreamDelta]:
+        """Async version of :meth:`LazyAttention.stream_chat` (errors as :meth:`stream`)."""
         return self._submit(chat_request(messages, documents, sampling or self.llm.default_sampling, namespace,
-                                         remedies or RequestRemedies(), known_ids))
+                                         remedies or RequestRemedies()))
+
+    def stream_request(self, make: MakeRequest | PlannedRequest) -> AsyncIterator[StreamDelta]:
+        """Stream a request built by ``lazyattn_rag.client``'s builders (``chat_request`` ...),
+        for options the methods above do not take (``lazyattn serve``'s replica passes the
+        ingress's token ids: ``chat_request(..., known_ids=...)``); errors as :meth:`stream`."""
+        return self._submit(make)
 
     async def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                    sampling: SamplingParams | None = None, namespace: str = "", *,

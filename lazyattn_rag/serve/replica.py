@@ -40,6 +40,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from lazyattn_rag.client import chat_request
 from lazyattn_rag.engine.planning.pretokenized import Pretokenized
 from lazyattn_rag.metrics import ENGINE_STAT_KEYS
 from lazyattn_rag.types.config import EngineConfig
@@ -329,7 +330,7 @@ class EngineReplica:
             return self.allm.stream(question, documents=documents, sampling=sampling, namespace=namespace,
                                     remedies=remedies)
         known_ids = Pretokenized.from_body(payload.get("pretokenized"))
-        return self.allm.stream_chat(messages, documents, sampling, namespace, remedies=remedies, known_ids=known_ids)
+        return self.allm.stream_request(chat_request(messages, documents, sampling, namespace, remedies, known_ids))
 
     def _count(self, payload: dict[str, Any]) -> int:
         """The prompt tokens of ``payload``'s request (its documents registered first)."""
