@@ -8,8 +8,6 @@ Arms, each a fresh Serve application on the same trace (one replica of a random-
 * ``plain_learning_off``: nothing registered, documents pasted, passage learning off (what an
   unchanged client got before: exact prefixes only, as vLLM's automatic prefix caching);
 * ``plain_learning_on``: nothing registered, documents pasted, passages learned from traffic;
-* ``plain_learning_on_replica_tokenizes``: the same, the pasted text tokenized by the replica
-  (``ServeConfig.tokenize_in_ingress`` off, as before it existed);
 * ``plain_registered``: the documents registered once, pasted (the server finds them);
 * ``by_id``: the documents registered once and named by id (the ``documents`` field).
 
@@ -20,7 +18,7 @@ the documents and passages placed, and how each placement came about (id, matche
 
 Separately, on this process's CPU (``--overhead-docs`` registered documents, default 10,000):
 what the ingress adds per request for a plain prompt (finding registered texts in it and hashing
-its passages for the router; tokenizing it), what the engine's passage learner adds (splitting, sightings,
+its passages for the router), what the engine's passage learner adds (splitting, sightings,
 weighing the layouts), and planning a prompt whole (tokenizing and the learner) alone and beside
 a thread that keeps the GIL busy, each a median and p99 over the trace's prompts.
 
@@ -56,7 +54,7 @@ from benchmarks.serving_results import command_line, environment, write  # noqa:
 from benchmarks.serving_workload import Workload  # noqa: E402
 
 app = typer.Typer(add_completion=False, help=__doc__)
-ARMS = ("plain_learning_off", "plain_learning_on", "plain_learning_on_replica_tokenizes", "plain_registered", "by_id")
+ARMS = ("plain_learning_off", "plain_learning_on", "plain_registered", "by_id")
 
 
 def pasted(texts: list[str], question: str) -> str:
@@ -211,8 +209,7 @@ def run_arm(arm: str, args: dict, workload: Workload, port: int) -> dict:
                               arm != "plain_learning_off", trace_path)
     config = ServeConfig(num_replicas=1, num_gpus_per_replica=gpus, num_cpus_per_replica=0,
                          max_ongoing_requests=args["concurrency"], port=port, max_body_bytes=64 << 20,
-                         registry="memory", switch_interval_ms=args["switch_interval_ms"],
-                         tokenize_in_ingress=arm != "plain_learning_on_replica_tokenizes")
+                         registry="memory", switch_interval_ms=args["switch_interval_ms"])
     start = time.perf_counter()
     serve.run(build_app(None, config, build), name="bench", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
@@ -242,11 +239,11 @@ def run_arm(arm: str, args: dict, workload: Workload, port: int) -> dict:
 
 def engine_counters(base: str) -> dict:
     """The replica's counters from ``/metrics`` (as of its last finished request): preemptions,
-    evictions, prompt tokens by how they were served, prompts planned with the ingress's token ids."""
+    evictions, prompt tokens by how they were served."""
     import httpx
 
     names = ("preemptions", "chunk_evictions", "exact_prefix_tokens", "shifted_tokens", "computed_prompt_tokens",
-             "recomputed_tokens", "prompt_tokens", "ingress_token_ids_taken", "ingress_token_ids_refused")
+             "recomputed_tokens", "prompt_tokens")
     out = {}
     for line in httpx.get(base + "/metrics", timeout=60).text.splitlines():
         for name in names:
@@ -263,7 +260,6 @@ def overhead(workload: Workload, num_docs: int, doc_tokens: int) -> dict:
     from benchmarks.serving_setup import make_engine, Bench
     from benchmarks.serving_workload import random_text
     from lazyattn_rag.engine.planning.passage_learning import eligible_pieces
-    from lazyattn_rag.engine.planning.pretokenized import pretokenize
     from lazyattn_rag.serve.payload import match_messages
     from lazyattn_rag.serve.registry import DocumentStore
     from lazyattn_rag.types.messages import as_message
@@ -295,15 +291,8 @@ def overhead(workload: Workload, num_docs: int, doc_tokens: int) -> dict:
 
     for messages in prompts:
         learner_ms.append(llm.client.call(time_choice, [as_message(m) for m in messages]))
-    chats = [[as_message(m) for m in messages] for messages in prompts]
-    planning = planning_ms(llm.engine, chats)
-    known, ingress_tokens_ms = [], []
-    for messages in chats:  # what the ingress adds where it tokenizes (ServeConfig.tokenize_in_ingress)
-        start = time.perf_counter()
-        known.append(pretokenize(llm.engine.planner.template, messages))
-        ingress_tokens_ms.append((time.perf_counter() - start) * 1e3)
-    planning |= burst_planning_ms(llm.engine, chats)
-    planning |= burst_planning_ms(llm.engine, chats, known)
+    planning = planning_ms(llm.engine, [[as_message(m) for m in messages] for messages in prompts])
+    planning |= burst_planning_ms(llm.engine, [[as_message(m) for m in messages] for messages in prompts])
     llm.close()
 
     def stats(xs):
@@ -314,7 +303,6 @@ def overhead(workload: Workload, num_docs: int, doc_tokens: int) -> dict:
     return {"num_registered_documents": len(store.texts), "num_prompts": len(prompts),
             "prompt_chars_median": statistics.median(len(m[0]["content"]) for m in prompts),
             "ingress_matching_and_passage_keys": stats(ingress_ms),
-            "ingress_tokenizing": stats(ingress_tokens_ms),
             "engine_passage_learner": stats(learner_ms),
             **{f"planning_{k}": stats(v) for k, v in planning.items()}}
 
@@ -340,15 +328,13 @@ def busy_thread():
         thread.join()
 
 
-def burst_planning_ms(engine, prompts: list, known: list | None = None, burst: int = 16) -> dict[str, list[float]]:
+def burst_planning_ms(engine, prompts: list, burst: int = 16) -> dict[str, list[float]]:
     """Bursts of ``burst`` prompts planned at once beside a thread that keeps the GIL busy (a
     closed loop's requests end together, and their successors arrive together): each prompt's
     latency from its burst's start, ms, by switch interval (``switch_5ms``: Python's default,
     ``switch_0.5ms``: ``lazyattn serve``'s replicas), planning threads (1, or the client's
     ``PLANNING_THREADS``) and, at 0.5 ms with several threads, with long texts tokenized
-    holding the GIL (``_gil_kept``) for comparison. With ``known`` (each prompt's ids as the
-    ingress works them out, ``engine/planning/pretokenized.py``): the replica's setting only,
-    planned with those ids (``_ingress_ids``). Every prompt is planned once per setting (a
+    holding the GIL (``_gil_kept``) for comparison. Every prompt is planned once per setting (a
     trace shorter than ``burst`` is one burst)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -357,9 +343,6 @@ def burst_planning_ms(engine, prompts: list, known: list | None = None, burst: i
 
     settings = [(0.005, 1, True), (0.005, PLANNING_THREADS, True), (0.0005, 1, True),
                 (0.0005, PLANNING_THREADS, True), (0.0005, PLANNING_THREADS, False)]
-    if known is not None:
-        settings = [(0.0005, PLANNING_THREADS, True)]
-    known = known or [None] * len(prompts)
     before, min_chars, out = sys.getswitchinterval(), token_ids.RELEASE_GIL_MIN_CHARS, {}
     try:
         for interval, threads, release in settings:
@@ -370,13 +353,12 @@ def burst_planning_ms(engine, prompts: list, known: list | None = None, burst: i
                 for i in range(0, len(prompts), burst):  # the last burst may be smaller: every prompt counts
                     start = time.perf_counter()
 
-                    def plan(messages, ids, start=start):
-                        engine.plan_plain_chat(messages, known_ids=ids)
+                    def plan(messages, start=start):
+                        engine.plan_plain_chat(messages)
                         return (time.perf_counter() - start) * 1e3
 
-                    latencies += list(pool.map(plan, prompts[i:i + burst], known[i:i + burst]))
-            name = (f"burst_switch_{interval * 1e3:g}ms_{threads}_threads" + ("" if release else "_gil_kept")
-                    + ("_ingress_ids" if known[0] is not None else ""))
+                    latencies += list(pool.map(plan, prompts[i:i + burst]))
+            name = f"burst_switch_{interval * 1e3:g}ms_{threads}_threads" + ("" if release else "_gil_kept")
             out[name] = latencies
     finally:
         sys.setswitchinterval(before)

@@ -36,8 +36,6 @@ class EngineCounters:
     num_steps: int = 0
     num_preemptions: int = 0
     num_key_collisions: int = 0  # cached entries whose tokens differed from a request's: served as misses
-    num_ingress_ids_taken: int = 0  # plain prompts planned with the HTTP ingress's token ids (planning threads)
-    num_ingress_ids_refused: int = 0  # ...sent, but made by another tokenizer (or version): tokenized here
     first_request_ttft_ms: float | None = None  # of the first request that produced a token
     # finished requests' TTFT, TPOT (requests of 2+ tokens), end-to-end and queue times, in seconds
     latencies: dict[str, Histogram] = field(default_factory=_latency_histograms)

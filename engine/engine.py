@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -42,10 +41,8 @@ from lazyattn_rag.engine.output.detokenizer import IncrementalDetokenizer
 from lazyattn_rag.engine.output.grammar import GrammarCompiler
 from lazyattn_rag.engine.output.output_processor import OutputProcessor, OutputState, Sink
 from lazyattn_rag.engine.output.output_state import indexed_sink
-from lazyattn_rag.engine.planning import pretokenized
 from lazyattn_rag.engine.planning.passage_learning import PassageLearner
 from lazyattn_rag.engine.planning.planner import PromptPlanner
-from lazyattn_rag.engine.planning.pretokenized import Pretokenized
 from lazyattn_rag.engine.planning.prompt_plan import PrefixKeys, PromptPlan
 from lazyattn_rag.engine.planning.registry import DocumentRegistry, RegisteredDocument
 from lazyattn_rag.engine.scheduling.capacity import check_capacity, fit_max_model_len
@@ -127,7 +124,6 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer, runner.model.config.vocab_size, self.eos_token_ids)
         self.generator = torch.Generator(device=runner.device).manual_seed(config.seed)  # sampling on device
         self.counters = EngineCounters()
-        self._planning_lock = threading.Lock()  # counters that planning threads update (plan_plain_chat)
         sched = config.scheduler
         self.scheduler = Scheduler(cache, sched.max_num_batched_tokens, sched.max_num_seqs, self._encode_anchor(),
                                    self.planner.anchor_key, sched.prefill_with_encodes, self.counters, tiers)
@@ -209,8 +205,7 @@ class LLMEngine:
             return self.submit(plans[-1], params, sink)
 
     def plan_plain_chat(self, messages: list[Message], namespace: str = "",
-                        remedies: RequestRemedies = RequestRemedies(),
-                        known_ids: Pretokenized | None = None) -> list[PromptPlan] | None:
+                        remedies: RequestRemedies = RequestRemedies()) -> list[PromptPlan] | None:
         """The plans :meth:`submit_chat` tries, in order, for ``messages`` that place no
         document (no :class:`~lazyattn_rag.types.messages.DocumentRef`; no inline documents
         are passed with them), or ``None`` for messages that do.
@@ -221,25 +216,12 @@ class LLMEngine:
         (only to choose the cheaper layout; every layout is correct whatever the cache holds
         when it runs) and the passage learner's history, under the learner's lock.
 
-        ``known_ids``: the text's token ids worked out elsewhere (``lazyattn serve``'s ingress,
-        ``engine/planning/pretokenized.py``), taken where they match this tokenizer and the
-        rendered text exactly, so the plan is the same with or without them.
-
         Raises:
             what :meth:`PromptPlanner.plan_messages` raises.
         """
         if any(isinstance(part, DocumentRef) for m in messages for part in m.parts()):
             return None
-        if known_ids is None:
-            return self._chat_plans(messages, namespace, remedies)
-        with pretokenized.active(known_ids, self.planner.template.tokenizer_digest) as taken:
-            plans = self._chat_plans(messages, namespace, remedies)
-        with self._planning_lock:  # planning threads count here, beside each other
-            if taken:
-                self.counters.num_ingress_ids_taken += 1
-            else:
-                self.counters.num_ingress_ids_refused += 1
-        return plans
+        return self._chat_plans(messages, namespace, remedies)
 
     def _chat_plans(self, messages: list[Message], namespace: str, remedies: RequestRemedies) -> list[PromptPlan]:
         """The layout the passage learner prefers (if it is not the plain one), then the plain one."""

@@ -43,8 +43,6 @@ def engine_stats(engine: LLMEngine) -> dict:
         "num_evictions": cache.num_evictions,
         "num_preemptions": c.num_preemptions,
         "num_key_collisions": c.num_key_collisions,
-        "num_ingress_ids_taken": c.num_ingress_ids_taken,
-        "num_ingress_ids_refused": c.num_ingress_ids_refused,
         "num_steps": c.num_steps,
         "first_request_ttft_ms": c.first_request_ttft_ms,
         "latency": {name: h.as_dict() for name, h in c.latencies.items()},

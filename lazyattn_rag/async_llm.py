@@ -96,12 +96,6 @@ class AsyncLazyAttention:
         return self._submit(chat_request(messages, documents, sampling or self.llm.default_sampling, namespace,
                                          remedies or RequestRemedies()))
 
-    def stream_request(self, make: MakeRequest | PlannedRequest) -> AsyncIterator[StreamDelta]:
-        """Stream a request built by ``lazyattn_rag.client``'s builders (``chat_request`` ...),
-        for options the methods above do not take (``lazyattn serve``'s replica passes the
-        ingress's token ids: ``chat_request(..., known_ids=...)``); errors as :meth:`stream`."""
-        return self._submit(make)
-
     async def chat(self, messages: Iterable[Message | dict | tuple], documents: Iterable[Document] = (),
                    sampling: SamplingParams | None = None, namespace: str = "", *,
                    remedies: RequestRemedies | None = None) -> Completion:

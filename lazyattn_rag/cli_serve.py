@@ -49,8 +49,7 @@ def _listed(values: list[str]) -> tuple[str, ...]:
 
 
 @cli_opts.with_engine_options(after=("learn_passages", "enable_prefix_caching", "registry", "ingress_replicas",
-                                     "max_logprobs", "health_timeout_s", "switch_interval_ms", "tokenize_in_ingress",
-                                     "api_key", "api_key_file",
+                                     "max_logprobs", "health_timeout_s", "switch_interval_ms", "api_key", "api_key_file",
                                      "allow_unauthenticated", "ray_address"))
 def serve(
     model_path: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False,
@@ -110,14 +109,9 @@ def serve(
                                            help="How long GET /health waits for an engine replica before it "
                                                 "answers 503 (keep it under the probe's own timeout)."),
     switch_interval_ms: float = typer.Option(0.5, "--switch-interval-ms", min=0.01, max=100,
-                                             help="Python's thread switch interval in each engine replica "
-                                                  "(and each ingress that tokenizes), ms: how long a thread "
-                                                  "handing over a request or a token may wait for the GIL "
-                                                  "(Python's default: 5)."),
-    tokenize_in_ingress: bool = typer.Option(True, "--tokenize-in-ingress/--no-tokenize-in-ingress",
-                                             help="The HTTP ingress tokenizes plain chat prompts (pasted retrieved "
-                                                  "texts) and sends the ids, so the replicas do not tokenize beside "
-                                                  "their engine loop."),
+                                             help="Python's thread switch interval in each engine replica (ms): "
+                                                  "how long a thread handing over a request or a token may wait "
+                                                  "for the GIL (Python's default: 5)."),
     api_key: list[str] = typer.Option([], "--api-key", envvar="LAZYATTN_API_KEY", show_envvar=True,
                                       help="A key requests must carry (Authorization: Bearer KEY), allowed every "
                                            "namespace; repeat for several (the variable: separated by spaces)."),
@@ -156,7 +150,7 @@ def serve(
             recompute_chunk_head_tokens=engine.recompute_chunk_head_tokens,
             router=router, imbalanced_threshold=imbalanced_threshold, registry=registry,
             ingress_replicas=ingress_replicas, max_logprobs=max_logprobs, health_timeout_s=health_timeout_s,
-            switch_interval_ms=switch_interval_ms, tokenize_in_ingress=tokenize_in_ingress, api_key=list(api_key),
+            switch_interval_ms=switch_interval_ms, api_key=list(api_key),
             api_key_file=None if api_key_file is None else str(api_key_file),
             allow_unauthenticated=allow_unauthenticated, log_level=log_level,
             allowed_origins=list(_listed(allowed_origins)), allowed_methods=list(_listed(allowed_methods) or ("*",)),

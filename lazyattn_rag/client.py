@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 
 from lazyattn_rag.engine.engine import LLMEngine
 from lazyattn_rag.engine.loop import EngineLoop
-from lazyattn_rag.engine.planning.pretokenized import Pretokenized
 from lazyattn_rag.engine.scheduling.request import Request
 from lazyattn_rag.types.config import RequestRemedies
 from lazyattn_rag.types.documents import Document
@@ -173,17 +172,15 @@ def question_request(question: str, doc_ids: Iterable[str], documents: Iterable[
 
 def chat_request(messages: Iterable[Message | dict | tuple], documents: Iterable[Document | tuple[str, str]],
                  params: SamplingParams, namespace: str = "",
-                 remedies: RequestRemedies = RequestRemedies(),
-                 known_ids: Pretokenized | None = None) -> MakeRequest | PlannedRequest:
+                 remedies: RequestRemedies = RequestRemedies()) -> MakeRequest | PlannedRequest:
     """Messages that place no document (plain text, e.g. pasted retrieved texts) are tokenized
-    and laid out in a planning thread (:meth:`LLMEngine.plan_plain_chat`; ``known_ids``: their
-    text's ids as the HTTP ingress worked them out)."""
+    and laid out in the submitting thread (:meth:`LLMEngine.plan_plain_chat`)."""
     msgs, docs = [as_message(m) for m in messages], document_pairs(documents)
     if docs:
         return _compiling(params, lambda engine, sink: engine.submit_chat(msgs, docs, params, sink, namespace,
                                                                            remedies))
     return _compiling(params, PlannedRequest(
-        lambda engine: engine.plan_plain_chat(msgs, namespace, remedies, known_ids),
+        lambda engine: engine.plan_plain_chat(msgs, namespace, remedies),
         lambda engine, sink, plans: engine.submit_chat(msgs, [], params, sink, namespace, remedies, plans)))
 
 

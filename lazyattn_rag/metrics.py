@@ -34,10 +34,6 @@ _COUNTERS = {
     "num_preemptions": ("preemptions", "Requests preempted (blocks freed, recomputed later)."),
     "num_key_collisions": ("key_collisions", "Cached chunks whose tokens differed from a request's under one key "
                                              "(served as misses)."),
-    "num_ingress_ids_taken": ("ingress_token_ids_taken", "Plain chat prompts planned with the token ids the HTTP "
-                                                         "ingress worked out (not tokenized by the replica)."),
-    "num_ingress_ids_refused": ("ingress_token_ids_refused", "Plain chat prompts whose ingress token ids were "
-                                                             "made by another tokenizer or version (tokenized here)."),
     "num_steps": ("engine_steps", "Engine forward steps."),
     "num_tier_writes_dropped": ("tier_writes_dropped", "Chunk writes to the storage tiers dropped: the writer's queue was full."),
 }

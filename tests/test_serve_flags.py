@@ -32,7 +32,7 @@ def test_vllm_flag_names_set_the_engine_and_the_server(started, tmp_path):
                     "--kv-cache-dtype", "auto", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "12",
                     "--max-num-batched-tokens", "2048", "--log-level", "info", "--allowed-origins", '["https://a.b"]',
                     "--allowed-origins", "http://c.d", "--allowed-methods", "POST", "--recompute-chunk-head-tokens", "4",
-                    "--switch-interval-ms", "0.25", "--no-tokenize-in-ingress")
+                    "--switch-interval-ms", "0.25")
     assert result.exit_code == 0, result.output
     (engine, config), = started
     assert engine.model == str(model) and engine.max_model_len == 4096 and engine.dtype == "bfloat16"
@@ -42,7 +42,6 @@ def test_vllm_flag_names_set_the_engine_and_the_server(started, tmp_path):
     assert config.served_model_name == "rag" and config.log_level == "INFO"
     assert config.allowed_origins == ("https://a.b", "http://c.d") and config.allowed_methods == ("POST",)
     assert config.allowed_headers == ("*",) and config.switch_interval_ms == 0.25
-    assert config.tokenize_in_ingress is False
 
 
 def test_a_config_file_gives_defaults_that_flags_override(started, tmp_path):
@@ -55,7 +54,6 @@ def test_a_config_file_gives_defaults_that_flags_override(started, tmp_path):
     assert config.port == 8123 and config.served_model_name == "from-flag"
     assert config.allowed_origins == ()  # no CORS unless asked
     assert config.switch_interval_ms == 0.5  # the replicas' default (issue 36), not Python's 5 ms
-    assert config.tokenize_in_ingress is True
 
 
 @pytest.mark.parametrize("content, message", [
@@ -108,4 +106,3 @@ def test_the_switch_interval_is_checked_and_carried_by_the_builder():
             ServeConfig(switch_interval_ms=bad)
     assert ServeConfig(switch_interval_ms=None).switch_interval_ms is None
     assert ServeArgs(switch_interval_ms=None).serve_config().switch_interval_ms is None  # Python's own
-    assert ServeArgs(tokenize_in_ingress=False).serve_config().tokenize_in_ingress is False

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lazyattn_rag.engine.planning import pretokenized
 from lazyattn_rag.engine.planning.token_ids import TokenEncoder
 from lazyattn_rag.types.config import PromptConfig
 from lazyattn_rag.types.messages import DocumentRef, Message
@@ -113,13 +112,7 @@ class PromptTemplate:
         without offsets) the joined text is split at the special tokens found in markup (their
         ``lstrip`` / ``rstrip`` whitespace rules applied) and each piece between them is
         tokenized literally, so user text never produces a special-token id.
-
-        Ids worked out by the HTTP ingress for these exact runs with this tokenizer
-        (``engine/planning/pretokenized.py``, active in this thread) are taken instead.
         """
-        known = pretokenized.lookup(runs)
-        if known is not None:
-            return known
         text = "".join(t for t, _ in runs)
         markup, pos = [], 0  # character spans of the markup runs in ``text``
         for run, is_markup in runs:
@@ -177,12 +170,6 @@ class PromptTemplate:
         if self._leading_special_ids is None:
             self._leading_special_ids = self._probe_leading_special_ids()
         return list(self._leading_special_ids)
-
-    @functools.cached_property
-    def tokenizer_digest(self) -> str | None:
-        """:func:`~lazyattn_rag.engine.planning.pretokenized.tokenizer_digest` of the parsing
-        encoder's private backend (worked out once: a large vocabulary's definition is megabytes)."""
-        return pretokenized.tokenizer_digest(self.parsing.backend)
 
     @functools.cached_property
     def tokenizer_leading_ids(self) -> tuple[int, ...]:

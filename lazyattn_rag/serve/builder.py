@@ -52,7 +52,6 @@ class ServeArgs(BaseModel):
     max_logprobs: int = Field(default=20, ge=-1)
     health_timeout_s: float = Field(default=5.0, gt=0, le=3600)
     switch_interval_ms: float | None = Field(default=0.5, ge=0.01, le=100)  # None: Python's own
-    tokenize_in_ingress: bool = True
     api_key: list[str] = Field(default_factory=list)
     api_key_file: str | None = None
     allow_unauthenticated: bool = False
@@ -88,7 +87,6 @@ class ServeArgs(BaseModel):
                            imbalanced_threshold=self.imbalanced_threshold, registry=self.registry,
                            num_ingress_replicas=self.ingress_replicas, max_logprobs=self.max_logprobs,
                            health_timeout_s=self.health_timeout_s, switch_interval_ms=self.switch_interval_ms,
-                           tokenize_in_ingress=self.tokenize_in_ingress,
                            api_keys=tuple(self.api_key), api_key_file=self.api_key_file,
                            allow_unauthenticated=self.allow_unauthenticated, served_model_name=self.served_model_name,
                            allowed_origins=tuple(self.allowed_origins), allowed_methods=tuple(self.allowed_methods),

@@ -57,14 +57,7 @@ class ServeConfig:
             that plan plain prompts, hand requests over and stream tokens back; a thread that
             wakes for the GIL waits up to this long while another holds it (Python's default:
             5 ms, paid at every hand-over of a request and its first token; issue 36's trace,
-            docs/benchmarks.md). Set in each ingress's process too where it tokenizes
-            (``tokenize_in_ingress``): at 1 ms or less its tokenizing threads give the GIL up
-            while a long text is tokenized (``engine/planning/token_ids.py``), so the ingress's
-            event loop keeps serving. ``None``: leave Python's setting alone.
-        tokenize_in_ingress: the ingress tokenizes plain chat prompts (the retrieved texts an
-            unchanged client pastes) with the replicas' tokenizer and sends the ids with the
-            request, so a replica's planning does not tokenize beside its engine loop
-            (``lazyattn_rag/serve/ingress_tokens.py``); ``False``: the replicas tokenize.
+            docs/benchmarks.md). ``None``: leave Python's setting alone.
         ray_address: the Ray cluster to run on (``ray.init(address=...)``: ``"auto"`` or
             ``"ray://..."``/``"host:port"``, for several nodes); ``None``: a private local
             cluster whose processes listen on 127.0.0.1 only, with no dashboard.
@@ -96,7 +89,6 @@ class ServeConfig:
     served_model_name: str | None = None
     health_timeout_s: float = 5.0
     switch_interval_ms: float | None = 0.5
-    tokenize_in_ingress: bool = True
     ray_address: str | None = None
 
     def __post_init__(self):

@@ -29,10 +29,8 @@ request without a valid ``Authorization: Bearer <key>`` is 401, and its namespac
 other is 403); registering, warming and deleting documents need a key that may manage them.
 
 A chat request that names no document has the registered documents found in its plain text
-(``payload.py``), and the token ids of its long plain text worked out here with the replicas'
-tokenizer (``ingress_tokens.py``); every request carries the texts of the documents it places,
-so any engine replica can serve it, and the router sends it where its documents and passages
-were computed.
+(``payload.py``); every request carries the texts of the documents it places, so any engine
+replica can serve it, and the router sends it where its documents and passages were computed.
 A replica that dies before a
 request has sent any output is retried once on another (the router no longer offers the dead
 one); one that dies mid-stream ends the stream with an ``error`` event. Unknown document ids
@@ -44,7 +42,6 @@ import asyncio
 import json  # no `from __future__ import annotations`: the routes' annotations must be objects, since Ray
 # pickles the ingress class by value and FastAPI could not resolve a string such as "Request" there
 import logging
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -59,7 +56,6 @@ from lazyattn_rag.serve.config import ServeConfig
 from lazyattn_rag.serve.http_errors import ApiError, install_error_handlers, parse, read_json
 from lazyattn_rag.serve.ingress_metrics import IngressMetrics
 from lazyattn_rag.serve.middleware import install_middlewares
-from lazyattn_rag.serve.ingress_tokens import IngressTokenizer
 from lazyattn_rag.serve.payload import (chat_payload, check_logprobs, completion_payload, registered_text,
                                         removed_report, routing_keys)
 from lazyattn_rag.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DocumentsRequest,
@@ -101,10 +97,7 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             from lazyattn_rag.serve.loopback import bind_replica_server_to_loopback
 
             bind_replica_server_to_loopback()
-            if config.tokenize_in_ingress and config.switch_interval_ms is not None:
-                sys.setswitchinterval(config.switch_interval_ms / 1e3)  # see ServeConfig.switch_interval_ms
             self.engine = engine
-            self.tokens = IngressTokenizer(engine, config.tokenize_in_ingress)
             self.documents = DocumentStore(open_registry(config, engine_config))
             self.replica_stats: dict[str, dict] = {}
             self.replica_requests: Counter[str] = Counter()
@@ -237,7 +230,6 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             body, model = await self._body(request, ChatCompletionRequest)
             check_logprobs(body, config.max_logprobs)
             payload, keys = chat_payload(body, self.documents, passage_min_chars)
-            await self.tokens.add_to(payload)
             return await self._answer(body, payload, keys, Answer(model, {"ingress_received": received}))
 
         @app.post("/v1/completions")

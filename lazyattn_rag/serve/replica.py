@@ -13,9 +13,7 @@ built from an :class:`~lazyattn_rag.types.config.EngineConfig` and answers the i
   ``{"error": {"message", "type", "status"}}`` event instead and touches nothing;
 * :meth:`register`: check and register documents (what ``POST /v1/documents`` does first on
   the replica that will own them);
-* :meth:`info`: the model's name, context limit and prompt settings; :meth:`prompt_tokenizer`:
-  the tokenizer and prompt settings the ingress tokenizes plain prompts with (their ids come
-  back in the payload's ``pretokenized``); :meth:`stats`: this
+* :meth:`info`: the model's name, context limit and prompt settings; :meth:`stats`: this
   replica's engine stats now (called on every replica at each ``/metrics`` scrape);
 * :meth:`forget` (called on every replica: ``DeploymentHandle.broadcast``): delete a document's
   K/V from this replica's KV pool and from the storage tiers; :meth:`holds`: where this
@@ -40,8 +38,6 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from lazyattn_rag.client import chat_request
-from lazyattn_rag.engine.planning.pretokenized import Pretokenized
 from lazyattn_rag.metrics import ENGINE_STAT_KEYS
 from lazyattn_rag.types.config import EngineConfig
 from lazyattn_rag.types.documents import Document, RemovedDocument
@@ -56,7 +52,7 @@ MAX_DELETED = 100_000  # deletes a replica remembers (to refuse calls sent befor
 def _refused() -> tuple[type[BaseException], ...]:
     """What a bad request raises (answered 400, or 404 for an unknown document): the engine's
     errors, bad values, and a chat template's own refusal (jinja2's ``TemplateError``, e.g. "roles
-    must alternate")."""
+    must alternate"), which is the request's fault, not the server's."""
     try:
         from jinja2 import TemplateError
     except ImportError:  # transformers renders templates with jinja2; without it there are none
@@ -115,12 +111,6 @@ class EngineReplica:
         """``{"model", "max_model_len", "prompt": PromptConfig as a dict, "replica"}``."""
         return {"model": self.llm.model_name, "max_model_len": self.llm.max_model_len,
                 "prompt": dataclasses.asdict(self.llm.config.prompt), "replica": self.replica_id}
-
-    async def prompt_tokenizer(self) -> dict[str, Any]:
-        """``{"tokenizer", "prompt"}``: this engine's tokenizer and :class:`PromptConfig`, from
-        which the ingress builds the same prompt template to tokenize plain prompts before they
-        come here (``engine/planning/pretokenized.py``)."""
-        return {"tokenizer": self.llm.tokenizer, "prompt": self.llm.config.prompt}
 
     async def register(self, documents: list[tuple[str, str]], namespace: str = "",
                        routing_keys: list[str] = (), issued_at: float | None = None) -> dict[str, Any]:
@@ -234,8 +224,7 @@ class EngineReplica:
                 ``"namespace"``, ``"transient": [ids]`` (inline documents the ingress does not
                 keep: removed here when the request ends), ``"remedies"`` (optional: the body's),
                 ``"logprobs": {"num", "token_ids"}`` (optional: each token's event carries
-                OpenAI's logprobs entry), ``"pretokenized"`` (optional: the plain messages'
-                token ids as the ingress worked them out, ``Pretokenized.as_body()``)}``.
+                OpenAI's logprobs entry)}``.
             routing_keys: for the router only (``lazyattn_rag/serve/router.py``).
         """
         timings = {"replica_received": time.time()}  # wall-clock seconds: where a request's TTFT goes
@@ -329,8 +318,7 @@ class EngineReplica:
         if question is not None:
             return self.allm.stream(question, documents=documents, sampling=sampling, namespace=namespace,
                                     remedies=remedies)
-        known_ids = Pretokenized.from_body(payload.get("pretokenized"))
-        return self.allm.stream_request(chat_request(messages, documents, sampling, namespace, remedies, known_ids))
+        return self.allm.stream_chat(messages, documents, sampling, namespace, remedies=remedies)
 
     def _count(self, payload: dict[str, Any]) -> int:
         """The prompt tokens of ``payload``'s request (its documents registered first)."""
