@@ -167,6 +167,6 @@ def test_a_wrapper_asks_its_remedy_per_request_on_the_shared_engine(model, engin
                              remedies=RequestRemedies(recompute_chunk_head_tokens=4))
     assert out.content == direct.text
     assert {f.name for f in dataclasses.fields(RequestRemedies)} <= set(ChatLazyAttention.model_fields)
-    with pytest.raises(ValueError, match="choose one remedy|one remedy"):
+    with pytest.raises(ValueError, match="choose one remedy"):
         ChatLazyAttention(engine=engine, sampling=GREEDY, recompute_chunk_head_tokens=4,
                           recompute_selective_ratio=0.1).invoke(question, documents=docs)
