@@ -7,6 +7,9 @@ microseconds of GPU time however little it writes, some 64 per step for a 32-lay
 the cache's are converted by ``Tensor.to`` first), so the caches end up bit for bit as the two
 assignments leave them. Its reference is
 :func:`lazyattn_rag.engine.worker.attention.base.write_kv`.
+
+An FP8 cache (``key_scale``/``value_scale`` given) stores each row quantized with its own scale
+(``kv_quant.quantize_rows``: ``max|x| / fp8_max``, the same float32 divisions rounded to nearest).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from lazyattn_rag.kernels.kv_quant import FP8_DTYPES, fp8_max
 
 
 @triton.jit
@@ -23,6 +28,8 @@ def kv_write_kernel(
     k_cache_ptr,  # [num_slots, num_kv_heads, head_dim] (the cache's blocks flattened)
     v_cache_ptr,  # [num_slots, num_kv_heads, head_dim]
     slot_mapping_ptr,  # [num_tokens] int64 flat slot of each token
+    k_scale_ptr,  # [num_slots, num_kv_heads] float32 (QUANTIZE; else unused)
+    v_scale_ptr,  # [num_slots, num_kv_heads] float32 (QUANTIZE; else unused)
     stride_kt, stride_kh,  # key strides (tokens, heads); head_dim is contiguous
     stride_vt, stride_vh,  # value strides (tokens, heads)
     stride_cs, stride_ch,  # cache strides (slots, heads), equal for both caches
@@ -30,6 +37,8 @@ def kv_write_kernel(
     NUM_KV_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,  # NUM_KV_HEADS rounded up to a power of two
     HEAD_DIM: tl.constexpr,
+    QUANTIZE: tl.constexpr,  # FP8 caches: each row divided by its scale (max|x| / FP8_MAX), scales stored
+    FP8_MAX: tl.constexpr,  # the caches' largest finite value (QUANTIZE only)
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)  # int64
@@ -41,8 +50,24 @@ def kv_write_kernel(
     k = tl.load(key_ptr + t * stride_kt + heads[:, None] * stride_kh + offs_d[None, :], mask=ok)
     v = tl.load(value_ptr + t * stride_vt + heads[:, None] * stride_vh + offs_d[None, :], mask=ok)
     dst = slot * stride_cs + heads[:, None] * stride_ch + offs_d[None, :]  # [BLOCK_H, HEAD_DIM] int64
-    tl.store(k_cache_ptr + dst, k, mask=ok)
-    tl.store(v_cache_ptr + dst, v, mask=ok)
+    if QUANTIZE:
+        scale_dst = slot * NUM_KV_HEADS + heads  # [BLOCK_H]
+        k = quantized_rows(k, k_scale_ptr + scale_dst, heads < NUM_KV_HEADS, FP8_MAX)
+        v = quantized_rows(v, v_scale_ptr + scale_dst, heads < NUM_KV_HEADS, FP8_MAX)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def quantized_rows(x, scale_ptrs, row_ok, FP8_MAX: tl.constexpr):
+    """Rows ``x`` ``[R, HEAD_DIM]`` divided by their scales (``max|x| / FP8_MAX``, 1 for a zero row),
+    stored at ``scale_ptrs`` ``[R]``: float32, clamped to the FP8 range, ready to convert."""
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)  # [R]
+    scale = tl.where(amax > 0.0, tl.div_rn(amax, FP8_MAX), 1.0)
+    tl.store(scale_ptrs, scale, mask=row_ok)
+    y = tl.div_rn(x, scale[:, None])
+    return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
 
 
 def write_kv_cache(
@@ -51,16 +76,21 @@ def write_kv_cache(
     key_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    key_scale: torch.Tensor | None = None,  # [num_cache_blocks, block_size, num_kv_heads] float32 (FP8 caches)
+    value_scale: torch.Tensor | None = None,  # [num_cache_blocks, block_size, num_kv_heads] float32
 ) -> None:
     """Store each token's K and V at its flat slot (``block_id * block_size + offset``), in the
-    caches' dtype (converted by ``Tensor.to``). A negative slot counts from the end, as in
+    caches' dtype (converted by ``Tensor.to``; FP8 caches with ``key_scale``/``value_scale``: each
+    row quantized with its own scale, stored there, as ``kv_quant.quantize_rows``). A negative slot counts from the end, as in
     ``write_kv``'s indexing; slots must lie in ``[-num_slots, num_slots)`` (not checked on the
     device, where ``write_kv`` would raise).
 
     Raises:
         ValueError: K/V rows of another shape than the caches', caches of unequal layout, a
             head_dim that is not contiguous, a power-of-two-less ``head_dim``, a slot mapping that
-            is not int64 with one slot per token.
+            is not int64 with one slot per token, scales given for caches that are not FP8 (or
+            not given for FP8 caches) or not contiguous ``[num_cache_blocks, block_size, num_kv_heads]``
+            float32.
 
     Example:
         >>> write_kv_cache(k, v, key_cache, value_cache, md.slot_mapping)
@@ -81,15 +111,45 @@ def write_kv_cache(
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping must be int64 [{num_tokens}], got {slot_mapping.dtype} "
                          f"{list(slot_mapping.shape)}")
+    quantize = check_scales(key_cache, key_scale, value_scale)
     if num_tokens == 0:
         return
-    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)  # no copy when they match
+    if not quantize:
+        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)  # no copy when they match
     kv_write_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
+        key_scale if quantize else key_cache, value_scale if quantize else value_cache,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(1), key_cache.stride(2), key_cache.shape[0] * key_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
+        QUANTIZE=quantize,
+        FP8_MAX=fp8_max(key_cache.dtype) if quantize else 0.0,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
+
+
+def check_scales(
+    key_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    key_scale: torch.Tensor | None,  # [num_cache_blocks, block_size, num_kv_heads] float32
+    value_scale: torch.Tensor | None,
+) -> bool:
+    """Whether the caches are FP8 with per-token scales (``kv_quant``), checking the scales fit.
+
+    Raises:
+        ValueError: FP8 caches without both scales, scales with caches of another dtype, scales
+            that are not contiguous float32 ``[num_cache_blocks, block_size, num_kv_heads]``.
+    """
+    fp8 = key_cache.dtype in FP8_DTYPES
+    if (key_scale is None) != (value_scale is None) or fp8 != (key_scale is not None):
+        raise ValueError(f"a {key_cache.dtype} cache needs {'both' if fp8 else 'no'} key_scale and value_scale")
+    if not fp8:
+        return False
+    shape = tuple(key_cache.shape[:3])
+    for name, s in (("key_scale", key_scale), ("value_scale", value_scale)):
+        if tuple(s.shape) != shape or s.dtype != torch.float32 or not s.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 {list(shape)}, got {s.dtype} {list(s.shape)}")
+    if not key_cache.is_contiguous():
+        raise ValueError("FP8 caches must be contiguous (their scales are indexed by row)")
+    return True

@@ -30,12 +30,18 @@ def _forward(hf, ids: list[int], start: int, cache):
                   use_cache=True, **{cache_argument(type(hf)): cache})
 
 
-def _encode_alone(hf, anchor_ids: list[int], ids: list[int]):
-    """Per-layer (K, V) ``[1, kv_heads, len(ids), d]`` of ``ids`` encoded after ``anchor_ids``."""
+def _encode_alone(hf, anchor_ids: list[int], ids: list[int], kv_round=None):
+    """Per-layer (K, V) ``[1, kv_heads, len(ids), d]`` of ``ids`` encoded after ``anchor_ids``
+    (whose K/V the chunk sees through ``kv_round``, as a cached anchor is read)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    _forward(hf, list(anchor_ids) + list(ids), 0, cache)
+    if kv_round is not None and anchor_ids:
+        _forward(hf, list(anchor_ids), 0, cache)
+        cache = _cache_of([(kv_round(layer.keys), kv_round(layer.values)) for layer in cache.layers])
+        _forward(hf, list(ids), len(anchor_ids), cache)
+    else:
+        _forward(hf, list(anchor_ids) + list(ids), 0, cache)
     n = len(anchor_ids)
     return [(layer.keys[:, :, n:], layer.values[:, :, n:]) for layer in cache.layers]
 
@@ -48,7 +54,7 @@ def _shift_keys(hf, k: torch.Tensor, delta: int) -> torch.Tensor:
     return k * cos[:, None] + _rotate_half(k) * sin[:, None]
 
 
-def oracle_generate(hf, chunks, query_ids: list[int], num_tokens: int):
+def oracle_generate(hf, chunks, query_ids: list[int], num_tokens: int, kv_round=None):
     """Greedy tokens and first-token logits of the reuse semantics.
 
     Args:
@@ -58,6 +64,8 @@ def oracle_generate(hf, chunks, query_ids: list[int], num_tokens: int):
             model at its positions after everything before it (its K/V join the context).
         query_ids: the new tokens after the chunks.
         num_tokens: how many tokens to decode greedily.
+        kv_round: applied to each cached chunk's K and V as encoded (``[1, kv_heads, n, head_dim]``,
+            K at its local positions) before the shift: an FP8 cache's quantize-and-dequantize.
     Returns:
         (token ids, logits of the first generated token ``[vocab]``).
     """
@@ -70,7 +78,9 @@ def oracle_generate(hf, chunks, query_ids: list[int], num_tokens: int):
             _forward(hf, ids, pos, cache)
             per_layer = [(layer.keys, layer.values) for layer in cache.layers]
         else:
-            kv = _encode_alone(hf, anchor_ids, ids)
+            kv = _encode_alone(hf, anchor_ids, ids, kv_round)
+            if kv_round is not None:
+                kv = [(kv_round(k), kv_round(v)) for k, v in kv]
             delta = g - len(anchor_ids)
             kv = [(_shift_keys(hf, k, delta) if delta else k, v) for k, v in kv]
             per_layer = kv if not per_layer else [

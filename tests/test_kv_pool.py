@@ -50,7 +50,7 @@ def test_layout_sizes_and_name():
     assert replace(LAYOUT, dtype=torch.bfloat16).bytes_per_block == LAYOUT.bytes_per_block // 2
     assert LAYOUT.format_name() == "float32/none"
     assert LAYOUT.mismatch(((3, 5, 2, 8), torch.float32), ((3, 5, 2, 8), torch.float32), 5) is None
-    assert "does not fit this pool ((3, 5, 2, 8) torch.float32)" in \
+    assert "does not fit this pool (kv_cache_dtype 'auto': (3, 5, 2, 8) float32/none)" in \
         LAYOUT.mismatch(((3, 5, 2, 8), torch.float16), ((3, 5, 2, 8), torch.float16), 5)
 
 
@@ -121,10 +121,18 @@ def test_copy_slots_turns_each_slot_by_its_own_delta():
 
 def test_kv_cache_dtype_is_checked_and_named_in_chunk_keys():
     assert CacheConfig().kv_cache_dtype == "auto"
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto',\), got 'fp8_e4m3'"):
-        CacheConfig(kv_cache_dtype="fp8_e4m3")
-    with pytest.raises(ValueError, match="'fp8_e4m3' is not supported"):
-        KVLayout.for_model(SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=8), 4, torch.float32, "fp8_e4m3")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3', "
+                                         r"'fp8_e5m2'\), got 'int8'"):
+        CacheConfig(kv_cache_dtype="int8")
+    arch = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=8)
+    with pytest.raises(ValueError, match="'int8' is not supported"):
+        KVLayout.for_model(arch, 4, torch.float32, "int8")
+    for name, dtype in [("fp8", torch.float8_e4m3fn), ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)]:
+        layout = KVLayout.for_model(arch, 4, torch.bfloat16, name)
+        assert (layout.dtype, layout.scales, layout.chunk_dtype, layout.row_width) == (dtype, "per_token_head",
+                                                                                      torch.uint8, 12)
+        assert layout.format_name() == f"{str(dtype).removeprefix('torch.')}/per_token_head"
+        assert layout.bytes_per_token == 2 * 1 * 1 * (8 + 4)  # one byte a value, four a scale
     base = ModelFingerprint("w" * 64, "bfloat16", "{}", "t" * 64, 16, "bfloat16/none")
     assert base.digest() != replace(base, kv_format="float8_e4m3fn/per-channel").digest()
 

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from lazyattn_rag.engine.kv.kv_layout import KVLayout
+from lazyattn_rag.kernels.kv_quant import dequantize_rows, quantize_rows
 
 
 class Rotation(Protocol):
@@ -29,14 +30,25 @@ def copy_layer_slots(
     src: torch.Tensor,  # [n] int64 flat source slots
     dst: torch.Tensor,  # [n] int64 flat destination slots
     shift,  # Rotation.shifts(deltas) of the n slots
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8: (key_scale, value_scale) [num_blocks, block_size, num_kv_heads]
 ) -> None:
     """Copy one layer's slots ``src`` to ``dst``: one gather, K rotated by ``shift``, one scatter;
     V as is (:meth:`KVPool.copy_slots` for every layer; a pass's in-layer copies,
-    ``AttentionBackend.copy_step_slots``)."""
+    ``AttentionBackend.copy_step_slots``). FP8 rows a nonzero shift moves are dequantized, rotated
+    and quantized again; the others (and every V row) are copied with their scales, bytes as they are."""
     flat_k = key_cache.view(-1, *key_cache.shape[2:])  # [num_slots, num_kv_heads, head_dim]
     flat_v = value_cache.view(-1, *value_cache.shape[2:])
-    flat_k[dst] = shift.apply(flat_k[src])
     flat_v[dst] = flat_v[src]
+    if scales is None:
+        flat_k[dst] = shift.apply(flat_k[src])
+        return
+    key_scale, value_scale = (s.view(-1, s.shape[-1]) for s in scales)  # [num_slots, num_kv_heads]
+    value_scale[dst] = value_scale[src]
+    rows, row_scales = flat_k[src], key_scale[src]
+    rotated, rotated_scales = quantize_rows(shift.apply(dequantize_rows(rows, row_scales)), flat_k.dtype)
+    moved = (shift.sin != 0).any(dim=-1)  # [n] rows whose rotation is not the identity (no host sync)
+    flat_k[dst] = torch.where(moved[:, None, None], rotated.view(torch.uint8), rows.view(torch.uint8)).view(rows.dtype)
+    key_scale[dst] = torch.where(moved[:, None], rotated_scales, row_scales)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -64,15 +76,20 @@ class KVPool:
         device: where the tensors live.
     Attributes:
         layers: per layer ``(key_cache, value_cache)``, each ``[num_blocks + 1, block_size,
-            num_kv_heads, head_dim]`` in ``layout.dtype``: what the forward pass hands the
-            attention backend, layer by layer.
+            num_kv_heads, head_dim]`` in ``layout.dtype``, followed for an FP8 layout
+            (``layout.scaled``) by ``(key_scale, value_scale)``, each ``[num_blocks + 1,
+            block_size, num_kv_heads]`` float32: what the forward pass hands the attention
+            backend, layer by layer.
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device):
         self.layout, self.num_blocks, self.device = layout, num_blocks, torch.device(device)
         shape = (num_blocks + 1, *layout.block_shape)
         self.padding_slot = num_blocks * layout.block_size
+        scale_shape = (num_blocks + 1, *layout.scale_shape)
         self.layers = [(zeros(shape, layout.dtype, device), zeros(shape, layout.dtype, device))
+                       + ((zeros(scale_shape, torch.float32, device), zeros(scale_shape, torch.float32, device))
+                          if layout.scaled else ())
                        for _ in range(layout.num_layers)]
 
     def close(self) -> None:
@@ -103,9 +120,17 @@ class KVPool:
             raise ValueError(f"{len(block_ids)} blocks cannot hold {num_tokens} tokens")
         slots = self.slots(block_ids, num_tokens)
         keys, values = keys.to(self.device), values.to(self.device)  # one host-to-device copy each (or none)
-        for layer, (key_cache, value_cache) in enumerate(self.layers):
-            self._flat(key_cache)[slots] = keys[layer]
-            self._flat(value_cache)[slots] = values[layer]
+        for layer, caches in enumerate(self.layers):
+            for cache, rows in zip(caches, self._unpacked(keys[layer], values[layer])):
+                cache.view(-1, *cache.shape[2:])[slots] = rows
+
+    def _unpacked(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One layer of a chunk as the pool's tensors of that layer hold it: ``(keys, values)``, or
+        for packed FP8 rows ``(keys, values, key_scales, value_scales)``."""
+        if not self.layout.scaled:
+            return keys, values
+        (k, ks), (v, vs) = self.layout.unpack_rows(keys), self.layout.unpack_rows(values)
+        return k, v, ks, vs
 
     def gather(self, block_ids: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A chunk's K/V gathered into new tensors on the pool's device (stream-ordered: what later
@@ -115,12 +140,14 @@ class KVPool:
             block_ids: the chunk's blocks, in order.
             num_tokens: its valid tokens (the last block may be partly filled).
         Returns:
-            ``(keys, values)``, each ``layout.chunk_shape(num_tokens)`` in ``layout.dtype``.
+            ``(keys, values)``, each ``layout.chunk_shape(num_tokens)`` in ``layout.chunk_dtype``
+            (an FP8 layout's rows packed with their scales, :meth:`KVLayout.pack_rows`).
         """
         slots = self.slots(block_ids, num_tokens)
-        keys = torch.stack([self._flat(k)[slots] for k, _ in self.layers])
-        values = torch.stack([self._flat(v)[slots] for _, v in self.layers])
-        return keys, values
+        rows = [[c.view(-1, *c.shape[2:])[slots] for c in caches] for caches in self.layers]
+        if self.layout.scaled:  # (k, v, ks, vs) per layer -> packed K and V rows
+            rows = [(self.layout.pack_rows(k, ks), self.layout.pack_rows(v, vs)) for k, v, ks, vs in rows]
+        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
     def read(self, block_ids: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`gather`, copied to the CPU (waits for the device)."""
@@ -128,9 +155,14 @@ class KVPool:
         return keys.cpu(), values.cpu()
 
     def gather_layer(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's K and V at ``slots`` (``[n]`` int64), each ``[n, num_kv_heads, head_dim]``."""
-        key_cache, value_cache = self.layers[layer]
-        return self._flat(key_cache)[slots], self._flat(value_cache)[slots]
+        """One layer's K and V at ``slots`` (``[n]`` int64), each ``[n, num_kv_heads, head_dim]``
+        (an FP8 layout's dequantized to float32)."""
+        caches = self.layers[layer]
+        k, v = self._flat(caches[0])[slots], self._flat(caches[1])[slots]
+        if self.layout.scaled:
+            ks, vs = (c.view(-1, c.shape[-1])[slots] for c in caches[2:])
+            return dequantize_rows(k, ks), dequantize_rows(v, vs)
+        return k, v
 
     def copy_rotated(self, src_blocks: list[int], dst_blocks: list[int], num_tokens: int, delta: int,
                      rotary: Rotation) -> None:
@@ -149,5 +181,5 @@ class KVPool:
         on the pool's device): one gather, rotation and scatter per layer, the rotation tables
         made once for all layers."""
         shift = rotary.shifts(deltas)
-        for key_cache, value_cache in self.layers:
-            copy_layer_slots(key_cache, value_cache, src, dst, shift)
+        for key_cache, value_cache, *scales in self.layers:
+            copy_layer_slots(key_cache, value_cache, src, dst, shift, tuple(scales) or None)

@@ -167,9 +167,9 @@ class CompiledLayers:
         """The residual stream after every layer (the final norm not applied): ``[n, hidden_size]``."""
         cfg, delta = self.model.config, None
         self.num_passes += 1
-        for layer, (key_cache, value_cache) in zip(self.model.model.layers, kv_caches):
+        for layer, (key_cache, value_cache, *scales) in zip(self.model.model.layers, kv_caches):
             x, q, k, v = self._input(layer, x, delta, rope, cfg)
-            attn = backend.forward(q, k, v, key_cache, value_cache, metadata)
+            attn = backend.forward(q, k, v, key_cache, value_cache, metadata, *scales)
             x, delta = self._output(layer, x, attn.reshape(x.shape[0], -1), cfg)
         return x + delta
 

@@ -127,9 +127,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return rope.apply(q), rope.apply(k), v
 
-    def forward(self, x, rope: PositionTables, backend, key_cache, value_cache, metadata):
+    def forward(self, x, rope: PositionTables, backend, key_cache, value_cache, metadata, key_scale=None,
+                value_scale=None):
         q, k, v = self.project(x, rope)
-        out = backend.forward(q, k, v, key_cache, value_cache, metadata)
+        out = backend.forward(q, k, v, key_cache, value_cache, metadata, key_scale=key_scale, value_scale=value_scale)
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
@@ -152,8 +153,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rope: PositionTables, backend, key_cache, value_cache, metadata):
-        x = x + self.self_attn(self.input_layernorm(x), rope, backend, key_cache, value_cache, metadata)
+    def forward(self, x, rope: PositionTables, backend, key_cache, value_cache, metadata, key_scale=None,
+                value_scale=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, backend, key_cache, value_cache, metadata, key_scale,
+                               value_scale)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -187,7 +190,7 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens] int64, all sequences' new tokens, flattened
         positions: torch.Tensor,  # [num_tokens] int64 global positions
         backend: AttentionBackend,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (key_cache, value_cache)
+        kv_caches: list[tuple[torch.Tensor, ...]],  # per layer KVPool.layers: K and V caches (FP8: then their scales)
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor | None = None,  # [num_out] rows whose logits are wanted
         compiled: Any = None,  # a CompiledLayers of this model (engine/model/compiled_layers.py), or None: eager
@@ -197,8 +200,8 @@ class CausalLM(nn.Module):
         if compiled is not None:
             x = compiled.run(x, rope, backend, kv_caches, metadata)
         else:
-            for layer, (kc, vc) in zip(self.model.layers, kv_caches):
-                x = layer(x, rope, backend, kc, vc, metadata)
+            for layer, (kc, vc, *scales) in zip(self.model.layers, kv_caches):
+                x = layer(x, rope, backend, kc, vc, metadata, *scales)
         if logits_indices is not None:
             x = x[logits_indices]
         return self.lm_head(self.model.norm(x)).to(torch.float32)

@@ -13,7 +13,9 @@ def check_int(name: str, value, minimum: int, optional: bool = False) -> None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-KV_CACHE_DTYPES = ("auto",)  # the stored K/V's element type; "auto": the model's dtype
+# the stored K/V's element type: "auto" (the model's dtype) or FP8 with per-token scales ("fp8" is
+# "fp8_e4m3", as vLLM spells it); engine/kv/kv_layout.py maps them to torch dtypes
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 CACHE_MODES = ("lazy", "block_attention", "prefix", "full")
 
 
@@ -28,9 +30,11 @@ class CacheConfig:
         kv_cache_fraction: fraction of free device memory for the KV cache (CUDA; default 0.4).
         num_blocks: exact number of KV blocks (overrides ``kv_cache_bytes``).
         kv_cache_dtype: element type of the stored K/V (``engine/kv/kv_layout.py``): ``"auto"`` (the
-            default and, for now, the only choice): the model's dtype. It is part of every chunk's
-            cache key, and each attention backend declares the ones it reads
-            (``supported_kv_cache_dtypes``).
+            default): the model's dtype; ``"fp8_e4m3"`` (alias ``"fp8"``) or ``"fp8_e5m2"``: FP8
+            with one float32 scale per token and KV head (``kernels/kv_quant.py``), half the bytes
+            of bfloat16 per token; a prefill's own new tokens still see each other in full
+            precision. It is part of every chunk's cache key, and each attention backend declares
+            the ones it reads (``supported_kv_cache_dtypes``).
         anchor: what a document chunk is encoded after (LazyAttention encodes chunks alone):
             ``"bos"`` (default): after one attention-sink token, the tokenizer's BOS (or, for a
             tokenizer without one, such as Qwen's, the first token of the prompt head);

@@ -8,6 +8,7 @@ import torch
 
 from lazyattn_rag.engine.kv.kv_pool import copy_layer_slots
 from lazyattn_rag.engine.worker.attention.metadata import AttentionMetadata
+from lazyattn_rag.kernels.kv_quant import quantize_rows
 from lazyattn_rag.kernels.launch import ChunkScaling
 from lazyattn_rag.kernels.rope import RotaryEmbedding
 
@@ -18,11 +19,21 @@ def write_kv(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    key_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float32 (FP8 caches)
+    value_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float32
 ) -> None:
-    """Scatter new tokens' K/V into their cache slots (``slot = block_id * block_size + offset``)."""
+    """Scatter new tokens' K/V into their cache slots (``slot = block_id * block_size + offset``);
+    into an FP8 cache each row quantized with its own scale (``kernels/kv_quant.py``), the scale
+    stored at the same slot of ``key_scale``/``value_scale``."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = key.to(key_cache.dtype)
-    value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = value.to(value_cache.dtype)
+    num_slots = num_blocks * block_size
+    for x, cache, scales in ((key, key_cache, key_scale), (value, value_cache, value_scale)):
+        if scales is None:
+            cache.view(num_slots, num_kv_heads, head_dim)[slot_mapping] = x.to(cache.dtype)
+        else:
+            rows, row_scales = quantize_rows(x, cache.dtype)
+            cache.view(num_slots, num_kv_heads, head_dim)[slot_mapping] = rows
+            scales.view(num_slots, num_kv_heads)[slot_mapping] = row_scales
 
 
 class AttentionBackend(ABC):
@@ -59,12 +70,14 @@ class AttentionBackend(ABC):
         self.chunk_scaling = chunk_scaling if chunk_scaling is not None and not chunk_scaling.is_identity else None
 
     @staticmethod
-    def copy_step_slots(key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+    def copy_step_slots(key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
+                        scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """The step's in-layer slot copies (``metadata.slot_copies``), after the new tokens' K/V are
-        written and before any attention reads them: a backend calls it right after its write."""
+        written and before any attention reads them: a backend calls it right after its write
+        (``scales``: an FP8 cache's ``(key_scale, value_scale)``)."""
         if metadata.slot_copies is not None:
             copies = metadata.slot_copies
-            copy_layer_slots(key_cache, value_cache, copies.src, copies.dst, copies.shift)
+            copy_layer_slots(key_cache, value_cache, copies.src, copies.dst, copies.shift, scales)
 
     @abstractmethod
     def forward(
@@ -75,8 +88,17 @@ class AttentionBackend(ABC):
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        key_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float32 (FP8 caches)
+        value_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float32 (FP8 caches)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], dtype of query
-        """Write K/V at ``metadata.slot_mapping`` then attend; see the class docstring."""
+        """Write K/V at ``metadata.slot_mapping`` then attend; see the class docstring.
+
+        An FP8 cache (``key_scale``/``value_scale``, ``kernels/kv_quant.py``) is written quantized
+        and read dequantized (each stored row times its scale, in float32, before the deferred
+        rotation); a prefill's new tokens attend to each other's K/V in full precision wherever
+        they lie in the sequence's last run of blocks with delta 0 and no scaling flag (the
+        request's own tokens, a chunk being encoded: ``fresh_step_keys``), as the Triton prefill
+        reads them from the step; a decode token reads its own K/V as stored."""
 
     def plan_graph_decode(
         self,

@@ -18,6 +18,11 @@ Chunk attention scaling (APE, ``chunk_scaling``): keys of flagged blocks get the
 ``rotation`` (:data:`~lazyattn_rag.kernels.launch.Rotation`: ``"key"`` or ``"query"``; ``None``,
 the default, chooses per sequence as above) forces one form, for tests.
 
+FP8 caches (``key_scale``/``value_scale``): gathered rows are dequantized (``kernels/kv_quant.py``)
+before anything else; a prefill's new tokens see each other's K/V in full precision where they
+lie in the sequence's last run of blocks of delta 0 (:func:`fresh_keys_from`, the rule the Triton
+prefill follows when it reads them from the step).
+
 Source: LazyAttention (ICML 2026, arXiv 2606.04302), Sec. 3 "deferred RoPE".
 """
 
@@ -30,6 +35,7 @@ import torch
 from lazyattn_rag.engine.worker.attention.base import AttentionBackend, write_kv
 from lazyattn_rag.engine.worker.attention.metadata import AttentionMetadata
 from lazyattn_rag.kernels.block_table import block_scaled, unpack_block_table
+from lazyattn_rag.kernels.kv_quant import dequantize_rows
 from lazyattn_rag.kernels.launch import Rotation
 from lazyattn_rag.kernels.rope import apply_rotation
 
@@ -44,10 +50,29 @@ class _SeqGather:
     runs: list[tuple[int, int, int]]  # (start, end, delta) of key runs sharing one delta
     any_delta: bool
     flagged: torch.Tensor  # [seq_len] bool keys of blocks flagged for chunk attention scaling
+    fresh_from: int  # first key of the last run of blocks when it has delta 0 (unflagged), else seq_len + 1
     tables: dict = field(default_factory=dict)  # cos/sin per rotation, made once and reused by every layer
 
 
-def _gather_plan(metadata: AttentionMetadata, device: torch.device) -> list[_SeqGather]:
+def fresh_keys_from(block_ids: torch.Tensor, deltas: torch.Tensor, valid: torch.Tensor, flags: torch.Tensor,
+                    block_size: int, chunk_scaling: bool) -> int:
+    """The first key index of a sequence's last run of blocks (``launch.block_runs``: equal delta
+    and scaling flag, a partial block ends a run) when that run has delta 0 (and, with
+    ``chunk_scaling``, no flag), else the sequence's length + 1. A prefill's new tokens from this
+    index on are read from the step, in full precision, by the Triton prefill (its ``in_step``
+    rule) and, to match it, by this backend. ``deltas``, ``valid``, ``flags``: ``[n]`` per block (CPU)."""
+    n = len(block_ids)
+    total = int(valid.sum())
+    if n == 0 or int(deltas[-1]) != 0 or (chunk_scaling and bool(flags[-1])):
+        return total + 1
+    first = n - 1
+    while first > 0 and int(deltas[first - 1]) == 0 and bool(flags[first - 1]) == bool(flags[-1]) \
+            and int(valid[first - 1]) == block_size:
+        first -= 1
+    return int(valid[:first].sum())
+
+
+def _gather_plan(metadata: AttentionMetadata, device: torch.device, chunk_scaling: bool = False) -> list[_SeqGather]:
     cached = metadata.backend_state.get("torch")
     if cached is not None:
         return cached
@@ -70,34 +95,43 @@ def _gather_plan(metadata: AttentionMetadata, device: torch.device) -> list[_Seq
             else:
                 runs.append((start, start + v, d))
             start += v
+        fresh_from = fresh_keys_from(block_ids, deltas, valid, block_scaled(words), bs, chunk_scaling)
         plans.append(_SeqGather(slots.to(device), key_deltas.to(device), runs, bool((deltas != 0).any()),
-                                flagged.to(device)))
+                                flagged.to(device), fresh_from))
     metadata.backend_state["torch"] = plans
     return plans
+
+
+def _gathered(key_cache, value_cache, scales, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V at flat ``slots`` (``[seq_len]``), ``[seq_len, num_kv_heads, head_dim]`` float32 each
+    (an FP8 cache's dequantized with ``scales``, ``(key_scale, value_scale)``)."""
+    rows = [c.view(-1, *c.shape[2:])[slots] for c in (key_cache, value_cache)]
+    if scales is None:
+        return rows[0].to(torch.float32), rows[1].to(torch.float32)
+    return tuple(dequantize_rows(r, s.view(-1, s.shape[-1])[slots]) for r, s in zip(rows, scales))
 
 
 class TorchAttentionBackend(AttentionBackend):
     """Reference backend (float32 math, any device). See the module docstring."""
 
     name = "torch"
+    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
     rotation: Rotation | None = None  # None: per sequence, the cheaper form (see the module docstring)
 
-    def forward(self, query, key, value, key_cache, value_cache, metadata):
-        write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
-        self.copy_step_slots(key_cache, value_cache, metadata)
-        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-        flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-        flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    def forward(self, query, key, value, key_cache, value_cache, metadata, key_scale=None, value_scale=None):
+        write_kv(key, value, key_cache, value_cache, metadata.slot_mapping, key_scale, value_scale)
+        scales = None if key_scale is None else (key_scale, value_scale)
+        self.copy_step_slots(key_cache, value_cache, metadata, scales)
         out = torch.empty_like(query)
-        plans = _gather_plan(metadata, query.device)
+        plans = _gather_plan(metadata, query.device, self.chunk_scaling is not None)
         starts = metadata.cu_seqlens_q.tolist()
         for i, plan in enumerate(plans):
             q = query[starts[i] : starts[i + 1]].to(torch.float32)  # [q_len, num_heads, head_dim]
-            k = flat_k[plan.slots]  # [seq_len, num_kv_heads, head_dim]
-            v = flat_v[plan.slots].to(torch.float32)
+            k, v = _gathered(key_cache, value_cache, scales, plan.slots)  # [seq_len, num_kv_heads, head_dim] float32
             first_pos = metadata.seq_lens_list[i] - q.shape[0]  # the first query row's key index
+            if scales is not None and q.shape[0] > 1 and plan.fresh_from <= first_pos:  # the step's own, unrounded
+                k[first_pos:], v[first_pos:] = key[starts[i] : starts[i + 1]], value[starts[i] : starts[i + 1]]
             rotate_query = self._rotate_query(q.shape[0], plan)
-            k = k.to(torch.float32)  # once for every tile
             if not rotate_query and plan.any_delta:
                 k = self._rotate(k, plan, "keys", plan.deltas)
             for row in range(0, q.shape[0], QUERY_TILE_ROWS):  # scores of one tile of rows at a time

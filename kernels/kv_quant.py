@@ -1,0 +1,52 @@
+"""FP8 K/V with one float32 scale per token and KV head: the reference of every kernel that
+writes or reads an FP8 KV cache (``kv_write.py`` quantizes, ``prefill.py`` and ``decode.py``
+dequantize).
+
+A row ``x`` (one token's K or V of one KV head, ``head_dim`` values) is stored as
+``round(x / scale)`` in FP8 with ``scale = max|x| / fp8_max`` (448 for e4m3, 57344 for e5m2;
+``1`` for a row of zeros), and read as ``fp8 * scale`` in float32. One scale per row keeps a
+token's outliers from costing the other tokens their precision, and a row's bytes and scale are
+final once written, so a chunk encoded over several steps, or moved between tiers, never changes.
+Keys are stored rotated at their local positions (DESIGN.md); the deferred rotation is applied to
+the query, or to the dequantized key, after this. Scheme and measurements: docs/quality.md
+(issue 42: per token and head scored closest to full precision of the four schemes tried).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of an FP8 ``dtype`` (448.0 for e4m3fn, 57344.0 for e5m2).
+
+    Raises:
+        ValueError: ``dtype`` is not one of :data:`FP8_DTYPES`.
+    """
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"{dtype} is not an FP8 KV cache dtype {FP8_DTYPES}")
+    return float(torch.finfo(dtype).max)
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` (``[..., head_dim]``, any float dtype) as FP8 values and scales.
+
+    Returns:
+        ``(values [..., head_dim] in dtype, scales [...] float32)`` with
+        ``values.float() * scales[..., None] ~= x`` (round to nearest even, as the kernels'
+        conversion).
+    Raises:
+        ValueError: ``dtype`` is not FP8.
+    """
+    limit = fp8_max(dtype)
+    x = x.to(torch.float32)
+    amax = x.abs().amax(dim=-1)  # [...]
+    scales = torch.where(amax > 0, amax / limit, torch.ones_like(amax))
+    return (x / scales[..., None]).clamp(-limit, limit).to(dtype), scales
+
+
+def dequantize_rows(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``values.float() * scales[..., None]``: FP8 rows ``[..., head_dim]`` back in float32."""
+    return values.to(torch.float32) * scales.to(torch.float32)[..., None]
