@@ -56,6 +56,8 @@ def decode_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    k_scale_ptr,  # [num_cache_blocks, block_size, num_kv_heads] float32 (KV_SCALED; contiguous caches)
+    v_scale_ptr,  # [num_cache_blocks, block_size, num_kv_heads] float32 (KV_SCALED)
     out_ptr,  # [num_tokens, num_heads, head_dim] (written without SPLIT_KV)
     part_out_ptr,  # [num_work, num_heads, num_splits, head_dim] float32 (SPLIT_KV)
     part_lse_ptr,  # [num_work, num_heads, num_splits] float32 log2-sum-exp2 (SPLIT_KV)
@@ -82,6 +84,7 @@ def decode_kernel(
     PAIR_STRIDE: tl.constexpr,  # 1 half-split, 2 interleaved
     X2_OFF: tl.constexpr,  # column offset of a pair's second element
     BLOCK_SIZE: tl.constexpr,  # slots per cache block
+    KV_SCALED: tl.constexpr,  # FP8 caches with one scale per token and KV head (kv_quant.py)
     BLOCK_N: tl.constexpr,  # key lanes per tile (a power of two >= BLOCK_SIZE)
     TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
     SPLIT_KV: tl.constexpr,  # more than one split (the count is grid axis 2, read at run time)
@@ -152,11 +155,18 @@ def decode_kernel(
                 v_rows = block_id * stride_vb + slot * stride_vs + kv_head * stride_vh
                 k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
                 v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+                if KV_SCALED:  # a contiguous cache's row offset / HEAD_DIM is the row's scale index
+                    k_scale = tl.load(k_scale_ptr + k_rows // HEAD_DIM, mask=key_ok, other=0.0)  # [BLOCK_N]
+                    v_scale = tl.load(v_scale_ptr + v_rows // HEAD_DIM, mask=key_ok, other=0.0)  # [BLOCK_N]
+                    k = k.to(dtype)
+                    v = v.to(dtype)
                 # prefill's triton_helpers.attend computes the same update, but called here it took
                 # the wide-tile launch (128 keys, no split) from 212 to 255 registers per thread
                 # (offline sm_90a, Triton 3.6), so decode keeps its own, measured, order of operations
                 s = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
                 s = mma(qr, tl.trans(k), s, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_G, BLOCK_N] raw dot products
+                if KV_SCALED:
+                    s = s * k_scale[None, :]
                 s = tl.where(key_ok[None, :], s, float("-inf"))
                 # the scale inside the row max and the exponent's multiply-add (score_scale > 0)
                 m_new = tl.maximum(m_i, tl.max(s, axis=1) * score_scale + score_bias)
@@ -164,6 +174,8 @@ def decode_kernel(
                 p = tl.math.exp2(s * score_scale + (score_bias - m_new)[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 acc = acc * alpha[:, None]
+                if KV_SCALED:  # each key's weight times its V scale: P @ (V * scale) without a scaled tile
+                    p = p * v_scale[None, :]
                 acc = mma(p.to(dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
                 m_i = m_new
 
@@ -283,6 +295,8 @@ def paged_decode(
     block_n: int | None = None,  # key lanes per tile (rounded up to a power of two >= block_size)
     num_warps: int | None = None,
     num_stages: int | None = None,
+    key_scale: torch.Tensor | None = None,  # [num_cache_blocks, block_size, num_kv_heads] float32 (FP8 caches)
+    value_scale: torch.Tensor | None = None,  # [num_cache_blocks, block_size, num_kv_heads] float32
 ) -> torch.Tensor:
     """Attention of each listed sequence's single new token (row ``cu_seqlens_q[seq]``) over its
     paged context, with the query rotated by ``-delta`` once per chunk (see module doc).
@@ -291,6 +305,9 @@ def paged_decode(
     ``rotation="none"`` skips the rotation (only for measuring its cost: the result is then wrong
     for any block with a nonzero delta). ``chunk_scaling``: keys of blocks flagged ``scaled`` are
     scored by APE's temperature and weight (:class:`~lazyattn_rag.kernels.launch.ChunkScaling`).
+    FP8 caches (``lazyattn_rag/types/kv_quant.py``) come with ``key_scale`` and ``value_scale``: each key's
+    raw score is multiplied by its K scale and its softmax weight by its V scale (the FP8 tiles are
+    widened to the query's dtype for the dots, never rescaled element by element).
 
     Returns:
         ``out`` (allocated like ``query`` when not given).
@@ -306,7 +323,8 @@ def paged_decode(
     num_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = key_cache.shape
     launch = launch_prologue(query, key_cache, value_cache, block_tables, inv_freq, scale,
-                             interleaved=interleaved, out=out, seq_ids=seq_ids)
+                             interleaved=interleaved, out=out, seq_ids=seq_ids, key_scale=key_scale,
+                             value_scale=value_scale)
     out, seq_ids, interpreter = launch.out, launch.seq_ids, launch.interpreter
     code = rotation_code(rotation, ("query", "none"))
     num_work = seq_ids.numel()
@@ -339,7 +357,7 @@ def paged_decode(
     else:
         part_out = part_lse = out  # unused
     decode_kernel[(num_work, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, out, part_out, part_lse,
+        query, key_cache, value_cache, *launch.scales, out, part_out, part_lse,
         block_tables, runs.starts, runs.num_runs, num_blocks_per_seq, cu_seqlens_q, seq_ids,
         launch.inv_freq, launch.sm_scale_log2, scaling["chunk_inv_temperature"], scaling["chunk_log2_weight"],
         *launch.strides,

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lazyattn_rag.kernels.kv_quant import FP8_DTYPES, fp8_max
+from lazyattn_rag.types.kv_quant import check_scales, fp8_max
 
 
 @triton.jit
@@ -39,6 +39,9 @@ def kv_write_kernel(
     HEAD_DIM: tl.constexpr,
     QUANTIZE: tl.constexpr,  # FP8 caches: each row divided by its scale (max|x| / FP8_MAX), scales stored
     FP8_MAX: tl.constexpr,  # the caches' largest finite value (QUANTIZE only)
+    ROUND_SHIFT: tl.constexpr,  # > 0: round to the FP8 grid here (see fp8_grid); 0: the conversion rounds
+    MIN_NORMAL: tl.constexpr,  # ROUND_SHIFT only: the FP8 format's smallest normal value
+    SUBNORMAL_STEP: tl.constexpr,  # ROUND_SHIFT only: its spacing below MIN_NORMAL
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)  # int64
@@ -54,6 +57,9 @@ def kv_write_kernel(
         scale_dst = slot * NUM_KV_HEADS + heads  # [BLOCK_H]
         k = quantized_rows(k, k_scale_ptr + scale_dst, heads < NUM_KV_HEADS, FP8_MAX)
         v = quantized_rows(v, v_scale_ptr + scale_dst, heads < NUM_KV_HEADS, FP8_MAX)
+        if ROUND_SHIFT > 0:
+            k = fp8_grid(k, ROUND_SHIFT, MIN_NORMAL, SUBNORMAL_STEP)
+            v = fp8_grid(v, ROUND_SHIFT, MIN_NORMAL, SUBNORMAL_STEP)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
@@ -68,6 +74,22 @@ def quantized_rows(x, scale_ptrs, row_ok, FP8_MAX: tl.constexpr):
     tl.store(scale_ptrs, scale, mask=row_ok)
     y = tl.div_rn(x, scale[:, None])
     return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+
+
+@triton.jit
+def fp8_grid(y, ROUND_SHIFT: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEP: tl.constexpr):
+    """float32 ``y`` (within the FP8 range) rounded to the nearest FP8 value, ties to even, kept in
+    float32: the mantissa cut to ``23 - ROUND_SHIFT`` bits for normal values, multiples of
+    ``SUBNORMAL_STEP`` below ``MIN_NORMAL``. Triton 3.6's interpreter converts float32 to FP8
+    wrongly where rounding carries into the exponent (125.6 -> 64 instead of 128 in e4m3); the
+    conversion of a value already on the grid is exact, so the interpreter rounds here first."""
+    bits = y.to(tl.int32, bitcast=True)
+    lsb = (bits >> ROUND_SHIFT) & 1
+    half = (1 << (ROUND_SHIFT - 1)) - 1
+    normal = ((bits + half + lsb) & ~((1 << ROUND_SHIFT) - 1)).to(tl.float32, bitcast=True)
+    magic = 8388608.0  # 2**23: float32 addition rounds |y| / step to an integer, ties to even
+    tiny = ((tl.abs(y) / SUBNORMAL_STEP + magic) - magic) * SUBNORMAL_STEP
+    return tl.where(tl.abs(y) < MIN_NORMAL, tl.where(y < 0.0, -tiny, tiny), normal)
 
 
 def write_kv_cache(
@@ -126,30 +148,17 @@ def write_kv_cache(
         HEAD_DIM=head_dim,
         QUANTIZE=quantize,
         FP8_MAX=fp8_max(key_cache.dtype) if quantize else 0.0,
+        **_grid_constants(key_cache.dtype, quantize and key.device.type == "cpu"),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
 
 
-def check_scales(
-    key_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
-    key_scale: torch.Tensor | None,  # [num_cache_blocks, block_size, num_kv_heads] float32
-    value_scale: torch.Tensor | None,
-) -> bool:
-    """Whether the caches are FP8 with per-token scales (``kv_quant``), checking the scales fit.
-
-    Raises:
-        ValueError: FP8 caches without both scales, scales with caches of another dtype, scales
-            that are not contiguous float32 ``[num_cache_blocks, block_size, num_kv_heads]``.
-    """
-    fp8 = key_cache.dtype in FP8_DTYPES
-    if (key_scale is None) != (value_scale is None) or fp8 != (key_scale is not None):
-        raise ValueError(f"a {key_cache.dtype} cache needs {'both' if fp8 else 'no'} key_scale and value_scale")
-    if not fp8:
-        return False
-    shape = tuple(key_cache.shape[:3])
-    for name, s in (("key_scale", key_scale), ("value_scale", value_scale)):
-        if tuple(s.shape) != shape or s.dtype != torch.float32 or not s.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32 {list(shape)}, got {s.dtype} {list(s.shape)}")
-    if not key_cache.is_contiguous():
-        raise ValueError("FP8 caches must be contiguous (their scales are indexed by row)")
-    return True
+def _grid_constants(dtype: torch.dtype, explicit: bool) -> dict:
+    """``fp8_grid``'s constants of an FP8 ``dtype`` when ``explicit`` (under the interpreter), else
+    ``ROUND_SHIFT=0`` (the GPU's conversion rounds to nearest even itself)."""
+    if not explicit:
+        return dict(ROUND_SHIFT=0, MIN_NORMAL=0.0, SUBNORMAL_STEP=0.0)
+    info = torch.finfo(dtype)
+    mantissa_bits = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[dtype]
+    return dict(ROUND_SHIFT=23 - mantissa_bits, MIN_NORMAL=float(info.tiny),
+                SUBNORMAL_STEP=float(info.tiny) * 2.0 ** -mantissa_bits)

@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 
 from lazyattn_rag.kernels.block_table import block_scaled, unpack_block_table
+from lazyattn_rag.types.kv_quant import FP8_DTYPES, check_scales
 
 Rotation = Literal["query", "key", "none"]
 """Where a kernel applies each block's offset ``delta`` (LazyAttention, arXiv 2606.04302, Sec. 3):
@@ -121,9 +122,9 @@ def check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     for t, name in ((query, "query"), (key_cache, "key_cache"), (value_cache, "value_cache")):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim")
-    if not (query.dtype == key_cache.dtype == value_cache.dtype):
-        raise ValueError(f"query, key_cache and value_cache must share a dtype, got {query.dtype}, "
-                         f"{key_cache.dtype}, {value_cache.dtype}")
+    if key_cache.dtype != value_cache.dtype or (query.dtype != key_cache.dtype and key_cache.dtype not in FP8_DTYPES):
+        raise ValueError(f"query, key_cache and value_cache must share a dtype (or the caches be FP8), got "
+                         f"{query.dtype}, {key_cache.dtype}, {value_cache.dtype}")
     if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
         raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ")
     if block_tables.dtype != torch.int64 or block_tables.dim() != 2 or block_tables.stride(1) != 1:
@@ -204,6 +205,28 @@ def block_runs(block_tables: torch.Tensor, num_blocks_per_seq: torch.Tensor, blo
     return BlockRuns(starts=starts.contiguous(), num_runs=is_start.sum(dim=1).to(torch.int32))
 
 
+def fresh_keys_from(words: torch.Tensor, block_size: int, chunk_scaling: bool) -> int:
+    """The first key index of a sequence's last run of blocks (:func:`block_runs`: equal delta and
+    scaling flag, a partial block ends a run) when that run has delta 0 (and, with
+    ``chunk_scaling``, no flag), else the sequence's length + 1. A prefill's new tokens from this
+    index on see each other in full precision over an FP8 cache: the Triton prefill reads them
+    from the step (its ``in_step`` rule), the torch backend and the reference do the same.
+
+    Args:
+        words: ``[n]`` int64 packed block-table words of one sequence (CPU).
+    """
+    _, deltas, valid = unpack_block_table(words)
+    flags = block_scaled(words)
+    n, total = len(words), int(valid.sum())
+    if n == 0 or int(deltas[-1]) != 0 or (chunk_scaling and bool(flags[-1])):
+        return total + 1
+    first = n - 1
+    while first > 0 and int(deltas[first - 1]) == 0 and bool(flags[first - 1]) == bool(flags[-1]) \
+            and int(valid[first - 1]) == block_size:
+        first -= 1
+    return int(valid[:first].sum())
+
+
 @dataclass(frozen=True)
 class ChunkScaling:
     """Chunk attention scaling (APE: Yang, Chen and Chen, "APE: Faster and Longer
@@ -262,7 +285,9 @@ class Launch:
         sm_scale_log2: softmax scale times ``log2(e)`` (the kernels use ``exp2``).
         strides: ``stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
             stride_vh, stride_ot, stride_oh``, in the order both kernels take them.
-        constexprs: ``GROUP, HEAD_DIM, HALF, PAIR_STRIDE, X2_OFF, BLOCK_SIZE,
+        scales: ``(key_scale, value_scale)`` of FP8 caches (``[num_cache_blocks, block_size,
+            num_kv_heads]`` float32), else the caches themselves as unused pointers.
+        constexprs: ``GROUP, HEAD_DIM, HALF, PAIR_STRIDE, X2_OFF, BLOCK_SIZE, KV_SCALED,
             ACCURATE_TRIG, DOT_PRECISION, DOT_UPCAST``, named as in both kernels.
     """
 
@@ -272,6 +297,7 @@ class Launch:
     inv_freq: torch.Tensor
     sm_scale_log2: float
     strides: tuple[int, ...]
+    scales: tuple[torch.Tensor, torch.Tensor]
     constexprs: dict
 
 
@@ -286,16 +312,19 @@ def launch_prologue(
     interleaved: bool,
     out: torch.Tensor | None,  # [num_tokens, num_heads, head_dim]
     seq_ids: torch.Tensor | None,  # [num_work] int32
+    key_scale: torch.Tensor | None = None,  # [num_cache_blocks, block_size, num_kv_heads] float32 (FP8 caches)
+    value_scale: torch.Tensor | None = None,  # [num_cache_blocks, block_size, num_kv_heads] float32
 ) -> Launch:
-    """Checks (:func:`check_inputs`), defaults for ``out`` and ``seq_ids``, and the arguments both
-    kernels take alike.
+    """Checks (:func:`check_inputs`, :func:`~lazyattn_rag.types.kv_quant.check_scales`),
+    defaults for ``out`` and ``seq_ids``, and the arguments both kernels take alike.
 
     Raises:
-        ValueError, NotImplementedError: as :func:`check_inputs`.
+        ValueError, NotImplementedError: as :func:`check_inputs` and ``check_scales``.
     """
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     layout, interpreter = check_inputs(query, key_cache, value_cache, block_tables, inv_freq, interleaved)
+    scaled = check_scales(key_cache, key_scale, value_scale)
     if out is None:
         out = torch.empty_like(query)
     if seq_ids is None:
@@ -312,6 +341,7 @@ def launch_prologue(
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
             out.stride(0), out.stride(1),
         ),
+        scales=(key_scale, value_scale) if scaled else (key_cache, value_cache),
         constexprs=dict(
             GROUP=num_heads // num_kv_heads,
             HEAD_DIM=head_dim,
@@ -319,6 +349,7 @@ def launch_prologue(
             PAIR_STRIDE=layout.pair_stride,
             X2_OFF=layout.x2_offset,
             BLOCK_SIZE=block_size,
+            KV_SCALED=scaled,  # FP8 caches: a key's scores times its K scale, its softmax weight times its V scale
             # libdevice cos/sin on the GPU (full range reduction: offsets reach 2**24 tokens, where
             # the fast approximate instructions are wrong); the interpreter has only tl.cos/tl.sin.
             ACCURATE_TRIG=not interpreter,

@@ -55,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lazyattn_rag.types.kv_quant import FP8_DTYPES
 from lazyattn_rag.kernels.launch import (
     BlockRuns,
     ChunkScaling,
@@ -80,7 +81,7 @@ def prefill_tile(
     qa,  # [BLOCK_M, HEAD_DIM] the query for this run (rotated by -delta, or as given)
     cos, sin, partner,  # [HEAD_DIM] the run's rotation of K (ROTATE_K only): float32 x 2, int32 column
     first_blk, blk_end,  # block-table indices: this tile starts at first_blk; blocks >= blk_end are out
-    bt_row, ks_row, k_cache_ptr, v_cache_ptr,
+    bt_row, ks_row, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     row_limit, limit_max,  # [BLOCK_M] last key index each row may see; their maximum
     score_scale, score_bias,  # float32 scalars: this run's log2-domain score is dot * score_scale + score_bias
@@ -88,6 +89,7 @@ def prefill_tile(
     MASKED: tl.constexpr,  # False: every lane is a valid key every row may see (no masks at all)
     CHUNK_SCALING: tl.constexpr,  # add score_bias (False: it is 0)
     ROTATE_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    KV_SCALED: tl.constexpr,  # FP8 caches: per-key scales at k_scale_ptr / v_scale_ptr (row offset / HEAD_DIM)
 ):
     """One K/V tile of ``TILE_BLOCKS`` blocks of one run: scores, online softmax, P @ V."""
     dtype = qa.dtype
@@ -112,6 +114,17 @@ def prefill_tile(
     else:
         k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :])
         v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :])
+    k_scale = 0.0
+    v_scale = 0.0
+    if KV_SCALED:  # a contiguous cache's row offset / HEAD_DIM is the row's scale index
+        if MASKED:
+            k_scale = tl.load(k_scale_ptr + k_rows // HEAD_DIM, mask=key_ok, other=0.0)  # [BLOCK_N]
+            v_scale = tl.load(v_scale_ptr + v_rows // HEAD_DIM, mask=key_ok, other=0.0)
+        else:
+            k_scale = tl.load(k_scale_ptr + k_rows // HEAD_DIM)
+            v_scale = tl.load(v_scale_ptr + v_rows // HEAD_DIM)
+        k = k.to(dtype)
+        v = v.to(dtype)
     if ROTATE_K:  # the issue's literal form: R_delta on every K tile, in registers
         if MASKED:
             kp = tl.load(k_cache_ptr + k_rows[:, None] + partner[None, :], mask=key_ok[:, None], other=0.0)
@@ -121,8 +134,8 @@ def prefill_tile(
     keep = 0  # no mask
     if MASKED:
         keep = key_ok[None, :] & (key_idx[None, :] <= row_limit[:, None])
-    return attend(acc, m_i, l_i, qa, k, v, keep, score_scale, score_bias,
-                  MASKED, CHUNK_SCALING, DOT_PRECISION, DOT_UPCAST)
+    return attend(acc, m_i, l_i, qa, k, v, keep, score_scale, score_bias, k_scale, v_scale,
+                  MASKED, CHUNK_SCALING, DOT_PRECISION, DOT_UPCAST, KV_SCALED)
 
 
 @triton.jit
@@ -157,7 +170,8 @@ def step_tile(
         offs_d = tl.arange(0, HEAD_DIM)
         k = tl.load(k_base + offs_t.to(tl.int64)[:, None] * stride_nkt + offs_d[None, :])  # [BLOCK_N, HEAD_DIM]
         v = tl.load(v_base + offs_t.to(tl.int64)[:, None] * stride_nvt + offs_d[None, :])
-    return attend(acc, m_i, l_i, q, k, v, keep, sm_scale_log2, 0.0, MASKED, False, DOT_PRECISION, DOT_UPCAST)
+    return attend(acc, m_i, l_i, q, k, v, keep, sm_scale_log2, 0.0, 0.0, 0.0, MASKED, False, DOT_PRECISION, DOT_UPCAST,
+                  False)
 
 
 @triton.jit
@@ -183,6 +197,8 @@ def prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    k_scale_ptr,  # [num_cache_blocks, block_size, num_kv_heads] float32 (KV_SCALED; contiguous caches)
+    v_scale_ptr,  # [num_cache_blocks, block_size, num_kv_heads] float32 (KV_SCALED)
     out_ptr,  # [num_tokens, num_heads, head_dim]
     key_ptr,  # [num_tokens, num_kv_heads, head_dim] the new tokens' K as written to the cache (IN_STEP)
     value_ptr,  # [num_tokens, num_kv_heads, head_dim] their V (IN_STEP)
@@ -215,6 +231,7 @@ def prefill_kernel(
     PAIR_STRIDE: tl.constexpr,  # 1 half-split, 2 interleaved
     X2_OFF: tl.constexpr,  # column offset of a pair's second element
     BLOCK_SIZE: tl.constexpr,  # slots per cache block
+    KV_SCALED: tl.constexpr,  # FP8 caches with one scale per token and KV head (kv_quant.py)
     BLOCK_M: tl.constexpr,  # new tokens per program
     BLOCK_N: tl.constexpr,  # key lanes per tile (a power of two >= BLOCK_SIZE)
     TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
@@ -320,20 +337,20 @@ def prefill_kernel(
             for t in range(0, n_full):
                 acc, m_i, l_i = prefill_tile(
                     acc, m_i, l_i, qa, cos, sin, partner, b0 + t * TILE_BLOCKS, b_end,
-                    bt_row, ks_row, k_cache_ptr, v_cache_ptr,
+                    bt_row, ks_row, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                     kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     row_limit, limit_max, score_scale, score_bias,
                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, TILE_BLOCKS,
-                    False, CHUNK_SCALING, ROTATION == 2, DOT_PRECISION, DOT_UPCAST,
+                    False, CHUNK_SCALING, ROTATION == 2, DOT_PRECISION, DOT_UPCAST, KV_SCALED,
                 )
             for first in range(b0 + n_full * TILE_BLOCKS, b_end, TILE_BLOCKS):
                 acc, m_i, l_i = prefill_tile(
                     acc, m_i, l_i, qa, cos, sin, partner, first, b_end,
-                    bt_row, ks_row, k_cache_ptr, v_cache_ptr,
+                    bt_row, ks_row, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                     kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     row_limit, limit_max, score_scale, score_bias,
                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, TILE_BLOCKS,
-                    True, CHUNK_SCALING, ROTATION == 2, DOT_PRECISION, DOT_UPCAST,
+                    True, CHUNK_SCALING, ROTATION == 2, DOT_PRECISION, DOT_UPCAST, KV_SCALED,
                 )
 
     if IN_STEP:
@@ -428,17 +445,18 @@ def _check_step_kv(query: torch.Tensor, key_cache: torch.Tensor, key: torch.Tens
                    value: torch.Tensor | None) -> bool:
     """Whether the launch reads the new tokens' keys from ``key``/``value``; ``ValueError`` for
     tensors it would misread (one given without the other, another shape, dtype or device than
-    the cache's rows, a head_dim that is not contiguous)."""
+    the cache's rows (an FP8 cache's: the query's dtype), a head_dim that is not contiguous)."""
     if key is None and value is None:
         return False
     if key is None or value is None:
         raise ValueError("key and value must be given together")
     rows = (query.shape[0], key_cache.shape[2], key_cache.shape[3])
+    dtype = query.dtype if key_cache.dtype in FP8_DTYPES else key_cache.dtype
     for t, name in ((key, "key"), (value, "value")):
         if tuple(t.shape) != rows:
             raise ValueError(f"{name} must be [num_tokens, num_kv_heads, head_dim] = {list(rows)}, got {list(t.shape)}")
-        if t.dtype != key_cache.dtype or t.device != key_cache.device:
-            raise ValueError(f"{name} must have the cache's dtype and device ({key_cache.dtype}, {key_cache.device}), "
+        if t.dtype != dtype or t.device != key_cache.device:
+            raise ValueError(f"{name} must have the dtype {dtype} and the cache's device {key_cache.device}, "
                              f"got {t.dtype}, {t.device}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim")
@@ -505,6 +523,8 @@ def paged_prefill(
     block_n: int | None = None,  # key lanes per tile (rounded up to a power of two >= block_size)
     num_warps: int | None = None,
     num_stages: int | None = None,
+    key_scale: torch.Tensor | None = None,  # [num_cache_blocks, block_size, num_kv_heads] float32 (FP8 caches)
+    value_scale: torch.Tensor | None = None,  # [num_cache_blocks, block_size, num_kv_heads] float32
 ) -> torch.Tensor:
     """Deferred-RoPE paged attention of every new token of the listed sequences (see module doc).
 
@@ -523,7 +543,11 @@ def paged_prefill(
     result is the same. ``max_context_len`` (``seq_len - query_len`` at most, a host int; ``None``:
     unknown) only picks the default tiles (long prompts without cached keys take larger ones).
     ``step_tma``: how ``key``/``value`` are read, the same result either way (:func:`_step_descriptors`:
-    bulk tensor copies on Hopper by default, per-lane loads otherwise). ``block_m``, ``block_n``,
+    bulk tensor copies on Hopper by default, per-lane loads otherwise). FP8 caches
+    (``lazyattn_rag/types/kv_quant.py``) come with ``key_scale`` and ``value_scale``: cached keys' scores are
+    multiplied by their K scales and their softmax weights by their V scales; ``key``/``value``
+    (the new tokens' own, read from the step) stay in the query's dtype: full precision among
+    the step's tokens. ``block_m``, ``block_n``,
     ``num_warps`` and ``num_stages`` change the launch only, never the result.
 
     Returns:
@@ -549,7 +573,8 @@ def paged_prefill(
     if step_tma and not in_step:
         raise ValueError("step_tma=True needs key and value (the step's K/V to read through descriptors)")
     launch = launch_prologue(query, key_cache, value_cache, block_tables, inv_freq, scale,
-                             interleaved=interleaved, out=out, seq_ids=seq_ids)
+                             interleaved=interleaved, out=out, seq_ids=seq_ids, key_scale=key_scale,
+                             value_scale=value_scale)
     out, seq_ids = launch.out, launch.seq_ids
     code = rotation_code(rotation)
     if seq_ids.numel() == 0 or max_query_len == 0:
@@ -570,7 +595,7 @@ def paged_prefill(
     step_k, step_v = (key, value) if in_step else (query, query)
     grid = (num_heads, triton.cdiv(max_query_len, block_m), seq_ids.numel())
     prefill_kernel[grid](
-        query, key_cache, value_cache, out, step_k, step_v, *(descriptors or (step_k, step_v)),
+        query, key_cache, value_cache, *launch.scales, out, step_k, step_v, *(descriptors or (step_k, step_v)),
         block_tables, key_starts, runs.starts, runs.num_runs, num_blocks_per_seq, seq_lens, cu_seqlens_q, seq_ids,
         launch.inv_freq, launch.sm_scale_log2, scaling["chunk_inv_temperature"], scaling["chunk_log2_weight"],
         *launch.strides,

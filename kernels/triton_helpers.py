@@ -120,15 +120,21 @@ def attend(
     q, k, v,  # [M, HEAD_DIM], [N, HEAD_DIM] x 2
     keep,  # [M, N] or [1, N] bool: the pairs that attend (MASKED only)
     score_scale, score_bias,  # float32 scalars (score_scale > 0): log2-domain score = dot * score_scale + score_bias
+    k_scale, v_scale,  # [N] float32 each key's K and V scale (KV_SCALED only: FP8 caches)
     MASKED: tl.constexpr, CHUNK_SCALING: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
     """Scores of one tile, the online-softmax update (float32, exp2) and ``acc += P @ V``; both
     paged kernels' inner step.
 
     The scale is applied inside the row max and the exponent's multiply-add (``score_scale > 0``,
-    so ``max(s) * scale = max(s * scale)``): one fused multiply-add per score, no separate scaling."""
+    so ``max(s) * scale = max(s * scale)``): one fused multiply-add per score, no separate scaling.
+    With ``KV_SCALED`` (``k``, ``v`` widened from FP8) each key's raw score is multiplied by its K
+    scale and its softmax weight by its V scale before ``P @ V`` (``lazyattn_rag/types/kv_quant.py``)."""
     s = tl.zeros([q.shape[0], k.shape[0]], tl.float32)
     s = mma(q, tl.trans(k), s, DOT_PRECISION, DOT_UPCAST)  # [M, N] raw dot products
+    if KV_SCALED:
+        s = s * k_scale[None, :]
     if MASKED:
         s = tl.where(keep, s, float("-inf"))
     if CHUNK_SCALING:
@@ -140,5 +146,7 @@ def attend(
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
+    if KV_SCALED:
+        p = p * v_scale[None, :]
     acc = mma(p.to(q.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
     return acc, m_new, l_i

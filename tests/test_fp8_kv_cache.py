@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lazyattn_rag import SamplingParams
-from lazyattn_rag.kernels.kv_quant import dequantize_rows, fp8_max, quantize_rows
+from lazyattn_rag.types.kv_quant import dequantize_rows, fp8_max, quantize_rows
 from tests.observe import StepLog
 from tests.oracle import oracle_generate
 from tests.tiny import words

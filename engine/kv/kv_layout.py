@@ -7,7 +7,7 @@ tiers refuse a stored chunk of another layout, and the attention backends declar
 
 FP8 (``kv_cache_dtype="fp8_e4m3"`` or ``"fp8_e5m2"``; ``"fp8"`` is ``"fp8_e4m3"``, as in vLLM):
 each token's K (and V) row of one KV head is stored as ``head_dim`` FP8 values and one float32
-scale, ``x ~= fp8 * scale`` with ``scale = max|x| / fp8_max`` (``kernels/kv_quant.py``; scheme
+scale, ``x ~= fp8 * scale`` with ``scale = max|x| / fp8_max`` (``lazyattn_rag/types/kv_quant.py``; scheme
 ``"per_token_head"``: docs/quality.md, issue 42, measured it closest to full precision of the
 schemes tried). The pool keeps the scales in tensors beside the blocks (the kernels read aligned
 FP8 rows); a chunk out of the pool, as the storage tiers hold it, packs each row's FP8 bytes and

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from lazyattn_rag.engine.kv.kv_layout import KVLayout
-from lazyattn_rag.kernels.kv_quant import dequantize_rows, quantize_rows
+from lazyattn_rag.types.kv_quant import dequantize_rows, quantize_rows
 
 
 class Rotation(Protocol):

@@ -31,7 +31,7 @@ class CacheConfig:
         num_blocks: exact number of KV blocks (overrides ``kv_cache_bytes``).
         kv_cache_dtype: element type of the stored K/V (``engine/kv/kv_layout.py``): ``"auto"`` (the
             default): the model's dtype; ``"fp8_e4m3"`` (alias ``"fp8"``) or ``"fp8_e5m2"``: FP8
-            with one float32 scale per token and KV head (``kernels/kv_quant.py``), half the bytes
+            with one float32 scale per token and KV head (``lazyattn_rag/types/kv_quant.py``), half the bytes
             of bfloat16 per token; a prefill's own new tokens still see each other in full
             precision. It is part of every chunk's cache key, and each attention backend declares
             the ones it reads (``supported_kv_cache_dtypes``).

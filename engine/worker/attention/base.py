@@ -8,7 +8,7 @@ import torch
 
 from lazyattn_rag.engine.kv.kv_pool import copy_layer_slots
 from lazyattn_rag.engine.worker.attention.metadata import AttentionMetadata
-from lazyattn_rag.kernels.kv_quant import quantize_rows
+from lazyattn_rag.types.kv_quant import quantize_rows
 from lazyattn_rag.kernels.launch import ChunkScaling
 from lazyattn_rag.kernels.rope import RotaryEmbedding
 
@@ -23,7 +23,7 @@ def write_kv(
     value_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float32
 ) -> None:
     """Scatter new tokens' K/V into their cache slots (``slot = block_id * block_size + offset``);
-    into an FP8 cache each row quantized with its own scale (``kernels/kv_quant.py``), the scale
+    into an FP8 cache each row quantized with its own scale (``lazyattn_rag/types/kv_quant.py``), the scale
     stored at the same slot of ``key_scale``/``value_scale``."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     num_slots = num_blocks * block_size
@@ -93,7 +93,7 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], dtype of query
         """Write K/V at ``metadata.slot_mapping`` then attend; see the class docstring.
 
-        An FP8 cache (``key_scale``/``value_scale``, ``kernels/kv_quant.py``) is written quantized
+        An FP8 cache (``key_scale``/``value_scale``, ``lazyattn_rag/types/kv_quant.py``) is written quantized
         and read dequantized (each stored row times its scale, in float32, before the deferred
         rotation); a prefill's new tokens attend to each other's K/V in full precision wherever
         they lie in the sequence's last run of blocks with delta 0 and no scaling flag (the

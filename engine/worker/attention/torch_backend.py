@@ -18,9 +18,9 @@ Chunk attention scaling (APE, ``chunk_scaling``): keys of flagged blocks get the
 ``rotation`` (:data:`~lazyattn_rag.kernels.launch.Rotation`: ``"key"`` or ``"query"``; ``None``,
 the default, chooses per sequence as above) forces one form, for tests.
 
-FP8 caches (``key_scale``/``value_scale``): gathered rows are dequantized (``kernels/kv_quant.py``)
+FP8 caches (``key_scale``/``value_scale``): gathered rows are dequantized (``lazyattn_rag/types/kv_quant.py``)
 before anything else; a prefill's new tokens see each other's K/V in full precision where they
-lie in the sequence's last run of blocks of delta 0 (:func:`fresh_keys_from`, the rule the Triton
+lie in the sequence's last run of blocks of delta 0 (``launch.fresh_keys_from``, the rule the Triton
 prefill follows when it reads them from the step).
 
 Source: LazyAttention (ICML 2026, arXiv 2606.04302), Sec. 3 "deferred RoPE".
@@ -35,8 +35,8 @@ import torch
 from lazyattn_rag.engine.worker.attention.base import AttentionBackend, write_kv
 from lazyattn_rag.engine.worker.attention.metadata import AttentionMetadata
 from lazyattn_rag.kernels.block_table import block_scaled, unpack_block_table
-from lazyattn_rag.kernels.kv_quant import dequantize_rows
-from lazyattn_rag.kernels.launch import Rotation
+from lazyattn_rag.types.kv_quant import dequantize_rows
+from lazyattn_rag.kernels.launch import Rotation, fresh_keys_from
 from lazyattn_rag.kernels.rope import apply_rotation
 
 QUERY_TILE_ROWS = 1024  # query rows scored at once: a tile's scores are heads x 1024 x seq_len float32
@@ -52,24 +52,6 @@ class _SeqGather:
     flagged: torch.Tensor  # [seq_len] bool keys of blocks flagged for chunk attention scaling
     fresh_from: int  # first key of the last run of blocks when it has delta 0 (unflagged), else seq_len + 1
     tables: dict = field(default_factory=dict)  # cos/sin per rotation, made once and reused by every layer
-
-
-def fresh_keys_from(block_ids: torch.Tensor, deltas: torch.Tensor, valid: torch.Tensor, flags: torch.Tensor,
-                    block_size: int, chunk_scaling: bool) -> int:
-    """The first key index of a sequence's last run of blocks (``launch.block_runs``: equal delta
-    and scaling flag, a partial block ends a run) when that run has delta 0 (and, with
-    ``chunk_scaling``, no flag), else the sequence's length + 1. A prefill's new tokens from this
-    index on are read from the step, in full precision, by the Triton prefill (its ``in_step``
-    rule) and, to match it, by this backend. ``deltas``, ``valid``, ``flags``: ``[n]`` per block (CPU)."""
-    n = len(block_ids)
-    total = int(valid.sum())
-    if n == 0 or int(deltas[-1]) != 0 or (chunk_scaling and bool(flags[-1])):
-        return total + 1
-    first = n - 1
-    while first > 0 and int(deltas[first - 1]) == 0 and bool(flags[first - 1]) == bool(flags[-1]) \
-            and int(valid[first - 1]) == block_size:
-        first -= 1
-    return int(valid[:first].sum())
 
 
 def _gather_plan(metadata: AttentionMetadata, device: torch.device, chunk_scaling: bool = False) -> list[_SeqGather]:
@@ -95,7 +77,7 @@ def _gather_plan(metadata: AttentionMetadata, device: torch.device, chunk_scalin
             else:
                 runs.append((start, start + v, d))
             start += v
-        fresh_from = fresh_keys_from(block_ids, deltas, valid, block_scaled(words), bs, chunk_scaling)
+        fresh_from = fresh_keys_from(words, bs, chunk_scaling)
         plans.append(_SeqGather(slots.to(device), key_deltas.to(device), runs, bool((deltas != 0).any()),
                                 flagged.to(device), fresh_from))
     metadata.backend_state["torch"] = plans

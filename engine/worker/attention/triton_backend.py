@@ -105,6 +105,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
+    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
     def __init__(self, rotary, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  chunk_scaling=None):
@@ -116,7 +117,7 @@ class TritonAttentionBackend(AttentionBackend):
     def plan_graph_decode(self, metadata, seq_ids):
         plan_decode_batch(metadata, seq_ids)
 
-    def forward(self, query, key, value, key_cache, value_cache, metadata):
+    def forward(self, query, key, value, key_cache, value_cache, metadata, key_scale=None, value_scale=None):
         if query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(
                 "the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 for tests); "
@@ -126,11 +127,13 @@ class TritonAttentionBackend(AttentionBackend):
         from lazyattn_rag.kernels.kv_write import write_kv_cache
         from lazyattn_rag.kernels.prefill import paged_prefill
 
-        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)  # as stored (no copy when equal)
-        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)  # as write_kv, one launch
-        self.copy_step_slots(key_cache, value_cache, metadata)
+        scaled = key_scale is not None  # an FP8 cache: the kernels compute in the query's dtype
+        dtype = query.dtype if scaled else key_cache.dtype
+        key, value = key.to(dtype), value.to(dtype)  # as stored, or unrounded for FP8 (no copy when equal)
+        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, key_scale, value_scale)
+        self.copy_step_slots(key_cache, value_cache, metadata, (key_scale, value_scale) if scaled else None)
         plan = _plan(metadata, query.device)
-        q = query if query.dtype == key_cache.dtype else query.to(key_cache.dtype)
+        q = query.to(dtype)  # no copy when equal
         out = torch.empty_like(q)
         if plan.num_rows < q.shape[0]:
             out[plan.num_rows :].zero_()  # padding rows past the last sequence
@@ -140,7 +143,7 @@ class TritonAttentionBackend(AttentionBackend):
                 q, key_cache, value_cache, metadata.block_tables, metadata.num_blocks_per_seq,
                 metadata.cu_seqlens_q, plan.max_decode_seq_len, inv_freq, self.scale,
                 interleaved=self.rotary.interleaved, runs=plan.runs, seq_ids=plan.decode_ids, out=out,
-                chunk_scaling=self.chunk_scaling,
+                chunk_scaling=self.chunk_scaling, key_scale=key_scale, value_scale=value_scale,
             )
         if plan.prefill_ids is not None:
             paged_prefill(
@@ -151,5 +154,6 @@ class TritonAttentionBackend(AttentionBackend):
                 key=key, value=value,  # the new tokens' K/V as just stored
                 max_context_len=plan.max_prefill_context_len,
                 rotation="query" if metadata.any_delta else "none",  # no chunk moved: nothing to rotate
+                key_scale=key_scale, value_scale=value_scale,
             )
         return out if out.dtype == query.dtype else out.to(query.dtype)

@@ -50,3 +50,28 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
 def dequantize_rows(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``values.float() * scales[..., None]``: FP8 rows ``[..., head_dim]`` back in float32."""
     return values.to(torch.float32) * scales.to(torch.float32)[..., None]
+
+
+def check_scales(
+    key_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    key_scale: torch.Tensor | None,  # [num_cache_blocks, block_size, num_kv_heads] float32
+    value_scale: torch.Tensor | None,
+) -> bool:
+    """Whether the caches are FP8 with per-token scales (``kv_quant``), checking the scales fit.
+
+    Raises:
+        ValueError: FP8 caches without both scales, scales with caches of another dtype, scales
+            that are not contiguous float32 ``[num_cache_blocks, block_size, num_kv_heads]``.
+    """
+    fp8 = key_cache.dtype in FP8_DTYPES
+    if (key_scale is None) != (value_scale is None) or fp8 != (key_scale is not None):
+        raise ValueError(f"a {key_cache.dtype} cache needs {'both' if fp8 else 'no'} key_scale and value_scale")
+    if not fp8:
+        return False
+    shape = tuple(key_cache.shape[:3])
+    for name, s in (("key_scale", key_scale), ("value_scale", value_scale)):
+        if tuple(s.shape) != shape or s.dtype != torch.float32 or not s.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 {list(shape)}, got {s.dtype} {list(s.shape)}")
+    if not key_cache.is_contiguous():
+        raise ValueError("FP8 caches must be contiguous (their scales are indexed by row)")
+    return True
