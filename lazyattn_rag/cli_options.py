@@ -64,6 +64,10 @@ HOST_CACHE_BYTES = typer.Option("0", "--host-cache-bytes", metavar="SIZE",
 REDIS_URL = typer.Option(None, "--redis-url", metavar="URL",
                          help="A Redis server shared by processes and machines, e.g. redis://localhost:6379/0 "
                               "(needs the redis extra).")
+KV_CACHE_DTYPE = typer.Option("auto", "--kv-cache-dtype", metavar="DTYPE",
+                              help="The stored K/V's type: auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: "
+                                   "one byte a value plus a float32 scale per token and KV head, about twice the "
+                                   "documents in the same memory (docs/quality.md has what it costs in fidelity).")
 RECOMPUTE_HEAD = typer.Option(0, "--recompute-chunk-head-tokens", min=0, metavar="K",
                               help="Compute the first K tokens of each placed document in the request (chunk-head "
                                    "recompute): answers closer to full attention for K more tokens of prefill "
@@ -132,6 +136,7 @@ class EngineOptions:
     host_cache_bytes: str = "0"
     redis_url: Optional[str] = None
     recompute_chunk_head_tokens: int = 0
+    kv_cache_dtype: str = "auto"
 
     def config(self, **cache_fields) -> EngineConfig:
         """The :class:`EngineConfig` they describe, with ``cache_fields`` set on its ``CacheConfig``.
@@ -142,7 +147,7 @@ class EngineOptions:
         """
         tiers = tier_settings(self.cache_dir, self.disk_cache, self.no_disk_cache, self.disk_cache_bytes,
                               self.host_cache_bytes, self.redis_url)
-        remedy = {"recompute_chunk_head_tokens": self.recompute_chunk_head_tokens}
+        remedy = {"recompute_chunk_head_tokens": self.recompute_chunk_head_tokens, "kv_cache_dtype": self.kv_cache_dtype}
         return engine_config(self.model, self.device, self.backend, self.anchor, self.cache_dir,
                              tiers | remedy | cache_fields)
 
@@ -152,7 +157,8 @@ def _engine_option_params(cache_dir_help: str, host_tier: bool) -> list[inspect.
                "anchor": (str, ANCHOR), "cache_dir": (Optional[Path], typer.Option(None, help=cache_dir_help)),
                "disk_cache": (Optional[Path], DISK_CACHE), "no_disk_cache": (bool, NO_DISK_CACHE),
                "disk_cache_bytes": (str, DISK_CACHE_BYTES), "host_cache_bytes": (str, HOST_CACHE_BYTES),
-               "redis_url": (Optional[str], REDIS_URL), "recompute_chunk_head_tokens": (int, RECOMPUTE_HEAD)}
+               "redis_url": (Optional[str], REDIS_URL), "recompute_chunk_head_tokens": (int, RECOMPUTE_HEAD),
+               "kv_cache_dtype": (str, KV_CACHE_DTYPE)}
     if not host_tier:
         del options["host_cache_bytes"]
     return [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind)

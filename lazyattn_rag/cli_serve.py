@@ -64,8 +64,6 @@ def serve(
                                                 help="Context length (default: the model's)."),
     dtype: str = typer.Option("auto", help="auto (bfloat16 on CUDA, float32 on a CPU), float32, bfloat16 or "
                                            "float16."),
-    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="The stored K/V's type: auto (the "
-                                                                       "model's dtype)."),
     gpu_memory_utilization: Optional[float] = typer.Option(
         None, "--gpu-memory-utilization", help="The share of free GPU memory the KV cache takes, in (0, 1) (after "
                                                "the weights are loaded; vLLM's counts them in)."),
@@ -144,7 +142,7 @@ def serve(
         engine = dataclasses.replace(engine, model=model_path or engine.model)
         args = ServeArgs(
             model=engine.model, device=engine.device, served_model_name=served_model_name, dtype=dtype,
-            max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len, kv_cache_dtype=engine.kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, learn_passages=learn_passages,
             enable_prefix_caching=enable_prefix_caching, replicas=replicas, gpus_per_replica=gpus_per_replica,
             recompute_chunk_head_tokens=engine.recompute_chunk_head_tokens,

@@ -64,3 +64,74 @@ def test_the_engine_with_fp8_matches_transformers_with_the_cached_kv_rounded_ali
         assert (got - expected).abs().max().item() <= 1e-5  # 1e-7 measured
         assert (got - first_logits(llm, hf, question, order, None)).abs().max().item() > 1e-3  # rounding is there
     llm.engine.cache.check_integrity()
+
+
+def _pool_bytes(llm, doc_id):
+    """The packed FP8 rows (values and scales) the KV pool holds for ``doc_id``."""
+    def read(engine):
+        entry = engine.cache.lookup(engine.documents[doc_id].key, touch=False)
+        return engine.runner.kv_pool.read(entry.block_ids, entry.num_tokens)
+    return llm.client.call(read)
+
+
+def _ask(llm, doc_id):
+    log = StepLog(llm, logits=True)
+    out = llm.generate("w5 w6", [doc_id], sampling=SamplingParams(max_tokens=2))
+    llm.client.call(lambda engine: engine.tiers.flush())
+    log.remove()
+    return out, log.logits[0][-1]
+
+
+@pytest.mark.parametrize("tier", ["host", "disk", "redis"])
+def test_fp8_chunks_and_their_scales_survive_every_tier(make_llm, tmp_path, request, tier):
+    config = {"host": {"host_memory_bytes": 1 << 26}, "disk": {"disk_dir": str(tmp_path / "tier")}}.get(tier)
+    if tier == "redis":
+        config = {"redis_url": request.getfixturevalue("redis_server").url}
+    _, llm = make_llm(kv_cache_dtype="fp8_e4m3", **config)
+    llm.add_document("d0", words(100, start=10))
+    _ask(llm, "d0")
+    out, logits = _ask(llm, "d0")  # a hit on the fresh encode
+    keys, values = _pool_bytes(llm, "d0")
+    assert keys.dtype == torch.uint8 and keys.shape[-1] == 16 + 4  # head_dim FP8 bytes, then the scale's 4
+    layout = llm.engine.runner.kv_pool.layout
+    assert layout.unpack_rows(keys)[1].gt(0).all()  # every row has its scale
+    llm.client.call(lambda engine: (engine.cache.evict(engine.documents["d0"].key), engine.tiers.flush()))
+    again, again_logits = _ask(llm, "d0")
+    assert again.stats.doc_tiers == {"d0": tier}
+    loaded_keys, loaded_values = _pool_bytes(llm, "d0")
+    assert torch.equal(loaded_keys, keys) and torch.equal(loaded_values, values)
+    assert torch.equal(again_logits, logits) and again.text == out.text
+    assert llm.stats()["tiers"][tier]["num_corrupt"] == 0
+    stored = llm.client.call(lambda engine: next(t for t in engine.tiers.tiers if t.name == tier).num_bytes)
+    assert 0 < stored <= 2 * layout.bytes_per_token * 100 + (1 << 16)  # FP8 rows + scales (+ header)
+
+
+def test_kv_dtypes_never_share_a_chunk_and_a_mislabelled_one_is_refused_by_name(make_llm, tmp_path, caplog):
+    disk = {"disk_dir": str(tmp_path / "tier")}
+    _, auto = make_llm(**disk)
+    auto.add_document("d0", words(100, start=10))
+    assert _ask(auto, "d0")[0].stats.doc_tiers == {"d0": "computed"}
+    auto_key, auto_kv = auto.engine.documents["d0"].key, _pool_bytes(auto, "d0")
+    auto.shutdown()
+    _, fp8 = make_llm(kv_cache_dtype="fp8", **disk)
+    fp8.add_document("d0", words(100, start=10))
+    assert fp8.engine.documents["d0"].key != auto_key  # the chunk key names the KV format
+    assert _ask(fp8, "d0")[0].stats.doc_tiers == {"d0": "computed"}  # the float32 chunk on disk is not its
+
+    def plant(engine):  # a float32 chunk stored under the FP8 chunk's key
+        from lazyattn_rag.engine.tiers.chunk_format import ChunkKV, encode_chunk
+
+        key = engine.documents["d0"].key
+        entry = engine.cache.lookup(key, touch=False)
+        engine.cache.evict(key)
+        engine.tiers.flush()
+        disk_tier = next(t for t in engine.tiers.tiers if t.name == "disk")
+        assert disk_tier.put(key, encode_chunk(ChunkKV(key, engine.model_digest, entry.token_ids, entry.local_start,
+                                                       *auto_kv)))
+
+    fp8.client.call(plant)
+    with caplog.at_level("WARNING"):
+        out, _ = _ask(fp8, "d0")
+    assert out.stats.doc_tiers == {"d0": "computed"}
+    assert fp8.stats()["tiers"]["disk"]["num_corrupt"] == 1
+    assert "does not fit this pool (kv_cache_dtype 'fp8'" in caplog.text and "float8_e4m3fn/per_token_head" in caplog.text

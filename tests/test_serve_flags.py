@@ -29,14 +29,14 @@ def test_vllm_flag_names_set_the_engine_and_the_server(started, tmp_path):
     model.mkdir()
     (model / "config.json").write_text("{}")
     result = invoke(str(model), "--served-model-name", "rag", "--max-model-len", "4096", "--dtype", "bfloat16",
-                    "--kv-cache-dtype", "auto", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "12",
+                    "--kv-cache-dtype", "fp8", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "12",
                     "--max-num-batched-tokens", "2048", "--log-level", "info", "--allowed-origins", '["https://a.b"]',
                     "--allowed-origins", "http://c.d", "--allowed-methods", "POST", "--recompute-chunk-head-tokens", "4",
                     "--switch-interval-ms", "0.25")
     assert result.exit_code == 0, result.output
     (engine, config), = started
     assert engine.model == str(model) and engine.max_model_len == 4096 and engine.dtype == "bfloat16"
-    assert engine.cache.kv_cache_fraction == 0.5 and engine.cache.kv_cache_dtype == "auto"
+    assert engine.cache.kv_cache_fraction == 0.5 and engine.cache.kv_cache_dtype == "fp8"
     assert engine.cache.recompute_chunk_head_tokens == 4
     assert engine.scheduler.max_num_seqs == 12 and engine.scheduler.max_num_batched_tokens == 2048
     assert config.served_model_name == "rag" and config.log_level == "INFO"
@@ -68,8 +68,9 @@ def test_a_bad_config_file_is_named(started, tmp_path, content, message):
 
 
 def test_bad_values_are_named_before_anything_starts(started, tmp_path):
-    result = invoke("--kv-cache-dtype", "fp8")
-    assert result.exit_code == 2 and "kv_cache_dtype must be one of ('auto',)" in result.output
+    result = invoke("--kv-cache-dtype", "int8")
+    assert result.exit_code == 2 and "kv_cache_dtype must be one of ('auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2')" \
+        in result.output
     result = invoke("--gpu-memory-utilization", "1.5")
     assert result.exit_code == 2 and "--gpu-memory-utilization: Input should be less than 1" in result.output
     result = invoke("--switch-interval-ms", "0")

@@ -142,7 +142,8 @@ def test_unsupported_head_layout_fails_at_construction():
         TritonAttentionBackend(make_rotary(96), 4, 2, 96, 0.1)
 
 
-def _engine_outputs(backend: str, run, max_num_batched_tokens: int = 2048) -> tuple[list[int], torch.Tensor]:
+def _engine_outputs(backend: str, run, max_num_batched_tokens: int = 2048,
+                    kv_cache_dtype: str = "auto") -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and first-token logits of ``run(llm)`` on a tiny random Llama with documents
     of 1, 15, 16, 17 and 37 tokens registered (``d<n>``)."""
     from tests.observe import StepLog
@@ -150,7 +151,7 @@ def _engine_outputs(backend: str, run, max_num_batched_tokens: int = 2048) -> tu
 
     _, model = hf_and_ours(hf_config("llama", head_dim=32), seed=3)  # rotary_dim/2 = 16: tl.dot minimum
     llm = tiny_llm(model, device=DEVICE, attention_backend=backend, anchor="head", num_blocks=128,
-                   max_num_batched_tokens=max_num_batched_tokens)
+                   max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype)
     try:
         assert llm.engine.runner.backend.name == backend
         for i, n in enumerate([1, 15, 16, 17, 37]):
@@ -162,17 +163,20 @@ def _engine_outputs(backend: str, run, max_num_batched_tokens: int = 2048) -> tu
         llm.shutdown()
 
 
-def test_engine_greedy_tokens_match_torch_backend():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_engine_greedy_tokens_match_torch_backend(kv_cache_dtype):
     """The whole engine on a tiny random Llama: chunks at offsets (1, 15, 16, 17, 37 tokens, one
     twice), prefill then decode; the triton backend (the interpreter on the CPU) generates the same
-    greedy tokens as the torch backend, with first-token logits within float32 rounding."""
+    greedy tokens as the torch backend, with first-token logits within float32 rounding; over an
+    FP8 cache too (both write the same FP8 rows and scales)."""
     from lazyattn_rag import SamplingParams
 
     def run(llm):
         return llm.generate("w5 w6 w7", ["d37", "d1", "d17", "d16", "d15", "d17"],
                             sampling=SamplingParams(max_tokens=6, ignore_eos=True))
 
-    (torch_ids, torch_logits), (triton_ids, triton_logits) = (_engine_outputs(b, run) for b in ("torch", "triton"))
+    (torch_ids, torch_logits), (triton_ids, triton_logits) = (_engine_outputs(b, run, kv_cache_dtype=kv_cache_dtype)
+                                                              for b in ("torch", "triton"))
     assert triton_ids == torch_ids
     assert (triton_logits - torch_logits).abs().max().item() <= 1e-3
 

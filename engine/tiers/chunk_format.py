@@ -144,7 +144,8 @@ def decode_chunk(data: bytes, key: str, model_digest: str) -> ChunkKV:
     return ChunkKV(key, model_digest, tuple(token_ids.tolist()), int(metadata["local_start"]), keys, values)
 
 
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64}
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
+           "U8": torch.uint8}  # U8: packed FP8 rows (KVLayout.pack_rows)
 
 
 def _tensor_views(data: bytes, key: str) -> dict[str, torch.Tensor]:
