@@ -57,7 +57,7 @@ from tqdm import tqdm
 
 from benchmarks.qa_data import DATASET_FILES, QAExample, default_data_dir, load_qa, passage_text
 from benchmarks.qa_metrics import scored_answer_complete
-from benchmarks.quality_modes import ENGINE_MODES, engine_run_order, engine_setting
+from benchmarks.quality_modes import ENGINE_MODES, engine_run_order, engine_setting, fp8_base_mode
 from benchmarks.quality_results import first_token_fidelity, markdown_table, pool, rescore, resume_from
 from benchmarks.quality_http import HTTP_MODES, QualityServer, run_http_mode, server_engine_config
 
@@ -89,16 +89,16 @@ def shuffled(items: list, seed: int, question_id: str) -> list:
 
 
 # --- engine modes -----------------------------------------------------------------------------
-def make_engine(args, anchor: str, recompute_tokens: int = 0, selective_ratio: float = 0.0,
-                temperature: float = 1.0, weight: float = 1.0, scope: str = "chunk", first_head: bool = True):
+def make_engine(args, *setting):
+    """The engine of an :class:`~benchmarks.quality_modes.EngineSetting` (its fields in order)."""
     from lazyattn_rag.llm import LazyAttention
 
-    return LazyAttention(engine_config(args, anchor, recompute_tokens, selective_ratio, temperature, weight, scope,
-                                       first_head))
+    return LazyAttention(engine_config(args, *setting))
 
 
 def engine_config(args, anchor: str, recompute_tokens: int = 0, selective_ratio: float = 0.0,
-                  temperature: float = 1.0, weight: float = 1.0, scope: str = "chunk", first_head: bool = True):
+                  temperature: float = 1.0, weight: float = 1.0, scope: str = "chunk", first_head: bool = True,
+                  kv_cache_dtype: str = "auto"):
     """The :class:`EngineConfig` of an engine mode (and of the HTTP modes' server, anchor ``bos``)."""
     from lazyattn_rag import CacheConfig, EngineConfig, SchedulerConfig
 
@@ -109,7 +109,8 @@ def engine_config(args, anchor: str, recompute_tokens: int = 0, selective_ratio:
                           recompute_chunk_head_tokens=recompute_tokens, recompute_selective_ratio=selective_ratio,
                           chunk_attention_scaling=(temperature, weight) != (1.0, 1.0),
                           chunk_attention_temperature=temperature, chunk_attention_weight=weight,
-                          chunk_attention_scope=scope, recompute_first_chunk_head=first_head),
+                          chunk_attention_scope=scope, recompute_first_chunk_head=first_head,
+                          kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.concurrency),
         prompt=prompt_config())
 
@@ -302,7 +303,9 @@ def main(argv=None) -> dict:
             results["generations"][dataset][qid]["modes"][mode] = text
         if logprobs is not None:
             first_logprobs[dataset][mode] = logprobs
-            first_token_fidelity(results, dataset, mode, logprobs, first_logprobs[dataset].get("full"))
+            base = fp8_base_mode(mode)
+            first_token_fidelity(results, dataset, mode, logprobs, first_logprobs[dataset].get("full"),
+                                 first_logprobs[dataset].get(base) if base else None)
         results["datasets"][dataset]["seconds"][mode] = round(seconds, 2)
         rescore(results, dataset, examples[dataset], args.seed)
         results["all_datasets"] = pool(results, args.seed)

@@ -22,6 +22,10 @@ _CHUNK_SCALING = re.compile(r"^(reuse|reuse-head|reuse-bos)-ape(\d+)(?:w(\d+))?$
 # Sink weighting (chunk attention scaling over each document's first block only,
 # CacheConfig.chunk_attention_scope="head"): "reuse-bos-sink50": weight 0.5, temperature 1.
 _SINK_SCALING = re.compile(r"^(reuse|reuse-head|reuse-bos)-sink(\d+)$")
+# An FP8 KV cache (CacheConfig.kv_cache_dtype, issue 42): "reuse-bos-fp8" (e4m3), "reuse-bos-fp8e5m2":
+# that mode over FP8 K/V; its first-token KL is also taken against that mode's own (fp8_base_mode).
+_FP8 = re.compile(r"^(.+)-(fp8|fp8e5m2)$")
+_FP8_DTYPES = {"fp8": "fp8_e4m3", "fp8e5m2": "fp8_e5m2"}
 
 
 class EngineSetting(NamedTuple):
@@ -37,10 +41,19 @@ class EngineSetting(NamedTuple):
     weight: float = 1.0
     scope: str = "chunk"
     first_head: bool = True
+    kv_cache_dtype: str = "auto"
+
+
+def fp8_base_mode(mode: str) -> str | None:
+    """The mode an FP8 mode runs over FP8 K/V (``"reuse-bos"`` of ``"reuse-bos-fp8"``), or ``None``."""
+    m = _FP8.match(mode)
+    return m.group(1) if m and m.group(1) != "full" and engine_setting(m.group(1)) else None
 
 
 def engine_setting(mode: str) -> EngineSetting | None:
     """The :class:`EngineSetting` of an engine mode, or ``None``."""
+    if (m := _FP8.match(mode)) and (base := fp8_base_mode(mode)):
+        return engine_setting(base)._replace(kv_cache_dtype=_FP8_DTYPES[m.group(2)])
     if mode in ENGINE_MODES:
         return EngineSetting(ENGINE_MODES[mode])
     if m := _HEAD_RECOMPUTE.match(mode):
@@ -59,6 +72,7 @@ def engine_run_order(modes: list[str]) -> list[str]:
 
 
 def mode_order(mode: str) -> tuple[int, int]:
+    mode = fp8_base_mode(mode) or mode
     base = mode if not mode.startswith("recompute-k") else "recompute"
     k = int(mode.removeprefix("recompute-k")) if mode.startswith("recompute-k") else 0
     if m := _HEAD_RECOMPUTE.match(mode):

@@ -43,13 +43,22 @@ def score_mode(examples: list[QAExample], generations: dict[str, str], full: dic
     if ft:  # over the questions that have them ("n"; all of them when full ran in the same invocation)
         result["first_token_kl"] = summarize_raw([f["kl_vs_full"] for f in ft], seed=seed)
         result["first_token_top1_agreement"] = summarize([float(f["top1"] == f["full_top1"]) for f in ft], seed=seed)
+    fb = [f for f in (first_token.get(ex.id) for ex in examples) if f is not None and "kl_vs_base" in f] \
+        if first_token else []
+    if fb:  # an FP8 mode against its own mode over full-precision K/V
+        result["first_token_kl_vs_base"] = summarize_raw([f["kl_vs_base"] for f in fb], seed=seed)
+        result["first_token_top1_agreement_vs_base"] = summarize([float(f["top1"] == f["base_top1"]) for f in fb],
+                                                                 seed=seed)
     return result
 
 
 def first_token_fidelity(results: dict, dataset: str, mode: str, logprobs: dict[str, np.ndarray],
-                         full_logprobs: dict[str, np.ndarray] | None) -> None:
+                         full_logprobs: dict[str, np.ndarray] | None,
+                         base_logprobs: dict[str, np.ndarray] | None = None) -> None:
     """Store, per question, ``mode``'s first-token top-1 id and, with ``full``'s distributions of
-    this run, its KL(full || mode) and full's top-1 id (``generations[..]["first_token"][mode]``)."""
+    this run, its KL(full || mode) and full's top-1 id (``generations[..]["first_token"][mode]``);
+    with ``base_logprobs`` (an FP8 mode's own mode over full-precision K/V, this run), also
+    KL(base || mode) as ``kl_vs_base``."""
     for qid, lp in logprobs.items():
         if lp is None:
             continue
@@ -57,6 +66,9 @@ def first_token_fidelity(results: dict, dataset: str, mode: str, logprobs: dict[
         ref = full_logprobs.get(qid) if full_logprobs else None
         if ref is not None:
             entry |= {"kl_vs_full": kl_divergence(ref, lp), "full_top1": int(np.argmax(ref))}
+        base = base_logprobs.get(qid) if base_logprobs else None
+        if base is not None:
+            entry |= {"kl_vs_base": kl_divergence(base, lp), "base_top1": int(np.argmax(base))}
         results["generations"][dataset][qid].setdefault("first_token", {})[mode] = entry
 
 

@@ -19,6 +19,8 @@ from lazyattn_rag.llm import LazyAttention
 
 MODES = ("lazy", "block_attention", "prefix", "full")
 TIERED_MODES = ("lazy+host",)  # lazy with a host-memory tier below the KV budget (issue 17)
+# "lazy+fp8" (or lazy+fp8_e5m2): lazy over an FP8 KV cache (CacheConfig.kv_cache_dtype, issue 42), the
+# same KV budget in bytes holding about twice the tokens.
 # "lazy+head<k>": lazy with the first k tokens of every document recomputed per request
 # (CacheConfig.recompute_chunk_head_tokens, issue 20), e.g. lazy+head16.
 # "lazy+sel<r>": lazy with r % of every document's tokens recomputed per request (selective
@@ -136,6 +138,8 @@ def mode_cache_settings(mode: str) -> tuple[str, dict]:
         return mode, {}
     if mode in TIERED_MODES:
         return "lazy", {"host": True}
+    if m := re.fullmatch(r"lazy\+(fp8(?:_e4m3|_e5m2)?)", mode):  # lazy over an FP8 KV cache (issue 42)
+        return "lazy", {"kv_cache_dtype": m.group(1)}
     if (m := re.fullmatch(r"lazy\+head(\d+)(rest)?", mode)) and int(m.group(1)) >= 1:
         return "lazy", {"recompute_chunk_head_tokens": int(m.group(1)), "recompute_first_chunk_head": not m.group(2)}
     if (m := re.fullmatch(r"lazy\+sel(\d+)", mode)) and 1 <= int(m.group(1)) <= 100:
@@ -147,7 +151,7 @@ def mode_cache_settings(mode: str) -> tuple[str, dict]:
         return "lazy", {"chunk_attention_scaling": True, "chunk_attention_weight": setting[1],
                         "chunk_attention_scope": "head"}
     raise ValueError(f"unknown serving mode {mode!r}: one of {', '.join(MODES + TIERED_MODES)}, lazy+head<k>, "
-                     "lazy+sel<r %>, lazy+ape<T %>[w<W %>], lazy+sink<W %>, lazy+head<k>rest")
+                     "lazy+sel<r %>, lazy+ape<T %>[w<W %>], lazy+sink<W %>, lazy+head<k>rest, lazy+fp8[_e4m3|_e5m2]")
 
 
 def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_batched: int, max_seqs: int,

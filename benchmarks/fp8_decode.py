@@ -1,0 +1,111 @@
+"""FP8 KV cache, decode attention (issue 42): our decode kernel reading FP8 rows and their per-token
+scales, against the same kernel on bfloat16 and against cuDNN's bfloat16 SDPA on dense K/V, on one GPU.
+
+Shapes (Llama-3.1-8B heads, 32 q / 8 kv, d 128; the layout of ``benchmarks/kernels.py``: a head
+plus 4 chunks at distinct offsets per sequence, block size 16, blocks scattered over the pool):
+batch 32 x 8k and batch 1 x 20k. For each shape the variants run in interleaved rounds (bf16,
+FP8, cuDNN, then again), each a median of CUDA-graph replays with a cold L2 (``bench_ms``); a
+variant's figure is the median over rounds. Reported per variant: ms, decode tokens/s (batch /
+time: one token per sequence per step) and GB/s (the bytes that variant reads: bfloat16 K/V, or
+FP8 K/V plus one float32 scale per token and KV head for K and for V). FP8 tile shapes are swept
+(``block_n``, stages) next to the default launch. Sanity: the FP8 kernel against the bfloat16
+kernel on the dequantized data (relative error) and against the bfloat16 data (the rounding).
+
+    python benchmarks/fp8_decode.py --out benchmarks/results/fp8_decode_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import triton
+
+from benchmarks.kernels_setup import MODELS, bench_ms, build_paged, decode_segments, inv_freq_for, rel_err, sdpa_runner
+from lazyattn_rag.kernels.decode import paged_decode
+from lazyattn_rag.kernels.launch import block_runs
+from lazyattn_rag.types.kv_quant import dequantize_rows, quantize_rows
+
+SHAPES = [(32, 8192), (1, 20480)]
+FP8_LAUNCHES = {"block_n=128": dict(block_n=128), "block_n=128,stages=4": dict(block_n=128, num_stages=4),
+                "block_n=256,stages=2": dict(block_n=256, num_stages=2)}
+
+
+def bench_shape(cfg: dict, batch: int, context: int, rounds: int, device) -> dict:
+    heads, kv_heads, head_dim = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+    P = build_paged(decode_segments(batch, context), kv_heads, head_dim, device, seed=1)
+    q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device=device)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    inv_freq, scale, max_len = inv_freq_for(head_dim, cfg["theta"], device), head_dim**-0.5, max(P["seq_lens_list"])
+    runs = block_runs(P["block_tables"], P["num_blocks"], 16)
+    (k8, ks), (v8, vs) = quantize_rows(P["k_cache"], torch.float8_e4m3fn), quantize_rows(P["v_cache"], torch.float8_e4m3fn)
+    k8, v8, ks, vs = k8.contiguous(), v8.contiguous(), ks.contiguous(), vs.contiguous()
+    num_keys = sum(P["seq_lens_list"])
+    bytes_read = {"bf16": num_keys * kv_heads * head_dim * 2 * 2, "fp8": num_keys * kv_heads * (head_dim + 4) * 2}
+    out = torch.empty_like(q)
+
+    def ours(fp8: bool, **launch):
+        caches = (k8, v8) if fp8 else (P["k_cache"], P["v_cache"])
+        scales = dict(key_scale=ks, value_scale=vs) if fp8 else {}
+        return lambda: paged_decode(q, *caches, P["block_tables"], P["num_blocks"], cu, max_len, inv_freq, scale,
+                                    runs=runs, out=out, **scales, **launch)
+
+    res = {"shape": f"batch {batch} x {context}, {heads}/{kv_heads} heads, d{head_dim}, block 16, 4 chunks/seq",
+           "num_keys": num_keys, "bytes_read": bytes_read}
+    ours(False)()
+    bf16_out = out.clone()
+    ours(True)()
+    res["fp8_vs_bf16_data_rel_err"] = rel_err(out, bf16_out)
+    dq_k = dequantize_rows(k8, ks).to(torch.bfloat16)
+    dq_v = dequantize_rows(v8, vs).to(torch.bfloat16)
+    paged_decode(q, dq_k, dq_v, P["block_tables"], P["num_blocks"], cu, max_len, inv_freq, scale, runs=runs, out=bf16_out)
+    res["fp8_vs_bf16_kernel_on_dequantized_rel_err"] = rel_err(out, bf16_out)
+    del dq_k, dq_v
+
+    qd = q[:, :, None, :]
+    cudnn, how = sdpa_runner("cudnn", qd, P["k_dense"], P["v_dense"])
+    variants = {"bf16": ours(False), "fp8": ours(True), "cudnn_bf16": cudnn}
+    variants |= {f"fp8 {name}": ours(True, **launch) for name, launch in FP8_LAUNCHES.items()}
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            times[name].append(bench_ms(fn))
+    for name, ms_list in times.items():
+        ms = statistics.median(ms_list)
+        read = bytes_read["fp8" if name.startswith("fp8") else "bf16"]
+        res[name] = {"ms": ms, "ms_rounds": ms_list, "tokens_per_s": batch / ms * 1e3, "GBps": read / ms / 1e6}
+    res["cudnn_how"] = how
+    best_fp8 = min((n for n in times if n.startswith("fp8")), key=lambda n: res[n]["ms"])
+    res["fp8_best"] = best_fp8
+    res["fp8_speedup_vs_bf16"] = res["bf16"]["ms"] / res["fp8"]["ms"]
+    res["fp8_best_speedup_vs_bf16"] = res["bf16"]["ms"] / res[best_fp8]["ms"]
+    res["fp8_speedup_vs_cudnn_bf16"] = res["cudnn_bf16"]["ms"] / res["fp8"]["ms"]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/fp8_decode_h200.json")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    results = {"command": "python benchmarks/fp8_decode.py --out " + args.out, "date": time.strftime("%Y-%m-%d %H:%M"),
+               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(), "rounds": args.rounds}
+    for batch, context in SHAPES:
+        key = f"llama3.1-8b batch {batch} x {context}"
+        results[key] = bench_shape(MODELS["llama3.1-8b"], batch, context, args.rounds, device)
+        r = results[key]
+        print(f"{key}: bf16 {r['bf16']['ms']:.4f} ms ({r['bf16']['GBps']:.0f} GB/s), fp8 {r['fp8']['ms']:.4f} ms "
+              f"({r['fp8']['GBps']:.0f} GB/s, x{r['fp8_speedup_vs_bf16']:.2f}), best {r['fp8_best']} "
+              f"x{r['fp8_best_speedup_vs_bf16']:.2f}, cudnn {r['cudnn_bf16']['ms']:.4f} ms", flush=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
