@@ -9,8 +9,7 @@ same tests run compiled.
 import pytest
 import torch
 from kernel_tolerances import assert_close
-from paged_case import SeqSpec, make_case, make_rotary
-from test_triton_backend import KINDS, make_batch
+from paged_case import KINDS, SeqSpec, make_batch, make_case, make_rotary
 
 from lazyattn_rag.engine.worker.attention import build_attention_metadata
 from lazyattn_rag.engine.worker.attention.base import write_kv

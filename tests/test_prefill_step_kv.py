@@ -151,7 +151,7 @@ def test_step_kv_bad_inputs_raise_clear_errors():
         prefill(case, key, None)
     with pytest.raises(ValueError, match=r"key must be \[num_tokens, num_kv_heads, head_dim\] = \[19, 2, 64\]"):
         prefill(case, key[1:], value)
-    with pytest.raises(ValueError, match="value must have the cache's dtype"):
+    with pytest.raises(ValueError, match="value must have the dtype torch.float32 and the cache's device"):
         prefill(case, key, value.half())
     with pytest.raises(ValueError, match="contiguous in head_dim"):
         prefill(case, key, torch.zeros(19, 64, 2, device=DEVICE).transpose(1, 2))

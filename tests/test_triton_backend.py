@@ -8,57 +8,13 @@ backends write K/V into their own copy of the cache; the caches and the outputs 
 import pytest
 import torch
 from kernel_tolerances import assert_close
-from paged_case import make_rotary, sequence_input
+from paged_case import KINDS, make_batch, make_rotary
 
 from lazyattn_rag.engine.worker.attention import build_attention_metadata, get_backend_class
 from lazyattn_rag.engine.worker.attention.torch_backend import TorchAttentionBackend
 from lazyattn_rag.engine.worker.attention.triton_backend import TritonAttentionBackend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def make_batch(kinds, block_size, num_kv_heads, head_dim, dtype, seed):
-    """kinds: per sequence ``(chunks, own_before, query_len)``: cached chunks ``[(len, delta)]``, then
-    ``own_before`` request tokens already cached, then ``query_len`` new tokens (written this step)."""
-    g = torch.Generator().manual_seed(seed)
-    next_block = iter(torch.randperm(400, generator=g).tolist())
-    seqs, fills = [], []
-    for chunks, own_before, query_len in kinds:
-        table, slots = [], []
-        for length, delta in chunks:
-            for start in range(0, length, block_size):
-                b, v = next(next_block), min(block_size, length - start)
-                table.append((b, delta, v))
-                fills.append((b, v))
-        own = own_before + query_len
-        for start in range(0, own, block_size):
-            b, v = next(next_block), min(block_size, own - start)
-            table.append((b, 0, v))
-            offsets = range(v)
-            if own_before:
-                fills.append((b, min(v, max(0, own_before - start))))
-            slots += [b * block_size + o for o in offsets if start + o >= own_before]
-        seq_len = sum(e[2] for e in table)
-        seqs.append(sequence_input([0] * query_len, list(range(seq_len - query_len, seq_len)), table, slots))
-    cache = torch.full((400, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
-    k_cache, v_cache = cache.clone(), cache.clone()
-    for b, v in fills:
-        k_cache[b, :v] = torch.randn(v, num_kv_heads, head_dim, generator=g).to(dtype)
-        v_cache[b, :v] = torch.randn(v, num_kv_heads, head_dim, generator=g).to(dtype)
-    return seqs, k_cache.to(DEVICE), v_cache.to(DEVICE), g
-
-
-KINDS = {
-    "decode": [([(37, 5), (16, 2**24 - 2)], 20, 1), ([], 3, 1), ([(17, -9)], 0, 1)],
-    "prefill": [([(15, 3), (1, 70)], 0, 18), ([], 0, 5)],
-    "mixed": [([(37, 5), (16, 2**24 - 2)], 20, 1), ([(15, 3), (17, 70)], 4, 18), ([], 0, 1), ([], 16, 7)],
-    # no block moved (chunks where they were encoded, prompts computed whole): the prefill kernel
-    # runs with its rotation compiled out (metadata.any_delta False)
-    "prefill_no_delta": [([(15, 0), (17, 0)], 0, 18), ([], 0, 5), ([], 16, 7)],
-    # deltas that a wrong any_delta could miss: only negative ones, and two that cancel in a sum
-    "prefill_negative_delta": [([(15, -3), (17, -70)], 0, 18), ([], 0, 5)],
-    "prefill_cancelling_deltas": [([(15, 3), (17, -3)], 0, 18)],
-}
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
