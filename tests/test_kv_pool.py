@@ -16,6 +16,7 @@ from lazyattn_rag.engine.kv.kv_layout import KVLayout
 from lazyattn_rag.engine.kv.kv_pool import KVPool
 from lazyattn_rag.engine.planning.fingerprint import ModelFingerprint
 from lazyattn_rag.kernels.rope import RotaryEmbedding
+from lazyattn_rag.types.kv_quant import dequantize_rows, quantize_rows
 
 LAYOUT = KVLayout(torch.float32, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +118,50 @@ def test_copy_slots_turns_each_slot_by_its_own_delta():
     expected = torch.stack([rotated_by_hand(keys[1, 0], 5), rotated_by_hand(keys[1, 1], -3), keys[1, 3]])
     torch.testing.assert_close(got_k, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(got_v, values[1, [0, 1, 3]])
+
+
+FP8_LAYOUT = KVLayout.for_model(SimpleNamespace(num_layers=3, num_kv_heads=2, head_dim=8), 4, torch.float32, "fp8")
+
+
+def fp8_chunk(num_tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed FP8 rows of random K and V (as ``KVPool.gather`` returns a chunk)."""
+    keys, values = chunk(num_tokens, seed)
+    return tuple(FP8_LAYOUT.pack_rows(*quantize_rows(x, torch.float8_e4m3fn)) for x in (keys, values))
+
+
+def test_fp8_rows_and_their_scales_go_in_and_out_packed_bit_for_bit():
+    pool = KVPool(FP8_LAYOUT, num_blocks=6, device=torch.device("cpu"))
+    assert [tuple(t.shape) for t in pool.layers[0]] == [(7, 4, 2, 8), (7, 4, 2, 8), (7, 4, 2), (7, 4, 2)]
+    assert pool.layers[0][0].dtype == torch.float8_e4m3fn and pool.layers[0][2].dtype == torch.float32
+    keys, values = fp8_chunk(6, seed=3)
+    assert keys.shape == FP8_LAYOUT.chunk_shape(6) == (3, 6, 2, 12) and keys.dtype == torch.uint8
+    pool.write([5, 2], keys, values)
+    got_k, got_v = pool.gather([5, 2], 6)
+    assert torch.equal(got_k, keys) and torch.equal(got_v, values)
+    k_rows, k_scales = FP8_LAYOUT.unpack_rows(keys[1])
+    assert torch.equal(pool.layers[1][2][2, 1], k_scales[5])  # token 5: block 2, slot 1
+    dense_k, dense_v = pool.gather_layer(1, pool.slots([5, 2], 6))
+    assert torch.equal(dense_k, dequantize_rows(k_rows, k_scales))
+    assert torch.equal(dense_v, dequantize_rows(*FP8_LAYOUT.unpack_rows(values[1])))
+    with pytest.raises(ValueError, match=r"does not fit this pool \(kv_cache_dtype 'fp8'.*float8_e4m3fn/per_token_head"):
+        pool.write([0, 1], *chunk(6))  # float32 rows
+
+
+def test_fp8_copies_requantize_moved_keys_and_keep_the_bytes_of_the_rest():
+    pool = KVPool(FP8_LAYOUT, num_blocks=6, device=torch.device("cpu"))
+    keys, values = fp8_chunk(4, seed=4)
+    pool.write([0], keys, values)
+    src, dst = torch.tensor([0, 1, 3]), torch.tensor([9, 10, 20])
+    pool.copy_slots(src, dst, torch.tensor([5, 0, -3]), rotary())
+    k_rows, k_scales = FP8_LAYOUT.unpack_rows(keys[1])
+    exact = dequantize_rows(k_rows, k_scales)
+    got_k, got_v = pool.gather_layer(1, dst)
+    for row, (i, delta) in enumerate([(0, 5), (1, 0), (3, -3)]):
+        moved, moved_scales = quantize_rows(rotated_by_hand(exact[i], delta), torch.float8_e4m3fn)
+        torch.testing.assert_close(got_k[row], dequantize_rows(moved, moved_scales), rtol=1e-6, atol=1e-6)
+    flat_k = pool.layers[1][0].view(-1, 2, 8)
+    assert torch.equal(flat_k[10].view(torch.uint8), k_rows[1].view(torch.uint8))  # delta 0: the same bytes
+    assert torch.equal(got_v, dequantize_rows(*FP8_LAYOUT.unpack_rows(values[1]))[[0, 1, 3]])
 
 
 def test_kv_cache_dtype_is_checked_and_named_in_chunk_keys():
