@@ -331,9 +331,11 @@ def paged_decode(
     if num_work == 0:
         return out
     group = num_heads // num_kv_heads
-    # ~16 KB of K per tile on the GPU (H200 sweep): 64 keys at d128, 128 keys at d64; wide tiles
-    # for launches with programs enough to fill the GPU without a split (uses_wide_tiles).
-    default_block_n, default_stages = (32, 1) if interpreter else (max(64, 8192 // head_dim), 3)
+    # ~16 KB of K per tile on the GPU (H200 sweep): 64 keys at d128, 128 keys at d64 (FP8 caches:
+    # twice the keys, the same bytes); wide tiles for launches with programs enough to fill the
+    # GPU without a split (uses_wide_tiles).
+    fp8 = key_cache.element_size() == 1
+    default_block_n, default_stages = (32, 1) if interpreter else (max(64, 8192 // head_dim) * (2 if fp8 else 1), 3)
     if (not interpreter and block_n is None and num_stages is None and num_splits in (None, 1)
             and uses_wide_tiles(num_work, num_kv_heads, head_dim, _num_sms(query.device))):
         default_block_n, default_stages, num_splits = WIDE_TILE_BLOCK_N, WIDE_TILE_STAGES, 1
