@@ -108,6 +108,13 @@ def test_model_too_large_for_a_reference_skips_only_the_logits(model_dir, tmp_pa
     assert report["logits"]["skipped"].startswith(f"{num_params:,} parameters: a float32 reference needs")
 
 
+def test_an_fp8_cache_skips_only_the_logits_and_says_why(model_dir, tmp_path):
+    LazyAttention(_config(model_dir, tmp_path, cache=CacheConfig(num_blocks=64, kv_cache_dtype="fp8"))).shutdown()
+    report = json.loads(_verdicts(tmp_path)[0].read_text())["report"]
+    assert report["rotary"]["passed"]
+    assert report["logits"]["skipped"].startswith("kv_cache_dtype 'fp8': the cached K/V are FP8-rounded")
+
+
 def test_probe_ignores_the_users_context_limit_and_skips_a_too_short_model(model_dir, tmp_path):
     LazyAttention(_config(model_dir, tmp_path / "a", max_model_len=16)).shutdown()  # the probe has 37 tokens
     logits = json.loads(_verdicts(tmp_path / "a")[0].read_text())["report"]["logits"]

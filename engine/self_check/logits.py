@@ -61,6 +61,13 @@ def check_logits(engine, model_dir: Path) -> dict:
         ``problem``; or ``{"passed": True, "skipped": reason}`` for a model too large to load twice.
     """
     model = engine.runner.model
+    layout = engine.runner.kv_pool.layout
+    if layout.scaled:  # the reference's one forward pass cannot round a chunk's K/V as the cache stores them
+        reason = (f"kv_cache_dtype {layout.kv_cache_dtype!r}: the cached K/V are FP8-rounded, which transformers' "
+                  "float32 reference does not reproduce; the rotary tables were checked, and the FP8 engine is "
+                  "tested against a reference that rounds alike (tests/test_fp8_kv_cache.py)")
+        logger.info("self-check: logits comparison skipped (%s)", reason)
+        return {"passed": True, "skipped": reason}
     num_params = sum(p.numel() for p in model.parameters())
     budget = reference_budget_bytes()
     if 4 * num_params > budget:
