@@ -317,8 +317,11 @@ def main(argv=None) -> dict:
     modes = engine_run_order(args.modes)
 
     def pending(dataset, mode):  # full again where another mode (an HTTP one too) still needs its distributions
-        return not done(dataset, mode) or (mode == "full" and any(
-            not done(dataset, m) for m in modes + [m for m in args.modes if m in HTTP_MODES]))
+        if not done(dataset, mode):  # and an FP8 mode's own mode again where the FP8 mode is still to run
+            return True
+        if mode == "full":
+            return any(not done(dataset, m) for m in modes + [m for m in args.modes if m in HTTP_MODES])
+        return any(fp8_base_mode(m) == mode and not done(dataset, m) for m in modes)
 
     for setting in dict.fromkeys(engine_setting(m) for m in modes):
         todo = [(d, m) for d in args.datasets for m in modes if engine_setting(m) == setting and pending(d, m)]
