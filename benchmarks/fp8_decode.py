@@ -22,6 +22,12 @@ import platform
 import statistics
 import time
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make ``benchmarks.*`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 import triton
 

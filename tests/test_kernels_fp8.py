@@ -152,4 +152,4 @@ def test_triton_backend_matches_torch_backend_on_fp8_caches(fp8, kind):
     assert out.dtype == dtype
     assert_close(out, expected, dtype, kind)
     for got, want in zip(caches, ref_caches):  # the same bytes written (NaN canaries where nothing was)
-        torch.testing.assert_close(got.cpu().float(), want.float(), equal_nan=True, rtol=0, atol=0)
+        torch.testing.assert_close(got.cpu().float(), want.cpu().float(), equal_nan=True, rtol=0, atol=0)
