@@ -43,7 +43,9 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     limit = fp8_max(dtype)
     x = x.to(torch.float32)
     amax = x.abs().amax(dim=-1)  # [...]
-    scales = torch.where(amax > 0, amax / limit, torch.ones_like(amax))
+    # a tensor divisor: CUDA divides a tensor by a Python number as a multiply by its reciprocal,
+    # one unit in the last place off the kernels' correctly rounded division now and then
+    scales = torch.where(amax > 0, amax / torch.full_like(amax, limit), torch.ones_like(amax))
     return (x / scales[..., None]).clamp(-limit, limit).to(dtype), scales
 
 
