@@ -66,11 +66,12 @@ def kv_write_kernel(
 
 @triton.jit
 def quantized_rows(x, scale_ptrs, row_ok, FP8_MAX: tl.constexpr):
-    """Rows ``x`` ``[R, HEAD_DIM]`` divided by their scales (``max|x| / FP8_MAX``, 1 for a zero row),
+    """Rows ``x`` ``[R, HEAD_DIM]`` divided by their scales (``max|x| / FP8_MAX``, 1 where that is 0),
     stored at ``scale_ptrs`` ``[R]``: float32, clamped to the FP8 range, ready to convert."""
     x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)  # [R]
-    scale = tl.where(amax > 0.0, tl.div_rn(amax, FP8_MAX), 1.0)
+    scale = tl.div_rn(amax, FP8_MAX)
+    scale = tl.where(scale > 0.0, scale, 1.0)  # a zero row, or one so tiny its scale underflows
     tl.store(scale_ptrs, scale, mask=row_ok)
     y = tl.div_rn(x, scale[:, None])
     return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)

@@ -106,6 +106,8 @@ def test_the_quantizing_write_equals_the_reference_bit_for_bit(fp8, num_kv_heads
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(src_dtype) * 3
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(src_dtype)
     key[4, 1] = 0  # a zero row: scale 1, zeros stored
+    key[5, 0] = 0
+    key[5, 0, 3] = 1e-43 if src_dtype == torch.float32 else 0  # a float32 denormal: its scale underflows to 1
     slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
     caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=fp8) for _ in range(2)]
     scales = [torch.zeros(num_blocks, block_size, num_kv_heads) for _ in range(2)]

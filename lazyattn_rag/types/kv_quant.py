@@ -4,7 +4,7 @@ dequantize).
 
 A row ``x`` (one token's K or V of one KV head, ``head_dim`` values) is stored as
 ``round(x / scale)`` in FP8 with ``scale = max|x| / fp8_max`` (448 for e4m3, 57344 for e5m2;
-``1`` for a row of zeros), and read as ``fp8 * scale`` in float32. One scale per row keeps a
+``1`` where that is 0: a row of zeros, or of float32 values below ~3e-43 whose scale underflows), and read as ``fp8 * scale`` in float32. One scale per row keeps a
 token's outliers from costing the other tokens their precision, and a row's bytes and scale are
 final once written, so a chunk encoded over several steps, or moved between tiers, never changes.
 Keys are stored rotated at their local positions (DESIGN.md); the deferred rotation is applied to
@@ -45,7 +45,8 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     amax = x.abs().amax(dim=-1)  # [...]
     # a tensor divisor: CUDA divides a tensor by a Python number as a multiply by its reciprocal,
     # one unit in the last place off the kernels' correctly rounded division now and then
-    scales = torch.where(amax > 0, amax / torch.full_like(amax, limit), torch.ones_like(amax))
+    scales = amax / torch.full_like(amax, limit)
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # zero rows, and float32 rows so tiny it underflows
     return (x / scales[..., None]).clamp(-limit, limit).to(dtype), scales
 
 
