@@ -49,6 +49,7 @@ from lazyattn_rag.kernels.launch import (
 )
 from lazyattn_rag.kernels.triton_helpers import (mma, rotated_rows, rotation, run_score_scale, word_block_id,
                                                  word_delta, word_valid)
+from lazyattn_rag.types.kv_quant import FP8_DTYPES
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_rsr"])  # step-varying widths: see prefill_kernel
@@ -334,7 +335,7 @@ def paged_decode(
     # ~16 KB of K per tile on the GPU (H200 sweep): 64 keys at d128, 128 keys at d64 (FP8 caches:
     # twice the keys, the same bytes); wide tiles for launches with programs enough to fill the
     # GPU without a split (uses_wide_tiles).
-    fp8 = key_cache.element_size() == 1
+    fp8 = key_cache.dtype in FP8_DTYPES
     default_block_n, default_stages = (32, 1) if interpreter else (max(64, 8192 // head_dim) * (2 if fp8 else 1), 3)
     if (not interpreter and block_n is None and num_stages is None and num_splits in (None, 1)
             and uses_wide_tiles(num_work, num_kv_heads, head_dim, _num_sms(query.device))):

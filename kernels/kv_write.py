@@ -14,6 +14,8 @@ An FP8 cache (``key_scale``/``value_scale`` given) stores each row quantized wit
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -81,7 +83,7 @@ def quantized_rows(x, scale_ptrs, row_ok, FP8_MAX: tl.constexpr):
 def fp8_grid(y, ROUND_SHIFT: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEP: tl.constexpr):
     """float32 ``y`` (within the FP8 range) rounded to the nearest FP8 value, ties to even, kept in
     float32: the mantissa cut to ``23 - ROUND_SHIFT`` bits for normal values, multiples of
-    ``SUBNORMAL_STEP`` below ``MIN_NORMAL``. Triton 3.6's interpreter converts float32 to FP8
+    ``SUBNORMAL_STEP`` below ``MIN_NORMAL``. Triton's interpreter (3.9 here) converts float32 to FP8
     wrongly where rounding carries into the exponent (125.6 -> 64 instead of 128 in e4m3); the
     conversion of a value already on the grid is exact, so the interpreter rounds here first."""
     bits = y.to(tl.int32, bitcast=True)
@@ -160,6 +162,6 @@ def _grid_constants(dtype: torch.dtype, explicit: bool) -> dict:
     if not explicit:
         return dict(ROUND_SHIFT=0, MIN_NORMAL=0.0, SUBNORMAL_STEP=0.0)
     info = torch.finfo(dtype)
-    mantissa_bits = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[dtype]
+    mantissa_bits = round(-math.log2(info.eps))  # 3 for e4m3, 2 for e5m2
     return dict(ROUND_SHIFT=23 - mantissa_bits, MIN_NORMAL=float(info.tiny),
                 SUBNORMAL_STEP=float(info.tiny) * 2.0 ** -mantissa_bits)

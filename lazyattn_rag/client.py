@@ -174,7 +174,7 @@ def chat_request(messages: Iterable[Message | dict | tuple], documents: Iterable
                  params: SamplingParams, namespace: str = "",
                  remedies: RequestRemedies = RequestRemedies()) -> MakeRequest | PlannedRequest:
     """Messages that place no document (plain text, e.g. pasted retrieved texts) are tokenized
-    and laid out in the submitting thread (:meth:`LLMEngine.plan_plain_chat`)."""
+    and laid out in one of the client's planning threads (:meth:`LLMEngine.plan_plain_chat`)."""
     msgs, docs = [as_message(m) for m in messages], document_pairs(documents)
     if docs:
         return _compiling(params, lambda engine, sink: engine.submit_chat(msgs, docs, params, sink, namespace,

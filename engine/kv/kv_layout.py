@@ -21,9 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-# kv_cache_dtype -> the stored element type (None: the model's dtype); "fp8" is vLLM's alias of e4m3
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-                   "fp8_e5m2": torch.float8_e5m2}
+from lazyattn_rag.types.cache_config import KV_CACHE_DTYPES
+
+# the FP8 kv_cache_dtype names (CacheConfig's KV_CACHE_DTYPES) -> the stored element type; "fp8" is
+# vLLM's alias of e4m3
+FP8_STORAGE = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 SCALE_BYTES = 4  # one float32 scale per token and KV head (scheme "per_token_head")
 
 
@@ -58,8 +60,8 @@ class KVLayout:
             ValueError: ``kv_cache_dtype`` is not one of :data:`KV_CACHE_DTYPES`.
         """
         if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; supported: {tuple(KV_CACHE_DTYPES)}")
-        stored = KV_CACHE_DTYPES[kv_cache_dtype]
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; supported: {KV_CACHE_DTYPES}")
+        stored = FP8_STORAGE.get(kv_cache_dtype)  # None: "auto", the model's dtype
         return cls(stored or dtype, model_config.num_layers, block_size, model_config.num_kv_heads,
                    model_config.head_dim, kv_cache_dtype, "none" if stored is None else "per_token_head")
 

@@ -14,7 +14,7 @@ def check_int(name: str, value, minimum: int, optional: bool = False) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 # the stored K/V's element type: "auto" (the model's dtype) or FP8 with per-token scales ("fp8" is
-# "fp8_e4m3", as vLLM spells it); engine/kv/kv_layout.py maps them to torch dtypes
+# "fp8_e4m3", as vLLM spells it); engine/kv/kv_layout.py maps them to torch dtypes (FP8_STORAGE)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 CACHE_MODES = ("lazy", "block_attention", "prefix", "full")
 

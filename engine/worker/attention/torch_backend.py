@@ -34,6 +34,7 @@ import torch
 
 from lazyattn_rag.engine.worker.attention.base import AttentionBackend, write_kv
 from lazyattn_rag.engine.worker.attention.metadata import AttentionMetadata
+from lazyattn_rag.types.cache_config import KV_CACHE_DTYPES
 from lazyattn_rag.kernels.block_table import block_scaled, unpack_block_table
 from lazyattn_rag.types.kv_quant import dequantize_rows
 from lazyattn_rag.kernels.launch import Rotation, fresh_keys_from
@@ -97,7 +98,7 @@ class TorchAttentionBackend(AttentionBackend):
     """Reference backend (float32 math, any device). See the module docstring."""
 
     name = "torch"
-    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+    supported_kv_cache_dtypes = KV_CACHE_DTYPES  # every one (FP8: kernels read rows times their scales)
     rotation: Rotation | None = None  # None: per sequence, the cheaper form (see the module docstring)
 
     def forward(self, query, key, value, key_cache, value_cache, metadata, key_scale=None, value_scale=None):

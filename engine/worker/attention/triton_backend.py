@@ -28,6 +28,7 @@ import torch
 
 from lazyattn_rag.engine.worker.attention.base import AttentionBackend
 from lazyattn_rag.engine.worker.attention.metadata import AttentionMetadata
+from lazyattn_rag.types.cache_config import KV_CACHE_DTYPES
 
 if TYPE_CHECKING:
     from lazyattn_rag.kernels.launch import BlockRuns
@@ -105,7 +106,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
-    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+    supported_kv_cache_dtypes = KV_CACHE_DTYPES  # every one (FP8: kernels read rows times their scales)
 
     def __init__(self, rotary, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  chunk_scaling=None):
