@@ -3,7 +3,8 @@
 A position-agnostic chunk's K/V does not depend on where a prompt places it, so one stored
 copy serves every request, process and replica on the same model. The payload is a
 safetensors file (no pickle): tensors ``keys`` and ``values``
-``[num_layers, num_tokens, num_kv_heads, head_dim]`` in the pool's dtype and ``token_ids``
+``[num_layers, num_tokens, num_kv_heads, head_dim]`` in the pool's dtype (an FP8 pool's as packed
+rows, ``[..., head_dim + 4]`` uint8: ``KVLayout.pack_rows``) and ``token_ids``
 ``[num_tokens]`` int64, with string metadata:
 
 * ``format``: :data:`FORMAT_VERSION`; ``key``: the chunk's content key; ``model``: the model
@@ -44,7 +45,8 @@ class ChunkKV:
         model_digest: the model fingerprint's digest it was computed with.
         token_ids: its tokens.
         local_start: the position its first token was encoded at.
-        keys, values: ``[num_layers, num_tokens, num_kv_heads, head_dim]``, the pool's dtype, CPU.
+        keys, values: ``[num_layers, num_tokens, num_kv_heads, head_dim]``, the pool's dtype, CPU
+            (an FP8 pool's: packed rows ``[..., head_dim + 4]`` uint8, ``KVLayout.pack_rows``).
     """
 
     key: str
