@@ -19,7 +19,7 @@ from lazyattn_rag.kernels.decode import paged_decode
 from lazyattn_rag.kernels.kv_write import write_kv_cache
 from lazyattn_rag.kernels.prefill import paged_prefill
 from lazyattn_rag.kernels.reference import decode_reference, prefill_reference
-from lazyattn_rag.types.kv_quant import dequantize_rows, quantize_rows
+from lazyattn_rag.types.kv_quant import quantize_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
