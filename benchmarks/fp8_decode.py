@@ -38,8 +38,12 @@ from lazyattn_rag.types.kv_quant import dequantize_rows, quantize_rows
 
 SHAPES = [(32, 8192), (1, 20480)]
 # the default FP8 launch takes twice bf16's keys per tile (the same bytes); these around it
-FP8_LAUNCHES = {"block_n=64": dict(block_n=64), "block_n=128,stages=4": dict(block_n=128, num_stages=4),
-                "block_n=256,stages=2": dict(block_n=256, num_stages=2)}
+FP8_LAUNCHES = {"block_n=64,stages=4": dict(block_n=64, num_stages=4),
+                "block_n=128,stages=3": dict(block_n=128, num_stages=3),
+                "block_n=128,warps=8": dict(block_n=128, num_warps=8),
+                "block_n=256,warps=8": dict(block_n=256, num_warps=8),
+                "splits=2": dict(num_splits=2),
+                "bf16 dots": dict(fp8_dots_f16=False)}  # the tiles widened to bfloat16 (before 2026-12-06)
 
 
 def bench_shape(cfg: dict, batch: int, context: int, rounds: int, device) -> dict:

@@ -47,8 +47,8 @@ from lazyattn_rag.kernels.launch import (
     launch_prologue,
     rotation_code,
 )
-from lazyattn_rag.kernels.triton_helpers import (mma, rotated_rows, rotation, run_score_scale, word_block_id,
-                                                 word_delta, word_valid)
+from lazyattn_rag.kernels.triton_helpers import (fp8_to_f16, mma, rotated_rows, rotation, run_score_scale,
+                                                 word_block_id, word_delta, word_valid)
 from lazyattn_rag.types.kv_quant import FP8_DTYPES
 
 
@@ -94,6 +94,7 @@ def decode_kernel(
     ACCURATE_TRIG: tl.constexpr,  # libdevice cos/sin (GPU); tl.cos/tl.sin under the interpreter
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, None (default) for half types
     DOT_UPCAST: tl.constexpr,  # interpreter only: dots in float32
+    FP8_DOTS_F16: tl.constexpr,  # KV_SCALED with a half-type query: both dots in float16 (see below)
 ):
     work = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -109,6 +110,8 @@ def decode_kernel(
     split_lo = split * blocks_per_split
     split_hi = tl.minimum(split_lo + blocks_per_split, n_blocks)
     dtype = q_ptr.dtype.element_ty
+    if FP8_DOTS_F16:  # FP8 widens to float16 in one instruction (cvt.f16x2.e4m3x2); to bfloat16 via float32
+        dtype = tl.float16
 
     offs_g = tl.arange(0, BLOCK_G)
     g_ok = offs_g < GROUP
@@ -121,7 +124,7 @@ def decode_kernel(
 
     q_rows = q_row.to(tl.int64) * stride_qt + heads * stride_qh  # [BLOCK_G]
     q_ptrs = q_ptr + q_rows[:, None] + offs_d[None, :]  # [BLOCK_G, HEAD_DIM]
-    qr = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0)  # the query rotated by -cur_delta (starts unrotated: delta 0)
+    qr = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0).to(dtype)  # the query rotated by -cur_delta (starts unrotated: delta 0)
     cur_delta = tl.full([], 0, tl.int64)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -160,7 +163,10 @@ def decode_kernel(
                     k_scale = tl.load(k_scale_ptr + k_rows // HEAD_DIM, mask=key_ok, other=0.0)  # [BLOCK_N]
                     v_scale = tl.load(v_scale_ptr + v_rows // HEAD_DIM, mask=key_ok, other=0.0)  # [BLOCK_N]
                     k = k.to(dtype)
-                    v = v.to(dtype)
+                    if FP8_DOTS_F16 and not DOT_UPCAST:  # widened in registers: see fp8_to_f16
+                        v = fp8_to_f16(v)
+                    else:
+                        v = v.to(dtype)
                 # prefill's triton_helpers.attend computes the same update, but called here it took
                 # the wide-tile launch (128 keys, no split) from 212 to 255 registers per thread
                 # (offline sm_90a, Triton 3.6), so decode keeps its own, measured, order of operations
@@ -175,9 +181,15 @@ def decode_kernel(
                 p = tl.math.exp2(s * score_scale + (score_bias - m_new)[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 acc = acc * alpha[:, None]
-                if KV_SCALED:  # each key's weight times its V scale: P @ (V * scale) without a scaled tile
-                    p = p * v_scale[None, :]
-                acc = mma(p.to(dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
+                if FP8_DOTS_F16:  # weights times V scale / the tile's largest (float16's range), then
+                    v_top = tl.maximum(tl.max(v_scale, axis=0), 1.0e-30)  # times that largest in float32
+                    p = p * (v_scale / v_top)[None, :]
+                    pv = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+                    acc += mma(p.to(dtype), v, pv, DOT_PRECISION, DOT_UPCAST) * v_top
+                else:
+                    if KV_SCALED:  # each key's weight times its V scale: P @ (V * scale) without a scaled tile
+                        p = p * v_scale[None, :]
+                    acc = mma(p.to(dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
                 m_i = m_new
 
     has_keys = l_i > 0.0
@@ -298,6 +310,7 @@ def paged_decode(
     num_stages: int | None = None,
     key_scale: torch.Tensor | None = None,  # [num_cache_blocks, block_size, num_kv_heads] float32 (FP8 caches)
     value_scale: torch.Tensor | None = None,  # [num_cache_blocks, block_size, num_kv_heads] float32
+    fp8_dots_f16: bool = True,  # False: FP8 tiles widened to the query's dtype (only to measure the gain)
 ) -> torch.Tensor:
     """Attention of each listed sequence's single new token (row ``cu_seqlens_q[seq]``) over its
     paged context, with the query rotated by ``-delta`` once per chunk (see module doc).
@@ -308,7 +321,13 @@ def paged_decode(
     scored by APE's temperature and weight (:class:`~lazyattn_rag.kernels.launch.ChunkScaling`).
     FP8 caches (``lazyattn_rag/types/kv_quant.py``) come with ``key_scale`` and ``value_scale``: each key's
     raw score is multiplied by its K scale and its softmax weight by its V scale (the FP8 tiles are
-    widened to the query's dtype for the dots, never rescaled element by element).
+    widened for the dots, never rescaled element by element). With a bfloat16 or float16 query both
+    dots take float16 inputs (``fp8_dots_f16``): every FP8 value is exact in float16, whose widening
+    from FP8 is one instruction on sm_89+ where bfloat16's goes through float32; the query must then
+    stay within float16's range (|q| < 65504), and each tile's softmax weights are multiplied by
+    their V scales over the tile's largest V scale, the dot's result by that largest in float32.
+    Compiled, the V tile is widened in registers where it is loaded
+    (:func:`~lazyattn_rag.kernels.triton_helpers.fp8_to_f16`).
 
     Returns:
         ``out`` (allocated like ``query`` when not given).
@@ -372,6 +391,7 @@ def paged_decode(
         SPLIT_KV=num_splits > 1,
         ROTATION=code,
         CHUNK_SCALING=scaling["CHUNK_SCALING"],
+        FP8_DOTS_F16=fp8 and fp8_dots_f16 and query.dtype in (torch.bfloat16, torch.float16),
         num_warps=num_warps or 4,
         num_stages=num_stages or default_stages,
     )

@@ -69,6 +69,25 @@ def run_score_scale(word, sm_scale_log2, chunk_inv_temperature, chunk_log2_weigh
 
 
 @triton.jit
+def fp8_to_f16(x):
+    """``x`` (an FP8 tile, e4m3 or e5m2) as float16, exactly, by the sm_89+ conversion instruction
+    applied in registers where the tile was loaded (compiled GPU kernels only: inline PTX).
+
+    ``x.to(tl.float16)`` computes the same values, but Triton moves that conversion past the tile's
+    shared-memory read into the dot's operand layout; for the ``P @ V`` dot that layout packs four
+    consecutive keys of a column per register, which an FP8 tile (rows contiguous along
+    head_dim) can only be read as single bytes (``LDS.U8``: 128 per 128-key tile and thread, 254
+    registers, in the decode kernel compiled offline for sm_90a). Widened here, the float16 tile
+    goes through ``ldmatrix.trans`` as a bfloat16 one does (180 registers, no byte reads)."""
+    if x.dtype == tl.float8e5:
+        asm: tl.constexpr = "cvt.rn.f16x2.e5m2x2 $0, $1;"
+    else:
+        asm: tl.constexpr = "cvt.rn.f16x2.e4m3x2 $0, $1;"
+    return tl.inline_asm_elementwise(asm, "=r,h", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16,
+                                     is_pure=False, pack=2)
+
+
+@triton.jit
 def mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """``acc + a @ b``; ``UPCAST`` computes in float32 (the interpreter's half-type dot is wrong)."""
     if UPCAST:

@@ -44,7 +44,8 @@ def quantized(case, fp8):
 
 
 @pytest.mark.parametrize("fp8", FP8)
-@pytest.mark.parametrize("dtype,num_splits", [(torch.float32, 1), (torch.float32, 3), (torch.bfloat16, 2)])
+@pytest.mark.parametrize("dtype,num_splits", [(torch.float32, 1), (torch.float32, 3), (torch.bfloat16, 2),
+                                             (torch.float16, 1)])
 def test_decode_reads_fp8_rows_times_their_scales(fp8, dtype, num_splits):
     case = make_case(DECODE, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, device=DEVICE, seed=5)
     k, v, ks, vs = quantized(case, fp8)
