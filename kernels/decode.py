@@ -249,17 +249,23 @@ def _num_sms(device: torch.device) -> int:
 # filling it gains less than the idle slots suggest) times (1 + SPLIT_COST * splits) (partial
 # outputs, shorter pipelines).
 PROGRAMS_PER_SM, FILL_EXPONENT, SPLIT_COST, MAX_SPLITS = 3, 0.4, 0.008, 64
+# FP8 caches' programs take ~180 registers (float16 widening of 128-key tiles; sm_90a compiled
+# offline): 2 resident per multiprocessor. Sized for 3, a serving step (16 sequences x 2.7k over
+# 5 documents, H100) ran 3 splits, a wave and a half: 0.085 ms, slower than bf16's 0.081, against
+# 0.068 at the 2 splits this count gives (benchmarks/results/fp8_decode_h100.json).
+FP8_PROGRAMS_PER_SM = 2
 
 
-def wave_fill(num_programs: int, num_sms: int) -> float:
+def wave_fill(num_programs: int, num_sms: int, programs_per_sm: int = PROGRAMS_PER_SM) -> float:
     """The share of resident-program slots that ``num_programs`` (>= 1) fill over the waves they take."""
-    slots = PROGRAMS_PER_SM * max(1, num_sms)
+    slots = programs_per_sm * max(1, num_sms)
     return num_programs / (-(-num_programs // slots) * slots)
 
 
-def split_cost(num_programs: int, num_splits: int, num_sms: int) -> float:
+def split_cost(num_programs: int, num_splits: int, num_sms: int, programs_per_sm: int = PROGRAMS_PER_SM) -> float:
     """The cost model's relative time of a decode launch of ``num_programs`` per split (see above)."""
-    return wave_fill(num_programs * num_splits, num_sms) ** -FILL_EXPONENT * (1.0 + SPLIT_COST * num_splits)
+    fill = wave_fill(num_programs * num_splits, num_sms, programs_per_sm)
+    return fill ** -FILL_EXPONENT * (1.0 + SPLIT_COST * num_splits)
 
 
 # Launches of at least this many programs per multiprocessor at one split (batch >= 32 at 8 KV
@@ -276,7 +282,8 @@ def uses_wide_tiles(num_work: int, num_kv_heads: int, head_dim: int, num_sms: in
 
 
 @functools.lru_cache(maxsize=4096)  # called once per layer of every eager decode step
-def choose_num_splits(num_work: int, num_kv_heads: int, max_tiles: int, num_sms: int) -> int:
+def choose_num_splits(num_work: int, num_kv_heads: int, max_tiles: int, num_sms: int,
+                      programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """Splits per (sequence, KV head): the count of least :func:`split_cost` (any count, not only
     powers of two; the smallest among equals), at most :data:`MAX_SPLITS` and with at least 4
     tiles per split. On the H200 sweep of six shapes (batch 1 x 20k to 128 x 2k) the counts it
@@ -284,7 +291,7 @@ def choose_num_splits(num_work: int, num_kv_heads: int, max_tiles: int, num_sms:
     launches in part of one wave, 2-21 % slower."""
     programs = max(1, num_work * num_kv_heads)
     cap = max(1, min(max_tiles // 4, MAX_SPLITS))
-    return min(range(1, cap + 1), key=lambda splits: (split_cost(programs, splits, num_sms), splits))
+    return min(range(1, cap + 1), key=lambda splits: (split_cost(programs, splits, num_sms, programs_per_sm), splits))
 
 
 def paged_decode(
@@ -365,7 +372,8 @@ def paged_decode(
     max_blocks = max(1, min(block_tables.shape[1], max_seq_len))
     max_tiles = -(-max_blocks // tile_blocks)
     if num_splits is None:
-        num_splits = choose_num_splits(num_work, num_kv_heads, max_tiles, _num_sms(query.device))
+        num_splits = choose_num_splits(num_work, num_kv_heads, max_tiles, _num_sms(query.device),
+                                       FP8_PROGRAMS_PER_SM if fp8 else PROGRAMS_PER_SM)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if block_tables.shape[1] == 0:  # padding only: a column to point at (its runs are empty)

@@ -136,6 +136,10 @@ def test_choose_num_splits():
     for batch in range(43, 50):  # one split already fills 0.87-0.99 of a wave: no jump to 15-20 splits
         assert choose_num_splits(batch, 8, 128, num_sms=132) == 1
     assert choose_num_splits(1, 8, 8, num_sms=132) == 2  # at least 4 tiles per split
+    # FP8 caches: 2 programs resident per multiprocessor (FP8_PROGRAMS_PER_SM)
+    assert choose_num_splits(16, 8, 21, num_sms=132, programs_per_sm=2) == 2  # 256 of 264 slots
+    assert choose_num_splits(16, 8, 21, num_sms=132) == 3  # 384 of 396 slots: 1.45 waves at 2 resident
+    assert choose_num_splits(1, 8, 160, num_sms=132, programs_per_sm=2) == 33  # 264 programs, one wave
     assert choose_num_splits(1, 1, 7, num_sms=132) == 1  # too few tiles to split
     assert choose_num_splits(1, 1, 10_000, num_sms=132) == 64  # at most 64
     assert wave_fill(384, 132) == 384 / 396 and wave_fill(400, 132) == 400 / 792
