@@ -73,7 +73,7 @@ def resources(fn, constexprs: dict, num_warps: int, num_stages: int, types: dict
 
 def rope(head_dim: int) -> dict:
     return dict(HEAD_DIM=head_dim, HALF=head_dim // 2, PAIR_STRIDE=1, X2_OFF=head_dim // 2, BLOCK_SIZE=16,
-                ACCURATE_TRIG=True, DOT_PRECISION=None, DOT_UPCAST=False, CHUNK_SCALING=False)
+                ACCURATE_TRIG=True, DOT_PRECISION=None, DOT_UPCAST=False, CHUNK_SCALING=False, KV_SCALED=False)
 
 
 def main() -> None:
@@ -91,7 +91,7 @@ def main() -> None:
     for head_dim, group, bn, split, stages in ((128, 4, 64, True, 3), (128, 4, 128, False, 2), (64, 3, 128, True, 3)):
         for rotation in ("none", "query"):
             c = dict(rope(head_dim), GROUP=group, BLOCK_G=16, BLOCK_N=bn, TILE_BLOCKS=bn // 16, SPLIT_KV=split,
-                     ROTATION=ROTATION_CODES[rotation])
+                     ROTATION=ROTATION_CODES[rotation], FP8_DOTS_F16=False)
             print(f"decode   d{head_dim:<3} g{group}    n{bn} split {split:d} w4 s{stages}   {rotation:<8}  "
                   f"{resources(decode.decode_kernel, c, 4, stages)}")
 

@@ -50,6 +50,13 @@ ARCHS = {
     "tiny": ("llama", dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=65536,
                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # tiny with the word tokenizer's whole vocabulary (t0 .. t31996): every word of a trace
+    # (random_text's t10 .. t29999) is a known word, as for the 8B shapes; with tiny's 2,048 most
+    # are [UNK], which the planner checks one by one (CPU costs of pasted prompts, http_reuse.py)
+    "tiny-32k": ("llama", dict(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               max_position_embeddings=65536,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 
 
