@@ -28,7 +28,7 @@ from lazyattn_rag.kernels.launch import ROTATION_CODES
 
 POINTER_TYPES = {
     "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16", "key_ptr": "*bf16",
-    "value_ptr": "*bf16",
+    "value_ptr": "*bf16", "q_rot_ptr": "*bf16", "qr_deltas_ptr": "*i64",
     "block_tables_ptr": "*i64", "inv_freq_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
 }
 
@@ -80,7 +80,7 @@ def main() -> None:
     print("kernel   heads       tile               rotation  resources")
     for head_dim, group, (bm, bn, warps, stages) in ((128, 4, (64, 64, 4, 3)), (128, 4, (128, 64, 8, 3)),
                                                     (64, 3, (128, 64, 4, 3))):
-        for rotation, tma in (("none", True), ("query", True), ("key", True), ("query", False)):
+        for rotation, tma in (("none", True), ("query", True), ("prerotated", True), ("key", True), ("query", False)):
             c = dict(rope(head_dim), GROUP=group, BLOCK_M=bm, BLOCK_N=bn, TILE_BLOCKS=bn // 16, IN_STEP=True,
                      ROTATION=ROTATION_CODES[rotation], STEP_TMA=tma)
             desc = f"tensordesc<bf16[{bn},{head_dim}]>"  # the step's K/V boxes (STEP_TMA, the Hopper default)

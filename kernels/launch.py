@@ -24,19 +24,22 @@ import torch
 from lazyattn_rag.kernels.block_table import block_scaled, unpack_block_table
 from lazyattn_rag.types.kv_quant import FP8_DTYPES, check_scales
 
-Rotation = Literal["query", "key", "none"]
+Rotation = Literal["query", "key", "none", "prerotated"]
 """Where a kernel applies each block's offset ``delta`` (LazyAttention, arXiv 2606.04302, Sec. 3):
 
 * ``"query"`` (default): the query by ``-delta``, once per run of blocks with one delta;
 * ``"key"``: every K tile by ``delta`` in registers (prefill only; same scores, more work: kept to
   measure the difference: on an H200, +54 % over ``"none"`` at 4k new tokens after 12k in 4 chunks,
   where ``"query"`` costs +4.3 %);
+* ``"prerotated"`` (prefill only): the query rows rotated by each chunk's ``-delta`` beforehand by a
+  small kernel (``kernels/query_rotation.py``) and only loaded per run; the same result as
+  ``"query"`` bit for bit, without the rotation's registers in the attention loop;
 * ``"none"``: not at all, the rotation code compiled out: the result is wrong for any block
   with a nonzero delta; the Triton backend launches the prefill so for batches whose deltas are
   all 0, and benchmarks use it to measure the rotation's cost.
 """
 
-ROTATION_CODES: dict[str, int] = {"none": 0, "query": 1, "key": 2}  # the kernels' ROTATION constexpr
+ROTATION_CODES: dict[str, int] = {"none": 0, "query": 1, "key": 2, "prerotated": 3}  # the kernels' ROTATION constexpr
 
 
 def rotation_code(rotation: str, supported: tuple[str, ...] = ("query", "key", "none")) -> int:

@@ -66,6 +66,7 @@ from lazyattn_rag.kernels.launch import (
     launch_prologue,
     rotation_code,
 )
+from lazyattn_rag.kernels.query_rotation import QueryRotations, rotate_queries
 from lazyattn_rag.kernels.triton_helpers import (attend, rotated_rows, rotation, run_score_scale, word_block_id,
                                                  word_delta, word_scaled, word_valid)
 
@@ -192,7 +193,7 @@ def count_at_most(row_ptr, n, limit, search_steps):
 # Integer arguments that change from step to step (the block-table width) are not specialized:
 # Triton compiles a variant per value class (== 1, divisible by 16, other) of each int argument,
 # and a variant first met mid-run stalls that step for a compile.
-@triton.jit(do_not_specialize=["stride_bt", "stride_ksr", "stride_rsr", "search_steps"])
+@triton.jit(do_not_specialize=["stride_bt", "stride_ksr", "stride_rsr", "stride_qrd", "search_steps"])
 def prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
@@ -213,6 +214,10 @@ def prefill_kernel(
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32 first row of each sequence in q/out
     seq_ids_ptr,  # [num_work] int32 sequences this launch handles (grid axis 2)
     inv_freq_ptr,  # [HALF] float32 RoPE frequencies
+    q_rot_ptr,  # [num_rows, num_heads, head_dim] queries rotated beforehand (ROTATION 3; query_rotation.py)
+    qr_deltas_ptr,  # [num_seqs, max_deltas] int64 each sequence's nonzero deltas (ROTATION 3)
+    qr_num_deltas_ptr,  # [num_seqs] int32 (ROTATION 3)
+    qr_row_base_ptr,  # [num_seqs] int32 first rotated row of each sequence (ROTATION 3)
     sm_scale_log2,  # float: softmax scale * log2(e)
     chunk_inv_temperature,  # float: 1 / temperature for scaled blocks (ChunkScaling; CHUNK_SCALING only)
     chunk_log2_weight,  # float: log2(weight) added to scaled blocks' scores (CHUNK_SCALING only)
@@ -221,9 +226,11 @@ def prefill_kernel(
     stride_vb, stride_vs, stride_vh,  # value-cache strides (block, slot, head)
     stride_ot, stride_oh,  # out strides (tokens, heads)
     stride_nkt, stride_nkh, stride_nvt, stride_nvh,  # new tokens' K and V strides (tokens, heads)
+    stride_rt, stride_rh,  # q_rot strides (rows, heads) (ROTATION 3)
     stride_bt,  # block_tables row stride
     stride_ksr,  # key_starts row stride
     stride_rsr,  # run_starts row stride
+    stride_qrd,  # qr_deltas row stride (ROTATION 3)
     search_steps,  # int: bit length of max_blocks + 1, binary-search iterations
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
@@ -235,7 +242,8 @@ def prefill_kernel(
     BLOCK_M: tl.constexpr,  # new tokens per program
     BLOCK_N: tl.constexpr,  # key lanes per tile (a power of two >= BLOCK_SIZE)
     TILE_BLOCKS: tl.constexpr,  # blocks per tile: BLOCK_N // BLOCK_SIZE (lanes past them idle)
-    ROTATION: tl.constexpr,  # 0 none (every delta 0, or measuring), 1 query by -delta per run, 2 each K tile by delta
+    ROTATION: tl.constexpr,  # 0 none (every delta 0, or measuring), 1 query by -delta per run, 2 each K tile
+    # by delta, 3 the query rows rotated beforehand by -delta (q_rot_ptr)
     CHUNK_SCALING: tl.constexpr,  # runs of flagged blocks use ChunkScaling (False: the flag is ignored)
     IN_STEP: tl.constexpr,  # read the new tokens' keys from key_ptr/value_ptr where they have delta 0
     STEP_TMA: tl.constexpr,  # whole step tiles through key_desc/value_desc (IN_STEP only; else unused)
@@ -295,6 +303,10 @@ def prefill_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: fully masked rows stay NaN-free
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if ROTATION == 3:  # this sequence's rotated rows: row_base + k * q_len + i for its k-th delta
+        qr_row = qr_deltas_ptr + seq.to(tl.int64) * stride_qrd
+        qr_count = tl.load(qr_num_deltas_ptr + seq)
+        qr_base = tl.load(qr_row_base_ptr + seq)
     for r in range(0, n_runs):
         b0 = tl.load(rs_row + r)
         b1 = tl.load(rs_row + r + 1)
@@ -328,6 +340,13 @@ def prefill_kernel(
                     tl.store(r_ptrs, qr.to(dtype), mask=row_ok[:, None])
                     tl.debug_barrier()  # every thread's stores are visible to the loads below
                 qa = tl.load(tl.where(rotated, r_ptrs, q_ptrs), mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+            elif ROTATION == 3:  # rows rotated by -delta beforehand: only loaded here
+                k = 0
+                for j in range(0, qr_count):  # a handful of deltas: the run's is among them
+                    k = tl.where(tl.load(qr_row + j) == delta, j, k)
+                r_rows = (qr_base + k * q_len + offs_m).to(tl.int64) * stride_rt + head * stride_rh  # [BLOCK_M]
+                r_ptrs = q_rot_ptr + r_rows[:, None] + offs_d[None, :]  # [BLOCK_M, HEAD_DIM]
+                qa = tl.load(tl.where(delta != 0, r_ptrs, q_ptrs), mask=row_ok[:, None], other=0.0)
             else:
                 qa = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
             if ROTATION == 2:  # R_delta on each K tile; angles once per run
@@ -513,7 +532,7 @@ def paged_prefill(
     runs: BlockRuns | None = None,  # from block_runs (computed when not given)
     seq_ids: torch.Tensor | None = None,  # [num_work] int32 distinct sequences, default all
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    rotation: Rotation = "query",  # see Rotation: "query", "key" or "none"
+    rotation: Rotation = "query",  # see Rotation: "query", "key", "prerotated" (with query_rotations) or "none"
     chunk_scaling: ChunkScaling | None = None,  # APE on flagged blocks (None: plain attention)
     key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim] the new tokens' K, as in the cache
     value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim] their V
@@ -525,6 +544,7 @@ def paged_prefill(
     num_stages: int | None = None,
     key_scale: torch.Tensor | None = None,  # [num_cache_blocks, block_size, num_kv_heads] float32 (FP8 caches)
     value_scale: torch.Tensor | None = None,  # [num_cache_blocks, block_size, num_kv_heads] float32
+    query_rotations: QueryRotations | None = None,  # rotation="prerotated": plan_query_rotations' layout
 ) -> torch.Tensor:
     """Deferred-RoPE paged attention of every new token of the listed sequences (see module doc).
 
@@ -532,7 +552,11 @@ def paged_prefill(
     rows would race on the staged query) are written to ``out``; a sequence with no keys
     (padding) gets zeros. ``rotation``: ``"query"`` (default) rotates the query tile by ``-delta``
     once per chunk; ``"key"`` rotates every K tile by ``delta`` in registers (same result, more
-    work: kept to measure the difference); ``"none"`` compiles the rotation out: the same result
+    work: kept to measure the difference); ``"prerotated"`` rotates the rows beforehand, once per
+    sequence and nonzero delta (:func:`~lazyattn_rag.kernels.query_rotation.rotate_queries`, with
+    the layout ``query_rotations`` from :func:`~lazyattn_rag.kernels.query_rotation.plan_query_rotations`
+    over the same tables), and the kernel loads them per run: the same result as ``"query"``;
+    ``"none"`` compiles the rotation out: the same result
     where every block's delta is 0 (the engine's batches without a moved chunk), and a
     measure of its cost elsewhere.
     ``chunk_scaling``: keys of blocks flagged ``scaled`` are scored by APE's temperature and
@@ -556,7 +580,8 @@ def paged_prefill(
         ValueError, NotImplementedError: inputs the kernel would misread
             (:func:`~lazyattn_rag.kernels.launch.check_inputs`), an unknown ``rotation``, an
             ``out`` of another dtype than ``query`` or overlapping its memory (the kernel stages
-            the rotated query in ``out``), ``step_tma=True`` where descriptors cannot be had
+            the rotated query in ``out``), ``rotation="prerotated"`` without ``query_rotations``
+            (or ``query_rotations`` with another rotation), ``step_tma=True`` where descriptors cannot be had
             (no ``key``/``value``, their layout, the installed Triton).
 
     Example:
@@ -576,9 +601,17 @@ def paged_prefill(
                              interleaved=interleaved, out=out, seq_ids=seq_ids, key_scale=key_scale,
                              value_scale=value_scale)
     out, seq_ids = launch.out, launch.seq_ids
-    code = rotation_code(rotation)
+    code = rotation_code(rotation, ("query", "key", "none", "prerotated"))
+    if (rotation == "prerotated") != (query_rotations is not None):
+        raise ValueError('rotation="prerotated" takes query_rotations (plan_query_rotations), no other rotation does')
     if seq_ids.numel() == 0 or max_query_len == 0:
         return out
+    if query_rotations is not None:
+        q_rot = rotate_queries(query, query_rotations, cu_seqlens_q, max_query_len, launch.inv_freq, interleaved)
+        rotated = (q_rot, query_rotations.deltas, query_rotations.num_deltas, query_rotations.row_base)
+        rotated_strides = (q_rot.stride(0), q_rot.stride(1))
+    else:  # unused pointers: any tensor of the right kind
+        rotated, rotated_strides = (query, block_tables, seq_lens, seq_lens), (0, 0)
     cfg = _default_config(head_dim, block_size, launch.interpreter, query.element_size(), max_query_len,
                           max_context_len, _shared_bytes(query.device))
     block_m = block_m or cfg["block_m"]
@@ -597,10 +630,13 @@ def paged_prefill(
     prefill_kernel[grid](
         query, key_cache, value_cache, *launch.scales, out, step_k, step_v, *(descriptors or (step_k, step_v)),
         block_tables, key_starts, runs.starts, runs.num_runs, num_blocks_per_seq, seq_lens, cu_seqlens_q, seq_ids,
-        launch.inv_freq, launch.sm_scale_log2, scaling["chunk_inv_temperature"], scaling["chunk_log2_weight"],
+        launch.inv_freq, *rotated, launch.sm_scale_log2, scaling["chunk_inv_temperature"],
+        scaling["chunk_log2_weight"],
         *launch.strides,
         *(key.stride(0), key.stride(1), value.stride(0), value.stride(1)) if in_step else (0, 0, 0, 0),
+        *rotated_strides,
         block_tables.stride(0), key_starts.stride(0), runs.starts.stride(0),
+        rotated[1].stride(0) if query_rotations is not None else 0,
         max(1, max_blocks + 1).bit_length(),
         **launch.constexprs,
         BLOCK_M=block_m,
