@@ -21,6 +21,8 @@ MODES = ("lazy", "block_attention", "prefix", "full")
 TIERED_MODES = ("lazy+host",)  # lazy with a host-memory tier below the KV budget (issue 17)
 # "lazy+fp8" (or lazy+fp8_e5m2): lazy over an FP8 KV cache (CacheConfig.kv_cache_dtype, issue 42), the
 # same KV budget in bytes holding about twice the tokens.
+# "lazy+prerot": lazy with the triton backend's prefill reading queries rotated beforehand
+# (TritonAttentionBackend.prerotate_queries, issue 43): the same results, to time the two.
 # "lazy+head<k>": lazy with the first k tokens of every document recomputed per request
 # (CacheConfig.recompute_chunk_head_tokens, issue 20), e.g. lazy+head16.
 # "lazy+sel<r>": lazy with r % of every document's tokens recomputed per request (selective
@@ -145,6 +147,8 @@ def mode_cache_settings(mode: str) -> tuple[str, dict]:
         return mode, {}
     if mode in TIERED_MODES:
         return "lazy", {"host": True}
+    if mode == "lazy+prerot":
+        return "lazy", {"prerotate": True}
     if m := re.fullmatch(r"lazy\+(fp8(?:_e4m3|_e5m2)?)", mode):  # lazy over an FP8 KV cache (issue 42)
         return "lazy", {"kv_cache_dtype": m.group(1)}
     if (m := re.fullmatch(r"lazy\+head(\d+)(rest)?", mode)) and int(m.group(1)) >= 1:
@@ -158,7 +162,8 @@ def mode_cache_settings(mode: str) -> tuple[str, dict]:
         return "lazy", {"chunk_attention_scaling": True, "chunk_attention_weight": setting[1],
                         "chunk_attention_scope": "head"}
     raise ValueError(f"unknown serving mode {mode!r}: one of {', '.join(MODES + TIERED_MODES)}, lazy+head<k>, "
-                     "lazy+sel<r %>, lazy+ape<T %>[w<W %>], lazy+sink<W %>, lazy+head<k>rest, lazy+fp8[_e4m3|_e5m2]")
+                     "lazy+sel<r %>, lazy+ape<T %>[w<W %>], lazy+sink<W %>, lazy+head<k>rest, lazy+fp8[_e4m3|_e5m2], "
+                     "lazy+prerot")
 
 
 def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_batched: int, max_seqs: int,
@@ -171,10 +176,12 @@ def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_bat
     but the first); ``"lazy+sel<r>"``:
     ``lazy`` recomputing ``r`` % of each document's tokens (selective recompute); ``"lazy+ape<T>"``:
     ``lazy`` reading documents with chunk attention scaling at temperature ``T`` %; ``"lazy+sink<W>"``:
-    ``lazy`` weighting each document's first block by ``W`` %; ``torch_compile``:
+    ``lazy`` weighting each document's first block by ``W`` %; ``"lazy+prerot"``: ``lazy`` with the
+    prefill reading queries rotated beforehand (triton backend); ``torch_compile``:
     ``EngineConfig.torch_compile``; ``cache_fields``: more ``CacheConfig`` fields, e.g.
     ``{"learn_passages": False}``)."""
     mode, remedy = mode_cache_settings(mode)
+    prerotate = remedy.pop("prerotate", False)
     config = EngineConfig(device=device, dtype=str(next(bench.model.parameters()).dtype).removeprefix("torch."),
                           attention_backend=backend, prompt=PROMPT, cuda_graphs=cuda_graphs,
                           torch_compile=torch_compile,
@@ -184,8 +191,15 @@ def make_engine(bench: Bench, mode: str, budget_bytes: int, device: str, max_bat
                                             **remedy, **(cache_fields or {})),
                           scheduler=SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs,
                                                     prefill_with_encodes=prefill_with_encodes))
-    return LazyAttention.from_model(bench.model, bench.tokenizer, config, name="random",
-                                    weights_sha256=bench.weights_sha256)
+    llm = LazyAttention.from_model(bench.model, bench.tokenizer, config, name="random",
+                                   weights_sha256=bench.weights_sha256)
+    if prerotate:  # a triton-backend switch, not an engine option (the results are the same)
+        backend = llm.engine.runner.backend
+        if not hasattr(backend, "prerotate_queries"):
+            llm.close()
+            raise ValueError(f"mode lazy+prerot needs the triton attention backend, not {backend.name!r}")
+        backend.prerotate_queries = True
+    return llm
 
 
 def release(llm: LazyAttention) -> None:

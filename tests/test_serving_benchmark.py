@@ -124,3 +124,16 @@ def test_bad_arch_or_missing_device_is_a_usage_error(results, args, message):
     result = CliRunner().invoke(serving.app, ["sweep", *args, "--num-requests", "2"])
     assert result.exit_code == 2 and message in result.output, result.output
     assert not list(results.iterdir())  # nothing written
+
+
+def test_the_prerotated_mode_switches_the_triton_backend_and_refuses_another():
+    from benchmarks.serving_setup import make_engine
+
+    bench = Bench.build("tiny", "cpu", "float32", hash_weights=False)
+    llm = make_engine(bench, "lazy+prerot", 8 << 20, "cpu", 256, 2, backend="triton", cuda_graphs=False)
+    try:
+        assert llm.engine.runner.backend.prerotate_queries is True
+    finally:
+        release(llm)
+    with pytest.raises(ValueError, match="mode lazy\\+prerot needs the triton attention backend, not 'torch'"):
+        make_engine(bench, "lazy+prerot", 8 << 20, "cpu", 256, 2, backend="torch")

@@ -62,6 +62,24 @@ def test_any_delta_reaches_the_prefill_launch():
     torch.testing.assert_close(right[first:], unrotated[first:], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kind", ["mixed", "prefill_negative_delta", "prefill_cancelling_deltas", "prefill_no_delta"])
+def test_queries_rotated_beforehand_give_the_same_output_bit_for_bit(kind):
+    """``prerotate_queries`` (issue 43): the prefill reads each chunk's queries rotated by a small
+    kernel first; the result equals the in-kernel rotation's exactly, decode rows in the batch too."""
+    seqs, k_cache, v_cache, g = make_batch(KINDS[kind], 16, 2, 64, torch.bfloat16, seed=4)
+    n = sum(s.query_len for s in seqs)
+    query = torch.randn(n, 4, 64, generator=g).to(DEVICE, torch.bfloat16)
+    key = torch.randn(n, 2, 64, generator=g).to(DEVICE, torch.bfloat16)
+    backend = TritonAttentionBackend(make_rotary(64), 4, 2, 64, 0.125)
+    default = backend.forward(query, key, key, k_cache.clone(), v_cache.clone(), build_attention_metadata(seqs, 16, DEVICE))
+    backend.prerotate_queries = True
+    md = build_attention_metadata(seqs, 16, DEVICE)
+    for _ in range(2):  # the second layer reuses the step's layout
+        assert torch.equal(backend.forward(query, key, key, k_cache.clone(), v_cache.clone(), md), default)
+    planned = md.backend_state["triton"].query_rotations
+    assert (planned is not None) == md.any_delta and (kind != "prefill_no_delta") == md.any_delta
+
+
 def test_torch_backend_refuses_a_rotation_it_has_no_form_for():
     """The torch backend forces ``rotation`` "query" or "key" (None: its own choice); "none" has no form there."""
     seqs, k_cache, v_cache, g = make_batch(KINDS["decode"], 16, 2, 64, torch.float32, seed=1)

@@ -77,6 +77,9 @@ class AttentionMetadata:
         any_delta: whether any block of the batch has a nonzero RoPE offset ``delta`` (a chunk
             placed away from its encoding position), known on the host; ``False`` lets a
             backend leave out its rotation code (the same result). ``True`` when not known.
+        host_block_tables: ``block_tables`` as built on the host, or ``None`` (a CUDA-graph
+            decode step plans on the device); read by a backend that plans from the deltas on
+            the host (the triton backend's queries rotated beforehand).
         slot_copies: :class:`SlotCopies` each layer makes between its write and its attention
             (:meth:`AttentionBackend.copy_step_slots`), or ``None``.
         backend_state: per-backend derived data (e.g. gather indices), built lazily once.
@@ -93,6 +96,7 @@ class AttentionMetadata:
     query_lens: list[int]
     seq_lens_list: list[int]
     any_delta: bool = True
+    host_block_tables: torch.Tensor | None = None
     slot_copies: SlotCopies | None = None
     backend_state: dict[str, Any] = field(default_factory=dict)
 
@@ -159,4 +163,5 @@ def build_attention_metadata(
         query_lens=query_lens,
         seq_lens_list=seq_lens,
         any_delta=bool((block_tables >> DELTA_SHIFT).any()),  # delta: the words' signed top bits
+        host_block_tables=block_tables,
     )

@@ -20,6 +20,7 @@ There is no fallback: without CUDA this backend runs only under ``TRITON_INTERPR
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,6 +33,7 @@ from lazyattn_rag.types.cache_config import KV_CACHE_DTYPES
 
 if TYPE_CHECKING:
     from lazyattn_rag.kernels.launch import BlockRuns
+    from lazyattn_rag.kernels.query_rotation import QueryRotations
 
 # The kernels (and triton, ~0.4 s to import) load on first use: the CPU engine imports this module
 # (engine/worker/cuda_graphs.py uses plan_decode_batch) without ever running a kernel.
@@ -47,6 +49,7 @@ class _TritonPlan:
     max_prefill_query_len: int
     max_prefill_context_len: int  # cached keys before a prefill sequence's new tokens, at most
     num_rows: int  # rows of the batch that belong to a sequence
+    query_rotations: QueryRotations | None = None  # prerotate_queries: the step's layout, planned once
 
 
 def _plan(metadata: AttentionMetadata, device: torch.device) -> _TritonPlan:
@@ -96,8 +99,26 @@ def plan_decode_batch(metadata: AttentionMetadata, seq_ids: torch.Tensor) -> Non
     )
 
 
+def _query_rotations(plan: _TritonPlan, metadata: AttentionMetadata, device: torch.device) -> QueryRotations:
+    """The step's pre-rotated query layout, planned from the host tables on the first layer."""
+    if plan.query_rotations is None:
+        from lazyattn_rag.kernels.query_rotation import plan_query_rotations
+
+        cu = torch.tensor([0, *itertools.accumulate(metadata.query_lens)], dtype=torch.int32)
+        host = metadata.host_block_tables  # entries past a row's blocks are 0 (delta 0: nothing to rotate)
+        plan.query_rotations = plan_query_rotations(host, torch.full((host.shape[0],), host.shape[1]), cu, device)
+    return plan.query_rotations
+
+
 class TritonAttentionBackend(AttentionBackend):
     """Fused deferred-RoPE paged attention; see the module docstring.
+
+    Attributes:
+        prerotate_queries: prefill batches with a moved chunk read each chunk's queries rotated
+            beforehand by a small kernel (``rotation="prerotated"``,
+            ``kernels/query_rotation.py``) instead of rotating them in the attention loop: the
+            same result bit for bit. Off by default until the GPU measurement of issue 43
+            says which is faster; benchmarks set it on an engine's backend to compare.
 
     Raises:
         NotImplementedError: (at construction) a head layout the kernels do not cover
@@ -114,6 +135,7 @@ class TritonAttentionBackend(AttentionBackend):
         from lazyattn_rag.kernels.launch import rope_layout
 
         rope_layout(head_dim, rotary.rotary_dim, rotary.interleaved)  # fail early on unsupported shapes
+        self.prerotate_queries = False
 
     def plan_graph_decode(self, metadata, seq_ids):
         plan_decode_batch(metadata, seq_ids)
@@ -147,6 +169,9 @@ class TritonAttentionBackend(AttentionBackend):
                 chunk_scaling=self.chunk_scaling, key_scale=key_scale, value_scale=value_scale,
             )
         if plan.prefill_ids is not None:
+            rotation, rotations = ("query" if metadata.any_delta else "none"), None  # no chunk moved: nothing to rotate
+            if metadata.any_delta and self.prerotate_queries and metadata.host_block_tables is not None:
+                rotation, rotations = "prerotated", _query_rotations(plan, metadata, query.device)
             paged_prefill(
                 q, key_cache, value_cache, metadata.block_tables, metadata.num_blocks_per_seq,
                 metadata.seq_lens, metadata.cu_seqlens_q, plan.max_prefill_query_len, inv_freq, self.scale,
@@ -154,7 +179,7 @@ class TritonAttentionBackend(AttentionBackend):
                 seq_ids=plan.prefill_ids, out=out, chunk_scaling=self.chunk_scaling,
                 key=key, value=value,  # the new tokens' K/V as just stored
                 max_context_len=plan.max_prefill_context_len,
-                rotation="query" if metadata.any_delta else "none",  # no chunk moved: nothing to rotate
+                rotation=rotation, query_rotations=rotations,
                 key_scale=key_scale, value_scale=value_scale,
             )
         return out if out.dtype == query.dtype else out.to(query.dtype)
