@@ -607,7 +607,9 @@ def paged_prefill(
     if seq_ids.numel() == 0 or max_query_len == 0:
         return out
     if query_rotations is not None:
-        q_rot = rotate_queries(query, query_rotations, cu_seqlens_q, max_query_len, launch.inv_freq, interleaved)
+        q_rot = query  # no rows to rotate (no delta but 0): a pointer the kernel never reads
+        if query_rotations.num_rows:
+            q_rot = rotate_queries(query, query_rotations, cu_seqlens_q, max_query_len, launch.inv_freq, interleaved)
         rotated = (q_rot, query_rotations.deltas, query_rotations.num_deltas, query_rotations.row_base)
         rotated_strides = (q_rot.stride(0), q_rot.stride(1))
     else:  # unused pointers: any tensor of the right kind

@@ -76,6 +76,17 @@ def test_prerotated_queries_give_the_in_kernel_rotations_result_bit_for_bit(dtyp
     assert (unrotated.float() - ref.float()).abs().max() > 1e-2  # the rows really are rotated
 
 
+def test_a_batch_with_nothing_to_rotate_reads_the_query_as_given():
+    case = make_case([SeqSpec([(20, 0)], own_len=9, query_len=9), SPECS[1]], num_heads=4, num_kv_heads=2,
+                     head_dim=64, device=DEVICE, seed=5)
+    plan = layout(case)
+    assert plan.num_rows == 0 and plan.num_deltas.tolist() == [0, 0]
+    args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.num_blocks_per_seq,
+            case.seq_lens, case.cu_seqlens_q, case.max_query_len, case.inv_freq, case.scale)
+    assert torch.equal(paged_prefill(*args, rotation="prerotated", query_rotations=plan),
+                       paged_prefill(*args, rotation="query"))
+
+
 def test_the_rotation_and_its_layout_go_together():
     case = make_case(SPECS[:2], num_heads=2, num_kv_heads=1, head_dim=16, device=DEVICE, seed=4)
     args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.num_blocks_per_seq,
