@@ -1,15 +1,18 @@
 """FP8 KV cache, decode attention (issue 42): our decode kernel reading FP8 rows and their per-token
 scales, against the same kernel on bfloat16 and against cuDNN's bfloat16 SDPA on dense K/V, on one GPU.
 
-Shapes (Llama-3.1-8B heads, 32 q / 8 kv, d 128; the layout of ``benchmarks/kernels.py``: a head
-plus 4 chunks at distinct offsets per sequence, block size 16, blocks scattered over the pool):
-batch 32 x 8k and batch 1 x 20k. For each shape the variants run in interleaved rounds (bf16,
-FP8, cuDNN, then again), each a median of CUDA-graph replays with a cold L2 (``bench_ms``); a
-variant's figure is the median over rounds. Reported per variant: ms, decode tokens/s (batch /
-time: one token per sequence per step) and GB/s (the bytes that variant reads: bfloat16 K/V, or
-FP8 K/V plus one float32 scale per token and KV head for K and for V). FP8 tile shapes are swept
-(``block_n``, stages) next to the default launch (128 keys a tile at d128 where bf16 takes 64). Sanity: the FP8 kernel against the bfloat16
-kernel on the dequantized data (relative error) and against the bfloat16 data (the rounding).
+Shapes (Llama-3.1-8B heads, 32 q / 8 kv, d 128, block size 16, blocks scattered over the pool):
+batch 32 x 8k and batch 1 x 20k (the layout of ``benchmarks/kernels.py``: a head plus 4 chunks
+at distinct offsets per sequence), and batch 16 x 2,720 (a decode step of the serving sweep: a
+64-token head and 5 documents of 512 per sequence). For each shape the variants run in
+interleaved rounds (bf16, FP8, cuDNN, the FP8 launch variants, then again), each a median of
+CUDA-graph replays with a cold L2 (``bench_ms``); a variant's figure is the median over rounds.
+Reported per variant: ms, decode tokens/s (batch / time: one token per sequence per step) and
+GB/s (the bytes that variant reads: bfloat16 K/V, or FP8 K/V plus one float32 scale per token
+and KV head for K and for V). The FP8 variants (``FP8_LAUNCHES``) change the tile (``block_n``,
+stages), the split count, or go back to bfloat16 dots (``fp8_dots_f16=False``). Sanity: the FP8
+kernel against the bfloat16 kernel on the dequantized data (relative error) and against the
+bfloat16 data (the rounding).
 
     python benchmarks/fp8_decode.py --out benchmarks/results/fp8_decode_h200.json
 """

@@ -94,6 +94,13 @@ def main() -> None:
                      ROTATION=ROTATION_CODES[rotation], FP8_DOTS_F16=False)
             print(f"decode   d{head_dim:<3} g{group}    n{bn} split {split:d} w4 s{stages}   {rotation:<8}  "
                   f"{resources(decode.decode_kernel, c, 4, stages)}")
+    fp8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    for split, stages in ((False, 2), (True, 3)):  # FP8 caches (issue 42): 128-key tiles, float16 dots or not
+        for f16 in (True, False):
+            c = dict(rope(128), GROUP=4, BLOCK_G=16, BLOCK_N=128, TILE_BLOCKS=8, SPLIT_KV=split,
+                     ROTATION=ROTATION_CODES["query"], KV_SCALED=True, FP8_DOTS_F16=f16)
+            print(f"decode   d128 g4    n128 split {split:d} w4 s{stages}   fp8, {'f16' if f16 else 'bf16'} dots  "
+                  f"{resources(decode.decode_kernel, c, 4, stages, fp8)}")
 
 
 if __name__ == "__main__":

@@ -181,11 +181,12 @@ def decode_kernel(
                 p = tl.math.exp2(s * score_scale + (score_bias - m_new)[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 acc = acc * alpha[:, None]
-                if FP8_DOTS_F16:  # weights times V scale / the tile's largest (float16's range), then
-                    v_top = tl.maximum(tl.max(v_scale, axis=0), 1.0e-30)  # times that largest in float32
-                    p = p * (v_scale / v_top)[None, :]
+                if FP8_DOTS_F16:  # weights times V scales, over each row's largest (float16's range),
+                    p = p * v_scale[None, :]  # then the row's product times that largest in float32
+                    row_top = tl.maximum(tl.max(p, axis=1), 1.0e-30)  # [BLOCK_G]
                     pv = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-                    acc += mma(p.to(dtype), v, pv, DOT_PRECISION, DOT_UPCAST) * v_top
+                    p = (p * (1.0 / row_top)[:, None]).to(dtype)
+                    acc += mma(p, v, pv, DOT_PRECISION, DOT_UPCAST) * row_top[:, None]
                 else:
                     if KV_SCALED:  # each key's weight times its V scale: P @ (V * scale) without a scaled tile
                         p = p * v_scale[None, :]
@@ -331,8 +332,10 @@ def paged_decode(
     widened for the dots, never rescaled element by element). With a bfloat16 or float16 query both
     dots take float16 inputs (``fp8_dots_f16``): every FP8 value is exact in float16, whose widening
     from FP8 is one instruction on sm_89+ where bfloat16's goes through float32; the query must then
-    stay within float16's range (|q| < 65504), and each tile's softmax weights are multiplied by
-    their V scales over the tile's largest V scale, the dot's result by that largest in float32.
+    stay within float16's range (|q| < 65504), and each tile's softmax weights times their V
+    scales are divided by their row's largest before the dot (so the row's heaviest key weighs
+    1.0 in float16), the dot's result multiplied by it in float32. GPUs before sm_89 (no FP8
+    conversion instruction) keep bfloat16 dots.
     Compiled, the V tile is widened in registers where it is loaded
     (:func:`~lazyattn_rag.kernels.triton_helpers.fp8_to_f16`).
 
@@ -399,7 +402,8 @@ def paged_decode(
         SPLIT_KV=num_splits > 1,
         ROTATION=code,
         CHUNK_SCALING=scaling["CHUNK_SCALING"],
-        FP8_DOTS_F16=fp8 and fp8_dots_f16 and query.dtype in (torch.bfloat16, torch.float16),
+        FP8_DOTS_F16=fp8 and fp8_dots_f16 and query.dtype in (torch.bfloat16, torch.float16)
+        and (interpreter or torch.cuda.get_device_capability(query.device) >= (8, 9)),  # the cvt needs sm_89
         num_warps=num_warps or 4,
         num_stages=num_stages or default_stages,
     )

@@ -341,12 +341,13 @@ def prefill_kernel(
                     tl.debug_barrier()  # every thread's stores are visible to the loads below
                 qa = tl.load(tl.where(rotated, r_ptrs, q_ptrs), mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
             elif ROTATION == 3:  # rows rotated by -delta beforehand: only loaded here
-                k = 0
+                k = -1
                 for j in range(0, qr_count):  # a handful of deltas: the run's is among them
                     k = tl.where(tl.load(qr_row + j) == delta, j, k)
-                r_rows = (qr_base + k * q_len + offs_m).to(tl.int64) * stride_rt + head * stride_rh  # [BLOCK_M]
+                # (k < 0 only for a layout planned from other tables: never read past its rows)
+                r_rows = (qr_base + tl.maximum(k, 0) * q_len + offs_m).to(tl.int64) * stride_rt + head * stride_rh
                 r_ptrs = q_rot_ptr + r_rows[:, None] + offs_d[None, :]  # [BLOCK_M, HEAD_DIM]
-                qa = tl.load(tl.where(delta != 0, r_ptrs, q_ptrs), mask=row_ok[:, None], other=0.0)
+                qa = tl.load(tl.where((delta != 0) & (k >= 0), r_ptrs, q_ptrs), mask=row_ok[:, None], other=0.0)
             else:
                 qa = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
             if ROTATION == 2:  # R_delta on each K tile; angles once per run
@@ -603,7 +604,11 @@ def paged_prefill(
     out, seq_ids = launch.out, launch.seq_ids
     code = rotation_code(rotation, ("query", "key", "none", "prerotated"))
     if (rotation == "prerotated") != (query_rotations is not None):
-        raise ValueError('rotation="prerotated" takes query_rotations (plan_query_rotations), no other rotation does')
+        raise ValueError(f'rotation="prerotated" takes query_rotations (plan_query_rotations), no other rotation '
+                         f'does; got rotation={rotation!r} with query_rotations '
+                         f'{"given" if query_rotations is not None else "None"}')
+    if query_rotations is not None:
+        query_rotations.check(block_tables.shape[0], query.device)
     if seq_ids.numel() == 0 or max_query_len == 0:
         return out
     if query_rotations is not None:

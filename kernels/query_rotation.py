@@ -15,8 +15,8 @@ delta) for all query heads, and the prefill kernel (``rotation="prerotated"``) o
   for its new tokens ``i``, each the query rotated by ``-deltas[s, k]`` and rounded to the query's
   dtype exactly as the in-kernel rotation rounds it.
 
-Its pure-PyTorch counterpart is :meth:`RotaryEmbedding.cos_sin`'s rotation (``reference.py``);
-the tests compare the prefill reading these rows with the in-kernel rotation bit for bit.
+Its pure-PyTorch reference is :func:`~lazyattn_rag.kernels.reference.rotate` (float32); the tests
+also compare the prefill reading these rows with the in-kernel rotation bit for bit.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from lazyattn_rag.kernels.triton_helpers import rotated_rows, rotation
 
 @dataclass(frozen=True)
 class QueryRotations:
-    """Where each sequence's pre-rotated query rows go (:func:`plan_query_rotations`).
+    """Where each sequence's pre-rotated query rows go (:func:`plan_query_rotations`), valid for
+    the block tables it was planned from (one step).
 
     Attributes:
         deltas: ``[num_seqs, max_deltas]`` int64: each sequence's distinct nonzero deltas, in
@@ -49,16 +50,24 @@ class QueryRotations:
     row_base: torch.Tensor
     num_rows: int
 
+    def check(self, num_seqs: int, device: torch.device) -> None:
+        """``ValueError`` unless the layout covers ``num_seqs`` sequences on ``device`` (what
+        :func:`~lazyattn_rag.kernels.prefill.paged_prefill` can check without reading the GPU)."""
+        if self.deltas.shape[0] != num_seqs or self.deltas.device != device:
+            raise ValueError(f"query_rotations covers {self.deltas.shape[0]} sequences on {self.deltas.device}; "
+                             f"the block tables have {num_seqs} on {device}")
+
 
 def plan_query_rotations(block_tables: torch.Tensor, num_blocks_per_seq: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                         device: torch.device | str) -> QueryRotations:
-    """The layout of every sequence's rotated query rows, from host copies of the step's tables.
+                         device: torch.device | str, seqs: list[int] | None = None) -> QueryRotations:
+    """The layout of the sequences' rotated query rows, from host copies of the step's tables.
 
     Args:
         block_tables: ``[num_seqs, max_blocks]`` int64 packed words, on the CPU.
         num_blocks_per_seq: ``[num_seqs]`` used entries per row, on the CPU.
         cu_seqlens_q: ``[num_seqs + 1]`` new-token offsets, on the CPU.
         device: where the layout's tensors go (the kernels' device).
+        seqs: the sequences whose rows are rotated (the ones the prefill runs); ``None``: all.
 
     Raises:
         ValueError: a table on another device than the CPU (reading it would wait for the GPU).
@@ -68,9 +77,10 @@ def plan_query_rotations(block_tables: torch.Tensor, num_blocks_per_seq: torch.T
         if t.device.type != "cpu":
             raise ValueError(f"plan_query_rotations reads {name} on the host; got a tensor on {t.device}")
     query_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    chosen = set(range(len(query_lens)) if seqs is None else seqs)
     per_seq: list[list[int]] = []
-    for row, n in zip(block_tables, num_blocks_per_seq.tolist()):
-        deltas = (row[:n] >> DELTA_SHIFT).tolist()
+    for s, (row, n) in enumerate(zip(block_tables, num_blocks_per_seq.tolist())):
+        deltas = (row[:n] >> DELTA_SHIFT).tolist() if s in chosen else []
         per_seq.append([d for d in dict.fromkeys(deltas) if d != 0])  # distinct, in table order
     width = max(1, max((len(d) for d in per_seq), default=0))
     table = torch.zeros(len(per_seq), width, dtype=torch.int64)

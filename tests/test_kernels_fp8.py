@@ -61,6 +61,30 @@ def test_decode_reads_fp8_rows_times_their_scales(fp8, dtype, num_splits):
     assert (ref - unscaled).abs().max() > 1e-3  # the FP8 rounding is really in the reference
 
 
+def test_float16_dots_keep_a_heavy_key_with_a_small_v_scale_exact():
+    """One tile's V scales spanning 10**6 (every 8th key: a huge V its query all but ignores): the
+    keys that carry the output have V scales 10**6 below the tile's largest, and their softmax
+    weights times those scales must not fall into float16's subnormals (normalized per row)."""
+    case = make_case([SeqSpec(chunks=[], own_len=64)], num_heads=4, num_kv_heads=1, head_dim=32,
+                     dtype=torch.float16, device=DEVICE, seed=1)
+    g = torch.Generator().manual_seed(0)
+    query = torch.zeros_like(case.query)
+    query[..., 0] = 4.0
+    valid = ~torch.isnan(case.key_cache.float().cpu())
+    k = torch.where(valid, torch.randn(valid.shape, generator=g) * 0.1, torch.nan)
+    v = torch.where(valid, torch.randn(valid.shape, generator=g) * 1e-2, torch.nan)
+    k[:, ::8] = torch.where(valid[:, ::8], 0.0, torch.nan)
+    k[:, ::8, :, 0] = torch.where(valid[:, ::8, :, 0], -40.0, torch.nan)  # weight ~1e-28: ignored
+    v[:, ::8] = torch.where(valid[:, ::8], torch.randn(v[:, ::8].shape, generator=g) * 1e4, torch.nan)
+    (k8, ks), (v8, vs) = quantize_rows(k.to(DEVICE, torch.float16), FP8[0]), quantize_rows(v.to(DEVICE, torch.float16), FP8[0])
+    args = (query, k8, v8, case.block_tables, case.num_blocks_per_seq, case.cu_seqlens_q)
+    out = paged_decode(*args, 64, case.inv_freq, case.scale, num_splits=1, key_scale=ks, value_scale=vs)
+    ref = decode_reference(*args, case.inv_freq, case.scale, key_scale=ks, value_scale=vs)
+    assert vs.nan_to_num().amax() / vs[vs > 0].amin() > 1e5
+    rel_err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel_err < 2e-3, rel_err  # 2.6e-4; normalized by the tile's largest V scale instead: 2.7e-2
+
+
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype,rotation,step_kv", [(torch.float32, "query", True), (torch.float32, "key", False),
                                                     (torch.bfloat16, "query", False), (torch.bfloat16, "query", True)])

@@ -39,6 +39,13 @@ def test_the_layout_lists_each_sequences_distinct_nonzero_deltas_in_table_order(
     assert plan.num_rows == 130
 
 
+def test_the_layout_of_chosen_sequences_only():
+    case = make_case(SPECS, num_heads=2, num_kv_heads=1, head_dim=16, device="cpu", seed=1)
+    plan = plan_query_rotations(case.block_tables, case.num_blocks_per_seq, case.cu_seqlens_q, "cpu", seqs=[3, 2])
+    assert plan.num_deltas.tolist() == [0, 0, 2, 1] and plan.row_base.tolist() == [0, 0, 0, 2]
+    assert plan.deltas[2, :2].tolist() == [5, -3] and plan.num_rows == 2 + 33
+
+
 def test_the_layout_reads_host_tables_only():
     case = make_case(SPECS[:1], num_heads=2, num_kv_heads=1, head_dim=16, device="cpu", seed=1)
     with pytest.raises(ValueError, match="reads block_tables on the host; got a tensor on meta"):
@@ -87,11 +94,28 @@ def test_a_batch_with_nothing_to_rotate_reads_the_query_as_given():
                        paged_prefill(*args, rotation="query"))
 
 
+def test_listed_sequences_read_their_rows_and_leave_the_others_alone():
+    case = make_case(SPECS, num_heads=4, num_kv_heads=2, head_dim=64, device=DEVICE, seed=6)
+    args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.num_blocks_per_seq,
+            case.seq_lens, case.cu_seqlens_q, case.max_query_len, case.inv_freq, case.scale)
+    seq_ids = torch.tensor([3, 0], dtype=torch.int32, device=DEVICE)
+    plan = plan_query_rotations(case.block_tables.cpu(), case.num_blocks_per_seq.cpu(), case.cu_seqlens_q.cpu(),
+                                case.query.device, seqs=[3, 0])
+    pre = paged_prefill(*args, rotation="prerotated", query_rotations=plan, seq_ids=seq_ids,
+                        out=torch.full_like(case.query, 7.0))
+    assert torch.equal(pre, paged_prefill(*args, rotation="query", seq_ids=seq_ids, out=torch.full_like(case.query, 7.0)))
+    cu = case.cu_seqlens_q.tolist()
+    assert torch.all(pre[cu[1]:cu[3]] == 7.0)  # sequences 1 and 2 were not listed
+
+
 def test_the_rotation_and_its_layout_go_together():
     case = make_case(SPECS[:2], num_heads=2, num_kv_heads=1, head_dim=16, device=DEVICE, seed=4)
     args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.num_blocks_per_seq,
             case.seq_lens, case.cu_seqlens_q, case.max_query_len, case.inv_freq, case.scale)
-    with pytest.raises(ValueError, match='rotation="prerotated" takes query_rotations'):
+    with pytest.raises(ValueError, match="takes query_rotations .* got rotation='prerotated' with query_rotations None"):
         paged_prefill(*args, rotation="prerotated")
-    with pytest.raises(ValueError, match='rotation="prerotated" takes query_rotations'):
+    with pytest.raises(ValueError, match="got rotation='query' with query_rotations given"):
         paged_prefill(*args, rotation="query", query_rotations=layout(case))
+    other = make_case(SPECS[:1], num_heads=2, num_kv_heads=1, head_dim=16, device=DEVICE, seed=4)
+    with pytest.raises(ValueError, match="query_rotations covers 1 sequences on .*; the block tables have 2 on"):
+        paged_prefill(*args, rotation="prerotated", query_rotations=layout(other))

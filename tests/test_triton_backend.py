@@ -78,6 +78,8 @@ def test_queries_rotated_beforehand_give_the_same_output_bit_for_bit(kind):
         assert torch.equal(backend.forward(query, key, key, k_cache.clone(), v_cache.clone(), md), default)
     planned = md.backend_state["triton"].query_rotations
     assert (planned is not None) == md.any_delta and (kind != "prefill_no_delta") == md.any_delta
+    if planned is not None:  # rows for the prefill's sequences only (decode rows rotate in their own kernel)
+        assert [n > 0 for n in planned.num_deltas.tolist()] == [len(c) > 0 and q > 1 for c, _, q in KINDS[kind]]
 
 
 def test_torch_backend_refuses_a_rotation_it_has_no_form_for():

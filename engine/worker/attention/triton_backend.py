@@ -106,7 +106,9 @@ def _query_rotations(plan: _TritonPlan, metadata: AttentionMetadata, device: tor
 
         cu = torch.tensor([0, *itertools.accumulate(metadata.query_lens)], dtype=torch.int32)
         host = metadata.host_block_tables  # entries past a row's blocks are 0 (delta 0: nothing to rotate)
-        plan.query_rotations = plan_query_rotations(host, torch.full((host.shape[0],), host.shape[1]), cu, device)
+        prefill = [i for i, q in enumerate(metadata.query_lens) if q > 1]  # the rows the prefill reads
+        plan.query_rotations = plan_query_rotations(host, torch.full((host.shape[0],), host.shape[1]), cu, device,
+                                                    seqs=prefill)
     return plan.query_rotations
 
 
