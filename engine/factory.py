@@ -146,9 +146,8 @@ def _assemble(model: CausalLM, tokenizer: Any, config: EngineConfig, weights_sha
     limit = arch.max_position_embeddings if not window else min(window, arch.max_position_embeddings)
     max_model_len, block_size = min(config.max_model_len or limit, limit), config.cache.block_size
     backend = _make_backend(config.attention_backend, device, model, config.cache)
-    if config.cache.kv_cache_dtype not in backend.supported_kv_cache_dtypes:
-        raise ValueError(f"the {backend.name!r} attention backend reads kv_cache_dtype "
-                         f"{backend.supported_kv_cache_dtypes}, not {config.cache.kv_cache_dtype!r}")
+    if reason := backend.kv_cache_dtype_error(config.cache.kv_cache_dtype, device):
+        raise ValueError(f"{reason}, not {config.cache.kv_cache_dtype!r}")
     layout = KVLayout.for_model(arch, block_size, dtype, config.cache.kv_cache_dtype)
     block_bytes = layout.bytes_per_block
     num_blocks = config.cache.num_blocks or max(1, _kv_budget(config, device) // block_bytes)

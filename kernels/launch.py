@@ -42,6 +42,16 @@ Rotation = Literal["query", "key", "none", "prerotated"]
 ROTATION_CODES: dict[str, int] = {"none": 0, "query": 1, "key": 2, "prerotated": 3}  # the kernels' ROTATION constexpr
 
 
+def fp8_dtype_error(kv_cache_dtype: str, capability: tuple[int, int] | None) -> str | None:
+    """Why the kernels cannot read ``kv_cache_dtype`` on a GPU of compute ``capability``
+    (``None``: the interpreter, which reads every dtype), or ``None``: Triton's e4m3 type
+    (``"fp8"``, ``"fp8_e4m3"``) needs sm_89 or newer (Ada, Hopper); e5m2 runs on sm_80 too."""
+    if capability is not None and kv_cache_dtype in ("fp8", "fp8_e4m3") and tuple(capability) < (8, 9):
+        return (f"FP8 e4m3 K/V need a GPU of compute capability 8.9 or newer (this one is "
+                f"{capability[0]}.{capability[1]}); use kv_cache_dtype 'fp8_e5m2' or 'auto'")
+    return None
+
+
 def rotation_code(rotation: str, supported: tuple[str, ...] = ("query", "key", "none")) -> int:
     """The ``ROTATION`` constexpr for ``rotation``; ``ValueError`` if the kernel does not support it."""
     if rotation not in supported:

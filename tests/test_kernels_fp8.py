@@ -180,3 +180,14 @@ def test_triton_backend_matches_torch_backend_on_fp8_caches(fp8, kind):
     assert_close(out, expected, dtype, kind)
     for got, want in zip(caches, ref_caches):  # the same bytes written (NaN canaries where nothing was)
         torch.testing.assert_close(got.cpu().float(), want.cpu().float(), equal_nan=True, rtol=0, atol=0)
+
+
+def test_e4m3_caches_are_refused_by_name_on_gpus_before_sm89():
+    from lazyattn_rag.kernels.launch import fp8_dtype_error
+
+    for dtype in ("fp8", "fp8_e4m3"):
+        assert fp8_dtype_error(dtype, (8, 0)) == ("FP8 e4m3 K/V need a GPU of compute capability 8.9 or newer "
+                                                  "(this one is 8.0); use kv_cache_dtype 'fp8_e5m2' or 'auto'")
+        assert fp8_dtype_error(dtype, (8, 9)) is None and fp8_dtype_error(dtype, (9, 0)) is None
+        assert fp8_dtype_error(dtype, None) is None  # the interpreter
+    assert fp8_dtype_error("fp8_e5m2", (8, 0)) is None and fp8_dtype_error("auto", (7, 5)) is None

@@ -55,6 +55,13 @@ class AttentionBackend(ABC):
     # model's dtype); the engine refuses any other at start-up.
     supported_kv_cache_dtypes: tuple[str, ...] = ("auto",)
 
+    def kv_cache_dtype_error(self, kv_cache_dtype: str, device: torch.device) -> str | None:
+        """Why this backend cannot read ``kv_cache_dtype`` on ``device`` (``None``: it can);
+        the engine refuses it at start-up with this reason."""
+        if kv_cache_dtype not in self.supported_kv_cache_dtypes:
+            return f"the {self.name!r} attention backend reads kv_cache_dtype {self.supported_kv_cache_dtypes}"
+        return None
+
     def __init__(self, rotary: RotaryEmbedding, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  chunk_scaling: ChunkScaling | None = None):
         """``chunk_scaling``: APE's temperature and weight for keys of flagged blocks

@@ -139,6 +139,12 @@ class TritonAttentionBackend(AttentionBackend):
         rope_layout(head_dim, rotary.rotary_dim, rotary.interleaved)  # fail early on unsupported shapes
         self.prerotate_queries = False
 
+    def kv_cache_dtype_error(self, kv_cache_dtype, device):
+        from lazyattn_rag.kernels.launch import fp8_dtype_error
+
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        return super().kv_cache_dtype_error(kv_cache_dtype, device) or fp8_dtype_error(kv_cache_dtype, capability)
+
     def plan_graph_decode(self, metadata, seq_ids):
         plan_decode_batch(metadata, seq_ids)
 
