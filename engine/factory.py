@@ -219,7 +219,7 @@ def describe(engine: LLMEngine) -> dict:
     anchors = int(planner.anchor_key in keys)
     heads = int(planner.head_key in keys and planner.head_key != planner.anchor_key)
     return {
-        **{k: info[k] for k in ("model", "model_type", "device", "dtype", "attention_backend")},
+        **{k: info[k] for k in ("model", "model_type", "device", "dtype", "kv_cache_dtype", "attention_backend")},
         "max_model_len": engine.max_model_len,
         "default_sampling": {k: v for k, v in dataclasses.asdict(engine.default_sampling).items()
                              if v != getattr(SamplingParams(), k)},

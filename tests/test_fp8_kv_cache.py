@@ -56,6 +56,7 @@ def test_the_engine_with_fp8_matches_transformers_with_the_cached_kv_rounded_ali
     hf, llm = make_llm(kv_cache_dtype=kv_cache_dtype)
     assert llm.engine.runner.kv_pool.layout.format_name() == f"{FP8[kv_cache_dtype]}".removeprefix("torch.") \
         + "/per_token_head"
+    assert llm.info()["kv_cache_dtype"] == kv_cache_dtype  # what `lazyattn info` prints
     for i, n in enumerate([15, 16, 37]):
         llm.add_document(f"d{n}", words(n, start=i * 30))
     question = "w5 w6 w7"
