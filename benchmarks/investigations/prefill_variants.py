@@ -3,12 +3,14 @@
 Side by side in one process (``benchmarks/kernels.py``'s ``launch_options``: interleaved
 ``--repeats`` times, median of triton's ``do_bench`` over CUDA-graph replays, L2 flushed): today's
 kernel with its default launch (the ``default``), today's kernel with the rotation compiled out
-(``rotation="none"``: what the rotation costs), today's kernel reading the step's K/V through
-pointers (``step_tma=False``: what the tensor descriptors give), and each ``--variant`` file (a
+(``rotation="none"``: what the rotation costs), today's kernel reading queries rotated
+beforehand (``rotation="prerotated"``, issue 43: the small rotating kernel included), today's
+kernel reading the step's K/V through pointers (``step_tma=False``: what the tensor descriptors
+give), and each ``--variant`` file (a
 whole ``kernels/prefill.py``: an earlier commit's, or one made from a patch in
 ``benchmarks/investigations/variants/``). Llama-3.1-8B heads (32/8, d128, bf16, block 16), the new tokens' K/V
 handed to the kernel as the engine does. Shapes: ``kernels.py``'s 4k new tokens after 12k in 4
-chunks, ``prefill_ab.py``'s four serving-shaped batches, a 16k prompt, and a 20k prompt whose K/V
+chunks, four serving-shaped batches (:func:`serving_shapes`), a 16k prompt, and a 20k prompt whose K/V
 are views of one fused q/k/v product (the engine's layout). Each variant's largest difference from
 the default's output is recorded (a variant marked "timing" in its patch computes something else).
 
@@ -23,6 +25,7 @@ Write-up: docs/history/benchmarks-log.md, "Issue 19, eighth pass" (and "ninth pa
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -33,11 +36,31 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.kernels_setup import BLOCK_SIZE, build_paged, inv_freq_for, launch_options, prefill_segments
-from benchmarks.investigations.prefill_ab import load_kernel_module, shapes as serving_shapes
 from lazyattn_rag.kernels import prefill as current
 from lazyattn_rag.kernels.launch import block_key_starts, block_runs
+from lazyattn_rag.kernels.query_rotation import plan_query_rotations
 
 HEADS, KV_HEADS, HEAD_DIM, THETA = 32, 8, 128, 500000.0
+
+
+def serving_shapes() -> dict:
+    """name -> (per-sequence segments ``[(length, delta), ...]``, new tokens per sequence): batches
+    as the serving sweep's steps make them (5 documents of 512 at distinct offsets per request)."""
+    chunks = lambda b: [(512, 700 * c + 13 * b) for c in range(5)]  # noqa: E731 - 5 chunks at distinct offsets
+    return {
+        "16 requests: 5 chunks x 512 cached + 64 new": ([chunks(b) + [(64, 0)] for b in range(16)], 64),
+        "16 encodes of 512 tokens (delta 0)": ([[(512, 0)] for _ in range(16)], 512),
+        "4 requests: 5 chunks x 512 cached + 512 new": ([chunks(b) + [(512, 0)] for b in range(4)], 512),
+        "1 prompt of 8192 tokens (delta 0)": ([[(8192, 0)]], 8192),
+    }
+
+
+def load_kernel_module(path: str):
+    """A whole ``kernels/prefill.py`` from ``path`` (an earlier commit's, or a patched one)."""
+    spec = importlib.util.spec_from_file_location("earlier_prefill", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def all_shapes() -> dict:
@@ -85,6 +108,9 @@ def compare(segs, q_len: int, fused: bool, variants: dict, repeats: int, device)
 
     options = {name: dict(module=module) for name, module in variants.items()}
     options["now, rotation off"] = dict(rotation="none")
+    options["now, queries rotated beforehand"] = dict(  # planned on the host once, as per engine step
+        rotation="prerotated", query_rotations=plan_query_rotations(P["block_tables"].cpu(), P["num_blocks"].cpu(),
+                                                                    cu.cpu(), device))
     options["now, step K/V through pointers"] = dict(step_tma=False)
     return launch_options(launch, options, 4 * HEADS * HEAD_DIM * pairs, "TFLOPs", per=1e9, repeats=repeats)
 
