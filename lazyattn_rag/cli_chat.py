@@ -21,7 +21,7 @@ DOCS_HELP = (f"A folder of {', '.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files (re
 
 @cli_opts.with_engine_options("Where converted models and indexes are cached.")
 def chat(
-    question: list[str] = typer.Option([], "--question", "-q",
+    question: list[str] = typer.Option([], "--question", "-q", metavar="TEXT",
                                        help="Ask this and exit (repeatable; later questions reuse cached chunks). "
                                             "Without it: interactive."),
     follow_up: bool = typer.Option(False, "--follow-up", metavar=cli_opts.FLAG,
