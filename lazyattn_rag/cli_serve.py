@@ -110,7 +110,7 @@ def serve(
                                              help="Python's thread switch interval in each engine replica (ms): "
                                                   "how long a thread handing over a request or a token may wait "
                                                   "for the GIL (Python's default: 5)."),
-    api_key: list[str] = typer.Option([], "--api-key", envvar="LAZYATTN_API_KEY", show_envvar=True,
+    api_key: list[str] = typer.Option([], "--api-key", metavar="KEY", envvar="LAZYATTN_API_KEY", show_envvar=True,
                                       help="A key requests must carry (Authorization: Bearer KEY), allowed every "
                                            "namespace; repeat for several (the variable: separated by spaces)."),
     api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", exists=True, dir_okay=False,

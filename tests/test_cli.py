@@ -86,6 +86,12 @@ def test_help_shows_boolean_flags_as_flags(command):
         assert line.split(flag, 1)[1].lstrip(" │")[0].isupper(), line  # the help text follows, no type
 
 
+def test_no_help_shows_a_python_list_type():
+    for command in (["serve"], ["cache", "info"], ["cache", "clear"], ["cache", "warm"]):
+        result = runner().invoke(app, [*command, "--help"])
+        assert result.exit_code == 0 and "<list" not in result.output, (command, result.output)
+
+
 def test_chat_help_lists_every_accepted_docs_suffix():
     """Every suffix is listed, and at 80 columns none is cut to an ellipsis (a slash-joined list
     has no place to wrap)."""
