@@ -252,9 +252,10 @@ def _num_sms(device: torch.device) -> int:
 PROGRAMS_PER_SM, FILL_EXPONENT, SPLIT_COST, MAX_SPLITS = 3, 0.4, 0.008, 64
 # FP8 caches' programs take ~183 registers and 106 KB of shared memory at 3 stages (the FP8 tiles'
 # pipeline plus the V tile widened to float16 for ldmatrix.trans; sm_90a compiled offline, where
-# the bf16 program takes 142 and 39 KB): 2 resident per multiprocessor by either limit. Sized for 3, a serving step (16 sequences x 2.7k over
-# 5 documents, H100) ran 3 splits, a wave and a half: 0.085 ms, slower than bf16's 0.081, against
-# 0.068 at the 2 splits this count gives (benchmarks/results/fp8_decode_h100.json).
+# the bf16 program takes 142 and 39 KB): 2 resident per multiprocessor by either limit. Sized for
+# 3, a serving step (16 sequences x 2.7k over 5 documents, H100) ran 3 splits, a wave and a half:
+# 0.085 ms, slower than bf16's 0.081, against 0.068 at the 2 splits this count gives
+# (benchmarks/results/fp8_decode_h100.json).
 FP8_PROGRAMS_PER_SM = 2
 
 

@@ -227,10 +227,10 @@ def prefill_kernel(
     stride_ot, stride_oh,  # out strides (tokens, heads)
     stride_nkt, stride_nkh, stride_nvt, stride_nvh,  # new tokens' K and V strides (tokens, heads)
     stride_rt, stride_rh,  # q_rot strides (rows, heads) (ROTATION 3)
+    stride_qrd,  # qr_deltas row stride (ROTATION 3)
     stride_bt,  # block_tables row stride
     stride_ksr,  # key_starts row stride
     stride_rsr,  # run_starts row stride
-    stride_qrd,  # qr_deltas row stride (ROTATION 3)
     search_steps,  # int: bit length of max_blocks + 1, binary-search iterations
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
@@ -344,10 +344,10 @@ def prefill_kernel(
                 k = -1
                 for j in range(0, qr_count):  # a handful of deltas: the run's is among them
                     k = tl.where(tl.load(qr_row + j) == delta, j, k)
-                # (k < 0 only for a layout planned from other tables: never read past its rows)
+                # k < 0: delta 0 (never listed), or a layout planned from other tables (never read past it)
                 r_rows = (qr_base + tl.maximum(k, 0) * q_len + offs_m).to(tl.int64) * stride_rt + head * stride_rh
                 r_ptrs = q_rot_ptr + r_rows[:, None] + offs_d[None, :]  # [BLOCK_M, HEAD_DIM]
-                qa = tl.load(tl.where((delta != 0) & (k >= 0), r_ptrs, q_ptrs), mask=row_ok[:, None], other=0.0)
+                qa = tl.load(tl.where(k >= 0, r_ptrs, q_ptrs), mask=row_ok[:, None], other=0.0)
             else:
                 qa = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
             if ROTATION == 2:  # R_delta on each K tile; angles once per run
@@ -616,9 +616,9 @@ def paged_prefill(
         if query_rotations.num_rows:
             q_rot = rotate_queries(query, query_rotations, cu_seqlens_q, max_query_len, launch.inv_freq, interleaved)
         rotated = (q_rot, query_rotations.deltas, query_rotations.num_deltas, query_rotations.row_base)
-        rotated_strides = (q_rot.stride(0), q_rot.stride(1))
+        rotated_strides = (q_rot.stride(0), q_rot.stride(1), query_rotations.deltas.stride(0))
     else:  # unused pointers: any tensor of the right kind
-        rotated, rotated_strides = (query, block_tables, seq_lens, seq_lens), (0, 0)
+        rotated, rotated_strides = (query, block_tables, seq_lens, seq_lens), (0, 0, 0)
     cfg = _default_config(head_dim, block_size, launch.interpreter, query.element_size(), max_query_len,
                           max_context_len, _shared_bytes(query.device))
     block_m = block_m or cfg["block_m"]
@@ -643,7 +643,6 @@ def paged_prefill(
         *(key.stride(0), key.stride(1), value.stride(0), value.stride(1)) if in_step else (0, 0, 0, 0),
         *rotated_strides,
         block_tables.stride(0), key_starts.stride(0), runs.starts.stride(0),
-        rotated[1].stride(0) if query_rotations is not None else 0,
         max(1, max_blocks + 1).bit_length(),
         **launch.constexprs,
         BLOCK_M=block_m,

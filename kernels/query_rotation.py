@@ -21,6 +21,7 @@ also compare the prefill reading these rows with the in-kernel rotation bit for 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -78,19 +79,14 @@ def plan_query_rotations(block_tables: torch.Tensor, num_blocks_per_seq: torch.T
             raise ValueError(f"plan_query_rotations reads {name} on the host; got a tensor on {t.device}")
     query_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
     chosen = set(range(len(query_lens)) if seqs is None else seqs)
-    per_seq: list[list[int]] = []
-    for s, (row, n) in enumerate(zip(block_tables, num_blocks_per_seq.tolist())):
-        deltas = (row[:n] >> DELTA_SHIFT).tolist() if s in chosen else []
-        per_seq.append([d for d in dict.fromkeys(deltas) if d != 0])  # distinct, in table order
-    width = max(1, max((len(d) for d in per_seq), default=0))
-    table = torch.zeros(len(per_seq), width, dtype=torch.int64)
-    bases, base = [], 0
-    for s, deltas in enumerate(per_seq):
-        table[s, :len(deltas)] = torch.tensor(deltas, dtype=torch.int64)
-        bases.append(base)
-        base += len(deltas) * query_lens[s]
-    return QueryRotations(table.to(device), torch.tensor([len(d) for d in per_seq], dtype=torch.int32).to(device),
-                          torch.tensor(bases, dtype=torch.int32).to(device), base)
+    rows = (block_tables >> DELTA_SHIFT).tolist()  # every word's delta, one conversion
+    per_seq = [[d for d in dict.fromkeys(row[:n]) if d != 0] if s in chosen else []  # distinct, table order
+               for s, (row, n) in enumerate(zip(rows, num_blocks_per_seq.tolist()))]
+    width = max(1, max(map(len, per_seq), default=0))
+    bases = [0, *itertools.accumulate(len(d) * q for d, q in zip(per_seq, query_lens))]
+    return QueryRotations(torch.tensor([d + [0] * (width - len(d)) for d in per_seq], dtype=torch.int64).to(device),
+                          torch.tensor([len(d) for d in per_seq], dtype=torch.int32).to(device),
+                          torch.tensor(bases[:-1], dtype=torch.int32).to(device), bases[-1])
 
 
 @triton.jit

@@ -4,9 +4,10 @@ dequantize).
 
 A row ``x`` (one token's K or V of one KV head, ``head_dim`` values) is stored as
 ``round(x / scale)`` in FP8 with ``scale = max|x| / fp8_max`` (448 for e4m3, 57344 for e5m2;
-``1`` where that is 0: a row of zeros, or of float32 values below ~3e-43 whose scale underflows), and read as ``fp8 * scale`` in float32. One scale per row keeps a
-token's outliers from costing the other tokens their precision, and a row's bytes and scale are
-final once written, so a chunk encoded over several steps, or moved between tiers, never changes.
+``1`` where that is 0: a row of zeros, or of float32 values below ~3e-43 whose scale underflows),
+and read as ``fp8 * scale`` in float32. One scale per row keeps a token's outliers from costing
+the other tokens their precision, and a row's bytes and scale are final once written, so a chunk
+encoded over several steps, or moved between tiers, never changes.
 Keys are stored rotated at their local positions (DESIGN.md); the deferred rotation is applied to
 the query, or to the dequantized key, after this. Scheme and measurements: docs/quality.md
 (issue 42: per token and head scored closest to full precision of the four schemes tried).
@@ -46,7 +47,7 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     # a tensor divisor: CUDA divides a tensor by a Python number as a multiply by its reciprocal,
     # one unit in the last place off the kernels' correctly rounded division now and then
     scales = amax / torch.full_like(amax, limit)
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # zero rows, and float32 rows so tiny it underflows
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # zero rows, and rows whose scale underflows
     return (x / scales[..., None]).clamp(-limit, limit).to(dtype), scales
 
 
