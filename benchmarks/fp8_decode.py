@@ -55,7 +55,9 @@ SHAPES = [(32, 8192, decode_segments), (1, 20480, decode_segments), (16, 2720, s
 FP8_LAUNCHES = {"block_n=64": dict(block_n=64),
                 "block_n=128,stages=2": dict(block_n=128, num_stages=2),
                 "splits=1": dict(num_splits=1), "splits=2": dict(num_splits=2),
-                "bf16 dots": dict(fp8_dots_f16=False)}  # the tiles widened to bfloat16 (before 2026-12-06)
+                "bf16 dots": dict(fp8_dots_f16=False),  # the tiles widened to bfloat16 (before 2026-12-06)
+                "warps=8": dict(num_warps=8), "warps=8,block_n=256": dict(num_warps=8, block_n=256),
+                "warps=8,splits=2": dict(num_warps=8, num_splits=2)}
 
 
 def bench_shape(cfg: dict, batch: int, context: int, layout, rounds: int, device) -> dict:
@@ -94,6 +96,7 @@ def bench_shape(cfg: dict, batch: int, context: int, layout, rounds: int, device
     cudnn, how = sdpa_runner("cudnn", qd, P["k_dense"], P["v_dense"])
     variants = {"bf16": ours(False), "fp8": ours(True), "cudnn_bf16": cudnn}
     variants |= {f"fp8 {name}": ours(True, **launch) for name, launch in FP8_LAUNCHES.items()}
+    variants["bf16 warps=8"] = ours(False, num_warps=8)  # the bf16 kernel gets the same offer
     times = {name: [] for name in variants}
     for _ in range(rounds):
         for name, fn in variants.items():

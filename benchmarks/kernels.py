@@ -37,8 +37,13 @@ import argparse
 import json
 import math
 import platform
+import sys
 import time
 import traceback
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make ``benchmarks.*`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import triton
