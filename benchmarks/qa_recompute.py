@@ -25,9 +25,14 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+
+# f(k, v, start) -> (k, v): one chunk's K/V of one layer, [1, kv_heads, n, head_dim], K rotated at
+# the local positions start .. start + n - 1
+KVTransform = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -96,10 +101,14 @@ class RecomputeReference:
         return self.hf(input_ids=x, position_ids=pos, **{cache_argument(type(self.hf)): cache},
                        use_cache=True).logits[0, -1]
 
-    def _encode_alone(self, chunks: list[list[int]]):
-        """Per-layer (K, V) ``[num_chunks, kv_heads, max_len, head_dim]``, each chunk from position 0."""
+    def _encode_alone(self, chunks: list[list[int]], anchor_ids: Sequence[int] = ()):
+        """Per-layer (K, V) ``[num_chunks, kv_heads, max_len, head_dim]``, each chunk encoded after
+        ``anchor_ids`` from position 0 (the anchor's own K/V dropped: chunk tokens at positions
+        ``len(anchor_ids) ..``)."""
         from transformers import DynamicCache
 
+        n = len(anchor_ids)
+        chunks = [list(anchor_ids) + list(c) for c in chunks]
         longest = max(len(c) for c in chunks)
         ids = torch.zeros((len(chunks), longest), dtype=torch.long)
         mask = torch.zeros((len(chunks), longest), dtype=torch.long)
@@ -110,7 +119,7 @@ class RecomputeReference:
         pos = torch.arange(longest)[None].expand(len(chunks), -1)
         self.hf(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), position_ids=pos.to(self.device),
                 **{cache_argument(type(self.hf)): cache}, use_cache=True)
-        return [(layer.keys, layer.values) for layer in cache.layers]
+        return [(layer.keys[:, :, n:], layer.values[:, :, n:]) for layer in cache.layers]
 
     def _shift_keys(self, k: torch.Tensor, delta: int) -> torch.Tensor:
         """Rotate K ``[1, kv_heads, n, d]`` (already at local positions) by ``delta`` positions, in float32."""
@@ -123,9 +132,16 @@ class RecomputeReference:
 
     @torch.no_grad()
     def first_token_logits(self, head_ids: list[int], chunk_ids: list[list[int]], tail_ids: list[int],
-                           recompute_tokens: int) -> torch.Tensor:
+                           recompute_tokens: int, **reuse) -> torch.Tensor:
         """``[vocab_size]`` logits of the first answer token (arguments as :meth:`generate`)."""
-        return self._prefill(head_ids, chunk_ids, tail_ids, recompute_tokens)[0]
+        return self._prefill(head_ids, chunk_ids, tail_ids, recompute_tokens, **reuse)[0]
+
+    @torch.no_grad()
+    def full_first_token_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """``[vocab_size]`` logits of the first answer token of a normal (full attention) prefill."""
+        from transformers import DynamicCache
+
+        return self._forward(list(prompt_ids), 0, DynamicCache())
 
     @torch.no_grad()
     def selected_first_token_logits(self, head_ids: list[int], chunk_ids: list[list[int]], tail_ids: list[int],
@@ -135,9 +151,11 @@ class RecomputeReference:
         alone (selective recompute's semantics, CacheBlend), composed token run by token run."""
         return self._prefill(head_ids, chunk_ids, tail_ids, 0, selected)[0]
 
-    def _prefill(self, head_ids, chunk_ids, tail_ids, recompute_tokens: int, selected=None):
+    def _prefill(self, head_ids, chunk_ids, tail_ids, recompute_tokens: int, selected=None,
+                 anchor_ids: Sequence[int] = (), kv_transform: KVTransform | None = None):
         """The composed prompt: ``(last-token logits, cache, next position)``; ``selected``
-        (per chunk, local indices to recompute) replaces the first ``recompute_tokens``.
+        (per chunk, local indices to recompute) replaces the first ``recompute_tokens``; chunks
+        encoded after ``anchor_ids`` and their K/V passed through ``kv_transform`` (see :meth:`generate`).
 
         Raises:
             ValueError: ``recompute_tokens < 0`` or no chunks.
@@ -146,7 +164,13 @@ class RecomputeReference:
 
         if recompute_tokens < 0 or not chunk_ids:
             raise ValueError(f"need recompute_tokens >= 0 and chunks; got {recompute_tokens}, {len(chunk_ids)} chunks")
-        alone = self._encode_alone(chunk_ids)
+        alone = self._encode_alone(chunk_ids, anchor_ids)
+        local = len(anchor_ids)
+        if kv_transform is not None:  # per chunk, its own tokens only (not the right padding)
+            alone = [[kv_transform(k[c:c + 1, :, :len(ids)], v[c:c + 1, :, :len(ids)], local)
+                      for c, ids in enumerate(chunk_ids)] for k, v in alone]
+        else:
+            alone = [[(k[c:c + 1], v[c:c + 1]) for c in range(len(chunk_ids))] for k, v in alone]
         cache = DynamicCache()
         if head_ids:
             self._forward(head_ids, 0, cache)
@@ -157,15 +181,16 @@ class RecomputeReference:
                 if is_fresh:
                     self._forward(ids[a:b], pos + a, cache)
                     continue
-                for layer, (k, v) in enumerate(alone):
-                    cache.update(self._shift_keys(k[c : c + 1, :, a:b], pos), v[c : c + 1, :, a:b], layer)
+                for layer, per_chunk in enumerate(alone):
+                    k, v = per_chunk[c]
+                    cache.update(self._shift_keys(k[:, :, a:b], pos - local), v[:, :, a:b], layer)
             pos += len(ids)
         logits = self._forward(tail_ids, pos, cache)
         return logits, cache, pos + len(tail_ids)
 
     @torch.no_grad()
     def generate(self, head_ids: list[int], chunk_ids: list[list[int]], tail_ids: list[int],
-                 recompute_tokens: int, max_tokens: int, stop=None) -> list[int]:
+                 recompute_tokens: int, max_tokens: int, stop=None, **reuse) -> list[int]:
         """Greedy answer token ids (without the EOS) for one prompt.
 
         Args:
@@ -175,12 +200,26 @@ class RecomputeReference:
             recompute_tokens: ``k``, tokens recomputed at the start of each chunk (>= 0).
             max_tokens: most tokens to generate (>= 1).
             stop: optional ``stop(token_ids) -> bool`` checked after each token; ``True`` ends the answer.
+            anchor_ids: keyword only: token ids each chunk is encoded after (``CacheConfig.anchor``;
+                default none); the chunk's K/V start at local position ``len(anchor_ids)``.
+            kv_transform: keyword only: ``f(k, v, start) -> (k, v)`` applied to each chunk's K/V
+                (``[1, kv_heads, len(chunk), head_dim]`` per layer, K rotated at the local positions
+                ``start ..``) before they are placed, e.g. an FP8 round trip.
         Raises:
             ValueError: ``recompute_tokens < 0``, ``max_tokens < 1`` or no chunks.
         """
+        return self.generate_with_first_logits(head_ids, chunk_ids, tail_ids, recompute_tokens, max_tokens, stop,
+                                               **reuse)[1]
+
+    @torch.no_grad()
+    def generate_with_first_logits(self, head_ids: list[int], chunk_ids: list[list[int]], tail_ids: list[int],
+                                   recompute_tokens: int, max_tokens: int, stop=None,
+                                   **reuse) -> tuple[torch.Tensor, list[int]]:
+        """:meth:`generate`'s answer with the first answer token's ``[vocab_size]`` logits (one prefill for both)."""
         if max_tokens < 1:
             raise ValueError(f"need max_tokens >= 1, got {max_tokens}")
-        logits, cache, pos = self._prefill(head_ids, chunk_ids, tail_ids, recompute_tokens)
+        logits, cache, pos = self._prefill(head_ids, chunk_ids, tail_ids, recompute_tokens, **reuse)
+        first = logits
         tokens: list[int] = []
         while True:
             token = int(logits.argmax())
@@ -191,4 +230,4 @@ class RecomputeReference:
                 break
             logits = self._forward([token], pos, cache)
             pos += 1
-        return tokens
+        return first, tokens

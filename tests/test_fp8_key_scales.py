@@ -48,3 +48,27 @@ def test_rotate_turns_each_half_split_pair_by_its_angle(position):
         a, b, theta = x[0, 0, i], x[0, 0, i + d // 2], angles[i].item()
         assert math.isclose(got[i].item(), a * math.cos(theta) - b * math.sin(theta), abs_tol=1e-9)
         assert math.isclose(got[i + d // 2].item(), a * math.sin(theta) + b * math.cos(theta), abs_tol=1e-9)
+
+
+@pytest.mark.parametrize("scheme,reduce_dims", [("pre_rope_per_channel", (1,)), ("pre_rope_per_tensor", (0, 1, 2))])
+def test_the_scalings_benchmark_rounds_keys_before_rope_and_rotates_them_back(scheme, reduce_dims):
+    """benchmarks/fp8_scalings.py gets rotated keys at local positions and rounds them before RoPE:
+    against keys made before RoPE here and rotated with this file's own angles."""
+    from benchmarks.fp8_scalings import scheme_transform
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=1e4))
+    torch.manual_seed(2)
+    k_pre = torch.randn(2, 11, 16) * torch.linspace(0.1, 8.0, 16)  # [kv_heads, n, d], channels of unlike size
+    start = 5
+    angles = torch.arange(start, start + 11)[:, None].float() * (1e4 ** (-torch.arange(0, 16, 2).float() / 16))
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    v = torch.randn(2, 11, 16)
+    k_out, v_out = scheme_transform(rotary, scheme)(rotate(k_pre, cos, sin)[None], v[None], start)
+    want = rotate(fp8_round_trip(k_pre, reduce_dims), cos, sin)
+    close = (k_out[0] - want).abs() <= 1e-5 * want.abs().amax()
+    assert close.float().mean() >= 0.99  # the rotation back and forth may move a value across a rounding boundary
+    assert torch.equal(v_out[0], fp8_round_trip(v, (2,)))  # values: one scale per token and KV head
+    per_token, _ = scheme_transform(rotary, "per_token")(rotate(k_pre, cos, sin)[None], v[None], start)
+    assert torch.equal(per_token[0], fp8_round_trip(rotate(k_pre, cos, sin), (2,)))

@@ -2,6 +2,7 @@
 is chunk reuse (the transformers oracle), with k >= every chunk's length it is a full prefill."""
 
 import pytest
+import torch
 
 from benchmarks.qa_recompute import RecomputeReference
 from tests.oracle import full_prefill_generate, oracle_generate
@@ -47,3 +48,34 @@ def test_stops_at_eos_and_stop_callback(hf):
     assert ref.generate(HEAD, CHUNKS, TAIL, 2, max_tokens=STEPS) == free[:1]
     with pytest.raises(ValueError):
         ref.generate(HEAD, [], TAIL, 0, max_tokens=STEPS)
+
+
+def test_chunks_after_an_anchor_are_the_oracles_anchored_reuse(hf):
+    ref = RecomputeReference.from_model(hf, eos_ids=set())
+    starts, pos = [], len(HEAD)
+    for c in CHUNKS:
+        starts.append(pos)
+        pos += len(c)
+    anchor = [1]
+    chunks = [([], HEAD, 0)] + [(anchor, c, g) for c, g in zip(CHUNKS, starts)]
+    expected, _ = oracle_generate(hf, chunks, TAIL, STEPS)
+    assert ref.generate(HEAD, CHUNKS, TAIL, 0, max_tokens=STEPS, anchor_ids=anchor) == expected
+    assert expected != ref.generate(HEAD, CHUNKS, TAIL, 0, max_tokens=STEPS)  # the anchor does change the answer
+
+
+def test_kv_transform_sees_each_chunk_alone_and_its_output_is_placed(hf):
+    ref = RecomputeReference.from_model(hf, eos_ids=set())
+    seen = []
+
+    def identity(k, v, start):
+        seen.append((k.shape[2], v.shape[2], start))
+        return k, v
+
+    plain = ref.first_token_logits(HEAD, CHUNKS, TAIL, 0, anchor_ids=[1])
+    assert torch.equal(ref.first_token_logits(HEAD, CHUNKS, TAIL, 0, anchor_ids=[1], kv_transform=identity), plain)
+    num_layers = hf.config.num_hidden_layers
+    assert seen == [(len(c), len(c), 1) for c in CHUNKS] * num_layers  # per layer, each chunk's own tokens
+    halved = ref.first_token_logits(HEAD, CHUNKS, TAIL, 0, anchor_ids=[1], kv_transform=lambda k, v, s: (k, v / 2))
+    assert (halved - plain).abs().max() > 1e-3
+    logits, tokens = ref.generate_with_first_logits(HEAD, CHUNKS, TAIL, 0, STEPS, anchor_ids=[1])
+    assert torch.equal(logits, plain) and tokens == ref.generate(HEAD, CHUNKS, TAIL, 0, STEPS, anchor_ids=[1])
