@@ -57,7 +57,11 @@ FP8_LAUNCHES = {"block_n=64": dict(block_n=64),
                 "splits=1": dict(num_splits=1), "splits=2": dict(num_splits=2),
                 "bf16 dots": dict(fp8_dots_f16=False),  # the tiles widened to bfloat16 (before 2026-12-06)
                 "warps=8": dict(num_warps=8), "warps=8,block_n=256": dict(num_warps=8, block_n=256),
-                "warps=8,splits=2": dict(num_warps=8, num_splits=2)}
+                "warps=8,splits=2": dict(num_warps=8, num_splits=2),
+                # smaller programs, more of them resident: 64 keys a tile with 2 to 4 splits
+                "block_n=64,splits=2": dict(block_n=64, num_splits=2), "block_n=64,splits=4": dict(block_n=64, num_splits=4),
+                "block_n=64,stages=2,splits=3": dict(block_n=64, num_stages=2, num_splits=3),
+                "splits=3": dict(num_splits=3)}
 
 
 def bench_shape(cfg: dict, batch: int, context: int, layout, rounds: int, device) -> dict:

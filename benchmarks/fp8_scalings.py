@@ -135,19 +135,26 @@ def main(argv=None) -> dict:
             for name, row in question_rows(ref, template, anchor_ids, ex, transforms, args.max_answer_tokens).items():
                 for metric, value in row.items():
                     per_question.setdefault(name, {}).setdefault(metric, []).append(value)
-        print(f"{dataset}: done", flush=True)
+        result = report(per_question)  # after each set: a run cut short keeps what it measured
+        write(args.out, {"environment": environment(), "command": command_line(), "model": str(path),
+                         "datasets": datasets[:datasets.index(dataset) + 1], "sample_size": args.sample_size,
+                         "dtype": args.dtype, "anchor": "bos", "fp8": "float8_e4m3fn", **result,
+                         "per_question": per_question})
+    return result
+
+
+def report(per_question: dict[str, dict[str, list[float]]]) -> dict:
+    """Means with 95 % intervals per scheme and metric, and each scheme's KL minus the engine's
+    per-token scheme's (paired by question); printed and returned."""
     summary = {name: {metric: (summarize_raw if metric.startswith("kl") else summarize)(values)
                       for metric, values in m.items()} for name, m in per_question.items()}
-    base = per_question["per_token"]["kl_vs_unrounded"]  # paired: each scheme's KL minus the engine's
-    summary_paired = {name: summarize_raw([a - b for a, b in zip(per_question[name]["kl_vs_unrounded"], base)])
-                      for name in SCHEMES if name != "per_token"}
+    base = per_question["per_token"]["kl_vs_unrounded"]
+    paired = {name: summarize_raw([a - b for a, b in zip(per_question[name]["kl_vs_unrounded"], base)])
+              for name in SCHEMES if name != "per_token"}
     for name, m in summary.items():
-        print(name, {metric: round(s["mean"], 4) for metric, s in m.items()})
-    print("KL minus per_token's, paired:", {name: round(s["mean"], 5) for name, s in summary_paired.items()})
-    return write(args.out, {"environment": environment(), "command": command_line(), "model": str(path),
-                            "datasets": datasets, "sample_size": args.sample_size, "dtype": args.dtype,
-                            "anchor": "bos", "fp8": "float8_e4m3fn", "summary": summary, "kl_minus_per_token": summary_paired,
-                            "per_question": per_question})
+        print(name, {metric: round(s["mean"], 4) for metric, s in m.items()}, flush=True)
+    print("KL minus per_token's, paired:", {name: round(s["mean"], 5) for name, s in paired.items()}, flush=True)
+    return {"summary": summary, "kl_minus_per_token": paired}
 
 
 if __name__ == "__main__":
