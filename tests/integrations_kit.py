@@ -245,6 +245,6 @@ class ChatSuiteSettings:
     # room for the structured output tests' two-sentence JSON jokes, whose strings the small model
     # repeats a phrase in until max_tokens cuts the JSON off without a frequency penalty (the other
     # tests keep the models' short max_tokens)
-    structured_output_kwargs = {"method": "json_schema", "max_tokens": 160, "frequency_penalty": 0.5}
+    structured_output_kwargs = {"method": "json_schema", "max_tokens": 160, "frequency_penalty": 1.5}
     supports_json_mode = False
 

@@ -20,14 +20,18 @@ def hf():
     return model
 
 
-def test_k0_is_chunk_reuse(hf):
-    ref = RecomputeReference.from_model(hf, eos_ids=set())
+def oracle_chunks(anchor: list[int]) -> list[tuple[list[int], list[int], int]]:
+    """The oracle's ``(anchor, ids, global start)`` of HEAD then CHUNKS, each chunk after ``anchor``."""
     starts, pos = [], len(HEAD)
     for c in CHUNKS:
         starts.append(pos)
         pos += len(c)
-    chunks = [([], HEAD, 0)] + [([], c, g) for c, g in zip(CHUNKS, starts)]
-    expected, _ = oracle_generate(hf, chunks, TAIL, STEPS)
+    return [([], HEAD, 0)] + [(anchor, c, g) for c, g in zip(CHUNKS, starts)]
+
+
+def test_k0_is_chunk_reuse(hf):
+    ref = RecomputeReference.from_model(hf, eos_ids=set())
+    expected, _ = oracle_generate(hf, oracle_chunks([]), TAIL, STEPS)
     assert ref.generate(HEAD, CHUNKS, TAIL, recompute_tokens=0, max_tokens=STEPS) == expected
 
 
@@ -52,13 +56,8 @@ def test_stops_at_eos_and_stop_callback(hf):
 
 def test_chunks_after_an_anchor_are_the_oracles_anchored_reuse(hf):
     ref = RecomputeReference.from_model(hf, eos_ids=set())
-    starts, pos = [], len(HEAD)
-    for c in CHUNKS:
-        starts.append(pos)
-        pos += len(c)
     anchor = [1]
-    chunks = [([], HEAD, 0)] + [(anchor, c, g) for c, g in zip(CHUNKS, starts)]
-    expected, _ = oracle_generate(hf, chunks, TAIL, STEPS)
+    expected, _ = oracle_generate(hf, oracle_chunks(anchor), TAIL, STEPS)
     assert ref.generate(HEAD, CHUNKS, TAIL, 0, max_tokens=STEPS, anchor_ids=anchor) == expected
     assert expected != ref.generate(HEAD, CHUNKS, TAIL, 0, max_tokens=STEPS)  # the anchor does change the answer
 
