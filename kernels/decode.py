@@ -253,9 +253,9 @@ PROGRAMS_PER_SM, FILL_EXPONENT, SPLIT_COST, MAX_SPLITS = 3, 0.4, 0.008, 64
 # FP8 caches' programs take ~180-183 registers and 75 KB of shared memory at their 2 stages (106 KB
 # at 3: the FP8 tiles' pipeline plus the V tile widened to float16 for ldmatrix.trans; sm_90a
 # compiled offline, where the bf16 program takes 142 and 39 KB): 2 resident per multiprocessor
-# (registers; maxnreg=168 would fit 3 but spills 80 B a thread). Sized for
-# 3, a serving step (16 sequences x 2.7k over 5 documents, H100) ran 3 splits, a wave and a half:
-# 0.085 ms, slower than bf16's 0.081, against 0.068 at the 2 splits this count gives
+# (registers; maxnreg=168 would fit 3 but spills 80 B a thread). Sized for 3, a serving step
+# (16 sequences x 2.7k over 5 documents, H100) ran 3 splits, a wave and a half: 0.085 ms, slower
+# than bf16's 0.081, against 0.068 at the 2 splits this count gives
 # (benchmarks/results/fp8_decode_h100.json).
 FP8_PROGRAMS_PER_SM = 2
 
@@ -368,8 +368,8 @@ def paged_decode(
     # twice the keys, the same bytes); wide tiles for launches with programs enough to fill the
     # GPU without a split (uses_wide_tiles).
     fp8 = key_cache.dtype in FP8_DTYPES
-    # FP8: 2 stages (75 KB of shared memory against 106 at 3; 0.0417 against 0.0426 ms at 1 x 20k and
-    # 0.0656 against 0.0662 at the serving step, H100, benchmarks/results/fp8_decode_warps_h100.json)
+    # FP8: 2 stages (see FP8_PROGRAMS_PER_SM; 0.0417 against 0.0426 ms at 1 x 20k and 0.0656 against
+    # 0.0662 at the serving step, H100, benchmarks/results/fp8_decode_warps_h100.json)
     default_block_n, default_stages = (32, 1) if interpreter else (max(64, 8192 // head_dim) * (2 if fp8 else 1),
                                                                     2 if fp8 else 3)
     if (not interpreter and block_n is None and num_stages is None and num_splits in (None, 1)

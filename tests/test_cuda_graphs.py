@@ -114,7 +114,7 @@ def test_graph_decode_steps_give_the_eager_outputs(make_llm, torch_compile):
     19, captured with their compiled kernels) give the eager engine's greedy tokens."""
     rng = random.Random(1)
     requests = [(words(rng.randint(1, 3), start=150 + i), rng.sample([f"d{j}" for j in range(5)], k=rng.randint(1, 3)))
-                for i in range(4)]
+                for i in range(5)]
     eager = graph_llm(make_llm, cuda_graphs=False)
     assert eager.engine.runner.graphs is None
     expected = run_concurrently(eager, requests)
@@ -138,7 +138,7 @@ def test_graph_decode_steps_with_chunk_attention_scaling(make_llm):
     from plain reuse's."""
     rng = random.Random(2)
     requests = [(words(rng.randint(1, 3), start=150 + i), rng.sample([f"d{j}" for j in range(5)], k=rng.randint(2, 3)))
-                for i in range(3)]
+                for i in range(4)]
     ape = dict(chunk_attention_scaling=True, chunk_attention_temperature=0.5, chunk_attention_weight=3.0)
     eager = graph_llm(make_llm, cuda_graphs=False, **ape)
     expected = run_concurrently(eager, requests)

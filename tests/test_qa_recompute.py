@@ -78,3 +78,18 @@ def test_kv_transform_sees_each_chunk_alone_and_its_output_is_placed(hf):
     assert (halved - plain).abs().max() > 1e-3
     logits, tokens = ref.generate_with_first_logits(HEAD, CHUNKS, TAIL, 0, STEPS, anchor_ids=[1])
     assert torch.equal(logits, plain) and tokens == ref.generate(HEAD, CHUNKS, TAIL, 0, STEPS, anchor_ids=[1])
+
+
+def test_a_prompt_run_again_reuses_its_chunks_encoding_and_gives_the_same_answer(hf):
+    ref = RecomputeReference.from_model(hf, eos_ids=set())
+    calls = []
+    hook = hf.register_forward_hook(lambda module, args, kwargs_out: calls.append(1))
+    try:
+        first = ref.generate(HEAD, CHUNKS, TAIL, 0, max_tokens=STEPS, anchor_ids=[1])
+        n = len(calls)
+        assert ref.generate(HEAD, CHUNKS, TAIL, 0, max_tokens=STEPS, anchor_ids=[1]) == first
+        assert len(calls) == 2 * n - 1  # every forward again but the chunks' encoding
+        ref.generate(HEAD, CHUNKS, TAIL, 0, max_tokens=STEPS)  # another anchor: encoded anew
+        assert len(calls) == 3 * n - 1
+    finally:
+        hook.remove()
