@@ -56,10 +56,10 @@ def test_pack_and_unpack_keep_the_model_and_its_logits():
     assert torch.equal(our_logits(ours, ids, 3), dense)  # the dense path exactly as before
 
 
-def test_cpu_engine_packs_by_default_and_not_when_told(make_llm):
-    _, llm = make_llm()
-    assert sum(isinstance(m, PackedLinear) for m in llm.engine.runner.model.modules()) == 4 * 2
-    _, off = make_llm(cpu_weight_packing=False)
+def test_cpu_engine_packs_only_when_told(make_llm):
+    _, on = make_llm(cpu_weight_packing=True)
+    assert sum(isinstance(m, PackedLinear) for m in on.engine.runner.model.modules()) == 4 * 2
+    _, off = make_llm()
     assert not any(isinstance(m, PackedLinear) for m in off.engine.runner.model.modules())
 
 

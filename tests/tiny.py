@@ -101,7 +101,7 @@ def hf_and_ours(cfg, seed: int = 0):
 
 def tiny_config(*, device: str = "cpu", attention_backend: str = "torch", prompt: PromptConfig = PROMPT,
                 max_model_len: int | None = None, cuda_graphs: bool = True, torch_compile: bool = False,
-                cpu_weight_packing: bool = True, cpu_threads: int | None = None,
+                cpu_weight_packing: bool = False, cpu_threads: int | None = None,
                 **cache_and_scheduler: Any) -> EngineConfig:
     """The tiny engines' configuration: float32, :data:`PROMPT`, 256 blocks of 16 tokens unless
     ``num_blocks`` says otherwise; the other keywords are :class:`SchedulerConfig` fields

@@ -1,10 +1,12 @@
-"""Linear layers whose weights are kept pre-packed for oneDNN: the CPU engine's matrix products.
+"""Linear layers whose weights are kept pre-packed for oneDNN: an option for the CPU engine.
 
 A request over cached documents computes only its question (tens of rows), so on a CPU each of
 its matrix products streams a whole weight matrix for a few rows. Through aten's default path
 (MKL's sgemm on the dense weight) the layers of SmolLM2-135M took 45.6 ms for 17 rows on the
-2-vCPU Sapphire Rapids machine the CPU benchmarks run on; through oneDNN with the weights
-reordered once into its blocked layout, 27.3 ms (measured in isolation). PyTorch ships that path
+2-vCPU machine of 2026-12-01; through oneDNN with the weights reordered once into its blocked
+layout, 27.3 ms (measured in isolation). On the 2-core machines measured since, the packed path
+is the slower one (decode 61 against 43 ms a token, ``docs/benchmarks.md``), so the engine uses
+it only when ``EngineConfig.cpu_weight_packing`` asks. PyTorch ships that path
 (``torch.utils.mkldnn``, whose ``MkldnnLinear`` is a TorchScript module); :class:`PackedLinear`
 calls the same operator from a plain module that keeps the dense parameters under their usual
 names (state dicts, fingerprints and ``.weight`` readers are unchanged).

@@ -82,11 +82,12 @@ class EngineConfig:
             rounding, not bit for bit.
         cpu_weight_packing: on the CPU in float32 (with torch's oneDNN), keep each decoder
             layer's linear weights reordered once into oneDNN's layout and multiply through it
-            (``engine/model/packed_linear.py``): the few rows of a request over cached documents take
-            ~40 % less time than through aten's default path (27.3 against 45.6 ms for a 17-row
-            step's layer products of SmolLM2 on 2 cores), for a
-            second copy of those weights in memory (425 MB for the default model). Results
-            match the dense path to float32 rounding. ``False``: the dense path.
+            (``engine/model/packed_linear.py``), for a second copy of those weights in memory
+            (425 MB for the default model). Off by default: on the 2-core machines measured last
+            (``benchmarks/serving.py cpu --layers dense --layers packed``, 2026-12-06) the dense
+            path took 85 against 94 ms to the first token over 3 cached documents and 43 against
+            61 ms a decoded token; packing won (~40 % on a 17-row step) only on the machine of
+            2026-12-01. Results match the dense path to float32 rounding.
         self_check: at start-up, compare the model's positions with transformers (the independent
             reference) and refuse to start on a mismatch (``SelfCheckError``): the rotary tables
             always (about a millisecond), and for a model directory small enough to load twice the
@@ -117,7 +118,7 @@ class EngineConfig:
     seed: int = 0
     cuda_graphs: bool = True
     torch_compile: bool = False
-    cpu_weight_packing: bool = True
+    cpu_weight_packing: bool = False
     self_check: bool = True
     generation_config: str = "auto"
     cpu_threads: int | None = None
