@@ -96,3 +96,25 @@ def _redis_server(directory):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def serve_cluster():
+    """``(base_url, port)``: a local Ray cluster with Serve's proxy on loopback, shared by the
+    test modules that run one after another (``tests/redis_server.py: SharedServe``); each module
+    deploys its application under its own name and deletes it at its end."""
+    from tests.redis_server import SHARED_SERVE
+
+    return SHARED_SERVE.start()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test that uses ``serve_cluster`` (the next does not, or none is left), and
+    after its module's own teardown: shut the shared cluster down."""
+    if nextitem is None or "serve_cluster" not in nextitem.fixturenames:
+        import sys
+
+        shared = sys.modules.get("tests.redis_server")
+        if shared is not None:
+            shared.SHARED_SERVE.stop()

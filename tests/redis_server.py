@@ -7,7 +7,6 @@ same port (a restart, empty: nothing is saved).
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import socket
 import subprocess
@@ -90,20 +89,41 @@ class RedisServer:
             process.wait(5)
 
 
-@contextlib.contextmanager
-def local_serve(port: int):
-    """A private local Ray cluster (2 CPUs, every process on loopback: ``start_ray``) with
-    Serve's HTTP proxy on ``127.0.0.1:port``, for one test module (``with local_serve(port) as
-    url:``; both shut down on leaving)."""
-    import ray
-    from ray import serve
+class SharedServe:
+    """A private local Ray cluster (2 CPUs, every process on loopback: ``start_ray``) with Serve's
+    HTTP proxy on a free ``127.0.0.1`` port, shared by consecutive test modules: :meth:`start`
+    starts it once (later calls return the running one), :meth:`stop` shuts Serve and Ray down
+    (idempotent). ``tests/conftest.py`` stops it after the last test that uses it, so an idle
+    cluster does not run beside the rest of the suite. Each module deploys its own application and
+    deletes it when done."""
 
-    from lazyattn_rag.serve.app import start_ray
+    def __init__(self):
+        self._running: tuple[str, int] | None = None
 
-    start_ray(num_cpus=2, logging_level="ERROR", log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    def start(self) -> tuple[str, int]:
+        """``(base_url, port)`` of the running cluster's proxy, starting it first if needed."""
+        if self._running is None:
+            from ray import serve
+
+            from lazyattn_rag.serve.app import start_ray
+
+            port = free_port()
+            start_ray(num_cpus=2, logging_level="ERROR", log_to_driver=False)
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            self._running = (f"http://127.0.0.1:{port}", port)
+        return self._running
+
+    def stop(self) -> None:
+        if self._running is None:
+            return
+        import ray
+        from ray import serve
+
+        self._running = None
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+SHARED_SERVE = SharedServe()

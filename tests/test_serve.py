@@ -43,20 +43,21 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, module_redis_server, tmp_path_factory):
+def server(model_dir, module_redis_server, serve_cluster, tmp_path_factory):
     """``(base_url, engine_config)`` of the app: 2 replicas, affinity routing with an imbalance
     threshold of 1 request, 1 MiB body limit."""
     from ray import serve
 
     from lazyattn_rag.serve import ServeConfig, build_app
-    from tests.redis_server import free_port, local_serve
 
     config = engine_config(model_dir, tmp_path_factory.mktemp("cache"), module_redis_server.url)
-    port = free_port()
-    with local_serve(port) as url:
-        serve.run(build_app(config, ServeConfig(num_replicas=2, num_cpus_per_replica=0, imbalanced_threshold=1,
-                                                max_body_bytes=1 << 20, port=port)), name=APP, route_prefix="/")
+    url, port = serve_cluster
+    serve.run(build_app(config, ServeConfig(num_replicas=2, num_cpus_per_replica=0, imbalanced_threshold=1,
+                                            max_body_bytes=1 << 20, port=port)), name=APP, route_prefix="/")
+    try:
         yield url, config
+    finally:
+        serve.delete(APP)
 
 
 @pytest.fixture(scope="module")

@@ -56,15 +56,17 @@ def start_app(config, port):
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir, module_redis_server, tmp_path_factory):
+def server(smollm2_dir, module_redis_server, serve_cluster, tmp_path_factory):
     """``(base_url, engine_config)``: one replica of SmolLM2, the registry in Redis."""
-    from tests.redis_server import free_port, local_serve
+    from ray import serve
 
     config = engine_config(smollm2_dir, tmp_path_factory.mktemp("cache"), module_redis_server.url)
-    port = free_port()
-    with local_serve(port) as url:
-        start_app(config, port)
+    url, port = serve_cluster
+    start_app(config, port)
+    try:
         yield url, config
+    finally:
+        serve.delete(APP)
 
 
 @pytest.fixture(scope="module")

@@ -30,13 +30,12 @@ KEYS = {"a": "sk-team-a", "b": "sk-team-b", "reader": "sk-team-a-reader", "admin
 
 
 @pytest.fixture(scope="module")
-def server(module_redis_server, tmp_path_factory):
+def server(module_redis_server, serve_cluster, tmp_path_factory):
     """``(base_url, disk_dir, redis_client)``: 2 replicas, keys for team-a (may manage documents),
     team-b (may manage), a team-a reader and an admin (``--api-key``: every namespace)."""
     from ray import serve
 
     from lazyattn_rag.serve import ServeConfig, build_app
-    from tests.redis_server import free_port, local_serve
 
     model_dir = tmp_path_factory.mktemp("model")
     hf, _ = hf_and_ours(hf_config())
@@ -53,12 +52,14 @@ def server(module_redis_server, tmp_path_factory):
         {"key": KEYS["b"], "namespaces": ["team-b"], "manage_documents": True},
         {"key": KEYS["reader"], "namespaces": ["team-a"], "name": "team-a reader"},
     ]}))
-    port = free_port()
-    with local_serve(port) as url:
-        serve.run(build_app(config, ServeConfig(num_replicas=2, num_cpus_per_replica=0, port=port,
-                                                api_keys=(KEYS["admin"],), api_key_file=str(key_file))),
-                  name=APP, route_prefix="/")
+    url, port = serve_cluster
+    serve.run(build_app(config, ServeConfig(num_replicas=2, num_cpus_per_replica=0, port=port,
+                                            api_keys=(KEYS["admin"],), api_key_file=str(key_file))),
+              name=APP, route_prefix="/")
+    try:
         yield url, disk, redis.Redis.from_url(module_redis_server.url)
+    finally:
+        serve.delete(APP)
 
 
 @pytest.fixture(scope="module")
