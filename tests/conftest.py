@@ -7,6 +7,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    from tests import interpreter_patching
+
+    interpreter_patching.install()  # helpers' calls skip re-patching triton.language (see its docstring)
 
 
 import pytest  # noqa: E402
