@@ -21,6 +21,7 @@ that tokenizing a long pasted prompt does not hold up the steps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -202,13 +203,16 @@ class LLMEngine:
                     return self.submit(plan, params, sink)
                 except CacheCapacityError:  # a learned layout's chunks each start a block: the next may still fit
                     pass
-            return self.submit(plans[-1], params, sink)
+            last = plans[-1]
+            return self.submit(last if isinstance(last, PromptPlan) else last(), params, sink)
 
     def plan_plain_chat(self, messages: list[Message], namespace: str = "",
-                        remedies: RequestRemedies = RequestRemedies()) -> list[PromptPlan] | None:
+                        remedies: RequestRemedies = RequestRemedies()) -> list[PromptPlan | Callable[[], PromptPlan]] | None:
         """The plans :meth:`submit_chat` tries, in order, for ``messages`` that place no
         document (no :class:`~lazyattn_rag.types.messages.DocumentRef`; no inline documents
-        are passed with them), or ``None`` for messages that do.
+        are passed with them), or ``None`` for messages that do. The last, the plain layout,
+        may be a function that plans it: the passage learner chose a learned layout without
+        it, and it is planned (tokenized) only if that layout does not fit the cache.
 
         Safe to call from any thread while the engine steps, so that tokenizing a long pasted
         prompt (most of planning it) does not hold up the step loop (vLLM tokenizes in its API
@@ -223,14 +227,17 @@ class LLMEngine:
             return None
         return self._chat_plans(messages, namespace, remedies)
 
-    def _chat_plans(self, messages: list[Message], namespace: str, remedies: RequestRemedies) -> list[PromptPlan]:
-        """The layout the passage learner prefers (if it is not the plain one), then the plain one."""
-        plan = self.planner.plan_messages(messages, namespace, remedies)
-        learned = self.passages.choose(messages, plan, namespace, remedies) if self.passages is not None else plan
+    def _chat_plans(self, messages: list[Message], namespace: str,
+                    remedies: RequestRemedies) -> list[PromptPlan | Callable[[], PromptPlan]]:
+        """The layout the passage learner prefers (if it is not the plain one), then the plain one;
+        the plain one behind a function when the learner chose without it (planned only if the
+        learned layout does not fit the cache)."""
+        plain = functools.cache(functools.partial(self.planner.plan_messages, messages, namespace, remedies))
+        learned = self.passages.choose(messages, plain, namespace, remedies) if self.passages is not None else plain()
         for keys in (learned.prefix_block_keys, learned.head_prefix_keys):  # the layout queued first: hashed
             if isinstance(keys, PrefixKeys):  # here, off the steps
                 keys.hash_all()
-        return [plan] if learned is plan else [learned, plan]
+        return [learned, plain] if any(c.learned for c in learned.chunks) else [learned]
 
     def submit_prompt(self, prompt: str | list[int] | list[str | DocumentRef], params: SamplingParams, sink: Sink,
                       documents: list[tuple[str, str]] = (), namespace: str = "",

@@ -10,7 +10,7 @@ import torch
 from lazyattn_rag import DocumentRef, Message, SamplingParams
 from lazyattn_rag.engine.planning.passage_learning import PASSAGE_ID_PREFIX
 from lazyattn_rag.engine.planning.fingerprint import chunk_key
-from lazyattn_rag.engine.planning.passages import PassageHistory, passage_key, split_passages
+from lazyattn_rag.engine.planning.passages import PassageHistory, PlainPrefixes, passage_key, split_passages
 from lazyattn_rag.engine.planning.prompt_plan import PrefixKeys
 from tests.integrations_kit import PlanSpy
 from tests.oracle import plan_oracle
@@ -83,6 +83,22 @@ def test_the_history_counts_a_passage_once_per_request_and_forgets_the_oldest():
     assert history.observe([a, c]) == {a: 1, c: 0}
     assert history.observe([a, b]) == {a: 2, b: 0}  # b was forgotten (least recently seen), then seen anew
     assert len(history) == 2 and passage_key("ns", "a") != passage_key("", "a")
+
+
+def test_plain_prefixes_know_each_content_prefix_that_ends_at_a_piece():
+    prefixes = PlainPrefixes(max_entries=3)
+    contents = [("system", ["Be brief."]), ("user", ["Docs:\n\nalpha text\n\nbeta text", "tail"])]
+    prefixes.record("", contents)  # pieces end after "Be brief.", "alpha text", "beta text", "tail": 4 > 3
+    assert len(prefixes) == 3
+    assert not prefixes.seen("", contents, 0, 0, len("Be brief."))  # the oldest, forgotten
+    user = contents[1][1][0]
+    assert prefixes.seen("", contents, 1, 0, user.index("alpha text") + len("alpha text"))
+    assert prefixes.seen("", contents, 1, 1, 4)
+    assert not prefixes.seen("", contents, 1, 0, user.index("alpha text") + 5)  # not a piece's end
+    assert not prefixes.seen("ns", contents, 1, 1, 4)  # another namespace
+    other = [("system", ["Be brief!"]), contents[1]]
+    assert not prefixes.seen("", other, 1, 1, 4)  # an earlier message differs
+    assert not prefixes.seen("", [("assistant", contents[0][1]), contents[1]], 1, 1, 4)  # or its role
 
 
 # --- passages learned from plain prompts --------------------------------------------------------
@@ -207,12 +223,13 @@ def test_plain_prompts_are_planned_in_the_planning_thread_and_every_sighting_cou
     thread keeps stepping meanwhile), for concurrent callers too, without losing a sighting. A
     prompt naming documents is planned on the engine thread (the registry lives there)."""
     _, llm = make_llm()
-    planner, on_engine = llm.engine.planner, []
+    planner, calls = llm.engine.planner, []  # (kind, thread): plain, learned (passages placed) or named
     original = planner.plan_messages
 
     def spy(messages, *args, **kwargs):
-        if not any(isinstance(p, DocumentRef) and p.id.startswith(PASSAGE_ID_PREFIX) for m in messages for p in m.parts()):
-            on_engine.append(llm.client.loop.on_engine_thread() or threading.current_thread().name)
+        refs = [p for m in messages for p in m.parts() if isinstance(p, DocumentRef)]
+        kind = "plain" if not refs else "learned" if refs[0].id.startswith(PASSAGE_ID_PREFIX) else "named"
+        calls.append((kind, llm.client.loop.on_engine_thread() or threading.current_thread().name))
         return original(messages, *args, **kwargs)
 
     monkeypatch.setattr(planner, "plan_messages", spy)
@@ -227,7 +244,11 @@ def test_plain_prompts_are_planned_in_the_planning_thread_and_every_sighting_cou
         t.start()
     for t in callers:
         t.join()
-    assert all(str(t).startswith("lazyattn-plan") for t in on_engine) and len(on_engine) == len(orders)
+    assert all(str(thread).startswith("lazyattn-plan") for _, thread in calls)
+    kinds = [kind for kind, _ in calls]
+    # the first prompt seen is planned plain; the others lay their passages out (their plain plan
+    # only where the learner needs it to choose)
+    assert kinds.count("learned") >= len(orders) - 1 and 1 <= kinds.count("plain") <= len(orders)
     assert all(len(a.token_ids) == GREEDY.max_tokens for a in answers)
     keys = [passage_key("", P[i]) for i in range(3)]
     assert llm.engine.passages.history.observe(keys) == dict.fromkeys(keys, len(orders))
@@ -236,8 +257,51 @@ def test_plain_prompts_are_planned_in_the_planning_thread_and_every_sighting_cou
     assert last.stats.docs_hit == ids and last.stats.num_shifted_tokens == 3 * 40
     llm.add_documents([("p0", P[0])])
     llm.chat([Message("user", ("documents :\n\n", DocumentRef("p0"), "Question : w7"))], sampling=GREEDY)
-    assert on_engine[-1] is True and len(on_engine) == len(orders) + 2
+    assert calls[-1] == ("named", True)
     llm.client.call(lambda engine: engine.cache.check_integrity())
+
+
+@pytest.mark.parametrize("order", [[2, 0, 1], [0, 2, 1]], ids=["first-piece-new", "first-piece-in-place"])
+def test_the_learner_chooses_as_the_full_weighing_without_tokenizing_the_whole_plain_prompt(make_llm, order):
+    """After a plain prompt, a second one whose passages recur is laid out without planning its
+    plain prompt: its first piece new (no plain layout had the same content up to its end:
+    nothing past the template is read in place, nothing tokenized), or its first piece where
+    the first prompt's is (its prefix tokenized as far as the second piece: the first prompt's
+    blocks are read in place, the first passage kept there). Either way the layout is the one
+    the learner takes weighing the plain plan itself, on an engine in the same state."""
+    _, llm = make_llm()
+    _, exact = make_llm()
+    for engine in (llm, exact):
+        ask(engine, [0, 1, 2])  # seen once: computed plain, its blocks cached
+    messages = [Message("user", rag_prompt(order, "w7"))]
+    planned = []
+
+    def plain():
+        planned.append(True)
+        return llm.engine.planner.plan_messages(messages)
+
+    lazy = llm.engine.passages.choose(messages, plain)
+    full = exact.engine.passages.choose(messages, exact.engine.planner.plan_messages(messages))
+    assert planned == []
+    assert [(c.key, c.global_start) for c in lazy.chunks] == [(c.key, c.global_start) for c in full.chunks]
+    assert lazy.token_ids() == full.token_ids() and lazy.query_token_ids == full.query_token_ids
+    learned = [c.doc_id for c in lazy.chunks if c.learned]
+    ids = [passage_id(llm, i) for i in order]
+    assert learned == (ids if order[0] == 2 else ids[1:])  # P0 is read in place after the first prompt
+
+
+def test_a_prompt_like_an_earlier_plain_one_to_its_end_is_weighed_with_its_plain_plan(make_llm):
+    _, llm = make_llm()
+    ask(llm, [0, 1, 2])
+    messages = [Message("user", rag_prompt([0, 1, 2], "w7"))]  # every piece as the first prompt's
+    planned = []
+
+    def plain():
+        planned.append(True)
+        return llm.engine.planner.plan_messages(messages)
+
+    llm.engine.passages.choose(messages, plain)
+    assert planned == [True]
 
 
 def test_text_seen_once_is_planned_exactly_as_without_learning(make_llm):

@@ -26,7 +26,8 @@ whatever offset it comes back. The rule, in order:
    cached prompt head) is weighed too, and of equal costs the one with fewer passages is taken.
 
 Text that never recurs costs the split and one XXH3 hash per piece; its tokens are the plain
-prompt's, computed as before.
+prompt's, computed as before. Where passages recur, the plain prompt is tokenized whole only when
+the weighing needs it (:meth:`PassageLearner.choose`).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
-from lazyattn_rag.engine.planning.passages import PassageHistory, Piece, passage_key, split_passages
+from lazyattn_rag.engine.planning.passages import PassageHistory, Piece, PlainPrefixes, passage_key, split_passages
 from lazyattn_rag.engine.planning.planner import PromptPlanner
 from lazyattn_rag.engine.planning.prompt_plan import PromptPlan
 from lazyattn_rag.engine.planning.registry import RegisteredDocument
@@ -47,6 +48,9 @@ from lazyattn_rag.types.messages import DocumentRef, Message, MessagePart
 
 PASSAGE_ID_PREFIX = "passage:"
 PREPARED_PASSAGES = 2048  # tokenized passages kept (about 7 KB each at 512 tokens)
+# Tokens by which the plain prompt's count may differ from the learned layout's per boundary
+# between a passage and the text around it (the two are tokenized at different cuts)
+BOUNDARY_SLACK_TOKENS = 8
 
 
 class PassageLearner:
@@ -62,11 +66,14 @@ class PassageLearner:
         self.planner, self.cache = planner, cache
         self.min_tokens, self.min_sightings = config.passage_min_tokens, config.passage_min_sightings
         self.history = PassageHistory(config.passage_history)
+        self.plain_prefixes = PlainPrefixes(config.passage_history)  # where plain layouts have been
         # recurring passages tokenized once (as registered documents are), the most recent kept
         self._prepared: OrderedDict[tuple[str, str], RegisteredDocument] = OrderedDict()
-        self._lock = threading.Lock()  # choose() runs in the callers' threads (LLMEngine.plan_plain_chat)
+        # choose() runs in the callers' threads (LLMEngine.plan_plain_chat): the history, the
+        # prepared passages and the plain prefixes change under this lock; tokenizing does not hold it
+        self._lock = threading.Lock()
 
-    def choose(self, messages: Sequence[Message], plain: PromptPlan, namespace: str = "",
+    def choose(self, messages: Sequence[Message], plain: PromptPlan | Callable[[], PromptPlan], namespace: str = "",
                remedies: RequestRemedies = RequestRemedies()) -> PromptPlan:
         """``plain`` (the plan of ``messages`` as they are) or a plan with recurring passages
         placed as chunks (see the module docstring); records the request's pieces.
@@ -74,15 +81,39 @@ class PassageLearner:
         Two layouts are weighed against ``plain``: every recurring passage a chunk, and the same
         without the passages that lie where ``plain`` already reads cached K/V in place (its
         cached prompt head, or its exact-prefix blocks): those are served exactly as they are.
-        Thread-safe: the history and the prepared passages change under a lock; the cache is
-        only read, entry by entry (a layout chosen on a stale view is still correct).
-        """
-        with self._lock:
-            return self._choose(messages, plain, namespace, remedies)
 
-    def _choose(self, messages: Sequence[Message], plain: PromptPlan, namespace: str,
+        ``plain`` may be given as a function that plans it, called only where it is needed. For
+        messages that place nothing (the prompt computed whole) the plain prompt reads in place
+        only its exact-prefix blocks, and those only as far as an earlier plain layout had the
+        same content: up to the end of its first piece that no plain layout of this learner had
+        the same content up to (:class:`~lazyattn_rag.engine.planning.passages.PlainPrefixes`).
+        So only that prefix is tokenized (none of it when that is the first piece) to count the
+        blocks read in place, the layouts with passages are weighed against it as above, and the
+        best is taken without planning the plain prompt when it computes fewer tokens than the
+        plain prompt's rest, less :data:`BOUNDARY_SLACK_TOKENS` per cut and one block; else (and
+        when every piece was seen: a repeat) the plain prompt is planned and weighed as above.
+        Tokenizing the whole pasted prompt was most of a replica's planning of it (2.1 of
+        2.75 ms on the CPU for the HTTP trace's prompts). A plain layout chosen is recorded.
+
+        Thread-safe: the history, the prepared passages and the plain prefixes change under a
+        lock (tokenizing does not hold it); the cache is only read, entry by entry (a layout
+        chosen on a stale view is still correct).
+        """
+        chosen = self._choose(messages, plain, namespace, remedies)
+        if _whole(messages) and not any(c.learned for c in chosen.chunks):
+            with self._lock:
+                self.plain_prefixes.record(namespace, _contents(messages))
+        return chosen
+
+    def _choose(self, messages: Sequence[Message], plain: PromptPlan | Callable[[], PromptPlan], namespace: str,
                 remedies: RequestRemedies) -> PromptPlan:
         recurring = self._recurring(messages, namespace)
+        if recurring and not isinstance(plain, PromptPlan) and _whole(messages):
+            quick = self._learned_without_plain(messages, recurring, namespace, remedies)
+            if quick is not None:
+                return quick
+        if not isinstance(plain, PromptPlan):
+            plain = plain()
         if not recurring:
             return plain
         plain_cost = self.num_to_compute(plain)
@@ -99,6 +130,54 @@ class PassageLearner:
                 options.append(rest)
         # the fewest tokens to compute; of equals, the fewest passages (the least attention changed)
         return min(options, key=lambda o: (o[1], sum(c.learned for c in o[0].chunks)))[0]
+
+    def _learned_without_plain(self, messages: Sequence[Message], recurring: dict[tuple[int, int], list[Piece]],
+                               namespace: str, remedies: RequestRemedies) -> PromptPlan | None:
+        """The layout :meth:`_choose` would take, when it is sure not to be the plain prompt,
+        judged without planning that (see :meth:`choose`); ``None`` when it cannot be sure."""
+        in_place = self._plain_in_place(messages, namespace)
+        if in_place is None:
+            return None
+        learned = self._learned(messages, recurring, namespace, remedies, in_place)
+        if learned is None:
+            return None
+        options = [learned]
+        inside = {c.doc_id for c in learned[0].chunks if c.learned and c.global_start < in_place}
+        rest = self._learned(messages, recurring, namespace, remedies, in_place, skip=inside) if inside else None
+        if rest is not None:
+            options.append(rest)
+        plan, cost = min(options, key=lambda o: (o[1], sum(c.learned for c in o[0].chunks)))
+        # what the plain prompt computes, at the least: its tokens (this plan's, give or take a few
+        # at each cut) past what it reads in place
+        placed = sum(c.learned for c in plan.chunks)
+        plain_cost = plan.num_prompt_tokens - in_place - BOUNDARY_SLACK_TOKENS * (placed + 1)
+        return plan if cost < plain_cost - self.cache.block_size else None
+
+    def _plain_in_place(self, messages: Sequence[Message], namespace: str) -> int | None:
+        """Tokens the plain prompt of text-only ``messages`` would read from the cache in place
+        (its cached exact-prefix blocks), found by tokenizing only as far as it can reach: the
+        end of its first piece no plain layout of this learner had the same content up to
+        (:class:`PlainPrefixes`); 0 when that is its first piece (the template's markup before it
+        is not counted), ``None`` when every piece was (a repeat: the full weighing decides) or
+        the cached blocks reach that far."""
+        contents, texts = _contents(messages), []
+        for m_index, (_, parts) in enumerate(contents):
+            for p_index, part in enumerate(parts):
+                for piece in split_passages(part):
+                    if piece.separator:
+                        continue
+                    texts.append(piece.text)
+                    with self._lock:
+                        seen = self.plain_prefixes.seen(namespace, contents, m_index, p_index, piece.end)
+                    if not seen:
+                        if len(texts) == 1 or not self.planner.caches_prefixes:
+                            return 0
+                        keys = self.planner.plain_prefix_keys(list(messages), texts, namespace)
+                        if keys is None:  # the pieces were not found in the rendered prompt
+                            return None
+                        hits = self._prefix_hits(keys)
+                        return hits * self.cache.block_size if hits < len(keys) else None
+        return None
 
     def _learned(self, messages: Sequence[Message], recurring: dict[tuple[int, int], list[Piece]], namespace: str,
                  remedies: RequestRemedies, in_place: int, skip: set[str] = frozenset()
@@ -165,7 +244,8 @@ class PassageLearner:
             found.setdefault(where, []).append((piece, key))
         if not found:
             return {}
-        before = self.history.observe(k for pieces in found.values() for _, k in pieces)
+        with self._lock:
+            before = self.history.observe(k for pieces in found.values() for _, k in pieces)
         out: dict[tuple[int, int], list[Piece]] = {}
         for where, pieces in found.items():
             chosen = [p for p, k in pieces if before[k] >= self.min_sightings]
@@ -175,12 +255,18 @@ class PassageLearner:
 
     def _prepare(self, text: str, namespace: str) -> RegisteredDocument:
         """The passage of ``text`` (:meth:`PromptPlanner.prepare_passage`), tokenized once while
-        it keeps recurring."""
+        it keeps recurring (two threads may both tokenize a new one: the same result)."""
         key = (namespace, text)
-        passage = self._prepared.pop(key, None) or self.planner.prepare_passage(text, namespace)
-        self._prepared[key] = passage
-        if len(self._prepared) > PREPARED_PASSAGES:
-            self._prepared.popitem(last=False)
+        with self._lock:
+            passage = self._prepared.pop(key, None)
+            if passage is not None:
+                self._prepared[key] = passage
+                return passage
+        passage = self.planner.prepare_passage(text, namespace)
+        with self._lock:
+            self._prepared[key] = passage
+            if len(self._prepared) > PREPARED_PASSAGES:
+                self._prepared.popitem(last=False)
         return passage
 
     def _substitute(self, messages: Sequence[Message], recurring: dict[tuple[int, int], list[Piece]],
@@ -212,6 +298,16 @@ class PassageLearner:
                     parts.append(part[pos:])
             out.append(Message(message.role, tuple(parts)) if parts != list(message.parts()) else message)
         return out, passages
+
+
+def _whole(messages: Sequence[Message]) -> bool:
+    """Whether ``messages`` place nothing (text only): their plain plan computes them whole."""
+    return all(isinstance(part, str) for m in messages for part in m.parts())
+
+
+def _contents(messages: Sequence[Message]) -> list[tuple[str, list[str]]]:
+    """``(role, text parts)`` of text-only ``messages``, as :class:`PlainPrefixes` reads them."""
+    return [(m.role, list(m.parts())) for m in messages]
 
 
 def eligible_pieces(messages: Sequence[Message], namespace: str, min_chars: int):

@@ -169,3 +169,69 @@ class PassageHistory:
         while len(self._seen) > self.max_entries:
             self._seen.popitem(last=False)
         return before
+
+
+class PlainPrefixes:
+    """Where plain layouts (a prompt computed whole, its exact-prefix blocks cached) have been:
+    a digest of every message-content prefix that ends at a piece of theirs, bounded (least
+    recently recorded forgotten first).
+
+    A plain prompt reads cached K/V in place only as far as an earlier plain layout had the same
+    tokens, hence the same messages up to there. So when no plain layout recorded here had the
+    same content up to the end of a piece, a new plain prompt's cached prefix ends before that
+    piece does: :meth:`seen` answering ``False`` bounds what the plain layout would read in place
+    without tokenizing it (``PassageLearner``). Forgetting only makes ``seen`` answer ``False``
+    where ``True`` was due, which costs the learner an estimate, never a wrong plan.
+
+    Args:
+        max_entries: digests remembered.
+    """
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self._digests: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def record(self, namespace: str, contents: list[tuple[str, list[str]]]) -> None:
+        """Record the prefixes of a plain layout's messages (``(role, text parts)`` each) that
+        end at one of their pieces (:func:`split_passages`)."""
+        state = _prefix_state(namespace)
+        for role, parts in contents:
+            state.update(f"{role}\x1e".encode())
+            for part in parts:
+                pos = 0
+                for piece in split_passages(part):
+                    if piece.separator:
+                        continue
+                    state.update(part[pos:piece.end].encode())
+                    pos = piece.end
+                    self._digests.pop(digest := state.copy().digest(), None)
+                    self._digests[digest] = None
+                state.update(part[pos:].encode() + b"\x1f")
+            state.update(b"\x1d")
+        while len(self._digests) > self.max_entries:
+            self._digests.popitem(last=False)
+
+    def seen(self, namespace: str, contents: list[tuple[str, list[str]]], message: int, part: int, end: int) -> bool:
+        """Whether a recorded plain layout had the same content as ``contents`` up to character
+        ``end`` of text part ``part`` of message ``message``."""
+        state = _prefix_state(namespace)
+        for role, parts in contents[:message]:
+            state.update(f"{role}\x1e".encode())
+            for text in parts:
+                state.update(text.encode() + b"\x1f")
+            state.update(b"\x1d")
+        role, parts = contents[message]
+        state.update(f"{role}\x1e".encode())
+        for text in parts[:part]:
+            state.update(text.encode() + b"\x1f")
+        state.update(parts[part][:end].encode())
+        return state.digest() in self._digests
+
+
+def _prefix_state(namespace: str):
+    state = xxhash.xxh3_128()
+    state.update(f"{namespace}\x00".encode())
+    return state

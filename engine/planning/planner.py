@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lazyattn_rag.engine.planning.fingerprint import anchor_fingerprint, chunk_key
@@ -27,6 +27,10 @@ from lazyattn_rag.types.config import (
 )
 from lazyattn_rag.types.errors import DocumentTooLongError, EmptyInputError, PromptTooLongError
 from lazyattn_rag.types.messages import DocumentRef, Message
+
+# Tokens left off the end of a prompt prefix tokenized alone (plain_prefix_keys): a cut through the
+# text may tokenize its last few characters otherwise than the whole prompt does
+PREFIX_CUT_MARGIN_TOKENS = 8
 
 
 class PromptPlanner:
@@ -275,6 +279,33 @@ class PromptPlanner:
         plan = PromptPlan((), tuple(prompt_ids))
         self._check_length(plan, "plain prompt")
         return self._with_prefix_keys(plan, namespace) if self.caches_prefixes else plan
+
+    def plain_prefix_keys(self, messages: list[Message], texts: Sequence[str], namespace: str = "") -> PrefixKeys | None:
+        """The exact-prefix block keys the plain plan of text-only ``messages`` starts with, as
+        far as the end of the last of ``texts`` (pieces of their content, found in this order in
+        the rendered prompt) less :data:`PREFIX_CUT_MARGIN_TOKENS` (the tokens at the cut may
+        merge otherwise in the whole prompt): only that prefix is tokenized. ``None`` when the
+        texts are not found in order, or exact prefixes are not cached."""
+        if not self.caches_prefixes:
+            return None
+        pieces = self.template.render_messages(messages)
+        if len(pieces) != 1 or isinstance(pieces[0], DocumentRef):
+            return None
+        runs, cut = pieces[0].runs, 0
+        joined = "".join(t for t, _ in runs)
+        for text in texts:
+            found = joined.find(text, cut)
+            if found < 0:
+                return None
+            cut = found + len(text)
+        kept, length = [], 0
+        for text, is_markup in runs:
+            if length >= cut:
+                break
+            kept.append((text[:cut - length], is_markup))
+            length += len(text)
+        ids = self.template.leading_special_ids() + self.template.encode_runs(kept)
+        return self.prefix_keys(ids[:max(0, len(ids) - PREFIX_CUT_MARGIN_TOKENS)], self._plain_seed(namespace))
 
     def plan_warm(self, doc_ids: list[str], namespace: str = "") -> PromptPlan:
         """A warm-up's plan: the documents' chunks, no question. Raises ``UnknownDocumentError``."""
