@@ -32,6 +32,7 @@ the weighing needs it (:meth:`PassageLearner.choose`).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 from collections import OrderedDict
@@ -69,8 +70,10 @@ class PassageLearner:
         self.plain_prefixes = PlainPrefixes(config.passage_history)  # where plain layouts have been
         # recurring passages tokenized once (as registered documents are), the most recent kept
         self._prepared: OrderedDict[tuple[str, str], RegisteredDocument] = OrderedDict()
-        # choose() runs in the callers' threads (LLMEngine.plan_plain_chat): the history, the
-        # prepared passages and the plain prefixes change under this lock; tokenizing does not hold it
+        # choose() runs in the callers' threads (LLMEngine.plan_plain_chat): it holds this lock,
+        # released while it tokenizes a plain prompt or a prefix of one (_released). One hold per
+        # request: a lock taken and given back many times a request convoys its threads behind the
+        # GIL (a burst of 16 took 0.5-0.7 s at Python's 5 ms switch interval)
         self._lock = threading.Lock()
 
     def choose(self, messages: Sequence[Message], plain: PromptPlan | Callable[[], PromptPlan], namespace: str = "",
@@ -96,14 +99,23 @@ class PassageLearner:
         2.75 ms on the CPU for the HTTP trace's prompts). A plain layout chosen is recorded.
 
         Thread-safe: the history, the prepared passages and the plain prefixes change under a
-        lock (tokenizing does not hold it); the cache is only read, entry by entry (a layout
-        chosen on a stale view is still correct).
+        lock, given up while a plain prompt or a prefix of one is tokenized; the cache is only
+        read, entry by entry (a layout chosen on a stale view is still correct).
         """
-        chosen = self._choose(messages, plain, namespace, remedies)
-        if _whole(messages) and not any(c.learned for c in chosen.chunks):
-            with self._lock:
+        with self._lock:
+            chosen = self._choose(messages, plain, namespace, remedies)
+            if _whole(messages) and not any(c.learned for c in chosen.chunks):
                 self.plain_prefixes.record(namespace, _contents(messages))
-        return chosen
+            return chosen
+
+    @contextlib.contextmanager
+    def _released(self):
+        """The lock given up while the block runs (tokenizing: the planner is thread-safe)."""
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
 
     def _choose(self, messages: Sequence[Message], plain: PromptPlan | Callable[[], PromptPlan], namespace: str,
                 remedies: RequestRemedies) -> PromptPlan:
@@ -113,7 +125,8 @@ class PassageLearner:
             if quick is not None:
                 return quick
         if not isinstance(plain, PromptPlan):
-            plain = plain()
+            with self._released():
+                plain = plain()
         if not recurring:
             return plain
         plain_cost = self.num_to_compute(plain)
@@ -167,12 +180,11 @@ class PassageLearner:
                     if piece.separator:
                         continue
                     texts.append(piece.text)
-                    with self._lock:
-                        seen = self.plain_prefixes.seen(namespace, contents, m_index, p_index, piece.end)
-                    if not seen:
+                    if not self.plain_prefixes.seen(namespace, contents, m_index, p_index, piece.end):
                         if len(texts) == 1 or not self.planner.caches_prefixes:
                             return 0
-                        keys = self.planner.plain_prefix_keys(list(messages), texts, namespace)
+                        with self._released():
+                            keys = self.planner.plain_prefix_keys(list(messages), texts, namespace)
                         if keys is None:  # the pieces were not found in the rendered prompt
                             return None
                         hits = self._prefix_hits(keys)
@@ -244,8 +256,7 @@ class PassageLearner:
             found.setdefault(where, []).append((piece, key))
         if not found:
             return {}
-        with self._lock:
-            before = self.history.observe(k for pieces in found.values() for _, k in pieces)
+        before = self.history.observe(k for pieces in found.values() for _, k in pieces)
         out: dict[tuple[int, int], list[Piece]] = {}
         for where, pieces in found.items():
             chosen = [p for p, k in pieces if before[k] >= self.min_sightings]
@@ -255,18 +266,12 @@ class PassageLearner:
 
     def _prepare(self, text: str, namespace: str) -> RegisteredDocument:
         """The passage of ``text`` (:meth:`PromptPlanner.prepare_passage`), tokenized once while
-        it keeps recurring (two threads may both tokenize a new one: the same result)."""
+        it keeps recurring."""
         key = (namespace, text)
-        with self._lock:
-            passage = self._prepared.pop(key, None)
-            if passage is not None:
-                self._prepared[key] = passage
-                return passage
-        passage = self.planner.prepare_passage(text, namespace)
-        with self._lock:
-            self._prepared[key] = passage
-            if len(self._prepared) > PREPARED_PASSAGES:
-                self._prepared.popitem(last=False)
+        passage = self._prepared.pop(key, None) or self.planner.prepare_passage(text, namespace)
+        self._prepared[key] = passage
+        if len(self._prepared) > PREPARED_PASSAGES:
+            self._prepared.popitem(last=False)
         return passage
 
     def _substitute(self, messages: Sequence[Message], recurring: dict[tuple[int, int], list[Piece]],

@@ -1,0 +1,67 @@
+"""A replica's planning of pasted prompts, with the plain prompt tokenized whole before the passage
+learner chooses (the tree before commit f7885d3) and with the learner planning it only where its
+choice needs it (since), interleaved on one CPU: issue 36, 2026-12-06.
+
+The trace is ``benchmarks/http_reuse.py``'s (Zipf 2.1 over 200 documents of 512 tokens, 5 pasted
+per prompt, 400 prompts), the engine its overhead run's (``tiny-32k``, whose word tokenizer knows
+every word of the trace, as the GPU arms' 8B shape does); the timings are that benchmark's
+``planning_ms`` and ``burst_planning_ms``, two rounds of each setting, medians in ms.
+
+    python benchmarks/investigations/lazy_plain_plan_ab.py --out http_reuse_lazy_plain_plan_ab_cpu
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import typer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.serving_results import command_line, environment, write  # noqa: E402
+from benchmarks.http_reuse import burst_planning_ms, pasted, planning_ms  # noqa: E402
+from benchmarks.serving_setup import Bench, make_engine  # noqa: E402
+from benchmarks.serving_workload import Workload  # noqa: E402
+from lazyattn_rag.engine.engine import LLMEngine  # noqa: E402
+from lazyattn_rag.engine.planning.prompt_plan import PrefixKeys  # noqa: E402
+from lazyattn_rag.types.messages import as_message  # noqa: E402
+
+
+def whole_plain_plan(self, messages, namespace, remedies):
+    """``LLMEngine._chat_plans`` before f7885d3: the plain prompt planned (tokenized) first."""
+    plan = self.planner.plan_messages(messages, namespace, remedies)
+    learned = self.passages.choose(messages, plan, namespace, remedies) if self.passages is not None else plan
+    for keys in (learned.prefix_block_keys, learned.head_prefix_keys):
+        if isinstance(keys, PrefixKeys):
+            keys.hash_all()
+    return [plan] if learned is plan else [learned, plan]
+
+
+def main(num_requests: int = 400, rounds: int = 2, out: str = "http_reuse_lazy_plain_plan_ab_cpu") -> None:
+    workload = Workload(200, 512, 5, 2.1, 64, 32, num_requests, 0)
+    docs = workload.documents()
+    prompts = [[as_message({"role": "user", "content": pasted([docs[i] for i in ids], q)})]
+               for q, ids in workload.requests()]
+    settings = {"whole_plain_plan": whole_plain_plan, "lazy_plain_plan": LLMEngine._chat_plans}
+    times: dict[str, dict[str, list[float]]] = {name: {} for name in settings}
+    try:
+        for _ in range(rounds):
+            for name, chat_plans in settings.items():
+                LLMEngine._chat_plans = chat_plans
+                llm = make_engine(Bench.build("tiny-32k", "cpu", "float32", hash_weights=False), "lazy", 64 << 20,
+                                  "cpu", 2048, 16)
+                for key, values in (planning_ms(llm.engine, prompts) | burst_planning_ms(llm.engine, prompts)).items():
+                    times[name].setdefault(key, []).extend(values)
+                llm.close()
+    finally:
+        LLMEngine._chat_plans = settings["lazy_plain_plan"]
+    summary = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
+    print(summary)
+    write(out, {"environment": environment(), "command": command_line(), "num_prompts": len(prompts),
+                "rounds": rounds, "median_ms": summary})
+
+
+if __name__ == "__main__":
+    typer.run(main)
