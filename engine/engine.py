@@ -187,7 +187,7 @@ class LLMEngine:
 
     def submit_chat(self, messages: list[Message], documents: list[tuple[str, str]], params: SamplingParams,
                     sink: Sink, namespace: str = "", remedies: RequestRemedies = RequestRemedies(),
-                    plans: list[PromptPlan] | None = None) -> Request:
+                    plans: list[PromptPlan | Callable[[], PromptPlan]] | None = None) -> Request:
         """Plan chat ``messages`` (:meth:`PromptPlanner.plan_messages`) with inline ``documents``
         in ``namespace`` and queue it; errors as :meth:`submit_question`. With
         ``CacheConfig.learn_passages``, passages of their text that recur are placed from cached

@@ -104,18 +104,27 @@ def _redis_server(directory):
 @pytest.fixture(scope="module")
 def serve_cluster():
     """``(base_url, port)``: a local Ray cluster with Serve's proxy on loopback, shared by the
-    test modules that run one after another (``tests/redis_server.py: SharedServe``); each module
-    deploys its application under its own name and deletes it at its end."""
+    test modules that use it (``tests/redis_server.py: SharedServe``; started by the first, stopped
+    after the last); each module deploys its application under its own name and deletes it at
+    its end."""
     from tests.redis_server import SHARED_SERVE
 
     return SHARED_SERVE.start()
 
 
+_LAST_SERVE_CLUSTER_TEST: list[str] = []  # node id of the last collected test that uses serve_cluster
+
+
+def pytest_collection_modifyitems(session, config, items):
+    users = [item.nodeid for item in items if "serve_cluster" in getattr(item, "fixturenames", ())]
+    _LAST_SERVE_CLUSTER_TEST[:] = users[-1:]
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After the last test that uses ``serve_cluster`` (the next does not, or none is left), and
-    after its module's own teardown: shut the shared cluster down."""
-    if nextitem is None or "serve_cluster" not in nextitem.fixturenames:
+    """After the last test that uses ``serve_cluster`` (and its module's own teardown), or at the
+    end: shut the shared cluster down (the modules between its users keep it running)."""
+    if nextitem is None or item.nodeid in _LAST_SERVE_CLUSTER_TEST:
         import sys
 
         shared = sys.modules.get("tests.redis_server")

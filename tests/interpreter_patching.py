@@ -11,8 +11,8 @@ unpacking), so on the CPU cuda-graph and engine tests the walk took ~28 % of the
 
 :func:`install` makes a helper call skip the walk when the running launch already patched every
 language module the helper sees; anything else (a first launch, a helper that sees a module the
-launch did not patch, launches running in two threads at once, a Triton without these internals)
-goes through Triton's own code unchanged.
+launch did not patch, a launch started or ended in another thread since this one began, a Triton
+without these internals) goes through Triton's own code unchanged.
 The kernels compute exactly what they computed before; only the repeated bookkeeping goes.
 """
 
@@ -34,8 +34,8 @@ def install() -> bool:
     scope_type, tl = getattr(interpreter, "_LangPatchScope", None), getattr(interpreter, "tl", None)
     if None in (patch_lang, executor, scope_type, tl) or getattr(patch_lang, "_once_per_launch", False):
         return False
-    local = threading.local()  # .patched: ids of the language modules this thread's launch patched
-    active = [0]  # launches running in any thread (the patching is global: shortcut only when alone)
+    local = threading.local()  # .patched: the language modules this thread's launch patched; .generation
+    generation, lock = [0], threading.Lock()  # bumped by every launch's start and end, in any thread
 
     def languages(fn) -> set[int]:
         return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
@@ -43,7 +43,9 @@ def install() -> bool:
     @functools.wraps(patch_lang)
     def once_per_launch(fn):
         langs, patched = languages(fn), getattr(local, "patched", None)
-        if active[0] == 1 and patched and langs <= patched:
+        # the shortcut only while no launch has started or ended in any thread since this one's
+        # (the patching is global: another launch's end restores the originals)
+        if patched and langs and langs <= patched and getattr(local, "generation", None) == generation[0]:
             return scope_type()  # nothing to restore: the launch's own scope restores everything
         scope = patch_lang(fn)
         if patched is not None:
@@ -53,15 +55,20 @@ def install() -> bool:
     once_per_launch._once_per_launch = True
     run_launch = executor.__call__
 
+    def bump() -> int:
+        with lock:
+            generation[0] += 1
+            return generation[0]
+
     @functools.wraps(run_launch)
     def launch(self, *args, **kwargs):
-        outer, local.patched = getattr(local, "patched", None), set()
-        active[0] += 1
+        outer = getattr(local, "patched", None), getattr(local, "generation", None)
+        local.patched, local.generation = set(), bump()
         try:
             return run_launch(self, *args, **kwargs)
         finally:
-            active[0] -= 1
-            local.patched = outer
+            bump()
+            local.patched, local.generation = outer
 
     interpreter._patch_lang = once_per_launch
     executor.__call__ = launch

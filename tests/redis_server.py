@@ -93,8 +93,8 @@ class SharedServe:
     """A private local Ray cluster (2 CPUs, every process on loopback: ``start_ray``) with Serve's
     HTTP proxy on a free ``127.0.0.1`` port, shared by consecutive test modules: :meth:`start`
     starts it once (later calls return the running one), :meth:`stop` shuts Serve and Ray down
-    (idempotent). ``tests/conftest.py`` stops it after the last test that uses it, so an idle
-    cluster does not run beside the rest of the suite. Each module deploys its own application and
+    (idempotent). ``tests/conftest.py`` stops it after the last test that uses it, so it does not
+    idle beside the rest of the suite. Each module deploys its own application and
     deletes it when done."""
 
     def __init__(self):
@@ -107,9 +107,15 @@ class SharedServe:
 
             from lazyattn_rag.serve.app import start_ray
 
+            import ray
+
             port = free_port()
             start_ray(num_cpus=2, logging_level="ERROR", log_to_driver=False)
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            try:
+                serve.start(http_options={"host": "127.0.0.1", "port": port})
+            except BaseException:
+                ray.shutdown()
+                raise
             self._running = (f"http://127.0.0.1:{port}", port)
         return self._running
 

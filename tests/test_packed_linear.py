@@ -89,15 +89,17 @@ def test_packed_copy_follows_the_weights_and_survives_copies_and_gradients():
 
 
 def test_the_engine_packs_a_model_again_after_its_weights_changed(make_llm):
-    hf, llm = make_llm()
+    hf, llm = make_llm(cpu_weight_packing=True)
     model = llm.engine.runner.model
+    assert any(isinstance(m, PackedLinear) for m in model.modules())
     prompt = list(range(5, 30))
     params = __import__("lazyattn_rag").SamplingParams(max_tokens=1, logprobs=-1)
     with torch.no_grad():
         for p in hf.parameters():
             p.mul_(0.9)
     model.load_hf_state_dict(hf.state_dict())  # in place, after the first engine packed it
-    _, again = make_llm(model=model)
+    _, again = make_llm(model=model, cpu_weight_packing=True)
+    assert any(isinstance(m, PackedLinear) for m in model.modules())
     ours = torch.tensor(list(again.complete(prompt, sampling=params).logprobs[0].values()))
     with torch.no_grad():
         expected = torch.log_softmax(hf(input_ids=torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
@@ -105,5 +107,5 @@ def test_the_engine_packs_a_model_again_after_its_weights_changed(make_llm):
 
 
 def test_compiled_engines_do_not_pack(make_llm):
-    _, llm = make_llm(torch_compile=True)
+    _, llm = make_llm(torch_compile=True, cpu_weight_packing=True)
     assert not any(isinstance(m, PackedLinear) for m in llm.engine.runner.model.modules())

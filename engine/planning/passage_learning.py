@@ -90,8 +90,8 @@ class PassageLearner:
         only its exact-prefix blocks, and those only as far as an earlier plain layout had the
         same content: up to the end of its first piece that no plain layout of this learner had
         the same content up to (:class:`~lazyattn_rag.engine.planning.passages.PlainPrefixes`).
-        So only that prefix is tokenized (none of it when that is the first piece) to count the
-        blocks read in place, the layouts with passages are weighed against it as above, and the
+        So only that prefix is tokenized to count the blocks read in place (if they reach its end,
+        written by a plain prompt not recorded here, the full weighing runs), the layouts with passages are weighed against it as above, and the
         best is taken without planning the plain prompt when it computes fewer tokens than the
         plain prompt's rest, less :data:`BOUNDARY_SLACK_TOKENS` per cut and one block; else (and
         when every piece was seen: a repeat) the plain prompt is planned and weighed as above.
@@ -163,16 +163,19 @@ class PassageLearner:
         # what the plain prompt computes, at the least: its tokens (this plan's, give or take a few
         # at each cut) past what it reads in place
         placed = sum(c.learned for c in plan.chunks)
-        plain_cost = plan.num_prompt_tokens - in_place - BOUNDARY_SLACK_TOKENS * (placed + 1)
+        slack = BOUNDARY_SLACK_TOKENS * (placed + 1)
+        if plan.num_prompt_tokens + slack >= self.planner.max_model_len:
+            return None  # the plain prompt may be too long: planning it says (and refuses it as before)
+        plain_cost = plan.num_prompt_tokens - in_place - slack
         return plan if cost < plain_cost - self.cache.block_size else None
 
     def _plain_in_place(self, messages: Sequence[Message], namespace: str) -> int | None:
         """Tokens the plain prompt of text-only ``messages`` would read from the cache in place
-        (its cached exact-prefix blocks), found by tokenizing only as far as it can reach: the
-        end of its first piece no plain layout of this learner had the same content up to
-        (:class:`PlainPrefixes`); 0 when that is its first piece (the template's markup before it
-        is not counted), ``None`` when every piece was (a repeat: the full weighing decides) or
-        the cached blocks reach that far."""
+        (its cached exact-prefix blocks), found by tokenizing it only as far as the end of its
+        first piece no plain layout of this learner had the same content up to
+        (:class:`PlainPrefixes`): its cached blocks end before there, or else (they reach the
+        cut, whatever wrote them) ``None``, as when every piece was seen (a repeat): the full
+        weighing decides then."""
         contents, texts = _contents(messages), []
         for m_index, (_, parts) in enumerate(contents):
             for p_index, part in enumerate(parts):
@@ -181,8 +184,11 @@ class PassageLearner:
                         continue
                     texts.append(piece.text)
                     if not self.plain_prefixes.seen(namespace, contents, m_index, p_index, piece.end):
-                        if len(texts) == 1 or not self.planner.caches_prefixes:
+                        if not self.planner.caches_prefixes:
                             return 0
+                        # tokenized as far as this piece even when it is the first: blocks cached
+                        # by a plain prompt not recorded here (a raw completion, the fallback of a
+                        # learned layout that did not fit) are counted, or make the full weighing run
                         with self._released():
                             keys = self.planner.plain_prefix_keys(list(messages), texts, namespace)
                         if keys is None:  # the pieces were not found in the rendered prompt

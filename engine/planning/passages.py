@@ -179,9 +179,10 @@ class PlainPrefixes:
     A plain prompt reads cached K/V in place only as far as an earlier plain layout had the same
     tokens, hence the same messages up to there. So when no plain layout recorded here had the
     same content up to the end of a piece, a new plain prompt's cached prefix ends before that
-    piece does: :meth:`seen` answering ``False`` bounds what the plain layout would read in place
-    without tokenizing it (``PassageLearner``). Forgetting only makes ``seen`` answer ``False``
-    where ``True`` was due, which costs the learner an estimate, never a wrong plan.
+    piece does: :meth:`seen` answering ``False`` says how far ``PassageLearner`` tokenizes a plain
+    prompt to count the blocks it would read in place. Blocks cached by a plain prompt not
+    recorded here (a raw completion, a forgotten digest) reach that cut, and the learner then
+    plans the plain prompt whole: a missing digest costs a tokenization, never a wrong choice.
 
     Args:
         max_entries: digests remembered.
