@@ -264,11 +264,12 @@ def test_plain_prompts_are_planned_in_the_planning_thread_and_every_sighting_cou
 @pytest.mark.parametrize("order", [[2, 0, 1], [0, 2, 1]], ids=["first-piece-new", "first-piece-in-place"])
 def test_the_learner_chooses_as_the_full_weighing_without_tokenizing_the_whole_plain_prompt(make_llm, order):
     """After a plain prompt, a second one whose passages recur is laid out without planning its
-    plain prompt: its first piece new (no plain layout had the same content up to its end:
-    nothing past the template is read in place, nothing tokenized), or its first piece where
-    the first prompt's is (its prefix tokenized as far as the second piece: the first prompt's
-    blocks are read in place, the first passage kept there). Either way the layout is the one
-    the learner takes weighing the plain plan itself, on an engine in the same state."""
+    plain prompt: its first piece new (no plain layout had the same content up to its end: its
+    prefix tokenized as far as that piece, only the template's blocks read in place), or its
+    first piece where the first prompt's is (its prefix tokenized as far as the second piece:
+    the first prompt's blocks are read in place, the first passage kept there). Either way the
+    layout is the one the learner takes weighing the plain plan itself, on an engine in the same
+    state."""
     _, llm = make_llm()
     _, exact = make_llm()
     for engine in (llm, exact):
@@ -302,6 +303,19 @@ def test_a_prompt_like_an_earlier_plain_one_to_its_end_is_weighed_with_its_plain
 
     llm.engine.passages.choose(messages, plain)
     assert planned == [True]
+
+
+def test_a_repeat_of_a_plain_prompt_the_learner_forgot_still_reads_its_blocks(make_llm):
+    """Blocks a plain prompt left that the learner has no record of (forgotten, or written by a
+    raw completion) are found by tokenizing as far as the first piece: a byte-identical repeat
+    computes one block, as without learning, not its recurring passages as chunks."""
+    _, llm = make_llm()
+    messages = [Message("user", rag_prompt([0, 1, 2]))]
+    first = llm.chat(messages, sampling=GREEDY)  # seen once: plain, its blocks cached
+    llm.engine.passages.plain_prefixes = PlainPrefixes(max_entries=100)  # nothing recorded
+    again = llm.chat(messages, sampling=GREEDY)
+    assert again.stats.doc_sources == {} and again.stats.num_computed_tokens <= 16
+    assert again.token_ids == first.token_ids
 
 
 def test_text_seen_once_is_planned_exactly_as_without_learning(make_llm):
