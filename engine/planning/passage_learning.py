@@ -90,11 +90,12 @@ class PassageLearner:
         only its exact-prefix blocks, and those only as far as an earlier plain layout had the
         same content: up to the end of its first piece that no plain layout of this learner had
         the same content up to (:class:`~lazyattn_rag.engine.planning.passages.PlainPrefixes`).
-        So only that prefix is tokenized to count the blocks read in place (if they reach its end,
-        written by a plain prompt not recorded here, the full weighing runs), the layouts with passages are weighed against it as above, and the
-        best is taken without planning the plain prompt when it computes fewer tokens than the
-        plain prompt's rest, less :data:`BOUNDARY_SLACK_TOKENS` per cut and one block; else (and
-        when every piece was seen: a repeat) the plain prompt is planned and weighed as above.
+        So only that prefix is tokenized to count the blocks read in place (if they reach its
+        end, written by a plain prompt not recorded here, the full weighing runs), the layouts
+        with passages are weighed against it as above, and the best is taken without planning
+        the plain prompt when it computes fewer tokens than the plain prompt's rest, less
+        :data:`BOUNDARY_SLACK_TOKENS` per cut and one block; else (and when every piece was seen:
+        a repeat) the plain prompt is planned and weighed as above.
         Tokenizing the whole pasted prompt was most of a replica's planning of it (2.1 of
         2.75 ms on the CPU for the HTTP trace's prompts). A plain layout chosen is recorded.
 
