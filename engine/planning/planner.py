@@ -280,7 +280,8 @@ class PromptPlanner:
         self._check_length(plan, "plain prompt")
         return self._with_prefix_keys(plan, namespace) if self.caches_prefixes else plan
 
-    def plain_prefix_keys(self, messages: list[Message], texts: Sequence[str], namespace: str = "") -> PrefixKeys | None:
+    def plain_prefix_keys(self, messages: list[Message], texts: Sequence[str],
+                          namespace: str = "") -> PrefixKeys | None:
         """The exact-prefix block keys the plain plan of text-only ``messages`` starts with, as
         far as the end of the last of ``texts`` (pieces of their content, found in this order in
         the rendered prompt) less :data:`PREFIX_CUT_MARGIN_TOKENS` (the tokens at the cut may
