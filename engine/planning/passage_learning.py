@@ -39,7 +39,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
-from lazyattn_rag.engine.planning.passages import PassageHistory, Piece, PlainPrefixes, passage_key, split_passages
+from lazyattn_rag.engine.planning.passages import (PassageHistory, Piece, PlainPrefixes, passage_key, piece_digests,
+                                                   split_passages)
 from lazyattn_rag.engine.planning.planner import PromptPlanner
 from lazyattn_rag.engine.planning.prompt_plan import PromptPlan
 from lazyattn_rag.engine.planning.registry import RegisteredDocument
@@ -96,8 +97,9 @@ class PassageLearner:
         the plain prompt when it computes fewer tokens than the plain prompt's rest, less
         :data:`BOUNDARY_SLACK_TOKENS` per cut and one block; else (and when every piece was seen:
         a repeat) the plain prompt is planned and weighed as above.
-        Tokenizing the whole pasted prompt was most of a replica's planning of it (2.1 of
-        2.75 ms on the CPU for the HTTP trace's prompts). A plain layout chosen is recorded.
+        Tokenizing the whole pasted prompt was most of a replica's planning of it (681 of 870
+        py-spy samples on the CPU for the HTTP trace's prompts). A plain layout chosen is
+        recorded.
 
         Thread-safe: the history, the prepared passages and the plain prefixes change under a
         lock, given up while a plain prompt or a prefix of one is tokenized; the cache is only
@@ -133,38 +135,33 @@ class PassageLearner:
         plain_cost = self.num_to_compute(plain)
         if plain_cost <= self.cache.block_size:
             return plain
-        options = [(plain, plain_cost)]
-        in_place = self._cached_in_place(plain)
+        best = self._best_learned(messages, recurring, namespace, remedies, self._cached_in_place(plain))
+        return plain if best is None or (plain_cost, 0) <= _rank(best) else best[0]
+
+    def _best_learned(self, messages: Sequence[Message], recurring: dict[tuple[int, int], list[Piece]], namespace: str,
+                      remedies: RequestRemedies, in_place: int) -> tuple[PromptPlan, int] | None:
+        """Of every recurring passage a chunk, and the same without the passages that start where
+        the plain prompt reads ``in_place`` tokens from the cache, the layout computing the fewest
+        tokens (of equals, the fewer passages: the least attention changed), with that count."""
         learned = self._learned(messages, recurring, namespace, remedies, in_place)
-        if learned is not None:
-            options.append(learned)
-            inside = {c.doc_id for c in learned[0].chunks if c.learned and c.global_start < in_place}
-            rest = self._learned(messages, recurring, namespace, remedies, in_place, skip=inside) if inside else None
-            if rest is not None:
-                options.append(rest)
-        # the fewest tokens to compute; of equals, the fewest passages (the least attention changed)
-        return min(options, key=lambda o: (o[1], sum(c.learned for c in o[0].chunks)))[0]
+        if learned is None:
+            return None
+        inside = {c.doc_id for c in learned[0].chunks if c.learned and c.global_start < in_place}
+        rest = self._learned(messages, recurring, namespace, remedies, in_place, skip=inside) if inside else None
+        return min([learned] + ([rest] if rest is not None else []), key=_rank)
 
     def _learned_without_plain(self, messages: Sequence[Message], recurring: dict[tuple[int, int], list[Piece]],
                                namespace: str, remedies: RequestRemedies) -> PromptPlan | None:
         """The layout :meth:`_choose` would take, when it is sure not to be the plain prompt,
         judged without planning that (see :meth:`choose`); ``None`` when it cannot be sure."""
         in_place = self._plain_in_place(messages, namespace)
-        if in_place is None:
+        best = None if in_place is None else self._best_learned(messages, recurring, namespace, remedies, in_place)
+        if best is None:
             return None
-        learned = self._learned(messages, recurring, namespace, remedies, in_place)
-        if learned is None:
-            return None
-        options = [learned]
-        inside = {c.doc_id for c in learned[0].chunks if c.learned and c.global_start < in_place}
-        rest = self._learned(messages, recurring, namespace, remedies, in_place, skip=inside) if inside else None
-        if rest is not None:
-            options.append(rest)
-        plan, cost = min(options, key=lambda o: (o[1], sum(c.learned for c in o[0].chunks)))
+        plan, cost = best
         # what the plain prompt computes, at the least: its tokens (this plan's, give or take a few
         # at each cut) past what it reads in place
-        placed = sum(c.learned for c in plan.chunks)
-        slack = BOUNDARY_SLACK_TOKENS * (placed + 1)
+        slack = BOUNDARY_SLACK_TOKENS * (sum(c.learned for c in plan.chunks) + 1)
         if plan.num_prompt_tokens + slack >= self.planner.max_model_len:
             return None  # the plain prompt may be too long: planning it says (and refuses it as before)
         plain_cost = plan.num_prompt_tokens - in_place - slack
@@ -177,25 +174,22 @@ class PassageLearner:
         (:class:`PlainPrefixes`): its cached blocks end before there, or else (they reach the
         cut, whatever wrote them) ``None``, as when every piece was seen (a repeat): the full
         weighing decides then."""
-        contents, texts = _contents(messages), []
-        for m_index, (_, parts) in enumerate(contents):
-            for p_index, part in enumerate(parts):
-                for piece in split_passages(part):
-                    if piece.separator:
-                        continue
-                    texts.append(piece.text)
-                    if not self.plain_prefixes.seen(namespace, contents, m_index, p_index, piece.end):
-                        if not self.planner.caches_prefixes:
-                            return 0
-                        # tokenized as far as this piece even when it is the first: blocks cached
-                        # by a plain prompt not recorded here (a raw completion, the fallback of a
-                        # learned layout that did not fit) are counted, or make the full weighing run
-                        with self._released():
-                            keys = self.planner.plain_prefix_keys(list(messages), texts, namespace)
-                        if keys is None:  # the pieces were not found in the rendered prompt
-                            return None
-                        hits = self._prefix_hits(keys)
-                        return hits * self.cache.block_size if hits < len(keys) else None
+        texts = []
+        for (_, _, piece), digest in piece_digests(namespace, _contents(messages)):
+            texts.append(piece.text)
+            if digest in self.plain_prefixes:
+                continue
+            if not self.planner.caches_prefixes:
+                return 0
+            # tokenized as far as this piece even when it is the first: blocks cached by a plain
+            # prompt not recorded here (a raw completion, the fallback of a learned layout that did
+            # not fit) are counted, or make the full weighing run
+            with self._released():
+                keys = self.planner.plain_prefix_keys(list(messages), texts, namespace)
+            if keys is None:  # the pieces were not found in the rendered prompt
+                return None
+            hits = self._prefix_hits(keys)
+            return hits * self.cache.block_size if hits < len(keys) else None
         return None
 
     def _learned(self, messages: Sequence[Message], recurring: dict[tuple[int, int], list[Piece]], namespace: str,
@@ -310,6 +304,13 @@ class PassageLearner:
                     parts.append(part[pos:])
             out.append(Message(message.role, tuple(parts)) if parts != list(message.parts()) else message)
         return out, passages
+
+
+def _rank(option: tuple[PromptPlan, int]) -> tuple[int, int]:
+    """A layout's order of preference: the fewest tokens to compute; of equals, the fewest
+    passages (the least attention changed)."""
+    plan, cost = option
+    return cost, sum(c.learned for c in plan.chunks)
 
 
 def _whole(messages: Sequence[Message]) -> bool:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import xxhash
@@ -195,44 +195,41 @@ class PlainPrefixes:
     def __len__(self) -> int:
         return len(self._digests)
 
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._digests
+
     def record(self, namespace: str, contents: list[tuple[str, list[str]]]) -> None:
         """Record the prefixes of a plain layout's messages (``(role, text parts)`` each) that
         end at one of their pieces (:func:`split_passages`)."""
-        state = _prefix_state(namespace)
-        for role, parts in contents:
-            state.update(f"{role}\x1e".encode())
-            for part in parts:
-                pos = 0
-                for piece in split_passages(part):
-                    if piece.separator:
-                        continue
-                    state.update(part[pos:piece.end].encode())
-                    pos = piece.end
-                    self._digests.pop(digest := state.copy().digest(), None)
-                    self._digests[digest] = None
-                state.update(part[pos:].encode() + b"\x1f")
-            state.update(b"\x1d")
+        for _, digest in piece_digests(namespace, contents):
+            self._digests.pop(digest, None)
+            self._digests[digest] = None
         while len(self._digests) > self.max_entries:
             self._digests.popitem(last=False)
 
     def seen(self, namespace: str, contents: list[tuple[str, list[str]]], message: int, part: int, end: int) -> bool:
-        """Whether a recorded plain layout had the same content as ``contents`` up to character
-        ``end`` of text part ``part`` of message ``message``."""
-        state = _prefix_state(namespace)
-        for role, parts in contents[:message]:
-            state.update(f"{role}\x1e".encode())
-            for text in parts:
-                state.update(text.encode() + b"\x1f")
-            state.update(b"\x1d")
-        role, parts = contents[message]
-        state.update(f"{role}\x1e".encode())
-        for text in parts[:part]:
-            state.update(text.encode() + b"\x1f")
-        state.update(parts[part][:end].encode())
-        return state.digest() in self._digests
+        """Whether a recorded plain layout had the same content as ``contents`` up to the piece
+        that ends at character ``end`` of text part ``part`` of message ``message``."""
+        return any((m, p, piece.end) == (message, part, end) and digest in self
+                   for (m, p, piece), digest in piece_digests(namespace, contents))
 
 
-def _prefix_state(namespace: str):
+def piece_digests(namespace: str, contents: list[tuple[str, list[str]]]
+                  ) -> Iterator[tuple[tuple[int, int, Piece], bytes]]:
+    """``((message, part, piece), digest)`` for every piece of ``contents`` (``(role, text parts)``
+    per message) that is not a separator, in order: XXH3-128 of ``namespace`` and the content up
+    to the piece's end (roles and part and message boundaries marked), in one pass."""
     state = xxhash.xxh3_128()
     state.update(f"{namespace}\x00".encode())
-    return state
+    for m_index, (role, parts) in enumerate(contents):
+        state.update(f"{role}\x1e".encode())
+        for p_index, part in enumerate(parts):
+            pos = 0
+            for piece in split_passages(part):
+                if piece.separator:
+                    continue
+                state.update(part[pos:piece.end].encode())
+                pos = piece.end
+                yield (m_index, p_index, piece), state.copy().digest()
+            state.update(part[pos:].encode() + b"\x1f")
+        state.update(b"\x1d")
