@@ -91,11 +91,11 @@ class RedisServer:
 
 class SharedServe:
     """A private local Ray cluster (2 CPUs, every process on loopback: ``start_ray``) with Serve's
-    HTTP proxy on a free ``127.0.0.1`` port, shared by consecutive test modules: :meth:`start`
+    HTTP proxy on a free ``127.0.0.1`` port, shared by the test modules that use it: :meth:`start`
     starts it once (later calls return the running one), :meth:`stop` shuts Serve and Ray down
     (idempotent). ``tests/conftest.py`` stops it after the last test that uses it, so it does not
-    idle beside the rest of the suite. Each module deploys its own application and
-    deletes it when done."""
+    idle beside the rest of the suite. Each module deploys its own application and deletes it
+    when done."""
 
     def __init__(self):
         self._running: tuple[str, int] | None = None
@@ -103,11 +103,10 @@ class SharedServe:
     def start(self) -> tuple[str, int]:
         """``(base_url, port)`` of the running cluster's proxy, starting it first if needed."""
         if self._running is None:
+            import ray
             from ray import serve
 
             from lazyattn_rag.serve.app import start_ray
-
-            import ray
 
             port = free_port()
             start_ray(num_cpus=2, logging_level="ERROR", log_to_driver=False)
