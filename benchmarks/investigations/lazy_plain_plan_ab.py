@@ -5,7 +5,8 @@ choice needs it (since), interleaved on one CPU: issue 36, 2026-12-06.
 The trace is ``benchmarks/http_reuse.py``'s (Zipf 2.1 over 200 documents of 512 tokens, 5 pasted
 per prompt, 400 prompts), the engine its overhead run's (``tiny-32k``, whose word tokenizer knows
 every word of the trace, as the GPU arms' 8B shape does); the timings are that benchmark's
-``planning_ms`` and ``burst_planning_ms``, two rounds of each setting, medians in ms.
+``planning_ms`` and ``burst_planning_ms``, two rounds of each setting, medians in ms; and how
+many of the prompts, each planned once on a fresh engine, had their plain prompt planned whole.
 
     python benchmarks/investigations/lazy_plain_plan_ab.py --out http_reuse_lazy_plain_plan_ab_cpu
 """
@@ -39,6 +40,28 @@ def whole_plain_plan(self, messages, namespace, remedies):
     return [plan] if learned is plan else [learned, plan]
 
 
+def count_plain_plans(engine, prompts) -> int:
+    """Prompts of ``prompts`` (each planned once, in order) whose plain prompt was planned whole."""
+    plan_messages, count = engine.planner.plan_messages, [0]
+
+    def counting(messages, *args, **kwargs):
+        count[0] += all(isinstance(p, str) for m in messages for p in m.parts())
+        return plan_messages(messages, *args, **kwargs)
+
+    engine.planner.plan_messages = counting
+    try:
+        for messages in prompts:
+            engine.plan_plain_chat(messages)
+    finally:
+        engine.planner.plan_messages = plan_messages
+    return count[0]
+
+
+def engine():
+    """The overhead run's engine: ``tiny-32k`` on the CPU, lazy, 64 MiB of KV."""
+    return make_engine(Bench.build("tiny-32k", "cpu", "float32", hash_weights=False), "lazy", 64 << 20, "cpu", 2048, 16)
+
+
 def main(num_requests: int = 400, rounds: int = 2, out: str = "http_reuse_lazy_plain_plan_ab_cpu") -> None:
     workload = Workload(200, 512, 5, 2.1, 64, 32, num_requests, 0)
     docs = workload.documents()
@@ -46,21 +69,25 @@ def main(num_requests: int = 400, rounds: int = 2, out: str = "http_reuse_lazy_p
                for q, ids in workload.requests()]
     settings = {"whole_plain_plan": whole_plain_plan, "lazy_plain_plan": LLMEngine._chat_plans}
     times: dict[str, dict[str, list[float]]] = {name: {} for name in settings}
+    plain_plans: dict[str, int] = {}
     try:
         for _ in range(rounds):
             for name, chat_plans in settings.items():
                 LLMEngine._chat_plans = chat_plans
-                llm = make_engine(Bench.build("tiny-32k", "cpu", "float32", hash_weights=False), "lazy", 64 << 20,
-                                  "cpu", 2048, 16)
+                if name not in plain_plans:  # on an engine of its own: the timings start from a fresh one
+                    llm = engine()
+                    plain_plans[name] = count_plain_plans(llm.engine, prompts)
+                    llm.close()
+                llm = engine()
                 for key, values in (planning_ms(llm.engine, prompts) | burst_planning_ms(llm.engine, prompts)).items():
                     times[name].setdefault(key, []).extend(values)
                 llm.close()
     finally:
         LLMEngine._chat_plans = settings["lazy_plain_plan"]
     summary = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
-    print(summary)
+    print(summary, plain_plans)
     write(out, {"environment": environment(), "command": command_line(), "num_prompts": len(prompts),
-                "rounds": rounds, "median_ms": summary})
+                "rounds": rounds, "plain_plans_made": plain_plans, "median_ms": summary})
 
 
 if __name__ == "__main__":
