@@ -91,8 +91,8 @@ async def one_request(client, model: str, body: dict, output_tokens: int) -> dic
             final, timings = extension["stats"], extension.get("timings", {})
     end = time.time()
     return {"ttft_ms": ((first or end) - start) * 1e3, "e2e_ms": (end - start) * 1e3,
-            "stages_ms": ttft_stages(start, first or end, timings | {"engine_arrival": final.get("arrival_time")},
-                                     final["ttft_ms"]),
+            "stages_ms": submission_split(ttft_stages(start, first or end, timings | {"engine_arrival": final.get(
+                "arrival_time")}, final["ttft_ms"]), final),
             "num_prompt_tokens": final["num_prompt_tokens"], "num_computed_tokens": final["num_computed_tokens"],
             "num_output_tokens": final["num_output_tokens"], "docs_hit": final["docs_hit"],
             "docs_missed": final["docs_missed"], "doc_sources": final["doc_sources"],
@@ -118,6 +118,17 @@ def ttft_stages(start: float, first: float, timings: dict[str, float], engine_tt
              ("back_to_ingress", t["replica_first_event"], t["ingress_first_event"]),
              ("back_to_client", t["ingress_first_event"], first)]
     return {name: (b - a) * 1e3 for name, a, b in marks}
+
+
+def submission_split(stages: dict[str, float], stats: dict) -> dict[str, float]:
+    """``stages`` with its ``submitting_to_engine`` split by the engine's stats (ms): waiting
+    for a planning thread, planning, waiting for the engine thread between steps, and the rest
+    (thread hand-offs, planning on the engine thread)."""
+    if not stages:
+        return stages
+    parts = {"planning_queue": stats.get("planning_queue_ms") or 0.0, "planning": stats.get("planning_ms") or 0.0,
+             "submission_wait": stats.get("submission_wait_ms") or 0.0}
+    return stages | parts | {"submission_rest": stages["submitting_to_engine"] - sum(parts.values())}
 
 
 async def drive(base_url: str, bodies: list[dict], output_tokens: int, concurrency: int) -> tuple[list[dict], float]:

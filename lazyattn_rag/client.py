@@ -9,6 +9,7 @@ deltas come back (a ``queue.SimpleQueue`` or an ``asyncio.Queue``) and in blocki
 from __future__ import annotations
 
 import queue
+import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -82,13 +83,15 @@ class EngineClient:
 
     def submit(self, make: MakeRequest | PlannedRequest, sink: Sink) -> str:
         """Plan and queue a request (a :class:`PlannedRequest` is planned in :attr:`planning`'s
-        thread, the rest on the engine thread; errors raise here); its id."""
+        thread, the rest on the engine thread; errors raise here); its id. Where the time
+        before the engine took it up went is stamped on its stats (``planning_queue_ms``,
+        ``planning_ms``, ``submission_wait_ms``)."""
         if isinstance(make, PlannedRequest):
             if make.structured_output is not None:  # compiled once, found in the compiler's cache from here on
                 self.compiling.submit(self.loop.engine.grammars.compile, make.structured_output).result()
-            planned = self.planning.submit(make.plan, self.loop.engine).result()
-            return self.call(make.submit, sink, planned).request_id
-        return self.call(make, sink).request_id
+            planned, timing = self.planning.submit(_timed_plan, make.plan, self.loop.engine, time.time()).result()
+            return self.call(_stamped, lambda engine: make.submit(engine, sink, planned), timing).request_id
+        return self.call(_stamped, lambda engine: make(engine, sink), _SubmissionTiming(time.time())).request_id
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (a no-op once it finished, or once the engine is shut down). On the
@@ -108,6 +111,34 @@ class EngineClient:
     def abort_soon(self, request_id: str) -> None:
         """Cancel a request without waiting (from a callback that must not block)."""
         self.loop.post(LLMEngine.abort, self.loop.engine, request_id)
+
+
+@dataclass(frozen=True)
+class _SubmissionTiming:
+    """When a request was ready to queue on the engine thread (``time.time()``), and, if it was
+    planned in a planning thread, how long it waited for one and how long planning took (ms)."""
+
+    ready: float
+    planning_queue_ms: float | None = None
+    planning_ms: float | None = None
+
+
+def _timed_plan(plan: Callable[[LLMEngine], Any], engine: LLMEngine, submitted: float) -> tuple[Any, _SubmissionTiming]:
+    """``plan(engine)`` in a planning thread, with its timing (``submitted``: when the caller asked)."""
+    start = time.time()
+    planned = plan(engine)
+    end = time.time()
+    return planned, _SubmissionTiming(end, (start - submitted) * 1e3, (end - start) * 1e3)
+
+
+def _stamped(engine: LLMEngine, submit: Callable[[LLMEngine], Request], timing: _SubmissionTiming) -> Request:
+    """``submit(engine)`` on the engine thread; the request's stats get ``timing``."""
+    taken = time.time()
+    request = submit(engine)
+    stats = request.stats
+    stats.planning_queue_ms, stats.planning_ms = timing.planning_queue_ms, timing.planning_ms
+    stats.submission_wait_ms = (taken - timing.ready) * 1e3
+    return request
 
 
 class RequestStream(Iterator[StreamDelta]):

@@ -239,6 +239,30 @@ def test_prometheus_metrics_match_stats(make_llm):
     assert stats["latency"]["e2e"]["count"] == 2 and stats["latency"]["e2e"]["sum_s"] >= out.stats.e2e_ms / 1e3
 
 
+def test_stats_say_where_the_time_before_the_engine_took_a_request_went(make_llm, monkeypatch):
+    """A plain chat prompt is planned in a planning thread: its planning time and the wait for
+    the engine thread (busy here with a 150 ms command) are stamped on its stats; a request
+    planned on the engine thread has no planning stamps, only its wait."""
+    hf, llm = make_llm()
+    llm.add_document("a", words(20))
+    engine = llm.client.loop.engine
+    plan_plain_chat = engine.plan_plain_chat
+
+    def slow_plan(*args, **kwargs):
+        time.sleep(0.1)
+        return plan_plain_chat(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "plan_plain_chat", slow_plan)
+    llm.client.loop.post(time.sleep, 0.15)  # the engine thread is busy for 150 ms from now
+    plain = llm.chat([("user", words(30))], sampling=GREEDY).stats
+    assert plain.planning_ms >= 100 and 0 <= plain.planning_queue_ms < 100
+    assert 0 < plain.submission_wait_ms <= 150  # the command's last 50 ms or less, after 100 ms of planning
+    llm.client.loop.post(time.sleep, 0.15)
+    by_id = llm.generate("w1", ["a"], sampling=GREEDY).stats
+    assert by_id.planning_ms is None and by_id.planning_queue_ms is None
+    assert 100 <= by_id.submission_wait_ms <= 150 + 100
+
+
 def test_rebinding_old_text_while_a_request_reads_it_revives_the_entry(make_llm):
     hf, llm = make_llm(num_blocks=64)
     text = words(40, start=9)

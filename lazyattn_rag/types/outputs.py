@@ -50,6 +50,15 @@ class RequestStats:
         arrival_time: when the engine accepted the request (its submission), Unix time in
             seconds (``time.time()``), as vLLM's ``RequestMetrics.arrival_time``: lines the
             engine's own figures up with a caller's clock.
+        planning_queue_ms: a chat prompt of plain text (planned in the client's planning threads,
+            off the engine thread): from its submission to a planning thread taking it up, in
+            milliseconds; ``None`` for a request planned on the engine thread.
+        planning_ms: such a prompt's planning (tokenizing, the passage learner's choice), in
+            milliseconds; ``None`` as ``planning_queue_ms``.
+        submission_wait_ms: from the request being ready to queue (planned, or submitted where
+            it is planned on the engine thread) to the engine thread taking it up between two
+            steps, in milliseconds. With the two above and ``arrival_time`` it says where the
+            time before the engine accepted the request went.
         num_preemptions: times the request's blocks were taken back and it was recomputed.
         loop_stopped: the loop guard ended the answer (``SamplingParams.loop_guard_ngram``): it
             began repeating a run of tokens it had produced; the text ends before the repeat.
@@ -73,6 +82,9 @@ class RequestStats:
     queue_ms: float | None = None
     remedy: str | None = None
     arrival_time: float | None = None
+    planning_queue_ms: float | None = None
+    planning_ms: float | None = None
+    submission_wait_ms: float | None = None
     num_preemptions: int = 0
     loop_stopped: bool = False
 
