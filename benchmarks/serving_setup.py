@@ -89,12 +89,17 @@ def random_model(arch: str, device: torch.device, dtype: torch.dtype) -> CausalL
 
 
 def word_tokenizer(vocab_size: int):
-    """Whitespace word tokenizer over ``t0 .. t{n}`` (documents are random token sequences)."""
+    """Whitespace word tokenizer over ``t0 .. t{vocab_size - 4}`` (documents are random token
+    sequences of the first 30,000 words). Every id of the model's vocabulary is a word, so every
+    token a random-weight model samples decodes to text, as a real tokenizer's tokens do: with
+    32,000 words under a 128,256-token vocabulary, three sampled tokens in four decoded to
+    nothing, and a streaming client saw its first content a few decode steps after the first
+    token (``benchmarks/http_reuse.py``'s TTFT before 2026-12-06)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2}
-    for i in range(min(vocab_size, 32000) - 3):
+    for i in range(vocab_size - 3):
         vocab[f"t{i}"] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -137,3 +137,15 @@ def test_the_prerotated_mode_switches_the_triton_backend_and_refuses_another():
         release(llm)
     with pytest.raises(ValueError, match="mode lazy\\+prerot needs the triton attention backend, not 'torch'"):
         make_engine(bench, "lazy+prerot", 8 << 20, "cpu", 256, 2, backend="torch")
+
+
+def test_every_token_of_the_random_models_vocabulary_decodes_to_text():
+    """A random-weight model samples any id of its vocabulary; each must decode to a word, or a
+    streaming client's first content comes tokens after the first token (as it did when the
+    word tokenizer stopped at 32,000 words under the 8B shape's 128,256)."""
+    from benchmarks.serving_setup import word_tokenizer
+
+    tokenizer = word_tokenizer(40_000)
+    assert len(tokenizer) == 40_000
+    for token_id in (3, 31_999, 32_000, 39_999):
+        assert tokenizer.decode([token_id]) == f"t{token_id - 3}"
