@@ -17,8 +17,10 @@ from lazyattn_rag.types.sampling_params import SamplingParams
 class AsyncLazyAttention:
     """Asyncio API: many tasks submit concurrently and share the engine's batches.
 
-    Nothing here blocks the event loop: submissions run on the engine thread (awaited through
-    a worker thread), and deltas come back through an ``asyncio.Queue`` fed thread-safely.
+    Nothing here blocks the event loop: submissions are planned in the client's planning
+    threads or on the engine thread and awaited as futures (no worker thread waits on them:
+    on a replica busy with its engine, each thread hand-off waits for the GIL), and deltas
+    come back through an ``asyncio.Queue`` fed thread-safely.
     Cancelling a task that iterates a stream aborts its request and frees its blocks.
 
     Args:
@@ -54,7 +56,7 @@ class AsyncLazyAttention:
             loop.call_soon_threadsafe(deltas.put_nowait, item)
 
         client = self.llm.client
-        submission = asyncio.ensure_future(asyncio.to_thread(client.submit, make, sink))
+        submission = asyncio.wrap_future(client.submit_soon(make, sink))  # no thread of ours waits on it
         try:
             request_id = await asyncio.shield(submission)
         except asyncio.CancelledError:  # the submission may still land: abort what it makes

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -93,6 +93,37 @@ class EngineClient:
             return self.call(_stamped, lambda engine: make.submit(engine, sink, planned), timing).request_id
         return self.call(_stamped, lambda engine: make(engine, sink), _SubmissionTiming(time.time())).request_id
 
+    def submit_soon(self, make: MakeRequest | PlannedRequest, sink: Sink) -> Future:
+        """:meth:`submit` without blocking the caller: a :class:`~concurrent.futures.Future` of
+        the request's id, or of the error :meth:`submit` raises. The request is queued on the
+        engine thread without a thread of the caller's waiting on it (an event loop awaits the
+        future): a :class:`PlannedRequest` goes from the planning threads (its grammar compiled
+        in the grammar threads first) straight to the engine's command queue. Not from the
+        engine thread (its commands run between steps: :meth:`submit` runs there inline)."""
+        result: Future = Future()
+        submitted = time.time()
+        if not isinstance(make, PlannedRequest):
+            self._queue(lambda engine: make(engine, sink), _SubmissionTiming(submitted), result)
+        elif make.structured_output is None:
+            _chain(self.planning, result, self._plan_and_queue, make, sink, submitted, result)
+        else:  # compiled once, found in the compiler's cache from here on
+            compiled = self.compiling.submit(self.loop.engine.grammars.compile, make.structured_output)
+            compiled.add_done_callback(lambda done: _forward_error(done, result) or _chain(
+                self.planning, result, self._plan_and_queue, make, sink, submitted, result))
+        return result
+
+    def _plan_and_queue(self, make: PlannedRequest, sink: Sink, submitted: float, result: Future) -> None:
+        """In a planning thread: plan ``make``, then queue it on the engine thread (``result``
+        gets its id or the error)."""
+        planned, timing = _timed_plan(make.plan, self.loop.engine, submitted)
+        self._queue(lambda engine: make.submit(engine, sink, planned), timing, result)
+
+    def _queue(self, submit: Callable[[LLMEngine], Request], timing: _SubmissionTiming, result: Future) -> None:
+        """``submit(engine)`` as an engine command; ``result`` gets the request's id or the error."""
+        queued = self.loop.post(_stamped, self.loop.engine, submit, timing)
+        queued.add_done_callback(lambda done: _forward_error(done, result) or result.set_result(
+            done.result().request_id))
+
     def abort(self, request_id: str) -> None:
         """Cancel a request (a no-op once it finished, or once the engine is shut down). On the
         engine thread (a stream garbage-collected during a step) it runs after the step."""
@@ -129,6 +160,28 @@ def _timed_plan(plan: Callable[[LLMEngine], Any], engine: LLMEngine, submitted: 
     planned = plan(engine)
     end = time.time()
     return planned, _SubmissionTiming(end, (start - submitted) * 1e3, (end - start) * 1e3)
+
+
+def _forward_error(done: Future, result: Future) -> bool:
+    """Give ``done``'s exception, if any, to ``result``; whether there was one."""
+    error = done.exception()
+    if error is not None:
+        result.set_exception(error)
+    return error is not None
+
+
+def _chain(pool: ThreadPoolExecutor, result: Future, fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` in ``pool``; what it raises (or the pool's refusal once shut down) goes to ``result``."""
+    def run():
+        try:
+            fn(*args)
+        except BaseException as error:  # handed to the caller
+            result.set_exception(error)
+
+    try:
+        pool.submit(run)
+    except RuntimeError as error:  # the pool is shut down
+        result.set_exception(error)
 
 
 def _stamped(engine: LLMEngine, submit: Callable[[LLMEngine], Request], timing: _SubmissionTiming) -> Request:

@@ -263,6 +263,38 @@ def test_stats_say_where_the_time_before_the_engine_took_a_request_went(make_llm
     assert 100 <= by_id.submission_wait_ms <= 150 + 100
 
 
+def test_async_submissions_wait_in_no_worker_thread(make_llm):
+    """AsyncLazyAttention awaits its submissions as futures: with an event loop whose default
+    executor refuses every job, a plain chat (planned in a planning thread) and a request by id
+    (planned on the engine thread) still answer as the sync API does, and the errors of either
+    path (a plain prompt over the context limit; an unknown id) raise at the first ``anext``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    class Refusing(ThreadPoolExecutor):
+        def submit(self, *args, **kwargs):
+            raise AssertionError("a submission waited in a worker thread")
+
+    hf, llm = make_llm()
+    llm.add_document("a", words(20))
+    plain_messages = [("user", words(30))]
+    expected = (llm.chat(plain_messages, sampling=GREEDY).token_ids,
+                llm.generate("w1", ["a"], sampling=GREEDY).token_ids)
+    allm = AsyncLazyAttention(llm)
+
+    async def run():
+        asyncio.get_running_loop().set_default_executor(Refusing())
+        answers = await asyncio.gather(allm.chat(plain_messages, sampling=GREEDY),
+                                       allm.generate("w1", ["a"], sampling=GREEDY))
+        with pytest.raises(PromptTooLongError):
+            await allm.chat([("user", words(4100))], sampling=GREEDY)  # max_model_len 4,080
+        with pytest.raises(UnknownDocumentError, match="'nope'"):
+            await allm.generate("w1", ["nope"], sampling=GREEDY)
+        return tuple(a.token_ids for a in answers)
+
+    assert asyncio.run(run()) == expected
+    assert_no_leak(llm)
+
+
 def test_rebinding_old_text_while_a_request_reads_it_revives_the_entry(make_llm):
     hf, llm = make_llm(num_blocks=64)
     text = words(40, start=9)
