@@ -101,6 +101,7 @@ class EngineClient:
         in the grammar threads first) straight to the engine's command queue. Not from the
         engine thread (its commands run between steps: :meth:`submit` runs there inline)."""
         result: Future = Future()
+        result.set_running_or_notify_cancel()  # not cancellable: a request it queues always reaches its caller
         submitted = time.time()
         if not isinstance(make, PlannedRequest):
             self._queue(lambda engine: make(engine, sink), _SubmissionTiming(submitted), result)
