@@ -172,7 +172,7 @@ def serve(
                    err=True)
         raise typer.Exit(2) from e
     where = (f"on the Ray cluster at {ray_address}" if ray_address is not None else
-             "on a private local Ray cluster (127.0.0.1 only, token authentication, no dashboard)")
+             "on a private local Ray cluster (127.0.0.1 only, token authentication, no dashboard UI)")
     keys = "API keys required" if config.authenticates else "no API key: loopback clients only"
     if config.allow_unauthenticated and not config.authenticates:
         keys = "no API key: anyone who can reach it"

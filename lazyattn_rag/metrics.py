@@ -24,8 +24,8 @@ _COUNTERS = {
     "num_cached_prompt_tokens": ("cached_prompt_tokens", "Prompt tokens served from the chunk cache."),
     "num_exact_prefix_tokens": ("exact_prefix_tokens", "Cached prompt tokens reused where they were computed "
                                                       "(prompt heads, exact-prefix blocks)."),
-    "num_shifted_tokens": ("shifted_tokens", "Cached prompt tokens of documents and learned passages placed at "
-                                             "new offsets."),
+    "num_shifted_tokens": ("shifted_tokens", "Cached prompt tokens of documents and learned passages read from "
+                                             "their chunks (each encoded alone) at the prompt's offsets."),
     "num_computed_prompt_tokens": ("computed_prompt_tokens", "Prompt tokens computed by their requests."),
     "num_recomputed_tokens": ("recomputed_tokens", "Computed prompt tokens of cached documents a fidelity remedy "
                                                    "computed again."),
