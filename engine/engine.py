@@ -290,6 +290,12 @@ class LLMEngine:
         grammar = self.grammars.matcher(params.structured_output) if params.structured_output else None
         return OutputState(sink, detokenizer, gen, stop_ids, grammar=grammar)
 
+    def answers(self, request: Request) -> list[Request]:
+        """``request`` and the other answers waiting to fork from it (``SamplingParams.n``:
+        ``<id>-1`` ...; none once they forked)."""
+        state = self.outputs.states.get(request.request_id)
+        return [request] + [child for child, _ in (state.forks if state is not None else ())]
+
     def abort(self, request_id: str) -> bool:
         """Cancel a request and its other answers (``SamplingParams.n``); frees everything they
         hold. Returns ``False`` if all had finished."""

@@ -89,9 +89,10 @@ class EngineClient:
         if isinstance(make, PlannedRequest):
             if make.structured_output is not None:  # compiled once, found in the compiler's cache from here on
                 self.compiling.submit(self.loop.engine.grammars.compile, make.structured_output).result()
-            planned, timing = self.planning.submit(_timed_plan, make.plan, self.loop.engine, time.time()).result()
+            planned, timing = self.planning.submit(_timed_plan, make.plan, self.loop.engine,
+                                                   time.perf_counter()).result()
             return self.call(_stamped, lambda engine: make.submit(engine, sink, planned), timing).request_id
-        return self.call(_stamped, lambda engine: make(engine, sink), _SubmissionTiming(time.time())).request_id
+        return self.call(_stamped, lambda engine: make(engine, sink), _SubmissionTiming(time.perf_counter())).request_id
 
     def submit_soon(self, make: MakeRequest | PlannedRequest, sink: Sink) -> Future:
         """:meth:`submit` without blocking the caller: a :class:`~concurrent.futures.Future` of
@@ -102,15 +103,15 @@ class EngineClient:
         engine thread (its commands run between steps: :meth:`submit` runs there inline)."""
         result: Future = Future()
         result.set_running_or_notify_cancel()  # not cancellable: a request it queues always reaches its caller
-        submitted = time.time()
         if not isinstance(make, PlannedRequest):
-            self._queue(lambda engine: make(engine, sink), _SubmissionTiming(submitted), result)
+            self._queue(lambda engine: make(engine, sink), _SubmissionTiming(time.perf_counter()), result)
         elif make.structured_output is None:
-            _chain(self.planning, result, self._plan_and_queue, make, sink, submitted, result)
-        else:  # compiled once, found in the compiler's cache from here on
-            compiled = self.compiling.submit(self.loop.engine.grammars.compile, make.structured_output)
-            compiled.add_done_callback(lambda done: _forward_error(done, result) or _chain(
-                self.planning, result, self._plan_and_queue, make, sink, submitted, result))
+            _chain(self.planning, result, self._plan_and_queue, make, sink, time.perf_counter(), result)
+        else:  # compiled once, found in the compiler's cache from here on; planning waits from then, as submit's
+            compiling = _chain(self.compiling, result, self.loop.engine.grammars.compile, make.structured_output)
+            if compiling is not None:
+                compiling.add_done_callback(lambda done: result.done() or _chain(
+                    self.planning, result, self._plan_and_queue, make, sink, time.perf_counter(), result))
         return result
 
     def _plan_and_queue(self, make: PlannedRequest, sink: Sink, submitted: float, result: Future) -> None:
@@ -121,9 +122,14 @@ class EngineClient:
 
     def _queue(self, submit: Callable[[LLMEngine], Request], timing: _SubmissionTiming, result: Future) -> None:
         """``submit(engine)`` as an engine command; ``result`` gets the request's id or the error."""
-        queued = self.loop.post(_stamped, self.loop.engine, submit, timing)
-        queued.add_done_callback(lambda done: _forward_error(done, result) or result.set_result(
-            done.result().request_id))
+        def done(queued: Future) -> None:
+            error = queued.exception()
+            if error is not None:
+                result.set_exception(error)
+            else:
+                result.set_result(queued.result().request_id)
+
+        self.loop.post(_stamped, self.loop.engine, submit, timing).add_done_callback(done)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (a no-op once it finished, or once the engine is shut down). On the
@@ -147,8 +153,9 @@ class EngineClient:
 
 @dataclass(frozen=True)
 class _SubmissionTiming:
-    """When a request was ready to queue on the engine thread (``time.time()``), and, if it was
-    planned in a planning thread, how long it waited for one and how long planning took (ms)."""
+    """When a request was ready to queue on the engine thread (``time.perf_counter()``), and,
+    if it was planned in a planning thread, how long it waited for one and how long planning
+    took (ms)."""
 
     ready: float
     planning_queue_ms: float | None = None
@@ -156,42 +163,42 @@ class _SubmissionTiming:
 
 
 def _timed_plan(plan: Callable[[LLMEngine], Any], engine: LLMEngine, submitted: float) -> tuple[Any, _SubmissionTiming]:
-    """``plan(engine)`` in a planning thread, with its timing (``submitted``: when the caller asked)."""
-    start = time.time()
+    """``plan(engine)`` in a planning thread, with its timing (``submitted``: when the caller asked,
+    ``time.perf_counter()``). A plan of ``None`` planned nothing here (the engine thread plans the
+    request): no planning times then."""
+    start = time.perf_counter()
     planned = plan(engine)
-    end = time.time()
+    end = time.perf_counter()
+    if planned is None:
+        return planned, _SubmissionTiming(end)
     return planned, _SubmissionTiming(end, (start - submitted) * 1e3, (end - start) * 1e3)
 
 
-def _forward_error(done: Future, result: Future) -> bool:
-    """Give ``done``'s exception, if any, to ``result``; whether there was one."""
-    error = done.exception()
-    if error is not None:
-        result.set_exception(error)
-    return error is not None
-
-
-def _chain(pool: ThreadPoolExecutor, result: Future, fn: Callable[..., None], *args: Any) -> None:
-    """``fn(*args)`` in ``pool``; what it raises (or the pool's refusal once shut down) goes to ``result``."""
+def _chain(pool: ThreadPoolExecutor, result: Future, fn: Callable[..., Any], *args: Any) -> Future | None:
+    """``fn(*args)`` in ``pool``; what it raises (or the pool's refusal once shut down) goes to
+    ``result``. Its future, or ``None`` where the pool refused it."""
     def run():
         try:
-            fn(*args)
+            return fn(*args)
         except BaseException as error:  # handed to the caller
             result.set_exception(error)
 
     try:
-        pool.submit(run)
+        return pool.submit(run)
     except RuntimeError as error:  # the pool is shut down
         result.set_exception(error)
+        return None
 
 
 def _stamped(engine: LLMEngine, submit: Callable[[LLMEngine], Request], timing: _SubmissionTiming) -> Request:
-    """``submit(engine)`` on the engine thread; the request's stats get ``timing``."""
-    taken = time.time()
+    """``submit(engine)`` on the engine thread; the stats of the request and of its other
+    answers (``SamplingParams.n``) get ``timing``."""
+    taken = time.perf_counter()
     request = submit(engine)
-    stats = request.stats
-    stats.planning_queue_ms, stats.planning_ms = timing.planning_queue_ms, timing.planning_ms
-    stats.submission_wait_ms = (taken - timing.ready) * 1e3
+    for answer in engine.answers(request):
+        stats = answer.stats
+        stats.planning_queue_ms, stats.planning_ms = timing.planning_queue_ms, timing.planning_ms
+        stats.submission_wait_ms = (taken - timing.ready) * 1e3
     return request
 
 

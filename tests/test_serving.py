@@ -261,6 +261,15 @@ def test_stats_say_where_the_time_before_the_engine_took_a_request_went(make_llm
     by_id = llm.generate("w1", ["a"], sampling=GREEDY).stats
     assert by_id.planning_ms is None and by_id.planning_queue_ms is None
     assert 100 <= by_id.submission_wait_ms <= 150 + 100
+    # every answer of n > 1 carries its request's stamps; requests planned on the engine thread
+    # (by id with n > 1, messages placing a document) have no planning times however they queue
+    three = llm.chat([("user", words(30))], sampling=SamplingParams(max_tokens=4, ignore_eos=True, n=3))
+    assert [a.stats.planning_ms >= 100 for a in [three, *three.alternatives]] == [True] * 3
+    two = llm.generate("w1", ["a"], sampling=SamplingParams(max_tokens=4, ignore_eos=True, n=2))
+    placed = llm.chat([{"role": "user", "content": [{"type": "document", "id": "a"}, {"type": "text", "text": "w1"}]}],
+                      sampling=GREEDY)
+    for stats in (two.stats, two.alternatives[0].stats, placed.stats):
+        assert stats.planning_ms is None and stats.planning_queue_ms is None and stats.submission_wait_ms >= 0
 
 
 def test_async_submissions_wait_in_no_worker_thread(make_llm):
@@ -293,6 +302,23 @@ def test_async_submissions_wait_in_no_worker_thread(make_llm):
 
     assert asyncio.run(run()) == expected
     assert_no_leak(llm)
+
+
+def test_submit_soon_after_shutdown_fails_its_future_for_every_kind_of_request(make_llm):
+    """The error of a submission after shutdown comes in the future, never raised by the call:
+    plain chat, by id, and with a constraint to compile (whose pool is shut down too)."""
+    from lazyattn_rag.client import chat_request, question_request
+    from lazyattn_rag.types.sampling_params import StructuredOutputParams
+
+    hf, llm = make_llm()
+    client = llm.client
+    llm.shutdown()
+    constrained = SamplingParams(max_tokens=4, structured_output=StructuredOutputParams(regex="[0-9]+"))
+    for make in (chat_request([("user", "w1")], [], GREEDY), question_request("w1", [], [], GREEDY),
+                 chat_request([("user", "w1")], [], constrained)):
+        future = client.submit_soon(make, lambda item: None)  # raises nothing itself
+        with pytest.raises(RuntimeError, match="shut ?down"):  # the engine loop's, or a thread pool's
+            future.result(timeout=10)
 
 
 def test_rebinding_old_text_while_a_request_reads_it_revives_the_entry(make_llm):
