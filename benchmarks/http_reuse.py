@@ -163,18 +163,22 @@ def bodies_of(arm: str, docs: dict[str, str], requests: list[tuple[str, list[str
              "extra_body": {"ignore_eos": True}} for q, ids in requests]
 
 
-def warm_up_set(workload: Workload) -> tuple[dict[str, str], list[tuple[str, list[str]]]]:
-    """Two documents outside the trace and six requests over them in alternating order: in the
-    arm's own form they run every kernel the arm runs (plain prefill, chunk encodes, chunk reads
-    after a passage is learned) before the clock starts, so no arm pays a kernel's first
-    compilation inside its measurement."""
+def warm_up_set(workload: Workload, concurrency: int) -> tuple[dict[str, str], list[tuple[str, list[str]]]]:
+    """``docs_per_request`` documents outside the trace and ``2 * concurrency`` requests placing
+    all of them, each in another rotated order, run in the arm's own form at the arm's
+    concurrency and output length before the clock starts: prompts of the trace's length in
+    batches of its size run every kernel the arm runs (plain prefill, chunk encodes, chunk reads
+    after a passage is learned, decode at the batch's split counts), so no arm pays a kernel's
+    first compilation inside its measurement. (Two documents over six requests at concurrency 2
+    left the first arm of a run a p99 of 2.0-2.5 s on the H100, its later arms 0.3-0.5 s.)"""
     from benchmarks.serving_workload import random_text
     import numpy as np
 
     rng = np.random.default_rng(workload.seed + 99)
-    docs = {f"warm{i}": random_text(rng, workload.doc_tokens) for i in range(2)}
-    orders = [["warm0", "warm1"], ["warm1", "warm0"]] * 3
-    return docs, [(random_text(rng, workload.query_tokens), ids) for ids in orders]
+    ids = [f"warm{i}" for i in range(workload.docs_per_request)]
+    docs = {i: random_text(rng, workload.doc_tokens) for i in ids}
+    orders = [ids[k % len(ids):] + ids[:k % len(ids)] for k in range(2 * concurrency)]
+    return docs, [(random_text(rng, workload.query_tokens), order) for order in orders]
 
 
 def summarize(results: list[dict], wall_s: float) -> dict:
@@ -224,7 +228,7 @@ def run_arm(arm: str, args: dict, workload: Workload, port: int) -> dict:
     start = time.perf_counter()
     serve.run(build_app(None, config, build), name="bench", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
-    warm_docs, warm_requests = warm_up_set(workload)
+    warm_docs, warm_requests = warm_up_set(workload, args["concurrency"])
     if arm in ("plain_registered", "by_id"):
         items = list(workload.documents().items()) + list(warm_docs.items())
         with httpx.Client(base_url=base, timeout=600) as http:
@@ -233,7 +237,7 @@ def run_arm(arm: str, args: dict, workload: Workload, port: int) -> dict:
                                                                           for k, v in items[i:i + 50]]})
                 response.raise_for_status()
     setup_s = time.perf_counter() - start
-    asyncio.run(drive(base, bodies_of(arm, warm_docs, warm_requests), 2, 2))
+    asyncio.run(drive(base, bodies_of(arm, warm_docs, warm_requests), workload.output_tokens, args["concurrency"]))
     trace = bodies_of(arm, workload.documents(), workload.requests())
     results, wall = asyncio.run(drive(base, trace, workload.output_tokens, args["concurrency"]))
     engine = engine_counters(base)
