@@ -170,7 +170,8 @@ def warm_up_set(workload: Workload, concurrency: int) -> tuple[dict[str, str], l
     batches of its size run every kernel the arm runs (plain prefill, chunk encodes, chunk reads
     after a passage is learned, decode at the batch's split counts), so no arm pays a kernel's
     first compilation inside its measurement. (Two documents over six requests at concurrency 2
-    left the first arm of a run a p99 of 2.0-2.5 s on the H100, its later arms 0.3-0.5 s.)"""
+    left the first arm of a run a p99 of 2.0-2.5 s on the H100, its later arms 0.3-0.5 s: most
+    likely kernels compiled mid-trace, not verified.)"""
     from benchmarks.serving_workload import random_text
     import numpy as np
 
