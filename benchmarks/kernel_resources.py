@@ -28,7 +28,7 @@ from lazyattn_rag.kernels.launch import ROTATION_CODES
 
 POINTER_TYPES = {
     "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16", "key_ptr": "*bf16",
-    "value_ptr": "*bf16", "q_rot_ptr": "*bf16", "qr_deltas_ptr": "*i64",
+    "value_ptr": "*bf16", "q_rot_ptr": "*bf16", "qr_run_rows_ptr": "*i32",
     "block_tables_ptr": "*i64", "inv_freq_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
 }
 

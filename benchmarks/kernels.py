@@ -160,7 +160,8 @@ def bench_prefill(name: str, cfg: dict, device, new_tokens=16384, cached_chunks=
 
     # rotation="prerotated": the layout of the rows rotated beforehand, planned once on the host as
     # the engine would plan it once per step (the rotating kernel itself runs inside each call)
-    rotations = plan_query_rotations(P["block_tables"].cpu(), P["num_blocks"].cpu(), cu.cpu(), device)
+    rotations = plan_query_rotations(P["block_tables"].cpu(), P["num_blocks"].cpu(), cu.cpu(), device,
+                                     block_size=BLOCK_SIZE)
 
     def ours(rotation="query", bm=None, bn=None, warps=None, stages=None, scaled=False, step=True, **options):
         tables, run_list = (scaled_tables, scaled_runs) if scaled else (P["block_tables"], runs)

@@ -193,7 +193,7 @@ def count_at_most(row_ptr, n, limit, search_steps):
 # Integer arguments that change from step to step (the block-table width) are not specialized:
 # Triton compiles a variant per value class (== 1, divisible by 16, other) of each int argument,
 # and a variant first met mid-run stalls that step for a compile.
-@triton.jit(do_not_specialize=["stride_bt", "stride_ksr", "stride_rsr", "stride_qrd", "search_steps"])
+@triton.jit(do_not_specialize=["stride_bt", "stride_ksr", "stride_rsr", "stride_qrr", "search_steps"])
 def prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
@@ -215,9 +215,7 @@ def prefill_kernel(
     seq_ids_ptr,  # [num_work] int32 sequences this launch handles (grid axis 2)
     inv_freq_ptr,  # [HALF] float32 RoPE frequencies
     q_rot_ptr,  # [num_rows, num_heads, head_dim] queries rotated beforehand (ROTATION 3; query_rotation.py)
-    qr_deltas_ptr,  # [num_seqs, max_deltas] int64 each sequence's nonzero deltas (ROTATION 3)
-    qr_num_deltas_ptr,  # [num_seqs] int32 (ROTATION 3)
-    qr_row_base_ptr,  # [num_seqs] int32 first rotated row of each sequence (ROTATION 3)
+    qr_run_rows_ptr,  # [num_seqs, max_runs] int32 each run's first rotated row, -1: the query as given (ROTATION 3)
     sm_scale_log2,  # float: softmax scale * log2(e)
     chunk_inv_temperature,  # float: 1 / temperature for scaled blocks (ChunkScaling; CHUNK_SCALING only)
     chunk_log2_weight,  # float: log2(weight) added to scaled blocks' scores (CHUNK_SCALING only)
@@ -227,7 +225,7 @@ def prefill_kernel(
     stride_ot, stride_oh,  # out strides (tokens, heads)
     stride_nkt, stride_nkh, stride_nvt, stride_nvh,  # new tokens' K and V strides (tokens, heads)
     stride_rt, stride_rh,  # q_rot strides (rows, heads) (ROTATION 3)
-    stride_qrd,  # qr_deltas row stride (ROTATION 3)
+    stride_qrr,  # qr_run_rows row stride (ROTATION 3)
     stride_bt,  # block_tables row stride
     stride_ksr,  # key_starts row stride
     stride_rsr,  # run_starts row stride
@@ -303,10 +301,8 @@ def prefill_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: fully masked rows stay NaN-free
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if ROTATION == 3:  # this sequence's rotated rows: row_base + k * q_len + i for its k-th delta
-        qr_row = qr_deltas_ptr + seq.to(tl.int64) * stride_qrd
-        qr_count = tl.load(qr_num_deltas_ptr + seq)
-        qr_base = tl.load(qr_row_base_ptr + seq)
+    if ROTATION == 3:  # each run's rotated rows start at qr_run_rows[seq, r] (query_rotation.py)
+        qr_row = qr_run_rows_ptr + seq.to(tl.int64) * stride_qrr
     for r in range(0, n_runs):
         b0 = tl.load(rs_row + r)
         b1 = tl.load(rs_row + r + 1)
@@ -341,13 +337,11 @@ def prefill_kernel(
                     tl.debug_barrier()  # every thread's stores are visible to the loads below
                 qa = tl.load(tl.where(rotated, r_ptrs, q_ptrs), mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
             elif ROTATION == 3:  # rows rotated by -delta beforehand: only loaded here
-                k = -1
-                for j in range(0, qr_count):  # a handful of deltas: the run's is among them
-                    k = tl.where(tl.load(qr_row + j) == delta, j, k)
-                # k < 0: delta 0 (never listed), or a layout planned from other tables (never read past it)
-                r_rows = (qr_base + tl.maximum(k, 0) * q_len + offs_m).to(tl.int64) * stride_rt + head * stride_rh
+                # the run's number alone finds them (no wait on its block-table word or a search)
+                run_row = tl.load(qr_row + r)  # -1: delta 0, the query as given
+                r_rows = (tl.maximum(run_row, 0) + offs_m).to(tl.int64) * stride_rt + head * stride_rh
                 r_ptrs = q_rot_ptr + r_rows[:, None] + offs_d[None, :]  # [BLOCK_M, HEAD_DIM]
-                qa = tl.load(tl.where(k >= 0, r_ptrs, q_ptrs), mask=row_ok[:, None], other=0.0)
+                qa = tl.load(tl.where(run_row >= 0, r_ptrs, q_ptrs), mask=row_ok[:, None], other=0.0)
             else:
                 qa = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
             if ROTATION == 2:  # R_delta on each K tile; angles once per run
@@ -615,10 +609,10 @@ def paged_prefill(
         q_rot = query  # no rows to rotate (no delta but 0): a pointer the kernel never reads
         if query_rotations.num_rows:
             q_rot = rotate_queries(query, query_rotations, cu_seqlens_q, max_query_len, launch.inv_freq, interleaved)
-        rotated = (q_rot, query_rotations.deltas, query_rotations.num_deltas, query_rotations.row_base)
-        rotated_strides = (q_rot.stride(0), q_rot.stride(1), query_rotations.deltas.stride(0))
+        rotated = (q_rot, query_rotations.run_rows)
+        rotated_strides = (q_rot.stride(0), q_rot.stride(1), query_rotations.run_rows.stride(0))
     else:  # unused pointers: any tensor of the right kind
-        rotated, rotated_strides = (query, block_tables, seq_lens, seq_lens), (0, 0, 0)
+        rotated, rotated_strides = (query, seq_lens), (0, 0, 0)
     cfg = _default_config(head_dim, block_size, launch.interpreter, query.element_size(), max_query_len,
                           max_context_len, _shared_bytes(query.device))
     block_m = block_m or cfg["block_m"]

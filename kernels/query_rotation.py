@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from lazyattn_rag.kernels.block_table import DELTA_SHIFT
-from lazyattn_rag.kernels.launch import on_interpreter, rope_layout
+from lazyattn_rag.kernels.launch import block_runs, on_interpreter, rope_layout
 from lazyattn_rag.kernels.triton_helpers import rotated_rows, rotation
 
 
@@ -44,12 +44,19 @@ class QueryRotations:
         num_deltas: ``[num_seqs]`` int32: how many of a sequence's entries are used.
         row_base: ``[num_seqs]`` int32: the first row of the sequence's rotated queries.
         num_rows: total rows (host int): ``sum(num_deltas[s] * query_len[s])``.
+        run_rows: ``[num_seqs, max_runs]`` int32: for run ``r`` of sequence ``s``
+            (:func:`~lazyattn_rag.kernels.launch.block_runs`' runs of the same tables), the first
+            of its rotated rows, or -1 where the run reads the query as given (delta 0, or a
+            sequence not rotated). The prefill kernel loads it with the run's number alone, so the
+            rotated tile's address does not wait on the run's block-table word and a search of
+            the deltas (a chain of dependent loads per run before its first product).
     """
 
     deltas: torch.Tensor
     num_deltas: torch.Tensor
     row_base: torch.Tensor
     num_rows: int
+    run_rows: torch.Tensor
 
     def check(self, num_seqs: int, device: torch.device) -> None:
         """``ValueError`` unless the layout covers ``num_seqs`` sequences on ``device`` (what
@@ -60,15 +67,18 @@ class QueryRotations:
 
 
 def plan_query_rotations(block_tables: torch.Tensor, num_blocks_per_seq: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                         device: torch.device | str, seqs: list[int] | None = None) -> QueryRotations:
+                         device: torch.device | str, seqs: list[int] | None = None, *,
+                         block_size: int) -> QueryRotations:
     """The layout of the sequences' rotated query rows, from host copies of the step's tables.
 
     Args:
         block_tables: ``[num_seqs, max_blocks]`` int64 packed words, on the CPU.
-        num_blocks_per_seq: ``[num_seqs]`` used entries per row, on the CPU.
+        num_blocks_per_seq: ``[num_seqs]`` used entries per row, on the CPU (entries past them
+            may be counted too if they hold delta 0: the runs before them are the same).
         cu_seqlens_q: ``[num_seqs + 1]`` new-token offsets, on the CPU.
         device: where the layout's tensors go (the kernels' device).
         seqs: the sequences whose rows are rotated (the ones the prefill runs); ``None``: all.
+        block_size: slots per block (the runs split after a partly filled block).
 
     Raises:
         ValueError: a table on another device than the CPU (reading it would wait for the GPU).
@@ -84,9 +94,16 @@ def plan_query_rotations(block_tables: torch.Tensor, num_blocks_per_seq: torch.T
                for s, (row, n) in enumerate(zip(rows, num_blocks_per_seq.tolist()))]
     width = max(1, max(map(len, per_seq), default=0))
     bases = [0, *itertools.accumulate(len(d) * q for d, q in zip(per_seq, query_lens))]
+    runs = block_runs(block_tables, num_blocks_per_seq, block_size)  # the kernel's runs of the same tables
+    run_rows = []
+    for s, (row, starts, n) in enumerate(zip(rows, runs.starts.tolist(), runs.num_runs.tolist())):
+        where = {d: bases[s] + k * query_lens[s] for k, d in enumerate(per_seq[s])}
+        run_rows.append([where.get(row[start], -1) for start in starts[:n]])
+    runs_width = max(1, max(map(len, run_rows), default=0))
     return QueryRotations(torch.tensor([d + [0] * (width - len(d)) for d in per_seq], dtype=torch.int64).to(device),
                           torch.tensor([len(d) for d in per_seq], dtype=torch.int32).to(device),
-                          torch.tensor(bases[:-1], dtype=torch.int32).to(device), bases[-1])
+                          torch.tensor(bases[:-1], dtype=torch.int32).to(device), bases[-1],
+                          torch.tensor([r + [-1] * (runs_width - len(r)) for r in run_rows], dtype=torch.int32).to(device))
 
 
 @triton.jit

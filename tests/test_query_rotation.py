@@ -26,7 +26,7 @@ SPECS = [
 
 def layout(case):
     return plan_query_rotations(case.block_tables.cpu(), case.num_blocks_per_seq.cpu(), case.cu_seqlens_q.cpu(),
-                                case.query.device)
+                                case.query.device, block_size=case.key_cache.shape[1])
 
 
 def test_the_layout_lists_each_sequences_distinct_nonzero_deltas_in_table_order():
@@ -37,19 +37,28 @@ def test_the_layout_lists_each_sequences_distinct_nonzero_deltas_in_table_order(
     assert plan.num_deltas.tolist() == [5, 0, 2, 1]
     assert plan.row_base.tolist() == [0, 95, 95, 97]  # 5 x 19 rows, none, 2 x 1, then 1 x 33
     assert plan.num_rows == 130
+    # each run's first rotated row (-1: the query as given); a partly filled block ends a run, and
+    # the sequence's own tokens are a run of delta 0
+    assert plan.run_rows.tolist() == [[0, 19, 38, 57, 76, -1],  # five chunks, then its own tokens
+                                      [-1, -1, -1, -1, -1, -1],  # its own tokens only
+                                      [95, 95, 96, -1, -1, -1],  # delta 5 twice (two runs: 17 tokens end one)
+                                      [97, -1, -1, -1, -1, -1]]
 
 
 def test_the_layout_of_chosen_sequences_only():
     case = make_case(SPECS, num_heads=2, num_kv_heads=1, head_dim=16, device="cpu", seed=1)
-    plan = plan_query_rotations(case.block_tables, case.num_blocks_per_seq, case.cu_seqlens_q, "cpu", seqs=[3, 2])
+    plan = plan_query_rotations(case.block_tables, case.num_blocks_per_seq, case.cu_seqlens_q, "cpu", seqs=[3, 2],
+                                block_size=case.key_cache.shape[1])
     assert plan.num_deltas.tolist() == [0, 0, 2, 1] and plan.row_base.tolist() == [0, 0, 0, 2]
     assert plan.deltas[2, :2].tolist() == [5, -3] and plan.num_rows == 2 + 33
+    assert plan.run_rows[:, :4].tolist() == [[-1] * 4, [-1] * 4, [0, 0, 1, -1], [2, -1, -1, -1]]
 
 
 def test_the_layout_reads_host_tables_only():
     case = make_case(SPECS[:1], num_heads=2, num_kv_heads=1, head_dim=16, device="cpu", seed=1)
     with pytest.raises(ValueError, match="reads block_tables on the host; got a tensor on meta"):
-        plan_query_rotations(case.block_tables.to("meta"), case.num_blocks_per_seq, case.cu_seqlens_q, "cpu")
+        plan_query_rotations(case.block_tables.to("meta"), case.num_blocks_per_seq, case.cu_seqlens_q, "cpu",
+                             block_size=16)
 
 
 @pytest.mark.parametrize("interleaved,rotary_dim", [(False, 64), (True, 32)])
@@ -100,7 +109,7 @@ def test_listed_sequences_read_their_rows_and_leave_the_others_alone():
             case.seq_lens, case.cu_seqlens_q, case.max_query_len, case.inv_freq, case.scale)
     seq_ids = torch.tensor([3, 0], dtype=torch.int32, device=DEVICE)
     plan = plan_query_rotations(case.block_tables.cpu(), case.num_blocks_per_seq.cpu(), case.cu_seqlens_q.cpu(),
-                                case.query.device, seqs=[3, 0])
+                                case.query.device, seqs=[3, 0], block_size=case.key_cache.shape[1])
     pre = paged_prefill(*args, rotation="prerotated", query_rotations=plan, seq_ids=seq_ids,
                         out=torch.full_like(case.query, 7.0))
     assert torch.equal(pre, paged_prefill(*args, rotation="query", seq_ids=seq_ids, out=torch.full_like(case.query, 7.0)))

@@ -110,7 +110,7 @@ def compare(segs, q_len: int, fused: bool, variants: dict, repeats: int, device)
     options["now, rotation off"] = dict(rotation="none")
     options["now, queries rotated beforehand"] = dict(  # planned on the host once, as per engine step
         rotation="prerotated", query_rotations=plan_query_rotations(P["block_tables"].cpu(), P["num_blocks"].cpu(),
-                                                                    cu.cpu(), device))
+                                                                    cu.cpu(), device, block_size=BLOCK_SIZE))
     options["now, step K/V through pointers"] = dict(step_tma=False)
     return launch_options(launch, options, 4 * HEADS * HEAD_DIM * pairs, "TFLOPs", per=1e9, repeats=repeats)
 

@@ -108,7 +108,7 @@ def _query_rotations(plan: _TritonPlan, metadata: AttentionMetadata, device: tor
         host = metadata.host_block_tables  # entries past a row's blocks are 0 (delta 0: nothing to rotate)
         prefill = [i for i, q in enumerate(metadata.query_lens) if q > 1]  # the rows the prefill reads
         plan.query_rotations = plan_query_rotations(host, torch.full((host.shape[0],), host.shape[1]), cu, device,
-                                                    seqs=prefill)
+                                                    seqs=prefill, block_size=metadata.block_size)
     return plan.query_rotations
 
 
