@@ -10,7 +10,8 @@ import torch
 from lazyattn_rag import DocumentRef, Message, SamplingParams
 from lazyattn_rag.engine.planning.passage_learning import PASSAGE_ID_PREFIX
 from lazyattn_rag.engine.planning.fingerprint import chunk_key
-from lazyattn_rag.engine.planning.passages import PassageHistory, PlainPrefixes, passage_key, split_passages
+from lazyattn_rag.engine.planning.passages import (PassageHistory, PlainPrefixes, passage_key, piece_digests,
+                                                  split_passages)
 from lazyattn_rag.engine.planning.prompt_plan import PrefixKeys
 from tests.integrations_kit import PlanSpy
 from tests.oracle import plan_oracle
@@ -86,19 +87,23 @@ def test_the_history_counts_a_passage_once_per_request_and_forgets_the_oldest():
 
 
 def test_plain_prefixes_know_each_content_prefix_that_ends_at_a_piece():
+    def seen(namespace, contents, message, part, end):  # the digest of the content up to that piece's end
+        return any((m, p, piece.end) == (message, part, end) and digest in prefixes
+                   for (m, p, piece), digest in piece_digests(namespace, contents))
+
     prefixes = PlainPrefixes(max_entries=3)
     contents = [("system", ["Be brief."]), ("user", ["Docs:\n\nalpha text\n\nbeta text", "tail"])]
     prefixes.record("", contents)  # pieces end after "Be brief.", "alpha text", "beta text", "tail": 4 > 3
     assert len(prefixes) == 3
-    assert not prefixes.seen("", contents, 0, 0, len("Be brief."))  # the oldest, forgotten
+    assert not seen("", contents, 0, 0, len("Be brief."))  # the oldest, forgotten
     user = contents[1][1][0]
-    assert prefixes.seen("", contents, 1, 0, user.index("alpha text") + len("alpha text"))
-    assert prefixes.seen("", contents, 1, 1, 4)
-    assert not prefixes.seen("", contents, 1, 0, user.index("alpha text") + 5)  # not a piece's end
-    assert not prefixes.seen("ns", contents, 1, 1, 4)  # another namespace
+    assert seen("", contents, 1, 0, user.index("alpha text") + len("alpha text"))
+    assert seen("", contents, 1, 1, 4)
+    assert not seen("", contents, 1, 0, user.index("alpha text") + 5)  # not a piece's end
+    assert not seen("ns", contents, 1, 1, 4)  # another namespace
     other = [("system", ["Be brief!"]), contents[1]]
-    assert not prefixes.seen("", other, 1, 1, 4)  # an earlier message differs
-    assert not prefixes.seen("", [("assistant", contents[0][1]), contents[1]], 1, 1, 4)  # or its role
+    assert not seen("", other, 1, 1, 4)  # an earlier message differs
+    assert not seen("", [("assistant", contents[0][1]), contents[1]], 1, 1, 4)  # or its role
 
 
 # --- passages learned from plain prompts --------------------------------------------------------

@@ -178,11 +178,12 @@ class PlainPrefixes:
 
     A plain prompt reads cached K/V in place only as far as an earlier plain layout had the same
     tokens, hence the same messages up to there. So when no plain layout recorded here had the
-    same content up to the end of a piece, a new plain prompt's cached prefix ends before that
-    piece does: :meth:`seen` answering ``False`` says how far ``PassageLearner`` tokenizes a plain
-    prompt to count the blocks it would read in place. Blocks cached by a plain prompt not
-    recorded here (a raw completion, a forgotten digest) reach that cut, and the learner then
-    plans the plain prompt whole: a missing digest costs a tokenization, never a wrong choice.
+    same content up to the end of a piece (its digest, :func:`piece_digests`, is not ``in`` here),
+    a new plain prompt's cached prefix ends before that piece does: that says how far
+    ``PassageLearner`` tokenizes a plain prompt to count the blocks it would read in place.
+    Blocks cached by a plain prompt not recorded here (a raw completion, a forgotten digest) reach
+    that cut, and the learner then plans the plain prompt whole: a missing digest costs a
+    tokenization, never a wrong choice.
 
     Args:
         max_entries: digests remembered.
@@ -207,11 +208,6 @@ class PlainPrefixes:
         while len(self._digests) > self.max_entries:
             self._digests.popitem(last=False)
 
-    def seen(self, namespace: str, contents: list[tuple[str, list[str]]], message: int, part: int, end: int) -> bool:
-        """Whether a recorded plain layout had the same content as ``contents`` up to the piece
-        that ends at character ``end`` of text part ``part`` of message ``message``."""
-        return any((m, p, piece.end) == (message, part, end) and digest in self
-                   for (m, p, piece), digest in piece_digests(namespace, contents))
 
 
 def piece_digests(namespace: str, contents: list[tuple[str, list[str]]]
