@@ -10,7 +10,9 @@ CUDA-graph replays with a cold L2 (``bench_ms``); a variant's figure is the medi
 Reported per variant: ms, decode tokens/s (batch / time: one token per sequence per step) and
 GB/s (the bytes that variant reads: bfloat16 K/V, or FP8 K/V plus one float32 scale per token
 and KV head for K and for V). The FP8 variants (``FP8_LAUNCHES``) change the tile (``block_n``,
-stages), the split count, or go back to bfloat16 dots (``fp8_dots_f16=False``). Sanity: the FP8
+stages), the split count, or go back to bfloat16 dots (``fp8_dots_f16=False``); ``fp8 scales
+head-major`` reads the same scales laid out ``[blocks, kv_heads, slots]`` (the kernels index scales
+by their strides), so a program's scales of one block are contiguous. Sanity: the FP8
 kernel against the bfloat16 kernel on the dequantized data (relative error) and against the
 bfloat16 data (the rounding).
 
@@ -73,13 +75,16 @@ def bench_shape(cfg: dict, batch: int, context: int, layout, rounds: int, device
     runs = block_runs(P["block_tables"], P["num_blocks"], 16)
     (k8, ks), (v8, vs) = quantize_rows(P["k_cache"], torch.float8_e4m3fn), quantize_rows(P["v_cache"], torch.float8_e4m3fn)
     k8, v8, ks, vs = k8.contiguous(), v8.contiguous(), ks.contiguous(), vs.contiguous()
+    # the same scales as views of [blocks, kv_heads, slots] storage: a program's scales of a block
+    # are 16 contiguous floats instead of 16 floats kv_heads apart (one 32-byte sector each)
+    head_major = [x.permute(0, 2, 1).contiguous().permute(0, 2, 1) for x in (ks, vs)]
     num_keys = sum(P["seq_lens_list"])
     bytes_read = {"bf16": num_keys * kv_heads * head_dim * 2 * 2, "fp8": num_keys * kv_heads * (head_dim + 4) * 2}
     out = torch.empty_like(q)
 
-    def ours(fp8: bool, **launch):
+    def ours(fp8: bool, scales_head_major: bool = False, **launch):
         caches = (k8, v8) if fp8 else (P["k_cache"], P["v_cache"])
-        scales = dict(key_scale=ks, value_scale=vs) if fp8 else {}
+        scales = dict(zip(("key_scale", "value_scale"), head_major if scales_head_major else (ks, vs))) if fp8 else {}
         return lambda: paged_decode(q, *caches, P["block_tables"], P["num_blocks"], cu, max_len, inv_freq, scale,
                                     runs=runs, out=out, **scales, **launch)
 
@@ -88,8 +93,11 @@ def bench_shape(cfg: dict, batch: int, context: int, layout, rounds: int, device
            "num_keys": num_keys, "bytes_read": bytes_read}
     ours(False)()
     bf16_out = out.clone()
+    ours(True, scales_head_major=True)()
+    head_major_out = out.clone()
     ours(True)()
     res["fp8_vs_bf16_data_rel_err"] = rel_err(out, bf16_out)
+    res["fp8_scales_head_major_equal"] = bool(torch.equal(head_major_out, out))
     dq_k = dequantize_rows(k8, ks).to(torch.bfloat16)
     dq_v = dequantize_rows(v8, vs).to(torch.bfloat16)
     paged_decode(q, dq_k, dq_v, P["block_tables"], P["num_blocks"], cu, max_len, inv_freq, scale, runs=runs, out=bf16_out)
@@ -101,6 +109,7 @@ def bench_shape(cfg: dict, batch: int, context: int, layout, rounds: int, device
     variants = {"bf16": ours(False), "fp8": ours(True), "cudnn_bf16": cudnn}
     variants |= {f"fp8 {name}": ours(True, **launch) for name, launch in FP8_LAUNCHES.items()}
     variants["bf16 warps=8"] = ours(False, num_warps=8)  # the bf16 kernel gets the same offer
+    variants["fp8 scales head-major"] = ours(True, scales_head_major=True)  # issue 42's scale-layout lead
     times = {name: [] for name in variants}
     for _ in range(rounds):
         for name, fn in variants.items():

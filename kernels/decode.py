@@ -57,8 +57,8 @@ def decode_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
-    k_scale_ptr,  # [num_cache_blocks, block_size, num_kv_heads] float32 (KV_SCALED; contiguous caches)
-    v_scale_ptr,  # [num_cache_blocks, block_size, num_kv_heads] float32 (KV_SCALED)
+    k_scale_ptr,  # [num_cache_blocks, block_size, num_kv_heads] float32 (KV_SCALED; strides stride_s*)
+    v_scale_ptr,  # [num_cache_blocks, block_size, num_kv_heads] float32 (KV_SCALED; the same strides)
     out_ptr,  # [num_tokens, num_heads, head_dim] (written without SPLIT_KV)
     part_out_ptr,  # [num_work, num_heads, num_splits, head_dim] float32 (SPLIT_KV)
     part_lse_ptr,  # [num_work, num_heads, num_splits] float32 log2-sum-exp2 (SPLIT_KV)
@@ -76,6 +76,7 @@ def decode_kernel(
     stride_kb, stride_ks, stride_kh,  # key-cache strides (block, slot, head)
     stride_vb, stride_vs, stride_vh,  # value-cache strides (block, slot, head)
     stride_ot, stride_oh,  # out strides (tokens, heads)
+    stride_sb, stride_ss, stride_sh,  # K and V scales' strides (block, slot, head) (KV_SCALED)
     stride_bt,  # block_tables row stride
     stride_rsr,  # run_starts row stride
     GROUP: tl.constexpr,  # query heads per KV head
@@ -159,9 +160,10 @@ def decode_kernel(
                 v_rows = block_id * stride_vb + slot * stride_vs + kv_head * stride_vh
                 k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
                 v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
-                if KV_SCALED:  # a contiguous cache's row offset / HEAD_DIM is the row's scale index
-                    k_scale = tl.load(k_scale_ptr + k_rows // HEAD_DIM, mask=key_ok, other=0.0)  # [BLOCK_N]
-                    v_scale = tl.load(v_scale_ptr + v_rows // HEAD_DIM, mask=key_ok, other=0.0)  # [BLOCK_N]
+                if KV_SCALED:
+                    s_rows = block_id * stride_sb + slot * stride_ss + kv_head * stride_sh  # [BLOCK_N] int64
+                    k_scale = tl.load(k_scale_ptr + s_rows, mask=key_ok, other=0.0)  # [BLOCK_N]
+                    v_scale = tl.load(v_scale_ptr + s_rows, mask=key_ok, other=0.0)  # [BLOCK_N]
                     k = k.to(dtype)
                     if FP8_DOTS_F16 and not DOT_UPCAST:  # widened in registers: see fp8_to_f16
                         v = fp8_to_f16(v)
@@ -320,7 +322,7 @@ def paged_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     key_scale: torch.Tensor | None = None,  # [num_cache_blocks, block_size, num_kv_heads] float32 (FP8 caches)
-    value_scale: torch.Tensor | None = None,  # [num_cache_blocks, block_size, num_kv_heads] float32
+    value_scale: torch.Tensor | None = None,  # [num_cache_blocks, block_size, num_kv_heads] float32, key_scale's strides
     fp8_dots_f16: bool = True,  # False: FP8 tiles widened to the query's dtype (only to measure the gain)
 ) -> torch.Tensor:
     """Attention of each listed sequence's single new token (row ``cu_seqlens_q[seq]``) over its
@@ -330,7 +332,9 @@ def paged_decode(
     ``rotation="none"`` skips the rotation (only for measuring its cost: the result is then wrong
     for any block with a nonzero delta). ``chunk_scaling``: keys of blocks flagged ``scaled`` are
     scored by APE's temperature and weight (:class:`~lazyattn_rag.kernels.launch.ChunkScaling`).
-    FP8 caches (``lazyattn_rag/types/kv_quant.py``) come with ``key_scale`` and ``value_scale``: each key's
+    FP8 caches (``lazyattn_rag/types/kv_quant.py``) come with ``key_scale`` and ``value_scale`` (of
+    any layout, both with the same strides, e.g. a view of ``[num_cache_blocks, num_kv_heads,
+    block_size]`` storage, where one head's scales of a block are contiguous): each key's
     raw score is multiplied by its K scale and its softmax weight by its V scale (the FP8 tiles are
     widened for the dots, never rescaled element by element). With a bfloat16 or float16 query both
     dots take float16 inputs (``fp8_dots_f16``): every FP8 value is exact in float16, whose widening
@@ -399,7 +403,7 @@ def paged_decode(
         query, key_cache, value_cache, *launch.scales, out, part_out, part_lse,
         block_tables, runs.starts, runs.num_runs, num_blocks_per_seq, cu_seqlens_q, seq_ids,
         launch.inv_freq, launch.sm_scale_log2, scaling["chunk_inv_temperature"], scaling["chunk_log2_weight"],
-        *launch.strides,
+        *launch.strides, *launch.scale_strides,
         block_tables.stride(0), runs.starts.stride(0),
         **launch.constexprs,
         BLOCK_G=max(16, triton.next_power_of_2(group)),

@@ -299,7 +299,9 @@ class Launch:
         strides: ``stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
             stride_vh, stride_ot, stride_oh``, in the order both kernels take them.
         scales: ``(key_scale, value_scale)`` of FP8 caches (``[num_cache_blocks, block_size,
-            num_kv_heads]`` float32), else the caches themselves as unused pointers.
+            num_kv_heads]`` float32, any layout), else the caches themselves as unused pointers.
+        scale_strides: ``stride_sb, stride_ss, stride_sh``: both scales' strides (block, slot,
+            head); zeros without scales.
         constexprs: ``GROUP, HEAD_DIM, HALF, PAIR_STRIDE, X2_OFF, BLOCK_SIZE, KV_SCALED,
             ACCURATE_TRIG, DOT_PRECISION, DOT_UPCAST``, named as in both kernels.
     """
@@ -311,6 +313,7 @@ class Launch:
     sm_scale_log2: float
     strides: tuple[int, ...]
     scales: tuple[torch.Tensor, torch.Tensor]
+    scale_strides: tuple[int, int, int]
     constexprs: dict
 
 
@@ -337,7 +340,7 @@ def launch_prologue(
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     layout, interpreter = check_inputs(query, key_cache, value_cache, block_tables, inv_freq, interleaved)
-    scaled = check_scales(key_cache, key_scale, value_scale)
+    scaled = check_scales(key_cache, key_scale, value_scale, contiguous=False)
     if out is None:
         out = torch.empty_like(query)
     if seq_ids is None:
@@ -355,6 +358,7 @@ def launch_prologue(
             out.stride(0), out.stride(1),
         ),
         scales=(key_scale, value_scale) if scaled else (key_cache, value_cache),
+        scale_strides=tuple(key_scale.stride()) if scaled else (0, 0, 0),
         constexprs=dict(
             GROUP=num_heads // num_kv_heads,
             HEAD_DIM=head_dim,

@@ -84,13 +84,14 @@ def prefill_tile(
     first_blk, blk_end,  # block-table indices: this tile starts at first_blk; blocks >= blk_end are out
     bt_row, ks_row, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_sb, stride_ss, stride_sh,  # the K and V scales' strides (block, slot, head) (KV_SCALED)
     row_limit, limit_max,  # [BLOCK_M] last key index each row may see; their maximum
     score_scale, score_bias,  # float32 scalars: this run's log2-domain score is dot * score_scale + score_bias
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_BLOCKS: tl.constexpr,
     MASKED: tl.constexpr,  # False: every lane is a valid key every row may see (no masks at all)
     CHUNK_SCALING: tl.constexpr,  # add score_bias (False: it is 0)
     ROTATE_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    KV_SCALED: tl.constexpr,  # FP8 caches: per-key scales at k_scale_ptr / v_scale_ptr (row offset / HEAD_DIM)
+    KV_SCALED: tl.constexpr,  # FP8 caches: per-key scales at k_scale_ptr / v_scale_ptr (by stride_s*)
 ):
     """One K/V tile of ``TILE_BLOCKS`` blocks of one run: scores, online softmax, P @ V."""
     dtype = qa.dtype
@@ -117,13 +118,14 @@ def prefill_tile(
         v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :])
     k_scale = 0.0
     v_scale = 0.0
-    if KV_SCALED:  # a contiguous cache's row offset / HEAD_DIM is the row's scale index
+    if KV_SCALED:
+        s_rows = block_id * stride_sb + slot * stride_ss + kv_head * stride_sh  # [BLOCK_N] int64
         if MASKED:
-            k_scale = tl.load(k_scale_ptr + k_rows // HEAD_DIM, mask=key_ok, other=0.0)  # [BLOCK_N]
-            v_scale = tl.load(v_scale_ptr + v_rows // HEAD_DIM, mask=key_ok, other=0.0)
+            k_scale = tl.load(k_scale_ptr + s_rows, mask=key_ok, other=0.0)  # [BLOCK_N]
+            v_scale = tl.load(v_scale_ptr + s_rows, mask=key_ok, other=0.0)
         else:
-            k_scale = tl.load(k_scale_ptr + k_rows // HEAD_DIM)
-            v_scale = tl.load(v_scale_ptr + v_rows // HEAD_DIM)
+            k_scale = tl.load(k_scale_ptr + s_rows)
+            v_scale = tl.load(v_scale_ptr + s_rows)
         k = k.to(dtype)
         v = v.to(dtype)
     if ROTATE_K:  # the issue's literal form: R_delta on every K tile, in registers
@@ -198,8 +200,8 @@ def prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
-    k_scale_ptr,  # [num_cache_blocks, block_size, num_kv_heads] float32 (KV_SCALED; contiguous caches)
-    v_scale_ptr,  # [num_cache_blocks, block_size, num_kv_heads] float32 (KV_SCALED)
+    k_scale_ptr,  # [num_cache_blocks, block_size, num_kv_heads] float32 (KV_SCALED; strides stride_s*)
+    v_scale_ptr,  # [num_cache_blocks, block_size, num_kv_heads] float32 (KV_SCALED; the same strides)
     out_ptr,  # [num_tokens, num_heads, head_dim]
     key_ptr,  # [num_tokens, num_kv_heads, head_dim] the new tokens' K as written to the cache (IN_STEP)
     value_ptr,  # [num_tokens, num_kv_heads, head_dim] their V (IN_STEP)
@@ -224,6 +226,7 @@ def prefill_kernel(
     stride_vb, stride_vs, stride_vh,  # value-cache strides (block, slot, head)
     stride_ot, stride_oh,  # out strides (tokens, heads)
     stride_nkt, stride_nkh, stride_nvt, stride_nvh,  # new tokens' K and V strides (tokens, heads)
+    stride_sb, stride_ss, stride_sh,  # K and V scales' strides (block, slot, head) (KV_SCALED)
     stride_rt, stride_rh,  # q_rot strides (rows, heads) (ROTATION 3)
     stride_qrr,  # qr_run_rows row stride (ROTATION 3)
     stride_bt,  # block_tables row stride
@@ -353,6 +356,7 @@ def prefill_kernel(
                     acc, m_i, l_i, qa, cos, sin, partner, b0 + t * TILE_BLOCKS, b_end,
                     bt_row, ks_row, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                     kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    stride_sb, stride_ss, stride_sh,
                     row_limit, limit_max, score_scale, score_bias,
                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, TILE_BLOCKS,
                     False, CHUNK_SCALING, ROTATION == 2, DOT_PRECISION, DOT_UPCAST, KV_SCALED,
@@ -362,6 +366,7 @@ def prefill_kernel(
                     acc, m_i, l_i, qa, cos, sin, partner, first, b_end,
                     bt_row, ks_row, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                     kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    stride_sb, stride_ss, stride_sh,
                     row_limit, limit_max, score_scale, score_bias,
                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, TILE_BLOCKS,
                     True, CHUNK_SCALING, ROTATION == 2, DOT_PRECISION, DOT_UPCAST, KV_SCALED,
@@ -538,7 +543,7 @@ def paged_prefill(
     num_warps: int | None = None,
     num_stages: int | None = None,
     key_scale: torch.Tensor | None = None,  # [num_cache_blocks, block_size, num_kv_heads] float32 (FP8 caches)
-    value_scale: torch.Tensor | None = None,  # [num_cache_blocks, block_size, num_kv_heads] float32
+    value_scale: torch.Tensor | None = None,  # [num_cache_blocks, block_size, num_kv_heads] float32, key_scale's strides
     query_rotations: QueryRotations | None = None,  # rotation="prerotated": plan_query_rotations' layout
 ) -> torch.Tensor:
     """Deferred-RoPE paged attention of every new token of the listed sequences (see module doc).
@@ -563,7 +568,8 @@ def paged_prefill(
     unknown) only picks the default tiles (long prompts without cached keys take larger ones).
     ``step_tma``: how ``key``/``value`` are read, the same result either way (:func:`_step_descriptors`:
     bulk tensor copies on Hopper by default, per-lane loads otherwise). FP8 caches
-    (``lazyattn_rag/types/kv_quant.py``) come with ``key_scale`` and ``value_scale``: cached keys' scores are
+    (``lazyattn_rag/types/kv_quant.py``) come with ``key_scale`` and ``value_scale`` (any layout, both
+    with the same strides): cached keys' scores are
     multiplied by their K scales and their softmax weights by their V scales; ``key``/``value``
     (the new tokens' own, read from the step) stay in the query's dtype: full precision among
     the step's tokens. ``block_m``, ``block_n``,
@@ -635,6 +641,7 @@ def paged_prefill(
         scaling["chunk_log2_weight"],
         *launch.strides,
         *(key.stride(0), key.stride(1), value.stride(0), value.stride(1)) if in_step else (0, 0, 0, 0),
+        *launch.scale_strides,
         *rotated_strides,
         block_tables.stride(0), key_starts.stride(0), runs.starts.stride(0),
         max(1, max_blocks + 1).bit_length(),

@@ -147,6 +147,38 @@ def test_the_quantizing_write_equals_the_reference_bit_for_bit(fp8, num_kv_heads
     assert flat[4, 1] == 1 and torch.equal(flat[0], key[0].float().abs().amax(-1) / torch.finfo(fp8).max)
 
 
+def head_major(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` ``[num_blocks, block_size, num_kv_heads]`` as a view of ``[num_blocks,
+    num_kv_heads, block_size]`` storage (one head's scales of a block contiguous): read through
+    the contiguous layout's strides, a key would get another key's scale."""
+    return scale.permute(0, 2, 1).contiguous().permute(0, 2, 1)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_scales_of_another_layout_read_by_their_strides(kind):
+    """The kernels index scales by their strides: head-major scales (the same values) give the
+    same output bit for bit as contiguous ones."""
+    specs, dtype = (DECODE, torch.bfloat16) if kind == "decode" else (PREFILL, torch.float32)
+    case = make_case(specs, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, device=DEVICE, seed=11)
+    k, v, ks, vs = quantized(case, torch.float8_e4m3fn)
+    hks, hvs = head_major(ks), head_major(vs)
+    assert hks.stride() == (32, 1, 16) and not hks.is_contiguous()
+    if kind == "decode":
+        run = lambda a, b: paged_decode(case.query, k, v, case.block_tables, case.num_blocks_per_seq,  # noqa: E731
+                                        case.cu_seqlens_q, int(case.seq_lens.max()), case.inv_freq, case.scale,
+                                        num_splits=2, key_scale=a, value_scale=b)
+    else:
+        run = lambda a, b: paged_prefill(case.query, k, v, case.block_tables, case.num_blocks_per_seq,  # noqa: E731
+                                         case.seq_lens, case.cu_seqlens_q, case.max_query_len, case.inv_freq,
+                                         case.scale, key_scale=a, value_scale=b)
+    expected = run(ks, vs)
+    assert torch.isfinite(expected).all()
+    assert torch.equal(run(hks, hvs), expected)
+    with pytest.raises(ValueError, match=r"key_scale and value_scale must have the same strides, got "
+                                         r"\(32, 1, 16\) and \(32, 2, 1\)"):
+        run(hks, vs)
+
+
 def test_scales_that_do_not_fit_are_refused():
     cache = torch.zeros(2, 16, 2, 64, dtype=torch.float8_e4m3fn, device=DEVICE)
     k = torch.ones(3, 2, 64, device=DEVICE)

@@ -60,12 +60,19 @@ def check_scales(
     key_cache: torch.Tensor,  # [num_cache_blocks, block_size, num_kv_heads, head_dim]
     key_scale: torch.Tensor | None,  # [num_cache_blocks, block_size, num_kv_heads] float32
     value_scale: torch.Tensor | None,
+    *,
+    contiguous: bool = True,
 ) -> bool:
     """Whether the caches are FP8 with per-token scales (``kv_quant``), checking the scales fit.
 
+    ``contiguous=False`` (the attention kernels, which index scales by their strides) accepts
+    scales of any layout, as long as both have the same strides; ``True`` (the quantizing write)
+    needs contiguous scales and caches.
+
     Raises:
         ValueError: FP8 caches without both scales, scales with caches of another dtype, scales
-            that are not contiguous float32 ``[num_cache_blocks, block_size, num_kv_heads]``.
+            that are not float32 ``[num_cache_blocks, block_size, num_kv_heads]``, contiguous
+            ones (and caches) where ``contiguous``, else two of different strides.
     """
     fp8 = key_cache.dtype in FP8_DTYPES
     if (key_scale is None) != (value_scale is None) or fp8 != (key_scale is not None):
@@ -73,9 +80,13 @@ def check_scales(
     if not fp8:
         return False
     shape = tuple(key_cache.shape[:3])
+    kind = "contiguous float32" if contiguous else "float32"
     for name, s in (("key_scale", key_scale), ("value_scale", value_scale)):
-        if tuple(s.shape) != shape or s.dtype != torch.float32 or not s.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32 {list(shape)}, got {s.dtype} {list(s.shape)}")
-    if not key_cache.is_contiguous():
+        if tuple(s.shape) != shape or s.dtype != torch.float32 or (contiguous and not s.is_contiguous()):
+            raise ValueError(f"{name} must be {kind} {list(shape)}, got {s.dtype} {list(s.shape)}")
+    if not contiguous and key_scale.stride() != value_scale.stride():
+        raise ValueError(f"key_scale and value_scale must have the same strides, got {key_scale.stride()} "
+                         f"and {value_scale.stride()}")
+    if contiguous and not key_cache.is_contiguous():
         raise ValueError("FP8 caches must be contiguous (their scales are indexed by row)")
     return True
