@@ -12,7 +12,8 @@ Documents reach :class:`ChatLazyAttention` in any of three ways:
   places each from its cached K/V, computing the template's text around them;
 - **content blocks**: a text block with an ``id`` and ``extras={"document": True}`` (make them
   with :func:`document_block`); the message's other text is the question;
-- the ``documents=`` call argument (LangChain ``Document``s or ``lazyattn_rag.Document``s).
+- the ``documents=`` call argument (LangChain ``Document``s, ``lazyattn_rag.Document``s, or the
+  ids of documents registered with the engine).
 
 The last two use the engine's own RAG prompt. Formatted text with no known document in it is
 completed in the model's chat template with no reuse (``prompt_match["reason"]`` says why).
@@ -49,6 +50,7 @@ from langchain_core.runnables import Runnable, RunnableLambda, RunnableParallel,
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from lazyattn_rag.types.documents import Document, content_id
+from lazyattn_rag.types.errors import UnknownDocumentError
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.integrations import langchain_callbacks
 from lazyattn_rag.integrations.call_options import WrapperSettings, call_sampling, with_sampling
@@ -108,24 +110,52 @@ def _role(message: BaseMessage) -> str:
     return _ROLES.get(message.type, "user")
 
 
+def call_documents(engine: LazyAttention, documents: Sequence[LCDocument | Document | str],
+                   namespace: str = "") -> list[Document]:
+    """The ``documents=`` call argument as engine documents: LangChain ``Document`` objects and
+    ``lazyattn_rag.Document`` objects as they are (:func:`to_engine_document`), a ``str`` as the id of
+    a document registered with ``engine`` in ``namespace`` (its registered text, looked up once
+    per call for all such ids).
+
+    Raises:
+        UnknownDocumentError: a ``str`` id that is not registered (named).
+        TypeError: an entry of another type (named, with its position).
+    """
+    for i, d in enumerate(documents):
+        if not isinstance(d, (str, LCDocument, Document)):
+            raise TypeError(f"documents= takes LangChain Documents, lazyattn_rag.Documents or registered ids "
+                            f"(str); entry {i} is a {type(d).__name__}")
+    ids = [d for d in documents if isinstance(d, str)]
+    texts = engine.document_texts(ids, namespace) if ids else {}
+    missing = [i for i in ids if i not in texts]
+    if missing:
+        raise UnknownDocumentError(f"documents= names ids not registered{' in namespace ' + repr(namespace) if namespace else ''}: "
+                                   f"{', '.join(map(repr, dict.fromkeys(missing)))} (register them with add_documents, "
+                                   f"or pass Documents with their texts)")
+    return [Document(d, texts[d]) if isinstance(d, str) else to_engine_document(d) for d in documents]
+
+
 def build_request(engine: LazyAttention, messages: Sequence[BaseMessage],
-                  documents: Sequence[LCDocument | Document] | None = None,
-                  matcher: PromptMatcher | None = None, retrieved: Sequence[Candidate] = ()) -> EngineRequest:
+                  documents: Sequence[LCDocument | Document | str] | None = None,
+                  matcher: PromptMatcher | None = None, retrieved: Sequence[Candidate] = (),
+                  namespace: str = "") -> EngineRequest:
     """The engine request for chat ``messages`` (see the module docstring for the rules).
 
     Args:
         engine: the engine.
         messages: the chat messages.
-        documents: the ``documents=`` call argument (``None``: not given).
+        documents: the ``documents=`` call argument (``None``: not given; see :func:`call_documents`).
         matcher: finds documents in formatted text (default: a new one over ``engine``).
         retrieved: documents the chain's retrievers returned for this call.
+        namespace: where ``str`` ids in ``documents`` are registered.
     Raises:
         ValueError: no messages.
+        UnknownDocumentError, TypeError: as :func:`call_documents`.
     """
     if not messages:
         raise ValueError("ChatLazyAttention needs at least one message")
     split = [(_role(m), *_split_message(m)) for m in messages]
-    docs = [d for _, ds, _ in split for d in ds] + [to_engine_document(d) for d in documents or ()]
+    docs = [d for _, ds, _ in split for d in ds] + call_documents(engine, documents or (), namespace)
     if not docs and documents is None:
         return (matcher or PromptMatcher(engine)).request([(role, text) for role, _, text in split], retrieved)
     turns = [(role, text) for role, _, text in split if text.strip()]
@@ -232,7 +262,7 @@ class ChatLazyAttention(BaseChatModel, WrapperSettings):
         self._matchers = {k: m for k, m in self._matchers.items() if not m.llm.loop.stopped}
         matcher = self._matchers.setdefault(id(engine), PromptMatcher(engine, self.namespace))
         retrieved = langchain_callbacks.retrieved_candidates(run_manager.run_id if run_manager else None)
-        request = build_request(engine, messages, kwargs.get("documents"), matcher, retrieved)
+        request = build_request(engine, messages, kwargs.get("documents"), matcher, retrieved, self.namespace)
         nested = run_manager is not None and run_manager.parent_run_id is not None
         self._warn_once(request, messages, bool(retrieved), nested)
         return request, sampling, engine

@@ -139,8 +139,10 @@ class RemoteLazyAttention:
         return doc_id in self.document_ids(namespace)
 
     def document_texts(self, doc_ids: Iterable[str] | None = None, namespace: str = "") -> dict[str, str]:
-        texts = {d["id"]: d["text"] for d in self._get("/v1/documents", namespace=namespace, texts="true")["data"]}
-        return texts if doc_ids is None else {i: texts[i] for i in doc_ids if i in texts}
+        params = {"namespace": namespace, "texts": "true"} | ({} if doc_ids is None else {"id": list(doc_ids)})
+        if doc_ids is not None and not params["id"]:
+            return {}
+        return {d["id"]: d["text"] for d in self._get("/v1/documents", **params)["data"]}
 
     @property
     def documents_version(self) -> int:

@@ -9,7 +9,7 @@ import pytest
 from langchain_core.documents import Document as LCDocument
 from langchain_core.messages import HumanMessage, SystemMessage
 
-from lazyattn_rag import Document, RequestRemedies, SamplingParams
+from lazyattn_rag import Document, RequestRemedies, SamplingParams, UnknownDocumentError
 from lazyattn_rag.integrations.faiss_store import FaissDocumentStore
 from lazyattn_rag.integrations.langchain import (ChatLazyAttention, FaissRetriever, document_block,
                                                  documents_to_messages, rag_chain)
@@ -134,6 +134,19 @@ def test_retriever_top_k_larger_than_the_index_and_update_delete(model, engine, 
     store.delete(["stars"])
     assert not engine.has_document("stars")
     assert "stars" not in [d.id for d in retriever.invoke("Why do stars shine?")]
+
+
+def test_documents_by_registered_id_equal_documents_with_their_texts(model, engine, store):
+    engine.add_documents([Document(i, store.get(i).text) for i in ("rivers", "stars")])
+    docs = [LCDocument(page_content=store.get(i).text, id=i) for i in ("rivers", "stars")]
+    by_text = model.invoke([HumanMessage("Where do rivers flow?")], documents=docs)
+    by_id = model.invoke([HumanMessage("Where do rivers flow?")], documents=["rivers", "stars"])
+    assert by_id.response_metadata["lazyattn"]["doc_ids"] == ["rivers", "stars"]
+    assert by_id.content == by_text.content
+    with pytest.raises(UnknownDocumentError, match="not registered: 'nope', 'gone' "):
+        model.invoke("Where do rivers flow?", documents=["rivers", "nope", "gone", "nope"])
+    with pytest.raises(TypeError, match="entry 1 is a int"):
+        model.invoke("Where do rivers flow?", documents=["rivers", 7])
 
 
 def test_messages_without_documents_use_the_fallback(model, engine, store):

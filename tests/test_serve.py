@@ -82,6 +82,8 @@ def test_models_documents_and_tokenize(http):
     listed = http.get("/v1/documents").json()
     assert sorted(d["id"] for d in listed["data"]) == sorted(DOCS) and listed["version"] >= len(DOCS)
     assert http.get("/v1/documents", params={"texts": "true"}).json()["data"][0]["text"] in DOCS.values()
+    some = http.get("/v1/documents", params={"id": ["d2", "nope", "d1"], "texts": "true"}).json()["data"]
+    assert [(d["id"], d["text"]) for d in some] == [("d2", DOCS["d2"]), ("d1", DOCS["d1"])]
     tokens = http.post("/tokenize", json={"prompt": "w1 w2 w3", "add_special_tokens": False}).json()
     assert tokens["count"] == 3 and len(tokens["tokens"]) == 3
     assert http.post("/tokenize", json={"messages": [{"role": "user", "content": "w1"}]}).json()["count"] > 1
@@ -295,6 +297,10 @@ def test_the_package_clients_answer_as_an_in_process_engine_does(server, http):
         chat = ChatLazyAttention(server_url=server[0], max_tokens=5)
         lc_docs = [LCDocument(id=i, page_content=DOCS[i]) for i in ("d4", "d5")]
         assert chat.invoke(QUESTION, documents=lc_docs).content == expected
+        assert chat.invoke(QUESTION, documents=["d4", "d5"]).content == expected  # registered ids
+        with pytest.raises(UnknownDocumentError, match="not registered: 'nope'"):
+            chat.invoke(QUESTION, documents=["d4", "nope"])
+        assert remote.document_texts(["d5", "nope", "d4"]) == {"d5": DOCS["d5"], "d4": DOCS["d4"]}
         llm = LazyAttentionLLM(server_url=server[0], max_tokens=5)
         assert llm.metadata.context_window < local.max_model_len
         assert "".join(d.text for d in llm.stream_rag(QUESTION, [_doc("d4"), _doc("d5")], greedy)) == expected

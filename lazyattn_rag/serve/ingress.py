@@ -15,7 +15,7 @@ Routes (OpenAI's shapes where OpenAI has the route; errors are OpenAI's
 * ``POST /v1/documents`` ``{"documents": [{"id", "text"}], "namespace"}``: checked and
   registered on a replica, then kept in the registry (``registry.py``: Redis or a SQLite file,
   so a restarted ingress, or a second one, knows them); ``GET /v1/documents`` lists them
-  (``?texts=true`` with their texts); ``DELETE /v1/documents/{id}`` removes the document from
+  (``?texts=true`` with their texts, ``?id=a&id=b`` only those ids); ``DELETE /v1/documents/{id}`` removes the document from
   the registry, then its K/V from every replica's KV pool and from the host, disk and Redis
   tiers (``EngineReplica.forget`` on each replica), and answers what was removed.
 * ``POST /tokenize`` (vLLM's shape: ``prompt`` or ``messages``), ``POST /detokenize``
@@ -45,9 +45,9 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request  # at module level: FastAPI resolves the routes' annotations here
+from fastapi import FastAPI, Query, Request  # at module level: FastAPI resolves the routes' annotations here
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from lazyattn_rag.serve.answer import Answer, answers_usage
@@ -181,10 +181,14 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             return {"version": self.documents.versions[namespace], "namespace": namespace}
 
         @app.get("/v1/documents")
-        async def list_documents(self, request: Request, namespace: str = "", texts: bool = False):
+        async def list_documents(self, request: Request, namespace: str = "", texts: bool = False,
+                                 id: Annotated[list[str], Query()] = []):  # noqa: A002, B006 - the query's name; FastAPI copies it
             namespace = _grant(request).namespace(namespace)
             self.documents.sync()
-            ids = self.documents.ids(namespace)
+            if id:  # ?id=a&id=b: only those of them that are registered, in the order asked
+                ids = [i for i in dict.fromkeys(id) if self.documents.get(namespace, i) is not None]
+            else:
+                ids = self.documents.ids(namespace)
             data = [{"id": i, "object": "document", **({"text": self.documents.get(namespace, i)} if texts else {})}
                     for i in ids]
             return {"object": "list", "namespace": namespace, "version": self.documents.versions[namespace],
