@@ -10,7 +10,8 @@ from lazyattn_rag.serve.config import ServeConfig
 from lazyattn_rag.serve.http_errors import ApiError
 from lazyattn_rag.serve.payload import chat_payload, match_messages
 from lazyattn_rag.serve.protocol import ChatCompletionRequest
-from lazyattn_rag.serve.registry import DocumentStore, RedisRegistry, SqliteRegistry, open_registry
+from lazyattn_rag.serve.registry import (DocumentStore, RedisRegistry, RegistryUnavailable, SqliteRegistry,
+                                        open_registry)
 from lazyattn_rag.types.config import CacheConfig, EngineConfig
 
 A = "Alpha is the first document, long enough to be matched in a prompt."
@@ -62,6 +63,33 @@ def test_a_redis_server_that_lost_the_registry_is_followed_not_ignored(redis_ser
     second.sync()
     assert second.get("", "new") == B and second.ids("") == ["new"]
     assert [c.doc_id for _, _, c, _ in second.matcher("").occurrences("x " + B + " y")[0]] == ["new"]
+
+
+def test_a_redis_outage_serves_the_last_documents_and_refuses_writes_by_name(redis_server, monkeypatch):
+    """Redis down: reads keep the mirror's documents (no error), writes raise RegistryUnavailable
+    naming the outage, and once the server is back (and the retry interval passed) the mirror
+    catches up with what it holds."""
+    pytest.importorskip("redis")
+    store, other = DocumentStore(RedisRegistry(redis_server.url)), DocumentStore(RedisRegistry(redis_server.url))
+    store.put("", [("d0", A)])
+    redis_server.stop()
+    store.sync()  # the server is gone: no exception, the last contents kept
+    assert store.unavailable is not None and "ConnectionError" in store.unavailable
+    assert store.get("", "d0") == A and [c.doc_id for _, _, c, _ in store.matcher("").occurrences(A)[0]] == ["d0"]
+    with pytest.raises(RegistryUnavailable, match="the document registry cannot be reached .*ConnectionError"):
+        store.put("", [("d1", B)])
+    with pytest.raises(RegistryUnavailable):
+        store.delete("", "d0")
+    assert store.get("", "d0") == A and store.get("", "d1") is None
+    redis_server.start()
+    other.put("", [("d1", B)])  # written while the first mirror still waits to try again
+    store.sync()
+    assert store.get("", "d1") is None  # within RETRY_S: not tried yet
+    monkeypatch.setattr("lazyattn_rag.serve.registry.RETRY_S", 0.0)
+    store._retry_at = 0.0  # the interval passed
+    store.sync()
+    # the test's server restarts empty (no persistence): the mirror follows what it holds now
+    assert store.unavailable is None and store.get("", "d1") == B and store.ids("") == ["d1"]
 
 
 def test_the_registry_goes_where_the_config_says(tmp_path):

@@ -60,7 +60,7 @@ from lazyattn_rag.serve.payload import (chat_payload, check_logprobs, completion
                                         removed_report, routing_keys)
 from lazyattn_rag.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DocumentsRequest,
                                          TokenizeRequest)
-from lazyattn_rag.serve.registry import DocumentStore, open_registry
+from lazyattn_rag.serve.registry import DocumentStore, RegistryUnavailable, open_registry
 from lazyattn_rag.types.config import EngineConfig
 
 logger = logging.getLogger("lazyattn_rag.serve")
@@ -125,12 +125,17 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
 
         @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what some health checkers send
         async def health(self) -> dict:
-            """200 when an engine replica answers within ``ServeConfig.health_timeout_s``, else 503."""
+            """200 when an engine replica answers within ``ServeConfig.health_timeout_s``, else 503;
+            a document registry that cannot be reached is named (``registry``), still 200 (its
+            last contents are served; registering and deleting answer 503 meanwhile)."""
             try:
                 await asyncio.wait_for(self.engine.info.remote(), config.health_timeout_s)
             except Exception as error:  # noqa: BLE001 - none answers (dead, starting, or the call failed)
                 raise ApiError(503, f"no engine replica answered within {config.health_timeout_s:g} s "
                                     f"({type(error).__name__})", kind="server_error", code="replica_unavailable") from None
+            await asyncio.to_thread(self.documents.sync)
+            if self.documents.unavailable is not None:
+                return {"status": "degraded", "registry": f"unreachable: {self.documents.unavailable}"}
             return {"status": "ok"}
 
         @app.get("/v1/models")
@@ -151,7 +156,7 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             # not teach the router that this replica holds the documents' K/V)
             result = await self.engine.register.remote(documents, namespace, issued_at=time.time())
             _raise_for(result)
-            self.documents.put(namespace, documents)
+            _registry_write(lambda: self.documents.put(namespace, documents))
             return {"object": "list", "namespace": namespace, "version": self.documents.versions[namespace],
                     "data": [{"id": d, "object": "document"} for d, _ in documents]}
 
@@ -204,7 +209,7 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             namespace = grant.namespace(namespace)
             self.documents.sync()
             text = registered_text(self.documents, namespace, doc_id)  # 404 when unknown
-            self.documents.delete(namespace, doc_id)  # from here no request can name it
+            _registry_write(lambda: self.documents.delete(namespace, doc_id))  # from here no request can name it
             keep = any(self.documents.get(namespace, i) == text for i in self.documents.ids(namespace))
             results = await self.engine.broadcast("forget", doc_id, text, namespace, keep).results_async(
                 return_exceptions=True)
@@ -371,6 +376,14 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
 def _grant(request: Request) -> KeyGrant:
     """The caller's grant, set by the ingress's gate."""
     return request.state.grant
+
+
+def _registry_write(change) -> None:
+    """Run a registry write; a registry that cannot be reached is a 503 naming it."""
+    try:
+        change()
+    except RegistryUnavailable as error:
+        raise ApiError(503, str(error), kind="server_error", code="registry_unavailable") from None
 
 
 def _raise_for(event: dict) -> None:

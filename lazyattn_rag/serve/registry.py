@@ -11,16 +11,24 @@ Redis server that lost the log (flushed, restarted without persistence, or evict
 new generation of it, and every mirror starts over from what the server holds.
 
 A restarted server, or a second ingress replica, starts from the store's full contents.
+
+A store that cannot be reached (Redis down or not answering within its 5 s socket timeout)
+does not fail the requests that read documents: the mirror serves what it last caught up with
+(logged once, tried again every :data:`RETRY_S` seconds), and ``GET /health`` names the outage
+(still 200: plain prompts and known documents are served). Registering and deleting need the
+store: they answer 503 until it is back.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
-from collections import Counter
 import threading
+import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Protocol
 
@@ -30,10 +38,18 @@ from lazyattn_rag.types.config import EngineConfig
 
 Change = tuple[str, str, str | None]  # (namespace, id, text; None: deleted)
 Version = tuple[str, int]  # (the change log's generation, its length)
+RETRY_S = 30.0  # seconds between tries of a store that could not be reached (a hung one costs its 5 s timeout)
+logger = logging.getLogger("lazyattn_rag.serve")
+
+
+class RegistryUnavailable(Exception):
+    """The registry's store cannot be reached (the ingress answers 503 for writes)."""
 
 
 class RegistryStore(Protocol):
     """Where registered documents persist (the ingress's memory mirrors it)."""
+
+    unreachable: tuple[type[BaseException], ...]  # the errors that mean the store cannot be reached
 
     def put(self, namespace: str, documents: list[tuple[str, str]]) -> None:
         """Register (or update) documents in ``namespace``, all or none."""
@@ -57,6 +73,8 @@ class SqliteRegistry:
     Args:
         path: the database file (created with its directory).
     """
+
+    unreachable = (sqlite3.OperationalError, OSError)  # a locked or vanished file
 
     def __init__(self, path: Path | str):
         self.path = Path(path).expanduser()
@@ -136,6 +154,7 @@ class RedisRegistry:
     def __init__(self, url: str, prefix: str = "lazyattn:registry"):
         import redis
 
+        self.unreachable = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
         self.client = redis.Redis.from_url(url, socket_timeout=5)
         self.texts, self.log, self.generation = f"{prefix}:texts", f"{prefix}:changes", f"{prefix}:generation"
 
@@ -207,6 +226,8 @@ class DocumentStore:
 
     def __init__(self, store: RegistryStore | None = None):
         self.store = store
+        self.unavailable: str | None = None  # the store's last error while it cannot be reached
+        self._retry_at = 0.0
         self.texts: dict[tuple[str, str], str] = {}
         self.matchers: dict[str, DocumentMatcher] = {}
         self._store_version: Version | None = None
@@ -216,8 +237,28 @@ class DocumentStore:
 
     def sync(self) -> None:
         """Apply the store's changes since the last sync (one version read when there are none);
-        start over from the store's contents when it lost its change log."""
-        if self.store is None or (self._store_version is not None and self.store.version() == self._store_version):
+        start over from the store's contents when it lost its change log. A store that cannot be
+        reached leaves the mirror as it is (see the module docstring)."""
+        if self.store is None or (self.unavailable is not None and time.monotonic() < self._retry_at):
+            return
+        try:
+            self._catch_up()
+        except self.store.unreachable as exc:
+            self._unreachable(exc)
+            return
+        if self.unavailable is not None:
+            logger.warning("document registry reachable again; caught up with its changes")
+            self.unavailable = None
+
+    def _unreachable(self, exc: BaseException) -> None:
+        if self.unavailable is None:
+            logger.warning("document registry unreachable (%s: %s): serving the %d documents last read, "
+                           "trying again every %g s", type(exc).__name__, exc, len(self.texts), RETRY_S)
+        self.unavailable = f"{type(exc).__name__}: {exc}"
+        self._retry_at = time.monotonic() + RETRY_S
+
+    def _catch_up(self) -> None:
+        if self._store_version is not None and self.store.version() == self._store_version:
             return
         self._store_version, changes, reset = self.store.changes(self._store_version)
         if reset:
@@ -240,21 +281,37 @@ class DocumentStore:
             self.version += 1
             self.versions[namespace] += 1
 
+    def _write(self, change) -> None:
+        try:
+            change()
+        except self.store.unreachable as exc:
+            self._unreachable(exc)
+            raise RegistryUnavailable(f"the document registry cannot be reached ({self.unavailable}); "
+                                      f"try again once it is back") from exc
+        self._retry_at = 0.0  # it answered: catch up now
+        self.sync()
+
     def get(self, namespace: str, doc_id: str) -> str | None:
         return self.texts.get((namespace, doc_id))
 
     def put(self, namespace: str, documents: list[tuple[str, str]]) -> None:
+        """Register ``documents`` in the store, then catch up.
+
+        Raises:
+            RegistryUnavailable: the store cannot be reached (nothing registered)."""
         if self.store is not None:
-            self.store.put(namespace, documents)
-            self.sync()
+            self._write(lambda: self.store.put(namespace, documents))
             return
         for doc_id, text in documents:
             self._apply(namespace, doc_id, text)
 
     def delete(self, namespace: str, doc_id: str) -> None:
+        """Unregister ``doc_id``, then catch up.
+
+        Raises:
+            RegistryUnavailable: the store cannot be reached (nothing deleted)."""
         if self.store is not None:
-            self.store.delete(namespace, doc_id)
-            self.sync()
+            self._write(lambda: self.store.delete(namespace, doc_id))
             return
         self._apply(namespace, doc_id, None)
 
