@@ -1,6 +1,7 @@
 """The prompt matcher: documents found in formatted prompts however frameworks reformat them."""
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import assume, given, settings
 
 from lazyattn_rag.engine.planning.prompt_match import (
@@ -67,6 +68,21 @@ def test_a_document_never_matches_inside_a_longer_word():
     assert not [p for p in out if isinstance(p, DocumentRef)]
     out, _, _ = parts("A " + doc + ". Later.", Candidate("d", doc))
     assert out == ["A ", DocumentRef("d"), ". Later."]
+
+
+@pytest.mark.parametrize("doc,text", [
+    ("the measured boiling point of the brine sample is 104.", "the measured boiling point of the brine sample is 104.7 C."),
+    ("the shipment of looms to Arvel totalled 3", "the shipment of looms to Arvel totalled 3,500 units."),
+    ("the firmware that fixed the boiler valve was version 2", "the firmware that fixed the boiler valve was version 2.7, in May."),
+    ("500 units were shipped to Arvel by the looms company", "about 3,500 units were shipped to Arvel by the looms company"),
+])
+def test_a_document_never_matches_inside_a_longer_number(doc, text):
+    """A break-it trial placed "... is 104." inside "104.7" (and the same for "3,500", "2.7"): the
+    document's K/V was read where the prompt said something else."""
+    out, _, _ = parts(text, Candidate("d", doc))
+    assert out == [text]
+    out, _, _ = parts("See: " + doc + " and more.", Candidate("d", doc))
+    assert DocumentRef("d") in out  # a number that ends where the document does is still its end
 
 
 def test_escapes_outside_unicode_are_left_as_text():

@@ -495,3 +495,25 @@ def test_a_requests_remedies_reach_the_engine_over_http(server, http):
     assert (t["ingress_received"] <= t["ingress_sent"] <= t["replica_received"] <= t["replica_submitting"]
             <= t["replica_first_event"] <= t["ingress_first_event"])
     assert http.head("/health").status_code == 200
+
+
+def test_a_registry_outage_keeps_answering_and_refuses_writes_by_name(server, http, module_redis_server):
+    """Redis (the registry's store here) down: requests by id and pasted ones are answered from the
+    ingress's last view of the registry, /health says degraded and why, registering is a 503
+    naming the registry (a break-it trial found 500s for everything, /health ok). Last in this
+    module: it stops the module's Redis."""
+    module_redis_server.stop()
+    try:
+        health = http.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+        assert "ConnectionError" in health.json()["registry"]
+        added = http.post("/v1/documents", json={"documents": [{"id": "late", "text": "w1 w2 w3"}]})
+        assert added.status_code == 503 and added.json()["error"]["code"] == "registry_unavailable", added.text
+        assert ask(http, ["d1"])["usage"]["completion_tokens"] > 0
+        pasted = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": f"context :\n\n{DOCS['d2']}\n\nQuestion : {QUESTION}"}],
+            "max_tokens": 2})
+        assert pasted.status_code == 200, pasted.text
+        assert pasted.json()["lazyattn"]["stats"]["doc_sources"] == {"d2": "matched"}
+    finally:
+        module_redis_server.start()

@@ -249,14 +249,14 @@ class DocumentMatcher:
         chars = view.chars
         for last, key in self._keys().iter(chars):
             i = last - _KEY_CHARS + 1
-            if i > 0 and chars[i - 1].isalnum() and chars[i].isalnum():
+            if _inside_token(chars, i):
                 continue
             for norm in self._by_key[key]:
                 c = self._by_norm[norm][0]
                 end = i + len(norm)
                 if chars.startswith(norm, i):
-                    if end < len(chars) and chars[end].isalnum() and chars[end - 1].isalnum():
-                        continue  # the prompt's word goes on: not this document's end
+                    if _inside_token(chars, end):
+                        continue  # the prompt's word or number goes on: not this document's end
                     found.append((view.span(i)[0], view.span(end - 1)[1], c))
                 elif _common_prefix(chars, i, norm) >= max(2 * MIN_CHARS, PARTIAL_FRACTION * len(norm)):
                     partial.add(c.doc_id)
@@ -287,6 +287,20 @@ class DocumentMatcher:
             partial |= esc_partial
         return matches, partial - {m[2].doc_id for m in matches}
 
+
+
+def _inside_token(chars: str, k: int) -> bool:
+    """Whether the boundary before ``chars[k]`` lies inside a word (letters or digits on both
+    sides) or inside a number (``104.7``, ``3,500``: a ``.`` or ``,`` between digits, on either
+    side of the boundary): a document found there would be cut out of the prompt's own token."""
+    if k <= 0 or k >= len(chars):
+        return False
+    before, after = chars[k - 1], chars[k]
+    if before.isalnum() and after.isalnum():
+        return True
+    digit = lambda j: 0 <= j < len(chars) and chars[j].isdigit()  # noqa: E731
+    return ((before in ".," and digit(k - 2) and after.isdigit())
+            or (after in ".," and before.isdigit() and digit(k + 1)))
 
 
 def _common_prefix(chars: str, start: int, norm: str) -> int:
