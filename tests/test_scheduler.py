@@ -330,6 +330,24 @@ def test_a_chunk_over_the_budget_is_encoded_in_pieces_after_the_anchor():
     cache.check_integrity()
 
 
+def test_a_prompt_over_the_budget_is_prefilled_in_pieces_even_alone():
+    """A 20-token plain prompt and a budget of 8: pieces of 8, 8 and 4 tokens in three steps, also
+    with nothing else running (a break-it trial saw a 7,947-token prompt computed in one step past
+    a budget of 256, the replica deaf to aborts and stats for the whole of it)."""
+    s = scheduler(16, budget=8)
+    r = request("r", plan(tail=20), 1.0)
+    r.stats.num_computed_tokens = 0
+    s.add(r)
+    pieces = []
+    for _ in range(3):
+        out = s.schedule()
+        assert out.num_batched_tokens <= 8
+        pieces += [(c.start, c.num_tokens, c.sample) for c in out.computes]
+        ran(s, out)
+    assert pieces == [(0, 8, False), (8, 8, False), (16, 4, True)] and r.num_computed == 20
+    s.cache.check_integrity()
+
+
 # --- preemption ---------------------------------------------------------------------------------
 def test_the_newest_request_is_preempted_when_an_older_one_needs_a_block():
     s = scheduler(5, retained=("A",))

@@ -52,7 +52,8 @@ class Scheduler:
 
     Args:
         cache: the chunk cache (and through it the block pool).
-        max_num_batched_tokens: token budget of one step (a single larger item runs alone).
+        max_num_batched_tokens: token budget of one step (prompts and chunks go in pieces; only
+            selective recompute's text segments run whole, alone when longer).
         max_num_seqs: most requests holding resources at once.
         anchor_context: block-table entries of the anchor documents are encoded after
             (permanently pinned by the engine; empty without an anchor).
@@ -264,7 +265,7 @@ class Scheduler:
     def _schedule_compute(self, out: SchedulerOutput, request: Request, budget: int, may_preempt: bool) -> int:
         """Schedule the next private tokens of ``request``; returns the tokens scheduled."""
         todo = request.num_tokens_to_compute
-        n = todo if out.is_empty and todo > budget else min(todo, budget)
+        n = min(todo, budget)  # a long prompt in pieces even alone: aborts and arrivals are seen between them
         selected = len(request.selected_queries) if request.num_computed == 0 else 0
         if selected:  # the selected queries run with every text segment (a selected token after one attends to it)
             n = max(n, min(request.plan.num_text_tokens, todo))

@@ -20,7 +20,9 @@ class SchedulerConfig:
 
     Attributes:
         max_num_batched_tokens: tokens computed in one step (chunk encodes, prefills and decodes
-            together); a single larger chunk or prompt piece runs alone in its step.
+            together); a longer prompt or chunk is computed in pieces over several steps, also when
+            nothing else runs (only selective recompute's text segments run whole: alone in
+            their step when they are longer).
         max_num_seqs: requests holding KV resources at once; more wait in the queue.
         prefill_with_encodes: run a request's query prefill in the same step (forward pass) as
             the encodes of its missing documents, budget permitting. ``False`` runs it a step
