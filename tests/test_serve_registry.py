@@ -144,3 +144,16 @@ def test_the_sqlite_registry_is_readable_by_its_owner_only(tmp_path):
     store.delete("team-a", "pii")
     assert (tmp_path / "registry" / "app.sqlite3").stat().st_mode & 0o777 == 0o600
     assert store._db().execute("PRAGMA secure_delete").fetchone()[0] == 1
+
+
+def test_one_id_with_two_texts_in_one_registration_is_refused_by_name():
+    """A break-it trial registered ``[{"id": "x", "text": A}, {"id": "x", "text": B}]`` with a 200 and
+    the last text kept; the same id with the same text twice stays harmless."""
+    from lazyattn_rag.serve.http_errors import parse
+    from lazyattn_rag.serve.protocol import DocumentsRequest
+
+    with pytest.raises(ApiError, match="document id 'x' is given twice with different texts") as error:
+        parse(DocumentsRequest, {"documents": [{"id": "x", "text": A}, {"id": "y", "text": A}, {"id": "x", "text": B}]})
+    assert error.value.status == 400
+    twice = parse(DocumentsRequest, {"documents": [{"id": "x", "text": A}, {"id": "x", "text": A}]})
+    assert [d.id for d in twice.documents] == ["x", "x"]

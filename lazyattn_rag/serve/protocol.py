@@ -40,6 +40,14 @@ class DocumentsRequest(BaseModel):
     documents: list[DocumentIn] = Field(min_length=1)
     namespace: str = Field(default="", pattern=NAMESPACE_PATTERN)
 
+    @model_validator(mode="after")
+    def _one_text_per_id(self):
+        texts: dict[str, str] = {}
+        for d in self.documents:
+            if texts.setdefault(d.id, d.text) != d.text:
+                raise ValueError(f"document id {d.id!r} is given twice with different texts")
+        return self
+
 
 class ContentPart(BaseModel):
     """A part of a message's content: ``{"type": "text", "text"}`` or ``{"type": "document", "id"}``."""
