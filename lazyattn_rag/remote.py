@@ -139,9 +139,11 @@ class RemoteLazyAttention:
         return doc_id in self.document_ids(namespace)
 
     def document_texts(self, doc_ids: Iterable[str] | None = None, namespace: str = "") -> dict[str, str]:
-        params = {"namespace": namespace, "texts": "true"} | ({} if doc_ids is None else {"id": list(doc_ids)})
-        if doc_ids is not None and not params["id"]:
-            return {}
+        params = {"namespace": namespace, "texts": "true"}
+        if doc_ids is not None:  # only those (GET /v1/documents?id=a&id=b), not the namespace's every text
+            params["id"] = list(doc_ids)
+            if not params["id"]:
+                return {}
         return {d["id"]: d["text"] for d in self._get("/v1/documents", **params)["data"]}
 
     @property

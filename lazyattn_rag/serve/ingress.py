@@ -133,7 +133,7 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
             except Exception as error:  # noqa: BLE001 - none answers (dead, starting, or the call failed)
                 raise ApiError(503, f"no engine replica answered within {config.health_timeout_s:g} s "
                                     f"({type(error).__name__})", kind="server_error", code="replica_unavailable") from None
-            await asyncio.to_thread(self.documents.sync)
+            self.documents.sync()  # on the event loop as every route's (the mirror is not thread-safe)
             if self.documents.unavailable is not None:
                 return {"status": "degraded", "registry": f"unreachable: {self.documents.unavailable}"}
             return {"status": "ok"}

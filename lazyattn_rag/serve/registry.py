@@ -298,7 +298,8 @@ class DocumentStore:
         """Register ``documents`` in the store, then catch up.
 
         Raises:
-            RegistryUnavailable: the store cannot be reached (nothing registered)."""
+            RegistryUnavailable: the store cannot be reached (one transaction: applied whole or
+                not at all; a timeout cannot say which)."""
         if self.store is not None:
             self._write(lambda: self.store.put(namespace, documents))
             return
@@ -309,7 +310,7 @@ class DocumentStore:
         """Unregister ``doc_id``, then catch up.
 
         Raises:
-            RegistryUnavailable: the store cannot be reached (nothing deleted)."""
+            RegistryUnavailable: the store cannot be reached (applied whole or not at all)."""
         if self.store is not None:
             self._write(lambda: self.store.delete(namespace, doc_id))
             return
