@@ -119,13 +119,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variant", action="append", default=[], help="a kernels/prefill.py to time beside today's")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--shape", action="append", default=[],
+                    help="time only the shapes whose name contains this text (repeatable; default: all)")
     ap.add_argument("--out", default="benchmarks/results/prefill_variants_h200.json")
     args = ap.parse_args()
+    shapes = {name: shape for name, shape in all_shapes().items()
+              if not args.shape or any(part in name for part in args.shape)}
+    if not shapes:
+        ap.error(f"no shape matches {args.shape}; shapes: {list(all_shapes())}")
     device = torch.device("cuda")
     variants = {Path(p).stem: load_kernel_module(p) for p in args.variant}
     results = {"gpu": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
                "default": "today's kernels/prefill.py, default launch (rotation='query')", "shapes": {}}
-    for name, (segs, q_len, fused) in all_shapes().items():
+    for name, (segs, q_len, fused) in shapes.items():
         res = results["shapes"][name] = compare(segs, q_len, fused, variants, args.repeats, device)
         print(name, {k: (round(v["median_ms"], 4), round(v["speedup_vs_default"], 3)) if "ms" in v else v
                      for k, v in res.items()}, flush=True)
