@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lazyattn_rag import DocumentRef, Message, SamplingParams
-from lazyattn_rag.engine.planning.passage_learning import PASSAGE_ID_PREFIX
+from lazyattn_rag.engine.planning.passage_learning import PASSAGE_ID_PREFIX, eligible_pieces
 from lazyattn_rag.engine.planning.fingerprint import chunk_key
 from lazyattn_rag.engine.planning.passages import (PassageHistory, PlainPrefixes, passage_key, piece_digests,
                                                   split_passages)
@@ -368,6 +368,36 @@ def test_a_question_with_a_closing_line_after_it_is_not_learned_either(make_llm)
                        sampling=GREEDY)
     question_id = PASSAGE_ID_PREFIX + llm.engine.planner.prepare_passage(question).key[:16]
     assert question_id not in out.stats.doc_sources and passage_id(llm, 0) in out.stats.docs_hit
+
+
+def eligible(text, role="user"):
+    return [piece.text for _, piece, _ in eligible_pieces([Message(role, text)], "", 16)]
+
+
+DOC_A = "The Zorblax engine was invented by Mira Tenhaven in 1931 in the town of Keldor; it ran on peat."
+DOC_B = "Keldor's mayor in 1935 was Ostrik Vane, who banned the Zorblax engine after a boiler explosion."
+
+
+def test_an_unmarked_question_before_a_closing_instruction_is_not_a_passage():
+    """A break-it trial's cases: the question was learnable where an instruction followed it, or
+    where a retrieved FAQ passage carried a ``Question:`` label of its own."""
+    question = "Tell me which person banned the Zorblax engine and in which year"
+    closing = "Keep the answer short and use only the context above."
+    assert eligible(f"Context:\n{DOC_A}\n\n{DOC_B}\n\n{question}\n\n{closing}") == [DOC_A, DOC_B]
+    faq = "Question: How do I reset my Keldor account password?\nAnswer: Open Settings and press Reset."
+    query = "how to change the email address on my Keldor account please"
+    assert eligible(f"{faq}\n\n{DOC_B}\n\n{query}") == ["Open Settings and press Reset.", DOC_B]
+    # a question that is no instruction ends the tail: the document before it stays a passage
+    assert eligible(f"{DOC_A}\n\n{DOC_B}\n\n{question}") == [DOC_A, DOC_B]
+
+
+def test_a_question_first_template_ends_with_a_document_that_is_a_passage():
+    """The question before a context label (LangChain's ``rlm/rag-prompt``): the message's last
+    piece is a retrieved document; a system message has no question at its end."""
+    prompt = f"Answer from the context.\nQuestion: who banned it?\nContext: {DOC_A}\n\n{DOC_B}\nAnswer:"
+    assert eligible(prompt) == ["Answer from the context.", DOC_A, DOC_B]
+    assert eligible(f"Question: who banned it\n\n{DOC_A}\n\n{DOC_B}") == [DOC_A]  # no context label after it
+    assert eligible(f"{DOC_A}\n\n{DOC_B}", role="system") == [DOC_A, DOC_B]
 
 
 def test_a_template_opening_stays_in_the_cached_head_where_that_computes_less(make_llm):

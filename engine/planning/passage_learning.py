@@ -11,7 +11,8 @@ whatever offset it comes back. The rule, in order:
 1. eligible pieces: in a request that places no document by id, in a system message or the last
    user message (never a chat history turn), not a separator or label, not a message's whole
    text (a single chat turn is never cut), not the user's question (after a ``Question:`` label,
-   ending with a question mark, or a user message's last piece where it has no label);
+   ending with a question mark, or the end of a user message whose question does not come before
+   a context label: its last piece and the piece before each closing instruction);
 2. recurring: earlier requests contained the piece whole at least
    ``CacheConfig.passage_min_sightings`` times; at least ``CacheConfig.passage_min_tokens``
    tokens as a chunk;
@@ -330,25 +331,55 @@ def eligible_pieces(messages: Sequence[Message], namespace: str, min_chars: int)
     to send a request where its passages were seen.
 
     The user's question is never one: a piece right after a question label (``Question:``,
-    ``Query:``, ``Input:``), a piece that ends with a question mark, or, in a user message with
-    no question label, its last piece. The question has to read the documents before it, and a
-    question asked again in the same words would otherwise come back as a chunk that reads none
-    of them."""
+    ``Query:``, ``Input:``), a piece that ends with a question mark, and the end of a user message
+    (:func:`_question_tail`) unless its last question label comes before a context label (a
+    question-first template such as ``Question: ... Context: ...``). The question has to read the
+    documents before it, and a question asked again in the same words would otherwise come back as
+    a chunk that reads none of them."""
     for m_index, message, parts in _eligible_messages(messages):
         pieces = [(p_index, piece) for p_index, part in parts for piece in split_passages(part)]
-        labelled = any(piece.separator and _QUESTION_LABEL.match(piece.text) for _, piece in pieces)
-        last = max((i for i, (_, piece) in enumerate(pieces) if not piece.separator), default=None)
+        tail = set() if message.role != "user" or _question_first(pieces) else _question_tail(pieces)
         whole = len(message.parts()) == 1 and len(pieces) == 1
         for i, (p_index, piece) in enumerate(pieces):
             after_question = i > 0 and pieces[i - 1][1].separator and _QUESTION_LABEL.match(pieces[i - 1][1].text)
-            question = after_question or piece.text.endswith("?") or (
-                not labelled and i == last and message.role == "user")
+            question = after_question or piece.text.endswith("?") or i in tail
             if piece.separator or len(piece.text) < min_chars or whole or question:
                 continue
             yield (m_index, p_index), piece, passage_key(namespace, piece.text)
 
 
 _QUESTION_LABEL = re.compile(r"(?:question|query|input)\s*:", re.IGNORECASE)
+_CONTEXT_LABEL = re.compile(
+    r"[ \t]*(?:context|documents?|passages?|sources?|references?|excerpts?|snippets?|retrieved|background"
+    r"|knowledge)\b[^:\n]{0,38}:", re.IGNORECASE)
+# A closing instruction after the question ("Keep the answer short and use only the context
+# above."): a short piece that speaks of answering or of the context
+_INSTRUCTION = re.compile(r"\b(?:answer|respond|reply|context|above|sources?|documents?|passages?|concise(?:ly)?"
+                          r"|brief(?:ly)?|short|sentences?|cite|citations?)\b", re.IGNORECASE)
+INSTRUCTION_MAX_CHARS = 160
+
+
+def _question_first(pieces: Sequence[tuple[int, Piece]]) -> bool:
+    """Whether the message's last question label is followed by a context label (the documents
+    come after the question, so the message ends with a document, not the question)."""
+    labels = [piece.text for _, piece in pieces if piece.separator]
+    last_question = max((i for i, text in enumerate(labels) if _QUESTION_LABEL.match(text)), default=None)
+    return last_question is not None and any(_CONTEXT_LABEL.match(text) for text in labels[last_question + 1:])
+
+
+def _question_tail(pieces: Sequence[tuple[int, Piece]]) -> set[int]:
+    """Indices of the pieces that end a user message as its question: the last piece that is
+    not a separator and, before each closing instruction among them (``_INSTRUCTION``, at most
+    ``INSTRUCTION_MAX_CHARS`` characters), the piece before it: the question an instruction
+    follows, labelled or not ("Tell me who banned it" then "Keep the answer short.")."""
+    texts = [(i, piece.text) for i, (_, piece) in enumerate(pieces) if not piece.separator]
+    tail: set[int] = set()
+    while texts:
+        i, text = texts.pop()
+        tail.add(i)
+        if len(text) > INSTRUCTION_MAX_CHARS or not _INSTRUCTION.search(text):
+            break
+    return tail
 
 
 def _eligible_messages(messages: Sequence[Message]):
