@@ -389,6 +389,10 @@ def test_an_unmarked_question_before_a_closing_instruction_is_not_a_passage():
     assert eligible(f"{faq}\n\n{DOC_B}\n\n{query}") == ["Open Settings and press Reset.", DOC_B]
     # a question that is no instruction ends the tail: the document before it stays a passage
     assert eligible(f"{DOC_A}\n\n{DOC_B}\n\n{question}") == [DOC_A, DOC_B]
+    # a labelled question ends it too, whatever it says (LlamaIndex's closing lines before it)
+    closing_rule = "---------------------\nGiven the context information, answer the query."
+    llama_index = f"{DOC_A}\n\n{DOC_B}\n{closing_rule}\nQuery: give a short answer\nAnswer: "
+    assert eligible(llama_index) == [DOC_A, DOC_B, closing_rule]
 
 
 def test_a_question_first_template_ends_with_a_document_that_is_a_passage():

@@ -368,16 +368,19 @@ def _question_first(pieces: Sequence[tuple[int, Piece]]) -> bool:
 
 
 def _question_tail(pieces: Sequence[tuple[int, Piece]]) -> set[int]:
-    """Indices of the pieces that end a user message as its question: the last piece that is
-    not a separator and, before each closing instruction among them (``_INSTRUCTION``, at most
-    ``INSTRUCTION_MAX_CHARS`` characters), the piece before it: the question an instruction
-    follows, labelled or not ("Tell me who banned it" then "Keep the answer short.")."""
-    texts = [(i, piece.text) for i, (_, piece) in enumerate(pieces) if not piece.separator]
+    """Indices of the pieces that end a user message as its question: its last piece that is not
+    a separator and, back from it while each is a closing instruction (``_INSTRUCTION``, at most
+    ``INSTRUCTION_MAX_CHARS`` characters), the piece before it, up to a separator or label: the
+    question an instruction follows ("Tell me who banned it" then "Keep the answer short.")."""
     tail: set[int] = set()
-    while texts:
-        i, text = texts.pop()
+    for i in range(len(pieces) - 1, -1, -1):
+        piece = pieces[i][1]
+        if piece.separator:
+            if tail:
+                break
+            continue
         tail.add(i)
-        if len(text) > INSTRUCTION_MAX_CHARS or not _INSTRUCTION.search(text):
+        if len(piece.text) > INSTRUCTION_MAX_CHARS or not _INSTRUCTION.search(piece.text):
             break
     return tail
 
