@@ -38,6 +38,13 @@ def exercise(make_store):
     assert first.matcher("").occurrences("x " + A + " y")[0] == []  # a's old text, and b, are gone
     third = DocumentStore(make_store())  # a restarted ingress
     assert third.get("", "a") == B and third.get("team", "a") == B and third.get("", "b") is None
+    # a namespace's version is where its last change lies in the store's log: every ingress,
+    # a restarted one too, gives the same, and another namespace's changes leave it as it is
+    second.sync()
+    assert dict(first.versions) == dict(second.versions) == dict(third.versions) == {"": 5, "team": 3}
+    second.delete("", "a")
+    third.sync()
+    assert third.versions == {"": 6, "team": 3} and DocumentStore(make_store()).versions == third.versions
 
 
 def test_the_sqlite_registry_is_shared_by_ingresses_and_outlives_them(tmp_path):

@@ -38,6 +38,7 @@ from lazyattn_rag.types.config import EngineConfig
 
 Change = tuple[str, str, str | None]  # (namespace, id, text; None: deleted)
 Version = tuple[str, int]  # (the change log's generation, its length)
+Positions = dict[str, int]  # namespace -> where its last change lies in the change log (1-based)
 RETRY_S = 30.0  # seconds between tries of a store that could not be reached (a hung one costs its 5 s timeout)
 logger = logging.getLogger("lazyattn_rag.serve")
 
@@ -60,11 +61,13 @@ class RegistryStore(Protocol):
     def version(self) -> Version:
         """The change log's generation (new when the log was lost and begun again) and length."""
 
-    def changes(self, since: Version | None) -> tuple[Version, list[Change], bool]:
-        """``(version, changes, reset)``: every change after ``since``, oldest first (a document
-        changed twice appears twice; its text is the latest), or, when ``since`` is of another
-        generation or past the log's end (it was lost), every document the store holds and
-        ``reset`` true: the mirror starts over from them."""
+    def changes(self, since: Version | None) -> tuple[Version, list[Change], bool, Positions]:
+        """``(version, changes, reset, positions)``: every change after ``since``, oldest first (a
+        document changed twice appears twice; its text is the latest), or, when ``since`` is of
+        another generation or past the log's end (it was lost), every document the store holds and
+        ``reset`` true: the mirror starts over from them. ``positions``: for each namespace of the
+        changes (every namespace the log names, on a reset), where its last change lies in the log
+        (the namespace's version, the same in every ingress and after a restart)."""
 
 
 class SqliteRegistry:
@@ -126,20 +129,24 @@ class SqliteRegistry:
     def version(self) -> Version:
         return "", self._db().execute("SELECT COALESCE(MAX(version), 0) FROM changes").fetchone()[0]
 
-    def changes(self, since: Version | None) -> tuple[Version, list[Change], bool]:
+    def changes(self, since: Version | None) -> tuple[Version, list[Change], bool, Positions]:
         db = self._db()
         db.execute("BEGIN")  # one snapshot: the version and the rows agree
         try:
             version = self.version()
-            if since is None or since[1] > version[1]:
-                rows, reset = db.execute("SELECT namespace, id, text FROM documents").fetchall(), True
+            reset = since is None or since[1] > version[1]
+            after = 0 if reset else since[1]
+            positions = dict(db.execute("SELECT namespace, MAX(version) FROM changes WHERE version > ? "
+                                        "GROUP BY namespace", (after,)).fetchall())
+            if reset:
+                rows = db.execute("SELECT namespace, id, text FROM documents").fetchall()
             else:
-                rows, reset = db.execute("SELECT c.namespace, c.id, d.text FROM changes c LEFT JOIN documents d "
-                                         "ON d.namespace = c.namespace AND d.id = c.id WHERE c.version > ? "
-                                         "ORDER BY c.version", (since[1],)).fetchall(), False
+                rows = db.execute("SELECT c.namespace, c.id, d.text FROM changes c LEFT JOIN documents d "
+                                  "ON d.namespace = c.namespace AND d.id = c.id WHERE c.version > ? "
+                                  "ORDER BY c.version", (since[1],)).fetchall()
         finally:
             db.execute("COMMIT")
-        return version, [(ns, i, t) for ns, i, t in rows], reset
+        return version, [(ns, i, t) for ns, i, t in rows], reset, positions
 
 
 class RedisRegistry:
@@ -157,6 +164,7 @@ class RedisRegistry:
         self.unreachable = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
         self.client = redis.Redis.from_url(url, socket_timeout=5)
         self.texts, self.log, self.generation = f"{prefix}:texts", f"{prefix}:changes", f"{prefix}:generation"
+        self.positions = f"{prefix}:positions"  # namespace -> its last change's place in the log
 
     def put(self, namespace: str, documents: list[tuple[str, str]]) -> None:
         fields = [json.dumps([namespace, doc_id]) for doc_id, _ in documents]
@@ -164,40 +172,52 @@ class RedisRegistry:
         changed = {f: text for f, (_, text), old in zip(fields, documents, current)
                    if old is None or old.decode() != text}
         if changed:
-            with self.client.pipeline(transaction=True) as pipe:
-                pipe.set(self.generation, uuid.uuid4().hex, nx=True)  # begun again if the server lost it
-                pipe.hset(self.texts, mapping=changed)
-                pipe.rpush(self.log, *changed)
-                pipe.execute()
+            self._log(namespace, list(changed), lambda pipe: pipe.hset(self.texts, mapping=changed))
 
     def delete(self, namespace: str, doc_id: str) -> None:
-        field = json.dumps([namespace, doc_id])
-        with self.client.pipeline(transaction=True) as pipe:  # a delete of an unknown id logs a no-op
-            pipe.set(self.generation, uuid.uuid4().hex, nx=True)
-            pipe.hdel(self.texts, field)
-            pipe.rpush(self.log, field)
-            pipe.execute()
+        field = json.dumps([namespace, doc_id])  # a delete of an unknown id logs a no-op
+        self._log(namespace, [field], lambda pipe: pipe.hdel(self.texts, field))
+
+    def _log(self, namespace: str, fields: list[str], write) -> None:
+        """``write(pipe)`` and the log's new ``fields`` in one transaction, with the namespace's
+        position (optimistic: begun again if another writer appended to the log meanwhile)."""
+
+        def transaction(pipe) -> None:
+            length = pipe.llen(self.log)
+            pipe.multi()
+            pipe.set(self.generation, uuid.uuid4().hex, nx=True)  # begun again if the server lost it
+            write(pipe)
+            pipe.rpush(self.log, *fields)
+            pipe.hset(self.positions, namespace, length + len(fields))
+
+        self.client.transaction(transaction, self.log)
 
     def version(self) -> Version:
         with self.client.pipeline(transaction=True) as pipe:
             generation, length = pipe.get(self.generation).llen(self.log).execute()
         return (generation or b"").decode(), int(length)
 
-    def changes(self, since: Version | None) -> tuple[Version, list[Change], bool]:
+    def changes(self, since: Version | None) -> tuple[Version, list[Change], bool, Positions]:
         version = self.version()
         if since is None or since[0] != version[0] or since[1] > version[1]:  # the log was lost: all of it
-            texts = self.client.hgetall(self.texts)
-            version = self.version()
-            return version, [(*json.loads(f), t.decode()) for f, t in texts.items()], True
+            with self.client.pipeline(transaction=True) as pipe:
+                generation, length, texts, positions = (pipe.get(self.generation).llen(self.log)
+                                                        .hgetall(self.texts).hgetall(self.positions).execute())
+            changes = [(*json.loads(f), t.decode()) for f, t in texts.items()]
+            known = {ns.decode(): int(p) for ns, p in positions.items()}
+            # a namespace registered before positions were kept: the log's length names it
+            known.update({ns: int(length) for ns, _, _ in changes if ns not in known})
+            return ((generation or b"").decode(), int(length)), changes, True, known
         fields = self.client.lrange(self.log, since[1], version[1] - 1)
         texts = self.client.hmget(self.texts, list(dict.fromkeys(fields))) if fields else []
         by_field = dict(zip(dict.fromkeys(fields), texts))
-        out = []
-        for f in fields:
+        out, positions = [], {}
+        for position, f in enumerate(fields, start=since[1] + 1):
             namespace, doc_id = json.loads(f)
             text = by_field[f]
             out.append((namespace, doc_id, None if text is None else text.decode()))
-        return (version[0], since[1] + len(fields)), out, False
+            positions[namespace] = position
+        return (version[0], since[1] + len(fields)), out, False, positions
 
 
 def open_registry(config: ServeConfig, engine_config: EngineConfig | None = None) -> "RegistryStore | None":
@@ -232,7 +252,10 @@ class DocumentStore:
         self.matchers: dict[str, DocumentMatcher] = {}
         self._store_version: Version | None = None
         self.version = 0  # grows with every change this mirror applies
-        self.versions: Counter[str] = Counter()  # per namespace (GET /v1/documents/version: a tenant sees its own)
+        # per namespace (GET /v1/documents/version: a tenant sees its own): where its last change
+        # lies in the store's log, so every ingress and a restarted one agree (memory only: the
+        # mirror's own count of changes)
+        self.versions: Counter[str] = Counter()
         self.sync()
 
     def sync(self) -> None:
@@ -260,26 +283,31 @@ class DocumentStore:
     def _catch_up(self) -> None:
         if self._store_version is not None and self.store.version() == self._store_version:
             return
-        self._store_version, changes, reset = self.store.changes(self._store_version)
+        self._store_version, changes, reset, positions = self.store.changes(self._store_version)
         if reset:
             keep = {(ns, i) for ns, i, _ in changes}
             for namespace, doc_id in [k for k in self.texts if k not in keep]:
                 self._apply(namespace, doc_id, None)
         for namespace, doc_id, text in changes:
             self._apply(namespace, doc_id, text)
+        for namespace, position in positions.items():
+            self.versions[namespace] = position
 
     def _apply(self, namespace: str, doc_id: str, text: str | None) -> None:
         matcher = self.matchers.setdefault(namespace, DocumentMatcher())
         if text is None:
             if self.texts.pop((namespace, doc_id), None) is not None:
-                self.version += 1
-                self.versions[namespace] += 1
+                self._changed(namespace)
             matcher.remove(doc_id)
         elif self.texts.get((namespace, doc_id)) != text:
             self.texts[(namespace, doc_id)] = text
             matcher.add(Candidate(doc_id, text))
-            self.version += 1
-            self.versions[namespace] += 1
+            self._changed(namespace)
+
+    def _changed(self, namespace: str) -> None:
+        self.version += 1
+        if self.store is None:
+            self.versions[namespace] = self.version
 
     def _write(self, change) -> None:
         try:
