@@ -119,6 +119,37 @@ def test_logprobs_are_refused_where_they_are_not_carried():
         "logprobs"] == 5
 
 
+@pytest.mark.parametrize("extra, field", [
+    ({"n": "2"}, "n"), ({"max_tokens": True}, "max_tokens"), ({"max_completion_tokens": 2.0}, "max_completion_tokens"),
+    ({"stream": "true"}, "stream"), ({"seed": "7"}, "seed"), ({"logprobs": 1}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": False}, "top_logprobs"), ({"ignore_eos": "yes"}, "ignore_eos"),
+])
+def test_counts_and_flags_take_json_integers_and_booleans_only(extra, field):
+    """As OpenAI's API: a string, float or boolean where a count or a flag goes is a 400 naming the
+    field, not coerced (pydantic's lax mode made "2" two choices and true one token)."""
+    from pydantic import ValidationError
+
+    from lazyattn_rag.serve.protocol import ChatCompletionRequest
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(ValidationError) as error:
+        ChatCompletionRequest.model_validate(body | extra)
+    assert [e["loc"][0] for e in error.value.errors()] == [field]
+    request = ChatCompletionRequest.model_validate(body | {"n": 2, "max_tokens": 3, "stream": True, "seed": 0})
+    assert (request.n, request.max_tokens, request.stream, request.seed) == (2, 3, True, 0)
+
+
+def test_ignored_fields_are_named_in_the_log_once_per_set(caplog):
+    from lazyattn_rag.serve.protocol import ChatCompletionRequest
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "user": "u1", "zz_unknown_field": 1}
+    with caplog.at_level("WARNING", logger="lazyattn_rag.serve"):
+        for _ in range(3):
+            ChatCompletionRequest.model_validate(body)
+    logged = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert logged == ["ChatCompletionRequest: fields present in the request but ignored: user, zz_unknown_field"]
+
+
 def test_strict_max_tokens_refuses_what_the_context_cannot_hold(make_llm):
     from lazyattn_rag import PromptTooLongError
     from tests.tiny import words

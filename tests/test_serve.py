@@ -199,6 +199,7 @@ def test_past_the_imbalance_threshold_requests_go_to_the_least_loaded_replica(ht
       "stream_options": {"continuous_usage_stats": True}}, 400, "continuous_usage_stats is not supported"),
     ({"messages": [{"role": "user", "content": "w1"}], "tools": [{"type": "function"}]}, 400, "tools"),
     ({"messages": [{"role": "user", "content": "w1"}], "temperature": -1}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "w1"}], "n": "2"}, 400, "n: Input should be a valid integer"),
     ({"messages": [{"role": "user", "content": "w1"}], "documents": ["nope"]}, 404, "'nope'"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "id": "gone"}]}]}, 404, "'gone'"),
     ({"messages": [{"role": "user", "content": "w1"}], "model": "gpt-4o"}, 404, "gpt-4o"),

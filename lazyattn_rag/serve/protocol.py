@@ -4,19 +4,27 @@
 requests with the extension fields of ``lazyattn_rag/types/wire.py``. Fields OpenAI defines that change the answer and that this
 server does not implement (``tools``, ``logit_bias``, ...) are refused with 400
 rather than ignored; the rest (``user``, ``metadata``, ``store``...) are
-accepted and ignored, as OpenAI-compatible servers do.
+accepted and ignored, as OpenAI-compatible servers do, and named in the server's log (once per
+set of names), as vLLM does. Counts and flags take JSON integers and booleans only, as OpenAI's
+API does: ``"n": "2"``, ``"max_tokens": true`` or ``"stream": "yes"`` is a 400, not a guess.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, field_validator, model_validator
 
 from lazyattn_rag.types.sampling_params import MAX_N
 from lazyattn_rag.types.structured_output import StructuredOutputParams
 
 NAMESPACE_PATTERN = r"^[A-Za-z0-9_.:@/-]{0,128}$"
+Int = Annotated[int, Strict()]  # a JSON integer: not "2", 2.0 or true
+Bool = Annotated[bool, Strict()]  # a JSON boolean: not "true" or 1
+logger = logging.getLogger("lazyattn_rag.serve")
+_LOGGED_IGNORED: set[tuple[str, ...]] = set()  # the sets of ignored field names already logged
+MAX_LOGGED_IGNORED = 256
 MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 64
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "audio", "modalities", "prediction",
@@ -177,28 +185,28 @@ class GenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None  # checked every token
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: Int | None = Field(default=None, ge=0, lt=2**63)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    n: int = 1
-    stream: bool = False
+    n: Int = 1
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     # extensions (lazyattn_rag/types/wire.py)
     documents: list[str | DocumentIn] = Field(default_factory=list)
     namespace: str = Field(default="", pattern=NAMESPACE_PATTERN)
     document_hashes: dict[str, str] = Field(default_factory=dict)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: Int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
-    ignore_eos: bool | None = None
+    ignore_eos: Bool | None = None
     remedies: RemediesIn | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
-    strict_max_tokens: bool | None = None  # unset: refuse prompt + max_tokens past the context when max_tokens is given
-    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
+    strict_max_tokens: Bool | None = None  # unset: refuse prompt + max_tokens past the context when max_tokens is given
+    return_tokens_as_token_ids: Bool = False  # vLLM's: logprob tokens as "token_id:<id>"
     # structured output: OpenAI's response_format, vLLM's guided_* fields and structured_outputs (one of them)
     response_format: ResponseFormat | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -223,6 +231,7 @@ class GenerationRequest(BaseModel):
         asked = [k for k in self.unsupported if _asks(k, extra.get(k))]
         if asked:
             raise ValueError(f"not supported by this server: {', '.join(asked)}")
+        _log_ignored(type(self).__name__, tuple(sorted(k for k in extra if k not in self.unsupported)))
         return self
 
     @model_validator(mode="after")
@@ -282,6 +291,14 @@ def _structure_fields(body: GenerationRequest) -> dict[str, dict[str, Any] | Non
     return fields
 
 
+def _log_ignored(request: str, names: tuple[str, ...]) -> None:
+    """Name the body fields a request of type ``request`` ignored, once per set of names (a
+    client that sends ``user`` with every request logs it once; the log stays bounded)."""
+    if names and (request, *names) not in _LOGGED_IGNORED and len(_LOGGED_IGNORED) < MAX_LOGGED_IGNORED:
+        _LOGGED_IGNORED.add((request, *names))
+        logger.warning("%s: fields present in the request but ignored: %s", request, ", ".join(names))
+
+
 def _asks(field: str, value: Any) -> bool:
     """Whether a body value of an unsupported field asks for something (``null``, ``best_of: 1``,
     ``echo: false``, empty lists and maps ask for nothing)."""
@@ -296,9 +313,9 @@ class ChatCompletionRequest(GenerationRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=-1)  # -1: the whole vocabulary (ServeConfig.max_logprobs)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    logprobs: Bool | None = None
+    top_logprobs: Int | None = Field(default=None, ge=-1)  # -1: the whole vocabulary (ServeConfig.max_logprobs)
 
     @model_validator(mode="after")
     def _logprobs_asked(self):
@@ -323,9 +340,9 @@ class CompletionRequest(GenerationRequest):
     none has the registered documents found in it."""
 
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
-    max_tokens: int | None = Field(default=None, ge=1)  # None (left out or null): 16, OpenAI's and vLLM's default
-    logprobs: int | None = Field(default=None, ge=0)  # the legacy API's: the most likely tokens per position
-    echo: bool = False  # the prompt (as sent: text, or token ids decoded) before each answer's text
+    max_tokens: Int | None = Field(default=None, ge=1)  # None (left out or null): 16, OpenAI's and vLLM's default
+    logprobs: Int | None = Field(default=None, ge=0)  # the legacy API's: the most likely tokens per position
+    echo: Bool = False  # the prompt (as sent: text, or token ids decoded) before each answer's text
     unsupported: ClassVar[tuple[str, ...]] = COMPLETION_UNSUPPORTED
 
     @model_validator(mode="after")
