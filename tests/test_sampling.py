@@ -123,6 +123,8 @@ def test_logprobs_are_refused_where_they_are_not_carried():
     ({"n": "2"}, "n"), ({"max_tokens": True}, "max_tokens"), ({"max_completion_tokens": 2.0}, "max_completion_tokens"),
     ({"stream": "true"}, "stream"), ({"seed": "7"}, "seed"), ({"logprobs": 1}, "logprobs"),
     ({"logprobs": True, "top_logprobs": False}, "top_logprobs"), ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"stop_token_ids": ["1"]}, "stop_token_ids"), ({"stream": True, "stream_options": {"include_usage": "true"}},
+                                                     "stream_options"),
 ])
 def test_counts_and_flags_take_json_integers_and_booleans_only(extra, field):
     """As OpenAI's API: a string, float or boolean where a count or a flag goes is a 400 naming the
@@ -147,7 +149,27 @@ def test_ignored_fields_are_named_in_the_log_once_per_set(caplog):
         for _ in range(3):
             ChatCompletionRequest.model_validate(body)
     logged = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
-    assert logged == ["ChatCompletionRequest: fields present in the request but ignored: user, zz_unknown_field"]
+    assert logged == ["ChatCompletionRequest: fields present in the request but ignored: 'user', 'zz_unknown_field'"]
+    # a break-it trial's names: a megabyte long, a forged log line; shown cut and escaped
+    caplog.clear()
+    hostile = {"x" * (1 << 20): 1, "x\nERROR forged: admin logged in": 2}
+    many = {f"f{i:02}": i for i in range(20)}
+    with caplog.at_level("WARNING", logger="lazyattn_rag.serve"):
+        ChatCompletionRequest.model_validate(body | hostile)
+        ChatCompletionRequest.model_validate(body | many)
+    first, second = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert "\n" not in first and len(first) < 300 and "'x\\nERROR forged" in first and "'xxxx" in first
+    assert second.endswith("'f07' and 14 more")  # 22 names: 8 shown
+
+
+def test_vllm_fields_that_change_the_answer_are_refused_by_name():
+    from lazyattn_rag.serve.protocol import ChatCompletionRequest
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    for field, value in (("min_tokens", 4), ("include_stop_str_in_output", True)):
+        with pytest.raises(ValueError, match=f"not supported by this server: {field}"):
+            ChatCompletionRequest.model_validate(body | {field: value})
+    ChatCompletionRequest.model_validate(body | {"min_tokens": 0, "include_stop_str_in_output": False})
 
 
 def test_strict_max_tokens_refuses_what_the_context_cannot_hold(make_llm):

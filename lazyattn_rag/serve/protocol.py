@@ -12,6 +12,7 @@ API does: ``"n": "2"``, ``"max_tokens": true`` or ``"stream": "yes"`` is a 400, 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, field_validator, model_validator
@@ -23,12 +24,13 @@ NAMESPACE_PATTERN = r"^[A-Za-z0-9_.:@/-]{0,128}$"
 Int = Annotated[int, Strict()]  # a JSON integer: not "2", 2.0 or true
 Bool = Annotated[bool, Strict()]  # a JSON boolean: not "true" or 1
 logger = logging.getLogger("lazyattn_rag.serve")
-_LOGGED_IGNORED: set[tuple[str, ...]] = set()  # the sets of ignored field names already logged
-MAX_LOGGED_IGNORED = 256
+_LOGGED_IGNORED: OrderedDict[tuple[str, ...], None] = OrderedDict()  # the sets of ignored names logged, newest last
+MAX_LOGGED_IGNORED = 256  # name sets remembered (least recently seen forgotten first)
+MAX_LOGGED_NAMES, MAX_LOGGED_NAME_CHARS = 8, 64  # what one log line names of a request's ignored fields
 MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 64
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "audio", "modalities", "prediction",
-               "guided_whitespace_pattern", "echo")
+               "guided_whitespace_pattern", "echo", "min_tokens", "include_stop_str_in_output")  # vLLM's last two
 GUIDED_BACKENDS = ("xgrammar", "auto")
 
 
@@ -119,7 +121,7 @@ class StreamOptions(BaseModel):
     ``continuous_usage_stats`` (usage on every chunk) is refused by name, not ignored."""
 
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    include_usage: Bool = False
     continuous_usage_stats: bool = False
 
     @field_validator("continuous_usage_stats")
@@ -174,7 +176,7 @@ class StructuredOutputsIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     json_: str | dict[str, Any] | None = Field(default=None, alias="json")
-    json_object: bool | None = None
+    json_object: Bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -204,7 +206,7 @@ class GenerationRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: Bool | None = None
     remedies: RemediesIn | None = None
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[Int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     strict_max_tokens: Bool | None = None  # unset: refuse prompt + max_tokens past the context when max_tokens is given
     return_tokens_as_token_ids: Bool = False  # vLLM's: logprob tokens as "token_id:<id>"
     # structured output: OpenAI's response_format, vLLM's guided_* fields and structured_outputs (one of them)
@@ -292,11 +294,24 @@ def _structure_fields(body: GenerationRequest) -> dict[str, dict[str, Any] | Non
 
 
 def _log_ignored(request: str, names: tuple[str, ...]) -> None:
-    """Name the body fields a request of type ``request`` ignored, once per set of names (a
-    client that sends ``user`` with every request logs it once; the log stays bounded)."""
-    if names and (request, *names) not in _LOGGED_IGNORED and len(_LOGGED_IGNORED) < MAX_LOGGED_IGNORED:
-        _LOGGED_IGNORED.add((request, *names))
-        logger.warning("%s: fields present in the request but ignored: %s", request, ", ".join(names))
+    """Name the body fields a request of type ``request`` ignored, once per set of names while it
+    is among the :data:`MAX_LOGGED_IGNORED` sets seen last (a client that sends ``user`` with every
+    request logs it once). Names are shown escaped (``repr``: no forged log lines) and cut to
+    :data:`MAX_LOGGED_NAME_CHARS` characters, at most :data:`MAX_LOGGED_NAMES` of them, so neither
+    the log nor this memory grows with what a body holds."""
+    if not names:
+        return
+    shown = tuple(repr(n[:MAX_LOGGED_NAME_CHARS]) + ("..." if len(n) > MAX_LOGGED_NAME_CHARS else "")
+                  for n in names[:MAX_LOGGED_NAMES])
+    key = (request, *shown, len(names))
+    if key in _LOGGED_IGNORED:
+        _LOGGED_IGNORED.move_to_end(key)
+        return
+    _LOGGED_IGNORED[key] = None
+    if len(_LOGGED_IGNORED) > MAX_LOGGED_IGNORED:
+        _LOGGED_IGNORED.popitem(last=False)
+    more = f" and {len(names) - len(shown)} more" if len(names) > len(shown) else ""
+    logger.warning("%s: fields present in the request but ignored: %s%s", request, ", ".join(shown), more)
 
 
 def _asks(field: str, value: Any) -> bool:
