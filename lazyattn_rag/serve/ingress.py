@@ -180,10 +180,14 @@ def make_ingress(config: ServeConfig, engine_config: EngineConfig | None = None)
 
         @app.get("/v1/documents/version")
         async def documents_version(self, request: Request, namespace: str = ""):
-            """The namespace's registry version: it grows with each change of its documents."""
+            """The namespace's registry version: where its last change lies in the registry's change
+            log, the same in every ingress replica and after a restart; it grows with each change
+            of its documents within the registry's ``generation`` (new when the store lost its
+            contents: compare both)."""
             namespace = _grant(request).namespace(namespace)
             self.documents.sync()
-            return {"version": self.documents.versions[namespace], "namespace": namespace}
+            return {"version": self.documents.versions[namespace], "namespace": namespace,
+                    "generation": self.documents.generation}
 
         @app.get("/v1/documents")
         async def list_documents(self, request: Request, namespace: str = "", texts: bool = False,

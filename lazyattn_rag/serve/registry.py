@@ -12,6 +12,12 @@ new generation of it, and every mirror starts over from what the server holds.
 
 A restarted server, or a second ingress replica, starts from the store's full contents.
 
+A namespace's version (``GET /v1/documents/version``) is where its last change lies in the log,
+read in one snapshot with the texts, so every replica and a restarted one give the same number
+for the same contents. It counts within the store's generation: a Redis server that lost the log
+(or only the log: a new generation is begun then) starts the count over, and the endpoint names
+the generation beside it.
+
 A store that cannot be reached (Redis down or not answering within its 5 s socket timeout)
 does not fail the requests that read documents: the mirror serves what it last caught up with
 (logged once, tried again every :data:`RETRY_S` seconds), and ``GET /health`` names the outage
@@ -21,6 +27,7 @@ store: they answer 503 until it is back.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -91,6 +98,10 @@ class SqliteRegistry:
                        "text TEXT NOT NULL, PRIMARY KEY (namespace, id))")
             db.execute("CREATE TABLE IF NOT EXISTS changes (version INTEGER PRIMARY KEY AUTOINCREMENT, "
                        "namespace TEXT NOT NULL, id TEXT NOT NULL)")
+            # the file's own id: a file made anew (deleted, restored from elsewhere) starts a new generation
+            db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+            db.execute("INSERT OR IGNORE INTO meta VALUES ('generation', ?)", (uuid.uuid4().hex,))
+            self._generation = db.execute("SELECT value FROM meta WHERE key = 'generation'").fetchone()[0]
 
     def _db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
@@ -127,14 +138,14 @@ class SqliteRegistry:
             raise
 
     def version(self) -> Version:
-        return "", self._db().execute("SELECT COALESCE(MAX(version), 0) FROM changes").fetchone()[0]
+        return self._generation, self._db().execute("SELECT COALESCE(MAX(version), 0) FROM changes").fetchone()[0]
 
     def changes(self, since: Version | None) -> tuple[Version, list[Change], bool, Positions]:
         db = self._db()
         db.execute("BEGIN")  # one snapshot: the version and the rows agree
         try:
             version = self.version()
-            reset = since is None or since[1] > version[1]
+            reset = since is None or since[0] != version[0] or since[1] > version[1]
             after = 0 if reset else since[1]
             positions = dict(db.execute("SELECT namespace, MAX(version) FROM changes WHERE version > ? "
                                         "GROUP BY namespace", (after,)).fetchall())
@@ -175,14 +186,17 @@ class RedisRegistry:
             self._log(namespace, list(changed), lambda pipe: pipe.hset(self.texts, mapping=changed))
 
     def delete(self, namespace: str, doc_id: str) -> None:
-        field = json.dumps([namespace, doc_id])  # a delete of an unknown id logs a no-op
-        self._log(namespace, [field], lambda pipe: pipe.hdel(self.texts, field))
+        field = json.dumps([namespace, doc_id])  # an unknown id: nothing logged, as SQLite's
+        self._log(namespace, [field], lambda pipe: pipe.hdel(self.texts, field), only_if_present=field)
 
-    def _log(self, namespace: str, fields: list[str], write) -> None:
+    def _log(self, namespace: str, fields: list[str], write, only_if_present: str | None = None) -> None:
         """``write(pipe)`` and the log's new ``fields`` in one transaction, with the namespace's
-        position (optimistic: begun again if another writer appended to the log meanwhile)."""
+        position (optimistic: begun again if another writer changed the log or the texts
+        meanwhile); nothing when ``only_if_present`` is not a registered document's field."""
 
         def transaction(pipe) -> None:
+            if only_if_present is not None and not pipe.hexists(self.texts, only_if_present):
+                return
             length = pipe.llen(self.log)
             pipe.multi()
             pipe.set(self.generation, uuid.uuid4().hex, nx=True)  # begun again if the server lost it
@@ -190,7 +204,7 @@ class RedisRegistry:
             pipe.rpush(self.log, *fields)
             pipe.hset(self.positions, namespace, length + len(fields))
 
-        self.client.transaction(transaction, self.log)
+        self.client.transaction(transaction, self.log, self.texts)
 
     def version(self) -> Version:
         with self.client.pipeline(transaction=True) as pipe:
@@ -199,17 +213,19 @@ class RedisRegistry:
 
     def changes(self, since: Version | None) -> tuple[Version, list[Change], bool, Positions]:
         version = self.version()
-        if since is None or since[0] != version[0] or since[1] > version[1]:  # the log was lost: all of it
-            with self.client.pipeline(transaction=True) as pipe:
-                generation, length, texts, positions = (pipe.get(self.generation).llen(self.log)
-                                                        .hgetall(self.texts).hgetall(self.positions).execute())
+        if since is not None and since[0] == version[0] and since[1] > version[1]:
+            # the log lost entries but not its generation (evicted): begin a new generation, so
+            # every mirror starts over and no version names two contents
+            self.client.set(self.generation, uuid.uuid4().hex)
+        version, texts, positions, fields = self.client.transaction(  # one snapshot: begun again on a change
+            functools.partial(self._read, since), self.generation, self.log, self.texts, self.positions,
+            value_from_callable=True)
+        if fields is None:  # the log was lost: all of it
             changes = [(*json.loads(f), t.decode()) for f, t in texts.items()]
             known = {ns.decode(): int(p) for ns, p in positions.items()}
             # a namespace registered before positions were kept: the log's length names it
-            known.update({ns: int(length) for ns, _, _ in changes if ns not in known})
-            return ((generation or b"").decode(), int(length)), changes, True, known
-        fields = self.client.lrange(self.log, since[1], version[1] - 1)
-        texts = self.client.hmget(self.texts, list(dict.fromkeys(fields))) if fields else []
+            known.update({ns: version[1] for ns, _, _ in changes if ns not in known})
+            return version, changes, True, known
         by_field = dict(zip(dict.fromkeys(fields), texts))
         out, positions = [], {}
         for position, f in enumerate(fields, start=since[1] + 1):
@@ -217,7 +233,21 @@ class RedisRegistry:
             text = by_field[f]
             out.append((namespace, doc_id, None if text is None else text.decode()))
             positions[namespace] = position
-        return (version[0], since[1] + len(fields)), out, False, positions
+        return version, out, False, positions
+
+    def _read(self, since: Version | None, pipe):
+        """Inside a WATCH of every key: ``(version, texts, positions, fields)`` of the changes
+        after ``since`` (``fields`` ``None``: all of the store, with its positions)."""
+        generation, length = pipe.get(self.generation), pipe.llen(self.log)
+        version = ((generation or b"").decode(), int(length))
+        if since is None or since[0] != version[0] or since[1] > version[1]:
+            texts, positions, fields = pipe.hgetall(self.texts), pipe.hgetall(self.positions), None
+        else:
+            fields = pipe.lrange(self.log, since[1], version[1] - 1)
+            texts, positions = (pipe.hmget(self.texts, list(dict.fromkeys(fields))) if fields else []), None
+        pipe.multi()
+        pipe.llen(self.log)  # EXEC fails, and the read is begun again, if a watched key changed
+        return version, texts, positions, fields
 
 
 def open_registry(config: ServeConfig, engine_config: EngineConfig | None = None) -> "RegistryStore | None":
@@ -318,6 +348,12 @@ class DocumentStore:
                                       f"try again once it is back") from exc
         self._retry_at = 0.0  # it answered: catch up now
         self.sync()
+
+    @property
+    def generation(self) -> str:
+        """The store's generation (``""`` without a store): a namespace's version counts within it.
+        A store that lost its contents (Redis flushed) begins a new one, and versions start over."""
+        return self._store_version[0] if self._store_version is not None else ""
 
     def get(self, namespace: str, doc_id: str) -> str | None:
         return self.texts.get((namespace, doc_id))
