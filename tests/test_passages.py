@@ -353,11 +353,18 @@ def test_history_turns_single_turns_and_short_pieces_are_never_learned(make_llm)
 def test_the_users_question_is_never_learned_even_asked_again_in_the_same_words(make_llm):
     _, llm = make_llm(passage_min_sightings=0)
     question = words(20, start=170)  # long enough to be a passage
-    for prompt in (rag_prompt([0, 1], question),  # after a question label
-                   "documents :\n\n" + P[0] + "\n\n" + P[1] + "\n\n" + question):  # no label: the last piece
-        for _ in range(2):
-            out = llm.chat([Message("user", prompt)], sampling=GREEDY)
-        assert out.stats.docs_hit == [passage_id(llm, 0), passage_id(llm, 1)]  # the documents only
+    out = None
+    for _ in range(2):  # after a question label
+        out = llm.chat([Message("user", rag_prompt([0, 1], question))], sampling=GREEDY)
+    assert out.stats.docs_hit == [passage_id(llm, 0), passage_id(llm, 1)]  # the documents only
+    # no label: the last piece (documents over 300 characters: a shorter one before the question
+    # would be read as part of it, see the test below)
+    long_docs = [P[0] + " " + P[2], P[1] + " " + P[3]]
+    for _ in range(2):
+        out = llm.chat([Message("user", "documents :\n\n" + "\n\n".join(long_docs) + "\n\n" + question)],
+                       sampling=GREEDY)
+    assert out.stats.docs_hit == [PASSAGE_ID_PREFIX + llm.engine.planner.prepare_passage(d).key[:16]
+                                  for d in long_docs]
 
 
 def test_a_question_with_a_closing_line_after_it_is_not_learned_either(make_llm):
@@ -374,8 +381,12 @@ def eligible(text, role="user"):
     return [piece.text for _, piece, _ in eligible_pieces([Message(role, text)], "", 16)]
 
 
-DOC_A = "The Zorblax engine was invented by Mira Tenhaven in 1931 in the town of Keldor; it ran on peat."
-DOC_B = "Keldor's mayor in 1935 was Ostrik Vane, who banned the Zorblax engine after a boiler explosion."
+DOC_A = ("The Zorblax engine was invented by Mira Tenhaven in 1931 in the town of Keldor; it ran on peat. "
+         "Its first model pumped water from the Keldor mines, and by 1933 forty of them worked the valley, "
+         "each tended by a crew of three that fed it peat cut from the high moors above the old town every cold morning.")
+DOC_B = ("Keldor's mayor in 1935 was Ostrik Vane, who banned the Zorblax engine after a boiler explosion. "
+         "The ban lasted until 1941, when the council allowed engines with a relief valve of Tenhaven's own "
+         "design; the explosion had killed two miners and destroyed the old brick pump house at the lower shaft of the mine.")
 
 
 def test_an_unmarked_question_before_a_closing_instruction_is_not_a_passage():
@@ -387,8 +398,18 @@ def test_an_unmarked_question_before_a_closing_instruction_is_not_a_passage():
     faq = "Question: How do I reset my Keldor account password?\nAnswer: Open Settings and press Reset."
     query = "how to change the email address on my Keldor account please"
     assert eligible(f"{faq}\n\n{DOC_B}\n\n{query}") == ["Open Settings and press Reset.", DOC_B]
-    # a question that is no instruction ends the tail: the document before it stays a passage
-    assert eligible(f"{DOC_A}\n\n{DOC_B}\n\n{question}") == [DOC_A, DOC_B]
+    # with document headers after the FAQ's labels (a context label follows its answer, not its question)
+    headed = f"Document 1:\n{faq}\n\nDocument 2:\n{DOC_A}\n\nDocument 3:\n{DOC_B}\n\n{query}"
+    assert eligible(headed) == ["Open Settings and press Reset.", DOC_A, DOC_B]
+    # documents over 300 characters end the tail: they stay passages, whatever the question says
+    assert eligible(f"{DOC_A}\n\n{DOC_B}\n\nBased on the context above, {question}") == [DOC_A, DOC_B]
+    # closing instructions in other words and languages, and a format label
+    for closing in ("Let's think step by step.", "If you don't know, say you don't know.",
+                    "Réponds brièvement en utilisant uniquement le contexte ci-dessus.", "Return JSON:\n{\"year\": 0}"):
+        assert eligible(f"{DOC_A}\n\n{DOC_B}\n\n{question}\n\n{closing}") == [DOC_A, DOC_B]
+    # a question of two paragraphs after its label, and a fullwidth question mark
+    assert eligible(f"Question: I read about Keldor.\n\n{question}\nContext: {DOC_A}\n\n{DOC_B}") == [DOC_A, DOC_B]
+    assert eligible(f"{DOC_A}\n\n{DOC_B}\n\n誰がエンジンを禁止しましたか？\n\n{closing}") == [DOC_A, DOC_B]
     # a labelled question ends it too, whatever it says (LlamaIndex's closing lines before it)
     closing_rule = "---------------------\nGiven the context information, answer the query."
     llama_index = f"{DOC_A}\n\n{DOC_B}\n{closing_rule}\nQuery: give a short answer\nAnswer: "
@@ -400,7 +421,8 @@ def test_a_question_first_template_ends_with_a_document_that_is_a_passage():
     piece is a retrieved document; a system message has no question at its end."""
     prompt = f"Answer from the context.\nQuestion: who banned it?\nContext: {DOC_A}\n\n{DOC_B}\nAnswer:"
     assert eligible(prompt) == ["Answer from the context.", DOC_A, DOC_B]
-    assert eligible(f"Question: who banned it\n\n{DOC_A}\n\n{DOC_B}") == [DOC_A]  # no context label after it
+    # no context label after it: what follows the label up to the next one is the question
+    assert eligible(f"Question: who banned it\n\n{DOC_A}\n\n{DOC_B}") == []
     assert eligible(f"{DOC_A}\n\n{DOC_B}", role="system") == [DOC_A, DOC_B]
 
 

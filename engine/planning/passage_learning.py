@@ -10,9 +10,10 @@ whatever offset it comes back. The rule, in order:
 
 1. eligible pieces: in a request that places no document by id, in a system message or the last
    user message (never a chat history turn), not a separator or label, not a message's whole
-   text (a single chat turn is never cut), not the user's question (after a ``Question:`` label,
-   ending with a question mark, or the end of a user message whose question does not come before
-   a context label: its last piece and the piece before each closing instruction);
+   text (a single chat turn is never cut), not the user's question (what follows a ``Question:``
+   label up to the next label, a piece ending with a question mark, or the end of a user message
+   whose question label is not followed by a context label: its last piece and the short pieces
+   before it, :func:`_question_tail`);
 2. recurring: earlier requests contained the piece whole at least
    ``CacheConfig.passage_min_sightings`` times; at least ``CacheConfig.passage_min_tokens``
    tokens as a chunk;
@@ -40,8 +41,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
-from lazyattn_rag.engine.planning.passages import (PassageHistory, Piece, PlainPrefixes, passage_key, piece_digests,
-                                                   split_passages)
+from lazyattn_rag.engine.planning.passages import (PassageHistory, Piece, PlainPrefixes, is_plain_label, passage_key,
+                                                   piece_digests, split_passages)
 from lazyattn_rag.engine.planning.planner import PromptPlanner
 from lazyattn_rag.engine.planning.prompt_plan import PromptPlan
 from lazyattn_rag.engine.planning.registry import RegisteredDocument
@@ -340,49 +341,63 @@ def eligible_pieces(messages: Sequence[Message], namespace: str, min_chars: int)
         pieces = [(p_index, piece) for p_index, part in parts for piece in split_passages(part)]
         tail = set() if message.role != "user" or _question_first(pieces) else _question_tail(pieces)
         whole = len(message.parts()) == 1 and len(pieces) == 1
+        labelled = False  # inside a question label's text (up to the next separator or label)
         for i, (p_index, piece) in enumerate(pieces):
-            after_question = i > 0 and pieces[i - 1][1].separator and _QUESTION_LABEL.match(pieces[i - 1][1].text)
-            question = after_question or piece.text.endswith("?") or i in tail
-            if piece.separator or len(piece.text) < min_chars or whole or question:
+            if piece.separator:
+                labelled = bool(_QUESTION_LABEL.match(piece.text))
+                continue
+            question = labelled or piece.text.endswith(QUESTION_MARKS) or i in tail
+            if len(piece.text) < min_chars or whole or question:
                 continue
             yield (m_index, p_index), piece, passage_key(namespace, piece.text)
 
 
-_QUESTION_LABEL = re.compile(r"(?:question|query|input)\s*:", re.IGNORECASE)
+_QUESTION_LABEL = re.compile(r"(?:question|query|input|q)\s*:", re.IGNORECASE)
+QUESTION_MARKS = ("?", "\uff1f", "\u061f", "\u037e")  # ?, fullwidth (CJK), Arabic, Greek
 _CONTEXT_LABEL = re.compile(
     r"[ \t]*(?:context|documents?|passages?|sources?|references?|excerpts?|snippets?|retrieved|background"
     r"|knowledge)\b[^:\n]{0,38}:", re.IGNORECASE)
-# A closing instruction after the question ("Keep the answer short and use only the context
-# above."): a short piece that speaks of answering or of the context
-_INSTRUCTION = re.compile(r"\b(?:answer|respond|reply|context|above|sources?|documents?|passages?|concise(?:ly)?"
-                          r"|brief(?:ly)?|short|sentences?|cite|citations?)\b", re.IGNORECASE)
-INSTRUCTION_MAX_CHARS = 160
+# The end of a user message read as its question: the last piece, and before each short piece of
+# it (a closing instruction such as "Think step by step." or "Keep the answer short.", in any
+# language) the piece before it, if short too; at most QUESTION_TAIL_PIECES pieces
+QUESTION_MAX_CHARS, QUESTION_TAIL_PIECES = 300, 3
 
 
 def _question_first(pieces: Sequence[tuple[int, Piece]]) -> bool:
-    """Whether the message's last question label is followed by a context label (the documents
-    come after the question, so the message ends with a document, not the question)."""
+    """Whether the label right after the message's last question label is a context label (a
+    question-first template, ``Question: ... Context: ...``: the message ends with a document).
+    A retrieved FAQ's ``Question:``/``Answer:`` pair is not one (an answer label follows it)."""
     labels = [piece.text for _, piece in pieces if piece.separator]
     last_question = max((i for i, text in enumerate(labels) if _QUESTION_LABEL.match(text)), default=None)
-    return last_question is not None and any(_CONTEXT_LABEL.match(text) for text in labels[last_question + 1:])
+    return (last_question is not None and last_question + 1 < len(labels)
+            and bool(_CONTEXT_LABEL.match(labels[last_question + 1])))
+
+
+def _closing_label(text: str) -> bool:
+    """A label of the closing instructions (``Return JSON:``, ``Output format:``), not one that
+    opens the question or a context section (the tail reads across it)."""
+    return is_plain_label(text) and not _QUESTION_LABEL.match(text) and not _CONTEXT_LABEL.match(text)
 
 
 def _question_tail(pieces: Sequence[tuple[int, Piece]]) -> set[int]:
     """Indices of the pieces that end a user message as its question: its last piece that is not
-    a separator and, back from it while each is a closing instruction (``_INSTRUCTION``, at most
-    ``INSTRUCTION_MAX_CHARS`` characters), the piece before it, up to a separator or label: the
-    question an instruction follows ("Tell me who banned it" then "Keep the answer short.")."""
-    tail: set[int] = set()
+    a separator, and back from it, up to a separator or label, the piece before each piece of at
+    most ``QUESTION_MAX_CHARS`` characters where it is that short too, ``QUESTION_TAIL_PIECES`` at
+    most: the question a closing instruction follows. A retrieved document that short, last in a
+    message with no label before the question, is computed in place (reuse lost, never a
+    question read as a context-blind chunk)."""
+    tail: list[int] = []
     for i in range(len(pieces) - 1, -1, -1):
         piece = pieces[i][1]
         if piece.separator:
-            if tail:
+            if tail and not _closing_label(piece.text):
                 break
             continue
-        tail.add(i)
-        if len(piece.text) > INSTRUCTION_MAX_CHARS or not _INSTRUCTION.search(piece.text):
+        if tail and (len(pieces[tail[-1]][1].text) > QUESTION_MAX_CHARS or len(piece.text) > QUESTION_MAX_CHARS
+                     or len(tail) == QUESTION_TAIL_PIECES):
             break
-    return tail
+        tail.append(i)
+    return set(tail)
 
 
 def _eligible_messages(messages: Sequence[Message]):

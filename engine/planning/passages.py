@@ -63,6 +63,12 @@ class Piece:
     separator: bool = False
 
 
+def is_plain_label(text: str) -> bool:
+    """Whether ``text`` (a separator piece) is a label alone on its line that opens no RAG section
+    (``Return JSON:``, ``Output format:``; not ``Context:`` or ``Question:``)."""
+    return bool(_LONE_LABEL.fullmatch(text)) and not _LABEL.match(text)
+
+
 def split_passages(text: str) -> list[Piece]:
     """``text`` cut into pieces at the boundaries of the module docstring, in order.
 
