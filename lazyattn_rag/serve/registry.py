@@ -320,6 +320,8 @@ class DocumentStore:
                 self._apply(namespace, doc_id, None)
         for namespace, doc_id, text in changes:
             self._apply(namespace, doc_id, text)
+        if reset:  # a new generation (or the first read): what the store names, nothing older
+            self.versions.clear()
         for namespace, position in positions.items():
             self.versions[namespace] = position
 
