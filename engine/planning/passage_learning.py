@@ -331,12 +331,12 @@ def eligible_pieces(messages: Sequence[Message], namespace: str, min_chars: int)
     (:func:`~lazyattn_rag.engine.planning.passages.passage_key`): what ``lazyattn serve``'s router hashes
     to send a request where its passages were seen.
 
-    The user's question is never one: a piece right after a question label (``Question:``,
-    ``Query:``, ``Input:``), a piece that ends with a question mark, and the end of a user message
-    (:func:`_question_tail`) unless its last question label comes before a context label (a
-    question-first template such as ``Question: ... Context: ...``). The question has to read the
-    documents before it, and a question asked again in the same words would otherwise come back as
-    a chunk that reads none of them."""
+    The user's question is never one: what follows a question label (``Question:``, ``Query:``,
+    ``Input:``, ``Q:``) up to the next label, a piece that ends with a question mark (``?``, ``？``,
+    ``؟``), and the end of a user message (:func:`_question_tail`) unless the label right after its
+    last question label is a context label (a question-first template such as ``Question: ...
+    Context: ...``). The question has to read the documents before it, and a question asked again
+    in the same words would otherwise come back as a chunk that reads none of them."""
     for m_index, message, parts in _eligible_messages(messages):
         pieces = [(p_index, piece) for p_index, part in parts for piece in split_passages(part)]
         tail = set() if message.role != "user" or _question_first(pieces) else _question_tail(pieces)
@@ -357,9 +357,8 @@ QUESTION_MARKS = ("?", "\uff1f", "\u061f", "\u037e")  # ?, fullwidth (CJK), Arab
 _CONTEXT_LABEL = re.compile(
     r"[ \t]*(?:context|documents?|passages?|sources?|references?|excerpts?|snippets?|retrieved|background"
     r"|knowledge)\b[^:\n]{0,38}:", re.IGNORECASE)
-# The end of a user message read as its question: the last piece, and before each short piece of
-# it (a closing instruction such as "Think step by step." or "Keep the answer short.", in any
-# language) the piece before it, if short too; at most QUESTION_TAIL_PIECES pieces
+# The end of a user message read as its question (_question_tail): a question and its closing
+# instructions ("Think step by step.", in any language) are short pieces; retrieved texts are longer
 QUESTION_MAX_CHARS, QUESTION_TAIL_PIECES = 300, 3
 
 
