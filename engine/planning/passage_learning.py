@@ -41,8 +41,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from lazyattn_rag.engine.kv.chunk_cache import ChunkCache
-from lazyattn_rag.engine.planning.passages import (PassageHistory, Piece, PlainPrefixes, is_plain_label, passage_key,
-                                                   piece_digests, split_passages)
+from lazyattn_rag.engine.planning.passages import (CONTEXT_WORDS, PassageHistory, Piece, PlainPrefixes, is_plain_label,
+                                                   passage_key, piece_digests, split_passages)
 from lazyattn_rag.engine.planning.planner import PromptPlanner
 from lazyattn_rag.engine.planning.prompt_plan import PromptPlan
 from lazyattn_rag.engine.planning.registry import RegisteredDocument
@@ -354,9 +354,7 @@ def eligible_pieces(messages: Sequence[Message], namespace: str, min_chars: int)
 
 _QUESTION_LABEL = re.compile(r"(?:question|query|input|q)\s*:", re.IGNORECASE)
 QUESTION_MARKS = ("?", "\uff1f", "\u061f", "\u037e")  # ?, fullwidth (CJK), Arabic, Greek
-_CONTEXT_LABEL = re.compile(
-    r"[ \t]*(?:context|documents?|passages?|sources?|references?|excerpts?|snippets?|retrieved|background"
-    r"|knowledge)\b[^:\n]{0,38}:", re.IGNORECASE)
+_CONTEXT_LABEL = re.compile(rf"[ \t]*(?:{CONTEXT_WORDS})\b[^:\n]{{0,38}}:", re.IGNORECASE)  # also "Document 2:"
 # The end of a user message read as its question (_question_tail): a question and its closing
 # instructions ("Think step by step.", in any language) are short pieces; retrieved texts are longer
 QUESTION_MAX_CHARS, QUESTION_TAIL_PIECES = 300, 3

@@ -41,10 +41,13 @@ _FENCE_OPEN = re.compile(r"[ \t]*(`{3,}(?=[^`]*$)|~{3,})")  # CommonMark: no bac
 _RULE = re.compile(r"[ \t]*([-=*_#~+])\1{2,}[ \t]*\r?\n?")
 _TAG = re.compile(r"[ \t]*</?[A-Za-z][\w:.-]*(?:\s[^<>\n]*)?>[ \t]*\r?\n?")
 _LONE_LABEL = re.compile(r"[ \t]*[A-Za-z][\w .#-]{0,38}:[ \t]*\r?\n?")
+# the words that open a template's context section (Context:, Documents:, Retrieved passages: ...)
+CONTEXT_WORDS = (r"context(?:s| information)?|documents?|passages?|sources?|references?|excerpts?|snippets?"
+                 r"|retrieved(?: context| documents?| passages?| information)?|background(?: information)?"
+                 r"|knowledge(?: base)?")
 _LABEL = re.compile(
-    r"[ \t]*(?:context(?:s| information)?|documents?|passages?|sources?|references?|excerpts?|snippets?"
-    r"|retrieved(?: context| documents?| passages?| information)?|background(?: information)?|knowledge(?: base)?"
-    r"|question|query|answer|helpful answer|final answer|input|user|assistant)[ \t]*:[ \t]*", re.IGNORECASE)
+    rf"[ \t]*(?:{CONTEXT_WORDS}|question|query|answer|helpful answer|final answer|input|user|assistant)[ \t]*:[ \t]*",
+    re.IGNORECASE)
 
 
 @dataclass(frozen=True)

@@ -212,14 +212,12 @@ class RedisRegistry:
         return (generation or b"").decode(), int(length)
 
     def changes(self, since: Version | None) -> tuple[Version, list[Change], bool, Positions]:
-        version = self.version()
+        version, texts, positions, fields = self._snapshot(since)
         if since is not None and since[0] == version[0] and since[1] > version[1]:
             # the log lost entries but not its generation (evicted): begin a new generation, so
             # every mirror starts over and no version names two contents
             self.client.set(self.generation, uuid.uuid4().hex)
-        version, texts, positions, fields = self.client.transaction(  # one snapshot: begun again on a change
-            functools.partial(self._read, since), self.generation, self.log, self.texts, self.positions,
-            value_from_callable=True)
+            version, texts, positions, fields = self._snapshot(since)
         if fields is None:  # the log was lost: all of it
             changes = [(*json.loads(f), t.decode()) for f, t in texts.items()]
             known = {ns.decode(): int(p) for ns, p in positions.items()}
@@ -234,6 +232,11 @@ class RedisRegistry:
             out.append((namespace, doc_id, None if text is None else text.decode()))
             positions[namespace] = position
         return version, out, False, positions
+
+    def _snapshot(self, since: Version | None):
+        return self.client.transaction(  # one snapshot: begun again on a change
+            functools.partial(self._read, since), self.generation, self.log, self.texts, self.positions,
+            value_from_callable=True)
 
     def _read(self, since: Version | None, pipe):
         """Inside a WATCH of every key: ``(version, texts, positions, fields)`` of the changes
