@@ -286,7 +286,8 @@ class LLMEngine:
     def _output_state(self, params: SamplingParams, sink: Sink) -> OutputState:
         gen = torch.Generator(device=self.runner.device).manual_seed(params.seed) if params.seed is not None else self.generator
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.loop_guard_ngram)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.loop_guard_ngram,
+                                             params.skip_special_tokens)
         grammar = self.grammars.matcher(params.structured_output) if params.structured_output else None
         return OutputState(sink, detokenizer, gen, stop_ids, grammar=grammar)
 

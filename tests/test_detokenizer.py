@@ -15,13 +15,14 @@ class WholeDecode:
     """The reference: decode every token so far at each step, release complete characters,
     cut before the earliest stop string in the text, hold back what could still become one."""
 
-    def __init__(self, tokenizer, stop=()):
+    def __init__(self, tokenizer, stop=(), skip_special_tokens=True):
         self.tokenizer, self.stop, self.ids, self.text, self.emitted = tokenizer, stop, [], "", 0
+        self.skip_special_tokens = skip_special_tokens
         self.holdback, self.stopped = max((len(s) for s in stop), default=1) - 1, False
 
     def add(self, token_id):
         self.ids.append(token_id)
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         if full.endswith(REPLACEMENT):
             return ""
         starts = [i for s in self.stop if (i := full.find(s)) != -1]
@@ -75,6 +76,18 @@ def test_random_token_ids_with_special_tokens(bpe):
     for _ in range(20):
         ids = [rng.choice(special) if rng.random() < 0.05 else rng.randrange(bpe.vocab_size) for _ in range(120)]
         assert stream(IncrementalDetokenizer(bpe), ids) == stream(WholeDecode(bpe), ids)
+
+
+def test_special_tokens_are_spelled_when_not_skipped(bpe):
+    """``SamplingParams.skip_special_tokens=False`` (vLLM's field): the chat markup the model
+    writes stays in the text, piece by piece as whole decoding gives it; skipped by default."""
+    ids = bpe.apply_chat_template([{"role": "user", "content": "Où est la tour? 🗼"}], tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    kept = stream(IncrementalDetokenizer(bpe, skip_special_tokens=False), ids)
+    assert kept == stream(WholeDecode(bpe, skip_special_tokens=False), ids)
+    assert "".join(kept) == bpe.decode(ids, skip_special_tokens=False) and "<|im_start|>user" in "".join(kept)
+    skipped = "".join(stream(IncrementalDetokenizer(bpe), ids))
+    assert "<|im_start|>" not in skipped and "Où est la tour? 🗼" in skipped
 
 
 @pytest.mark.parametrize("stop", [("Tower",), ("1889. 東京",), ("ナ", "café"), ("🎉",), ("x ** 2",), ("not there",)])

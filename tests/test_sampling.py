@@ -119,6 +119,31 @@ def test_logprobs_are_refused_where_they_are_not_carried():
         "logprobs"] == 5
 
 
+def test_skip_special_tokens_reaches_the_detokenizer(make_llm):
+    """vLLM's ``skip_special_tokens``: a JSON boolean in the body, carried by SamplingParams (and
+    the HTTP client's body) to each answer's detokenizer; unset keeps the default, ``True``."""
+    from pydantic import ValidationError
+
+    from lazyattn_rag.serve.protocol import ChatCompletionRequest
+    from lazyattn_rag.types.wire import sampling_from_body, sampling_to_body
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    asked = sampling_from_body(ChatCompletionRequest.model_validate(body | {"skip_special_tokens": False})
+                               .sampling_body(), SamplingParams())
+    assert asked.skip_special_tokens is False
+    assert sampling_from_body(ChatCompletionRequest.model_validate(body).sampling_body(),
+                              SamplingParams()).skip_special_tokens is True
+    assert sampling_from_body(sampling_to_body(asked), SamplingParams()) == asked
+    with pytest.raises(ValidationError, match="skip_special_tokens"):
+        ChatCompletionRequest.model_validate(body | {"skip_special_tokens": "false"})
+    with pytest.raises(ValueError, match="skip_special_tokens must be a bool"):
+        SamplingParams(skip_special_tokens=0)
+    _, llm = make_llm()
+    engine = llm.engine
+    states = [engine._output_state(SamplingParams(skip_special_tokens=flag), lambda delta: True) for flag in (False, True)]
+    assert [s.detokenizer.skip_special_tokens for s in states] == [False, True]
+
+
 @pytest.mark.parametrize("extra, field", [
     ({"n": "2"}, "n"), ({"max_tokens": True}, "max_tokens"), ({"max_completion_tokens": 2.0}, "max_completion_tokens"),
     ({"stream": "true"}, "stream"), ({"seed": "7"}, "seed"), ({"logprobs": 1}, "logprobs"),

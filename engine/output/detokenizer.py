@@ -33,10 +33,13 @@ class IncrementalDetokenizer:
             (not the first in list order).
         loop_guard_ngram: end the text before the output's last ``n`` tokens once they repeat
             a run it produced earlier (``None``: no guard).
+        skip_special_tokens: leave special tokens out of the text (``False``: spell them).
     """
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), loop_guard_ngram: int | None = None):
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), loop_guard_ngram: int | None = None,
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.loop_guard = LoopGuard(loop_guard_ngram) if loop_guard_ngram else None
         self._text_ends = [0]  # [i]: len(self.text) once the first i tokens were added (with a guard)
@@ -51,7 +54,7 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly releasable text (may be empty)."""

@@ -209,6 +209,7 @@ class GenerationRequest(BaseModel):
     stop_token_ids: list[Int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     strict_max_tokens: Bool | None = None  # unset: refuse prompt + max_tokens past the context when max_tokens is given
     return_tokens_as_token_ids: Bool = False  # vLLM's: logprob tokens as "token_id:<id>"
+    skip_special_tokens: Bool | None = None  # vLLM's: unset or true leaves special tokens out of the text
     # structured output: OpenAI's response_format, vLLM's guided_* fields and structured_outputs (one of them)
     response_format: ResponseFormat | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -265,7 +266,7 @@ class GenerationRequest(BaseModel):
     def sampling_body(self) -> dict[str, Any]:
         """The fields :func:`~lazyattn_rag.types.wire.sampling_from_body` reads."""
         keys = ("n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "min_p", "stop", "seed",
-                "frequency_penalty", "presence_penalty", "top_k", "repetition_penalty", "ignore_eos", "stop_token_ids")
+                "frequency_penalty", "presence_penalty", "top_k", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens")
         body = {k: getattr(self, k, None) for k in keys if getattr(self, k, None) is not None}
         given = self.max_tokens is not None or getattr(self, "max_completion_tokens", None) is not None  # null: left out
         body["strict_max_tokens"] = self.strict_max_tokens if self.strict_max_tokens is not None else given

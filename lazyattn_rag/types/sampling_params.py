@@ -59,6 +59,10 @@ class SamplingParams:
             grammar): tokens that cannot continue a match are masked before sampling
             (xgrammar; ``engine/output/grammar.py``), and the answer ends once the match is
             complete. ``logprobs`` stay the model's own, before the mask.
+        skip_special_tokens: leave the tokenizer's special tokens (``<|im_start|>`` ...) out of
+            the text (vLLM's field and default, ``True``); ``False`` writes them as the tokenizer
+            spells them. Token ids, logprobs and stop tokens are unchanged; a stop token is never
+            part of the text either way.
     Raises:
         ValueError: at construction, for any value outside its range (the field is named).
     """
@@ -80,6 +84,7 @@ class SamplingParams:
     logprobs: int | None = None
     loop_guard_ngram: int | None = None
     structured_output: StructuredOutputParams | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         _check_types(self)
@@ -137,7 +142,7 @@ def _check_types(p: "SamplingParams") -> None:
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
         if not _is_number(getattr(p, name)):
             raise ValueError(f"{name} must be a number, got {getattr(p, name)!r}")
-    for name in ("ignore_eos", "strict_max_tokens"):
+    for name in ("ignore_eos", "strict_max_tokens", "skip_special_tokens"):
         if not isinstance(getattr(p, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(p, name)!r}")
     if p.seed is not None and (not isinstance(p.seed, int) or isinstance(p.seed, bool) or not 0 <= p.seed < 2**63):

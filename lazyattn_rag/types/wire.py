@@ -51,7 +51,8 @@ from lazyattn_rag.types.structured_output import StructuredOutputParams
 _SAMPLING_KEYS = {"n": "n", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop",
                   "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "seed": "seed",
                   "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
-                  "presence_penalty": "presence_penalty", "strict_max_tokens": "strict_max_tokens"}
+                  "presence_penalty": "presence_penalty", "strict_max_tokens": "strict_max_tokens",
+                  "skip_special_tokens": "skip_special_tokens"}
 
 
 def sampling_to_body(params: SamplingParams) -> dict[str, Any]:
