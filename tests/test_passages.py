@@ -43,6 +43,24 @@ def test_langchain_format_docs_and_its_tutorial_prompt_split_into_the_documents(
     assert all(prompt[p.start:p.end] == p.text for p in pieces)
 
 
+def test_a_line_introducing_the_context_ends_its_piece():
+    """LangChain's LCEL example puts the first document on the line after "...the following
+    context:": it is the same piece there as at any other position, and lines that only mention
+    the context in passing, or run long, are not cut."""
+    docs = ["Doc one text.", "Doc two\nover two lines.", "Doc three."]
+    for order in (docs, docs[::-1]):
+        context = "\n\n".join(order)
+        prompt = f"Answer the question based only on the following context:\n{context}\n\nQuestion: why?\n"
+        assert texts(split_passages(prompt)) == ["Answer the question based only on the following context:",
+                                                 *order, "Question:", "why?"]
+    opening = "You are helpful.\r\nUse the retrieved documents below to answer:\r\nDoc one text.\r\n"
+    assert texts(split_passages(opening)) == ["You are helpful.\r\nUse the retrieved documents below to answer:",
+                                              "Doc one text."]
+    for kept in ("The context: it matters\nhere.", "x" * 200 + " context:\nfoo",
+                 "Read the following notes carefully before you answer:\nfoo"):
+        assert texts(split_passages(kept)) == [kept]
+
+
 def test_a_label_is_cut_from_the_passage_on_its_line():
     prompt = "You are an assistant.\nQuestion: why? \nContext: Doc one.\n\nDoc two. \nAnswer:"
     assert texts(split_passages(prompt)) == ["You are an assistant.", "Question:", "why?", "Context:", "Doc one.",
@@ -424,6 +442,15 @@ def test_a_question_first_template_ends_with_a_document_that_is_a_passage():
     # no context label after it: what follows the label up to the next one is the question
     assert eligible(f"Question: who banned it\n\n{DOC_A}\n\n{DOC_B}") == []
     assert eligible(f"{DOC_A}\n\n{DOC_B}", role="system") == [DOC_A, DOC_B]
+
+
+def test_a_question_first_message_that_ends_short_keeps_that_end():
+    """A retrieved text with an ``Input:`` line and a ``References:`` label after it reads as a
+    question-first template; the user's short question at the end is still never learned."""
+    doc = f"Input: a sample of peat from the Keldor moors.\nReferences: {DOC_A}"
+    question = "Summarize what the documents say about the mayor"
+    assert eligible(f"{doc}\n\n{DOC_B}\n\n{question}") == [DOC_A, DOC_B]
+    assert eligible(f"Question: who banned it\nContext: {DOC_A}\n\n{DOC_B}") == [DOC_A, DOC_B]
 
 
 def test_a_template_opening_stays_in_the_cached_head_where_that_computes_less(make_llm):

@@ -19,6 +19,9 @@ whatever position it sits:
 * **labels** that open a RAG section (``Context:``, ``Documents:``, ``Question:``,
   ``Query:``, ``Answer:``...) at the start of a line start a new piece, and are cut from the
   text that follows them on the same line (``Context: <first passage>``);
+* **a line that introduces the context** (it ends with a colon and names it: ``Answer the
+  question based only on the following context:``, LangChain's LCEL example, with the first
+  document on the next line) ends its piece, so that document is a piece of its own;
 * **fenced code** (between ````` or ``~~~`` fences, closed by a line of the same character, at
   least as many, as CommonMark closes them) is never cut: the fence and what it holds stay in one
   piece, blank lines included.
@@ -45,6 +48,10 @@ _LONE_LABEL = re.compile(r"[ \t]*[A-Za-z][\w .#-]{0,38}:[ \t]*\r?\n?")
 CONTEXT_WORDS = (r"context(?:s| information)?|documents?|passages?|sources?|references?|excerpts?|snippets?"
                  r"|retrieved(?: context| documents?| passages?| information)?|background(?: information)?"
                  r"|knowledge(?: base)?")
+# a line that ends with a colon after naming the context (at most INTRO_MAX_CHARS characters)
+INTRO_MAX_CHARS = 200
+_INTRO = re.compile(rf"(?=[^\n]{{1,{INTRO_MAX_CHARS}}}$)[^\n]*\b(?:{CONTEXT_WORDS})\b[^\n]*:[ \t]*\r?\n?",
+                    re.IGNORECASE)
 _LABEL = re.compile(
     rf"[ \t]*(?:{CONTEXT_WORDS}|question|query|answer|helpful answer|final answer|input|user|assistant)[ \t]*:[ \t]*",
     re.IGNORECASE)
@@ -111,6 +118,9 @@ def split_passages(text: str) -> list[Piece]:
             start, end = line_start + label.end(), pos
             continue
         start, end = (line_start if start is None else start), pos
+        if _INTRO.fullmatch(line):  # the context begins on the next line
+            _close(pieces, text, start, end)
+            start = None
     _close(pieces, text, start, end)
     return _attach_headers(pieces, text)
 
