@@ -88,7 +88,7 @@ def step_kv(P: dict, num_seqs: int, q_len: int, fused: bool, device) -> dict:
     return {"key": views[:, :KV_HEADS], "value": views[:, KV_HEADS:]}
 
 
-def compare(segs, q_len: int, fused: bool, variants: dict, repeats: int, device) -> dict:
+def compare(segs, q_len: int, fused: bool, variants: dict, repeats: int, device, variant_rotations: bool = False) -> dict:
     P = build_paged(segs, KV_HEADS, HEAD_DIM, device, seed=3)
     num_seqs = len(segs)
     q = torch.randn(num_seqs * q_len, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
@@ -106,11 +106,15 @@ def compare(segs, q_len: int, fused: bool, variants: dict, repeats: int, device)
                                             P["seq_lens"], cu, q_len, inv_freq, HEAD_DIM**-0.5, key_starts=key_starts,
                                             runs=runs, out=out, max_context_len=context, **step, **kw)
 
+    rotations = plan_query_rotations(P["block_tables"].cpu(), P["num_blocks"].cpu(), cu.cpu(), device,
+                                     block_size=BLOCK_SIZE)  # planned on the host once, as per engine step
     options = {name: dict(module=module) for name, module in variants.items()}
+    for name, module in variants.items() if variant_rotations else ():
+        options[f"{name}, rotation off"] = dict(module=module, rotation="none")
+        options[f"{name}, queries rotated beforehand"] = dict(module=module, rotation="prerotated",
+                                                              query_rotations=rotations)
     options["now, rotation off"] = dict(rotation="none")
-    options["now, queries rotated beforehand"] = dict(  # planned on the host once, as per engine step
-        rotation="prerotated", query_rotations=plan_query_rotations(P["block_tables"].cpu(), P["num_blocks"].cpu(),
-                                                                    cu.cpu(), device, block_size=BLOCK_SIZE))
+    options["now, queries rotated beforehand"] = dict(rotation="prerotated", query_rotations=rotations)
     options["now, step K/V through pointers"] = dict(step_tma=False)
     return launch_options(launch, options, 4 * HEADS * HEAD_DIM * pairs, "TFLOPs", per=1e9, repeats=repeats)
 
@@ -119,6 +123,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variant", action="append", default=[], help="a kernels/prefill.py to time beside today's")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variant-rotations", action="store_true",
+                    help="time each --variant with rotation='none' and 'prerotated' too")
     ap.add_argument("--shape", action="append", default=[],
                     help="time only the shapes whose name contains this text (repeatable; default: all)")
     ap.add_argument("--out", default="benchmarks/results/prefill_variants_h200.json")
@@ -132,7 +138,8 @@ def main() -> None:
     results = {"gpu": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
                "default": "today's kernels/prefill.py, default launch (rotation='query')", "shapes": {}}
     for name, (segs, q_len, fused) in shapes.items():
-        res = results["shapes"][name] = compare(segs, q_len, fused, variants, args.repeats, device)
+        res = results["shapes"][name] = compare(segs, q_len, fused, variants, args.repeats, device,
+                                                     args.variant_rotations)
         print(name, {k: (round(v["median_ms"], 4), round(v["speedup_vs_default"], 3)) if "ms" in v else v
                      for k, v in res.items()}, flush=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
