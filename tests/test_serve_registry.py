@@ -187,6 +187,27 @@ def test_the_sqlite_registry_is_readable_by_its_owner_only(tmp_path):
     assert store._db().execute("PRAGMA secure_delete").fetchone()[0] == 1
 
 
+@pytest.mark.parametrize("replace", [False, True])
+def test_a_sqlite_file_deleted_or_replaced_under_a_running_server_is_unreachable_not_a_ghost(tmp_path, replace):
+    """Its connections would go on writing to the unlinked file, which no restart or other ingress
+    reads: the mirror serves what it read and writes are refused until a restart, which starts a
+    new file (a new generation)."""
+    path = tmp_path / "app.sqlite3"
+    store = DocumentStore(SqliteRegistry(path))
+    store.put("team-a", [("a", A)])
+    old_generation = store.generation
+    path.unlink()
+    if replace:
+        SqliteRegistry(path).put("team-a", [("b", B)])  # another file in its place
+    with pytest.raises(RegistryUnavailable, match="deleted or replaced while the server ran"):
+        store.put("team-a", [("c", "C text")])
+    store.sync()
+    assert store.unavailable is not None and store.get("team-a", "a") == A  # the mirror still serves
+    restarted = DocumentStore(SqliteRegistry(path))
+    assert restarted.get("team-a", "c") is None and restarted.generation != old_generation
+    assert restarted.ids("team-a") == (["b"] if replace else [])
+
+
 def test_one_id_with_two_texts_in_one_registration_is_refused_by_name():
     """A break-it trial registered ``[{"id": "x", "text": A}, {"id": "x", "text": B}]`` with a 200 and
     the last text kept; the same id with the same text twice stays harmless."""

@@ -91,6 +91,7 @@ class SqliteRegistry:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.touch(mode=0o600, exist_ok=True)  # every tenant's texts: readable by the server's user only
         os.chmod(self.path, 0o600)
+        self._file = _file_id(self.path)  # the file this server opened (_db checks it is still the one there)
         self._local = threading.local()  # one connection per thread (sqlite3 objects are not shared)
         with self._db() as db:
             db.execute("PRAGMA journal_mode=WAL")
@@ -104,6 +105,16 @@ class SqliteRegistry:
             self._generation = db.execute("SELECT value FROM meta WHERE key = 'generation'").fetchone()[0]
 
     def _db(self) -> sqlite3.Connection:
+        """This thread's connection, once the file at ``path`` is checked to be the one opened.
+
+        Raises:
+            FileNotFoundError: the file was deleted or replaced while the server ran (its
+                connections would go on writing to the unlinked file, which neither a restart nor
+                another ingress reads): the registry is unreachable until the server restarts
+                (then a new file starts empty, a new generation)."""
+        if _file_id(self.path) != self._file:
+            raise FileNotFoundError(f"the registry file {self.path} was deleted or replaced while the server ran; "
+                                    "restart the server (a missing file starts empty)")
         db = getattr(self._local, "db", None)
         if db is None:
             db = self._local.db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
@@ -158,6 +169,15 @@ class SqliteRegistry:
         finally:
             db.execute("COMMIT")
         return version, [(ns, i, t) for ns, i, t in rows], reset, positions
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    """``(device, inode)`` of the file at ``path``, ``None`` if there is none."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 class RedisRegistry:
