@@ -43,22 +43,31 @@ def test_langchain_format_docs_and_its_tutorial_prompt_split_into_the_documents(
     assert all(prompt[p.start:p.end] == p.text for p in pieces)
 
 
-def test_a_line_introducing_the_context_ends_its_piece():
+def test_an_opening_that_introduces_the_context_ends_before_the_first_document():
     """LangChain's LCEL example puts the first document on the line after "...the following
-    context:": it is the same piece there as at any other position, and lines that only mention
-    the context in passing, or run long, are not cut."""
+    context:": that document is the same piece there as at any other position, and the opening is a
+    separator (it may hold the user's question). A break-it trial's cases stay whole: a retrieved
+    text's own lead-in (no instruction named), one after the opening, a line too long or not ending
+    with a colon."""
     docs = ["Doc one text.", "Doc two\nover two lines.", "Doc three."]
     for order in (docs, docs[::-1]):
         context = "\n\n".join(order)
         prompt = f"Answer the question based only on the following context:\n{context}\n\nQuestion: why?\n"
-        assert texts(split_passages(prompt)) == ["Answer the question based only on the following context:",
-                                                 *order, "Question:", "why?"]
+        pieces = split_passages(prompt)
+        assert texts(pieces) == ["Answer the question based only on the following context:", *order, "Question:",
+                                 "why?"]
+        assert [p.separator for p in pieces] == [True, False, False, False, True, False]
     opening = "You are helpful.\r\nUse the retrieved documents below to answer:\r\nDoc one text.\r\n"
     assert texts(split_passages(opening)) == ["You are helpful.\r\nUse the retrieved documents below to answer:",
                                               "Doc one text."]
-    for kept in ("The context: it matters\nhere.", "x" * 200 + " context:\nfoo",
-                 "Read the following notes carefully before you answer:\nfoo"):
+    lead_in = "Before you apply, gather the following documents (originals, not copies):\n- Passport\n- Photos"
+    settings = "To configure data sources, add the following to settings.py:\nDATA_SOURCES = ['s3']"
+    for kept in (lead_in, settings, "Answer using the context: it matters\nhere.", "Answer from the context.\nfoo",
+                 "Answer the question from the following context, " + "x" * 160 + ":\nfoo"):
         assert texts(split_passages(kept)) == [kept]
+    cite = "Cite the sources you used to answer in this format:\n[n] short quote"
+    assert texts(split_passages(f"{lead_in}\n\n{settings}\n\nWhich papers?\n\n{cite}")) == [
+        lead_in, settings, "Which papers?", cite]
 
 
 def test_a_label_is_cut_from_the_passage_on_its_line():
@@ -444,13 +453,19 @@ def test_a_question_first_template_ends_with_a_document_that_is_a_passage():
     assert eligible(f"{DOC_A}\n\n{DOC_B}", role="system") == [DOC_A, DOC_B]
 
 
-def test_a_question_first_message_that_ends_short_keeps_that_end():
+def test_a_question_first_message_that_ends_short_and_unlabelled_keeps_that_end():
     """A retrieved text with an ``Input:`` line and a ``References:`` label after it reads as a
-    question-first template; the user's short question at the end is still never learned."""
+    question-first template; the user's short question at the end, and a closing line after it,
+    are still never learned. A last document before an answer label is one (``rlm/rag-prompt``)."""
     doc = f"Input: a sample of peat from the Keldor moors.\nReferences: {DOC_A}"
     question = "Summarize what the documents say about the mayor"
     assert eligible(f"{doc}\n\n{DOC_B}\n\n{question}") == [DOC_A, DOC_B]
+    assert eligible(f"{doc}\n\n{DOC_B}\n\n{question}\n\nKeep it under 50 words.") == [DOC_A, DOC_B]
     assert eligible(f"Question: who banned it\nContext: {DOC_A}\n\n{DOC_B}") == [DOC_A, DOC_B]
+    short = "Peat from Keldor is still sold in small amounts under a special licence."
+    for order in ((DOC_A, short), (short, DOC_A)):
+        prompt = "Question: who sells it \nContext: " + "\n\n".join(order) + " \nAnswer:"
+        assert eligible(prompt) == list(order)
 
 
 def test_a_template_opening_stays_in_the_cached_head_where_that_computes_less(make_llm):

@@ -13,7 +13,8 @@ whatever offset it comes back. The rule, in order:
    text (a single chat turn is never cut), not the user's question (what follows a ``Question:``
    label up to the next label, a piece ending with a question mark, or the end of a user message:
    its last piece and the short pieces before it, :func:`_question_tail`, or where its question
-   label is followed by a context label, its last piece if short, :func:`_short_last`);
+   label is followed by a context label, only where it ends short and unlabelled,
+   :func:`_question_first_tail`);
 2. recurring: earlier requests contained the piece whole at least
    ``CacheConfig.passage_min_sightings`` times; at least ``CacheConfig.passage_min_tokens``
    tokens as a chunk;
@@ -335,12 +336,12 @@ def eligible_pieces(messages: Sequence[Message], namespace: str, min_chars: int)
     ``Input:``, ``Q:``) up to the next label, a piece that ends with a question mark (``?``, ``？``,
     ``؟``), and the end of a user message (:func:`_question_tail`); where the label right after its
     last question label is a context label (a question-first template such as ``Question: ...
-    Context: ...``), only its last piece and only if short (:func:`_short_last`). The question has
-    to read the documents before it, and a question asked again in the same words would otherwise
-    come back as a chunk that reads none of them."""
+    Context: ...``), only where it ends short and unlabelled (:func:`_question_first_tail`). The
+    question has to read the documents before it, and a question asked again in the same words
+    would otherwise come back as a chunk that reads none of them."""
     for m_index, message, parts in _eligible_messages(messages):
         pieces = [(p_index, piece) for p_index, part in parts for piece in split_passages(part)]
-        tail = set() if message.role != "user" else _short_last(pieces) if _question_first(pieces) \
+        tail = set() if message.role != "user" else _question_first_tail(pieces) if _question_first(pieces) \
             else _question_tail(pieces)
         whole = len(message.parts()) == 1 and len(pieces) == 1
         labelled = False  # inside a question label's text (up to the next separator or label)
@@ -372,13 +373,18 @@ def _question_first(pieces: Sequence[tuple[int, Piece]]) -> bool:
             and bool(_CONTEXT_LABEL.match(labels[last_question + 1])))
 
 
-def _short_last(pieces: Sequence[tuple[int, Piece]]) -> set[int]:
-    """The index of a question-first message's last piece when it is at most
-    ``QUESTION_MAX_CHARS`` long: a closing instruction or a question of its own, not learned
-    (a retrieved text's own ``Input:`` line before a ``References:`` label reads as a
-    question-first template too); a longer one is the last document."""
+def _question_first_tail(pieces: Sequence[tuple[int, Piece]]) -> set[int]:
+    """The end of a question-first message read as a question of its own: :func:`_question_tail`
+    where its last piece is at most ``QUESTION_MAX_CHARS`` long and no label but a closing one
+    follows it (the user's question after a retrieved text's own ``Input:`` line and a
+    ``References:`` label also reads as a question-first template); none where it is longer (the
+    last document) or an answer label follows it (``rlm/rag-prompt``'s ``Answer:``)."""
     last = max((i for i, (_, piece) in enumerate(pieces) if not piece.separator), default=None)
-    return {last} if last is not None and len(pieces[last][1].text) <= QUESTION_MAX_CHARS else set()
+    if last is None or len(pieces[last][1].text) > QUESTION_MAX_CHARS:
+        return set()
+    if any(not _closing_label(piece.text) for _, piece in pieces[last + 1:]):
+        return set()
+    return _question_tail(pieces)
 
 
 def _closing_label(text: str) -> bool:

@@ -19,9 +19,12 @@ whatever position it sits:
 * **labels** that open a RAG section (``Context:``, ``Documents:``, ``Question:``,
   ``Query:``, ``Answer:``...) at the start of a line start a new piece, and are cut from the
   text that follows them on the same line (``Context: <first passage>``);
-* **a line that introduces the context** (it ends with a colon and names it: ``Answer the
-  question based only on the following context:``, LangChain's LCEL example, with the first
-  document on the next line) ends its piece, so that document is a piece of its own;
+* **a line that introduces the context**, in a message's opening (no text piece before it), ends
+  its piece, so that the first document on the next line is a piece of its own: it ends with a
+  colon, names the context and an instruction (``Answer the question based only on the following
+  context:``, LangChain's LCEL example); the opening is a separator then (never a passage: it may
+  hold the user's question). A retrieved text's own lead-in ("gather the following documents:")
+  names no instruction, and one after the opening is never cut;
 * **fenced code** (between ````` or ``~~~`` fences, closed by a line of the same character, at
   least as many, as CommonMark closes them) is never cut: the fence and what it holds stay in one
   piece, blank lines included.
@@ -48,10 +51,10 @@ _LONE_LABEL = re.compile(r"[ \t]*[A-Za-z][\w .#-]{0,38}:[ \t]*\r?\n?")
 CONTEXT_WORDS = (r"context(?:s| information)?|documents?|passages?|sources?|references?|excerpts?|snippets?"
                  r"|retrieved(?: context| documents?| passages?| information)?|background(?: information)?"
                  r"|knowledge(?: base)?")
-# a line that ends with a colon after naming the context (at most INTRO_MAX_CHARS characters)
+# a line that introduces the context (_introduces_context): at most INTRO_MAX_CHARS characters
 INTRO_MAX_CHARS = 200
-_INTRO = re.compile(rf"(?=[^\n]{{1,{INTRO_MAX_CHARS}}}$)[^\n]*\b(?:{CONTEXT_WORDS})\b[^\n]*:[ \t]*\r?\n?",
-                    re.IGNORECASE)
+_CONTEXT_WORD = re.compile(rf"\b(?:{CONTEXT_WORDS})\b", re.IGNORECASE)
+_INSTRUCTION_WORD = re.compile(r"\b(?:answer|question|query|respond|reply|use|using|based)\b", re.IGNORECASE)
 _LABEL = re.compile(
     rf"[ \t]*(?:{CONTEXT_WORDS}|question|query|answer|helpful answer|final answer|input|user|assistant)[ \t]*:[ \t]*",
     re.IGNORECASE)
@@ -64,7 +67,8 @@ class Piece:
     Attributes:
         start, end: its span in the text (surrounding whitespace excluded).
         text: ``text[start:end]``.
-        separator: a separator line or a label alone (never a passage).
+        separator: a separator line, a label alone or an opening that introduces the context (never
+            a passage).
     """
 
     start: int
@@ -118,11 +122,19 @@ def split_passages(text: str) -> list[Piece]:
             start, end = line_start + label.end(), pos
             continue
         start, end = (line_start if start is None else start), pos
-        if _INTRO.fullmatch(line):  # the context begins on the next line
-            _close(pieces, text, start, end)
+        if _introduces_context(line) and all(p.separator for p in pieces):  # the context begins on the next line
+            _close(pieces, text, start, end, separator=True)  # the template's opening: never a passage
             start = None
     _close(pieces, text, start, end)
     return _attach_headers(pieces, text)
+
+
+def _introduces_context(line: str) -> bool:
+    """Whether ``line`` introduces the context: it ends with a colon, is at most
+    ``INTRO_MAX_CHARS`` characters, and names the context and an instruction."""
+    stripped = line.strip()
+    return (stripped.endswith(":") and len(stripped) <= INTRO_MAX_CHARS and bool(_CONTEXT_WORD.search(stripped))
+            and bool(_INSTRUCTION_WORD.search(stripped)))
 
 
 def _closes(line: str, fence: str) -> bool:
