@@ -70,27 +70,6 @@ def test_an_opening_that_introduces_the_context_ends_before_the_first_document()
         lead_in, settings, "Which papers?", cite]
 
 
-def test_markdown_section_headings_and_bold_labels_are_separators():
-    """Templates written in Markdown (``### Context``, ``**Question:**``) split as their plain
-    forms do; a code comment or a heading that names no RAG section is left alone."""
-    docs = "Doc one.\n\nDoc two."
-    for context, question in (("### Context", "### Question"), ("**Context:**", "**Question:**"),
-                              ("## Sources:", "__Query__:"), ("**Retrieved documents**", "**Question**")):
-        pieces = split_passages(f"{context}\n{docs}\n{question}\nwhat is it")
-        assert texts(pieces) == [context, "Doc one.", "Doc two.", question, "what is it"]
-        assert [p.separator for p in pieces] == [True, False, False, True, False]
-    assert texts(split_passages("**Context:** Doc one.\n\n**Question:** why")) == [
-        "**Context:**", "Doc one.", "**Question:**", "why"]
-    for kept in ("# compute the sum\nx = 1", "### Contextual notes\nfoo", "**Important**\nfoo"):
-        assert texts(split_passages(kept)) == [kept]
-
-
-def test_markdown_labels_mark_the_question_as_plain_ones_do():
-    question = "Tell me which person banned the Zorblax engine and in which year"
-    assert eligible(f"### Context\n{DOC_A}\n\n{DOC_B}\n\n### Question\n{question}\n\n{DOC_A}") == [DOC_A, DOC_B]
-    assert eligible(f"**Question:** {question}\n**Context:**\n{DOC_A}\n\n{DOC_B}") == [DOC_A, DOC_B]
-
-
 def test_a_label_is_cut_from_the_passage_on_its_line():
     prompt = "You are an assistant.\nQuestion: why? \nContext: Doc one.\n\nDoc two. \nAnswer:"
     assert texts(split_passages(prompt)) == ["You are an assistant.", "Question:", "why?", "Context:", "Doc one.",

@@ -355,11 +355,9 @@ def eligible_pieces(messages: Sequence[Message], namespace: str, min_chars: int)
             yield (m_index, p_index), piece, passage_key(namespace, piece.text)
 
 
-_MARKUP = r"[#*_ \t]*"  # a label's Markdown: ### Question, **Question:**
-_QUESTION_LABEL = re.compile(rf"{_MARKUP}(?:question|query|input|q){_MARKUP}(?::|$)", re.IGNORECASE)
+_QUESTION_LABEL = re.compile(r"(?:question|query|input|q)\s*:", re.IGNORECASE)
 QUESTION_MARKS = ("?", "\uff1f", "\u061f", "\u037e")  # ?, fullwidth (CJK), Arabic, Greek
-_CONTEXT_LABEL = re.compile(rf"{_MARKUP}(?:{CONTEXT_WORDS})(?![A-Za-z0-9])[^:\n]{{0,38}}(?::|$)",  # "Document 2:"
-                            re.IGNORECASE)
+_CONTEXT_LABEL = re.compile(rf"[ \t]*(?:{CONTEXT_WORDS})\b[^:\n]{{0,38}}:", re.IGNORECASE)  # also "Document 2:"
 # The end of a user message read as its question (_question_tail): a question and its closing
 # instructions ("Think step by step.", in any language) are short pieces; retrieved texts are longer
 QUESTION_MAX_CHARS, QUESTION_TAIL_PIECES = 300, 3

@@ -17,10 +17,8 @@ whatever position it sits:
   sentence, not a retrieved passage) begins that piece, as LlamaIndex's closing rule begins its
   "Given the context information..." line;
 * **labels** that open a RAG section (``Context:``, ``Documents:``, ``Question:``,
-  ``Query:``, ``Answer:``..., also in Markdown bold, ``**Context:**``) at the start of a line
-  start a new piece, and are cut from the text that follows them on the same line
-  (``Context: <first passage>``); a Markdown heading or a bold line alone that names such a
-  section (``### Context``, ``**Question**``) is a separator;
+  ``Query:``, ``Answer:``...) at the start of a line start a new piece, and are cut from the
+  text that follows them on the same line (``Context: <first passage>``);
 * **a line that introduces the context**, in a message's opening (no text piece before it), ends
   its piece, so that the first document on the next line is a piece of its own: it ends with a
   colon, names the context and an instruction (``Answer the question based only on the following
@@ -57,12 +55,9 @@ CONTEXT_WORDS = (r"context(?:s| information)?|documents?|passages?|sources?|refe
 INTRO_MAX_CHARS = 200
 _CONTEXT_WORD = re.compile(rf"\b(?:{CONTEXT_WORDS})\b", re.IGNORECASE)
 _INSTRUCTION_WORD = re.compile(r"\b(?:answer|question|query|respond|reply|use|using|based)\b", re.IGNORECASE)
-_SECTION_WORDS = rf"{CONTEXT_WORDS}|question|query|answer|helpful answer|final answer|input|user|assistant"
-_EMPHASIS = r"(?:\*\*|__)?"  # Markdown bold around a label: **Context:** or **Context**:
-_LABEL = re.compile(rf"[ \t]*{_EMPHASIS}(?:{_SECTION_WORDS}){_EMPHASIS}[ \t]*:{_EMPHASIS}[ \t]*", re.IGNORECASE)
-# a Markdown heading or a bold line alone that names a section (### Context, **Question**)
-_SECTION_HEADING = re.compile(rf"[ \t]*(?:#{{1,6}}[ \t]+{_EMPHASIS}|\*\*|__)(?:{_SECTION_WORDS})(?![A-Za-z0-9])"
-                              rf"[^\n:*_]{{0,38}}{_EMPHASIS}:?{_EMPHASIS}[ \t]*\r?\n?", re.IGNORECASE)
+_LABEL = re.compile(
+    rf"[ \t]*(?:{CONTEXT_WORDS}|question|query|answer|helpful answer|final answer|input|user|assistant)[ \t]*:[ \t]*",
+    re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -115,8 +110,7 @@ def split_passages(text: str) -> list[Piece]:
             _close(pieces, text, start, end)
             start = None
             continue
-        if (_RULE.fullmatch(line) or _TAG.fullmatch(line) or _LONE_LABEL.fullmatch(line)
-                or _SECTION_HEADING.fullmatch(line)):
+        if _RULE.fullmatch(line) or _TAG.fullmatch(line) or _LONE_LABEL.fullmatch(line):
             _close(pieces, text, start, end)
             _close(pieces, text, line_start, pos, separator=True)
             start = None
