@@ -95,6 +95,7 @@ def split_passages(text: str) -> list[Piece]:
     start = None  # where the open piece began (None: none is open)
     end = 0  # where its last non-blank line ended
     fence = None  # the open fence's marker, e.g. "```" or "~~~~"
+    seps = 0  # pieces[:seps] are all separators (the opening so far)
     pos = 0
     for line in text.splitlines(keepends=True):
         line_start, pos = pos, pos + len(line)
@@ -122,9 +123,12 @@ def split_passages(text: str) -> list[Piece]:
             start, end = line_start + label.end(), pos
             continue
         start, end = (line_start if start is None else start), pos
-        if _introduces_context(line) and all(p.separator for p in pieces):  # the context begins on the next line
-            _close(pieces, text, start, end, separator=True)  # the template's opening: never a passage
-            start = None
+        if _introduces_context(line):
+            while seps < len(pieces) and pieces[seps].separator:  # each piece looked at once
+                seps += 1
+            if seps == len(pieces):  # the message's opening: the context begins on the next line
+                _close(pieces, text, start, end, separator=True)  # the template's opening: never a passage
+                start = None
     _close(pieces, text, start, end)
     return _attach_headers(pieces, text)
 
